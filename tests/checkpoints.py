@@ -1,0 +1,96 @@
+"""Small random-weight Hugging Face checkpoints built locally (no hub access) for tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers, decoders
+from transformers import (
+    AutoModelForCausalLM,
+    GenerationConfig,
+    LlamaConfig,
+    MistralConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+CORPUS = (
+    "the quick brown fox jumps over the lazy dog. a stitch in time saves nine. "
+    "to be or not to be, that is the question. all that glitters is not gold. "
+    "hello world, this is a tiny corpus for a tiny tokenizer used by tests. "
+    "numbers 0 1 2 3 4 5 6 7 8 9 and punctuation ! ? , . ; : ' \" ( ) [ ] { } - _ / "
+)
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]
+
+
+def build_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained on a fixed corpus; ids 0-3 are unk/bos/eos/pad."""
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator([CORPUS] * 20, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+ARCHS = {
+    "llama": LlamaConfig,
+    "mistral": MistralConfig,
+    "qwen2": Qwen2Config,
+    "qwen3": Qwen3Config,
+}
+
+
+def tiny_config(arch: str = "llama", vocab_size: int = 512, **overrides):
+    """A small config of the given architecture (4 layers, GQA 4:2 heads)."""
+    kw = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=3,
+        tie_word_embeddings=False,
+    )
+    if arch in ("qwen2", "qwen3"):
+        kw["use_sliding_window"] = False
+    if arch == "qwen3":
+        kw["head_dim"] = 16
+    if arch == "mistral":
+        kw["sliding_window"] = None
+    kw.update(overrides)
+    return ARCHS[arch](**kw)
+
+
+def make_checkpoint(path: Path, arch: str = "llama", seed: int = 0, dtype=torch.float32, **overrides) -> Path:
+    """Save a random-weight model of `arch` plus tokenizer to `path` and return it."""
+    torch.manual_seed(seed)
+    tokenizer = build_tokenizer(overrides.pop("vocab_size", 512))
+    config = tiny_config(arch, vocab_size=len(tokenizer), **overrides)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1 and not torch.all(p == 1):
+                continue
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(path, max_shard_size=overrides.get("max_shard_size", "50MB"))
+    tokenizer.save_pretrained(path)
+    GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=3).save_pretrained(path)
+    return Path(path)

@@ -1,0 +1,28 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.checkpoints import make_checkpoint
+
+torch.set_num_threads(max(1, torch.get_num_threads()))
+
+
+@pytest.fixture(scope="session")
+def checkpoint_factory(tmp_path_factory):
+    """Build (and cache per session) a tiny random checkpoint: factory(arch, **overrides) -> Path."""
+    cache: dict[tuple, object] = {}
+
+    def make(arch: str = "llama", seed: int = 0, **overrides):
+        key = (arch, seed, tuple(sorted(overrides.items())))
+        if key not in cache:
+            path = tmp_path_factory.mktemp(f"ckpt-{arch}")
+            cache[key] = make_checkpoint(path, arch, seed=seed, **overrides)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(checkpoint_factory):
+    return checkpoint_factory("llama")
