@@ -1,0 +1,326 @@
+"""The step loop: schedule, run the model once, sample, finish what is done."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.model_runner import ModelRunner, StepLogits, kv_bytes_per_token
+from engine.models.llama import ModelConfig
+from engine.models.loader import load_model, read_config
+from engine.outputs import RequestOutput
+from engine.request import Request
+from engine.sampler import sample, top_logprobs
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+          "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "half": torch.float16}
+CPU_KV_DEFAULT_GB = 4.0
+
+
+class RequestRejected(ValueError):
+    """A request that can never run (too long, empty, duplicate id); the engine serves the rest."""
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' picks CUDA when present, else CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' requested but torch sees no CUDA device")
+    return dev
+
+
+def resolve_dtype(name: str, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
+    """'auto' takes the checkpoint's dtype (bf16 in place of fp16 on CPU)."""
+    if name != "auto":
+        if name not in DTYPES:
+            raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(set(DTYPES))} or 'auto'")
+        return DTYPES[name]
+    dtype = DTYPES.get(str(checkpoint_dtype).replace("torch.", ""), torch.float32)
+    return torch.bfloat16 if dtype == torch.float16 and device.type == "cpu" else dtype
+
+
+class Engine:
+    """add_request / step / abort / has_unfinished over one model and one KV pool."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        hf_config = read_config(config.model)
+        self.model_config = ModelConfig.from_hf(hf_config)
+        self.dtype = resolve_dtype(config.dtype, self.model_config.torch_dtype, self.device)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+        self.max_model_len = self._max_model_len()
+        self.model = self._load_model()
+        self.kv_dtype, cache_factory = self._kv_cache_kind()
+        num_blocks = self._num_blocks()
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.kv_dtype, self.device,
+                                  cache_factory)
+        self.generator = torch.Generator().manual_seed(config.seed)
+        self.eos_token_ids = self._eos_ids()
+        self.requests: dict[str, Request] = {}
+        self._aborted: list[Request] = []
+        self.counters = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0, "computed_tokens": 0}
+        self.proposer = self._make_proposer()
+
+    def _max_model_len(self) -> int:
+        c = self.model_config
+        limit = c.max_position_embeddings
+        if c.sliding_window:
+            limit = min(limit, c.sliding_window)
+        if self.config.max_model_len is not None:
+            if self.config.max_model_len > limit:
+                raise ValueError(f"max_model_len={self.config.max_model_len} exceeds the model's limit {limit}")
+            return self.config.max_model_len
+        return limit
+
+    def _load_model(self):
+        hook = None
+        if self.config.quantization:
+            from engine.quantization import linear_hook
+
+            hook = linear_hook(self.config, self.device, self.dtype)
+        return load_model(self.config.model, self.dtype, self.device, self.max_model_len, hook)
+
+    def _kv_cache_kind(self):
+        kind = self.config.kv_cache_dtype
+        if kind in ("auto", None):
+            return self.dtype, None
+        if kind == "int8":
+            from engine.quantization import int8_kv_cache
+
+            return torch.int8, int8_kv_cache(self.dtype)
+        if kind in DTYPES:
+            return DTYPES[kind], None
+        raise ValueError(f"unknown kv_cache_dtype {kind!r}; choose auto, int8, bfloat16, float16 or float32")
+
+    def _num_blocks(self) -> int:
+        if self.kv_dtype == torch.int8:
+            from engine.quantization import kv_token_bytes
+
+            per_token = kv_token_bytes(self.model_config)
+        else:
+            per_token = kv_bytes_per_token(self.model_config, self.kv_dtype)
+        per_block = per_token * self.config.block_size
+        budget = self.config.kv_cache_memory_gb
+        if budget is None:
+            budget_bytes = self._default_kv_budget(per_token)
+        else:
+            budget_bytes = int(budget * 1024**3)
+        num_blocks = budget_bytes // per_block
+        if num_blocks < 2:
+            raise ValueError(f"KV cache budget of {budget_bytes} bytes holds fewer than 2 blocks of {per_block} bytes")
+        return int(num_blocks)
+
+    def _default_kv_budget(self, per_token: int) -> int:
+        wanted = per_token * self.config.max_num_seqs * self.max_model_len
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            spare = free - total * (1 - self.config.gpu_memory_utilization)
+            return int(max(spare, 0))
+        return int(min(wanted, CPU_KV_DEFAULT_GB * 1024**3))
+
+    def _eos_ids(self) -> set[int]:
+        ids = set(self.model_config.eos_token_ids)
+        gen = Path(self.config.model) / "generation_config.json"
+        if gen.is_file():
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+            ids |= {eos} if isinstance(eos, int) else set(eos or [])
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    def _make_proposer(self):
+        if not self.config.speculative:
+            return None
+        from engine.spec_decode import make_proposer
+
+        return make_proposer(self)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_manager.num_blocks
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a prompt (strings through the tokenizer)."""
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        return [int(t) for t in prompt]
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
+        """Queue a request; raise RequestRejected if it can never run."""
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise RequestRejected(f"duplicate request id {request_id!r}")
+        ids = self.encode(prompt)
+        self._validate(ids, params)
+        req = Request(request_id, ids, params)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+
+    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+        n, limit = len(ids), self.max_model_len
+        if n == 0:
+            raise RequestRejected("empty prompt")
+        vocab = self.model_config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise RequestRejected(f"prompt token ids must be in [0, {vocab})")
+        need = n + (params.max_tokens or 1)
+        if need > limit:
+            raise RequestRejected(
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {need} exceeds max_model_len ({limit})"
+            )
+        capacity = self.num_blocks * self.config.block_size
+        if need > capacity:
+            raise RequestRejected(f"request needs {need} tokens of KV cache but the whole cache holds {capacity}")
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; its partial output comes back from the next step()."""
+        req = self.requests.get(request_id)
+        if req is None or req.is_finished:
+            return
+        self.scheduler.finish(req, "abort")
+        self._aborted.append(req)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._aborted)
+
+    def num_unfinished(self) -> int:
+        return len(self.scheduler.waiting) + len(self.scheduler.running)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; return outputs of the requests that finished in it."""
+        done, self._aborted = self._aborted, []
+        if self.proposer is not None:
+            self.proposer.propose(self.scheduler.running)
+        batch = self.scheduler.schedule()
+        if batch.requests:
+            step_logits = self.runner.run(batch)
+            for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):
+                req.num_computed_tokens += n
+                self.counters["computed_tokens"] += n
+            done += self._process(batch.requests, step_logits)
+            self.counters["steps"] += 1
+        return [self._output(r) for r in done]
+
+    def _process(self, reqs: list[Request], rows: StepLogits) -> list[Request]:
+        """Sample for requests whose last known token was computed; finish those that are done."""
+        if self.proposer is not None:
+            return self.proposer.verify(reqs, rows)
+        for req, start, count in zip(reqs, rows.row_start, rows.num_rows, strict=True):
+            if req.want_prompt_logits and count:
+                req.prompt_logits.append(rows.logits[start:start + count].float().cpu())
+        ready = [i for i, r in enumerate(reqs) if r.num_computed_tokens >= r.num_tokens]
+        if not ready:
+            return []
+        idx = [rows.row_start[i] + rows.num_rows[i] - 1 for i in ready]
+        logits = rows.logits[idx]
+        sreqs = [reqs[i] for i in ready]
+        tokens = sample(logits, sreqs, self.generator)
+        lps = self._logprobs(logits, tokens, sreqs)
+        finished = []
+        for j, (req, tok) in enumerate(zip(sreqs, tokens.tolist(), strict=True)):
+            if self.append_tokens(req, [tok], None if lps is None else [lps[j]]):
+                finished.append(req)
+        for req in reqs:
+            if not req.is_finished:
+                self.block_manager.cache_full_blocks(req)
+        return finished
+
+    def _logprobs(self, logits, tokens, reqs) -> list[dict[int, float]] | None:
+        wanted = [r.params.logprobs for r in reqs if r.params.logprobs is not None]
+        return top_logprobs(logits, tokens, max(wanted)) if wanted else None
+
+    def append_tokens(self, req: Request, tokens: list[int], logprobs: list | None) -> bool:
+        """Append accepted tokens one by one, stopping at the first stop condition; True if finished."""
+        now = time.monotonic()
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+        for i, tok in enumerate(tokens):
+            req.output_token_ids.append(tok)
+            self.counters["generated_tokens"] += 1
+            if req.logprobs is not None and logprobs is not None:
+                n = req.params.logprobs
+                top = sorted(logprobs[i].items(), key=lambda kv: -kv[1])[:n]
+                req.logprobs.append(dict(top) | {tok: logprobs[i][tok]})
+            reason = self._stop_reason(req, tok)
+            if reason:
+                self.scheduler.finish(req, reason)
+                req.metrics.finish_time = now
+                return True
+        return False
+
+    def _stop_reason(self, req: Request, tok: int) -> str | None:
+        p = req.params
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
+            return "stop"
+        if p.stop and self._hit_stop_string(req):
+            return "stop"
+        if p.max_tokens is not None and len(req.output_token_ids) >= p.max_tokens:
+            return "length"
+        if req.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _hit_stop_string(self, req: Request) -> bool:
+        text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+        longest = max(len(s) for s in req.params.stop)
+        lo = max(0, req.stop_text_len - longest + 1)
+        hits = [i for i in (text.find(s, lo) for s in req.params.stop) if i >= 0]
+        req.stop_text_len = len(text)
+        if hits:
+            req.text = text[: min(hits)]
+        return bool(hits)
+
+    def _output(self, req: Request) -> RequestOutput:
+        self.requests.pop(req.request_id, None)
+        if req.metrics.finish_time is None:
+            req.metrics.finish_time = time.monotonic()
+        req.metrics.num_cached_tokens = req.num_cached_tokens
+        text = req.text
+        if text is None:
+            text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True).rstrip("\ufffd")
+        prompt_logits = torch.cat(req.prompt_logits) if req.prompt_logits else None
+        self.counters["prompt_tokens"] += len(req.prompt_token_ids)
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            token_ids=list(req.output_token_ids),
+            text=text,
+            finish_reason=req.finish_reason,
+            metrics=req.metrics,
+            error=req.error,
+            logprobs=req.logprobs,
+            prompt_logits=prompt_logits,
+        )
+
+    def stats(self) -> dict:
+        """KV blocks used/total, prefix-cache hit rate, queue sizes, token counters."""
+        bm, running = self.block_manager, self.scheduler.running
+        allocated = sum(len(r.block_table) for r in running) * self.config.block_size
+        held = sum(min(r.num_computed_tokens, r.num_tokens) for r in running)
+        out = {
+            "kv_blocks_used": bm.num_used_blocks,
+            "kv_blocks_total": bm.num_blocks,
+            "kv_block_size": self.config.block_size,
+            "kv_utilization": held / allocated if allocated else 1.0,
+            "prefix_cache_hit_rate": bm.hit_rate,
+            "num_running": len(running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_preemptions": self.scheduler.num_preemptions,
+            **self.counters,
+        }
+        if self.proposer is not None:
+            out.update(self.proposer.stats())
+        return out

@@ -1,0 +1,87 @@
+"""The offline API: LLM(model, ...).generate(prompts, params) with a progress bar."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """A model loaded into the engine, with batch generate, chat and stats."""
+
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        self.config = EngineConfig.from_kwargs(str(model), **kwargs)
+        self.engine = Engine(self.config)
+        self.tokenizer = self.engine.tokenizer
+        self._counter = 0
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a conversation through the tokenizer's chat template, ready for the reply."""
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def generate(
+        self,
+        prompts: Sequence[Prompt] | Prompt,
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        progress: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        plist = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
+        ids = []
+        for prompt, p in zip(prompts, plist, strict=True):
+            self._counter += 1
+            rid = f"gen-{self._counter}"
+            self.engine.add_request(rid, prompt, p)
+            ids.append(rid)
+        return self._drain(ids, progress)
+
+    def _drain(self, ids: list[str], progress: bool) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), disable=not progress, desc="generate", unit="req") as bar:
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    results[out.request_id] = out
+                    bar.update(1)
+        return [results[i] for i in ids]
+
+    def chat(
+        self,
+        messages_list: Sequence[list[dict[str, str]]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        progress: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate the assistant reply for each conversation."""
+        if messages_list and isinstance(messages_list[0], dict):
+            messages_list = [messages_list]  # type: ignore[list-item]
+        return self.generate([self.encode_chat(m) for m in messages_list], params, progress)
+
+    def score(self, prompts: Sequence[Prompt], progress: bool = False) -> list[Any]:
+        """Logits [len, vocab] at every prompt position, computed through the paged engine."""
+        ids = []
+        for prompt in prompts:
+            self._counter += 1
+            rid = f"score-{self._counter}"
+            self.engine.add_request(rid, prompt, SamplingParams(max_tokens=1, temperature=0))
+            self.engine.requests[rid].want_prompt_logits = True
+            ids.append(rid)
+        return [out.prompt_logits for out in self._drain(ids, progress)]
+
+    def stats(self) -> dict[str, Any]:
+        """KV cache use, prefix-cache hit rate, queue sizes and token counters."""
+        return self.engine.stats()

@@ -1,0 +1,89 @@
+"""Build the flat batch of one step (ids, positions, slots, block tables) and run the model once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import kernels
+from engine.models.llama import LayerKVCache, LlamaModel, ModelConfig
+from engine.request import Request
+from engine.scheduler import ScheduledBatch
+
+
+@dataclass(slots=True)
+class StepLogits:
+    """Logits of one step and, per scheduled request, its rows and the position of its first row."""
+
+    logits: torch.Tensor
+    row_start: list[int]
+    num_rows: list[int]
+    first_pos: list[int]
+
+
+def kv_bytes_per_token(c: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes one token's keys and values take across all layers."""
+    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+class ModelRunner:
+    """Owns the model and the KV pool; turns a ScheduledBatch into logits."""
+
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
+                 device: torch.device, cache_factory=None) -> None:
+        c = model.config
+        self.model, self.block_size, self.device = model, block_size, device
+        factory = cache_factory or self._plain_cache
+        self.kv_caches = [factory(num_blocks, block_size, c, kv_dtype, device) for _ in range(c.num_layers)]
+
+    @staticmethod
+    def _plain_cache(num_blocks, block_size, c: ModelConfig, dtype, device) -> LayerKVCache:
+        shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
+        return LayerKVCache(torch.zeros(shape, dtype=dtype, device=device),
+                            torch.zeros(shape, dtype=dtype, device=device))
+
+    def _rows(self, req: Request, start: int, n: int) -> tuple[int, int]:
+        """First position and count of the positions whose logits this step must return."""
+        if req.want_prompt_logits:
+            return start, n
+        first = max(start, req.num_tokens - 1)
+        return first, max(0, start + n - first)
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> StepLogits:
+        """One forward pass over every scheduled request's new tokens."""
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        context_lens: list[int] = []
+        logit_idx: list[int] = []
+        rows = StepLogits(None, [], [], [])  # type: ignore[arg-type]
+        bs = self.block_size
+        for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):
+            start = req.num_computed_tokens
+            offset = len(ids)
+            ids += req.tokens_slice(start, start + n)
+            pos = range(start, start + n)
+            positions += pos
+            bt = req.block_table
+            slots += [bt[p // bs] * bs + p % bs for p in pos]
+            context_lens.append(start + n)
+            first, count = self._rows(req, start, n)
+            rows.row_start.append(len(logit_idx))
+            rows.num_rows.append(count)
+            rows.first_pos.append(first)
+            logit_idx += range(offset + first - start, offset + first - start + count)
+        dev = self.device
+        slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)
+        meta = kernels.build_metadata(
+            batch.num_new_tokens, context_lens, [r.block_table for r in batch.requests], slot_mapping, bs, dev
+        )
+        rows.logits = self.model(
+            torch.tensor(ids, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
+            self.kv_caches,
+            meta,
+            torch.tensor(logit_idx, dtype=torch.long, device=dev),
+        )
+        return rows

@@ -1,0 +1,183 @@
+"""Our forward pass for the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3) over the paged KV cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+import kernels
+from engine.models.rope import RotaryEmbedding, rope_parameters
+
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """The parts of an HF config.json our forward needs."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    rope: dict[str, Any]
+    sliding_window: int | None
+    eos_token_ids: list[int]
+    torch_dtype: str | None
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
+        """Read an HF config dict; refuse architectures we do not implement, by name."""
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"unsupported architecture {archs or cfg.get('model_type')!r}; "
+                f"supported: {', '.join(ARCHITECTURES)}"
+            )
+        family = ARCHITECTURES[arch]
+        heads = cfg["num_attention_heads"]
+        eos = cfg.get("eos_token_id")
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", family == "mistral") else None
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qk_norm=family == "qwen3",
+            rope=rope_parameters(cfg),
+            sliding_window=window,
+            eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
+            torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+        )
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in fp32, as HF does."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    """Fused qkv projection, rotary embedding, paged attention, output projection."""
+
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.q_size, self.kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.qkv_proj = nn.Linear(c.hidden_size, self.q_size + 2 * self.kv_size, bias=c.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, c.hidden_size, bias=False)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+        self.scale = c.head_dim**-0.5
+
+    def forward(self, x, positions, rope, kv_cache, meta) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(positions, q, k)
+        kv_cache.write(k, v, meta.slot_mapping)
+        o = kv_cache.attend(q, k, v, meta, self.scale)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    """SwiGLU with fused gate/up projection."""
+
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.inter = c.intermediate_size
+        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(c)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MLP(c)
+
+    def forward(self, x, positions, rope, kv_cache, meta) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Embeddings, decoder stack, final norm and LM head over a flat batch of tokens."""
+
+    def __init__(self, c: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.config = c
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        self.rope = RotaryEmbedding(c.head_dim, max_positions, c.rope)
+
+    def forward(self, input_ids, positions, kv_caches, meta, logits_indices) -> torch.Tensor:
+        """Logits [len(logits_indices), vocab] for the selected flat positions."""
+        x = self.embed_tokens(input_ids)
+        for layer, cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, positions, self.rope, cache, meta)
+        x = self.norm(x[logits_indices])
+        if self.lm_head is None:
+            return nn.functional.linear(x, self.embed_tokens.weight)
+        return self.lm_head(x)
+
+
+class LayerKVCache:
+    """One layer's slice of the paged KV pool: writes this step's keys/values, attends over the rest."""
+
+    __slots__ = ("k", "v")
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k, self.v = k, v
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        kernels.write_kv(self.k, self.v, k, v, slot_mapping)
+
+    def attend(self, q, k, v, meta, scale) -> torch.Tensor:
+        return kernels.paged_attention(q, k, v, self.k, self.v, meta, scale)

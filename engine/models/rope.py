@@ -1,0 +1,69 @@
+"""Rotary position embeddings, with the scalings Llama-family checkpoints use."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+
+def rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Normalise old (rope_theta + rope_scaling) and new (rope_parameters) config styles."""
+    params = dict(cfg.get("rope_parameters") or {})
+    scaling = cfg.get("rope_scaling") or {}
+    params.update({k: v for k, v in scaling.items() if k not in params})
+    params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    return params
+
+
+def inv_frequencies(head_dim: int, params: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and attention scaling for the checkpoint's rope type."""
+    base = float(params["rope_theta"])
+    dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    kind = params["rope_type"]
+    if kind == "default":
+        return inv, 1.0
+    if kind == "linear":
+        return inv / float(params["factor"]), 1.0
+    if kind == "llama3":
+        return _llama3(inv, params), 1.0
+    raise ValueError(f"unsupported rope_type {kind!r} (supported: default, linear, llama3)")
+
+
+def _llama3(inv: torch.Tensor, p: dict[str, Any]) -> torch.Tensor:
+    factor, low, high = float(p["factor"]), float(p["low_freq_factor"]), float(p["high_freq_factor"])
+    old_len = float(p["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """Precomputed cos/sin tables indexed by absolute position."""
+
+    def __init__(self, head_dim: int, max_positions: int, params: dict[str, Any]) -> None:
+        super().__init__()
+        inv, attn_scale = inv_frequencies(head_dim, params)
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos() * attn_scale, persistent=False)
+        self.register_buffer("sin", emb.sin() * attn_scale, persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q [T, H, D] and k [T, Hkv, D] to their positions."""
+        cos = self.cos[positions].to(q.dtype)[:, None, :]
+        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)

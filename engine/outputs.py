@@ -1,0 +1,55 @@
+"""What the engine hands back for each request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """Timings (seconds, time.monotonic) and cache use of one request."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+    spec_steps: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def total_time(self) -> float | None:
+        """Arrival to finish."""
+        return None if self.finish_time is None else self.finish_time - self.arrival_time
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per speculative verify step (accepted drafts + the target's own token)."""
+        return (self.spec_accepted + self.spec_steps) / self.spec_steps if self.spec_steps else 0.0
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """The result of one request: token ids, text and why it finished."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    metrics: RequestMetrics
+    error: str | None = None
+    logprobs: list[dict[int, float]] | None = None
+    finished: bool = True
+    prompt_logits: object | None = field(default=None, repr=False)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Prompt length in tokens."""
+        return len(self.prompt_token_ids)

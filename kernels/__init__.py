@@ -1,0 +1,5 @@
+"""Compute kernels chosen by device: torch reference everywhere, Triton on CUDA when available."""
+
+from kernels.attention import AttentionMetadata, build_metadata, gather_kv, paged_attention, write_kv
+
+__all__ = ["AttentionMetadata", "build_metadata", "gather_kv", "paged_attention", "write_kv"]

@@ -1,0 +1,140 @@
+"""Paged attention in plain torch: the reference for every device, the fallback where no kernel exists."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+MAX_SHORT_QUERY = 16
+SHORT_BUCKET = 32
+
+
+@dataclass(slots=True)
+class ShortGroup:
+    """Sequences with few query tokens (decode, speculative verify), attended in one padded call."""
+
+    token_index: torch.Tensor  # [B, max_q] flat token positions (padding rows point at 0)
+    valid: torch.Tensor  # [B, max_q] bool
+    block_tables: torch.Tensor  # [B, max_blocks]
+    mask: torch.Tensor  # [B, 1, max_q, max_blocks * block_size] bool
+    num_keys: int
+
+
+@dataclass(slots=True)
+class LongSeq:
+    """One sequence with many query tokens (prefill or a prefill chunk)."""
+
+    query_start: int
+    query_len: int
+    context_len: int
+    block_table: torch.Tensor
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Per-step layout of the flat token batch against the paged KV cache, shared by all layers."""
+
+    slot_mapping: torch.Tensor
+    short_groups: list[ShortGroup] = field(default_factory=list)
+    long_seqs: list[LongSeq] = field(default_factory=list)
+
+
+def build_metadata(
+    query_lens: list[int],
+    context_lens: list[int],
+    block_tables: list[list[int]],
+    slot_mapping: torch.Tensor,
+    block_size: int,
+    device: torch.device,
+) -> AttentionMetadata:
+    """Split sequences into padded short-query groups (bucketed by context) and long ones."""
+    meta = AttentionMetadata(slot_mapping=slot_mapping)
+    starts, pos = [], 0
+    for q in query_lens:
+        starts.append(pos)
+        pos += q
+    short = [i for i, q in enumerate(query_lens) if q <= MAX_SHORT_QUERY]
+    short.sort(key=lambda i: context_lens[i])
+    for b in range(0, len(short), SHORT_BUCKET):
+        idx = short[b:b + SHORT_BUCKET]
+        meta.short_groups.append(
+            _short_group(idx, starts, query_lens, context_lens, block_tables, block_size, device)
+        )
+    for i, q in enumerate(query_lens):
+        if q > MAX_SHORT_QUERY:
+            bt = torch.tensor(block_tables[i][: -(-context_lens[i] // block_size)], dtype=torch.long)
+            meta.long_seqs.append(LongSeq(starts[i], q, context_lens[i], bt.to(device)))
+    return meta
+
+
+def _short_group(idx, starts, query_lens, context_lens, block_tables, block_size, device) -> ShortGroup:
+    max_q = max(query_lens[i] for i in idx)
+    max_ctx = max(context_lens[i] for i in idx)
+    nb = -(-max_ctx // block_size)
+    q_off = torch.arange(max_q)
+    qlen = torch.tensor([query_lens[i] for i in idx])
+    ctx = torch.tensor([context_lens[i] for i in idx])
+    start = torch.tensor([starts[i] for i in idx])
+    valid = q_off[None, :] < qlen[:, None]
+    token_index = torch.where(valid, start[:, None] + q_off[None, :], torch.zeros((), dtype=torch.long))
+    qpos = ctx[:, None] - qlen[:, None] + q_off[None, :]
+    kpos = torch.arange(nb * block_size)
+    mask = kpos[None, None, :] <= qpos[:, :, None]
+    mask[:, :, 0] = True
+    tables = torch.zeros(len(idx), nb, dtype=torch.long)
+    for r, i in enumerate(idx):
+        row = block_tables[i][:nb]
+        tables[r, : len(row)] = torch.tensor(row, dtype=torch.long)
+    return ShortGroup(
+        token_index.to(device), valid.to(device), tables.to(device), mask[:, None].to(device), nb * block_size
+    )
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store this step's keys/values [T, Hkv, D] at their slots of the [blocks, block, Hkv, D] cache."""
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, num_keys: int, dtype: torch.dtype) -> torch.Tensor:
+    """Keys or values of each sequence as [B, Hkv, L, D] from its block table."""
+    g = cache[block_tables]
+    b, nb, bs, h, d = g.shape
+    return g.view(b, nb * bs, h, d)[:, :num_keys].transpose(1, 2).to(dtype)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of the flat queries q [T, H, D] over each sequence's cached context."""
+    out = torch.empty_like(q)
+    for g in meta.short_groups:
+        qs = q[g.token_index].transpose(1, 2)
+        keys = gather_kv(k_cache, g.block_tables, g.num_keys, q.dtype)
+        vals = gather_kv(v_cache, g.block_tables, g.num_keys, q.dtype)
+        o = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=g.mask, scale=scale, enable_gqa=True)
+        o = o.transpose(1, 2)
+        out[g.token_index[g.valid]] = o[g.valid]
+    for s in meta.long_seqs:
+        sl = slice(s.query_start, s.query_start + s.query_len)
+        qs = q[sl].transpose(0, 1)[None]
+        if s.context_len == s.query_len:
+            keys, vals = k[sl].transpose(0, 1)[None], v[sl].transpose(0, 1)[None]
+            o = F.scaled_dot_product_attention(qs, keys, vals, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            keys = gather_kv(k_cache, s.block_table[None], s.context_len, q.dtype)
+            vals = gather_kv(v_cache, s.block_table[None], s.context_len, q.dtype)
+            qpos = torch.arange(s.context_len - s.query_len, s.context_len, device=q.device)
+            mask = torch.arange(s.context_len, device=q.device)[None, :] <= qpos[:, None]
+            o = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[sl] = o[0].transpose(0, 1)
+    return out
