@@ -117,6 +117,17 @@ class BlockManager:
             parent = h
         self.num_hashed[req.request_id] = num_full
 
+    def trim(self, req: Request, num_tokens: int) -> None:
+        """Release tail blocks beyond those holding `num_tokens` tokens (rejected speculative slots)."""
+        keep = -(-num_tokens // self.block_size)
+        while len(req.block_table) > keep:
+            block = self.blocks[req.block_table.pop()]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_blocks[block.block_id] = None
+                self.free_blocks.move_to_end(block.block_id, last=block.hash is not None)
+        self.num_hashed[req.request_id] = min(self.num_hashed.get(req.request_id, 0), len(req.block_table))
+
     def free(self, req: Request) -> None:
         """Release the request's blocks, tail first, so the tail is evicted first."""
         for block_id in reversed(req.block_table):

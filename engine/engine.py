@@ -112,7 +112,7 @@ class Engine:
             per_token = kv_token_bytes(self.model_config)
         else:
             per_token = kv_bytes_per_token(self.model_config, self.kv_dtype)
-        per_block = per_token * self.config.block_size
+        per_block = self.kv_block_bytes = per_token * self.config.block_size
         budget = self.config.kv_cache_memory_gb
         if budget is None:
             budget_bytes = self._default_kv_budget(per_token)
@@ -205,6 +205,7 @@ class Engine:
         if self.proposer is not None:
             self.proposer.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
+        self._drop_unscheduled_speculation(batch)
         if batch.requests:
             step_logits = self.runner.run(batch)
             for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):
@@ -214,16 +215,36 @@ class Engine:
             self.counters["steps"] += 1
         return [self._output(r) for r in done]
 
+    def _drop_unscheduled_speculation(self, batch) -> None:
+        """Speculative tokens that did not fit this step's budget are dropped, not chunked."""
+        scheduled = set(map(id, batch.requests))
+        for req in self.scheduler.running:
+            if req.spec_token_ids and id(req) not in scheduled:
+                req.spec_token_ids, req.draft_state = [], None
+        for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):
+            if req.spec_token_ids:
+                keep = req.num_computed_tokens + n - req.num_tokens
+                req.spec_token_ids = req.spec_token_ids[: max(0, keep)]
+                if req.draft_state is not None:
+                    req.draft_state = req.draft_state[: max(0, keep)] if keep > 0 else None
+
     def _process(self, reqs: list[Request], rows: StepLogits) -> list[Request]:
         """Sample for requests whose last known token was computed; finish those that are done."""
-        if self.proposer is not None:
-            return self.proposer.verify(reqs, rows)
         for req, start, count in zip(reqs, rows.row_start, rows.num_rows, strict=True):
             if req.want_prompt_logits and count:
                 req.prompt_logits.append(rows.logits[start:start + count].float().cpu())
         ready = [i for i, r in enumerate(reqs) if r.num_computed_tokens >= r.num_tokens]
-        if not ready:
-            return []
+        plain = [i for i in ready if not reqs[i].spec_token_ids]
+        finished = self.proposer.verify(reqs, rows, [i for i in ready if reqs[i].spec_token_ids]) \
+            if self.proposer is not None else []
+        if plain:
+            finished += self._sample_plain(reqs, rows, plain)
+        for req in reqs:
+            if not req.is_finished:
+                self.block_manager.cache_full_blocks(req)
+        return finished
+
+    def _sample_plain(self, reqs: list[Request], rows: StepLogits, ready: list[int]) -> list[Request]:
         idx = [rows.row_start[i] + rows.num_rows[i] - 1 for i in ready]
         logits = rows.logits[idx]
         sreqs = [reqs[i] for i in ready]
@@ -233,10 +254,13 @@ class Engine:
         for j, (req, tok) in enumerate(zip(sreqs, tokens.tolist(), strict=True)):
             if self.append_tokens(req, [tok], None if lps is None else [lps[j]]):
                 finished.append(req)
-        for req in reqs:
-            if not req.is_finished:
-                self.block_manager.cache_full_blocks(req)
         return finished
+
+    def logprobs_for(self, logits: torch.Tensor, tokens: list[int], req: Request) -> list | None:
+        """Logprobs of emitted tokens from the rows that produced them, if the request asked."""
+        if req.params.logprobs is None:
+            return None
+        return top_logprobs(logits, torch.tensor(tokens, device=logits.device), req.params.logprobs)
 
     def _logprobs(self, logits, tokens, reqs) -> list[dict[int, float]] | None:
         wanted = [r.params.logprobs for r in reqs if r.params.logprobs is not None]
@@ -285,6 +309,8 @@ class Engine:
 
     def _output(self, req: Request) -> RequestOutput:
         self.requests.pop(req.request_id, None)
+        if self.proposer is not None:
+            self.proposer.release(req)
         if req.metrics.finish_time is None:
             req.metrics.finish_time = time.monotonic()
         req.metrics.num_cached_tokens = req.num_cached_tokens

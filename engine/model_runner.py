@@ -39,7 +39,7 @@ class ModelRunner:
 
     @staticmethod
     def _plain_cache(num_blocks, block_size, c: ModelConfig, dtype, device) -> LayerKVCache:
-        shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
+        shape = (c.num_kv_heads, num_blocks, block_size, c.head_dim)
         return LayerKVCache(torch.zeros(shape, dtype=dtype, device=device),
                             torch.zeros(shape, dtype=dtype, device=device))
 

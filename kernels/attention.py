@@ -17,8 +17,8 @@ class ShortGroup:
 
     token_index: torch.Tensor  # [B, max_q] flat token positions (padding rows point at 0)
     valid: torch.Tensor  # [B, max_q] bool
-    block_tables: torch.Tensor  # [B, max_blocks]
-    mask: torch.Tensor  # [B, 1, max_q, max_blocks * block_size] bool
+    block_index: torch.Tensor  # [B * max_blocks] flattened block tables
+    mask: torch.Tensor  # [1, B, max_q, 1, max_blocks * block_size] bool
     num_keys: int
 
 
@@ -82,28 +82,44 @@ def _short_group(idx, starts, query_lens, context_lens, block_tables, block_size
     qpos = ctx[:, None] - qlen[:, None] + q_off[None, :]
     kpos = torch.arange(nb * block_size)
     mask = kpos[None, None, :] <= qpos[:, :, None]
-    mask[:, :, 0] = True
     tables = torch.zeros(len(idx), nb, dtype=torch.long)
     for r, i in enumerate(idx):
         row = block_tables[i][:nb]
         tables[r, : len(row)] = torch.tensor(row, dtype=torch.long)
     return ShortGroup(
-        token_index.to(device), valid.to(device), tables.to(device), mask[:, None].to(device), nb * block_size
+        token_index.to(device), valid.to(device), tables.flatten().to(device), mask[None, :, :, None].to(device),
+        nb * block_size,
     )
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Store this step's keys/values [T, Hkv, D] at their slots of the [blocks, block, Hkv, D] cache."""
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    """Store this step's keys/values [T, Hkv, D] at their slots of the [Hkv, blocks, block, D] cache."""
+    hk, _, _, d = k_cache.shape
+    k_cache.view(hk, -1, d).index_copy_(1, slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
+    v_cache.view(hk, -1, d).index_copy_(1, slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
 
 
-def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, num_keys: int, dtype: torch.dtype) -> torch.Tensor:
-    """Keys or values of each sequence as [B, Hkv, L, D] from its block table."""
-    g = cache[block_tables]
-    b, nb, bs, h, d = g.shape
-    return g.view(b, nb * bs, h, d)[:, :num_keys].transpose(1, 2).to(dtype)
+def gather_kv(cache: torch.Tensor, block_index: torch.Tensor, num_seqs: int, dtype: torch.dtype) -> torch.Tensor:
+    """Keys or values of each sequence as [Hkv, B, L, D] from its flattened block table."""
+    hk, _, _, d = cache.shape
+    return cache.index_select(1, block_index).view(hk, num_seqs, -1, d).to(dtype)
+
+
+def short_query_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: ShortGroup,
+                          scale: float) -> torch.Tensor:
+    """GQA attention of q [B, Q, H, D] against gathered blocks as two batched matmuls."""
+    b, nq, h, d = q.shape
+    hk = k_cache.shape[0]
+    grp = h // hk
+    keys = gather_kv(k_cache, g.block_index, b, q.dtype)
+    vals = gather_kv(v_cache, g.block_index, b, q.dtype)
+    qg = q.view(b, nq, hk, grp, d).permute(2, 0, 1, 3, 4).reshape(hk, b, nq * grp, d)
+    scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale
+    scores = scores.view(hk, b, nq, grp, -1).masked_fill(~g.mask, float("-inf"))
+    probs = scores.softmax(-1).to(q.dtype).view(hk, b, nq * grp, -1)
+    o = torch.matmul(probs, vals)
+    return o.view(hk, b, nq, grp, d).permute(1, 2, 0, 3, 4).reshape(b, nq, h, d)
 
 
 def paged_attention(
@@ -118,11 +134,7 @@ def paged_attention(
     """Causal attention of the flat queries q [T, H, D] over each sequence's cached context."""
     out = torch.empty_like(q)
     for g in meta.short_groups:
-        qs = q[g.token_index].transpose(1, 2)
-        keys = gather_kv(k_cache, g.block_tables, g.num_keys, q.dtype)
-        vals = gather_kv(v_cache, g.block_tables, g.num_keys, q.dtype)
-        o = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=g.mask, scale=scale, enable_gqa=True)
-        o = o.transpose(1, 2)
+        o = short_query_attention(q[g.token_index], k_cache, v_cache, g, scale)
         out[g.token_index[g.valid]] = o[g.valid]
     for s in meta.long_seqs:
         sl = slice(s.query_start, s.query_start + s.query_len)
@@ -131,8 +143,8 @@ def paged_attention(
             keys, vals = k[sl].transpose(0, 1)[None], v[sl].transpose(0, 1)[None]
             o = F.scaled_dot_product_attention(qs, keys, vals, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            keys = gather_kv(k_cache, s.block_table[None], s.context_len, q.dtype)
-            vals = gather_kv(v_cache, s.block_table[None], s.context_len, q.dtype)
+            keys = gather_kv(k_cache, s.block_table, 1, q.dtype)[:, :, : s.context_len].transpose(0, 1)
+            vals = gather_kv(v_cache, s.block_table, 1, q.dtype)[:, :, : s.context_len].transpose(0, 1)
             qpos = torch.arange(s.context_len - s.query_len, s.context_len, device=q.device)
             mask = torch.arange(s.context_len, device=q.device)[None, :] <= qpos[:, None]
             o = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=mask, scale=scale, enable_gqa=True)

@@ -54,7 +54,8 @@ def test_greedy_matches_with_chunked_prefill(arch_case):
 def test_greedy_matches_under_preemption(arch_case):
     _, path, prompts, ref = arch_case
     llm = LLM(path, dtype="float32", device="cpu", block_size=16)
-    per_block = llm.engine.runner.kv_caches[0].k[0].numel() * 4 * 2 * len(llm.engine.runner.kv_caches)
+    per_block = llm.engine.kv_block_bytes
+    assert per_block == 16 * 2 * 4 * 2 * 16 * 4  # block, k+v, layers, kv heads, head dim, fp32
     llm = LLM(path, dtype="float32", device="cpu", block_size=16, kv_cache_memory_gb=20 * per_block / 1024**3)
     assert llm.engine.num_blocks == 20
     outs = llm.generate(prompts, GREEDY, progress=False)
