@@ -1,0 +1,141 @@
+"""The batch record in Redis: creation, status transitions with timestamps, live counters, listing."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Callable
+
+import redis
+
+from producer.schemas import Batch, BatchStatus, RequestCounts
+
+PREFIX = "sluice:batch:"
+INDEX = "sluice:batches"
+IDEMPOTENCY = "sluice:idempotency:"
+S = BatchStatus
+TRANSITIONS: dict[BatchStatus, set[BatchStatus]] = {
+    S.validating: {S.in_progress, S.failed},
+    S.in_progress: {S.finalizing, S.cancelling, S.failed},
+    S.cancelling: {S.cancelled},
+    S.finalizing: {S.completed, S.failed, S.expired, S.cancelled},
+}
+
+
+class TransitionError(ValueError):
+    """A status change the batch lifecycle does not allow."""
+
+
+def new_batch_id() -> str:
+    """A fresh batch id in OpenAI's style (letters, digits, underscore; safe in rq job ids)."""
+    return f"batch_{uuid.uuid4().hex}"
+
+
+def batch_key(batch_id: str) -> str:
+    return PREFIX + batch_id
+
+
+def shards_key(batch_id: str) -> str:
+    return PREFIX + batch_id + ":shards"
+
+
+def cancel_flag_key(batch_id: str) -> str:
+    return PREFIX + batch_id + ":cancel"
+
+
+class BatchStore:
+    """Batch records (one JSON value per batch) plus per-shard counts, all in Redis."""
+
+    def __init__(self, connection: redis.Redis) -> None:
+        self.connection = connection
+
+    def create(self, batch: Batch) -> None:
+        """Store a new batch and index it by creation time."""
+        with self.connection.pipeline() as pipe:
+            pipe.set(batch_key(batch.id), batch.model_dump_json(), nx=True)
+            pipe.zadd(INDEX, {batch.id: batch.created_at})
+            created, _ = pipe.execute()
+        assert created, f"batch {batch.id} already exists"
+
+    def get(self, batch_id: str) -> Batch | None:
+        """The batch with live request counts while it runs, None if unknown."""
+        raw = self.connection.get(batch_key(batch_id))
+        if raw is None:
+            return None
+        batch = Batch.model_validate_json(raw)
+        if not batch.done and batch.status != S.validating:
+            completed, failed = self.shard_counts(batch_id)
+            batch.request_counts = RequestCounts(
+                total=batch.request_counts.total, completed=completed, failed=failed
+            )
+        return batch
+
+    def update(self, batch_id: str, change: Callable[[Batch], None]) -> Batch:
+        """Apply change to the stored batch atomically (optimistic locking on its key)."""
+        key = batch_key(batch_id)
+        with self.connection.pipeline() as pipe:
+            while True:
+                try:
+                    pipe.watch(key)
+                    raw = pipe.get(key)
+                    if raw is None:
+                        raise KeyError(f"no such batch: {batch_id}")
+                    batch = Batch.model_validate_json(raw)
+                    change(batch)
+                    pipe.multi()
+                    pipe.set(key, batch.model_dump_json())
+                    pipe.execute()
+                    return batch
+                except redis.WatchError:
+                    continue
+
+    def transition(
+        self, batch_id: str, status: BatchStatus, change: Callable[[Batch], None] | None = None
+    ) -> Batch:
+        """Move the batch to status (stamping `{status}_at`), refusing moves the lifecycle forbids."""
+
+        def apply(batch: Batch) -> None:
+            if status not in TRANSITIONS.get(batch.status, set()):
+                raise TransitionError(
+                    f"batch {batch_id} cannot go from {batch.status.value} to {status.value}"
+                )
+            batch.status = status
+            setattr(batch, f"{status.value}_at", time.time())
+            if change is not None:
+                change(batch)
+
+        return self.update(batch_id, apply)
+
+    def record_shard(self, batch_id: str, shard: int, completed: int, failed: int) -> None:
+        """Record a finished shard's counts (idempotent: a re-run shard overwrites its entry)."""
+        self.connection.hset(shards_key(batch_id), str(shard), json.dumps([completed, failed]))
+
+    def shard_counts(self, batch_id: str) -> tuple[int, int]:
+        """Completed and failed requests summed over the shards finished so far."""
+        values = [json.loads(v) for v in self.connection.hvals(shards_key(batch_id))]
+        return sum(v[0] for v in values), sum(v[1] for v in values)
+
+    def list(self, limit: int = 20) -> list[Batch]:
+        """The most recent batches, newest first."""
+        ids = [i.decode() for i in self.connection.zrevrange(INDEX, 0, limit - 1)]
+        return [b for b in (self.get(i) for i in ids) if b is not None]
+
+    def claim_idempotency_key(self, key: str, batch_id: str, ttl: int) -> str | None:
+        """Bind key to batch_id unless already bound; return the batch id bound before, if any."""
+        full = IDEMPOTENCY + key
+        if self.connection.set(full, batch_id, nx=True, ex=ttl):
+            return None
+        existing = self.connection.get(full)
+        return existing.decode() if existing is not None else self.claim_idempotency_key(key, batch_id, ttl)
+
+    def request_cancel(self, batch_id: str) -> None:
+        """Flag the batch so that workers abort its running requests."""
+        self.connection.set(cancel_flag_key(batch_id), b"1", ex=7 * 86400)
+
+    def cancel_requested(self, batch_ids: list[str]) -> set[str]:
+        """Those of batch_ids that have been cancelled."""
+        if not batch_ids:
+            return set()
+        flags = self.connection.mget([cancel_flag_key(b) for b in batch_ids])
+        return {b for b, f in zip(batch_ids, flags, strict=True) if f is not None}

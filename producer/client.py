@@ -1,0 +1,222 @@
+"""The Python client: submit batches or single requests, follow them, cancel them, read their results."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import redis
+from tqdm.auto import tqdm
+
+from producer import shards
+from producer.batch import BatchStore, TransitionError, new_batch_id
+from producer.schemas import CHAT, COMPLETIONS, Batch, BatchStatus, LineError, OutputRecord, RequestCounts
+from producer.settings import QUEUES, Settings, get_settings
+from producer.validation import Input, input_lines, validate_lines
+
+WINDOW = re.compile(r"^(\d+)([smhd])$")
+UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+MAX_METADATA_KEYS = 16
+
+
+class BatchNotFound(KeyError):
+    """No batch with that id."""
+
+
+def window_seconds(window: str) -> int:
+    """Seconds in a completion window such as '24h', '90m', '7d'."""
+    match = WINDOW.match(window.strip())
+    if not match or int(match.group(1)) <= 0:
+        raise ValueError(f"completion_window must look like '24h', '90m' or '7d', got {window!r}")
+    return int(match.group(1)) * UNITS[match.group(2)]
+
+
+def check_metadata(metadata: dict[str, str] | None) -> dict[str, str]:
+    """Metadata as OpenAI allows it: at most 16 string keys (64 chars) and string values (512 chars)."""
+    metadata = dict(metadata or {})
+    if len(metadata) > MAX_METADATA_KEYS:
+        raise ValueError(f"metadata: at most {MAX_METADATA_KEYS} keys, got {len(metadata)}")
+    for k, v in metadata.items():
+        if not isinstance(k, str) or not isinstance(v, str) or len(k) > 64 or len(v) > 512:
+            raise ValueError(
+                f"metadata[{k!r}]: keys must be strings of <= 64 chars, values strings of <= 512"
+            )
+    return metadata
+
+
+def check_webhook(url: str | None) -> str | None:
+    """The webhook URL after the webhook module's safety check (when that module is installed)."""
+    if not url:
+        return None
+    try:
+        from producer.webhooks import check_url
+    except ImportError:
+        return url
+    return check_url(url)
+
+
+def single_line(prompt_or_messages: str | list, sampling: dict[str, Any]) -> dict[str, Any]:
+    """An OpenAI batch line for one prompt (completions) or one conversation (chat)."""
+    if (
+        isinstance(prompt_or_messages, list)
+        and prompt_or_messages
+        and isinstance(prompt_or_messages[0], dict)
+    ):
+        return {
+            "custom_id": "request",
+            "method": "POST",
+            "url": CHAT,
+            "body": {"messages": prompt_or_messages, **sampling},
+        }
+    return {
+        "custom_id": "request",
+        "method": "POST",
+        "url": COMPLETIONS,
+        "body": {"prompt": prompt_or_messages, **sampling},
+    }
+
+
+class Client:
+    """Talks to Sluice through Redis: Client(redis_url).submit_batch(...), .wait(id), .results(id)."""
+
+    def __init__(self, redis_url: str | None = None, settings: Settings | None = None) -> None:
+        self.settings = settings or get_settings()
+        self.connection = redis.Redis.from_url(redis_url or self.settings.redis_url)
+        self.batches = BatchStore(self.connection)
+
+    def submit_batch(
+        self,
+        input: Input,
+        output: str | None = None,
+        priority: str = "default",
+        metadata: dict[str, str] | None = None,
+        idempotency_key: str | None = None,
+        completion_window: str = "24h",
+        shard_size: int = 256,
+        webhook: str | None = None,
+    ) -> Batch:
+        """Validate input (path, URL, bytes or list of lines) and enqueue it; returns the Batch."""
+        if priority not in QUEUES:
+            raise ValueError(f"priority must be one of {', '.join(QUEUES)}, got {priority!r}")
+        if shard_size < 1:
+            raise ValueError(f"shard_size must be >= 1, got {shard_size}")
+        window = window_seconds(completion_window)
+        batch = Batch(
+            id=new_batch_id(),
+            input_file=input if isinstance(input, str) else "<memory>",
+            output_url=(output or self.settings.output_url).rstrip("/"),
+            priority=priority,
+            completion_window=completion_window,
+            metadata=check_metadata(metadata),
+            webhook=check_webhook(webhook or self.settings.webhook_url),
+            idempotency_key=idempotency_key,
+            created_at=time.time(),
+        )
+        batch.expires_at = batch.created_at + window
+        if idempotency_key:
+            existing = self.batches.claim_idempotency_key(idempotency_key, batch.id, ttl=max(window, 86400))
+            if existing is not None:
+                return self.get(existing)
+        self.batches.create(batch)
+        return self._validate_and_enqueue(batch, input, shard_size)
+
+    def _validate_and_enqueue(self, batch: Batch, input: Input, shard_size: int) -> Batch:
+        try:
+            checked = validate_lines(input_lines(input, self.settings), self.settings)
+        except (OSError, ValueError) as exc:
+            return self._fail(batch.id, [LineError(code="input_unreadable", message=str(exc))], 0)
+        if checked.errors:
+            return self._fail(batch.id, checked.errors, len(checked.requests) + checked.num_errors)
+        num_shards = math.ceil(len(checked.requests) / shard_size)
+
+        def start(b: Batch) -> None:
+            b.request_counts = RequestCounts(total=len(checked.requests))
+            b.num_shards = num_shards
+
+        self.batches.transition(batch.id, BatchStatus.in_progress, start)
+        try:
+            shards.enqueue(self.connection, batch, checked.requests, shard_size, self.settings)
+        except redis.RedisError as exc:
+            return self._fail(
+                batch.id, [LineError(code="enqueue_failed", message=str(exc))], len(checked.requests)
+            )
+        return self.get(batch.id)
+
+    def _fail(self, batch_id: str, errors: list[LineError], total: int) -> Batch:
+        def record(b: Batch) -> None:
+            b.errors = errors
+            b.request_counts = RequestCounts(total=total, failed=total)
+
+        return self.batches.transition(batch_id, BatchStatus.failed, record)
+
+    def submit(
+        self,
+        prompt_or_messages: str | list,
+        output: str | None = None,
+        priority: str = "default",
+        metadata: dict[str, str] | None = None,
+        webhook: str | None = None,
+        **sampling: Any,
+    ) -> Batch:
+        """Submit one prompt or conversation as a batch of one (custom_id 'request')."""
+        line = single_line(prompt_or_messages, sampling)
+        return self.submit_batch(
+            [line], output=output, priority=priority, metadata=metadata, webhook=webhook, shard_size=1
+        )
+
+    def get(self, batch_id: str) -> Batch:
+        """The batch's current state (BatchNotFound if unknown)."""
+        batch = self.batches.get(batch_id)
+        if batch is None:
+            raise BatchNotFound(batch_id)
+        return batch
+
+    def wait(
+        self, batch_id: str, timeout: float | None = None, progress: bool = True, poll: float = 0.25
+    ) -> Batch:
+        """Block until the batch is done (TimeoutError after timeout seconds), with a progress bar."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        batch = self.get(batch_id)
+        with tqdm(total=batch.request_counts.total, disable=not progress, desc=batch_id, unit="req") as bar:
+            while not batch.done:
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"batch {batch_id} still {batch.status.value} after {timeout} s")
+                time.sleep(poll)
+                batch = self.get(batch_id)
+                bar.total = batch.request_counts.total
+                bar.update(batch.request_counts.completed + batch.request_counts.failed - bar.n)
+        return batch
+
+    def cancel(self, batch_id: str) -> Batch:
+        """Cancel: drop queued shards, abort running requests; the batch ends `cancelled`, partial results kept."""
+        batch = self.get(batch_id)
+        if batch.status == BatchStatus.cancelling:
+            return batch
+        if batch.done:
+            raise TransitionError(f"batch {batch_id} is already {batch.status.value}")
+        self.batches.transition(batch_id, BatchStatus.cancelling)
+        self.batches.request_cancel(batch_id)
+        if batch.num_shards:
+            shards.drop_queued(self.connection, batch_id, batch.num_shards)
+        return self.get(batch_id)
+
+    def results(self, batch_id: str, errors: bool = False) -> Iterator[OutputRecord]:
+        """The batch's output records (or its error records) once it is done."""
+        from worker.storage import read_url
+
+        batch = self.get(batch_id)
+        if not batch.done:
+            raise ValueError(f"batch {batch_id} is {batch.status.value}; results come once it is done")
+        url = batch.error_file if errors else batch.output_file
+        if url is None:
+            return
+        for line in read_url(url).splitlines():
+            yield OutputRecord.model_validate(json.loads(line))
+
+    def list(self, limit: int = 20) -> list[Batch]:
+        """The most recent batches, newest first."""
+        return self.batches.list(limit)

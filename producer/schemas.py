@@ -1,0 +1,243 @@
+"""The job contract: OpenAI Batch input lines, request bodies, output records and the Batch object."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+Priority = Literal["high", "default", "low"]
+
+
+class SamplingBody(BaseModel):
+    """Fields shared by completion and chat bodies; unknown fields are refused by name."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = Field(None, max_length=256)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=-1)
+    min_p: float = Field(0.0, ge=0, le=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    ignore_eos: bool = False
+    n: Literal[1] = 1
+    stream: Literal[False] = False
+    user: str | None = Field(None, max_length=256)
+
+    @field_validator("stop")
+    @classmethod
+    def _at_most_four_stops(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(v, list) and len(v) > 4:
+            raise ValueError("at most 4 stop sequences")
+        return v
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for engine.SamplingParams."""
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return dict(
+            max_tokens=self.max_new_tokens(),
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            seed=self.seed,
+            stop=stop,
+            ignore_eos=self.ignore_eos,
+            logprobs=self.num_logprobs(),
+        )
+
+    def max_new_tokens(self) -> int | None:
+        raise NotImplementedError
+
+    def num_logprobs(self) -> int | None:
+        raise NotImplementedError
+
+
+class CompletionBody(SamplingBody):
+    """Body of a POST /v1/completions request."""
+
+    prompt: str | list[int]
+    max_tokens: int = Field(16, ge=1, le=1_000_000)
+    logprobs: int | None = Field(None, ge=0, le=20)
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, v: Any) -> Any:
+        if isinstance(v, list) and v and not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+            raise ValueError("prompt must be one string or one list of token ids (one prompt per line)")
+        if not v:
+            raise ValueError("prompt must not be empty")
+        return v
+
+    def max_new_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+
+class ContentPart(BaseModel):
+    """A text part of a chat message's content."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    """One chat message."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        """The message content as plain text."""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatBody(SamplingBody):
+    """Body of a POST /v1/chat/completions request."""
+
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1, le=1_000_000)
+    max_completion_tokens: int | None = Field(None, ge=1, le=1_000_000)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def plain_messages(self) -> list[dict[str, str]]:
+        """Messages as {role, content} dicts for a chat template."""
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+BODIES: dict[str, type[SamplingBody]] = {COMPLETIONS: CompletionBody, CHAT: ChatBody}
+
+
+class InputLine(BaseModel):
+    """One line of an OpenAI Batch input file."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    custom_id: str = Field(min_length=1, max_length=512)
+    method: Literal["POST"]
+    url: Literal["/v1/completions", "/v1/chat/completions"]
+    body: dict[str, Any]
+
+
+class Request(BaseModel):
+    """A validated request as carried by a shard job."""
+
+    custom_id: str
+    url: str
+    body: dict[str, Any]
+
+    def parsed_body(self) -> SamplingBody:
+        """The body as its typed model."""
+        return BODIES[self.url].model_validate(self.body)
+
+
+class ErrorInfo(BaseModel):
+    """Why a request produced no response."""
+
+    code: str
+    message: str
+
+
+class Response(BaseModel):
+    """An HTTP-style response to one request."""
+
+    status_code: int
+    request_id: str
+    body: dict[str, Any]
+
+
+class OutputRecord(BaseModel):
+    """One line of output.jsonl or errors.jsonl."""
+
+    id: str
+    custom_id: str
+    response: Response | None = None
+    error: ErrorInfo | None = None
+
+
+class LineError(BaseModel):
+    """A validation problem with one input line (line numbers start at 1)."""
+
+    code: str
+    message: str
+    line: int | None = None
+    param: str | None = None
+
+
+class RequestCounts(BaseModel):
+    """How many requests a batch has, and how many finished each way."""
+
+    total: int = 0
+    completed: int = 0
+    failed: int = 0
+
+
+class BatchStatus(StrEnum):
+    """OpenAI Batch statuses."""
+
+    validating = "validating"
+    in_progress = "in_progress"
+    finalizing = "finalizing"
+    completed = "completed"
+    failed = "failed"
+    expired = "expired"
+    cancelling = "cancelling"
+    cancelled = "cancelled"
+
+
+TERMINAL = frozenset({BatchStatus.completed, BatchStatus.failed, BatchStatus.expired, BatchStatus.cancelled})
+
+
+class Batch(BaseModel):
+    """A submitted batch: status, counts, timestamps (unix seconds) and where its files live."""
+
+    id: str
+    object: Literal["batch"] = "batch"
+    status: BatchStatus = BatchStatus.validating
+    input_file: str = ""
+    output_url: str = ""
+    output_file: str | None = None
+    error_file: str | None = None
+    priority: Priority = "default"
+    completion_window: str = "24h"
+    request_counts: RequestCounts = Field(default_factory=RequestCounts)
+    metadata: dict[str, str] = Field(default_factory=dict)
+    errors: list[LineError] = Field(default_factory=list)
+    webhook: str | None = None
+    idempotency_key: str | None = None
+    num_shards: int = 0
+    created_at: float = 0.0
+    expires_at: float | None = None
+    in_progress_at: float | None = None
+    finalizing_at: float | None = None
+    completed_at: float | None = None
+    failed_at: float | None = None
+    expired_at: float | None = None
+    cancelling_at: float | None = None
+    cancelled_at: float | None = None
+
+    @property
+    def done(self) -> bool:
+        """True once the batch reached a terminal status."""
+        return self.status in TERMINAL

@@ -1,0 +1,35 @@
+"""Configuration from SLUICE_* environment variables (pydantic-settings)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+QUEUES = ("high", "default", "low")
+
+
+class Settings(BaseSettings):
+    """Everything the producer, CLI and worker read from the environment."""
+
+    model_config = SettingsConfigDict(env_prefix="SLUICE_", extra="ignore")
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    output_url: str = Field(default_factory=lambda: Path("results").resolve().as_uri())
+    webhook_url: str | None = None
+    max_line_bytes: int = Field(1_000_000, gt=0)
+    max_lines: int = Field(200_000, gt=0)
+    max_input_bytes: int = Field(1_000_000_000, gt=0)
+    shard_size: int = Field(256, gt=0, le=10_000)
+    completion_window: str = "24h"
+    shard_retries: int = Field(3, ge=0)
+    shard_timeout: int = Field(6 * 3600, gt=0)
+    heartbeat_ttl: int = Field(30, ge=3)
+    result_ttl: int = Field(7 * 86400, gt=0)
+    model: str | None = None
+
+
+def get_settings() -> Settings:
+    """Settings read from the current environment."""
+    return Settings()

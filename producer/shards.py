@@ -1,0 +1,85 @@
+"""Splitting a batch into shards and enqueueing them as rq jobs (JSON serializer), plus the finalize job."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import redis
+from rq import Queue, Retry
+from rq.job import Dependency, Job, JobStatus
+from rq.serializers import JSONSerializer
+
+from producer.schemas import Batch, Request
+from producer.settings import Settings
+
+RUN_SHARD = "worker.shards.run_shard"
+FINALIZE = "worker.finalize.finalize_batch"
+DROPPABLE = (JobStatus.QUEUED, JobStatus.DEFERRED, JobStatus.SCHEDULED)
+
+
+def shard_job_id(batch_id: str, shard: int) -> str:
+    return f"{batch_id}-shard-{shard}"
+
+
+def finalize_job_id(batch_id: str) -> str:
+    return f"{batch_id}-finalize"
+
+
+def split(requests: Sequence[Request], shard_size: int) -> list[Sequence[Request]]:
+    """Consecutive slices of at most shard_size requests."""
+    assert shard_size > 0, "shard_size must be positive"
+    return [requests[i : i + shard_size] for i in range(0, len(requests), shard_size)]
+
+
+def queue_for(connection: redis.Redis, name: str) -> Queue:
+    """An rq queue that (de)serializes jobs as JSON, never pickle."""
+    return Queue(name, connection=connection, serializer=JSONSerializer)
+
+
+def enqueue(
+    connection: redis.Redis, batch: Batch, requests: Sequence[Request], shard_size: int, settings: Settings
+) -> int:
+    """Enqueue one job per shard and a finalize job depending on all of them; return the shard count."""
+    queue = queue_for(connection, batch.priority)
+    retry = Retry(max=settings.shard_retries) if settings.shard_retries else None
+    chunks = split(requests, shard_size)
+    datas = [
+        Queue.prepare_data(
+            RUN_SHARD,
+            args=(batch.id, n, [r.model_dump() for r in chunk]),
+            job_id=shard_job_id(batch.id, n),
+            description=f"{batch.id} shard {n} ({len(chunk)} requests)",
+            timeout=settings.shard_timeout,
+            result_ttl=settings.result_ttl,
+            failure_ttl=settings.result_ttl,
+            retry=retry,
+        )
+        for n, chunk in enumerate(chunks)
+    ]
+    with connection.pipeline() as pipe:
+        queue.enqueue_many(datas, pipeline=pipe)
+        pipe.execute()
+    queue.enqueue_call(
+        FINALIZE,
+        args=(batch.id,),
+        job_id=finalize_job_id(batch.id),
+        description=f"finalize {batch.id}",
+        depends_on=Dependency(jobs=[d.job_id for d in datas], allow_failure=True),
+        timeout=settings.shard_timeout,
+        result_ttl=settings.result_ttl,
+        failure_ttl=settings.result_ttl,
+    )
+    return len(chunks)
+
+
+def drop_queued(connection: redis.Redis, batch_id: str, num_shards: int) -> int:
+    """Cancel the batch's shards that no worker has claimed; the finalize job stops waiting for them."""
+    finalize = Job.fetch(finalize_job_id(batch_id), connection=connection, serializer=JSONSerializer)
+    dropped = 0
+    for n in range(num_shards):
+        job = Job.fetch(shard_job_id(batch_id, n), connection=connection, serializer=JSONSerializer)
+        if job.get_status() in DROPPABLE:
+            connection.srem(finalize.dependencies_key, job.id)
+            job.cancel(enqueue_dependents=True)
+            dropped += 1
+    return dropped

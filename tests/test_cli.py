@@ -1,0 +1,65 @@
+"""The sluice CLI: human output by default, --json for scripts, clear failures."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from producer.cli import app
+
+runner = CliRunner()
+
+
+def write_batch(path, n: int, bad: bool = False) -> str:
+    lines = [
+        json.dumps(
+            {"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions", "body": {"prompt": "hi"}}
+        )
+        for i in range(n)
+    ]
+    if bad:
+        lines.insert(1, '{"custom_id": "x", "method": "POST"}')
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def test_submit_status_list_json(redis_url, tmp_path):
+    path = write_batch(tmp_path / "in.jsonl", 5)
+    out = runner.invoke(
+        app, ["submit", path, "--output", tmp_path.as_uri(), "--priority", "low", "-m", "team=ml", "--json"]
+    )
+    assert out.exit_code == 0, out.output
+    batch = json.loads(out.output)
+    assert (
+        batch["status"] == "in_progress"
+        and batch["priority"] == "low"
+        and batch["metadata"] == {"team": "ml"}
+    )
+    status = runner.invoke(app, ["status", batch["id"], "--redis-url", redis_url, "--json"])
+    assert json.loads(status.output)["request_counts"]["total"] == 5
+    listed = runner.invoke(app, ["list", "--json"])
+    assert [b["id"] for b in json.loads(listed.output)] == [batch["id"]]
+    human = runner.invoke(app, ["status", batch["id"]])
+    assert batch["id"] in human.output and "in_progress" in human.output and "0/5 completed" in human.output
+
+
+def test_invalid_file_exits_2_with_line_errors(redis_url, tmp_path):
+    path = write_batch(tmp_path / "bad.jsonl", 3, bad=True)
+    out = runner.invoke(app, ["submit", path])
+    assert out.exit_code == 2
+    assert "failed" in out.output and "line 2" in out.output and "invalid_request" in out.output
+
+
+def test_unknown_batch_and_missing_file_fail_clearly(redis_url, tmp_path):
+    missing = runner.invoke(app, ["status", "batch_nope"])
+    assert missing.exit_code == 1 and "no such batch" in missing.output
+    nofile = runner.invoke(app, ["submit", str(tmp_path / "absent.jsonl")])
+    assert nofile.exit_code == 1 and "no such file" in nofile.output
+
+
+def test_cancel_from_cli(redis_url, tmp_path):
+    path = write_batch(tmp_path / "in.jsonl", 3)
+    batch = json.loads(runner.invoke(app, ["submit", path, "--json", "--output", tmp_path.as_uri()]).output)
+    out = runner.invoke(app, ["cancel", batch["id"], "--json"])
+    assert out.exit_code == 0 and json.loads(out.output)["status"] == "cancelling"

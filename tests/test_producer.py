@@ -1,0 +1,158 @@
+"""Producer side against a real redis-server: validation, shards as JSON rq jobs, idempotency, priority, cancel."""
+
+from __future__ import annotations
+
+import json
+import zlib
+
+import pytest
+from rq import Queue
+from rq.job import Job, JobStatus
+from rq.registry import CanceledJobRegistry
+from rq.serializers import JSONSerializer
+
+from producer import BatchStatus, Client
+from producer.batch import TransitionError
+from producer.client import window_seconds
+from producer.settings import Settings
+from producer.shards import finalize_job_id, shard_job_id
+from producer.validation import validate_lines
+from worker.finalize import finalize_batch
+
+
+def line(custom_id: str, url: str = "/v1/completions", **body) -> dict:
+    body = body or {"prompt": f"hello {custom_id}", "max_tokens": 4}
+    return {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
+
+
+def raw(*items) -> list[bytes]:
+    return [i if isinstance(i, bytes) else json.dumps(i).encode() for i in items]
+
+
+def test_validation_names_line_code_and_field():
+    lines = raw(
+        line("a"),
+        b"{not json",
+        line("a"),
+        {**line("b"), "method": "GET"},
+        line("c", "/v1/chat/completions", messages=[{"role": "user", "content": "hi"}], temperature=3),
+        line("d", prompt=["two", "prompts"]),
+        line("e", prompt="x", frequency_penalty=0.5),
+        line("f", "/v1/embeddings"),
+        b"",
+        line(
+            "g",
+            "/v1/chat/completions",
+            messages=[{"role": "user", "content": [{"type": "text", "text": "ok"}]}],
+        ),
+    )
+    checked = validate_lines(lines, Settings())
+    assert [r.custom_id for r in checked.requests] == ["a", "g"]
+    got = [(e.line, e.code, e.param) for e in checked.errors]
+    assert got == [
+        (2, "invalid_json", None),
+        (3, "duplicate_custom_id", "custom_id"),
+        (4, "invalid_request", "method"),
+        (5, "invalid_request", "body.temperature"),
+        (6, "invalid_request", "body.prompt"),
+        (7, "invalid_request", "body.frequency_penalty"),
+        (8, "invalid_request", "url"),
+    ]
+    assert "line 1" in checked.errors[1].message and "line 5" in checked.errors[3].message
+
+
+def test_size_limits_are_enforced_per_line_and_per_batch():
+    settings = Settings(max_line_bytes=200, max_lines=3)
+    lines = raw(line("a"), line("b", prompt="x" * 300), line("c"), line("d"), line("e"))
+    checked = validate_lines(lines, settings)
+    codes = [(e.line, e.code) for e in checked.errors]
+    assert (2, "line_too_large") in codes
+    assert (4, "too_many_lines") in codes
+    assert validate_lines([], settings).errors[0].code == "empty_file"
+
+
+def test_invalid_batch_fails_with_line_numbered_errors_and_enqueues_nothing(redis_url):
+    client = Client(redis_url)
+    batch = client.submit_batch(raw(line("a"), b"[1, 2", line("a")), output="file:///tmp/unused")
+    assert batch.status == BatchStatus.failed and batch.failed_at
+    assert [(e.line, e.code) for e in batch.errors] == [(2, "invalid_json"), (3, "duplicate_custom_id")]
+    assert batch.request_counts.total == 3
+    assert Queue("default", connection=client.connection).count == 0
+
+
+def test_submit_enqueues_json_shards_and_a_finalize_job_depending_on_them(redis_url, tmp_path):
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n".join(json.dumps(line(f"r{i}")) for i in range(10)) + "\n")
+    client = Client(redis_url)
+    batch = client.submit_batch(str(path), output=tmp_path.as_uri(), shard_size=4, metadata={"team": "x"})
+    assert batch.status == BatchStatus.in_progress and batch.num_shards == 3
+    assert batch.request_counts.total == 10 and batch.metadata == {"team": "x"}
+    queue = Queue("default", connection=client.connection, serializer=JSONSerializer)
+    assert queue.job_ids == [shard_job_id(batch.id, n) for n in range(3)]
+    data = client.connection.hget(Job.key_for(shard_job_id(batch.id, 2)), "data")
+    func, _, args, _ = json.loads(zlib.decompress(data))
+    assert func == "worker.shards.run_shard" and [r["custom_id"] for r in args[2]] == ["r8", "r9"]
+    finalize = Job.fetch(finalize_job_id(batch.id), connection=client.connection, serializer=JSONSerializer)
+    assert finalize.get_status() == JobStatus.DEFERRED
+    assert set(finalize._dependency_ids) == set(queue.job_ids)
+
+
+def test_idempotency_key_returns_the_same_batch(redis_url):
+    client = Client(redis_url)
+    first = client.submit_batch([line("a")], idempotency_key="nightly-2026-12-02")
+    again = client.submit_batch([line("a"), line("b")], idempotency_key="nightly-2026-12-02")
+    other = client.submit_batch([line("a")], idempotency_key="nightly-2026-12-03")
+    assert again.id == first.id and other.id != first.id
+    assert Queue("default", connection=client.connection).count == 2
+
+
+def test_priority_selects_the_queue(redis_url):
+    client = Client(redis_url)
+    client.submit_batch([line("a")], priority="high")
+    client.submit_batch([line("b")], priority="low")
+    counts = {q: Queue(q, connection=client.connection).count for q in ("high", "default", "low")}
+    assert counts == {"high": 1, "default": 0, "low": 1}
+    with pytest.raises(ValueError, match="priority"):
+        client.submit_batch([line("c")], priority="urgent")
+
+
+def test_submit_single_request_builds_chat_or_completion(redis_url):
+    client = Client(redis_url)
+    chat = client.submit([{"role": "user", "content": "hi"}], max_tokens=3, temperature=0)
+    text = client.submit("once upon", max_tokens=2)
+    queue = Queue("default", connection=client.connection, serializer=JSONSerializer)
+    jobs = [queue.fetch_job(shard_job_id(b.id, 0)) for b in (chat, text)]
+    assert [j.args[2][0]["url"] for j in jobs] == ["/v1/chat/completions", "/v1/completions"]
+    assert jobs[0].args[2][0]["body"]["max_tokens"] == 3 and chat.request_counts.total == 1
+
+
+def test_cancel_drops_queued_shards_and_finalizes_as_cancelled(redis_url, tmp_path):
+    client = Client(redis_url)
+    batch = client.submit_batch([line(f"r{i}") for i in range(6)], output=tmp_path.as_uri(), shard_size=2)
+    cancelling = client.cancel(batch.id)
+    assert cancelling.status == BatchStatus.cancelling
+    assert set(CanceledJobRegistry("default", connection=client.connection).get_job_ids()) == {
+        shard_job_id(batch.id, n) for n in range(3)
+    }
+    queue = Queue("default", connection=client.connection)
+    assert queue.job_ids == [finalize_job_id(batch.id)]
+    finalize_batch(batch.id)
+    done = client.get(batch.id)
+    assert done.status == BatchStatus.cancelled and done.cancelled_at
+    assert (done.request_counts.completed, done.request_counts.failed) == (0, 6)
+    errors = list(client.results(batch.id, errors=True))
+    assert sorted(r.custom_id for r in errors) == [f"r{i}" for i in range(6)]
+    assert {r.error.code for r in errors} == {"batch_cancelled"}
+    with pytest.raises(TransitionError):
+        client.cancel(batch.id)
+
+
+def test_completion_window_and_metadata_are_checked(redis_url):
+    assert window_seconds("24h") == 86400 and window_seconds("90m") == 5400
+    client = Client(redis_url)
+    with pytest.raises(ValueError, match="completion_window"):
+        client.submit_batch([line("a")], completion_window="tomorrow")
+    with pytest.raises(ValueError, match="metadata"):
+        client.submit_batch([line("a")], metadata={f"k{i}": "v" for i in range(17)})
+    batch = client.submit_batch([line("a")], completion_window="2h")
+    assert batch.expires_at == pytest.approx(batch.created_at + 7200)

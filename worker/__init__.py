@@ -1,0 +1,1 @@
+"""Sluice's worker side: storage, shard runs, the engine-backed rq worker and the finalize job."""

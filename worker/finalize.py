@@ -1,0 +1,101 @@
+"""The finalize job: merge shard outputs into output.jsonl / errors.jsonl, one line per custom_id; final status."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import redis
+from rq.exceptions import NoSuchJobError
+from rq.job import Job, JobStatus
+from rq.serializers import JSONSerializer
+
+from producer.batch import BatchStore
+from producer.schemas import Batch, BatchStatus, OutputRecord, Request, RequestCounts
+from producer.settings import get_settings
+from producer.shards import shard_job_id
+from worker.responses import ABORT_CODES, error_record
+from worker.shards import shard_key
+from worker.storage import Storage, open_storage
+
+MISSING = {JobStatus.CANCELED: "batch_cancelled", JobStatus.FAILED: "shard_failed"}
+
+
+def shard_records(
+    storage: Storage, connection: redis.Redis, batch_id: str, shard: int
+) -> Iterator[OutputRecord]:
+    """The records a shard wrote or, when it wrote none (dropped, failed), an error per request."""
+    key = shard_key(batch_id, shard)
+    if storage.exists(key):
+        for line in storage.get(key).splitlines():
+            yield OutputRecord.model_validate(json.loads(line))
+        return
+    try:
+        job = Job.fetch(shard_job_id(batch_id, shard), connection=connection, serializer=JSONSerializer)
+    except NoSuchJobError:
+        return
+    code = MISSING.get(job.get_status(), "shard_missing")
+    message = ABORT_CODES.get(code) or f"shard {shard} produced no output ({job.get_status()})"
+    for request in job.args[2]:
+        yield error_record(Request.model_validate(request).custom_id, code, message)
+
+
+def merge(storage: Storage, connection: redis.Redis, batch: Batch) -> dict[str, OutputRecord]:
+    """Every shard's records keyed by custom_id, so a re-run shard still counts each request once."""
+    records: dict[str, OutputRecord] = {}
+    for shard in range(batch.num_shards):
+        for record in shard_records(storage, connection, batch.id, shard):
+            records[record.custom_id] = record
+    return records
+
+
+def write_jsonl(storage: Storage, key: str, records: list[OutputRecord]) -> str:
+    """Write records as JSONL under key through a temp file (multipart upload when large)."""
+    with tempfile.NamedTemporaryFile("wb", suffix=".jsonl", delete=False) as f:
+        for record in records:
+            f.write(record.model_dump_json().encode() + b"\n")
+    try:
+        return storage.put_file(key, Path(f.name))
+    finally:
+        Path(f.name).unlink()
+
+
+def final_status(batch: Batch, records: dict[str, OutputRecord]) -> BatchStatus:
+    if batch.status == BatchStatus.cancelling:
+        return BatchStatus.cancelled
+    if any(r.error is not None and r.error.code == "batch_expired" for r in records.values()):
+        return BatchStatus.expired
+    return BatchStatus.completed
+
+
+def finalize_batch(batch_id: str) -> dict[str, int]:
+    """The rq job run once all shards ended: merged files, counts, final status, then the webhook."""
+    from rq import get_current_job
+
+    job = get_current_job()
+    connection = job.connection if job else redis.Redis.from_url(get_settings().redis_url)
+    store = BatchStore(connection)
+    batch = store.get(batch_id)
+    if batch is None or batch.done:
+        return {}
+    if batch.status == BatchStatus.in_progress:
+        batch = store.transition(batch_id, BatchStatus.finalizing)
+    storage = open_storage(batch.output_url)
+    records = merge(storage, connection, batch)
+    good = [r for r in records.values() if r.error is None]
+    bad = [r for r in records.values() if r.error is not None]
+    output_file = write_jsonl(storage, f"{batch_id}/output.jsonl", good)
+    error_file = write_jsonl(storage, f"{batch_id}/errors.jsonl", bad) if bad else None
+
+    def close(b: Batch) -> None:
+        b.output_file, b.error_file = output_file, error_file
+        b.request_counts = RequestCounts(total=b.request_counts.total, completed=len(good), failed=len(bad))
+
+    batch = store.transition(batch_id, final_status(batch, records), close)
+    if batch.webhook:
+        from worker.webhooks import notify
+
+        notify(connection, batch)
+    return batch.request_counts.model_dump()

@@ -1,0 +1,160 @@
+"""One shard's run through an engine: add its requests, collect one record per custom_id, write shards/{n}.jsonl."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis
+from pydantic import ValidationError
+
+from producer.batch import BatchStore
+from producer.schemas import ChatBody, OutputRecord, Request
+from producer.settings import get_settings
+from worker.responses import ABORT_CODES, error_record, output_record
+from worker.storage import open_storage
+
+
+def shard_key(batch_id: str, shard: int) -> str:
+    return f"{batch_id}/shards/{shard}.jsonl"
+
+
+def stop_reason(store: BatchStore, batch_id: str) -> str | None:
+    """'batch_cancelled' or 'batch_expired' when the batch's requests must not (or no longer) run."""
+    if store.cancel_requested([batch_id]):
+        return "batch_cancelled"
+    batch = store.get(batch_id)
+    if batch is None:
+        return "batch_cancelled"
+    if batch.expires_at is not None and time.time() > batch.expires_at:
+        return "batch_expired"
+    return None
+
+
+@dataclass
+class ShardRun:
+    """The requests of one shard job in flight in an engine, and the records of those already done."""
+
+    job_id: str
+    batch_id: str
+    shard: int
+    requests: list[Request]
+    records: dict[str, OutputRecord] = field(default_factory=dict)
+    pending: dict[str, Request] = field(default_factory=dict)
+    abort_code: str | None = None
+
+    @classmethod
+    def from_args(cls, job_id: str, args: tuple | list) -> ShardRun:
+        """A run for the args of a `run_shard(batch_id, shard, requests)` job."""
+        batch_id, shard, requests = args
+        return cls(job_id, batch_id, int(shard), [Request.model_validate(r) for r in requests])
+
+    @property
+    def done(self) -> bool:
+        return not self.pending
+
+    def start(self, llm: Any) -> None:
+        """Add every request to the engine; a request it can never run becomes an error record."""
+        from engine import RequestRejected, SamplingParams
+
+        for i, request in enumerate(self.requests):
+            rid = f"{self.job_id}/{i}"
+            try:
+                body = request.parsed_body()
+                prompt = llm.encode_chat(body.plain_messages()) if isinstance(body, ChatBody) else body.prompt
+                llm.engine.add_request(rid, prompt, SamplingParams(**body.sampling_kwargs()))
+            except RequestRejected as exc:
+                self.fail(request, "request_rejected", str(exc))
+            except (ValidationError, ValueError, TypeError) as exc:
+                self.fail(request, "invalid_request", str(exc))
+            else:
+                self.pending[rid] = request
+
+    def fail(self, request: Request, code: str, message: str) -> None:
+        self.records[request.custom_id] = error_record(request.custom_id, code, message)
+
+    def fail_all(self, code: str, message: str) -> None:
+        """Record every request not done yet as an error (the shard did not run them)."""
+        for request in self.requests:
+            if request.custom_id not in self.records:
+                self.fail(request, code, message)
+        self.pending.clear()
+
+    def finish(self, out: Any, model: str) -> None:
+        """Record a finished engine request."""
+        request = self.pending.pop(out.request_id)
+        self.records[request.custom_id] = output_record(request, out, model, self.abort_code)
+
+    def abort(self, llm: Any, code: str) -> None:
+        """Abort the running requests; their records come with the next engine steps."""
+        self.abort_code = code
+        for rid in self.pending:
+            llm.engine.abort(rid)
+
+    def counts(self) -> tuple[int, int]:
+        failed = sum(1 for r in self.records.values() if r.error is not None)
+        return len(self.records) - failed, failed
+
+    def save(self, connection: redis.Redis) -> dict[str, int]:
+        """Write shards/{n}.jsonl (overwriting a previous run's) and record the shard's counts."""
+        assert self.done and len(self.records) == len(self.requests), "a shard is saved only when complete"
+        store = BatchStore(connection)
+        batch = store.get(self.batch_id)
+        if batch is not None:
+            storage = open_storage(batch.output_url)
+            ordered = [self.records[r.custom_id] for r in self.requests]
+            storage.put(shard_key(self.batch_id, self.shard), records_jsonl(ordered))
+        completed, failed = self.counts()
+        store.record_shard(self.batch_id, self.shard, completed, failed)
+        return {"completed": completed, "failed": failed}
+
+
+def records_jsonl(records: Any) -> bytes:
+    return b"".join(r.model_dump_json().encode() + b"\n" for r in records)
+
+
+def model_name(llm: Any) -> str:
+    """The name reported in response bodies: the checkpoint folder's name."""
+    return Path(str(llm.config.model)).name
+
+
+_LLM: Any = None
+
+
+def shared_llm() -> Any:
+    """The process's engine for stock rq workers, loaded once from SLUICE_MODEL (and SLUICE_DTYPE/DEVICE)."""
+    global _LLM
+    if _LLM is None:
+        from engine import LLM
+
+        settings = get_settings()
+        if not settings.model:
+            raise RuntimeError("set SLUICE_MODEL to run shards in a stock rq worker (or use `sluice worker`)")
+        _LLM = LLM(
+            settings.model,
+            dtype=os.environ.get("SLUICE_DTYPE", "auto"),
+            device=os.environ.get("SLUICE_DEVICE", "auto"),
+        )
+    return _LLM
+
+
+def run_shard(batch_id: str, shard: int, requests: list[dict[str, Any]]) -> dict[str, int]:
+    """The rq job of one shard, runnable by a stock rq worker: generate every request, save the shard."""
+    from rq import get_current_job
+
+    job = get_current_job()
+    connection = job.connection if job else redis.Redis.from_url(get_settings().redis_url)
+    run = ShardRun.from_args(job.id if job else f"{batch_id}-shard-{shard}", (batch_id, shard, requests))
+    reason = stop_reason(BatchStore(connection), batch_id)
+    if reason:
+        run.fail_all(reason, ABORT_CODES[reason])
+        return run.save(connection)
+    llm = shared_llm()
+    run.start(llm)
+    while not run.done:
+        for out in llm.engine.step():
+            run.finish(out, model_name(llm))
+    return run.save(connection)
