@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -17,6 +16,7 @@ import pytest
 from redis import Redis
 from standardwebhooks import Webhook
 
+from producer.schemas import Batch, BatchStatus, RequestCounts
 from producer.webhooks import (
     UnsafeWebhookURL,
     WebhookSettings,
@@ -33,48 +33,10 @@ ROOT = Path(__file__).resolve().parents[1]
 SECRET = generate_secret()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory):
-    port = _free_port()
-    proc = subprocess.Popen(
-        [
-            "redis-server",
-            "--port",
-            str(port),
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(tmp_path_factory.mktemp("redis")),
-        ],
-        stdout=subprocess.DEVNULL,
-    )
-    url = f"redis://127.0.0.1:{port}/0"
-    deadline = time.time() + 10
-    while True:
-        try:
-            Redis.from_url(url).ping()
-            break
-        except Exception:
-            assert time.time() < deadline, "redis-server did not start"
-            time.sleep(0.05)
-    yield url
-    proc.terminate()
-    proc.wait(5)
-
-
 @pytest.fixture
 def redis(redis_url):
-    connection = Redis.from_url(redis_url)
-    connection.flushall()
-    return connection
+    """A client of the test's (emptied) Redis."""
+    return Redis.from_url(redis_url)
 
 
 class Receiver:
@@ -130,15 +92,15 @@ def settings(**overrides) -> WebhookSettings:
     return WebhookSettings(**{**values, **overrides})
 
 
-def batch(url: str, status: str = "completed", batch_id: str = "batch_1") -> dict:
-    return {
-        "id": batch_id,
-        "status": status,
-        "request_counts": {"total": 3, "completed": 3, "failed": 0},
-        "output_url": "s3://out/batch_1/output.jsonl",
-        "metadata": {"k": "v"},
-        "webhook": url,
-    }
+def batch(url: str, status: str = "completed", batch_id: str = "batch_1") -> Batch:
+    return Batch(
+        id=batch_id,
+        status=BatchStatus(status),
+        request_counts=RequestCounts(total=3, completed=3, failed=0),
+        output_file="s3://out/batch_1/output.jsonl",
+        metadata={"k": "v"},
+        webhook=url,
+    )
 
 
 def delivery_env(redis_url: str, schedule: str) -> dict:
@@ -166,7 +128,8 @@ def wait_for(predicate, timeout: float = 15.0):
 
 def test_signature_verified_by_us_and_by_standardwebhooks(redis, receiver):
     r = receiver(200)
-    event_id = notify(redis, batch(r.url), settings=settings())
+    result = {"custom_id": "request", "response": {"status_code": 200}}
+    event_id = notify(redis, batch(r.url), result=result, settings=settings())
     run(redis, settings(), burst=True)
     [request] = r.requests
     headers, body = request["headers"], request["body"]
@@ -175,7 +138,8 @@ def test_signature_verified_by_us_and_by_standardwebhooks(redis, receiver):
     assert payload == Webhook(SECRET).verify(body, headers)
     assert payload["type"] == "batch.completed" and payload["id"] == event_id
     assert payload["data"]["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
-    assert "webhook" not in payload["data"]
+    assert payload["data"]["output_file"] == "s3://out/batch_1/output.jsonl"
+    assert payload["data"]["result"] == result and "webhook" not in payload["data"]
     with pytest.raises(WebhookVerificationError):
         verify(SECRET, headers, body + b" ")
     with pytest.raises(WebhookVerificationError):
