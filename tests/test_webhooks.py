@@ -52,7 +52,7 @@ class Receiver:
                 reply = receiver.replies.pop(0) if receiver.replies else 200
                 receiver.requests.append({"headers": dict(self.headers), "body": body, "reply": reply})
                 if reply == "hang":
-                    time.sleep(1.5)
+                    time.sleep(3.0)
                     reply = 200
                 self.send_response(reply)
                 self.send_header("content-length", "0")
@@ -87,7 +87,7 @@ def settings(**overrides) -> WebhookSettings:
         webhook_secret=SECRET,
         webhook_allow="127.0.0.0/8",
         webhook_retry_schedule="0.2s,0.2s,0.2s",
-        webhook_timeout=0.5,
+        webhook_timeout=5.0,
     )
     return WebhookSettings(**{**values, **overrides})
 
@@ -110,7 +110,7 @@ def delivery_env(redis_url: str, schedule: str) -> dict:
         "SLUICE_WEBHOOK_SECRET": SECRET,
         "SLUICE_WEBHOOK_ALLOW": "127.0.0.0/8",
         "SLUICE_WEBHOOK_RETRY_SCHEDULE": schedule,
-        "SLUICE_WEBHOOK_TIMEOUT": "0.5",
+        "SLUICE_WEBHOOK_TIMEOUT": "1.5",
     }
 
 
@@ -233,7 +233,7 @@ def test_retries_survive_a_restart_of_the_delivery_process(redis, receiver, redi
     r = receiver(500, 200)
     event_id = notify(redis, batch(r.url), settings=settings())
     first = start_delivery(redis_url, "1.5s")
-    wait_for(lambda: len(r.requests) == 1)
+    wait_for(lambda: len(delivery_log(redis, "batch_1")) == 1)
     first.send_signal(signal.SIGKILL)
     first.wait(5)
     time.sleep(0.2)
