@@ -16,6 +16,7 @@ import pytest
 from redis import Redis
 from standardwebhooks import Webhook
 
+from producer.client import Client
 from producer.schemas import Batch, BatchStatus, RequestCounts
 from producer.webhooks import (
     UnsafeWebhookURL,
@@ -249,3 +250,14 @@ def test_schedule_parsing():
     assert parse_schedule(WebhookSettings().webhook_retry_schedule)[:5] == [5, 30, 120, 600, 3600]
     assert 20 * 3600 < sum(parse_schedule(WebhookSettings().webhook_retry_schedule)) < 26 * 3600
     assert json.loads(json.dumps(parse_schedule("500ms, 2s"))) == [0.5, 2]
+
+
+def test_submit_refuses_a_private_webhook_unless_allowed(redis_url, monkeypatch, tmp_path):
+    lines = [{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "hi"}}]
+    client = Client(redis_url)
+    monkeypatch.delenv("SLUICE_WEBHOOK_ALLOW", raising=False)
+    with pytest.raises(UnsafeWebhookURL):
+        client.submit_batch(lines, output=tmp_path.as_uri(), webhook="http://127.0.0.1:9/hook")
+    monkeypatch.setenv("SLUICE_WEBHOOK_ALLOW", "127.0.0.1/32")
+    batch = client.submit_batch(lines, output=tmp_path.as_uri(), webhook="http://127.0.0.1:9/hook")
+    assert client.get(batch.id).webhook == "http://127.0.0.1:9/hook"
