@@ -26,7 +26,7 @@ def bench_model(path: Path | None = None, **overrides) -> Path:
 
     from tests.checkpoints import build_tokenizer
 
-    path = Path(path or tempfile.mkdtemp(prefix="sluice-bench-"))
+    path = Path(path or Path(tempfile.gettempdir()) / "sluice-bench-125m")
     if (path / "config.json").is_file():
         return path
     torch.manual_seed(0)
