@@ -16,7 +16,6 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	@command -v redis-server >/dev/null 2>&1 || { echo "redis-server not found: apt-get install redis-server"; exit 1; }
 	$(BIN)/python -m producer.demo
 
 test: $(STAMP)
