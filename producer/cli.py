@@ -22,7 +22,11 @@ app = typer.Typer(name="sluice", help="Queue-driven batch inference for LLMs.", 
 console = Console()
 err = Console(stderr=True)
 # Commands other modules add: (module, attribute, command name); a Typer is mounted, a function registered.
-EXTENSIONS = [("producer.cron", "cron_app", "cron"), ("engine.cli", "quantize", "quantize")]
+EXTENSIONS = [
+    ("producer.cron", "cron_app", "cron"),
+    ("worker.webhooks", "webhooks_app", "webhooks"),
+    ("engine.cli", "quantize", "quantize"),
+]
 
 RedisUrl = typer.Option(
     None, "--redis-url", help="Redis URL (default: $SLUICE_REDIS_URL or redis://127.0.0.1:6379/0)"
@@ -56,10 +60,20 @@ def when(ts: float | None) -> str:
     return datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S") if ts else "-"
 
 
-def show_batch(batch: Batch, as_json: bool) -> None:
+def webhook_deliveries(c: Client, batch_id: str) -> list[dict[str, Any]]:
+    """The batch's webhook delivery attempts, when the webhooks module is installed."""
+    try:
+        from worker.webhooks import delivery_log
+    except ImportError:
+        return []
+    return delivery_log(c.connection, batch_id)
+
+
+def show_batch(batch: Batch, as_json: bool, deliveries: list[dict[str, Any]] | None = None) -> None:
     """Print one batch: a JSON object, or a short human summary."""
     if as_json:
-        typer.echo(batch.model_dump_json())
+        extra = {"webhook_deliveries": deliveries} if deliveries is not None else {}
+        typer.echo(json.dumps({**batch.model_dump(mode="json"), **extra}))
         return
     c = batch.request_counts
     console.print(
@@ -82,6 +96,8 @@ def show_batch(batch: Batch, as_json: bool) -> None:
         console.print(f"  [red]{e.code}[/red] {where}{e.message}")
     if len(batch.errors) > 20:
         console.print(f"  ... {len(batch.errors) - 20} more errors (use --json)")
+    for d in deliveries or []:
+        console.print("  webhook: " + " ".join(f"{k}={v}" for k, v in d.items()))
 
 
 def parse_metadata(pairs: list[str]) -> dict[str, str]:
@@ -132,7 +148,8 @@ def submit(
 def status(batch_id: str, redis_url: str = RedisUrl, as_json: bool = AsJson) -> None:
     """Show a batch's status, counts and files."""
     with reported():
-        show_batch(client(redis_url).get(batch_id), as_json)
+        c = client(redis_url)
+        show_batch(c.get(batch_id), as_json, webhook_deliveries(c, batch_id))
 
 
 @app.command()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import socket
@@ -107,6 +108,7 @@ def s3_server() -> Iterator[S3Server]:
     """moto's standalone server over HTTP on loopback; AWS_* env vars point boto3 (and subprocesses) at it."""
     from moto.server import ThreadedMotoServer
 
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)
     port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()

@@ -97,5 +97,6 @@ def finalize_batch(batch_id: str) -> dict[str, int]:
     if batch.webhook:
         from worker.webhooks import notify
 
-        notify(connection, batch)
+        single = next(iter(records.values())).model_dump(mode="json") if len(records) == 1 else None
+        notify(connection, batch, result=single)
     return batch.request_counts.model_dump()

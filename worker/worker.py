@@ -198,6 +198,7 @@ class EngineWorker(SimpleWorker):
                 self.llm.engine.abort(rid)
                 self.owner.pop(rid, None)
             with self.connection.pipeline() as pipe:
+                pipe.multi()
                 self.cleanup_execution(claim.job, pipeline=pipe, execution=claim.execution)
                 claim.queue.enqueue_job(claim.job, pipeline=pipe, at_front=True)
                 pipe.execute()
