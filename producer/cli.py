@@ -226,7 +226,7 @@ def list_batches(
 
 @app.command()
 def worker(
-    model: str = typer.Option(..., "--model", help="Hugging Face checkpoint folder."),
+    model: str = typer.Option(..., "--model", envvar="SLUICE_MODEL", help="Hugging Face checkpoint folder."),
     queues: str = typer.Option("high,default,low", help="Queues in priority order."),
     burst: bool = typer.Option(False, "--burst", help="Exit once the queues are empty."),
     dtype: str = typer.Option("auto"),

@@ -142,20 +142,17 @@ def worker_env(redis_url: str, **extra: str) -> dict[str, str]:
     return env
 
 
-def start_worker(model: Path, redis_url: str, log: Path, *args: str, **env: str) -> subprocess.Popen:
-    """A `python -m worker` process on the tiny model (float32 on cpu), logging to log."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "worker",
-        "--model",
-        str(model),
-        "--dtype",
-        "float32",
-        "--device",
-        "cpu",
-        *args,
-    ]
+def start_worker(
+    model: Path,
+    redis_url: str,
+    log: Path,
+    *args: str,
+    dtype: str = "float32",
+    device: str = "cpu",
+    **env: str,
+) -> subprocess.Popen:
+    """A `python -m worker` process (by default float32 on cpu, for tiny test models), logging to log."""
+    cmd = [sys.executable, "-m", "worker", "--model", str(model), "--dtype", dtype, "--device", device, *args]
     with open(log, "ab") as out:
         return subprocess.Popen(cmd, env=worker_env(redis_url, **env), stdout=out, stderr=subprocess.STDOUT)
 
