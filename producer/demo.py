@@ -1,0 +1,206 @@
+"""`make demo`: a local Redis, one worker on the bundled model, examples/prompts.jsonl through the pipeline.
+
+Starts a `redis-server` on a free port unless one answers at SLUICE_REDIS_URL, submits the example batch
+with output under ./results/, starts a burst worker, shows progress, prints a few completions and a
+summary, and stops everything it started (on success, errors and Ctrl-C alike).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import redis
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from producer.client import Client
+from producer.schemas import Batch, BatchStatus, OutputRecord
+from producer.settings import get_settings
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = Path(os.environ.get("SLUICE_DEMO_MODEL", ROOT / "models" / "sluice-tiny"))
+PROMPTS = ROOT / "examples" / "prompts.jsonl"
+TIMEOUT_S = 1800
+console = Console()
+
+
+def reachable(url: str) -> bool:
+    """True if a Redis server answers PING at url."""
+    try:
+        return bool(redis.Redis.from_url(url, socket_connect_timeout=1).ping())
+    except (redis.RedisError, OSError):
+        return False
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stop(proc: subprocess.Popen, grace: float = 15.0) -> None:
+    """SIGTERM, then SIGKILL after grace seconds."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextlib.contextmanager
+def local_redis() -> Iterator[str]:
+    """The URL of a Redis: SLUICE_REDIS_URL's if it answers, else a fresh redis-server on a free port."""
+    url = get_settings().redis_url
+    if reachable(url):
+        console.print(f"[dim]using the Redis at {url}[/]")
+        yield url
+        return
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise SystemExit(f"no Redis at {url} and no redis-server to start (apt-get install redis-server)")
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="sluice-demo-redis-") as workdir:
+        args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        proc = subprocess.Popen(
+            [*args, "--dir", workdir], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        try:
+            url = f"redis://127.0.0.1:{port}/0"
+            deadline = time.monotonic() + 10
+            while not reachable(url):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit(f"redis-server did not start on port {port}")
+                time.sleep(0.05)
+            console.print(f"[dim]started redis-server on port {port}[/]")
+            yield url
+        finally:
+            stop(proc)
+
+
+@contextlib.contextmanager
+def worker(url: str, log: Path) -> Iterator[subprocess.Popen]:
+    """One burst worker process on the bundled model, its output in log."""
+    cmd = [sys.executable, "-m", "worker", "--redis-url", url, "--queues", "high,default,low"]
+    cmd += ["--model", str(MODEL), "--device", "cpu", "--dtype", "float32", "--burst"]
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+        console.print(f"[dim]started worker (pid {proc.pid}), log in {log}[/]")
+        try:
+            yield proc
+        finally:
+            stop(proc)
+
+
+def wait(client: Client, batch: Batch, proc: subprocess.Popen, log: Path) -> Batch:
+    """Poll until the batch is done, with a progress bar; fail fast if the worker dies first."""
+    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+    deadline = time.monotonic() + TIMEOUT_S
+    with Progress(*columns, console=console) as progress:
+        task = progress.add_task(batch.id, total=batch.request_counts.total)
+        while not batch.done:
+            if proc.poll() is not None and not client.get(batch.id).done:
+                tail = log.read_text()[-3000:]
+                raise SystemExit(f"worker exited with {proc.returncode} before the batch finished:\n{tail}")
+            if time.monotonic() > deadline:
+                raise SystemExit(f"batch {batch.id} still {batch.status.value} after {TIMEOUT_S} s")
+            time.sleep(0.25)
+            batch = client.get(batch.id)
+            counts = batch.request_counts
+            progress.update(task, completed=counts.completed + counts.failed, description=batch.status.value)
+    return batch
+
+
+def text_of(record: OutputRecord) -> str:
+    """The completion text or chat reply of one output record."""
+    if record.response is None:
+        return f"[error] {record.error.code if record.error else '?'}"
+    choice = record.response.body["choices"][0]
+    return choice["message"]["content"] if "message" in choice else choice["text"]
+
+
+def show(records: list[OutputRecord], prompts: dict[str, str], count: int = 6) -> None:
+    table = Table(title="A few completions", show_lines=True)
+    table.add_column("custom_id", style="cyan", no_wrap=True)
+    table.add_column("prompt", style="magenta")
+    table.add_column("completion")
+    picks = (
+        records[: count - 2]
+        + [r for r in records if r.custom_id in prompts and "User." in prompts[r.custom_id]][:2]
+    )
+    for record in picks:
+        table.add_row(record.custom_id, prompts.get(record.custom_id, ""), text_of(record).strip())
+    console.print(table)
+
+
+def summary(batch: Batch, records: list[OutputRecord], wall: float) -> None:
+    tokens = sum(r.response.body["usage"]["completion_tokens"] for r in records if r.response)
+    table = Table(title="Summary", show_header=False)
+    for key, value in [
+        ("batch", batch.id),
+        ("status", batch.status.value),
+        (
+            "requests",
+            f"{batch.request_counts.total} ({batch.request_counts.completed} completed, "
+            f"{batch.request_counts.failed} failed)",
+        ),
+        ("completion tokens", str(tokens)),
+        ("tokens/s (end to end)", f"{tokens / wall:.1f}"),
+        ("wall time", f"{wall:.1f} s"),
+        ("output", batch.output_file or "-"),
+    ]:
+        table.add_row(key, value)
+    console.print(table)
+
+
+def prompt_texts() -> dict[str, str]:
+    """custom_id -> the prompt as shown in the table (chat turns flattened)."""
+    out = {}
+    for line in PROMPTS.read_text().splitlines():
+        req = json.loads(line)
+        body = req["body"]
+        prompt = body.get("prompt") or " ".join(
+            f"{m['role'].capitalize()}. {m['content']}" for m in body["messages"]
+        )
+        out[req["custom_id"]] = prompt.replace("\n", " ")
+    return out
+
+
+def main() -> int:
+    results = Path(os.environ.get("SLUICE_DEMO_RESULTS", "results")).resolve()
+    results.mkdir(parents=True, exist_ok=True)
+    console.rule("[bold]Sluice demo")
+    with local_redis() as url:
+        client = Client(url)
+        start = time.monotonic()
+        batch = client.submit_batch(input=str(PROMPTS), output=results.as_uri(), metadata={"source": "demo"})
+        if batch.status == BatchStatus.failed:
+            raise SystemExit(f"batch failed validation: {batch.errors}")
+        console.print(f"submitted {batch.request_counts.total} requests as batch [bold]{batch.id}[/]")
+        with worker(url, results / "demo-worker.log") as proc:
+            batch = wait(client, batch, proc, results / "demo-worker.log")
+        wall = time.monotonic() - start
+        records = list(client.results(batch.id))
+    show(records, prompt_texts())
+    summary(batch, records, wall)
+    return 0 if batch.status == BatchStatus.completed and len(records) == batch.request_counts.total else 1
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        console.print("[red]interrupted; stopped what the demo started[/]")
+        sys.exit(130)
