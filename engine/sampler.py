@@ -66,7 +66,7 @@ def draw(probs: torch.Tensor, reqs: list[Request], generator: torch.Generator) -
 def sample(logits: torch.Tensor, reqs: list[Request], generator: torch.Generator) -> torch.Tensor:
     """Sampled token ids [len(reqs)] from logits [len(reqs), vocab]."""
     if all(r.params.greedy for r in reqs):
-        return logits.argmax(-1)
+        return logits.max(-1).indices
     tokens = draw(sample_probs(logits, reqs), reqs, generator)
     greedy = torch.tensor([r.params.greedy for r in reqs], device=logits.device)
     return torch.where(greedy, logits.argmax(-1), tokens)
