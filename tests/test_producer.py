@@ -156,3 +156,30 @@ def test_completion_window_and_metadata_are_checked(redis_url):
         client.submit_batch([line("a")], metadata={f"k{i}": "v" for i in range(17)})
     batch = client.submit_batch([line("a")], completion_window="2h")
     assert batch.expires_at == pytest.approx(batch.created_at + 7200)
+
+
+def test_webhook_is_checked_at_submit_and_notified_on_finalize(redis_url, tmp_path, monkeypatch):
+    from worker.webhooks import DUE_KEY, delivery_key
+
+    client = Client(redis_url)
+    with pytest.raises(ValueError, match="internal address"):
+        client.submit_batch([line("a")], webhook="http://127.0.0.1:9/hook")
+    monkeypatch.setenv("SLUICE_WEBHOOK_ALLOW", "127.0.0.1")
+    batch = client.submit_batch([line("a")], output=tmp_path.as_uri(), webhook="http://127.0.0.1:9/hook")
+    assert batch.webhook == "http://127.0.0.1:9/hook"
+    client.cancel(batch.id)
+    finalize_batch(batch.id)
+    (event_id,) = [e.decode() for e in client.connection.zrange(DUE_KEY, 0, -1)]
+    event = client.connection.hgetall(delivery_key(event_id))
+    body = json.loads(event[b"body"])
+    assert body["type"] == "batch.cancelled" and body["data"]["id"] == batch.id
+
+
+def test_input_can_be_an_s3_object(redis_url, s3_server, s3_bucket):
+    body = "".join(json.dumps(line(f"r{i}")) + "\n" for i in range(3))
+    s3_server.client().put_object(Bucket=s3_bucket, Key="incoming/a.jsonl", Body=body.encode())
+    client = Client(redis_url)
+    batch = client.submit_batch(f"s3://{s3_bucket}/incoming/a.jsonl", output=f"s3://{s3_bucket}/out")
+    assert batch.status == BatchStatus.in_progress and batch.request_counts.total == 3
+    missing = client.submit_batch(f"s3://{s3_bucket}/incoming/nope.jsonl")
+    assert missing.status == BatchStatus.failed and missing.errors[0].code == "input_unreadable"

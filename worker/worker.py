@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rq import Queue, SimpleWorker
-from rq.exceptions import DequeueTimeout
+from rq.exceptions import DequeueTimeout, StopRequested
 from rq.executions import Execution
 from rq.job import Job
 from rq.serializers import JSONSerializer
@@ -21,6 +21,7 @@ from worker.responses import ABORT_CODES
 from worker.shards import ShardRun, model_name, stop_reason
 
 CANCEL_POLL_S = 0.5
+CLAIM_POLL_S = 0.05
 
 
 @dataclass
@@ -55,7 +56,7 @@ class EngineWorker(SimpleWorker):
         self.claims: dict[str, Claim] = {}
         self.owner: dict[str, Claim] = {}
         self.stop_deadline: float | None = None
-        self._last_heartbeat = self._last_cancel_check = 0.0
+        self._last_heartbeat = self._last_cancel_check = self._last_claim = 0.0
 
     def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
         """Claimed jobs expire from rq's started registry this long after the last heartbeat."""
@@ -77,7 +78,10 @@ class EngineWorker(SimpleWorker):
                 elif self.stop_deadline is not None or (burst and self._queues_empty()):
                     break
                 else:
+                    self.check_for_suspension(burst)
                     self._wait_for_job()
+        except StopRequested:
+            pass
         finally:
             self._hand_back_all()
             self.teardown()
@@ -113,8 +117,11 @@ class EngineWorker(SimpleWorker):
         return self.llm.engine.num_unfinished() < self.llm.config.max_num_seqs
 
     def _claim(self) -> bool:
-        """Take jobs from the queues (in priority order) while the engine has room."""
-        claimed = False
+        """Take jobs from the queues (in priority order) while the engine has room; polls at most every 50 ms."""
+        clock = time.monotonic()
+        if self.claims and clock - self._last_claim < CLAIM_POLL_S:
+            return False
+        self._last_claim, claimed = clock, False
         while self._has_room():
             result = Queue.dequeue_any(
                 self._ordered_queues, None, connection=self.connection, serializer=self.serializer
