@@ -10,6 +10,7 @@ import kernels
 from engine.models.llama import LayerKVCache, LlamaModel, ModelConfig
 from engine.request import Request
 from engine.scheduler import ScheduledBatch
+from kernels import cpu_attention
 
 
 @dataclass(slots=True)
@@ -35,6 +36,8 @@ class ModelRunner:
         c = model.config
         self.model, self.block_size, self.device = model, block_size, device
         factory = cache_factory or self._plain_cache
+        self.fused = (cache_factory is None and device.type == "cpu" and kv_dtype == model.embed_tokens.weight.dtype
+                      and cpu_attention.available())
         self.kv_caches = [factory(num_blocks, block_size, c, kv_dtype, device) for _ in range(c.num_layers)]
 
     @staticmethod
@@ -77,7 +80,8 @@ class ModelRunner:
         dev = self.device
         slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)
         meta = kernels.build_metadata(
-            batch.num_new_tokens, context_lens, [r.block_table for r in batch.requests], slot_mapping, bs, dev
+            batch.num_new_tokens, context_lens, [r.block_table for r in batch.requests], slot_mapping, bs, dev,
+            fused=self.fused,
         )
         rows.logits = self.model(
             torch.tensor(ids, dtype=torch.long, device=dev),

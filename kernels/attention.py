@@ -38,6 +38,7 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor
     short_groups: list[ShortGroup] = field(default_factory=list)
+    fused_short: tuple[torch.Tensor, ...] | None = None  # (query starts, query lens, contexts, block tables)
     long_seqs: list[LongSeq] = field(default_factory=list)
 
 
@@ -48,14 +49,19 @@ def build_metadata(
     slot_mapping: torch.Tensor,
     block_size: int,
     device: torch.device,
+    fused: bool = False,
 ) -> AttentionMetadata:
-    """Split sequences into padded short-query groups (bucketed by context) and long ones."""
+    """Split sequences into short-query ones (padded groups bucketed by context, or the fused CPU kernel's
+    arguments when `fused`) and long ones."""
     meta = AttentionMetadata(slot_mapping=slot_mapping)
     starts, pos = [], 0
     for q in query_lens:
         starts.append(pos)
         pos += q
     short = [i for i, q in enumerate(query_lens) if q <= MAX_SHORT_QUERY]
+    if fused and short:
+        meta.fused_short = _fused_args(short, starts, query_lens, context_lens, block_tables)
+        short = []
     short.sort(key=lambda i: context_lens[i])
     for b in range(0, len(short), SHORT_BUCKET):
         idx = short[b:b + SHORT_BUCKET]
@@ -67,6 +73,15 @@ def build_metadata(
             bt = torch.tensor(block_tables[i][: -(-context_lens[i] // block_size)], dtype=torch.long)
             meta.long_seqs.append(LongSeq(starts[i], q, context_lens[i], bt.to(device)))
     return meta
+
+
+def _fused_args(idx, starts, query_lens, context_lens, block_tables) -> tuple[torch.Tensor, ...]:
+    width = max(len(block_tables[i]) for i in idx)
+    tables = torch.zeros(len(idx), width, dtype=torch.long)
+    for r, i in enumerate(idx):
+        tables[r, : len(block_tables[i])] = torch.tensor(block_tables[i], dtype=torch.long)
+    pick = lambda xs: torch.tensor([xs[i] for i in idx], dtype=torch.long)  # noqa: E731
+    return pick(starts), pick(query_lens), pick(context_lens), tables
 
 
 def _short_group(idx, starts, query_lens, context_lens, block_tables, block_size, device) -> ShortGroup:
@@ -133,6 +148,10 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal attention of the flat queries q [T, H, D] over each sequence's cached context."""
     out = torch.empty_like(q)
+    if meta.fused_short is not None:
+        from kernels.cpu_attention import paged_attention_cpu
+
+        paged_attention_cpu(q, k_cache, v_cache, out, *meta.fused_short, scale)
     for g in meta.short_groups:
         o = short_query_attention(q[g.token_index], k_cache, v_cache, g, scale)
         out[g.token_index[g.valid]] = o[g.valid]
