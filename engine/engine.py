@@ -86,11 +86,9 @@ class Engine:
         return limit
 
     def _load_model(self):
-        hook = None
-        if self.config.quantization:
-            from engine.quantization import linear_hook
+        from engine.quantization import linear_hook
 
-            hook = linear_hook(self.config, self.device, self.dtype)
+        hook = linear_hook(self.config, self.device, self.dtype)
         return load_model(self.config.model, self.dtype, self.device, self.max_model_len, hook)
 
     def _kv_cache_kind(self):

@@ -78,7 +78,8 @@ def _load_layer(layer: nn.Module, reader, i: int, dtype, device, hook: LinearHoo
     prefix = f"model.layers.{i}."
     for name, mod in list(layer.named_modules()):
         if isinstance(mod, nn.Linear):
-            _load_linear(mod, reader, prefix, FUSED.get(name, (name,)), dtype, device)
+            if not getattr(hook, "prequantized", False):
+                _load_linear(mod, reader, prefix, FUSED.get(name, (name,)), dtype, device)
             if hook is not None:
                 parent, _, attr = name.rpartition(".")
                 setattr(layer.get_submodule(parent), attr, hook(f"{prefix}{name}", mod))

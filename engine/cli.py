@@ -1,0 +1,29 @@
+"""`sluice quantize SRC DST`: write a pre-quantized copy of a checkpoint (mounted by producer/cli.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def quantize(
+    src: Path,
+    dst: Path,
+    quantization: str = "int4",
+    quant_type: str = "nf4",
+    double_quant: bool = False,
+    llm_int8_threshold: float = 6.0,
+    dtype: str = "auto",
+) -> None:
+    """Quantize SRC (an HF folder) with bitsandbytes int8/int4 into DST, which then loads without re-quantizing."""
+    from engine.engine import resolve_dtype
+    from engine.models.loader import read_config
+    from engine.quantization import QuantSpec, save_quantized
+
+    spec = QuantSpec(quantization, quant_type, double_quant, llm_int8_threshold)
+    cfg = read_config(src)
+    torch_dtype = resolve_dtype(dtype, cfg.get("torch_dtype") or cfg.get("dtype"), torch.device("cpu"))
+    out = save_quantized(src, dst, spec, torch_dtype)
+    print(f"wrote {spec.method} ({spec.quant_type if spec.method == 'int4' else f'threshold {spec.threshold}'}) "
+          f"checkpoint to {out}")

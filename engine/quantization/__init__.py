@@ -1,0 +1,27 @@
+"""Quantization: bitsandbytes int8/int4 linears (quantized while loading, or read pre-quantized) and int8 KV."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.models.llama import ModelConfig
+from engine.models.loader import CheckpointReader, LinearHook, read_config
+from engine.quantization.checkpoint import save_quantized
+from engine.quantization.kv_cache import int8_kv_cache, kv_token_bytes
+from engine.quantization.linears import FusedLinear, Quantizer
+from engine.quantization.spec import QuantSpec, check_device, check_shapes, resolve_spec
+
+__all__ = ["FusedLinear", "QuantSpec", "int8_kv_cache", "kv_token_bytes", "linear_hook", "save_quantized"]
+
+
+def linear_hook(config, device: torch.device, dtype: torch.dtype) -> LinearHook | None:
+    """The loader hook for the config's (or the checkpoint's) quantization, checked before any weight loads."""
+    hf_config = read_config(config.model)
+    spec = resolve_spec(config, hf_config)
+    if spec is None:
+        return None
+    c = ModelConfig.from_hf(hf_config)
+    check_device(spec, device, dtype)
+    check_shapes(spec, c, device)
+    reader = CheckpointReader(config.model) if spec.prequantized else None
+    return Quantizer(spec, c, dtype, device, reader)

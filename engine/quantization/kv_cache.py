@@ -1,0 +1,62 @@
+"""The int8 KV cache: int8 keys/values with a per-token, per-head fp16 scale, dequantized inside attention."""
+
+from __future__ import annotations
+
+import torch
+
+import kernels
+from engine.models.llama import ModelConfig
+from kernels.kv_int8 import SCALE_DTYPE, compact_metadata, dequantize_blocks, write_kv_int8
+
+
+def kv_token_bytes(c: ModelConfig) -> int:
+    """Bytes one token's int8 keys and values take across all layers, scales included."""
+    scale = torch.empty((), dtype=SCALE_DTYPE).element_size()
+    return 2 * c.num_layers * c.num_kv_heads * (c.head_dim + scale)
+
+
+class StepBlocks:
+    """The blocks this step reads and its renumbered metadata, computed once and shared by all layers."""
+
+    __slots__ = ("meta", "used", "compact")
+
+    def __init__(self) -> None:
+        self.meta = self.used = self.compact = None
+
+    def of(self, meta, num_blocks: int):
+        if self.meta is not meta:
+            self.used, self.compact = compact_metadata(meta, num_blocks)
+            self.meta = meta
+        return self.used, self.compact
+
+
+class Int8LayerKVCache:
+    """One layer's int8 slice of the pool: quantizes in `write`, attends over dequantized blocks."""
+
+    __slots__ = ("k", "v", "k_scale", "v_scale", "dtype", "step")
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device, step: StepBlocks) -> None:
+        self.k, self.v = (torch.zeros(shape, dtype=torch.int8, device=device) for _ in range(2))
+        self.k_scale, self.v_scale = (torch.zeros(shape[:3], dtype=SCALE_DTYPE, device=device) for _ in range(2))
+        self.dtype, self.step = dtype, step
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        write_kv_int8(self.k, self.k_scale, k, slot_mapping)
+        write_kv_int8(self.v, self.v_scale, v, slot_mapping)
+
+    def attend(self, q, k, v, meta, scale) -> torch.Tensor:
+        used, compact = self.step.of(meta, self.k.shape[1])
+        keys = dequantize_blocks(self.k, self.k_scale, used, q.dtype)
+        vals = dequantize_blocks(self.v, self.v_scale, used, q.dtype)
+        return kernels.paged_attention(q, k, v, keys, vals, compact, scale)
+
+
+def int8_kv_cache(dtype: torch.dtype):
+    """A ModelRunner cache_factory making int8 layer caches that attend in `dtype`."""
+    step = StepBlocks()
+
+    def factory(num_blocks: int, block_size: int, c: ModelConfig, kv_dtype, device) -> Int8LayerKVCache:
+        assert kv_dtype == torch.int8
+        return Int8LayerKVCache((c.num_kv_heads, num_blocks, block_size, c.head_dim), dtype, device, step)
+
+    return factory

@@ -1,0 +1,119 @@
+"""Bitsandbytes linears built from loaded weights (quantize while loading) or from pre-quantized tensors."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.models.llama import ModelConfig
+from engine.models.loader import FUSED, CheckpointReader
+from engine.quantization.spec import BLOCKSIZE, QuantSpec
+
+QUIET = ("bitsandbytes.backends.cpu.ops", "bitsandbytes.autograd._functions")  # per-call cast notices
+
+
+def _bnb():
+    import logging
+
+    for name in QUIET:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    import bitsandbytes
+
+    return bitsandbytes
+
+
+class FusedLinear(nn.Module):
+    """A fused projection (q/k/v, gate/up) kept as one quantized linear per checkpoint tensor."""
+
+    def __init__(self, parts: list[nn.Module]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+
+def _bias(bias: torch.Tensor | None, dtype: torch.dtype) -> nn.Parameter | None:
+    return None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
+
+
+def int8_linear(spec: QuantSpec, cb: torch.Tensor, scb: torch.Tensor, bias, dtype) -> nn.Module:
+    """Linear8bitLt over int8 rows `cb` [out, in] with fp32 row scales `scb`."""
+    bnb = _bnb()
+    out_f, in_f = cb.shape
+    mod = bnb.nn.Linear8bitLt(in_f, out_f, bias=bias is not None, has_fp16_weights=False,
+                              threshold=spec.threshold, device="meta")
+    mod.weight = bnb.nn.Int8Params(cb, requires_grad=False, has_fp16_weights=False, CB=cb, SCB=scb)
+    mod.bias = _bias(bias, dtype)
+    return mod
+
+
+def int4_linear(spec: QuantSpec, packed: torch.Tensor, quant_state, bias, dtype) -> nn.Module:
+    """Linear4bit over packed 4-bit `packed` and its QuantState, computing in `dtype`."""
+    bnb = _bnb()
+    out_f, in_f = quant_state.shape
+    mod = bnb.nn.Linear4bit(in_f, out_f, bias=bias is not None, compute_dtype=dtype,
+                            compress_statistics=quant_state.nested, quant_type=quant_state.quant_type,
+                            device="meta")
+    quant_state.dtype = dtype
+    mod.weight = bnb.nn.Params4bit(packed, requires_grad=False, quant_state=quant_state,
+                                   blocksize=quant_state.blocksize, compress_statistics=quant_state.nested,
+                                   quant_type=quant_state.quant_type, module=mod, bnb_quantized=True)
+    mod.quant_state = quant_state
+    mod.bias = _bias(bias, dtype)
+    return mod
+
+
+def quantized_linear(spec: QuantSpec, weight: torch.Tensor, bias: torch.Tensor | None, dtype) -> nn.Module:
+    """Quantize one weight [out, in] (already on its device) into the spec's bitsandbytes linear."""
+    F = _bnb().functional
+    if spec.method == "int8":
+        cb, scb, _ = F.int8_vectorwise_quant(weight.to(torch.float16))
+        return int8_linear(spec, cb, scb, bias, dtype)
+    packed, state = F.quantize_4bit(weight.to(dtype).contiguous(), blocksize=BLOCKSIZE,
+                                    compress_statistics=spec.double_quant, quant_type=spec.quant_type)
+    return int4_linear(spec, packed, state, bias, dtype)
+
+
+def read_linear(spec: QuantSpec, reader: CheckpointReader, name: str, dtype, device) -> nn.Module:
+    """A pre-quantized linear from its checkpoint tensors; unquantized ones (skipped modules) stay plain."""
+    get = lambda key: reader.get(key).to(device)  # noqa: E731
+    bias = get(f"{name}.bias") if f"{name}.bias" in reader else None
+    weight = get(f"{name}.weight")
+    if f"{name}.SCB" in reader:
+        return int8_linear(spec, weight, get(f"{name}.SCB"), bias, dtype)
+    stats = {k.removeprefix(f"{name}.weight."): get(k) for k in reader.names() if k.startswith(f"{name}.weight.")}
+    if stats:
+        state = _bnb().functional.QuantState.from_dict(stats, device=device)
+        return int4_linear(spec, weight, state, bias, dtype)
+    plain = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    plain.weight, plain.bias = nn.Parameter(weight.to(dtype), requires_grad=False), _bias(bias, dtype)
+    return plain
+
+
+def part_names(prefix: str) -> list[str]:
+    """Checkpoint names of the linears behind one of our (possibly fused) linears."""
+    layer, _, name = prefix.rpartition("layers.")
+    index, _, local = name.partition(".")
+    return [f"{layer}layers.{index}.{p}" for p in FUSED.get(local, (local,))]
+
+
+class Quantizer:
+    """The loader's linear hook: each loaded linear becomes bitsandbytes linears, one per checkpoint tensor."""
+
+    def __init__(self, spec: QuantSpec, c: ModelConfig, dtype, device, reader: CheckpointReader | None) -> None:
+        self.spec, self.dtype, self.device, self.reader = spec, dtype, device, reader
+        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.split = {"self_attn.qkv_proj": [q, kv, kv], "mlp.gate_up_proj": [c.intermediate_size] * 2}
+        self.prequantized = reader is not None
+
+    def __call__(self, prefix: str, linear: nn.Linear) -> nn.Module:
+        names = part_names(prefix)
+        if self.reader is not None:
+            parts = [read_linear(self.spec, self.reader, n, self.dtype, self.device) for n in names]
+        else:
+            sizes = next((s for k, s in self.split.items() if prefix.endswith(k)), [linear.out_features])
+            biases = linear.bias.split(sizes) if linear.bias is not None else [None] * len(sizes)
+            parts = [quantized_linear(self.spec, w, b, self.dtype)
+                     for w, b in zip(linear.weight.split(sizes), biases, strict=True)]
+        return parts[0] if len(parts) == 1 else FusedLinear(parts)

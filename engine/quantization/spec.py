@@ -1,0 +1,120 @@
+"""What to quantize and how: the engine's settings or a checkpoint's `quantization_config`, checked up front."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.models.llama import ModelConfig
+
+METHODS = ("int8", "int4")
+QUANT_TYPES = ("nf4", "fp4")
+BLOCKSIZE = 64
+SERVED_DEVICES = ("cpu", "cuda", "xpu")
+CPU_INT4_ROWS = 32
+
+
+@dataclass(slots=True)
+class QuantSpec:
+    """A bitsandbytes method: LLM.int8() linears, or 4-bit NF4/FP4 linears with blocksize 64."""
+
+    method: str
+    quant_type: str = "nf4"
+    double_quant: bool = False
+    threshold: float = 6.0
+    prequantized: bool = False
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"unknown quantization {self.method!r}; choose one of {', '.join(METHODS)} or None")
+        if self.quant_type not in QUANT_TYPES:
+            raise ValueError(f"unknown quant_type {self.quant_type!r} for int4; choose nf4 or fp4")
+        if self.threshold < 0:
+            raise ValueError(f"llm_int8_threshold must be >= 0 (0 disables outlier columns), got {self.threshold}")
+
+    def hf_config(self, dtype: torch.dtype) -> dict[str, Any]:
+        """The `quantization_config` transformers writes for bitsandbytes checkpoints."""
+        four = self.method == "int4"
+        return {
+            "quant_method": "bitsandbytes",
+            "load_in_8bit": not four,
+            "load_in_4bit": four,
+            "llm_int8_threshold": self.threshold,
+            "llm_int8_has_fp16_weight": False,
+            "llm_int8_skip_modules": ["lm_head"],
+            "llm_int8_enable_fp32_cpu_offload": False,
+            "bnb_4bit_quant_type": self.quant_type,
+            "bnb_4bit_use_double_quant": self.double_quant,
+            "bnb_4bit_compute_dtype": str(dtype).removeprefix("torch."),
+            "bnb_4bit_quant_storage": "uint8",
+        }
+
+    @classmethod
+    def from_hf(cls, qc: dict[str, Any]) -> QuantSpec:
+        """Read a checkpoint's bitsandbytes `quantization_config`; refuse other methods by name."""
+        method = qc.get("quant_method")
+        if method != "bitsandbytes":
+            raise ValueError(f"checkpoint quantization_config has quant_method={method!r}; only bitsandbytes loads")
+        if not (qc.get("load_in_4bit") or qc.get("load_in_8bit")):
+            raise ValueError("bitsandbytes quantization_config sets neither load_in_4bit nor load_in_8bit")
+        return cls(
+            method="int4" if qc.get("load_in_4bit") else "int8",
+            quant_type=qc.get("bnb_4bit_quant_type", "nf4"),
+            double_quant=bool(qc.get("bnb_4bit_use_double_quant", False)),
+            threshold=float(qc.get("llm_int8_threshold", 6.0)),
+            prequantized=True,
+        )
+
+
+def resolve_spec(config, hf_config: dict[str, Any]) -> QuantSpec | None:
+    """The checkpoint's own quantization if it has one (a different request is an error), else the config's."""
+    qc = hf_config.get("quantization_config")
+    if qc:
+        spec = QuantSpec.from_hf(qc)
+        if config.quantization not in (None, spec.method):
+            raise ValueError(f"checkpoint {config.model} is already quantized as {spec.method}; "
+                             f"quantization={config.quantization!r} cannot re-quantize it (pass None)")
+        return spec
+    if config.quantization is None:
+        return None
+    return QuantSpec(config.quantization, config.quant_type, config.double_quant, config.llm_int8_threshold)
+
+
+def check_device(spec: QuantSpec, device: torch.device, dtype: torch.dtype) -> None:
+    """Refuse devices bitsandbytes has no kernels for, and run one tiny quantized matmul there."""
+    if device.type not in SERVED_DEVICES:
+        raise ValueError(f"quantization={spec.method!r} needs bitsandbytes kernels, which exist for "
+                         f"{', '.join(SERVED_DEVICES)}; not for device {device.type!r}")
+    from engine.quantization.linears import quantized_linear
+
+    probe = torch.nn.Linear(BLOCKSIZE, CPU_INT4_ROWS, bias=False, device=device, dtype=dtype)
+    try:
+        quantized_linear(spec, probe.weight.data, None, dtype).eval()(torch.ones(1, BLOCKSIZE, device=device,
+                                                                                dtype=dtype))
+    except Exception as exc:
+        raise ValueError(f"bitsandbytes {_bnb_version()} cannot serve quantization={spec.method!r} "
+                         f"on {device} in {dtype}: {exc}") from exc
+
+
+def check_shapes(spec: QuantSpec, c: ModelConfig, device: torch.device) -> None:
+    """Refuse linear shapes the int4 CPU kernel cannot pack (in % 64, out % 32), naming the layer."""
+    if spec.method != "int4" or device.type != "cpu":
+        return
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    shapes = {"q_proj": (c.hidden_size, q), "k_proj": (c.hidden_size, kv), "v_proj": (c.hidden_size, kv),
+              "o_proj": (q, c.hidden_size), "gate_proj": (c.hidden_size, c.intermediate_size),
+              "up_proj": (c.hidden_size, c.intermediate_size), "down_proj": (c.intermediate_size, c.hidden_size)}
+    for name, (n_in, n_out) in shapes.items():
+        if n_in % BLOCKSIZE or n_out % CPU_INT4_ROWS:
+            raise ValueError(
+                f"int4 cannot quantize {name} ({n_in} -> {n_out}) on CPU: bitsandbytes' CPU 4-bit kernel needs "
+                f"in_features divisible by the blocksize {BLOCKSIZE} and out_features by {CPU_INT4_ROWS}"
+            )
+
+
+def _bnb_version() -> str:
+    import bitsandbytes
+
+    return bitsandbytes.__version__
