@@ -67,8 +67,13 @@ PERSONAS = [
 NUM_COMPLETIONS, NUM_CHATS = 260, 40
 
 
+def sampling(i: int) -> dict:
+    """Every fifth request greedy, the rest sampled with a per-request seed (reproducible, less repetitive)."""
+    return {"temperature": 0} if i % 5 == 0 else {"temperature": 0.7, "top_p": 0.9, "seed": i}
+
+
 def completion(i: int, prompt: str) -> dict:
-    body = {"model": "sluice-tiny", "prompt": prompt, "max_tokens": 48, "temperature": 0}
+    body = {"model": "sluice-tiny", "prompt": prompt, "max_tokens": 48, **sampling(i)}
     return {"custom_id": f"req-{i:04d}", "method": "POST", "url": "/v1/completions", "body": body}
 
 
@@ -80,7 +85,7 @@ def chat(i: int, persona: str, question: str) -> dict:
         "model": "sluice-tiny",
         "messages": messages,
         "max_tokens": 48,
-        "temperature": 0,
+        **sampling(i),
         "stop": ["\n\n"],
     }
     return {"custom_id": f"req-{i:04d}", "method": "POST", "url": "/v1/chat/completions", "body": body}

@@ -141,7 +141,9 @@ def show(records: list[OutputRecord], prompts: dict[str, str], count: int = 6) -
         + [r for r in records if r.custom_id in prompts and "User." in prompts[r.custom_id]][:2]
     )
     for record in picks:
-        table.add_row(record.custom_id, prompts.get(record.custom_id, ""), text_of(record).strip())
+        table.add_row(
+            record.custom_id, prompts.get(record.custom_id, ""), text_of(record).strip().replace("\n", " / ")
+        )
     console.print(table)
 
 
