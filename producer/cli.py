@@ -238,6 +238,10 @@ def worker(
     max_model_len: int = typer.Option(None),
     block_size: int = typer.Option(16),
     kv_cache_memory_gb: float = typer.Option(None),
+    gpu_memory_utilization: float = typer.Option(0.9),
+    speculative: str = typer.Option(
+        None, help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'.'
+    ),
     enable_prefix_caching: bool = typer.Option(True, "--enable-prefix-caching/--no-enable-prefix-caching"),
     seed: int = typer.Option(0),
     heartbeat_ttl: int = typer.Option(
@@ -267,6 +271,8 @@ def worker(
         max_model_len=max_model_len,
         block_size=block_size,
         kv_cache_memory_gb=kv_cache_memory_gb,
+        gpu_memory_utilization=gpu_memory_utilization,
+        speculative=json.loads(speculative) if speculative else None,
         enable_prefix_caching=enable_prefix_caching,
         seed=seed,
     )

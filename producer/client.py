@@ -7,6 +7,7 @@ import math
 import re
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -107,7 +108,7 @@ class Client:
         window = window_seconds(completion_window)
         batch = Batch(
             id=new_batch_id(),
-            input_file=input if isinstance(input, str) else "<memory>",
+            input_file=str(input) if isinstance(input, str | Path) else "<memory>",
             output_url=(output or self.settings.output_url).rstrip("/"),
             priority=priority,
             completion_window=completion_window,

@@ -63,3 +63,20 @@ def test_cancel_from_cli(redis_url, tmp_path):
     batch = json.loads(runner.invoke(app, ["submit", path, "--json", "--output", tmp_path.as_uri()]).output)
     out = runner.invoke(app, ["cancel", batch["id"], "--json"])
     assert out.exit_code == 0 and json.loads(out.output)["status"] == "cancelling"
+
+
+def test_results_of_a_cancelled_batch(redis_url, tmp_path):
+    from worker.finalize import finalize_batch
+
+    path = write_batch(tmp_path / "in.jsonl", 2)
+    batch = json.loads(runner.invoke(app, ["submit", path, "--json", "--output", tmp_path.as_uri()]).output)
+    runner.invoke(app, ["cancel", batch["id"]])
+    finalize_batch(batch["id"])
+    human = runner.invoke(app, ["results", batch["id"], "--errors"])
+    assert human.exit_code == 0 and "r0" in human.output and "batch_cancelled" in human.output
+    records = [
+        json.loads(x)
+        for x in runner.invoke(app, ["results", batch["id"], "--errors", "--json"]).output.splitlines()
+    ]
+    assert sorted(r["custom_id"] for r in records) == ["r0", "r1"]
+    assert runner.invoke(app, ["results", batch["id"]]).output == ""
