@@ -27,6 +27,7 @@ EXTENSIONS = [
     ("worker.webhooks", "webhooks_app", "webhooks"),
     ("engine.cli", "quantize", "quantize"),
 ]
+HEAVY = {"engine.cli"}  # imports torch: loaded only when its command or the top-level help is asked for
 
 RedisUrl = typer.Option(
     None, "--redis-url", help="Redis URL (default: $SLUICE_REDIS_URL or redis://127.0.0.1:6379/0)"
@@ -283,9 +284,17 @@ def worker(
     w.work(burst=burst)
 
 
+def wanted(command: str) -> bool:
+    """Whether this process's command line asks for command (or for the list of all commands)."""
+    args = sys.argv[1:]
+    return not args or args[0] in (command, "--help", "-h")
+
+
 def mount_extensions() -> None:
     """Add the commands other modules provide (`cron`, `quantize`) when those modules exist."""
     for module, attr, command in EXTENSIONS:
+        if module in HEAVY and not wanted(command):
+            continue
         try:
             target = getattr(importlib.import_module(module), attr)
         except (ImportError, AttributeError):
