@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import re
 import time
 from collections.abc import Iterator
@@ -132,15 +131,15 @@ class Client:
             return self._fail(batch.id, [LineError(code="input_unreadable", message=str(exc))], 0)
         if checked.errors:
             return self._fail(batch.id, checked.errors, len(checked.requests) + checked.num_errors)
-        num_shards = math.ceil(len(checked.requests) / shard_size)
+        chunks = shards.split(checked.requests, shard_size, checked.sizes, self.settings.max_shard_bytes)
 
         def start(b: Batch) -> None:
             b.request_counts = RequestCounts(total=len(checked.requests))
-            b.num_shards = num_shards
+            b.num_shards = len(chunks)
 
         self.batches.transition(batch.id, BatchStatus.in_progress, start)
         try:
-            shards.enqueue(self.connection, batch, checked.requests, shard_size, self.settings)
+            shards.enqueue(self.connection, batch, chunks, self.settings)
         except redis.RedisError as exc:
             return self._fail(
                 batch.id, [LineError(code="enqueue_failed", message=str(exc))], len(checked.requests)

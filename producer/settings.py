@@ -22,6 +22,7 @@ class Settings(BaseSettings):
     max_lines: int = Field(200_000, gt=0)
     max_input_bytes: int = Field(1_000_000_000, gt=0)
     shard_size: int = Field(256, gt=0, le=10_000)
+    max_shard_bytes: int = Field(16 * 1024 * 1024, gt=0)
     completion_window: str = "24h"
     shard_retries: int = Field(3, ge=0)
     shard_timeout: int = Field(6 * 3600, gt=0)

@@ -25,10 +25,25 @@ def finalize_job_id(batch_id: str) -> str:
     return f"{batch_id}-finalize"
 
 
-def split(requests: Sequence[Request], shard_size: int) -> list[Sequence[Request]]:
-    """Consecutive slices of at most shard_size requests."""
+def split(
+    requests: Sequence[Request],
+    shard_size: int,
+    sizes: Sequence[int] | None = None,
+    max_bytes: int | None = None,
+) -> list[Sequence[Request]]:
+    """Consecutive slices of at most shard_size requests and (given their sizes) at most max_bytes each."""
     assert shard_size > 0, "shard_size must be positive"
-    return [requests[i : i + shard_size] for i in range(0, len(requests), shard_size)]
+    if sizes is None or max_bytes is None:
+        return [requests[i : i + shard_size] for i in range(0, len(requests), shard_size)]
+    chunks, start, used = [], 0, 0
+    for i, size in enumerate(sizes):
+        if i > start and (i - start == shard_size or used + size > max_bytes):
+            chunks.append(requests[start:i])
+            start, used = i, 0
+        used += size
+    if start < len(requests):
+        chunks.append(requests[start:])
+    return chunks
 
 
 def queue_for(connection: redis.Redis, name: str) -> Queue:
@@ -37,12 +52,11 @@ def queue_for(connection: redis.Redis, name: str) -> Queue:
 
 
 def enqueue(
-    connection: redis.Redis, batch: Batch, requests: Sequence[Request], shard_size: int, settings: Settings
+    connection: redis.Redis, batch: Batch, chunks: Sequence[Sequence[Request]], settings: Settings
 ) -> int:
     """Enqueue one job per shard and a finalize job depending on all of them; return the shard count."""
     queue = queue_for(connection, batch.priority)
     retry = Retry(max=settings.shard_retries) if settings.shard_retries else None
-    chunks = split(requests, shard_size)
     datas = [
         Queue.prepare_data(
             RUN_SHARD,

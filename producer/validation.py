@@ -22,6 +22,7 @@ class Validated:
     """The outcome of checking every line: the good requests and the line-numbered errors."""
 
     requests: list[Request] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
     errors: list[LineError] = field(default_factory=list)
     num_errors: int = 0
 
@@ -89,6 +90,7 @@ def validate_lines(lines: Iterable[bytes], settings: Settings) -> Validated:
             continue
         seen[request.custom_id] = number
         out.requests.append(request)
+        out.sizes.append(len(raw))
     if not out.requests and not out.num_errors:
         out.add_error(LineError(code="empty_file", message="the input holds no requests"))
     if out.num_errors > len(out.errors):

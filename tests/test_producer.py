@@ -15,7 +15,7 @@ from producer import BatchStatus, Client
 from producer.batch import TransitionError
 from producer.client import window_seconds
 from producer.settings import Settings
-from producer.shards import finalize_job_id, shard_job_id
+from producer.shards import finalize_job_id, queue_for, shard_job_id
 from producer.validation import validate_lines
 from worker.finalize import finalize_batch
 
@@ -183,3 +183,13 @@ def test_input_can_be_an_s3_object(redis_url, s3_server, s3_bucket):
     assert batch.status == BatchStatus.in_progress and batch.request_counts.total == 3
     missing = client.submit_batch(f"s3://{s3_bucket}/incoming/nope.jsonl")
     assert missing.status == BatchStatus.failed and missing.errors[0].code == "input_unreadable"
+
+
+def test_shards_are_capped_by_count_and_by_bytes(redis_url):
+    client = Client(redis_url, settings=Settings(max_shard_bytes=450))
+    small = [line(f"s{i}") for i in range(5)]
+    big = [line(f"b{i}", prompt="x" * 300) for i in range(3)]
+    batch = client.submit_batch(small + big, shard_size=4)
+    queue = queue_for(client.connection, "default")
+    sizes = [len(queue.fetch_job(j).args[2]) for j in queue.job_ids]
+    assert sizes == [4, 1, 1, 1, 1] and batch.num_shards == 5
