@@ -57,7 +57,7 @@ def test_sigterm_hands_in_flight_shards_back(tiny_llama, redis_url, tmp_path):
     )
     started = StartedJobRegistry("default", connection=client.connection)
     try:
-        wait_until(lambda: len(started) == 1, 60, "a claimed shard")
+        wait_until(lambda: len(started) == 1, 180, "a claimed shard")
         claimed = started.get_job_ids()[0]
     finally:
         code = stop_worker(worker, timeout=20)
