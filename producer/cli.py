@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import json
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime
@@ -252,6 +253,9 @@ def worker(
         60.0, help="Seconds to finish in-flight shards after SIGTERM before handing back."
     ),
     name: str = typer.Option(None, help="Worker name (default: rq's)."),
+    webhooks: bool = typer.Option(
+        True, "--webhooks/--no-webhooks", help="Also deliver webhook events from a background thread."
+    ),
     redis_url: str = RedisUrl,
 ) -> None:
     """Run a GPU worker: one engine kept full with shards from the queues."""
@@ -281,7 +285,15 @@ def worker(
     connection = redis.Redis.from_url(redis_url or settings.redis_url)
     ttl = heartbeat_ttl or settings.heartbeat_ttl
     w = EngineWorker(queues.split(","), llm, connection, heartbeat_ttl=ttl, grace=grace, name=name)
-    w.work(burst=burst)
+    stop = threading.Event()
+    if webhooks:
+        from worker import webhooks as delivery
+
+        threading.Thread(target=delivery.run, args=(connection,), kwargs={"stop": stop}, daemon=True).start()
+    try:
+        w.work(burst=burst)
+    finally:
+        stop.set()
 
 
 def wanted(command: str) -> bool:

@@ -151,7 +151,12 @@ class Client:
             b.errors = errors
             b.request_counts = RequestCounts(total=total, failed=total)
 
-        return self.batches.transition(batch_id, BatchStatus.failed, record)
+        batch = self.batches.transition(batch_id, BatchStatus.failed, record)
+        if batch.webhook:
+            from worker.webhooks import notify
+
+            notify(self.connection, batch)
+        return batch
 
     def submit(
         self,

@@ -261,3 +261,16 @@ def test_submit_refuses_a_private_webhook_unless_allowed(redis_url, monkeypatch,
     monkeypatch.setenv("SLUICE_WEBHOOK_ALLOW", "127.0.0.1/32")
     batch = client.submit_batch(lines, output=tmp_path.as_uri(), webhook="http://127.0.0.1:9/hook")
     assert client.get(batch.id).webhook == "http://127.0.0.1:9/hook"
+
+
+def test_batch_failing_validation_sends_batch_failed(redis, redis_url, receiver, monkeypatch, tmp_path):
+    hook = receiver()
+    monkeypatch.setenv("SLUICE_WEBHOOK_ALLOW", "127.0.0.0/8")
+    bad = [{"custom_id": "a", "method": "POST", "url": "/v1/nope", "body": {"prompt": "hi"}}]
+    failed = Client(redis_url).submit_batch(bad, output=tmp_path.as_uri(), webhook=hook.url)
+    assert failed.status == BatchStatus.failed
+    run(redis, settings(), burst=True)
+    assert len(hook.requests) == 1
+    event = json.loads(hook.requests[0]["body"])
+    assert event["type"] == "batch.failed" and event["data"]["id"] == failed.id
+    assert event["data"]["errors"][0]["line"] == 1
