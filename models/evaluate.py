@@ -25,18 +25,19 @@ def heldout_loss(
     """Mean next-token loss over consecutive held-out windows of seq_len tokens, each starting with <s>."""
     step = seq_len - 1
     count = (len(stream) - 1) // step if max_windows is None else min(max_windows, (len(stream) - 1) // step)
+    windows = stream[: count * step].view(count, step)
+    batches = torch.cat([torch.full((count, 1), bos), windows], dim=1).split(8)
     total = 0.0
-    for i in range(count):
-        batch = torch.cat([torch.tensor([bos]), stream[i * step : (i + 1) * step]])[None]
+    for batch in batches:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=model.dtype == torch.bfloat16):
-            total += model(input_ids=batch, labels=batch).loss.float().item()
+            total += model(input_ids=batch, labels=batch).loss.float().item() * len(batch)
     return total / count
 
 
 @torch.no_grad()
-def greedy_argmax(model, ids: list[int]) -> list[int]:
-    """The model's greedy next token after every prefix of ids."""
-    return model(input_ids=torch.tensor([ids])).logits[0].argmax(-1).tolist()
+def greedy_argmax(model, ids: list[int], last: int = 1) -> list[int]:
+    """The model's greedy next token after each of the last `last` prefixes of ids."""
+    return model(input_ids=torch.tensor([ids]), logits_to_keep=last).logits[0].argmax(-1).tolist()
 
 
 @torch.no_grad()
@@ -47,7 +48,7 @@ def speculate(target, draft, prompt: list[int], k: int, new_tokens: int) -> tupl
         guess = list(ids)
         for _ in range(k):
             guess.append(greedy_argmax(draft, guess)[-1])
-        verdict = greedy_argmax(target, guess)[len(ids) - 1 :]
+        verdict = greedy_argmax(target, guess, last=k + 1)
         n = next((i for i in range(k) if guess[len(ids) + i] != verdict[i]), k)
         ids += guess[len(ids) : len(ids) + n] + [verdict[n]]
         accepted, proposed = accepted + n, proposed + k
@@ -63,9 +64,11 @@ def heldout_prompts(stream: torch.Tensor, bos: int, count: int, length: int) -> 
 def acceptance(target, draft, prompts: list[list[int]], k: int = 4, new_tokens: int = 32) -> dict:
     """Acceptance rate = accepted / proposed draft tokens over all prompts; also mean accepted per step."""
     accepted = proposed = 0
-    for prompt in prompts:
+    for i, prompt in enumerate(prompts):
         a, p = speculate(target, draft, prompt, k, new_tokens)
         accepted, proposed = accepted + a, proposed + p
+        if (i + 1) % 25 == 0:
+            print(f"acceptance after {i + 1} prompts: {accepted / proposed:.3f}", flush=True)
     return {
         "k": k,
         "prompts": len(prompts),
