@@ -25,5 +25,6 @@ def quantize(
     cfg = read_config(src)
     torch_dtype = resolve_dtype(dtype, cfg.get("torch_dtype") or cfg.get("dtype"), torch.device("cpu"))
     out = save_quantized(src, dst, spec, torch_dtype)
-    print(f"wrote {spec.method} ({spec.quant_type if spec.method == 'int4' else f'threshold {spec.threshold}'}) "
-          f"checkpoint to {out}")
+    how = f"{quant_type}{', double quant' if double_quant else ''}" if quantization == "int4" else \
+        f"threshold {llm_int8_threshold}"
+    print(f"wrote {quantization} ({how}) checkpoint to {out}")

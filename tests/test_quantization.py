@@ -101,6 +101,24 @@ def test_prequantized_checkpoint_round_trips_without_requantizing(ckpt, tmp_path
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
 
 
+def test_transformers_bitsandbytes_checkpoint_loads_and_matches(ckpt, tmp_path):
+    pytest.importorskip("accelerate", reason="transformers' bitsandbytes quantizer needs accelerate")
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    qc = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                            bnb_4bit_compute_dtype=torch.bfloat16)
+    hf = AutoModelForCausalLM.from_pretrained(ckpt, quantization_config=qc, dtype=torch.bfloat16)
+    hf.save_pretrained(tmp_path)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / f).write_bytes((ckpt / f).read_bytes())
+    got = LLM(tmp_path, dtype="bfloat16", device="cpu").score(PROMPTS)
+    ours = LLM(ckpt, dtype="bfloat16", device="cpu", quantization="int4", double_quant=True).score(PROMPTS)
+    assert all(torch.equal(a, b) for a, b in zip(got, ours, strict=True))
+    with torch.no_grad():
+        ref = hf(torch.tensor([PROMPTS[1]])).logits[0].float()
+    assert rel_err([got[1]], [ref]) < 1e-3
+
+
 def test_int8_kv_cache_close_to_fp32_and_holds_twice_the_tokens(ckpt):
     kw = dict(dtype="float32", device="cpu", kv_cache_memory_gb=0.002, max_num_batched_tokens=16)
     plain, int8 = LLM(ckpt, **kw), LLM(ckpt, kv_cache_dtype="int8", **kw)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 from torch import nn
 
@@ -91,6 +93,22 @@ def read_linear(spec: QuantSpec, reader: CheckpointReader, name: str, dtype, dev
     return plain
 
 
+def release_freed_memory() -> None:
+    """Hand the previous layer's freed full-precision weights back to the OS (glibc keeps them otherwise)."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _libc():
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
+_LIBC = _libc()
+
+
 def part_names(prefix: str) -> list[str]:
     """Checkpoint names of the linears behind one of our (possibly fused) linears."""
     layer, _, name = prefix.rpartition("layers.")
@@ -108,6 +126,7 @@ class Quantizer:
         self.prequantized = reader is not None
 
     def __call__(self, prefix: str, linear: nn.Linear) -> nn.Module:
+        release_freed_memory()
         names = part_names(prefix)
         if self.reader is not None:
             parts = [read_linear(self.spec, self.reader, n, self.dtype, self.device) for n in names]
