@@ -102,7 +102,6 @@ def test_prequantized_checkpoint_round_trips_without_requantizing(ckpt, tmp_path
 
 
 def test_transformers_bitsandbytes_checkpoint_loads_and_matches(ckpt, tmp_path):
-    pytest.importorskip("accelerate", reason="transformers' bitsandbytes quantizer needs accelerate")
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     qc = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
