@@ -87,20 +87,26 @@ def main() -> None:
     p.add_argument("--sequential-requests", type=int, default=8,
                    help="HF one-at-a-time is slow: measure its rate on this many requests")
     p.add_argument("--skip-generate-batch", action="store_true")
+    p.add_argument("--generate-batch-requests", type=int, default=None,
+                   help="run HF generate_batch on the first N requests only (it is slow on CPU)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     path = bench_model()
     reqs = workload(args.num_requests)
     tokens, dt, info = run_engine(path, reqs)
     rows = [["sluice engine", len(reqs), tokens, dt, tokens / dt]]
+    print(rows[-1], flush=True)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     with torch.inference_mode():
         model.generate(torch.tensor([reqs[0][0][:8]]), generation_config=gen_config(2))
         t2, d2 = run_hf_static(model, reqs, args.hf_batch_size)
         rows.append([f"HF generate() static batch {args.hf_batch_size}, left padding", len(reqs), t2, d2, t2 / d2])
+        print(rows[-1], flush=True)
         if not args.skip_generate_batch:
-            (t3, d3) = run_hf_generate_batch(model, reqs)
-            rows.append(["HF generate_batch (continuous batching)", len(reqs), t3, d3, t3 / d3])
+            n_cb = min(args.generate_batch_requests or len(reqs), len(reqs))
+            t3, d3 = run_hf_generate_batch(model, reqs[:n_cb])
+            rows.append(["HF generate_batch (continuous batching)", n_cb, t3, d3, t3 / d3])
+            print(rows[-1], flush=True)
         n_seq = min(args.sequential_requests, len(reqs))
         t1, d1 = run_hf_sequential(model, reqs[:n_seq])
         rows.append(["HF generate() one request at a time", n_seq, t1, d1, t1 / d1])
