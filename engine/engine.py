@@ -203,7 +203,8 @@ class Engine:
         if self.proposer is not None:
             self.proposer.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
-        self._drop_unscheduled_speculation(batch)
+        if self.proposer is not None:
+            self._drop_unscheduled_speculation(batch)
         if batch.requests:
             step_logits = self.runner.run(batch)
             for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):

@@ -65,19 +65,13 @@ class Request:
         """Tokens whose KV the next steps must compute: all known tokens plus speculative ones."""
         return self.num_tokens + len(self.spec_token_ids)
 
-    def token_at(self, index: int) -> int:
-        """Token `index` of prompt + output + speculative tokens."""
-        n = len(self.prompt_token_ids)
-        if index < n:
-            return self.prompt_token_ids[index]
-        index -= n
-        if index < len(self.output_token_ids):
-            return self.output_token_ids[index]
-        return self.spec_token_ids[index - len(self.output_token_ids)]
-
     def tokens_slice(self, start: int, stop: int) -> list[int]:
-        """Tokens [start, stop) of prompt + output + speculative tokens."""
-        return (self.prompt_token_ids + self.output_token_ids + self.spec_token_ids)[start:stop]
+        """Tokens [start, stop) of prompt + output + speculative tokens (copies only what it must)."""
+        n = len(self.prompt_token_ids)
+        head = self.prompt_token_ids[start:stop] if start < n else []
+        if stop <= n:
+            return head
+        return head + (self.output_token_ids + self.spec_token_ids)[max(0, start - n):stop - n]
 
     @property
     def is_finished(self) -> bool:

@@ -19,7 +19,6 @@ class ShortGroup:
     valid: torch.Tensor  # [B, max_q] bool
     block_index: torch.Tensor  # [B * max_blocks] flattened block tables
     mask: torch.Tensor  # [1, B, max_q, 1, max_blocks * block_size] bool
-    num_keys: int
 
 
 @dataclass(slots=True)
@@ -102,8 +101,7 @@ def _short_group(idx, starts, query_lens, context_lens, block_tables, block_size
         row = block_tables[i][:nb]
         tables[r, : len(row)] = torch.tensor(row, dtype=torch.long)
     return ShortGroup(
-        token_index.to(device), valid.to(device), tables.flatten().to(device), mask[None, :, :, None].to(device),
-        nb * block_size,
+        token_index.to(device), valid.to(device), tables.flatten().to(device), mask[None, :, :, None].to(device)
     )
 
 
