@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_attention
+from kernels import cpu_attention, int8_linear
 from kernels.attention import build_metadata, paged_attention
 
 H, HK, D, BS, NB = 6, 2, 16, 4, 200
@@ -77,3 +77,21 @@ def test_fused_cpu_kernel_matches_reference(dtype, tol):
     assert meta.fused_short is not None and not meta.short_groups
     fused = paged_attention(q, k_new, v_new, kc, vc, meta, D**-0.5)
     assert (fused.float() - plain.float()).abs().max().item() < tol
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_int8_linear_matches_dequantized_weights_on_every_path(dtype, tol, monkeypatch):
+    gemv_rows = []
+    real = torch._weight_int8pack_mm
+    monkeypatch.setattr(torch, "_weight_int8pack_mm", lambda x, w, s: gemv_rows.append(x.shape[0]) or real(x, w, s))
+    torch.manual_seed(0)
+    for k in (384, 100):  # 100: not a multiple of 16, which torch's GEMV mis-computes, so it must not be used
+        qweight = torch.randint(-127, 128, (200, k), dtype=torch.int8)
+        scales, bias = (torch.rand(200) / 50).to(dtype), torch.randn(200).to(dtype)
+        for m in (1, 3, 5, 40):
+            x = torch.randn(2, m, k).to(dtype)
+            got = int8_linear(x, qweight, scales, bias)
+            want = x.double() @ (qweight.double() * scales.double()[:, None]).T + bias.double()
+            assert got.shape == (2, m, 200) and got.dtype == dtype
+            assert ((got.double() - want).norm() / want.norm()).item() < tol
+    assert gemv_rows == [2], "only the 2-row call with in_features % 16 == 0 takes the int8 GEMV"

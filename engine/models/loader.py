@@ -87,6 +87,15 @@ def _load_layer(layer: nn.Module, reader, i: int, dtype, device, hook: LinearHoo
             mod.weight = _param(reader.get(f"{prefix}{name}.weight"), dtype, device)
 
 
+def _head(model: LlamaModel) -> nn.Linear:
+    """The LM head as a linear (sharing the embedding table when tied)."""
+    if model.lm_head is not None:
+        return model.lm_head
+    head = nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=False, device="meta")
+    head.weight = model.embed_tokens.weight
+    return head
+
+
 def load_model(
     path: str | Path,
     dtype: torch.dtype,
@@ -106,6 +115,8 @@ def load_model(
         model.lm_head.weight = _param(reader.get(name), dtype, device)
     for i, layer in enumerate(model.layers):
         _load_layer(layer, reader, i, dtype, device, linear_hook)
+    if getattr(linear_hook, "quantizes_head", False):
+        model.lm_head = linear_hook("lm_head", _head(model))
     model.rope = RotaryEmbedding(config.head_dim, max_positions, config.rope).to(device)
     reader.close()
     return model.eval()

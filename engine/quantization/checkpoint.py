@@ -34,6 +34,7 @@ def quantized_linears(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
 def save_quantized(src: str | Path, dst: str | Path, spec: QuantSpec, dtype: torch.dtype) -> Path:
     """Quantize the checkpoint at `src` layer by layer on CPU and write it, loadable as is, to `dst`."""
     src, dst = Path(src), Path(dst)
+    quantization_config = spec.hf_config(dtype)
     hf_config = read_config(src)
     if hf_config.get("quantization_config"):
         raise ValueError(f"{src} is already quantized ({hf_config['quantization_config'].get('quant_method')})")
@@ -53,6 +54,6 @@ def save_quantized(src: str | Path, dst: str | Path, spec: QuantSpec, dtype: tor
     for f in src.iterdir():
         if f.is_file() and not f.name.endswith(".safetensors") and f.name not in ("config.json", f"{WEIGHTS}.index.json"):
             shutil.copy2(f, dst / f.name)
-    hf_config |= {"quantization_config": spec.hf_config(dtype), "dtype": str(dtype).removeprefix("torch.")}
+    hf_config |= {"quantization_config": quantization_config, "dtype": str(dtype).removeprefix("torch.")}
     (dst / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     return dst

@@ -7,9 +7,10 @@ import ctypes
 import torch
 from torch import nn
 
+import kernels
 from engine.models.llama import ModelConfig
 from engine.models.loader import FUSED, CheckpointReader
-from engine.quantization.spec import BLOCKSIZE, QuantSpec
+from engine.quantization.spec import BLOCKSIZE, WEIGHT_ONLY, QuantSpec
 
 QUIET = ("bitsandbytes.backends.cpu.ops", "bitsandbytes.autograd._functions")  # per-call cast notices
 
@@ -64,6 +65,21 @@ def int4_linear(spec: QuantSpec, packed: torch.Tensor, quant_state, bias, dtype)
     mod.quant_state = quant_state
     mod.bias = _bias(bias, dtype)
     return mod
+
+
+class Int8WeightOnlyLinear(nn.Module):
+    """int8 weights [out, in] with a scale per output row (absmax / 127); activations stay in `dtype`."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        super().__init__()
+        w = weight.float()
+        scales = w.abs().amax(1).clamp_min(torch.finfo(torch.float32).tiny) / 127
+        self.register_buffer("qweight", (w / scales[:, None]).round_().to(torch.int8))
+        self.register_buffer("scales", scales.to(dtype))
+        self.bias = _bias(bias, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.int8_linear(x, self.qweight, self.scales, self.bias)
 
 
 def quantized_linear(spec: QuantSpec, weight: torch.Tensor, bias: torch.Tensor | None, dtype) -> nn.Module:
@@ -125,8 +141,15 @@ class Quantizer:
         self.split = {"self_attn.qkv_proj": [q, kv, kv], "mlp.gate_up_proj": [c.intermediate_size] * 2}
         self.prequantized = reader is not None
 
+    @property
+    def quantizes_head(self) -> bool:
+        """bitsandbytes leaves the LM head in full precision (as transformers does); weight-only int8 does not."""
+        return self.spec.method == WEIGHT_ONLY
+
     def __call__(self, prefix: str, linear: nn.Linear) -> nn.Module:
         release_freed_memory()
+        if self.spec.method == WEIGHT_ONLY:
+            return Int8WeightOnlyLinear(linear.weight, linear.bias, self.dtype)
         names = part_names(prefix)
         if self.reader is not None:
             parts = [read_linear(self.spec, self.reader, n, self.dtype, self.device) for n in names]

@@ -9,7 +9,9 @@ import torch
 
 from engine.models.llama import ModelConfig
 
-METHODS = ("int8", "int4")
+BNB_METHODS = ("int8", "int4")
+WEIGHT_ONLY = "int8_weight_only"
+METHODS = (*BNB_METHODS, WEIGHT_ONLY)
 QUANT_TYPES = ("nf4", "fp4")
 BLOCKSIZE = 64
 SERVED_DEVICES = ("cpu", "cuda", "xpu")
@@ -18,7 +20,8 @@ CPU_INT4_ROWS = 32
 
 @dataclass(slots=True)
 class QuantSpec:
-    """A bitsandbytes method: LLM.int8() linears, or 4-bit NF4/FP4 linears with blocksize 64."""
+    """A bitsandbytes method (LLM.int8() linears, or 4-bit NF4/FP4 linears with blocksize 64), or int8 weights
+    with one scale per output row (`int8_weight_only`, LM head included)."""
 
     method: str
     quant_type: str = "nf4"
@@ -36,6 +39,9 @@ class QuantSpec:
 
     def hf_config(self, dtype: torch.dtype) -> dict[str, Any]:
         """The `quantization_config` transformers writes for bitsandbytes checkpoints."""
+        if self.method not in BNB_METHODS:
+            raise ValueError(f"{self.method} quantizes while loading; only {' and '.join(BNB_METHODS)} "
+                             "(bitsandbytes) checkpoints can be written")
         four = self.method == "int4"
         return {
             "quant_method": "bitsandbytes",
@@ -84,6 +90,8 @@ def resolve_spec(config, hf_config: dict[str, Any]) -> QuantSpec | None:
 
 def check_device(spec: QuantSpec, device: torch.device, dtype: torch.dtype) -> None:
     """Refuse devices bitsandbytes has no kernels for, and run one tiny quantized matmul there."""
+    if spec.method == WEIGHT_ONLY:
+        return
     if device.type not in SERVED_DEVICES:
         raise ValueError(f"quantization={spec.method!r} needs bitsandbytes kernels, which exist for "
                          f"{', '.join(SERVED_DEVICES)}; not for device {device.type!r}")
