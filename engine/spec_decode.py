@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -12,7 +12,7 @@ from engine.model_runner import ModelRunner
 from engine.models.llama import ModelConfig
 from engine.models.loader import load_model, read_config
 from engine.request import Request
-from engine.sampler import sample_probs
+from engine.sampler import draw, exponential_noise, sample_probs
 from engine.scheduler import ScheduledBatch
 
 if TYPE_CHECKING:
@@ -20,7 +20,11 @@ if TYPE_CHECKING:
     from engine.model_runner import StepLogits
 
 METHODS = ("draft", "ngram")
-DEFAULT_DISABLE_BY_BATCH_SIZE = 1  # measured on CPU: speculation only breaks even with one running request
+# Measured on CPU (docs/benchmarks.md, speculative decoding): n-gram and full-precision drafts pay up to 8 running
+# requests and cost from 16; an int8_weight_only draft is fastest while its int8 GEMV serves the draft's rows
+# (up to 2 requests) and gains nothing from 4.
+DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+DEFAULT_DISABLE_BY_BATCH_SIZE_INT8_DRAFT = 2
 
 
 @dataclass(slots=True)
@@ -32,7 +36,8 @@ class SpecConfig:
     model: str | None = None
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
-    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+    disable_by_batch_size: int | None = None
+    quantization: str | None = None
 
     @classmethod
     def parse(cls, raw: dict[str, Any]) -> SpecConfig:
@@ -44,14 +49,23 @@ class SpecConfig:
         k = raw.pop("num_speculative_tokens", 4)
         if not isinstance(k, int) or k < 1:
             raise ValueError(f"speculative num_speculative_tokens must be an integer >= 1, got {k!r}")
-        unknown = set(raw) - {"model", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"}
+        unknown = set(raw) - {"model", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size",
+                              "quantization"}
         if unknown:
             raise ValueError(f"unknown speculative option(s): {', '.join(sorted(unknown))}")
         cfg = cls(method, k, **raw)
         if method == "draft" and not cfg.model:
             raise ValueError("speculative method 'draft' needs 'model': the draft checkpoint folder")
+        if method != "draft" and cfg.quantization is not None:
+            raise ValueError("speculative 'quantization' quantizes only a draft model (method 'draft')")
         if not 1 <= cfg.prompt_lookup_min <= cfg.prompt_lookup_max:
             raise ValueError("speculative prompt_lookup_min/max must satisfy 1 <= min <= max")
+        if not isinstance(cfg.disable_by_batch_size, int | None) or (cfg.disable_by_batch_size or 0) < 0:
+            raise ValueError(f"speculative disable_by_batch_size must be an integer >= 0, "
+                             f"got {cfg.disable_by_batch_size!r}")
+        if cfg.disable_by_batch_size is None:
+            cfg.disable_by_batch_size = DEFAULT_DISABLE_BY_BATCH_SIZE_INT8_DRAFT \
+                if cfg.quantization == "int8_weight_only" else DEFAULT_DISABLE_BY_BATCH_SIZE
         return cfg
 
 
@@ -86,10 +100,13 @@ class Proposer:
     def verify(self, reqs: list[Request], rows: StepLogits, index: list[int]) -> list[Request]:
         """Accept/reject each request's proposals (Leviathan et al.); append the emitted tokens."""
         finished = []
+        best = rows.logits.max(-1).indices.tolist() if any(reqs[i].params.greedy for i in index) else []
         for i in index:
             req = reqs[i]
-            logits = rows.logits[rows.row_start[i]: rows.row_start[i] + rows.num_rows[i]]
-            emitted = self._accept(req, logits)
+            start, n = rows.row_start[i], rows.num_rows[i]
+            logits = rows.logits[start: start + n]
+            emitted = _accept_greedy(req.spec_token_ids, best[start: start + n]) if req.params.greedy \
+                else self._accept(req, logits)
             k, a = len(req.spec_token_ids), len(emitted) - 1
             self.proposed, self.accepted, self.steps = self.proposed + k, self.accepted + a, self.steps + 1
             m = req.metrics
@@ -136,8 +153,15 @@ def _one_hot(tokens: list[int], vocab: int, device) -> torch.Tensor:
 
 
 def _draw(probs: torch.Tensor, gen: torch.Generator) -> int:
-    noise = torch.empty(probs.shape[-1]).exponential_(generator=gen).to(probs.device)
-    return int((probs / noise).argmax().item())
+    return int((probs / exponential_noise(probs.shape[-1], gen).to(probs.device)).argmax().item())
+
+
+def _accept_greedy(spec: list[int], best: list[int]) -> list[int]:
+    """Against a greedy target the rejection rule reduces to: keep proposals while they are its argmax."""
+    n = 0
+    while n < len(spec) and spec[n] == best[n]:
+        n += 1
+    return best[: n + 1]
 
 
 class NgramProposer(Proposer):
@@ -166,11 +190,20 @@ class DraftProposer(Proposer):
         super().__init__(engine, cfg)
         draft_cfg = ModelConfig.from_hf(read_config(cfg.model))
         _check_vocab(engine, draft_cfg, cfg.model)
-        self.model = load_model(cfg.model, engine.dtype, engine.device, engine.max_model_len)
+        self.model = self._load(engine, cfg)
         num_blocks = engine.block_manager.num_blocks
         self.blocks = BlockManager(num_blocks, engine.config.block_size, enable_prefix_caching=False)
         self.runner = ModelRunner(self.model, num_blocks, engine.config.block_size, engine.dtype, engine.device)
         self.shadows: dict[str, Request] = {}
+
+    @staticmethod
+    def _load(engine: Engine, cfg: SpecConfig):
+        """The draft in the target's dtype, quantized as `cfg.quantization` says (any engine method)."""
+        from engine.quantization import linear_hook
+
+        config = replace(engine.config, model=cfg.model, quantization=cfg.quantization, speculative=None)
+        return load_model(cfg.model, engine.dtype, engine.device, engine.max_model_len,
+                          linear_hook(config, engine.device, engine.dtype))
 
     def _shadow(self, req: Request) -> Request:
         tokens = req.all_token_ids
@@ -201,19 +234,23 @@ class DraftProposer(Proposer):
                                    [shadows[i].num_tokens - shadows[i].num_computed_tokens for i in active], [])
             for s, n in zip(batch.requests, batch.num_new_tokens, strict=True):
                 self.blocks.allocate(s, n)
-            rows = self.runner.run(batch)
-            q = sample_probs(rows.logits, [reqs[i] for i in active])
+            tokens, q = self._sample(self.runner.run(batch).logits, [reqs[i] for i in active])
             for j, i in enumerate(active):
                 s = shadows[i]
                 s.num_computed_tokens = s.num_tokens
-                gen = reqs[i].generator if reqs[i].generator is not None else self.engine.generator
-                tok = _draw(q[j], gen)
-                probs[i].append(q[j])
-                s.prompt_token_ids.append(tok)
+                s.prompt_token_ids.append(tokens[j])
+                if q is not None and not reqs[i].params.greedy:
+                    probs[i].append(q[j])
         for i, req in enumerate(reqs):
-            n = len(probs[i])
-            req.spec_token_ids = shadows[i].prompt_token_ids[req.num_tokens: req.num_tokens + n]
-            req.draft_state = torch.stack(probs[i]) if n else None
+            req.spec_token_ids = shadows[i].prompt_token_ids[req.num_tokens:]
+            req.draft_state = torch.stack(probs[i]) if probs[i] else None
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], torch.Tensor | None]:
+        """Draft tokens and, unless every row is greedy, the distributions they were drawn from."""
+        if all(r.params.greedy for r in reqs):
+            return logits.max(-1).indices.tolist(), None
+        q = sample_probs(logits, reqs)
+        return draw(q, reqs, self.engine.generator).tolist(), q
 
     def _fits(self, s: Request) -> bool:
         return self.blocks.can_allocate(self.blocks.blocks_needed(s, s.num_tokens - s.num_computed_tokens))

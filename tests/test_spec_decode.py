@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from engine import LLM, SamplingParams
+from engine.quantization.linears import Int8WeightOnlyLinear
 from tests.checkpoints import build_tokenizer
 from tests.test_engine import random_prompts
 
@@ -43,15 +44,28 @@ def test_ngram_greedy_equals_plain(tiny_llama, reference):
     assert sum(o.metrics.spec_proposed for o in outs) == s["spec_proposed"]
 
 
-def test_draft_greedy_equals_plain_under_preemption(tiny_llama, draft, reference):
+@pytest.mark.parametrize("quantization", [None, "int8_weight_only"])
+def test_draft_greedy_equals_plain_under_preemption(tiny_llama, draft, reference, quantization):
     plain = LLM(tiny_llama, dtype="float32", device="cpu")
     budget = 24 * plain.engine.kv_block_bytes / 1024**3
-    llm = spec_llm(tiny_llama, {"method": "draft", "model": str(draft), "num_speculative_tokens": 3},
-                   kv_cache_memory_gb=budget)
+    llm = spec_llm(tiny_llama, {"method": "draft", "model": str(draft), "num_speculative_tokens": 3,
+                                "quantization": quantization}, kv_cache_memory_gb=budget)
     outs = llm.generate(copy_prompts(), GREEDY, progress=False)
     assert [o.token_ids for o in outs] == reference
     assert llm.stats()["num_preemptions"] > 0 and llm.stats()["spec_proposed"] > 0
     assert llm.engine.block_manager.num_used_blocks == 0 and llm.engine.proposer.blocks.num_used_blocks == 0
+
+
+def test_greedy_requests_stay_exact_beside_sampled_ones(tiny_llama, draft, reference):
+    llm = spec_llm(tiny_llama, {"method": "draft", "model": str(draft), "num_speculative_tokens": 3,
+                                "quantization": "int8_weight_only"})
+    sampled = SamplingParams(max_tokens=24, temperature=0.8, seed=7)
+    params = [GREEDY if i % 2 == 0 else sampled for i in range(len(reference))]
+    outs = llm.generate(copy_prompts(), params, progress=False)
+    assert [o.token_ids for o in outs[::2]] == reference[::2]
+    assert all(len(o.token_ids) == 24 for o in outs[1::2])
+    assert isinstance(llm.engine.proposer.model.layers[0].mlp.down_proj, Int8WeightOnlyLinear)
+    assert sum(o.metrics.spec_accepted for o in outs[1::2]) > 0
 
 
 def test_draft_equal_to_target_accepts_everything(tiny_llama, reference):
@@ -128,11 +142,19 @@ def test_rejection_sampler_matches_target_distribution(tmp_path):
         ({"method": "medusa"}, "unknown"),
         ({"method": "ngram", "num_speculative_tokens": 0}, ">= 1"),
         ({"method": "draft"}, "needs 'model'"),
+        ({"method": "ngram", "quantization": "int8_weight_only"}, "only a draft model"),
+        ({"method": "ngram", "disable_by_batch_size": -1}, "disable_by_batch_size must be an integer >= 0"),
     ],
 )
 def test_bad_speculative_settings(tiny_llama, spec, message):
     with pytest.raises(ValueError, match=message):
         LLM(tiny_llama, dtype="float32", device="cpu", speculative=spec)
+
+
+def test_draft_quantization_is_checked_at_construction(tiny_llama, draft):
+    with pytest.raises(ValueError, match="unknown quantization 'int3'"):
+        LLM(tiny_llama, dtype="float32", device="cpu",
+            speculative={"method": "draft", "model": str(draft), "quantization": "int3"})
 
 
 def test_draft_with_other_vocabulary_is_refused(tiny_llama, tmp_path):
