@@ -96,6 +96,18 @@ def test_int8_weight_only_quantizes_every_linear_and_the_head(checkpoint_factory
     assert same >= 0.8 * len(PROMPTS) * params.max_tokens
 
 
+def test_int8_weight_only_rows_round_trip_in_chunks_without_touching_the_source():
+    torch.manual_seed(0)
+    weight = torch.randn(2 * Int8WeightOnlyLinear.ROWS_PER_CHUNK + 100, 64)  # float32: .float() aliases it
+    source = weight.clone()
+    lin = Int8WeightOnlyLinear(weight, None, torch.float32)
+    assert torch.equal(weight, source)
+    scales = source.abs().amax(1) / 127
+    assert torch.equal(lin.qweight, (source / scales[:, None]).round().to(torch.int8))
+    err = (lin.qweight.float() * lin.scales[:, None] - source).abs().amax(1) / source.abs().amax(1)
+    assert err.max().item() <= 0.5 / 127 + 1e-6
+
+
 def test_int8_weight_only_checkpoints_are_refused_before_any_work(ckpt, tmp_path):
     with pytest.raises(ValueError, match="int8_weight_only quantizes while loading"):
         quantize(ckpt, tmp_path / "out", "int8_weight_only")

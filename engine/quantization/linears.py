@@ -70,12 +70,18 @@ def int4_linear(spec: QuantSpec, packed: torch.Tensor, quant_state, bias, dtype)
 class Int8WeightOnlyLinear(nn.Module):
     """int8 weights [out, in] with a scale per output row (absmax / 127); activations stay in `dtype`."""
 
+    ROWS_PER_CHUNK = 1024  # quantize in slices so loading never holds a float32 copy of a whole LM head
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         super().__init__()
-        w = weight.float()
-        scales = w.abs().amax(1).clamp_min(torch.finfo(torch.float32).tiny) / 127
-        self.register_buffer("qweight", (w / scales[:, None]).round_().to(torch.int8))
-        self.register_buffer("scales", scales.to(dtype))
+        self.register_buffer("qweight", torch.empty(weight.shape, dtype=torch.int8, device=weight.device))
+        self.register_buffer("scales", torch.empty(weight.shape[0], dtype=dtype, device=weight.device))
+        for start in range(0, weight.shape[0], self.ROWS_PER_CHUNK):
+            rows = slice(start, start + self.ROWS_PER_CHUNK)
+            w = weight[rows].float()  # may alias a float32 weight (a tied embedding table): no in-place ops
+            scales = w.abs().amax(1).clamp_min(torch.finfo(torch.float32).tiny) / 127
+            self.qweight[rows] = (w / scales[:, None]).round_().to(torch.int8)
+            self.scales[rows] = scales.to(dtype)
         self.bias = _bias(bias, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
