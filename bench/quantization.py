@@ -24,6 +24,7 @@ MODES = {
     "int4-nf4": {"quantization": "int4"},
     "int4-fp4-dq": {"quantization": "int4", "quant_type": "fp4", "double_quant": True},
     "kv-int8": {"kv_cache_dtype": "int8"},
+    "int8-weight-only": {"quantization": "int8_weight_only"},
 }
 TINY = ROOT / "models" / "sluice-tiny"
 KV_GB = 0.5
@@ -40,6 +41,8 @@ def weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
     """Bytes of all parameters, buffers and bitsandbytes quantization state; and of the decoder linears alone."""
     import bitsandbytes as bnb
 
+    from engine.quantization.linears import Int8WeightOnlyLinear
+
     total = linear = 0
     for name, mod in model.named_modules():
         tensors = [*mod.parameters(recurse=False), *mod.buffers(recurse=False)]
@@ -50,7 +53,7 @@ def weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
             tensors.append(mod.weight.SCB if mod.weight.SCB is not None else mod.state.SCB)
         n = sum(t.numel() * t.element_size() for t in tensors)
         total += n
-        linear += n if name.startswith("layers.") and isinstance(mod, torch.nn.Linear) else 0
+        linear += n if name.startswith("layers.") and isinstance(mod, torch.nn.Linear | Int8WeightOnlyLinear) else 0
     return total, linear
 
 
@@ -203,7 +206,7 @@ def main() -> None:
         return
     bench_model()
     results = run_rounds(args.modes.split(","), args)
-    record("Quantization (bitsandbytes int8/int4 weights, int8 KV) vs bf16", report(results, args))
+    record("Quantization (bitsandbytes int8/int4 weights, int8 weight-only, int8 KV) vs bf16", report(results, args))
 
 
 def argparse_hidden() -> str:

@@ -20,9 +20,10 @@ if TYPE_CHECKING:
     from engine.model_runner import StepLogits
 
 METHODS = ("draft", "ngram")
-# Measured on CPU (docs/benchmarks.md, speculative decoding): n-gram and full-precision drafts pay up to 8 running
-# requests and cost from 16; an int8_weight_only draft is fastest while its int8 GEMV serves the draft's rows
-# (up to 2 requests) and gains nothing from 4.
+# Measured on CPU with the bundled pair (docs/benchmarks.md, speculative decoding): n-gram and full-precision
+# drafts gain >= 1.1x up to 8 running requests, the draft only 1.04-1.09x beyond (a loss once the target's step is
+# compute-bound); an int8_weight_only draft gains while its int8 GEMV serves the draft's rows (1.75x at 2
+# requests) and nothing from 4 on (1.1x, then 0.92-0.98x).
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 DEFAULT_DISABLE_BY_BATCH_SIZE_INT8_DRAFT = 2
 
