@@ -35,12 +35,19 @@ def draft(checkpoint_factory):
     return checkpoint_factory("llama", seed=5, num_hidden_layers=1)
 
 
-def test_ngram_greedy_equals_plain(tiny_llama, reference):
-    llm = spec_llm(tiny_llama, {"method": "ngram", "num_speculative_tokens": 4})
+@pytest.mark.parametrize("kv_blocks", [None, 24])
+def test_ngram_greedy_equals_plain(tiny_llama, reference, kv_blocks):
+    kw = {}
+    if kv_blocks:
+        plain = LLM(tiny_llama, dtype="float32", device="cpu")
+        kw["kv_cache_memory_gb"] = kv_blocks * plain.engine.kv_block_bytes / 1024**3
+    llm = spec_llm(tiny_llama, {"method": "ngram", "num_speculative_tokens": 4}, **kw)
     outs = llm.generate(copy_prompts(), GREEDY, progress=False)
     assert [o.token_ids for o in outs] == reference
     s = llm.stats()
     assert s["spec_proposed"] > 0 and s["spec_accepted"] > 0
+    assert (s["num_preemptions"] > 0) == bool(kv_blocks)
+    assert llm.engine.block_manager.num_used_blocks == 0
     assert sum(o.metrics.spec_proposed for o in outs) == s["spec_proposed"]
 
 
