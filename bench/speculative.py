@@ -19,7 +19,7 @@ from common import ROOT, base_parser, bench_model, record, table, timed, workloa
 from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
-from engine.spec_decode import DEFAULT_DISABLE_BY_BATCH_SIZE, DEFAULT_DISABLE_BY_BATCH_SIZE_INT8_DRAFT
+from engine.spec_decode import DEFAULT_DISABLE_BY_BATCH_SIZE
 
 ALWAYS = 10_000  # disable_by_batch_size that keeps speculation on at every batch size
 
@@ -154,9 +154,8 @@ def main() -> None:
              "completion prompts; 'copy': six of them joined, then the passage's first 16 tokens again; "
              "'sampled': temperature 0.8, a seed per request. Batch 1 decodes four prompts one after another. "
              "'default threshold' is the int8 draft as configured out of the box (disable_by_batch_size="
-             f"{DEFAULT_DISABLE_BY_BATCH_SIZE_INT8_DRAFT}; {DEFAULT_DISABLE_BY_BATCH_SIZE} for n-gram and "
-             "full-precision drafts): above it a step runs without speculation. The other rows speculate at "
-             "every batch size.")
+             f"{DEFAULT_DISABLE_BY_BATCH_SIZE}): above it a step runs without speculation. The other rows "
+             "speculate at every batch size.")
     record("Speculative decoding", body)
 
 

@@ -20,13 +20,10 @@ if TYPE_CHECKING:
     from engine.model_runner import StepLogits
 
 METHODS = ("draft", "ngram")
-# Measured on CPU with the bundled pair (docs/benchmarks.md, speculative decoding): n-gram and full-precision
-# drafts gain >= 1.1x up to 8 running requests, the draft only 1.04-1.09x beyond (a loss once the target's step is
-# compute-bound); an int8_weight_only draft gains while its int8 GEMV serves the draft's rows (1.75x at 2
-# requests) and nothing from 4 on (1.1x, then 0.92-0.98x).
+# Measured on CPU with the bundled pair (docs/benchmarks.md, speculative decoding): the bf16 and int8 drafts
+# gain >= 1.16x up to 8 running requests and 0.89-1.08x beyond, where a larger target's compute-bound step
+# would lose; n-gram lookup costs nothing to propose but verifying still grows with the batch.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
-DEFAULT_DISABLE_BY_BATCH_SIZE_INT8_DRAFT = 2
-
 
 @dataclass(slots=True)
 class SpecConfig:
@@ -37,7 +34,7 @@ class SpecConfig:
     model: str | None = None
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
-    disable_by_batch_size: int | None = None
+    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
     quantization: str | None = None
 
     @classmethod
@@ -61,12 +58,9 @@ class SpecConfig:
             raise ValueError("speculative 'quantization' quantizes only a draft model (method 'draft')")
         if not 1 <= cfg.prompt_lookup_min <= cfg.prompt_lookup_max:
             raise ValueError("speculative prompt_lookup_min/max must satisfy 1 <= min <= max")
-        if not isinstance(cfg.disable_by_batch_size, int | None) or (cfg.disable_by_batch_size or 0) < 0:
+        if not isinstance(cfg.disable_by_batch_size, int) or cfg.disable_by_batch_size < 0:
             raise ValueError(f"speculative disable_by_batch_size must be an integer >= 0, "
                              f"got {cfg.disable_by_batch_size!r}")
-        if cfg.disable_by_batch_size is None:
-            cfg.disable_by_batch_size = DEFAULT_DISABLE_BY_BATCH_SIZE_INT8_DRAFT \
-                if cfg.quantization == "int8_weight_only" else DEFAULT_DISABLE_BY_BATCH_SIZE
         return cfg
 
 
