@@ -12,7 +12,7 @@ from engine.model_runner import ModelRunner
 from engine.models.llama import ModelConfig
 from engine.models.loader import load_model, read_config
 from engine.request import Request
-from engine.sampler import draw, exponential_noise, sample_probs
+from engine.sampler import draw, sample_probs
 from engine.scheduler import ScheduledBatch
 
 if TYPE_CHECKING:
@@ -129,10 +129,11 @@ class Proposer:
                 continue
             residual = (p[j] - q[j]).clamp_min(0)
             residual = residual if residual.sum() > 0 else p[j]
-            out.append(_draw(residual, gen))
-            return out
-        out.append(_draw(p[len(spec)], gen))
-        return out
+            return out + self._draw(residual, req)
+        return out + self._draw(p[len(spec)], req)
+
+    def _draw(self, probs: torch.Tensor, req: Request) -> list[int]:
+        return draw(probs[None], [req], self.engine.generator).tolist()
 
     def stats(self) -> dict[str, float]:
         return {
@@ -145,10 +146,6 @@ class Proposer:
 
 def _one_hot(tokens: list[int], vocab: int, device) -> torch.Tensor:
     return torch.zeros(len(tokens), vocab, device=device).scatter_(-1, torch.tensor(tokens, device=device)[:, None], 1.0)
-
-
-def _draw(probs: torch.Tensor, gen: torch.Generator) -> int:
-    return int((probs / exponential_noise(probs.shape[-1], gen).to(probs.device)).argmax().item())
 
 
 def _accept_greedy(spec: list[int], best: list[int]) -> list[int]:
