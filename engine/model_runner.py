@@ -10,7 +10,6 @@ import kernels
 from engine.models.llama import LayerKVCache, LlamaModel, ModelConfig
 from engine.request import Request
 from engine.scheduler import ScheduledBatch
-from kernels import cpu_attention
 
 
 @dataclass(slots=True)
@@ -36,8 +35,8 @@ class ModelRunner:
         c = model.config
         self.model, self.block_size, self.device = model, block_size, device
         factory = cache_factory or self._plain_cache
-        self.fused = (cache_factory is None and device.type == "cpu" and kv_dtype == model.embed_tokens.weight.dtype
-                      and cpu_attention.available())
+        self.fused = cache_factory is None and kernels.fused_attention(device, model.embed_tokens.weight.dtype,
+                                                                       kv_dtype)
         self.kv_caches = [factory(num_blocks, block_size, c, kv_dtype, device) for _ in range(c.num_layers)]
 
     @staticmethod

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu_attention import paged_attention_cpu
+
 MAX_SHORT_QUERY = 16
 SHORT_BUCKET = 32
 
@@ -147,8 +149,6 @@ def paged_attention(
     """Causal attention of the flat queries q [T, H, D] over each sequence's cached context."""
     out = torch.empty_like(q)
     if meta.fused_short is not None:
-        from kernels.cpu_attention import paged_attention_cpu
-
         paged_attention_cpu(q, k_cache, v_cache, out, *meta.fused_short, scale)
     for g in meta.short_groups:
         o = short_query_attention(q[g.token_index], k_cache, v_cache, g, scale)

@@ -1,0 +1,12 @@
+"""Which implementation serves an op on a given device and dtype: decided here, never by engine code."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import cpu_attention
+
+
+def fused_attention(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
+    """True when paged attention over a plain `kv_dtype` cache runs the fused CPU kernel (built on first call)."""
+    return device.type == "cpu" and kv_dtype == dtype and cpu_attention.available()
