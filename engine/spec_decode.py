@@ -12,7 +12,7 @@ from engine.model_runner import ModelRunner
 from engine.models.llama import ModelConfig
 from engine.models.loader import load_model, read_config
 from engine.request import Request
-from engine.sampler import draw, sample_probs
+from engine.sampler import DRAFT_STREAM, draw, sample_probs
 from engine.scheduler import ScheduledBatch
 
 if TYPE_CHECKING:
@@ -129,11 +129,11 @@ class Proposer:
                 continue
             residual = (p[j] - q[j]).clamp_min(0)
             residual = residual if residual.sum() > 0 else p[j]
-            return out + self._draw(residual, req)
-        return out + self._draw(p[len(spec)], req)
+            return out + self._draw(residual, req, j)
+        return out + self._draw(p[len(spec)], req, len(spec))
 
-    def _draw(self, probs: torch.Tensor, req: Request) -> list[int]:
-        return draw(probs[None], [req], self.engine.generator).tolist()
+    def _draw(self, probs: torch.Tensor, req: Request, offset: int) -> list[int]:
+        return draw(probs[None], [req], self.engine.generator, [req.num_tokens + offset]).tolist()
 
     def stats(self) -> dict[str, float]:
         return {
@@ -226,7 +226,8 @@ class DraftProposer(Proposer):
                                    [shadows[i].num_tokens - shadows[i].num_computed_tokens for i in active], [])
             for s, n in zip(batch.requests, batch.num_new_tokens, strict=True):
                 self.blocks.allocate(s, n)
-            tokens, q = self._sample(self.runner.run(batch).logits, [reqs[i] for i in active])
+            tokens, q = self._sample(self.runner.run(batch).logits, [reqs[i] for i in active],
+                                     [shadows[i].num_tokens for i in active])
             for j, i in enumerate(active):
                 s = shadows[i]
                 s.num_computed_tokens = s.num_tokens
@@ -237,12 +238,13 @@ class DraftProposer(Proposer):
             req.spec_token_ids = shadows[i].prompt_token_ids[req.num_tokens:]
             req.draft_state = torch.stack(probs[i]) if probs[i] else None
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], torch.Tensor | None]:
+    def _sample(self, logits: torch.Tensor, reqs: list[Request],
+                positions: list[int]) -> tuple[list[int], torch.Tensor | None]:
         """Draft tokens and, unless every row is greedy, the distributions they were drawn from."""
         if all(r.params.greedy for r in reqs):
             return logits.max(-1).indices.tolist(), None
         q = sample_probs(logits, reqs)
-        return draw(q, reqs, self.engine.generator).tolist(), q
+        return draw(q, reqs, self.engine.generator, positions, stream=DRAFT_STREAM).tolist(), q
 
     def _fits(self, s: Request) -> bool:
         return self.blocks.can_allocate(self.blocks.blocks_needed(s, s.num_tokens - s.num_computed_tokens))
