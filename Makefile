@@ -26,7 +26,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/throughput.py
 
 lint: $(STAMP)
-	$(BIN)/ruff check engine kernels producer worker tests bench
+	$(BIN)/ruff check engine kernels contract producer worker cli tests bench
 
 clean:
 	rm -rf $(VENV) results

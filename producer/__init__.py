@@ -1,6 +1,6 @@
-"""Sluice's producer side: the job contract, batch records in Redis, shards, the client and the CLI."""
+"""Sluice's producer side: validation, shards, the client and cron pipelines (the job contract is `contract`)."""
 
+from contract.schemas import Batch, BatchStatus, OutputRecord
 from producer.client import BatchNotFound, Client
-from producer.schemas import Batch, BatchStatus, OutputRecord
 
 __all__ = ["Batch", "BatchNotFound", "BatchStatus", "Client", "OutputRecord"]

@@ -12,10 +12,14 @@ from typing import Any
 import redis
 from tqdm.auto import tqdm
 
+from contract.batch import BatchStore, TransitionError, new_batch_id
+from contract.events import notify
+from contract.jobs import QUEUES
+from contract.schemas import CHAT, COMPLETIONS, Batch, BatchStatus, LineError, OutputRecord, RequestCounts
+from contract.settings import Settings, get_settings
+from contract.signing import check_url
+from contract.storage import read_url
 from producer import shards
-from producer.batch import BatchStore, TransitionError, new_batch_id
-from producer.schemas import CHAT, COMPLETIONS, Batch, BatchStatus, LineError, OutputRecord, RequestCounts
-from producer.settings import QUEUES, Settings, get_settings
 from producer.validation import Input, input_lines, validate_lines
 
 WINDOW = re.compile(r"^(\d+)([smhd])$")
@@ -49,14 +53,8 @@ def check_metadata(metadata: dict[str, str] | None) -> dict[str, str]:
 
 
 def check_webhook(url: str | None) -> str | None:
-    """The webhook URL after the webhook module's safety check (when that module is installed)."""
-    if not url:
-        return None
-    try:
-        from producer.webhooks import check_url
-    except ImportError:
-        return url
-    return check_url(url)
+    """The webhook URL after the safety check (http(s), public or allow-listed addresses)."""
+    return check_url(url) if url else None
 
 
 def single_line(prompt_or_messages: str | list, sampling: dict[str, Any]) -> dict[str, Any]:
@@ -153,8 +151,6 @@ class Client:
 
         batch = self.batches.transition(batch_id, BatchStatus.failed, record)
         if batch.webhook:
-            from worker.webhooks import notify
-
             notify(self.connection, batch)
         return batch
 
@@ -211,8 +207,6 @@ class Client:
 
     def results(self, batch_id: str, errors: bool = False) -> Iterator[OutputRecord]:
         """The batch's output records (or its error records) once it is done."""
-        from worker.storage import read_url
-
         batch = self.get(batch_id)
         if not batch.done:
             raise ValueError(f"batch {batch_id} is {batch.status.value}; results come once it is done")

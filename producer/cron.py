@@ -22,9 +22,10 @@ from rq.cron import CronJob, CronScheduler
 from rq.exceptions import StopRequested
 from rq.utils import now
 
-from producer.schemas import Priority
-from producer.webhooks import check_url, parse_duration
-from worker.storage import s3_client
+from contract.schemas import Priority
+from contract.signing import check_url, parse_duration
+from contract.storage import s3_client
+from producer.client import Client
 
 log = logging.getLogger(__name__)
 
@@ -201,8 +202,6 @@ def tick(connection: Redis, pipeline: CronPipeline, client: Any) -> list[str] | 
 
 def make_client(redis_url: str) -> Any:
     """The pipeline's producer client for redis_url."""
-    from producer.client import Client
-
     return Client(redis_url)
 
 

@@ -24,9 +24,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from contract.schemas import Batch, BatchStatus, OutputRecord
+from contract.settings import get_settings
 from producer.client import Client
-from producer.schemas import Batch, BatchStatus, OutputRecord
-from producer.settings import get_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = Path(os.environ.get("SLUICE_DEMO_MODEL", ROOT / "models" / "sluice-tiny"))

@@ -9,20 +9,11 @@ from rq import Queue, Retry
 from rq.job import Dependency, Job, JobStatus
 from rq.serializers import JSONSerializer
 
-from producer.schemas import Batch, Request
-from producer.settings import Settings
+from contract.jobs import FINALIZE, RUN_SHARD, finalize_job_id, shard_job_id
+from contract.schemas import Batch, Request
+from contract.settings import Settings
 
-RUN_SHARD = "worker.shards.run_shard"
-FINALIZE = "worker.finalize.finalize_batch"
 DROPPABLE = (JobStatus.QUEUED, JobStatus.DEFERRED, JobStatus.SCHEDULED)
-
-
-def shard_job_id(batch_id: str, shard: int) -> str:
-    return f"{batch_id}-shard-{shard}"
-
-
-def finalize_job_id(batch_id: str) -> str:
-    return f"{batch_id}-finalize"
 
 
 def split(

@@ -10,8 +10,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from producer.schemas import BODIES, InputLine, LineError, Request
-from producer.settings import Settings
+from contract.schemas import BODIES, InputLine, LineError, Request
+from contract.settings import Settings
+from contract.storage import read_url
 
 MAX_ERRORS = 1000
 Input = str | Path | bytes | Iterable[dict[str, Any] | str | bytes]
@@ -49,8 +50,6 @@ def input_lines(source: Input, settings: Settings) -> Iterator[bytes]:
 
 def read_source(source: str, max_bytes: int) -> bytes:
     """Bytes of a local path or storage URL, refusing anything over max_bytes."""
-    from worker.storage import read_url
-
     data = read_url(source, max_bytes=max_bytes)
     if len(data) > max_bytes:
         raise ValueError(

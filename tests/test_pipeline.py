@@ -14,9 +14,9 @@ from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
 from rq.worker import Worker
 
+from contract.jobs import shard_job_id
 from engine import LLM, SamplingParams
 from producer import BatchStatus, Client
-from producer.shards import shard_job_id
 from tests.services import start_worker, stop_worker
 
 pytestmark = pytest.mark.slow

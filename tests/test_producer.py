@@ -11,11 +11,12 @@ from rq.job import Job, JobStatus
 from rq.registry import CanceledJobRegistry
 from rq.serializers import JSONSerializer
 
+from contract.batch import TransitionError
+from contract.jobs import finalize_job_id, shard_job_id
+from contract.settings import Settings
 from producer import BatchStatus, Client
-from producer.batch import TransitionError
 from producer.client import window_seconds
-from producer.settings import Settings
-from producer.shards import finalize_job_id, queue_for, shard_job_id
+from producer.shards import queue_for
 from producer.validation import validate_lines
 from worker.finalize import finalize_batch
 
@@ -159,7 +160,7 @@ def test_completion_window_and_metadata_are_checked(redis_url):
 
 
 def test_webhook_is_checked_at_submit_and_notified_on_finalize(redis_url, tmp_path, monkeypatch):
-    from worker.webhooks import DUE_KEY, delivery_key
+    from contract.events import DUE_KEY, delivery_key
 
     client = Client(redis_url)
     with pytest.raises(ValueError, match="internal address"):

@@ -9,8 +9,8 @@ import bitsandbytes as bnb
 import pytest
 import torch
 
+from cli.quantize import quantize
 from engine import LLM, SamplingParams
-from engine.cli import quantize
 from engine.models.llama import ModelConfig
 from engine.models.loader import read_config
 from engine.quantization import FusedLinear, kv_token_bytes

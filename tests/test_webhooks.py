@@ -16,9 +16,9 @@ import pytest
 from redis import Redis
 from standardwebhooks import Webhook
 
-from producer.client import Client
-from producer.schemas import Batch, BatchStatus, RequestCounts
-from producer.webhooks import (
+from contract.events import delivery_log, notify
+from contract.schemas import Batch, BatchStatus, RequestCounts
+from contract.signing import (
     UnsafeWebhookURL,
     WebhookSettings,
     WebhookVerificationError,
@@ -28,7 +28,8 @@ from producer.webhooks import (
     sign_headers,
     verify,
 )
-from worker.webhooks import delivery_log, notify, run
+from producer.client import Client
+from worker.webhooks import run
 
 ROOT = Path(__file__).resolve().parents[1]
 SECRET = generate_secret()

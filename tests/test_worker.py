@@ -12,9 +12,10 @@ from rq.job import Job, JobStatus
 from rq.registry import FinishedJobRegistry, StartedJobRegistry
 from rq.serializers import JSONSerializer
 
+from contract.jobs import finalize_job_id, shard_job_id
 from engine import LLM, SamplingParams
 from producer import BatchStatus, Client
-from producer.shards import finalize_job_id, queue_for, shard_job_id
+from producer.shards import queue_for
 from worker.worker import EngineWorker
 
 

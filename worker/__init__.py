@@ -1,1 +1,1 @@
-"""Sluice's worker side: storage, shard runs, the engine-backed rq worker and the finalize job."""
+"""Sluice's worker side: shard runs, the engine-backed rq worker, the finalize job and webhook delivery."""

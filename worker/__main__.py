@@ -1,7 +1,9 @@
 """`python -m worker ...` is `sluice worker ...`."""
 
-import sys
+import typer
 
-from producer.cli import app
+from worker.cli import worker
 
-app(["worker", *sys.argv[1:]], prog_name="python -m worker")
+app = typer.Typer(add_completion=False)
+app.command()(worker)
+app(prog_name="python -m worker")

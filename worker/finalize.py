@@ -12,13 +12,14 @@ from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
-from producer.batch import BatchStore
-from producer.schemas import Batch, BatchStatus, OutputRecord, Request, RequestCounts
-from producer.settings import get_settings
-from producer.shards import shard_job_id
+from contract.batch import BatchStore
+from contract.events import notify
+from contract.jobs import shard_job_id
+from contract.schemas import Batch, BatchStatus, OutputRecord, Request, RequestCounts
+from contract.settings import get_settings
+from contract.storage import Storage, open_storage
 from worker.responses import ABORT_CODES, error_record
 from worker.shards import shard_key
-from worker.storage import Storage, open_storage
 
 MISSING = {JobStatus.CANCELED: "batch_cancelled", JobStatus.FAILED: "shard_failed"}
 
@@ -95,8 +96,6 @@ def finalize_batch(batch_id: str) -> dict[str, int]:
 
     batch = store.transition(batch_id, final_status(batch, records), close)
     if batch.webhook:
-        from worker.webhooks import notify
-
         single = next(iter(records.values())).model_dump(mode="json") if len(records) == 1 else None
         notify(connection, batch, result=single)
     return batch.request_counts.model_dump()

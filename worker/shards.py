@@ -11,11 +11,11 @@ from typing import Any
 import redis
 from pydantic import ValidationError
 
-from producer.batch import BatchStore
-from producer.schemas import ChatBody, OutputRecord, Request
-from producer.settings import get_settings
+from contract.batch import BatchStore
+from contract.schemas import ChatBody, OutputRecord, Request
+from contract.settings import get_settings
+from contract.storage import open_storage
 from worker.responses import ABORT_CODES, error_record, output_record
-from worker.storage import open_storage
 
 
 def shard_key(batch_id: str, shard: int) -> str:

@@ -1,4 +1,4 @@
-"""Reliable webhook delivery: events queued in Redis, a delivery loop with backoff, a log per batch."""
+"""Reliable webhook delivery: the loop that sends queued events (contract.events) with backoff and logs each attempt."""
 
 from __future__ import annotations
 
@@ -7,37 +7,18 @@ import logging
 import random
 import threading
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import requests
 import typer
 from redis import Redis
 
-from producer.webhooks import UnsafeWebhookURL, WebhookSettings, check_url, parse_schedule, sign_headers
+from contract.events import DUE_KEY, as_text, delivery_key, delivery_log, record_attempt
+from contract.signing import UnsafeWebhookURL, WebhookSettings, check_url, parse_schedule, sign_headers
 
 log = logging.getLogger(__name__)
 
-DUE_KEY = "sluice:webhooks:due"
-EVENT_TYPES = {
-    "completed": "batch.completed",
-    "failed": "batch.failed",
-    "cancelled": "batch.cancelled",
-    "expired": "batch.expired",
-}
-KEEP_S = 30 * 86400
 JITTER = 0.2
-
-_ENQUEUE = """
-if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) then
-  redis.call('HSET', KEYS[2], unpack(ARGV, 4))
-  redis.call('EXPIRE', KEYS[2], ARGV[2])
-  redis.call('ZADD', KEYS[3], ARGV[3], ARGV[1])
-  return ARGV[1]
-end
-return redis.call('GET', KEYS[1])
-"""
 
 _CLAIM = """
 local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, ARGV[3])
@@ -46,85 +27,10 @@ return ids
 """
 
 
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def delivery_key(event_id: str) -> str:
-    return f"sluice:webhooks:delivery:{event_id}"
-
-
-def log_key(batch_id: str) -> str:
-    return f"sluice:batch:{batch_id}:webhook_log"
-
-
-def _field(batch: Any, name: str) -> Any:
-    return batch.get(name) if isinstance(batch, dict) else getattr(batch, name, None)
-
-
-def batch_data(batch: Any) -> dict[str, Any]:
-    """The batch object as sent in an event's data, without the webhook target."""
-    data = batch.model_dump(mode="json") if hasattr(batch, "model_dump") else dict(batch)
-    data.pop("webhook", None)
-    return data
-
-
-def event_payload(event_id: str, event_type: str, batch: Any, result: dict | None = None) -> bytes:
-    """The exact JSON bytes of one event, sent unchanged on every attempt."""
-    data = batch_data(batch)
-    if result is not None:
-        data["result"] = result
-    payload = {"id": event_id, "type": event_type, "created_at": int(time.time()), "data": data}
-    return json.dumps(payload, separators=(",", ":")).encode()
-
-
-def record_attempt(connection: Redis, batch_id: str, entry: dict[str, Any]) -> None:
-    """Append one delivery attempt (or refusal) to the batch's delivery log."""
-    with connection.pipeline() as pipe:
-        pipe.rpush(log_key(batch_id), json.dumps(entry))
-        pipe.expire(log_key(batch_id), KEEP_S)
-        pipe.execute()
-
-
-def delivery_log(connection: Redis, batch_id: str) -> list[dict]:
-    """Every delivery attempt recorded for a batch, oldest first."""
-    return [json.loads(_text(raw)) for raw in connection.lrange(log_key(batch_id), 0, -1)]
-
-
-def notify(
-    connection: Redis,
-    batch: Any,
-    result: dict | None = None,
-    settings: WebhookSettings | None = None,
-) -> str | None:
-    """Queue the event for a batch's final status; return its event id (None if nothing to send)."""
-    settings = settings or WebhookSettings()
-    status = _text(getattr(_field(batch, "status"), "value", _field(batch, "status")))
-    url = _field(batch, "webhook") or settings.webhook_url
-    batch_id = _text(_field(batch, "id"))
-    if status not in EVENT_TYPES or not url:
-        return None
-    event_type = EVENT_TYPES[status]
-    try:
-        check_url(url, settings.webhook_allow)
-    except UnsafeWebhookURL as exc:
-        record_attempt(
-            connection, batch_id, {"attempt": 0, "type": event_type, "at": time.time(), "error": str(exc)}
-        )
-        return None
-    event_id = f"evt_{uuid.uuid4().hex}"
-    fields = {"event_id": event_id, "batch_id": batch_id, "type": event_type, "url": url, "attempts": 0}
-    fields["body"] = event_payload(event_id, event_type, batch, result).decode()
-    flat = [str(x) for pair in fields.items() for x in pair]
-    keys = [f"sluice:webhooks:event:{batch_id}:{event_type}", delivery_key(event_id), DUE_KEY]
-    queued = connection.eval(_ENQUEUE, 3, *keys, event_id, KEEP_S, time.time(), *flat)
-    return _text(queued)
-
-
 def claim_due(connection: Redis, limit: int, lease_s: float) -> list[str]:
     """Take up to limit due deliveries, pushing each out by lease_s so a dead deliverer's come back."""
     now = time.time()
-    return [_text(i) for i in connection.eval(_CLAIM, 1, DUE_KEY, now, now + lease_s, limit)]
+    return [as_text(i) for i in connection.eval(_CLAIM, 1, DUE_KEY, now, now + lease_s, limit)]
 
 
 def _post(url: str, body: bytes, headers: dict[str, str], timeout: float) -> tuple[int | None, str | None]:
@@ -162,7 +68,7 @@ def attempt(connection: Redis, event_id: str, settings: WebhookSettings) -> str:
     if not raw:
         connection.zrem(DUE_KEY, event_id)
         return "missing"
-    delivery = {_text(k): _text(v) for k, v in raw.items()}
+    delivery = {as_text(k): as_text(v) for k, v in raw.items()}
     number = connection.hincrby(delivery_key(event_id), "attempts", 1)
     started = time.time()
     status, error = _send(delivery, settings)

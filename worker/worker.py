@@ -15,8 +15,8 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 from rq.utils import now
 
-from producer.batch import BatchStore
-from producer.shards import RUN_SHARD
+from contract.batch import BatchStore
+from contract.jobs import RUN_SHARD
 from worker.responses import ABORT_CODES
 from worker.shards import ShardRun, model_name, stop_reason
 

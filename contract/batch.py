@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import redis
 
-from producer.schemas import Batch, BatchStatus, RequestCounts
+from contract.schemas import Batch, BatchStatus, RequestCounts
 
 PREFIX = "sluice:batch:"
 INDEX = "sluice:batches"

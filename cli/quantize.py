@@ -1,4 +1,4 @@
-"""`sluice quantize SRC DST`: write a pre-quantized copy of a checkpoint (mounted by producer/cli.py)."""
+"""`sluice quantize SRC DST`: write a pre-quantized copy of a checkpoint (mounted by cli/main.py)."""
 
 from __future__ import annotations
 

@@ -7,8 +7,6 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-QUEUES = ("high", "default", "low")
-
 
 class Settings(BaseSettings):
     """Everything the producer, CLI and worker read from the environment."""

@@ -1,11 +1,8 @@
-"""The `sluice` command line: submit, status, wait, cancel, results, list, worker (human output or --json)."""
+"""`sluice` batch commands: submit, status, wait, cancel, results, list (human output or --json)."""
 
 from __future__ import annotations
 
-import importlib
 import json
-import sys
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime
@@ -16,19 +13,13 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from contract.events import delivery_log
+from contract.schemas import Batch
 from producer.client import BatchNotFound, Client
-from producer.schemas import Batch
 
-app = typer.Typer(name="sluice", help="Queue-driven batch inference for LLMs.", no_args_is_help=True)
+batches_app = typer.Typer()
 console = Console()
 err = Console(stderr=True)
-# Commands other modules add: (module, attribute, command name); a Typer is mounted, a function registered.
-EXTENSIONS = [
-    ("producer.cron", "cron_app", "cron"),
-    ("worker.webhooks", "webhooks_app", "webhooks"),
-    ("engine.cli", "quantize", "quantize"),
-]
-HEAVY = {"engine.cli"}  # imports torch: loaded only when its command or the top-level help is asked for
 
 RedisUrl = typer.Option(
     None, "--redis-url", help="Redis URL (default: $SLUICE_REDIS_URL or redis://127.0.0.1:6379/0)"
@@ -63,11 +54,7 @@ def when(ts: float | None) -> str:
 
 
 def webhook_deliveries(c: Client, batch_id: str) -> list[dict[str, Any]]:
-    """The batch's webhook delivery attempts, when the webhooks module is installed."""
-    try:
-        from worker.webhooks import delivery_log
-    except ImportError:
-        return []
+    """The batch's webhook delivery attempts."""
     return delivery_log(c.connection, batch_id)
 
 
@@ -112,7 +99,7 @@ def parse_metadata(pairs: list[str]) -> dict[str, str]:
     return out
 
 
-@app.command()
+@batches_app.command()
 def submit(
     file: str = typer.Argument(..., help="JSONL file: a path, file:// or s3:// URL."),
     output: str = typer.Option(
@@ -146,7 +133,7 @@ def submit(
         raise typer.Exit(2)
 
 
-@app.command()
+@batches_app.command()
 def status(batch_id: str, redis_url: str = RedisUrl, as_json: bool = AsJson) -> None:
     """Show a batch's status, counts and files."""
     with reported():
@@ -154,7 +141,7 @@ def status(batch_id: str, redis_url: str = RedisUrl, as_json: bool = AsJson) -> 
         show_batch(c.get(batch_id), as_json, webhook_deliveries(c, batch_id))
 
 
-@app.command()
+@batches_app.command()
 def wait(
     batch_id: str,
     timeout: float = typer.Option(None, help="Give up after this many seconds (exit 3)."),
@@ -168,14 +155,14 @@ def wait(
     show_batch(batch, as_json)
 
 
-@app.command()
+@batches_app.command()
 def cancel(batch_id: str, redis_url: str = RedisUrl, as_json: bool = AsJson) -> None:
     """Cancel a batch: queued shards are dropped, running requests aborted, partial results kept."""
     with reported():
         show_batch(client(redis_url).cancel(batch_id), as_json)
 
 
-@app.command()
+@batches_app.command()
 def results(
     batch_id: str,
     errors: bool = typer.Option(False, "--errors", help="The error records instead of the outputs."),
@@ -200,7 +187,7 @@ def response_text(body: dict[str, Any]) -> str:
     return choice["message"]["content"] if "message" in choice else choice["text"]
 
 
-@app.command("list")
+@batches_app.command("list")
 def list_batches(
     limit: int = typer.Option(20, help="How many, newest first."),
     redis_url: str = RedisUrl,
@@ -224,100 +211,3 @@ def list_batches(
             when(b.created_at),
         )
     console.print(table)
-
-
-@app.command()
-def worker(
-    model: str = typer.Option(..., "--model", envvar="SLUICE_MODEL", help="Hugging Face checkpoint folder."),
-    queues: str = typer.Option("high,default,low", help="Queues in priority order."),
-    burst: bool = typer.Option(False, "--burst", help="Exit once the queues are empty."),
-    dtype: str = typer.Option("auto"),
-    device: str = typer.Option("auto"),
-    quantization: str = typer.Option(None),
-    kv_cache_dtype: str = typer.Option("auto"),
-    max_num_seqs: int = typer.Option(256),
-    max_num_batched_tokens: int = typer.Option(4096),
-    max_model_len: int = typer.Option(None),
-    block_size: int = typer.Option(16),
-    kv_cache_memory_gb: float = typer.Option(None),
-    gpu_memory_utilization: float = typer.Option(0.9),
-    speculative: str = typer.Option(
-        None, help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'.'
-    ),
-    enable_prefix_caching: bool = typer.Option(True, "--enable-prefix-caching/--no-enable-prefix-caching"),
-    seed: int = typer.Option(0),
-    heartbeat_ttl: int = typer.Option(
-        None, help="Seconds before a silent worker's shards count as abandoned."
-    ),
-    grace: float = typer.Option(
-        60.0, help="Seconds to finish in-flight shards after SIGTERM before handing back."
-    ),
-    name: str = typer.Option(None, help="Worker name (default: rq's)."),
-    webhooks: bool = typer.Option(
-        True, "--webhooks/--no-webhooks", help="Also deliver webhook events from a background thread."
-    ),
-    redis_url: str = RedisUrl,
-) -> None:
-    """Run a GPU worker: one engine kept full with shards from the queues."""
-    import redis
-
-    from engine import LLM
-    from producer.settings import get_settings
-    from worker.worker import EngineWorker
-
-    settings = get_settings()
-    engine_args = dict(
-        dtype=dtype,
-        device=device,
-        quantization=quantization,
-        kv_cache_dtype=kv_cache_dtype,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        max_model_len=max_model_len,
-        block_size=block_size,
-        kv_cache_memory_gb=kv_cache_memory_gb,
-        gpu_memory_utilization=gpu_memory_utilization,
-        speculative=json.loads(speculative) if speculative else None,
-        enable_prefix_caching=enable_prefix_caching,
-        seed=seed,
-    )
-    llm = LLM(model, **engine_args)
-    connection = redis.Redis.from_url(redis_url or settings.redis_url)
-    ttl = heartbeat_ttl or settings.heartbeat_ttl
-    w = EngineWorker(queues.split(","), llm, connection, heartbeat_ttl=ttl, grace=grace, name=name)
-    stop = threading.Event()
-    if webhooks:
-        from worker import webhooks as delivery
-
-        threading.Thread(target=delivery.run, args=(connection,), kwargs={"stop": stop}, daemon=True).start()
-    try:
-        w.work(burst=burst)
-    finally:
-        stop.set()
-
-
-def wanted(command: str) -> bool:
-    """Whether this process's command line asks for command (or for the list of all commands)."""
-    args = sys.argv[1:]
-    return not args or args[0] in (command, "--help", "-h")
-
-
-def mount_extensions() -> None:
-    """Add the commands other modules provide (`cron`, `quantize`) when those modules exist."""
-    for module, attr, command in EXTENSIONS:
-        if module in HEAVY and not wanted(command):
-            continue
-        try:
-            target = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError):
-            continue
-        if isinstance(target, typer.Typer):
-            app.add_typer(target, name=command)
-        else:
-            app.command(command)(target)
-
-
-mount_extensions()
-
-if __name__ == "__main__":
-    app(sys.argv[1:])

@@ -1,0 +1,33 @@
+"""The `sluice` command line: batch commands, the worker, cron pipelines, webhook delivery, quantize."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from cli.batches import batches_app
+from producer.cron import cron_app
+from worker.cli import worker
+from worker.webhooks import webhooks_app
+
+app = typer.Typer(name="sluice", help="Queue-driven batch inference for LLMs.", no_args_is_help=True)
+app.add_typer(batches_app)
+app.command("worker")(worker)
+app.add_typer(cron_app, name="cron")
+app.add_typer(webhooks_app, name="webhooks")
+
+
+def wanted(command: str) -> bool:
+    """Whether this process's command line asks for command (or for the list of all commands)."""
+    args = sys.argv[1:]
+    return not args or args[0] in (command, "--help", "-h")
+
+
+if wanted("quantize"):
+    from cli.quantize import quantize  # imports torch: loaded only for its command or the command list
+
+    app.command("quantize")(quantize)
+
+if __name__ == "__main__":
+    app(sys.argv[1:])

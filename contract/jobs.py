@@ -1,0 +1,17 @@
+"""The rq side of the contract: queue names, the functions workers run, and the ids of a batch's jobs."""
+
+from __future__ import annotations
+
+QUEUES = ("high", "default", "low")
+RUN_SHARD = "worker.shards.run_shard"
+FINALIZE = "worker.finalize.finalize_batch"
+
+
+def shard_job_id(batch_id: str, shard: int) -> str:
+    """The rq job id of one shard of a batch."""
+    return f"{batch_id}-shard-{shard}"
+
+
+def finalize_job_id(batch_id: str) -> str:
+    """The rq job id of a batch's finalize job."""
+    return f"{batch_id}-finalize"
