@@ -7,6 +7,7 @@ import sys
 import typer
 
 from cli.batches import batches_app
+from cli.server import keys_app, serve
 from producer.cron import cron_app
 from worker.cli import worker
 from worker.webhooks import webhooks_app
@@ -16,6 +17,8 @@ app.add_typer(batches_app)
 app.command("worker")(worker)
 app.add_typer(cron_app, name="cron")
 app.add_typer(webhooks_app, name="webhooks")
+app.command("serve")(serve)
+app.add_typer(keys_app, name="keys")
 
 
 def wanted(command: str) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 QUEUES = ("high", "default", "low")
 RUN_SHARD = "worker.shards.run_shard"
 FINALIZE = "worker.finalize.finalize_batch"
+MODELS = "sluice:models"  # hash: model name -> unix time a worker last became ready with it
 
 
 def shard_job_id(batch_id: str, shard: int) -> str:

@@ -8,8 +8,10 @@ import threading
 import redis
 import typer
 
+from contract.logs import configure as configure_logging
 from contract.settings import get_settings
 from worker import webhooks as delivery
+from worker.metrics import become_ready, start_metrics
 from worker.worker import EngineWorker
 
 RedisUrl = typer.Option(
@@ -46,11 +48,17 @@ def worker(
     webhooks: bool = typer.Option(
         True, "--webhooks/--no-webhooks", help="Also deliver webhook events from a background thread."
     ),
+    metrics_port: int = typer.Option(
+        None, help="Serve Prometheus /metrics, /healthz and /readyz (ready once loaded and warmed) here."
+    ),
+    log_format: str = typer.Option("text", help="text or json (one object per line, with batch/job ids)."),
     redis_url: str = RedisUrl,
 ) -> None:
     """Run a GPU worker: one engine kept full with shards from the queues."""
     from engine import LLM  # imports torch: only once a worker really starts, so `sluice --help` stays fast
 
+    configure_logging(log_format)
+    metrics = start_metrics(metrics_port, model)
     settings = get_settings()
     engine_args = dict(
         dtype=dtype,
@@ -69,6 +77,7 @@ def worker(
     )
     llm = LLM(model, **engine_args)
     connection = redis.Redis.from_url(redis_url or settings.redis_url)
+    become_ready(metrics, llm, connection)
     ttl = heartbeat_ttl or settings.heartbeat_ttl
     w = EngineWorker(queues.split(","), llm, connection, heartbeat_ttl=ttl, grace=grace, name=name)
     stop = threading.Event()

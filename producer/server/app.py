@@ -1,0 +1,57 @@
+"""The `sluice serve` application: OpenAI's Files, Batches and Models APIs, the dashboard, metrics and health."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.responses import PlainTextResponse, Response
+
+from contract.settings import Settings, get_settings
+from producer.client import Client
+from producer.server import batches, files, models
+from producer.server.context import Context, ServerLimits
+from producer.server.errors import install
+from producer.server.keys import KeyStore
+
+log = logging.getLogger("sluice.server")
+
+
+def create_app(settings: Settings | None = None, limits: ServerLimits | None = None) -> FastAPI:
+    """A FastAPI app over the Redis/rq/storage pipeline configured by settings."""
+    settings = settings or get_settings()
+    client = Client(settings=settings)
+    app = FastAPI(title="Sluice", version="0.1.0", docs_url=None, redoc_url=None)
+    app.state.context = Context(settings, client, KeyStore(client.connection), limits or ServerLimits())
+    install(app)
+    for module in (files, batches, models):
+        app.include_router(module.router)
+    app.middleware("http")(access_log)
+    app.add_api_route("/healthz", healthz, methods=["GET"], include_in_schema=False)
+    app.add_api_route("/readyz", readyz, methods=["GET"], include_in_schema=False)
+    return app
+
+
+async def access_log(request: Request, call_next):
+    """One log line per request: method, path (never the query string, which may hold a key), status, time."""
+    start = time.perf_counter()
+    response = await call_next(request)
+    ms = (time.perf_counter() - start) * 1000
+    extra = {"project": getattr(request.state, "project", None), "status": response.status_code}
+    log.info("%s %s %d %.1f ms", request.method, request.url.path, response.status_code, ms, extra=extra)
+    return response
+
+
+def healthz() -> PlainTextResponse:
+    """Liveness: the process answers."""
+    return PlainTextResponse("ok")
+
+
+def readyz(request: Request) -> Response:
+    """Readiness: Redis answers."""
+    try:
+        request.app.state.context.connection.ping()
+    except Exception as exc:  # any Redis failure means not ready
+        return PlainTextResponse(f"redis unavailable: {type(exc).__name__}", status_code=503)
+    return PlainTextResponse("ready")

@@ -1,0 +1,64 @@
+"""What every route needs: settings, Redis, the producer Client and the stores; and the caller's key."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from contract.settings import Settings
+from producer.client import Client
+from producer.server.errors import APIError
+from producer.server.keys import ApiKey, KeyStore
+
+COOKIE = "sluice_key"
+
+
+@dataclass
+class ServerLimits:
+    """Upload limits (OpenAI's defaults: 200 MB and 50,000 requests per batch file)."""
+
+    max_file_bytes: int = 200 * 1000 * 1000
+    max_file_requests: int = 50_000
+
+
+@dataclass
+class Context:
+    """The server's shared state, one per app."""
+
+    settings: Settings
+    client: Client
+    keys: KeyStore
+    limits: ServerLimits
+
+    @property
+    def connection(self):
+        return self.client.connection
+
+
+def context(request: Request) -> Context:
+    return request.app.state.context
+
+
+def presented_secret(request: Request) -> str | None:
+    """The key from `Authorization: Bearer`, else from the dashboard's cookie."""
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    return request.cookies.get(COOKIE) or None
+
+
+def api_key(request: Request) -> ApiKey:
+    """The caller's key; 401 with OpenAI's error body when missing or unknown."""
+    secret = presented_secret(request)
+    if secret is None:
+        raise APIError(
+            401,
+            "You didn't provide an API key. Send it as `Authorization: Bearer YOUR_KEY` "
+            "(create one with `sluice keys create PROJECT`).",
+        )
+    key = context(request).keys.lookup(secret)
+    if key is None:
+        raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+    request.state.project = key.project
+    return key

@@ -1,0 +1,182 @@
+"""`sluice serve` driven by the official openai SDK: files → batch → results, cancel, pagination, errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import openai
+import pytest
+import requests
+
+from tests.server_stack import SLUICE, completion, jsonl, wait_status
+
+
+def test_file_to_batch_to_results(stack):
+    client = stack.openai(stack.key("alpha"))
+    lines = [completion(i) for i in range(6)]
+    uploaded = client.files.create(file=jsonl(lines), purpose="batch")
+    assert uploaded.purpose == "batch" and uploaded.bytes > 0 and uploaded.filename == "input.jsonl"
+    assert client.files.retrieve(uploaded.id).id == uploaded.id
+    assert client.files.content(uploaded.id).text.splitlines()[0] == json.dumps(lines[0])
+    batch = client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h", metadata={"team": "a"}
+    )
+    assert batch.status in ("validating", "in_progress") and batch.metadata == {"team": "a"}
+    done = wait_status(client, batch.id, {"completed", "failed", "cancelled", "expired"})
+    assert done.status == "completed", done
+    assert (
+        done.request_counts.total == 6
+        and done.request_counts.completed == 6
+        and done.request_counts.failed == 0
+    )
+    assert done.completed_at >= done.in_progress_at >= done.created_at and done.error_file_id is None
+    records = [json.loads(line) for line in client.files.content(done.output_file_id).text.splitlines()]
+    assert sorted(r["custom_id"] for r in records) == [f"r{i}" for i in range(6)]
+    bodies = [r["response"]["body"] for r in records]
+    assert all(b["object"] == "text_completion" and b["choices"][0]["text"] for b in bodies)
+    prompt = sum(b["usage"]["prompt_tokens"] for b in bodies)
+    generated = sum(b["usage"]["completion_tokens"] for b in bodies)
+    assert done.usage.input_tokens == prompt > 0 and done.usage.output_tokens == generated > 0
+    assert done.usage.total_tokens == prompt + generated
+    output = client.files.retrieve(done.output_file_id)
+    assert output.purpose == "batch_output" and output.bytes > 0
+    listed = [f.id for f in client.files.list()]
+    assert uploaded.id in listed and done.output_file_id in listed
+    assert client.files.delete(uploaded.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(uploaded.id)
+
+
+def test_chat_batch_and_models(stack):
+    client = stack.openai(stack.key("chat"))
+    line = {
+        "custom_id": "c0",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"messages": [{"role": "user", "content": "Speak, friend."}], "max_tokens": 6},
+    }
+    uploaded = client.files.create(file=jsonl([line]), purpose="batch")
+    with pytest.raises(openai.BadRequestError) as mismatch:
+        client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
+    assert mismatch.value.code == "invalid_url"
+    batch = client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    done = wait_status(client, batch.id, {"completed", "failed"})
+    assert done.status == "completed" and done.endpoint == "/v1/chat/completions"
+    record = json.loads(client.files.content(done.output_file_id).text)
+    assert record["response"]["body"]["object"] == "chat.completion"
+    assert "sluice-tiny" in [m.id for m in client.models.list()]
+
+
+def test_cancel(stack):
+    client = stack.openai(stack.key("cancel"))
+    lines = [completion(i, max_tokens=200, ignore_eos=True) for i in range(60)]
+    batch = client.batches.create(
+        input_file_id=client.files.create(file=jsonl(lines), purpose="batch").id,
+        endpoint="/v1/completions",
+        completion_window="24h",
+    )
+    cancelling = client.batches.cancel(batch.id)
+    assert cancelling.status in ("cancelling", "cancelled") and cancelling.cancelling_at is not None
+    done = wait_status(client, batch.id, {"cancelled"}, timeout=120)
+    assert done.cancelled_at >= done.cancelling_at
+    counts = done.request_counts
+    assert counts.failed > 0 and counts.completed + counts.failed == 60
+    errors = [json.loads(line) for line in client.files.content(done.error_file_id).text.splitlines()]
+    assert {e["error"]["code"] for e in errors} == {"batch_cancelled"}
+    with pytest.raises(openai.BadRequestError):
+        client.batches.cancel(batch.id)
+
+
+def test_list_pagination(stack):
+    client = stack.openai(stack.key("pages"))
+    bad = client.files.create(
+        file=jsonl([{"custom_id": "x", "method": "POST", "url": "/v1/completions", "body": {"nope": 1}}]),
+        purpose="batch",
+    )
+    made = [
+        client.batches.create(input_file_id=bad.id, endpoint="/v1/completions", completion_window="24h")
+        for _ in range(5)
+    ]
+    assert all(b.status == "failed" and b.errors.data[0].code == "invalid_request" for b in made)
+    assert made[0].errors.data[0].line == 1 and made[0].failed_at is not None
+    newest_first = [b.id for b in reversed(made)]
+    first = client.batches.list(limit=2)
+    assert [b.id for b in first.data] == newest_first[:2] and first.has_more
+    second = client.batches.list(limit=2, after=first.data[-1].id)
+    assert [b.id for b in second.data] == newest_first[2:4] and second.has_more
+    assert [b.id for b in client.batches.list(limit=2)] == newest_first
+    raw = requests.get(
+        stack.url + "/v1/batches",
+        params={"limit": 3, "after": newest_first[2]},
+        headers={"Authorization": f"Bearer {client.api_key}"},
+    ).json()
+    assert (
+        raw["first_id"] == newest_first[3] and raw["last_id"] == newest_first[4] and raw["has_more"] is False
+    )
+
+
+def test_keys_and_projects(stack):
+    alpha, beta = stack.openai(stack.key("p-alpha")), stack.openai(stack.key("p-beta"))
+    uploaded = alpha.files.create(file=jsonl([completion(0)]), purpose="batch")
+    batch = alpha.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h"
+    )
+    with pytest.raises(openai.NotFoundError):
+        beta.batches.retrieve(batch.id)
+    with pytest.raises(openai.NotFoundError):
+        beta.batches.cancel(batch.id)
+    with pytest.raises(openai.NotFoundError):
+        beta.files.content(uploaded.id)
+    with pytest.raises(openai.NotFoundError):
+        beta.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
+    assert batch.id not in [b.id for b in beta.batches.list()]
+    with pytest.raises(openai.AuthenticationError) as wrong:
+        stack.openai("sk-sluice-not-a-key").batches.list()
+    assert wrong.value.code == "invalid_api_key"
+    missing = requests.get(stack.url + "/v1/batches")
+    assert missing.status_code == 401 and set(missing.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_keys_cli_create_list_revoke(stack):
+    env_args = ["--redis-url", stack.redis_url]
+    made = subprocess.run(
+        [SLUICE, "keys", "create", "cli-proj", "--name", "ci", "--json", *env_args],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    key = json.loads(made.stdout)
+    client = stack.openai(key["secret"])
+    assert client.batches.list().data == []
+    listed = subprocess.run(
+        [SLUICE, "keys", "list", "--json", *env_args], capture_output=True, text=True, check=True
+    )
+    entry = next(k for k in json.loads(listed.stdout) if k["id"] == key["id"])
+    assert entry["project"] == "cli-proj" and key["secret"] not in listed.stdout
+    assert key["secret"].encode() not in b"".join(v for v in stack.keys.connection.hvals("sluice:apikeys"))
+    subprocess.run([SLUICE, "keys", "revoke", key["id"], *env_args], check=True, capture_output=True)
+    with pytest.raises(openai.AuthenticationError):
+        client.batches.list()
+
+
+def test_bad_files_are_refused(stack):
+    client = stack.openai(stack.key("bad"))
+    with pytest.raises(openai.BadRequestError) as not_json:
+        client.files.create(file=("x.jsonl", b'{"custom_id": "a"}\nnot json\n'), purpose="batch")
+    assert "line 2" in not_json.value.message and not_json.value.param == "file"
+    with pytest.raises(openai.BadRequestError) as purpose:
+        client.files.create(file=jsonl([completion(0)]), purpose="fine-tune")
+    assert purpose.value.param == "purpose"
+    with pytest.raises(openai.BadRequestError) as too_many:
+        client.files.create(file=jsonl([completion(i) for i in range(201)]), purpose="batch")
+    assert too_many.value.code == "too_many_requests"
+    big = jsonl([completion(i, user="x" * 9000) for i in range(150)])
+    with pytest.raises(openai.BadRequestError) as too_big:
+        client.files.create(file=big, purpose="batch")
+    assert too_big.value.code == "file_too_large"
+    with pytest.raises(openai.BadRequestError):
+        client.files.create(file=("e.jsonl", b"\n\n"), purpose="batch")
+    assert client.files.list().data == []

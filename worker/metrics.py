@@ -1,0 +1,187 @@
+"""Worker metrics (Prometheus) and health on `--metrics-port`: /metrics, /healthz, /readyz (model loaded and warmed)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+
+from contract.jobs import MODELS
+
+STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+def process_start_time() -> float:
+    """Unix time this process started (from /proc; the import time where /proc is missing)."""
+    try:
+        ticks = int(open(f"/proc/{os.getpid()}/stat").read().rsplit(")", 1)[1].split()[19])
+        boot = next(float(line.split()[1]) for line in open("/proc/stat") if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, StopIteration):
+        return _IMPORTED
+
+
+_IMPORTED = time.time()
+
+
+class WorkerMetrics:
+    """The worker's Prometheus series, in a registry of their own."""
+
+    def __init__(self, model: str = "") -> None:
+        self.registry = CollectorRegistry()
+        r, labels = self.registry, {"model": model}
+        self.prompt_tokens = Counter(
+            "sluice_prompt_tokens", "Prompt tokens of finished requests.", registry=r
+        )
+        self.generation_tokens = Counter("sluice_generation_tokens", "Tokens generated.", registry=r)
+        self.requests = Counter("sluice_requests", "Finished requests by outcome.", ["outcome"], registry=r)
+        self.shards = Counter("sluice_shards", "Shards finished by outcome.", ["outcome"], registry=r)
+        self.step_seconds = Histogram(
+            "sluice_step_seconds", "Engine step time.", buckets=STEP_BUCKETS, registry=r
+        )
+        self.kv_usage = Gauge("sluice_kv_cache_usage_ratio", "Fraction of KV blocks in use.", registry=r)
+        self.running = Gauge("sluice_requests_running", "Requests running in the engine.", registry=r)
+        self.waiting = Gauge("sluice_requests_waiting", "Requests waiting in the engine.", registry=r)
+        self.time_to_ready = Gauge(
+            "sluice_time_to_ready_seconds", "Process start to ready to claim.", registry=r
+        )
+        self.ready_flag = Gauge("sluice_worker_ready", "1 once the model is loaded and warmed.", registry=r)
+        self.info = Gauge("sluice_worker_info", "The model this worker serves.", ["model"], registry=r)
+        self.info.labels(**labels).set(1)
+        self._seen = {"prompt_tokens": 0, "generated_tokens": 0}
+        self.is_ready = False
+
+    def instrument(self, engine: Any) -> None:
+        """Time every engine.step and count its finished requests and tokens (no change to the worker loop)."""
+        step = engine.step
+
+        def measured_step() -> list:
+            start = time.perf_counter()
+            outs = step()
+            self.step_seconds.observe(time.perf_counter() - start)
+            for out in outs:
+                self.requests.labels("error" if out.error else (out.finish_reason or "unknown")).inc()
+            self.sample(engine)
+            return outs
+
+        engine.step = measured_step
+        self.sample(engine)
+
+    def sample(self, engine: Any) -> None:
+        """Refresh the engine gauges and token counters from engine.stats()."""
+        stats = engine.stats()
+        self.kv_usage.set(stats["kv_blocks_used"] / max(1, stats["kv_blocks_total"]))
+        self.running.set(stats["num_running"])
+        self.waiting.set(stats["num_waiting"])
+        for name, counter in (
+            ("prompt_tokens", self.prompt_tokens),
+            ("generated_tokens", self.generation_tokens),
+        ):
+            counter.inc(max(0, stats[name] - self._seen[name]))
+            self._seen[name] = stats[name]
+
+    def shard_finished(self, outcome: str) -> None:
+        self.shards.labels(outcome).inc()
+
+    def ready(self) -> float:
+        """Mark the worker ready; returns (and records) the seconds since the process started."""
+        seconds = time.time() - process_start_time()
+        self.time_to_ready.set(seconds)
+        self.ready_flag.set(1)
+        self.is_ready = True
+        return seconds
+
+
+METRICS = WorkerMetrics()  # replaced by `sluice worker --metrics-port`; hook lines call it unconditionally
+
+
+def shard_finished(outcome: str) -> None:
+    """Count a finished shard ('completed' or 'failed')."""
+    METRICS.shard_finished(outcome)
+
+
+def warm_up(llm: Any) -> None:
+    """Run one short request through the engine so that the first real step pays no lazy set-up."""
+    from engine import SamplingParams
+
+    llm.engine.add_request(
+        "warmup", [1, 2, 3, 4], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    )
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+
+
+def announce(connection: Any, model: str) -> None:
+    """Tell `GET /v1/models` that a worker serves model."""
+    connection.hset(MODELS, model, time.time())
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+def health_app(metrics: WorkerMetrics) -> Callable:
+    """WSGI app: /metrics (Prometheus text), /healthz (alive), /readyz (200 once ready, else 503)."""
+    prometheus = make_wsgi_app(metrics.registry)
+
+    def app(environ: dict, start_response: Callable) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "")
+        if path == "/healthz":
+            return _text(start_response, "200 OK", b"ok")
+        if path == "/readyz":
+            return _text(
+                start_response,
+                *(("200 OK", b"ready") if metrics.is_ready else ("503 Service Unavailable", b"loading")),
+            )
+        return prometheus(environ, start_response)
+
+    return app
+
+
+def _text(start_response: Callable, status: str, body: bytes) -> list[bytes]:
+    start_response(status, [("Content-Type", "text/plain"), ("Content-Length", str(len(body)))])
+    return [body]
+
+
+def serve(port: int, metrics: WorkerMetrics, host: str = "0.0.0.0") -> WSGIServer:
+    """Serve health_app on port from a daemon thread (started before the model loads, so /healthz answers)."""
+    server = make_server(host, port, health_app(metrics), _Server, handler_class=_Quiet)
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
+    return server
+
+
+def start_metrics(port: int | None, model: str) -> WorkerMetrics:
+    """The process's metrics, served on port when one is given (before loading, so liveness answers)."""
+    global METRICS
+    METRICS = WorkerMetrics(os.path.basename(os.path.normpath(model)))
+    if port:
+        serve(port, METRICS)
+    return METRICS
+
+
+def become_ready(metrics: WorkerMetrics, llm: Any, connection: Any, warm: bool = True) -> float:
+    """Warm the engine up, instrument it, announce its model and mark the worker ready; returns time to ready."""
+    import logging
+
+    from worker.shards import model_name
+
+    if warm:
+        warm_up(llm)
+    metrics.instrument(llm.engine)
+    announce(connection, model_name(llm))
+    seconds = metrics.ready()
+    logging.getLogger("sluice.worker").info(
+        "ready in %.2f s (process start to first claim possible)", seconds
+    )
+    return seconds
