@@ -27,6 +27,7 @@ class EngineConfig:
     llm_int8_threshold: float = 6.0
     kv_cache_dtype: str = "auto"
     speculative: dict[str, Any] | None = None
+    enforce_eager: bool = False
     tokenizer: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 

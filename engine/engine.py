@@ -67,6 +67,8 @@ class Engine:
         self.scheduler = Scheduler(config, self.block_manager)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.kv_dtype, self.device,
                                   cache_factory)
+        if not config.enforce_eager:
+            self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.eos_token_ids = self._eos_ids()
         self.requests: dict[str, Request] = {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -35,9 +36,22 @@ class ModelRunner:
         c = model.config
         self.model, self.block_size, self.device = model, block_size, device
         factory = cache_factory or self._plain_cache
-        self.fused = cache_factory is None and kernels.fused_attention(device, model.embed_tokens.weight.dtype,
+        self.flat = kernels.flat_layout(device)
+        self.fused = not self.flat and cache_factory is None and kernels.fused_attention(device, model.embed_tokens.weight.dtype,
                                                                        kv_dtype)
         self.kv_caches = [factory(num_blocks, block_size, c, kv_dtype, device) for _ in range(c.num_layers)]
+        self.graphs = None
+
+    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Replay pure-decode steps from CUDA graphs (CUDA device path only; CPU never captures)."""
+        if self.device.type == "cuda" and self.flat:
+            from engine.cuda_graphs import DecodeGraphs
+
+            try:
+                self.graphs = DecodeGraphs(self.model, self.kv_caches, max_num_seqs,
+                                           -(-max_model_len // self.block_size) + 1, self.device)
+            except RuntimeError as e:  # a layer that cannot be captured (e.g. some bitsandbytes kernels)
+                warnings.warn(f"decode steps run eagerly: CUDA graph capture failed ({e})", stacklevel=2)
 
     @staticmethod
     def _plain_cache(num_blocks, block_size, c: ModelConfig, dtype, device) -> LayerKVCache:
@@ -77,11 +91,17 @@ class ModelRunner:
             rows.first_pos.append(first)
             logit_idx += range(offset + first - start, offset + first - start + count)
         dev = self.device
-        slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)
-        meta = kernels.build_metadata(
-            batch.num_new_tokens, context_lens, [r.block_table for r in batch.requests], slot_mapping, bs, dev,
-            fused=self.fused,
-        )
+        tables = [r.block_table for r in batch.requests]
+        if self.graphs is not None and self.graphs.fits(batch.num_new_tokens):
+            rows.logits = self.graphs.run(ids, positions, slots, context_lens, tables)
+            return rows
+        if self.flat:
+            meta = kernels.build_flat_metadata(batch.num_new_tokens, context_lens, tables, slots, dev,
+                                               self.model.config.num_kv_heads)
+        else:
+            slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)
+            meta = kernels.build_metadata(batch.num_new_tokens, context_lens, tables, slot_mapping, bs, dev,
+                                          fused=self.fused)
         rows.logits = self.model(
             torch.tensor(ids, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),

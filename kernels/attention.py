@@ -7,7 +7,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kernels import device_path
 from kernels.cpu_attention import paged_attention_cpu
+from kernels.flat_metadata import FlatMetadata
 
 MAX_SHORT_QUERY = 16
 SHORT_BUCKET = 32
@@ -110,6 +112,9 @@ def _short_group(idx, starts, query_lens, context_lens, block_tables, block_size
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Store this step's keys/values [T, Hkv, D] at their slots of the [Hkv, blocks, block, D] cache."""
+    if device_path.flat_layout(k_cache.device):
+        device_path.store_kv(k_cache, v_cache, k, v, slot_mapping)
+        return
     hk, _, _, d = k_cache.shape
     k_cache.view(hk, -1, d).index_copy_(1, slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
     v_cache.view(hk, -1, d).index_copy_(1, slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
@@ -143,10 +148,12 @@ def paged_attention(
     v: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    meta: AttentionMetadata,
+    meta: AttentionMetadata | FlatMetadata,
     scale: float,
 ) -> torch.Tensor:
     """Causal attention of the flat queries q [T, H, D] over each sequence's cached context."""
+    if isinstance(meta, FlatMetadata):
+        return device_path.attention(q, k_cache, v_cache, meta, scale)
     out = torch.empty_like(q)
     if meta.fused_short is not None:
         paged_attention_cpu(q, k_cache, v_cache, out, *meta.fused_short, scale)

@@ -44,7 +44,7 @@ def _gather(cache: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tenso
 def flat_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: FlatMetadata,
                    scale: float, k_scale: torch.Tensor | None = None,
                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """Each flat query token [T, H, D] attends to its sequence's cached keys up to its own position."""
+    """Each flat query token [T, H, D] attends to its sequence's cached keys up to its own position (fp32 math)."""
     t, h, d = q.shape
     hk, _, bs, _ = k_cache.shape
     seq = meta.token_seq.long()
@@ -54,11 +54,11 @@ def flat_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     slots = (tables[:, :, None] * bs + torch.arange(bs, device=q.device)).view(t, -1)
     kpos = torch.arange(slots.shape[1], device=q.device)
     mask = (kpos[None, :] <= qpos[:, None])[None, :, None, :]
-    keys, vals = _gather(k_cache, k_scale, slots, q.dtype), _gather(v_cache, v_scale, slots, q.dtype)
-    qg = q.view(t, hk, h // hk, d).transpose(0, 1)
-    scores = (torch.matmul(qg, keys.transpose(-1, -2)).float() * scale).masked_fill(~mask, float("-inf"))
+    keys, vals = (_gather(c, s, slots, q.dtype).float() for c, s in ((k_cache, k_scale), (v_cache, v_scale)))
+    qg = q.view(t, hk, h // hk, d).transpose(0, 1).float()
+    scores = (torch.matmul(qg, keys.transpose(-1, -2)) * scale).masked_fill(~mask, float("-inf"))
     top = scores.amax(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).min)
     e = (scores - top).exp()
     probs = e / e.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
-    out = torch.matmul(probs.to(q.dtype), vals)
-    return out.transpose(0, 1).reshape(t, h, d)
+    out = torch.matmul(probs, vals)
+    return out.transpose(0, 1).reshape(t, h, d).to(q.dtype)

@@ -6,6 +6,7 @@ import torch
 
 import kernels
 from engine.models.llama import ModelConfig
+from kernels import device_path
 from kernels.kv_int8 import SCALE_DTYPE, compact_metadata, dequantize_blocks, write_kv_int8
 
 
@@ -41,10 +42,15 @@ class Int8LayerKVCache:
         self.dtype, self.step = dtype, step
 
     def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        if kernels.flat_layout(self.k.device):
+            device_path.store_kv(self.k, self.v, k, v, slot_mapping, self.k_scale, self.v_scale)
+            return
         write_kv_int8(self.k, self.k_scale, k, slot_mapping)
         write_kv_int8(self.v, self.v_scale, v, slot_mapping)
 
     def attend(self, q, k, v, meta, scale) -> torch.Tensor:
+        if isinstance(meta, kernels.FlatMetadata):
+            return device_path.attention(q, self.k, self.v, meta, scale, self.k_scale, self.v_scale)
         used, compact = self.step.of(meta, self.k.shape[1])
         keys = dequantize_blocks(self.k, self.k_scale, used, q.dtype)
         vals = dequantize_blocks(self.v, self.v_scale, used, q.dtype)

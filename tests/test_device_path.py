@@ -1,0 +1,120 @@
+"""The device path on CPU: a padded decode forward with no host syncs, fixed op shapes, padding that is exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+import kernels
+from engine.cuda_graphs import DecodeGraphs, capture_sizes
+from engine.model_runner import ModelRunner
+from engine.models.loader import load_model
+from engine.quantization import int8_kv_cache
+
+FORBIDDEN = ("nonzero", "_local_scalar_dense", "unique", "masked_select", "item")
+BS, NUM_BLOCKS = 8, 96
+
+
+class OpRecorder(TorchDispatchMode):
+    """Every aten op a region runs, with the shapes of its tensor arguments."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[str, tuple]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        shapes = tuple(tuple(a.shape) for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor))
+        self.ops.append((str(func), shapes))
+        return func(*args, **(kwargs or {}))
+
+    def forbidden(self) -> list[str]:
+        return [name for name, _ in self.ops if any(f in name for f in FORBIDDEN)]
+
+
+@pytest.fixture
+def device_path(monkeypatch):
+    monkeypatch.setenv("SLUICE_DEVICE_PATH", "1")
+
+
+def runner(path, kv: str) -> ModelRunner:
+    model = load_model(path, torch.float32, torch.device("cpu"), 512)
+    factory = int8_kv_cache(torch.float32) if kv == "int8" else None
+    r = ModelRunner(model, NUM_BLOCKS, BS, torch.int8 if kv == "int8" else torch.float32, torch.device("cpu"), factory)
+    g = torch.Generator().manual_seed(0)
+    for cache in r.kv_caches:
+        for name in ("k", "v"):
+            t = getattr(cache, name)
+            t.copy_(torch.randint(-100, 100, t.shape, generator=g) if kv == "int8" else torch.randn(t.shape, generator=g))
+        if kv == "int8":
+            cache.k_scale.fill_(0.01)
+            cache.v_scale.fill_(0.02)
+    return r
+
+
+def decode_batch(n: int, seed: int):
+    """n decode rows: random contexts (1 .. 50), disjoint block tables, the new token's slot and position."""
+    g = torch.Generator().manual_seed(seed)
+    ctx = torch.randint(1, 50, (n,), generator=g).tolist()
+    perm = torch.randperm(NUM_BLOCKS, generator=g).tolist()
+    tables, used = [], 0
+    for c in ctx:
+        k = -(-c // BS)
+        tables.append(perm[used:used + k])
+        used += k
+    slots = [t[(c - 1) // BS] * BS + (c - 1) % BS for t, c in zip(tables, ctx, strict=True)]
+    ids = torch.randint(0, 100, (n,), generator=g).tolist()
+    return ids, [c - 1 for c in ctx], slots, ctx, tables
+
+
+@pytest.mark.parametrize("kv", ["plain", "int8"])
+def test_padded_decode_forward_makes_no_host_syncs(tiny_llama, device_path, kv):
+    r = runner(tiny_llama, kv)
+    graphs = DecodeGraphs(r.model, r.kv_caches, 8, 8, torch.device("cpu"), capture=False)
+    size = graphs.load(*decode_batch(3, seed=1))
+    assert size == 4
+    with torch.inference_mode(), OpRecorder() as rec:
+        graphs.runs[size]()
+    assert rec.ops and not rec.forbidden()
+
+
+def test_recorder_sees_the_syncs_of_the_bucketed_path(tiny_llama, monkeypatch):
+    monkeypatch.setenv("SLUICE_DEVICE_PATH", "0")
+    r = runner(tiny_llama, "int8")
+    ids, pos, slots, ctx, tables = decode_batch(3, seed=1)
+    meta = kernels.build_metadata([1] * 3, ctx, tables, torch.tensor(slots), BS, torch.device("cpu"))
+    with torch.inference_mode(), OpRecorder() as rec:
+        r.model(torch.tensor(ids), torch.tensor(pos), r.kv_caches, meta, torch.arange(3))
+    assert any("unique" in name for name in rec.forbidden())
+
+
+def test_batches_padded_to_one_size_record_identical_op_shapes(tiny_llama, device_path):
+    r = runner(tiny_llama, "plain")
+    graphs = DecodeGraphs(r.model, r.kv_caches, 16, 8, torch.device("cpu"), capture=False)
+    recorded = []
+    for n, seed in ((9, 2), (14, 3)):
+        size = graphs.load(*decode_batch(n, seed))
+        with torch.inference_mode(), OpRecorder() as rec:
+            graphs.runs[size]()
+        recorded.append(rec.ops)
+    assert size == 16 and recorded[0] == recorded[1]
+
+
+@pytest.mark.parametrize("kv", ["plain", "int8"])
+def test_padded_decode_equals_unpadded(tiny_llama, device_path, kv):
+    r = runner(tiny_llama, kv)
+    graphs = DecodeGraphs(r.model, r.kv_caches, 8, 8, torch.device("cpu"), capture=False)
+    ids, pos, slots, ctx, tables = decode_batch(5, seed=4)
+    with torch.inference_mode():
+        padded = graphs.run(ids, pos, slots, ctx, tables).clone()
+        meta = kernels.build_flat_metadata([1] * 5, ctx, tables, slots, torch.device("cpu"), 2)
+        plain = r.model(torch.tensor(ids), torch.tensor(pos), r.kv_caches, meta, torch.arange(5))
+    assert padded.shape == plain.shape == (5, r.model.config.vocab_size)
+    assert (padded - plain).abs().max().item() < 1e-5
+
+
+def test_capture_sizes():
+    assert capture_sizes(256) == [1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256]
+    assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert capture_sizes(1) == [1]
