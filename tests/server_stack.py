@@ -44,7 +44,7 @@ class Stack:
 def start_server(redis_url: str, tmp: Path, *args: str) -> tuple[subprocess.Popen, str]:
     """`sluice serve` on a free port, logging to tmp/server.log; returns the process and its base URL."""
     port = free_port()
-    env = worker_env(redis_url, SLUICE_OUTPUT_URL=tmp.as_uri())
+    env = worker_env(redis_url, SLUICE_OUTPUT_URL=tmp.as_uri(), SLUICE_SHARD_SIZE="4")
     cmd = [str(SLUICE), "serve", "--port", str(port), *args]
     with open(tmp / "server.log", "ab") as log:
         process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)

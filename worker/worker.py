@@ -17,6 +17,7 @@ from rq.utils import now
 
 from contract.batch import BatchStore
 from contract.jobs import RUN_SHARD
+from worker.metrics import shard_finished
 from worker.responses import ABORT_CODES
 from worker.shards import ShardRun, model_name, stop_reason
 
@@ -184,8 +185,10 @@ class EngineWorker(SimpleWorker):
         try:
             summary = claim.run.save(self.connection)
         except Exception:
+            shard_finished("failed")
             self._finalize_failure(claim.job, claim.queue, claim.execution, sys.exc_info())
             return
+        shard_finished("completed")
         self._finalize_success(claim.job, claim.queue, claim.execution, summary)
 
     def _abort_stopped_batches(self) -> None:

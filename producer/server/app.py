@@ -10,7 +10,7 @@ from fastapi.responses import PlainTextResponse, Response
 
 from contract.settings import Settings, get_settings
 from producer.client import Client
-from producer.server import batches, files, models
+from producer.server import batches, dashboard, files, metrics, models
 from producer.server.context import Context, ServerLimits
 from producer.server.errors import install
 from producer.server.keys import KeyStore
@@ -25,9 +25,11 @@ def create_app(settings: Settings | None = None, limits: ServerLimits | None = N
     app = FastAPI(title="Sluice", version="0.1.0", docs_url=None, redoc_url=None)
     app.state.context = Context(settings, client, KeyStore(client.connection), limits or ServerLimits())
     install(app)
-    for module in (files, batches, models):
+    for module in (files, batches, models, dashboard):
         app.include_router(module.router)
     app.middleware("http")(access_log)
+    app.state.metrics_registry = metrics.registry_for(client.connection)
+    app.add_api_route("/metrics", metrics.metrics, methods=["GET"], include_in_schema=False)
     app.add_api_route("/healthz", healthz, methods=["GET"], include_in_schema=False)
     app.add_api_route("/readyz", readyz, methods=["GET"], include_in_schema=False)
     return app
