@@ -8,7 +8,7 @@ import re
 import sys
 import time
 
-IDS = re.compile(r"\b(batch_[0-9a-f]{32})(?:-shard-(\d+)|-finalize)?\b")
+IDS = re.compile(r"\b(batch_[0-9a-f]{32})(?:-shard-(\d+)|-finalize| shard (\d+))?\b")
 SECRETS = [
     (re.compile(r"(://[^:/@\s]*:)[^@\s]+@"), r"\1***@"),  # passwords in URLs
     (re.compile(r"\b(sk-sluice-)[A-Za-z0-9_-]+"), r"\1***"),  # API keys
@@ -38,10 +38,11 @@ class JsonFormatter(logging.Formatter):
         }
         match = IDS.search(message)
         if match:
-            out["batch_id"] = match.group(1)
-            out["job_id"] = match.group(0)
-            if match.group(2) is not None:
-                out["shard"] = int(match.group(2))
+            batch_id, shard = match.group(1), match.group(2) or match.group(3)
+            out["batch_id"] = batch_id
+            out["job_id"] = f"{batch_id}-shard-{shard}" if shard is not None else match.group(0)
+            if shard is not None:
+                out["shard"] = int(shard)
         out.update({k: getattr(record, k) for k in FIELDS if getattr(record, k, None) is not None})
         if record.exc_info:
             out["exc"] = redact(self.formatException(record.exc_info))

@@ -26,5 +26,7 @@ def checkpoint_factory(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_llama(checkpoint_factory):
     return checkpoint_factory("llama")
+
+
 from tests.server_stack import stack  # noqa: E402, F401
 from tests.services import redis_server, redis_url, s3_bucket, s3_server  # noqa: E402, F401

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -31,9 +31,12 @@ class Stack:
     keys: KeyStore
     tmp: Path
     metrics_url: str | None = None
+    secrets: list[str] = field(default_factory=list)
 
     def key(self, project: str) -> str:
-        return self.keys.create(project)[1]
+        secret = self.keys.create(project)[1]
+        self.secrets.append(secret)
+        return secret
 
     def openai(self, secret: str | None):
         import openai
@@ -75,7 +78,9 @@ def stack(redis_server: RedisServer, tmp_path_factory) -> Iterator[Stack]:
     redis_server.client().flushall()
     tmp = tmp_path_factory.mktemp("serve")
     metrics_port = free_port()
-    server, url = start_server(redis_server.url, tmp, "--max-file-mb", "1", "--max-file-requests", "200")
+    server, url = start_server(
+        redis_server.url, tmp, "--max-file-mb", "1", "--max-file-requests", "200", "--log-format", "json"
+    )
     worker = start_worker(
         MODEL,
         redis_server.url,
@@ -84,6 +89,8 @@ def stack(redis_server: RedisServer, tmp_path_factory) -> Iterator[Stack]:
         "8",
         "--metrics-port",
         str(metrics_port),
+        "--log-format",
+        "json",
     )
     try:
         yield Stack(

@@ -180,3 +180,18 @@ def test_bad_files_are_refused(stack):
     with pytest.raises(openai.BadRequestError):
         client.files.create(file=("e.jsonl", b"\n\n"), purpose="batch")
     assert client.files.list().data == []
+
+
+def test_logs_are_json_with_ids_and_without_keys(stack):
+    """Runs last in the module: everything above went through these logs."""
+    lines = {name: (stack.tmp / name).read_text() for name in ("server.log", "worker.log")}
+    records = {
+        name: [json.loads(x) for x in text.splitlines() if x.startswith("{")] for name, text in lines.items()
+    }
+    assert any(
+        r["message"].startswith("POST /v1/batches 200") and r["project"] for r in records["server.log"]
+    )
+    assert any(r.get("batch_id") and r.get("shard") is not None for r in records["worker.log"])
+    assert any("ready in" in r["message"] for r in records["worker.log"])
+    for secret in stack.secrets:
+        assert all(secret not in text for text in lines.values())

@@ -55,8 +55,11 @@ def test_ngram_greedy_equals_plain(tiny_llama, reference, kv_blocks):
 def test_draft_greedy_equals_plain_under_preemption(tiny_llama, draft, reference, quantization):
     plain = LLM(tiny_llama, dtype="float32", device="cpu")
     budget = 24 * plain.engine.kv_block_bytes / 1024**3
-    llm = spec_llm(tiny_llama, {"method": "draft", "model": str(draft), "num_speculative_tokens": 3,
-                                "quantization": quantization}, kv_cache_memory_gb=budget)
+    llm = spec_llm(
+        tiny_llama,
+        {"method": "draft", "model": str(draft), "num_speculative_tokens": 3, "quantization": quantization},
+        kv_cache_memory_gb=budget,
+    )
     outs = llm.generate(copy_prompts(), GREEDY, progress=False)
     assert [o.token_ids for o in outs] == reference
     assert llm.stats()["num_preemptions"] > 0 and llm.stats()["spec_proposed"] > 0
@@ -64,8 +67,15 @@ def test_draft_greedy_equals_plain_under_preemption(tiny_llama, draft, reference
 
 
 def test_greedy_requests_stay_exact_beside_sampled_ones(tiny_llama, draft, reference):
-    llm = spec_llm(tiny_llama, {"method": "draft", "model": str(draft), "num_speculative_tokens": 3,
-                                "quantization": "int8_weight_only"})
+    llm = spec_llm(
+        tiny_llama,
+        {
+            "method": "draft",
+            "model": str(draft),
+            "num_speculative_tokens": 3,
+            "quantization": "int8_weight_only",
+        },
+    )
     sampled = SamplingParams(max_tokens=24, temperature=0.8, seed=7)
     params = [GREEDY if i % 2 == 0 else sampled for i in range(len(reference))]
     outs = llm.generate(copy_prompts(), params, progress=False)
@@ -76,8 +86,11 @@ def test_greedy_requests_stay_exact_beside_sampled_ones(tiny_llama, draft, refer
 
 
 def test_draft_equal_to_target_accepts_everything(tiny_llama, reference):
-    llm = spec_llm(tiny_llama, {"method": "draft", "model": str(tiny_llama), "num_speculative_tokens": 4},
-                   enable_prefix_caching=True)
+    llm = spec_llm(
+        tiny_llama,
+        {"method": "draft", "model": str(tiny_llama), "num_speculative_tokens": 4},
+        enable_prefix_caching=True,
+    )
     outs = llm.generate(copy_prompts(), GREEDY, progress=False)
     assert [o.token_ids for o in outs] == reference
     s = llm.stats()
@@ -85,17 +98,32 @@ def test_draft_equal_to_target_accepts_everything(tiny_llama, reference):
 
 
 def test_speculation_off_above_batch_threshold(tiny_llama):
-    llm = LLM(tiny_llama, dtype="float32", device="cpu",
-              speculative={"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 2})
-    llm.generate(copy_prompts()[:8], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), progress=False)
+    llm = LLM(
+        tiny_llama,
+        dtype="float32",
+        device="cpu",
+        speculative={"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 2},
+    )
+    llm.generate(
+        copy_prompts()[:8], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), progress=False
+    )
     assert llm.stats()["spec_proposed"] == 0
 
 
 def tiny_vocab_model(path, seed: int, layers: int = 2):
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                      num_attention_heads=2, num_key_value_heads=1, initializer_range=0.6,
-                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    cfg = LlamaConfig(
+        vocab_size=8,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        initializer_range=0.6,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     LlamaForCausalLM(cfg).save_pretrained(path)
     build_tokenizer().save_pretrained(path)
     GenerationConfig().save_pretrained(path)
@@ -125,9 +153,18 @@ def test_rejection_sampler_matches_target_distribution(tmp_path):
     draft = tiny_vocab_model(tmp_path / "d", seed=12, layers=1)
     prompt = [1, 2, 3]
     m2, m3 = exact_marginals(target, prompt)
-    llm = LLM(target, dtype="float32", device="cpu", max_num_seqs=512,
-              speculative={"method": "draft", "model": str(draft), "num_speculative_tokens": 2,
-                           "disable_by_batch_size": 10_000})
+    llm = LLM(
+        target,
+        dtype="float32",
+        device="cpu",
+        max_num_seqs=512,
+        speculative={
+            "method": "draft",
+            "model": str(draft),
+            "num_speculative_tokens": 2,
+            "disable_by_batch_size": 10_000,
+        },
+    )
     n = 3000
     params = [SamplingParams(max_tokens=3, temperature=1.0, seed=s, ignore_eos=True) for s in range(n)]
     outs = llm.generate([prompt] * n, params, progress=False)
@@ -160,12 +197,20 @@ def test_bad_speculative_settings(tiny_llama, spec, message):
 
 def test_draft_quantization_is_checked_at_construction(tiny_llama, draft):
     with pytest.raises(ValueError, match="unknown quantization 'int3'"):
-        LLM(tiny_llama, dtype="float32", device="cpu",
-            speculative={"method": "draft", "model": str(draft), "quantization": "int3"})
+        LLM(
+            tiny_llama,
+            dtype="float32",
+            device="cpu",
+            speculative={"method": "draft", "model": str(draft), "quantization": "int3"},
+        )
 
 
 def test_draft_with_other_vocabulary_is_refused(tiny_llama, tmp_path):
     other = tiny_vocab_model(tmp_path / "other", seed=1)
     with pytest.raises(ValueError, match="vocab_size"):
-        LLM(tiny_llama, dtype="float32", device="cpu",
-            speculative={"method": "draft", "model": str(other), "num_speculative_tokens": 2})
+        LLM(
+            tiny_llama,
+            dtype="float32",
+            device="cpu",
+            speculative={"method": "draft", "model": str(other), "num_speculative_tokens": 2},
+        )
