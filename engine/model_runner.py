@@ -42,6 +42,7 @@ class ModelRunner:
         self.kv_caches = [factory(num_blocks, block_size, c, kv_dtype, device) for _ in range(c.num_layers)]
         self.graphs = None
 
+    @torch.inference_mode()
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Replay pure-decode steps from CUDA graphs (CUDA device path only; CPU never captures)."""
         if self.device.type == "cuda" and self.flat:
