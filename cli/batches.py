@@ -108,8 +108,12 @@ def submit(
     priority: str = typer.Option("default", help="Queue: high, default or low."),
     metadata: list[str] = typer.Option([], "--metadata", "-m", help="key=value, repeatable."),
     idempotency_key: str = typer.Option(None, help="Re-submitting with the same key returns the same batch."),
-    completion_window: str = typer.Option("24h", help="Unfinished requests expire after this long."),
-    shard_size: int = typer.Option(256, help="Requests per shard (rq job)."),
+    completion_window: str = typer.Option(
+        None, help="Unfinished requests expire after this long (default: $SLUICE_COMPLETION_WINDOW or 24h)."
+    ),
+    shard_size: int = typer.Option(
+        None, help="Requests per shard (rq job) (default: $SLUICE_SHARD_SIZE or 256)."
+    ),
     webhook: str = typer.Option(None, help="URL called when the batch ends."),
     redis_url: str = RedisUrl,
     as_json: bool = AsJson,

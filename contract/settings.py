@@ -9,13 +9,18 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 class Settings(BaseSettings):
-    """Everything the producer, CLI and worker read from the environment."""
+    """Everything the producer, CLI and worker read from the environment (nothing else reads it)."""
 
     model_config = SettingsConfigDict(env_prefix="SLUICE_", extra="ignore")
 
     redis_url: str = "redis://127.0.0.1:6379/0"
     output_url: str = Field(default_factory=lambda: Path("results").resolve().as_uri())
     webhook_url: str | None = None
+    s3_addressing_style: str = "path"
+    dtype: str | None = None
+    device: str | None = None
+    demo_model: Path = Path(__file__).resolve().parents[1] / "models" / "sluice-tiny"
+    demo_results: Path = Path("results")
     max_line_bytes: int = Field(1_000_000, gt=0)
     max_lines: int = Field(200_000, gt=0)
     max_input_bytes: int = Field(1_000_000_000, gt=0)
@@ -27,6 +32,17 @@ class Settings(BaseSettings):
     heartbeat_ttl: int = Field(30, ge=3)
     result_ttl: int = Field(7 * 86400, gt=0)
     model: str | None = None
+
+
+def default_redis_url() -> str:
+    """SLUICE_REDIS_URL (a default for command-line options)."""
+    return get_settings().redis_url
+
+
+def output_url_if_set() -> str | None:
+    """SLUICE_OUTPUT_URL when it is set, else None."""
+    settings = get_settings()
+    return settings.output_url if "output_url" in settings.model_fields_set else None
 
 
 def get_settings() -> Settings:

@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import Protocol
 from urllib.parse import unquote, urlsplit
 
+from contract.settings import get_settings
+
 MiB = 1024 * 1024
 
 
@@ -138,14 +140,14 @@ class S3Storage:
 
 def s3_client():
     """A boto3 S3 client with retries and backoff; AWS_ENDPOINT_URL(_S3) selects the server."""
-    import boto3
+    import boto3  # boto3 costs ~0.5 s to import: only when S3 is used
     from botocore.config import Config
 
     config = Config(
         retries={"max_attempts": 8, "mode": "standard"},
         connect_timeout=10,
         read_timeout=120,
-        s3={"addressing_style": os.environ.get("SLUICE_S3_ADDRESSING_STYLE", "path")},
+        s3={"addressing_style": get_settings().s3_addressing_style},
     )
     return boto3.client("s3", config=config)
 

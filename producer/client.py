@@ -93,11 +93,16 @@ class Client:
         priority: str = "default",
         metadata: dict[str, str] | None = None,
         idempotency_key: str | None = None,
-        completion_window: str = "24h",
-        shard_size: int = 256,
+        completion_window: str | None = None,
+        shard_size: int | None = None,
         webhook: str | None = None,
     ) -> Batch:
-        """Validate input (path, URL, bytes or list of lines) and enqueue it; returns the Batch."""
+        """Validate input (path, URL, bytes or list of lines) and enqueue it; returns the Batch.
+
+        completion_window and shard_size default to SLUICE_COMPLETION_WINDOW and SLUICE_SHARD_SIZE.
+        """
+        completion_window = completion_window or self.settings.completion_window
+        shard_size = self.settings.shard_size if shard_size is None else shard_size
         if priority not in QUEUES:
             raise ValueError(f"priority must be one of {', '.join(QUEUES)}, got {priority!r}")
         if shard_size < 1:

@@ -23,6 +23,7 @@ from rq.exceptions import StopRequested
 from rq.utils import now
 
 from contract.schemas import Priority
+from contract.settings import default_redis_url, get_settings, output_url_if_set
 from contract.signing import check_url, parse_duration
 from contract.storage import s3_client
 from producer.client import Client
@@ -207,7 +208,7 @@ def make_client(redis_url: str) -> Any:
 
 def tick_job(name: str) -> list[str] | None:
     """Tick a pipeline by name (usable as an rq job on a stock rq worker)."""
-    redis_url = os.environ.get("SLUICE_REDIS_URL", "redis://127.0.0.1:6379/0")
+    redis_url = get_settings().redis_url
     connection = Redis.from_url(redis_url)
     return tick(connection, get_pipeline(connection, name), make_client(redis_url))
 
@@ -257,14 +258,20 @@ class PipelineScheduler(CronScheduler):
 
 
 cron_app = typer.Typer(help="Cron pipelines: batches from new objects in a bucket or folder, on a schedule.")
-RedisURL = typer.Option("redis://127.0.0.1:6379/0", envvar="SLUICE_REDIS_URL", help="Redis URL")
+RedisURL = typer.Option(
+    default_factory=default_redis_url, show_default=False, help="Redis URL (default: $SLUICE_REDIS_URL)"
+)
 
 
 @cron_app.command("add")
 def add_command(
     name: str,
     input: str = typer.Option(..., help='glob of input objects, e.g. "s3://bucket/incoming/*.jsonl"'),
-    output: str | None = typer.Option(None, envvar="SLUICE_OUTPUT_URL", help="output location of each batch"),
+    output: str | None = typer.Option(
+        default_factory=output_url_if_set,
+        show_default=False,
+        help="output location of each batch (default: $SLUICE_OUTPUT_URL)",
+    ),
     schedule: str | None = typer.Option(None, help='cron expression, e.g. "0 2 * * *"'),
     every: str | None = typer.Option(None, help="interval, e.g. 15m"),
     webhook: str | None = typer.Option(None, help="webhook URL for each batch"),

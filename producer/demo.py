@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
 import socket
 import subprocess
@@ -29,7 +28,6 @@ from contract.settings import get_settings
 from producer.client import Client
 
 ROOT = Path(__file__).resolve().parent.parent
-MODEL = Path(os.environ.get("SLUICE_DEMO_MODEL", ROOT / "models" / "sluice-tiny"))
 PROMPTS = ROOT / "examples" / "prompts.jsonl"
 TIMEOUT_S = 1800
 console = Console()
@@ -94,7 +92,7 @@ def local_redis() -> Iterator[str]:
 def worker(url: str, log: Path) -> Iterator[subprocess.Popen]:
     """One burst worker process on the bundled model, its output in log."""
     cmd = [sys.executable, "-m", "worker", "--redis-url", url, "--queues", "high,default,low"]
-    cmd += ["--model", str(MODEL), "--device", "cpu", "--dtype", "float32", "--burst"]
+    cmd += ["--model", str(get_settings().demo_model), "--device", "cpu", "--dtype", "float32", "--burst"]
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
         console.print(f"[dim]started worker (pid {proc.pid}), log in {log}[/]")
@@ -181,7 +179,7 @@ def prompt_texts() -> dict[str, str]:
 
 
 def main() -> int:
-    results = Path(os.environ.get("SLUICE_DEMO_RESULTS", "results")).resolve()
+    results = get_settings().demo_results.resolve()
     results.mkdir(parents=True, exist_ok=True)
     console.rule("[bold]Sluice demo")
     with local_redis() as url:

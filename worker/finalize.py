@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import redis
+from rq import get_current_job
 from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
@@ -73,8 +74,6 @@ def final_status(batch: Batch, records: dict[str, OutputRecord]) -> BatchStatus:
 
 def finalize_batch(batch_id: str) -> dict[str, int]:
     """The rq job run once all shards ended: merged files, counts, final status, then the webhook."""
-    from rq import get_current_job
-
     job = get_current_job()
     connection = job.connection if job else redis.Redis.from_url(get_settings().redis_url)
     store = BatchStore(connection)

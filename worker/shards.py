@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,6 +9,7 @@ from typing import Any
 
 import redis
 from pydantic import ValidationError
+from rq import get_current_job
 
 from contract.batch import BatchStore
 from contract.schemas import ChatBody, OutputRecord, Request
@@ -58,7 +58,7 @@ class ShardRun:
 
     def start(self, llm: Any) -> None:
         """Add every request to the engine; a request it can never run becomes an error record."""
-        from engine import RequestRejected, SamplingParams
+        from engine import RequestRejected, SamplingParams  # torch: see shared_llm
 
         for i, request in enumerate(self.requests):
             rid = f"{self.job_id}/{i}"
@@ -128,23 +128,18 @@ def shared_llm() -> Any:
     """The process's engine for stock rq workers, loaded once from SLUICE_MODEL (and SLUICE_DTYPE/DEVICE)."""
     global _LLM
     if _LLM is None:
-        from engine import LLM
+        from engine import LLM  # torch: imported when a shard first runs, not by every CLI command
 
         settings = get_settings()
         if not settings.model:
             raise RuntimeError("set SLUICE_MODEL to run shards in a stock rq worker (or use `sluice worker`)")
-        _LLM = LLM(
-            settings.model,
-            dtype=os.environ.get("SLUICE_DTYPE", "auto"),
-            device=os.environ.get("SLUICE_DEVICE", "auto"),
-        )
+        chosen = {"dtype": settings.dtype, "device": settings.device}
+        _LLM = LLM(settings.model, **{k: v for k, v in chosen.items() if v is not None})
     return _LLM
 
 
 def run_shard(batch_id: str, shard: int, requests: list[dict[str, Any]]) -> dict[str, int]:
     """The rq job of one shard, runnable by a stock rq worker: generate every request, save the shard."""
-    from rq import get_current_job
-
     job = get_current_job()
     connection = job.connection if job else redis.Redis.from_url(get_settings().redis_url)
     run = ShardRun.from_args(job.id if job else f"{batch_id}-shard-{shard}", (batch_id, shard, requests))

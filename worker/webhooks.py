@@ -14,6 +14,7 @@ import typer
 from redis import Redis
 
 from contract.events import DUE_KEY, as_text, delivery_key, delivery_log, record_attempt
+from contract.settings import default_redis_url
 from contract.signing import UnsafeWebhookURL, WebhookSettings, check_url, parse_schedule, sign_headers
 
 log = logging.getLogger(__name__)
@@ -121,12 +122,15 @@ def run(
                 stop.wait(poll_s)
 
 
+RedisURL = typer.Option(
+    default_factory=default_redis_url, show_default=False, help="Redis URL (default: $SLUICE_REDIS_URL)"
+)
 webhooks_app = typer.Typer(help="Webhook delivery: the delivery process and per-batch delivery logs.")
 
 
 @webhooks_app.command("run")
 def run_command(
-    redis_url: str = typer.Option("redis://127.0.0.1:6379/0", envvar="SLUICE_REDIS_URL"),
+    redis_url: str = RedisURL,
     concurrency: int = typer.Option(8, min=1),
     poll: float = typer.Option(0.5, help="seconds between polls when nothing is due"),
     burst: bool = typer.Option(False, help="exit once nothing is pending"),
@@ -139,7 +143,7 @@ def run_command(
 @webhooks_app.command("log")
 def log_command(
     batch_id: str,
-    redis_url: str = typer.Option("redis://127.0.0.1:6379/0", envvar="SLUICE_REDIS_URL"),
+    redis_url: str = RedisURL,
 ) -> None:
     """Print a batch's webhook delivery log."""
     for entry in delivery_log(Redis.from_url(redis_url), batch_id):
