@@ -9,12 +9,10 @@ import typer
 from cli.batches import batches_app
 from cli.server import keys_app, serve
 from producer.cron import cron_app
-from worker.cli import worker
 from worker.webhooks import webhooks_app
 
 app = typer.Typer(name="sluice", help="Queue-driven batch inference for LLMs.", no_args_is_help=True)
 app.add_typer(batches_app)
-app.command("worker")(worker)
 app.add_typer(cron_app, name="cron")
 app.add_typer(webhooks_app, name="webhooks")
 app.command("serve")(serve)
@@ -27,8 +25,13 @@ def wanted(command: str) -> bool:
     return not args or args[0] in (command, "--help", "-h")
 
 
+# These two import torch (seconds): loaded only for their own command or the list of commands.
+if wanted("worker"):
+    from worker.cli import worker
+
+    app.command("worker")(worker)
 if wanted("quantize"):
-    from cli.quantize import quantize  # imports torch: loaded only for its command or the command list
+    from cli.quantize import quantize
 
     app.command("quantize")(quantize)
 

@@ -1,80 +1,60 @@
-"""The worker's command line, `python -m worker ...` and `sluice worker ...`: one engine fed from the queues."""
+"""The worker's command line, `python -m worker ...` and `sluice worker ...`: one engine fed from the queues.
+
+The engine flags (--dtype, --max-num-seqs, --speculative, ...) are generated from `EngineConfig`'s fields.
+"""
 
 from __future__ import annotations
 
-import json
+import inspect
 import threading
+from typing import Any
 
 import redis
 import typer
 
+from contract.jobs import QUEUES
 from contract.logs import configure as configure_logging
 from contract.settings import get_settings
+from engine import LLM
+from worker import engine_flags
 from worker import webhooks as delivery
 from worker.metrics import become_ready, start_metrics
 from worker.worker import EngineWorker
 
-RedisUrl = typer.Option(
-    None, "--redis-url", help="Redis URL (default: $SLUICE_REDIS_URL or redis://127.0.0.1:6379/0)"
-)
 
-
-def worker(
-    model: str = typer.Option(..., "--model", envvar="SLUICE_MODEL", help="Hugging Face checkpoint folder."),
-    queues: str = typer.Option("high,default,low", help="Queues in priority order."),
-    burst: bool = typer.Option(False, "--burst", help="Exit once the queues are empty."),
-    dtype: str = typer.Option("auto"),
-    device: str = typer.Option("auto"),
-    quantization: str = typer.Option(None),
-    kv_cache_dtype: str = typer.Option("auto"),
-    max_num_seqs: int = typer.Option(256),
-    max_num_batched_tokens: int = typer.Option(4096),
-    max_model_len: int = typer.Option(None),
-    block_size: int = typer.Option(16),
-    kv_cache_memory_gb: float = typer.Option(None),
-    gpu_memory_utilization: float = typer.Option(0.9),
-    speculative: str = typer.Option(
-        None, help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'.'
+def start(
+    engine_args: dict[str, Any],
+    model: str | None = typer.Option(
+        None, "--model", help="Hugging Face checkpoint folder (default: $SLUICE_MODEL).", show_default=False
     ),
-    enable_prefix_caching: bool = typer.Option(True, "--enable-prefix-caching/--no-enable-prefix-caching"),
-    seed: int = typer.Option(0),
-    heartbeat_ttl: int = typer.Option(
-        None, help="Seconds before a silent worker's shards count as abandoned."
+    queues: str = typer.Option(",".join(QUEUES), help="Queues in priority order."),
+    burst: bool = typer.Option(False, "--burst", help="Exit once the queues are empty."),
+    heartbeat_ttl: int | None = typer.Option(
+        None,
+        help="Seconds before a silent worker's shards count as abandoned (default: $SLUICE_HEARTBEAT_TTL or 30).",
     ),
     grace: float = typer.Option(
         60.0, help="Seconds to finish in-flight shards after SIGTERM before handing back."
     ),
-    name: str = typer.Option(None, help="Worker name (default: rq's)."),
+    name: str | None = typer.Option(None, help="Worker name (default: rq's)."),
     webhooks: bool = typer.Option(
         True, "--webhooks/--no-webhooks", help="Also deliver webhook events from a background thread."
     ),
-    metrics_port: int = typer.Option(
+    metrics_port: int | None = typer.Option(
         None, help="Serve Prometheus /metrics, /healthz and /readyz (ready once loaded and warmed) here."
     ),
     log_format: str = typer.Option("text", help="text or json (one object per line, with batch/job ids)."),
-    redis_url: str = RedisUrl,
+    redis_url: str | None = typer.Option(
+        None, "--redis-url", help="Redis URL (default: $SLUICE_REDIS_URL or redis://127.0.0.1:6379/0)"
+    ),
 ) -> None:
     """Run a GPU worker: one engine kept full with shards from the queues."""
-    from engine import LLM  # imports torch: only once a worker really starts, so `sluice --help` stays fast
-
+    settings = get_settings()
+    model = model or settings.model
+    if not model:
+        raise typer.BadParameter("give --model or set SLUICE_MODEL", param_hint="--model")
     configure_logging(log_format)
     metrics = start_metrics(metrics_port, model)
-    settings = get_settings()
-    engine_args = dict(
-        dtype=dtype,
-        device=device,
-        quantization=quantization,
-        kv_cache_dtype=kv_cache_dtype,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        max_model_len=max_model_len,
-        block_size=block_size,
-        kv_cache_memory_gb=kv_cache_memory_gb,
-        gpu_memory_utilization=gpu_memory_utilization,
-        speculative=json.loads(speculative) if speculative else None,
-        enable_prefix_caching=enable_prefix_caching,
-        seed=seed,
-    )
     llm = LLM(model, **engine_args)
     connection = redis.Redis.from_url(redis_url or settings.redis_url)
     become_ready(metrics, llm, connection)
@@ -87,3 +67,12 @@ def worker(
         w.work(burst=burst)
     finally:
         stop.set()
+
+
+def worker(**options: Any) -> None:
+    """Run a GPU worker: one engine kept full with shards from the queues."""
+    start(engine_flags.engine_kwargs(options), **options)
+
+
+_own = list(inspect.signature(start, eval_str=True).parameters.values())[1:]
+worker.__signature__ = inspect.Signature(_own + engine_flags.parameters())  # type: ignore[attr-defined]
