@@ -122,7 +122,7 @@ def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
 
 
 def greedy_exactness(dev: torch.device, small: bool) -> dict:
-    """Greedy tokens of the bundled model: ours vs transformers' generate, fp32 (must match) and bf16."""
+    """Greedy tokens of the bundled model: ours vs transformers (full forward per token), fp32 (must match) and bf16."""
     from transformers import AutoModelForCausalLM
 
     ps = prompts(4 if small else 8, 12, 8192, seed=1)
@@ -130,12 +130,7 @@ def greedy_exactness(dev: torch.device, small: bool) -> dict:
     out = {}
     for dtype in ("float32", "bfloat16"):
         hf = AutoModelForCausalLM.from_pretrained(BUNDLED, dtype=getattr(torch, dtype)).to(dev)
-        want = []
-        with torch.no_grad():
-            for p in ps:
-                ids = hf.generate(torch.tensor([p], device=dev), max_new_tokens=new, do_sample=False,
-                                  min_new_tokens=new, pad_token_id=0)
-                want.append(ids[0, len(p):].tolist())
+        want = [hf_greedy(hf, p, new, dev) for p in ps]
         del hf
         llm = engine(BUNDLED, dev, dtype, kv_gb=1.0)
         got = [o.token_ids for o in llm.generate(ps, SamplingParams(max_tokens=new, temperature=0, ignore_eos=True),
@@ -146,6 +141,15 @@ def greedy_exactness(dev: torch.device, small: bool) -> dict:
         out[dtype] = {"sequences_equal": same, "sequences": len(ps), "first_divergence": prefix}
     out["pass"] = out["float32"]["sequences_equal"] == len(ps)
     return out
+
+
+@torch.no_grad()
+def hf_greedy(hf, prompt: list[int], new: int, dev: torch.device) -> list[int]:
+    """Greedy tokens from transformers' full forward at each step (EOS is just another token, as ignore_eos)."""
+    ids = torch.tensor([prompt], device=dev)
+    for _ in range(new):
+        ids = torch.cat([ids, hf(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids[0, len(prompt):].tolist()
 
 
 def prompt_logits(dev: torch.device, path: Path, small: bool) -> dict:

@@ -14,6 +14,7 @@ from engine.request import Request
 MASK32 = 0xFFFFFFFF
 GOLDEN = 0x9E3779B9
 DRAFT_STREAM = 1  # a draft model's proposals: noise apart from the target's draw at one position
+ACCEPT_STREAM = 2  # speculative acceptance tests
 
 
 def device_tensor(values: list, dtype: torch.dtype, device) -> torch.Tensor:
@@ -81,6 +82,12 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     x = x ^ (x >> 15)
     x = (x * 0x2C1B3C6D) & MASK32
     return x ^ (x >> 16)
+
+
+def keyed_uniforms(reqs: list[Request], device, generator: torch.Generator, positions: list[int],
+                   stream: int = ACCEPT_STREAM) -> torch.Tensor:
+    """One U(0, 1) per row on `device`, keyed like the noise (seeded rows ignore the rest of the batch)."""
+    return keyed_uniform(_row_keys(reqs, positions, stream, device, generator), 1)[:, 0]
 
 
 def keyed_noise(reqs: list[Request], vocab: int, device, generator: torch.Generator,

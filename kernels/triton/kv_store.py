@@ -30,18 +30,18 @@ def _store_int8(x, dst, scale_dst, dmask):
 
 
 @triton.jit
-def _store_kernel(k_ptr, v_ptr, k_cache, v_cache, k_scale, v_scale, slots, stride_t, stride_h,
-                  stride_ch, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, INT8: tl.constexpr):
+def _store_kernel(k_ptr, v_ptr, k_cache, v_cache, k_scale, v_scale, slots, stride_kt, stride_kh, stride_vt,
+                  stride_vh, stride_ch, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, INT8: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slots + t).to(tl.int64)
     if slot >= 0:
         d = tl.arange(0, BLOCK_D)
         dmask = d < HEAD_DIM
-        src = t.to(tl.int64) * stride_t + h * stride_h + d
+        t64 = t.to(tl.int64)
         dst = h.to(tl.int64) * stride_ch + slot * HEAD_DIM + d
-        k = tl.load(k_ptr + src, mask=dmask, other=0.0)
-        v = tl.load(v_ptr + src, mask=dmask, other=0.0)
+        k = tl.load(k_ptr + t64 * stride_kt + h * stride_kh + d, mask=dmask, other=0.0)
+        v = tl.load(v_ptr + t64 * stride_vt + h * stride_vh + d, mask=dmask, other=0.0)
         if INT8:
             scale_at = h.to(tl.int64) * (stride_ch // HEAD_DIM) + slot
             _store_int8(k, k_cache + dst, k_scale + scale_at, dmask)
@@ -56,12 +56,12 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
              v_scale: torch.Tensor | None = None) -> None:
     """Write keys/values [T, Hkv, D] at their slots (int8 caches quantize; pass their fp16 scales)."""
     t, hk, d = k.shape
-    assert k.stride() == v.stride() and k.stride(2) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert k.stride(2) == 1 and v.stride(2) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
     int8 = k_cache.dtype == torch.int8
     assert not int8 or (k_scale is not None and v_scale is not None)
     if t == 0:
         return
     _store_kernel[(t, hk)](
         k, v, k_cache, v_cache, k_scale if int8 else k_cache, v_scale if int8 else v_cache, slot_mapping,
-        k.stride(0), k.stride(1), k_cache.stride(0), HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), INT8=int8,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0), HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), INT8=int8,
     )
