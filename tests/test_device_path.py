@@ -8,6 +8,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import kernels
+from engine import LLM, SamplingParams
 from engine.cuda_graphs import DecodeGraphs, capture_sizes
 from engine.model_runner import ModelRunner
 from engine.models.loader import load_model
@@ -124,3 +125,25 @@ def test_capture_sizes():
     assert capture_sizes(256) == [1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256]
     assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
     assert capture_sizes(1) == [1]
+
+
+@pytest.mark.parametrize("extra", [{}, {"kv_cache_dtype": "int8"},
+                                   {"speculative": {"method": "ngram", "num_speculative_tokens": 3}}])
+def test_engine_on_the_device_path_matches_the_default_path(tiny_llama, monkeypatch, extra):
+    """Chunked prefill, decode replayed through padded static buffers, n-gram verify rows and int8 KV."""
+    prompts = [[5 + i % 7, 6, 7] * (3 + 4 * i) for i in range(6)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    kw = dict(dtype="float32", device="cpu", max_num_batched_tokens=40, max_num_seqs=8, **extra)
+    monkeypatch.setenv("SLUICE_DEVICE_PATH", "0")
+    want = [o.token_ids for o in LLM(tiny_llama, **kw).generate(prompts, params, progress=False)]
+    monkeypatch.setenv("SLUICE_DEVICE_PATH", "1")
+    llm = LLM(tiny_llama, **kw)
+    r = llm.engine.runner
+    assert r.flat and r.graphs is None
+    r.graphs = DecodeGraphs(r.model, r.kv_caches, 8, 16, torch.device("cpu"), capture=False)
+    sizes = []
+    load = r.graphs.load
+    r.graphs.load = lambda *a: sizes.append(load(*a)) or sizes[-1]
+    got = [o.token_ids for o in llm.generate(prompts, params, progress=False)]
+    assert got == want
+    assert sizes or "speculative" in extra
