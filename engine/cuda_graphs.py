@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.flat_metadata import FlatMetadata, default_splits
+from kernels.flat_metadata import FlatMetadata, default_splits, padded_tables
 
 SMALL_SIZES = (1, 2, 4, 8)
 
@@ -96,9 +96,9 @@ class DecodeGraphs:
         h["slot_mapping"][n:size] = -1
         h["seq_len"][:n] = torch.tensor(context_lens, dtype=torch.int32)
         h["seq_len"][n:size] = 0
-        for i, t in enumerate(tables):
-            assert len(t) <= h["block_tables"].shape[1], "block table wider than max_model_len allows"
-            h["block_tables"][i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        width = max(len(t) for t in tables)
+        assert width <= h["block_tables"].shape[1], "block table wider than max_model_len allows"
+        h["block_tables"][:n, :width] = padded_tables(tables, width)
         for name, host in h.items():
             getattr(self, name)[:size].copy_(host[:size], non_blocking=True)
         return size

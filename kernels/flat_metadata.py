@@ -56,15 +56,17 @@ def default_splits(num_seqs: int, num_kv_heads: int, longest_context: int, block
     return max(1, min(16, 256 // max(1, num_seqs * num_kv_heads), longest_context // 256))
 
 
+def padded_tables(block_tables: list[list[int]], width: int) -> torch.Tensor:
+    """Block tables as one int32 [len, width] tensor, zero-padded (entries past seq_len are never read)."""
+    return torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32).view(-1, width)
+
+
 def build_flat_metadata(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
                         slot_mapping: list[int], device: torch.device, num_kv_heads: int,
                         num_splits: int | None = None) -> FlatMetadata:
     """Host lists to a FlatMetadata on `device` (int32, one copy per tensor)."""
     assert len(query_lens) == len(context_lens) == len(block_tables)
-    width = max((len(t) for t in block_tables), default=1) or 1
-    tables = torch.zeros(len(block_tables), width, dtype=torch.int32)
-    for r, t in enumerate(block_tables):
-        tables[r, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    tables = padded_tables(block_tables, max((len(t) for t in block_tables), default=1) or 1)
     starts = [0]
     for q in query_lens[:-1]:
         starts.append(starts[-1] + q)
