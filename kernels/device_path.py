@@ -13,6 +13,7 @@ import torch
 
 from kernels.flat_attention import flat_attention, store_slots
 from kernels.flat_metadata import FlatMetadata
+from kernels.int8_heads import quantize_heads
 from kernels.triton import available as triton_available
 
 
@@ -47,8 +48,6 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
         store_slots(k_cache, k, slot_mapping)
         store_slots(v_cache, v, slot_mapping)
         return
-    from kernels.kv_int8 import quantize_heads
-
     for cache, scales, x in ((k_cache, k_scale, k), (v_cache, v_scale, v)):
         qx, s = quantize_heads(x)
         store_slots(cache, qx, slot_mapping)

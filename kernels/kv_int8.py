@@ -12,17 +12,9 @@ from dataclasses import replace
 import torch
 
 from kernels.attention import AttentionMetadata
+from kernels.int8_heads import SCALE_DTYPE, quantize_heads
 
-SCALE_DTYPE = torch.float16
-QMAX = 127.0
-
-
-def quantize_heads(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Int8 values and fp16 scales of x [..., D], one scale per vector (absmax / 127)."""
-    xf = x.float()
-    scale = (xf.abs().amax(-1) / QMAX).clamp(min=1e-6).to(SCALE_DTYPE)
-    q = (xf / scale.float()[..., None]).round_().clamp_(-QMAX, QMAX).to(torch.int8)
-    return q, scale
+__all__ = ["SCALE_DTYPE", "compact_metadata", "dequantize_blocks", "quantize_heads", "write_kv_int8"]
 
 
 def write_kv_int8(cache: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, slot_mapping: torch.Tensor) -> None:
