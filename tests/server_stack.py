@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 import subprocess
@@ -20,6 +21,7 @@ from tests.services import RedisServer, free_port, start_worker, stop_worker, wo
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "models" / "sluice-tiny"
 SLUICE = Path(sys.executable).parent / "sluice"
+WEBHOOK_SECRET = "whsec_" + base64.b64encode(b"sluice-server-tests-signing-key!!").decode()
 
 
 @dataclass
@@ -47,7 +49,9 @@ class Stack:
 def start_server(redis_url: str, tmp: Path, *args: str) -> tuple[subprocess.Popen, str]:
     """`sluice serve` on a free port, logging to tmp/server.log; returns the process and its base URL."""
     port = free_port()
-    env = worker_env(redis_url, SLUICE_OUTPUT_URL=tmp.as_uri(), SLUICE_SHARD_SIZE="4")
+    env = worker_env(
+        redis_url, SLUICE_OUTPUT_URL=tmp.as_uri(), SLUICE_SHARD_SIZE="4", SLUICE_WEBHOOK_ALLOW="127.0.0.1"
+    )
     cmd = [str(SLUICE), "serve", "--port", str(port), *args]
     with open(tmp / "server.log", "ab") as log:
         process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -91,11 +95,12 @@ def stack(redis_server: RedisServer, tmp_path_factory) -> Iterator[Stack]:
         str(metrics_port),
         "--log-format",
         "json",
+        SLUICE_WEBHOOK_ALLOW="127.0.0.1",
+        SLUICE_WEBHOOK_SECRET=WEBHOOK_SECRET,
     )
     try:
-        yield Stack(
-            url, redis_server.url, KeyStore(redis_server.client()), tmp, f"http://127.0.0.1:{metrics_port}"
-        )
+        keys = KeyStore(redis_server.client())
+        yield Stack(url, redis_server.url, keys, tmp, f"http://127.0.0.1:{metrics_port}", [WEBHOOK_SECRET])
     finally:
         stop_worker(worker)
         stop_worker(server)

@@ -127,8 +127,10 @@ def test_capture_sizes():
     assert capture_sizes(1) == [1]
 
 
-@pytest.mark.parametrize("extra", [{}, {"kv_cache_dtype": "int8"},
-                                   {"speculative": {"method": "ngram", "num_speculative_tokens": 3}}])
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"kv_cache_dtype": "int8"}, {"speculative": {"method": "ngram", "num_speculative_tokens": 3}}],
+)
 def test_engine_on_the_device_path_matches_the_default_path(tiny_llama, monkeypatch, extra):
     """Chunked prefill, decode replayed through padded static buffers, n-gram verify rows and int8 KV."""
     prompts = [[5 + i % 7, 6, 7] * (3 + 4 * i) for i in range(6)]

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import http.server
 import json
+import os
 import subprocess
+import threading
+import time
 
 import openai
 import pytest
 import requests
+from standardwebhooks import Webhook
 
-from tests.server_stack import SLUICE, completion, jsonl, wait_status
+from tests.server_stack import SLUICE, WEBHOOK_SECRET, completion, jsonl, wait_status
 
 
 def test_file_to_batch_to_results(stack):
@@ -180,6 +185,48 @@ def test_bad_files_are_refused(stack):
     with pytest.raises(openai.BadRequestError):
         client.files.create(file=("e.jsonl", b"\n\n"), purpose="batch")
     assert client.files.list().data == []
+
+
+def test_project_webhook_is_called_when_its_batches_end(stack):
+    received: list[tuple[bytes, dict]] = []
+
+    class Hook(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            received.append((self.rfile.read(int(self.headers["content-length"])), dict(self.headers)))
+            self.send_response(204)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    receiver = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hook)
+    threading.Thread(target=receiver.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{receiver.server_address[1]}/hook"
+    env = dict(os.environ, SLUICE_WEBHOOK_ALLOW="127.0.0.1")
+    args = ["--redis-url", stack.redis_url]
+    subprocess.run(
+        [SLUICE, "keys", "webhook", "hooked", url, *args], check=True, capture_output=True, env=env
+    )
+    refused = subprocess.run(
+        [SLUICE, "keys", "webhook", "hooked", "ftp://x/y", *args], capture_output=True, text=True
+    )
+    assert refused.returncode == 1 and "http" in refused.stderr
+    try:
+        client = stack.openai(stack.key("hooked"))
+        batch = client.batches.create(
+            input_file_id=client.files.create(file=jsonl([completion(0)]), purpose="batch").id,
+            endpoint="/v1/completions",
+            completion_window="24h",
+        )
+        assert wait_status(client, batch.id, {"completed"}).status == "completed"
+        deadline = time.monotonic() + 60
+        while not any(batch.id.encode() in body for body, _ in received) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        body, headers = next((b, h) for b, h in received if batch.id.encode() in b)
+        event = Webhook(WEBHOOK_SECRET).verify(body, {k.lower(): v for k, v in headers.items()})
+        assert "completed" in json.dumps(event)
+    finally:
+        receiver.shutdown()
 
 
 def test_logs_are_json_with_ids_and_without_keys(stack):

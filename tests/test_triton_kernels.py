@@ -127,7 +127,9 @@ def test_int8_kv_dequantized_in_registers(group):
 def test_kv_store_skips_padding_slots(dtype):
     t = 12
     k = torch.randn(t, HK, D).to(dtype)
-    v = torch.randn(t, 3 * HK * D).to(dtype)[:, HK * D: 2 * HK * D].view(t, HK, D)  # a view of a fused qkv row
+    v = (
+        torch.randn(t, 3 * HK * D).to(dtype)[:, HK * D : 2 * HK * D].view(t, HK, D)
+    )  # a view of a fused qkv row
     slots = torch.randperm(NB * BS)[:t]
     slots[[3, 7, 11]] = -1
     kc, vc = caches(dtype)
