@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import json
 
+import redis
 import typer
+
+from contract.logs import configure
+from contract.settings import get_settings
+from producer.client import check_webhook
 
 keys_app = typer.Typer(
     help="API keys for `sluice serve`: one project per key, stored hashed in Redis.", no_args_is_help=True
@@ -13,10 +18,7 @@ RedisUrl = typer.Option(None, "--redis-url", help="Redis URL (default: $SLUICE_R
 
 
 def key_store(redis_url: str | None):
-    import redis
-
-    from contract.settings import get_settings
-    from producer.server.keys import KeyStore
+    from producer.server.keys import KeyStore  # producer.server imports fastapi: only for its commands
 
     return KeyStore(redis.Redis.from_url(redis_url or get_settings().redis_url))
 
@@ -30,10 +32,8 @@ def serve(
     redis_url: str = RedisUrl,
 ) -> None:
     """Serve the OpenAI-compatible Batch API, the dashboard (/) and /metrics over the queues."""
-    import uvicorn
+    import uvicorn  # uvicorn and fastapi take a second to import: only for `sluice serve`
 
-    from contract.logs import configure
-    from contract.settings import get_settings
     from producer.server import create_app
     from producer.server.context import ServerLimits
 
@@ -101,8 +101,7 @@ def webhook(
     redis_url: str = RedisUrl,
 ) -> None:
     """Set (or clear) the webhook used by every batch the project creates through the API."""
-    from producer.client import check_webhook
-    from producer.server.keys import ProjectSettings
+    from producer.server.keys import ProjectSettings  # fastapi, as in key_store
 
     try:
         checked = check_webhook(url)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -13,6 +14,8 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
 from contract.jobs import MODELS
+from engine import SamplingParams
+from worker.shards import model_name
 
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -108,8 +111,6 @@ def shard_finished(outcome: str) -> None:
 
 def warm_up(llm: Any) -> None:
     """Run one short request through the engine so that the first real step pays no lazy set-up."""
-    from engine import SamplingParams
-
     llm.engine.add_request(
         "warmup", [1, 2, 3, 4], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
     )
@@ -172,10 +173,6 @@ def start_metrics(port: int | None, model: str) -> WorkerMetrics:
 
 def become_ready(metrics: WorkerMetrics, llm: Any, connection: Any, warm: bool = True) -> float:
     """Warm the engine up, instrument it, announce its model and mark the worker ready; returns time to ready."""
-    import logging
-
-    from worker.shards import model_name
-
     if warm:
         warm_up(llm)
     metrics.instrument(llm.engine)

@@ -12,6 +12,7 @@ from starlette.concurrency import run_in_threadpool
 
 from contract.batch import TransitionError
 from contract.schemas import Batch
+from contract.storage import split_url
 from producer.client import BatchNotFound, check_metadata, window_seconds
 from producer.server.context import ApiKey, Context, api_key, context
 from producer.server.errors import APIError, not_found
@@ -104,8 +105,6 @@ class BatchApi:
         file_id = f"file-{batch.id.removeprefix('batch_')}-{kind}"
         if self.connection.exists("sluice:file:" + file_id):
             return file_id
-        from contract.storage import split_url
-
         storage, key = split_url(url)
         record = FileRecord(
             id=file_id,
