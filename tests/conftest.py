@@ -1,7 +1,12 @@
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():  # before anything imports triton: its own library must load interpreted too
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tests.checkpoints import make_checkpoint
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"
+os.environ["TRITON_INTERPRET"] = "1"  # conftest sets it before triton can load (triton reads it at import)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
