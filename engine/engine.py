@@ -15,10 +15,13 @@ from engine.model_runner import ModelRunner, StepLogits, kv_bytes_per_token
 from engine.models.llama import ModelConfig
 from engine.models.loader import load_model, read_config
 from engine.outputs import RequestOutput
+from engine.quantization import int8_kv_cache, kv_token_bytes, linear_hook
 from engine.request import Request
 from engine.sampler import sample, top_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.spec_decode import DraftProposer, NgramProposer, Proposer, load_draft
+from engine.verification import SpecStats, accept_greedy, rejection_sample
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
           "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "half": torch.float16}
@@ -74,6 +77,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._aborted: list[Request] = []
         self.counters = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0, "computed_tokens": 0}
+        self.spec_stats = SpecStats()
         self.proposer = self._make_proposer()
 
     def _max_model_len(self) -> int:
@@ -88,8 +92,6 @@ class Engine:
         return limit
 
     def _load_model(self):
-        from engine.quantization import linear_hook
-
         hook = linear_hook(self.config, self.device, self.dtype)
         return load_model(self.config.model, self.dtype, self.device, self.max_model_len, hook)
 
@@ -98,8 +100,6 @@ class Engine:
         if kind in ("auto", None):
             return self.dtype, None
         if kind == "int8":
-            from engine.quantization import int8_kv_cache
-
             return torch.int8, int8_kv_cache(self.dtype)
         if kind in DTYPES:
             return DTYPES[kind], None
@@ -107,8 +107,6 @@ class Engine:
 
     def _num_blocks(self) -> int:
         if self.kv_dtype == torch.int8:
-            from engine.quantization import kv_token_bytes
-
             per_token = kv_token_bytes(self.model_config)
         else:
             per_token = kv_bytes_per_token(self.model_config, self.kv_dtype)
@@ -141,12 +139,18 @@ class Engine:
             ids.add(self.tokenizer.eos_token_id)
         return ids
 
-    def _make_proposer(self):
-        if not self.config.speculative:
+    def _make_proposer(self) -> Proposer | None:
+        """The proposer the speculative config names, given only what it needs (never the engine)."""
+        spec = self.config.speculative_config
+        if spec is None:
             return None
-        from engine.spec_decode import make_proposer
-
-        return make_proposer(self)
+        if spec.method == "ngram":
+            return NgramProposer(spec, self.max_model_len)
+        draft = load_draft(spec, self.config, self.model_config, self.tokenizer.get_vocab(), self.dtype, self.device,
+                           self.max_model_len)
+        blocks = BlockManager(self.num_blocks, self.config.block_size, enable_prefix_caching=False)
+        runner = ModelRunner(draft, self.num_blocks, self.config.block_size, self.dtype, self.device)
+        return DraftProposer(spec, self.max_model_len, runner, blocks, self.generator)
 
     @property
     def num_blocks(self) -> int:
@@ -236,13 +240,33 @@ class Engine:
                 req.prompt_logits.append(rows.logits[start:start + count].float().cpu())
         ready = [i for i, r in enumerate(reqs) if r.num_computed_tokens >= r.num_tokens]
         plain = [i for i in ready if not reqs[i].spec_token_ids]
-        finished = self.proposer.verify(reqs, rows, [i for i in ready if reqs[i].spec_token_ids]) \
-            if self.proposer is not None else []
+        finished = self._verify(reqs, rows, [i for i in ready if reqs[i].spec_token_ids])
         if plain:
             finished += self._sample_plain(reqs, rows, plain)
         for req in reqs:
             if not req.is_finished:
                 self.block_manager.cache_full_blocks(req)
+        return finished
+
+    def _verify(self, reqs: list[Request], rows: StepLogits, index: list[int]) -> list[Request]:
+        """Verify each listed request's proposals, append what is emitted, roll back the rejected slots."""
+        finished: list[Request] = []
+        best = rows.logits.max(-1).indices.tolist() if any(reqs[i].params.greedy for i in index) else []
+        for i in index:
+            req = reqs[i]
+            start, n = rows.row_start[i], rows.num_rows[i]
+            logits = rows.logits[start: start + n]
+            emitted = accept_greedy(req.spec_token_ids, best[start: start + n]) if req.params.greedy \
+                else rejection_sample(req, logits, self.generator)
+            accepted = len(emitted) - 1
+            self.spec_stats.record(req, len(req.spec_token_ids), accepted)
+            base = req.num_tokens
+            req.spec_token_ids, req.draft_state = [], None
+            if self.append_tokens(req, emitted, self.logprobs_for(logits[: len(emitted)], emitted, req)):
+                finished.append(req)
+            else:
+                req.num_computed_tokens = base + accepted
+                self.block_manager.trim(req, req.num_tokens)
         return finished
 
     def _sample_plain(self, reqs: list[Request], rows: StepLogits, ready: list[int]) -> list[Request]:
@@ -349,5 +373,5 @@ class Engine:
             **self.counters,
         }
         if self.proposer is not None:
-            out.update(self.proposer.stats())
+            out.update(self.spec_stats.as_dict())
         return out

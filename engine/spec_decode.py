@@ -1,79 +1,35 @@
-"""Speculative decoding inside the continuous batch: proposers (draft model, n-gram) and a lossless verifier."""
+"""Speculative proposers (n-gram lookup, draft model): each attaches up to k proposed tokens to running requests.
+
+Proposers only propose; `engine.verification` verifies and the engine appends and rolls back (vLLM v1's split).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from dataclasses import replace
 
 import torch
+from transformers import AutoTokenizer
 
 from engine.block_manager import BlockManager
+from engine.config import EngineConfig, SpeculativeConfig
 from engine.model_runner import ModelRunner
-from engine.models.llama import ModelConfig
+from engine.models.llama import LlamaModel, ModelConfig
 from engine.models.loader import load_model, read_config
+from engine.quantization import linear_hook
 from engine.request import Request
 from engine.sampler import DRAFT_STREAM, draw, sample_probs
 from engine.scheduler import ScheduledBatch
 
-if TYPE_CHECKING:
-    from engine.engine import Engine
-    from engine.model_runner import StepLogits
-
-METHODS = ("draft", "ngram")
-# Measured on CPU with the bundled pair (docs/benchmarks.md, speculative decoding): the bf16 and int8 drafts
-# gain >= 1.16x up to 8 running requests and 0.89-1.08x beyond, where a larger target's compute-bound step
-# would lose; n-gram lookup costs nothing to propose but verifying still grows with the batch.
-DEFAULT_DISABLE_BY_BATCH_SIZE = 8
-
-@dataclass(slots=True)
-class SpecConfig:
-    """Validated speculative settings."""
-
-    method: str
-    num_speculative_tokens: int
-    model: str | None = None
-    prompt_lookup_min: int = 1
-    prompt_lookup_max: int = 4
-    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
-    quantization: str | None = None
-
-    @classmethod
-    def parse(cls, raw: dict[str, Any]) -> SpecConfig:
-        """Check the user's dict and name what is wrong."""
-        raw = dict(raw)
-        method = raw.pop("method", None)
-        if method not in METHODS:
-            raise ValueError(f"speculative method {method!r} is unknown; choose one of {', '.join(METHODS)}")
-        k = raw.pop("num_speculative_tokens", 4)
-        if not isinstance(k, int) or k < 1:
-            raise ValueError(f"speculative num_speculative_tokens must be an integer >= 1, got {k!r}")
-        unknown = set(raw) - {"model", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size",
-                              "quantization"}
-        if unknown:
-            raise ValueError(f"unknown speculative option(s): {', '.join(sorted(unknown))}")
-        cfg = cls(method, k, **raw)
-        if method == "draft" and not cfg.model:
-            raise ValueError("speculative method 'draft' needs 'model': the draft checkpoint folder")
-        if method != "draft" and cfg.quantization is not None:
-            raise ValueError("speculative 'quantization' quantizes only a draft model (method 'draft')")
-        if not 1 <= cfg.prompt_lookup_min <= cfg.prompt_lookup_max:
-            raise ValueError("speculative prompt_lookup_min/max must satisfy 1 <= min <= max")
-        if not isinstance(cfg.disable_by_batch_size, int) or cfg.disable_by_batch_size < 0:
-            raise ValueError(f"speculative disable_by_batch_size must be an integer >= 0, "
-                             f"got {cfg.disable_by_batch_size!r}")
-        return cfg
-
 
 class Proposer:
-    """Proposes up to k tokens per running request and verifies them against the target's logits."""
+    """Proposes up to k tokens per eligible running request, within max_tokens and max_model_len."""
 
-    def __init__(self, engine: Engine, cfg: SpecConfig) -> None:
-        self.engine, self.cfg = engine, cfg
-        self.proposed = self.accepted = self.steps = 0
+    def __init__(self, cfg: SpeculativeConfig, max_model_len: int) -> None:
+        self.cfg, self.max_model_len = cfg, max_model_len
 
     def budget(self, req: Request) -> int:
         """How many tokens may be proposed without overrunning max_tokens or max_model_len."""
-        left = self.engine.max_model_len - req.num_tokens - 1
+        left = self.max_model_len - req.num_tokens - 1
         if req.params.max_tokens is not None:
             left = min(left, req.params.max_tokens - len(req.output_token_ids) - 1)
         return max(0, min(self.cfg.num_speculative_tokens, left))
@@ -91,69 +47,6 @@ class Proposer:
 
     def release(self, req: Request) -> None:
         """Forget per-request proposer state."""
-
-    def verify(self, reqs: list[Request], rows: StepLogits, index: list[int]) -> list[Request]:
-        """Accept/reject each request's proposals (Leviathan et al.); append the emitted tokens."""
-        finished = []
-        best = rows.logits.max(-1).indices.tolist() if any(reqs[i].params.greedy for i in index) else []
-        for i in index:
-            req = reqs[i]
-            start, n = rows.row_start[i], rows.num_rows[i]
-            logits = rows.logits[start: start + n]
-            emitted = _accept_greedy(req.spec_token_ids, best[start: start + n]) if req.params.greedy \
-                else self._accept(req, logits)
-            k, a = len(req.spec_token_ids), len(emitted) - 1
-            self.proposed, self.accepted, self.steps = self.proposed + k, self.accepted + a, self.steps + 1
-            m = req.metrics
-            m.spec_proposed, m.spec_accepted, m.spec_steps = m.spec_proposed + k, m.spec_accepted + a, m.spec_steps + 1
-            base = req.num_tokens
-            req.spec_token_ids, req.draft_state = [], None
-            lps = self.engine.logprobs_for(logits[: len(emitted)], emitted, req)
-            if self.engine.append_tokens(req, emitted, lps):
-                finished.append(req)
-            else:
-                req.num_computed_tokens = base + a
-                self.engine.block_manager.trim(req, req.num_tokens)
-        return finished
-
-    def _accept(self, req: Request, logits: torch.Tensor) -> list[int]:
-        spec = req.spec_token_ids
-        p = sample_probs(logits, [req] * logits.shape[0])
-        q = req.draft_state if req.draft_state is not None else _one_hot(spec, p.shape[-1], p.device)
-        gen = req.generator if req.generator is not None else self.engine.generator
-        out: list[int] = []
-        for j, tok in enumerate(spec):
-            u = torch.rand((), generator=gen).item()
-            if u * q[j, tok].item() < p[j, tok].item():
-                out.append(tok)
-                continue
-            residual = (p[j] - q[j]).clamp_min(0)
-            residual = residual if residual.sum() > 0 else p[j]
-            return out + self._draw(residual, req, j)
-        return out + self._draw(p[len(spec)], req, len(spec))
-
-    def _draw(self, probs: torch.Tensor, req: Request, offset: int) -> list[int]:
-        return draw(probs[None], [req], self.engine.generator, [req.num_tokens + offset]).tolist()
-
-    def stats(self) -> dict[str, float]:
-        return {
-            "spec_proposed": self.proposed,
-            "spec_accepted": self.accepted,
-            "spec_acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
-            "spec_mean_accepted_length": (self.accepted + self.steps) / self.steps if self.steps else 0.0,
-        }
-
-
-def _one_hot(tokens: list[int], vocab: int, device) -> torch.Tensor:
-    return torch.zeros(len(tokens), vocab, device=device).scatter_(-1, torch.tensor(tokens, device=device)[:, None], 1.0)
-
-
-def _accept_greedy(spec: list[int], best: list[int]) -> list[int]:
-    """Against a greedy target the rejection rule reduces to: keep proposals while they are its argmax."""
-    n = 0
-    while n < len(spec) and spec[n] == best[n]:
-        n += 1
-    return best[: n + 1]
 
 
 class NgramProposer(Proposer):
@@ -176,26 +69,27 @@ class NgramProposer(Proposer):
 
 
 class DraftProposer(Proposer):
-    """A small model with its own paged KV cache proposes k tokens autoregressively."""
+    """A small model with its own paged KV cache proposes k tokens autoregressively.
 
-    def __init__(self, engine: Engine, cfg: SpecConfig) -> None:
-        super().__init__(engine, cfg)
-        draft_cfg = ModelConfig.from_hf(read_config(cfg.model))
-        _check_vocab(engine, draft_cfg, cfg.model)
-        self.model = self._load(engine, cfg)
-        num_blocks = engine.block_manager.num_blocks
-        self.blocks = BlockManager(num_blocks, engine.config.block_size, enable_prefix_caching=False)
-        self.runner = ModelRunner(self.model, num_blocks, engine.config.block_size, engine.dtype, engine.device)
+    Each request has a shadow request in the draft's block pool. When that pool is full the request gets no
+    (or fewer) proposals this step and shadows of requests no longer running are freed: speculation backs off
+    under memory pressure, it never fails."""
+
+    def __init__(self, cfg: SpeculativeConfig, max_model_len: int, runner: ModelRunner, blocks: BlockManager,
+                 generator: torch.Generator) -> None:
+        super().__init__(cfg, max_model_len)
+        self.runner, self.blocks, self.generator = runner, blocks, generator
         self.shadows: dict[str, Request] = {}
 
-    @staticmethod
-    def _load(engine: Engine, cfg: SpecConfig):
-        """The draft in the target's dtype, quantized as `cfg.quantization` says (any engine method)."""
-        from engine.quantization import linear_hook
+    @property
+    def model(self) -> LlamaModel:
+        return self.runner.model
 
-        config = replace(engine.config, model=cfg.model, quantization=cfg.quantization, speculative=None)
-        return load_model(cfg.model, engine.dtype, engine.device, engine.max_model_len,
-                          linear_hook(config, engine.device, engine.dtype))
+    def propose(self, running: list[Request]) -> None:
+        live = {r.request_id for r in running}
+        for rid in [rid for rid in self.shadows if rid not in live]:
+            self.blocks.free(self.shadows.pop(rid))
+        super().propose(running)
 
     def _shadow(self, req: Request) -> Request:
         tokens = req.all_token_ids
@@ -219,13 +113,11 @@ class DraftProposer(Proposer):
         active = list(range(len(reqs)))
         probs: list[list[torch.Tensor]] = [[] for _ in reqs]
         for step in range(max(ks)):
-            active = [i for i in active if step < ks[i] and self._fits(shadows[i])]
+            active = [i for i in active if step < ks[i] and self._allocate(shadows[i])]
             if not active:
                 break
             batch = ScheduledBatch([shadows[i] for i in active],
                                    [shadows[i].num_tokens - shadows[i].num_computed_tokens for i in active], [])
-            for s, n in zip(batch.requests, batch.num_new_tokens, strict=True):
-                self.blocks.allocate(s, n)
             tokens, q = self._sample(self.runner.run(batch).logits, [reqs[i] for i in active],
                                      [shadows[i].num_tokens for i in active])
             for j, i in enumerate(active):
@@ -238,16 +130,21 @@ class DraftProposer(Proposer):
             req.spec_token_ids = shadows[i].prompt_token_ids[req.num_tokens:]
             req.draft_state = torch.stack(probs[i]) if probs[i] else None
 
+    def _allocate(self, s: Request) -> bool:
+        """Blocks for the shadow's uncomputed tokens, if the draft pool has them; False (no allocation) if not."""
+        n = s.num_tokens - s.num_computed_tokens
+        if not self.blocks.can_allocate(self.blocks.blocks_needed(s, n)):
+            return False
+        self.blocks.allocate(s, n)
+        return True
+
     def _sample(self, logits: torch.Tensor, reqs: list[Request],
                 positions: list[int]) -> tuple[list[int], torch.Tensor | None]:
         """Draft tokens and, unless every row is greedy, the distributions they were drawn from."""
         if all(r.params.greedy for r in reqs):
             return logits.max(-1).indices.tolist(), None
         q = sample_probs(logits, reqs)
-        return draw(q, reqs, self.engine.generator, positions, stream=DRAFT_STREAM).tolist(), q
-
-    def _fits(self, s: Request) -> bool:
-        return self.blocks.can_allocate(self.blocks.blocks_needed(s, s.num_tokens - s.num_computed_tokens))
+        return draw(q, reqs, self.generator, positions, stream=DRAFT_STREAM).tolist(), q
 
     def release(self, req: Request) -> None:
         s = self.shadows.pop(req.request_id, None)
@@ -255,22 +152,23 @@ class DraftProposer(Proposer):
             self.blocks.free(s)
 
 
-def _check_vocab(engine: Engine, draft: ModelConfig, path: str) -> None:
-    target = engine.model_config
+def load_draft(cfg: SpeculativeConfig, engine_config: EngineConfig, target: ModelConfig, target_vocab: dict,
+               dtype: torch.dtype, device: torch.device, max_model_len: int) -> LlamaModel:
+    """The draft model in the target's dtype on its device, quantized as `cfg.quantization` says."""
+    assert cfg.model is not None
+    draft = ModelConfig.from_hf(read_config(cfg.model))
+    _check_vocab(draft, target, target_vocab, cfg.model)
+    config = replace(engine_config, model=cfg.model, quantization=cfg.quantization, speculative=None)
+    return load_model(cfg.model, dtype, device, max_model_len, linear_hook(config, device, dtype))
+
+
+def _check_vocab(draft: ModelConfig, target: ModelConfig, target_vocab: dict, path: str) -> None:
     if draft.vocab_size != target.vocab_size:
         raise ValueError(f"draft model {path} has vocab_size {draft.vocab_size}, the target has "
                          f"{target.vocab_size}: a draft must share the target's tokenizer")
     try:
-        from transformers import AutoTokenizer
-
         draft_vocab = AutoTokenizer.from_pretrained(path).get_vocab()
     except (OSError, ValueError):
         return
-    if draft_vocab != engine.tokenizer.get_vocab():
+    if draft_vocab != target_vocab:
         raise ValueError(f"draft model {path} uses a different tokenizer vocabulary than the target")
-
-
-def make_proposer(engine: Engine) -> Proposer:
-    """The proposer named by the engine's `speculative` setting."""
-    cfg = SpecConfig.parse(engine.config.speculative or {})
-    return DraftProposer(engine, cfg) if cfg.method == "draft" else NgramProposer(engine, cfg)

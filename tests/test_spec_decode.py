@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, LlamaForCausalLM
@@ -214,3 +216,23 @@ def test_draft_with_other_vocabulary_is_refused(tiny_llama, tmp_path):
             device="cpu",
             speculative={"method": "draft", "model": str(other), "num_speculative_tokens": 2},
         )
+
+
+def test_bundled_draft_backs_off_when_its_kv_cache_is_full():
+    """Issue 12: a draft with a ~26-block cache once crashed in allocate; speculation now backs off instead."""
+    models = Path(__file__).resolve().parent.parent / "models"
+    target, draft = str(models / "sluice-tiny"), str(models / "sluice-tiny-draft")
+    plain = LLM(target, dtype="float32", device="cpu")
+    budget = 26 * plain.engine.kv_block_bytes / 1024**3
+    prompts = [f"{p} {n}" for p in ("To be, or not to be,", "O Romeo, Romeo!", "My lord,") for n in range(4)]
+    params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    want = [o.token_ids for o in plain.generate(prompts, params, progress=False)]
+    llm = LLM(target, dtype="float32", device="cpu", kv_cache_memory_gb=budget,
+              speculative={"method": "draft", "model": draft, "num_speculative_tokens": 4,
+                           "disable_by_batch_size": 64})
+    assert llm.engine.num_blocks == 26
+    outs = llm.generate(prompts, params, progress=False)
+    assert [o.token_ids for o in outs] == want
+    s = llm.stats()
+    assert s["num_preemptions"] > 0 and s["spec_proposed"] > 0
+    assert llm.engine.block_manager.num_used_blocks == 0 and llm.engine.proposer.blocks.num_used_blocks == 0
