@@ -7,9 +7,10 @@ import torch
 from engine.models.llama import ModelConfig
 from engine.models.loader import CheckpointReader, LinearHook, read_config
 from engine.quantization.checkpoint import save_quantized
+from engine.quantization.device_check import check_device
 from engine.quantization.kv_cache import int8_kv_cache, kv_token_bytes
 from engine.quantization.linears import FusedLinear, Quantizer
-from engine.quantization.spec import QuantSpec, check_device, check_shapes, resolve_spec
+from engine.quantization.spec import QuantSpec, check_shapes, resolve_spec
 
 __all__ = ["FusedLinear", "QuantSpec", "int8_kv_cache", "kv_token_bytes", "linear_hook", "save_quantized"]
 

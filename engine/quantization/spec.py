@@ -88,24 +88,6 @@ def resolve_spec(config, hf_config: dict[str, Any]) -> QuantSpec | None:
     return QuantSpec(config.quantization, config.quant_type, config.double_quant, config.llm_int8_threshold)
 
 
-def check_device(spec: QuantSpec, device: torch.device, dtype: torch.dtype) -> None:
-    """Refuse devices bitsandbytes has no kernels for, and run one tiny quantized matmul there."""
-    if spec.method == WEIGHT_ONLY:
-        return
-    if device.type not in SERVED_DEVICES:
-        raise ValueError(f"quantization={spec.method!r} needs bitsandbytes kernels, which exist for "
-                         f"{', '.join(SERVED_DEVICES)}; not for device {device.type!r}")
-    from engine.quantization.linears import quantized_linear
-
-    probe = torch.nn.Linear(BLOCKSIZE, CPU_INT4_ROWS, bias=False, device=device, dtype=dtype)
-    try:
-        quantized_linear(spec, probe.weight.data, None, dtype).eval()(torch.ones(1, BLOCKSIZE, device=device,
-                                                                                dtype=dtype))
-    except Exception as exc:
-        raise ValueError(f"bitsandbytes {_bnb_version()} cannot serve quantization={spec.method!r} "
-                         f"on {device} in {dtype}: {exc}") from exc
-
-
 def check_shapes(spec: QuantSpec, c: ModelConfig, device: torch.device) -> None:
     """Refuse linear shapes the int4 CPU kernel cannot pack (in % 64, out % 32), naming the layer."""
     if spec.method != "int4" or device.type != "cpu":
@@ -120,9 +102,3 @@ def check_shapes(spec: QuantSpec, c: ModelConfig, device: torch.device) -> None:
                 f"int4 cannot quantize {name} ({n_in} -> {n_out}) on CPU: bitsandbytes' CPU 4-bit kernel needs "
                 f"in_features divisible by the blocksize {BLOCKSIZE} and out_features by {CPU_INT4_ROWS}"
             )
-
-
-def _bnb_version() -> str:
-    import bitsandbytes
-
-    return bitsandbytes.__version__
