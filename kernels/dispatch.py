@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cpu_attention
+from kernels.cpu_attention import available as cpu_kernel_available
 
 
 def fused_attention(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
     """True when paged attention over a plain `kv_dtype` cache runs the fused CPU kernel (built on first call)."""
-    return device.type == "cpu" and kv_dtype == dtype and cpu_attention.available()
+    return device.type == "cpu" and kv_dtype == dtype and cpu_kernel_available()
