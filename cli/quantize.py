@@ -17,9 +17,9 @@ def quantize(
     dtype: str = "auto",
 ) -> None:
     """Quantize SRC (an HF folder) with bitsandbytes int8/int4 into DST, which then loads without re-quantizing."""
-    from engine.engine import resolve_dtype
     from engine.models.loader import read_config
     from engine.quantization import QuantSpec, save_quantized
+    from engine.resolved import resolve_dtype
 
     spec = QuantSpec(quantization, quant_type, double_quant, llm_int8_threshold)
     cfg = read_config(src)

@@ -1,9 +1,20 @@
-"""Engine configuration: one dataclass; `LLM` filters its keyword arguments against these fields."""
+"""Engine configuration: the settings `LLM` and the worker take, each with its default and help, validated once.
+
+`LLM` filters its keyword arguments against EngineConfig's fields; the CLI builds worker flags from them.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+import torch
+
+from engine.quantization.spec import QuantSpec
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+          "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "half": torch.float16}
+KV_CACHE_DTYPES = ("auto", "int8", *DTYPES)
 
 METHODS = ("draft", "ngram")
 # Measured on CPU with the bundled pair (docs/benchmarks.md, speculative decoding): the bf16 and int8 drafts
@@ -39,6 +50,8 @@ class SpeculativeConfig:
         if not isinstance(self.disable_by_batch_size, int) or self.disable_by_batch_size < 0:
             raise ValueError(f"speculative disable_by_batch_size must be an integer >= 0, "
                              f"got {self.disable_by_batch_size!r}")
+        if self.quantization is not None:
+            QuantSpec(self.quantization)
 
     @classmethod
     def parse(cls, raw: dict[str, Any]) -> SpeculativeConfig:
@@ -49,44 +62,61 @@ class SpeculativeConfig:
         return cls(**{"method": None, **raw})
 
 
+def _opt(default: Any, help: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": help}, **kw)
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """Everything the engine needs to know besides the weights."""
 
-    model: str
-    dtype: str = "auto"
-    device: str = "auto"
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 4096
-    max_model_len: int | None = None
-    kv_cache_memory_gb: float | None = None
-    gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = True
-    seed: int = 0
-    quantization: str | None = None
-    quant_type: str = "nf4"
-    double_quant: bool = False
-    llm_int8_threshold: float = 6.0
-    kv_cache_dtype: str = "auto"
-    speculative: dict[str, Any] | None = None
-    enforce_eager: bool = False
-    tokenizer: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    model: str = field(metadata={"help": "Hugging Face checkpoint folder (config.json + safetensors)."})
+    dtype: str = _opt("auto", "Compute dtype: auto (the checkpoint's; bf16 for fp16 on CPU), bfloat16, float16, "
+                              "float32.")
+    device: str = _opt("auto", "Device: auto (CUDA when present, else CPU), cpu, cuda, cuda:N.")
+    block_size: int = _opt(16, "Tokens per KV cache block (a power of two).")
+    max_num_seqs: int = _opt(256, "Most requests running in one step.")
+    max_num_batched_tokens: int = _opt(4096, "Most tokens computed in one step (prefill is chunked to fit).")
+    max_model_len: int | None = _opt(None, "Longest prompt + output in tokens (default: the model's limit).")
+    kv_cache_memory_gb: float | None = _opt(None, "KV cache size in GiB (default: free GPU memory times "
+                                                  "gpu_memory_utilization; on CPU enough for max_num_seqs "
+                                                  "full-length requests, at most 4 GiB).")
+    gpu_memory_utilization: float = _opt(0.9, "Fraction of GPU memory the engine may fill (weights + KV cache).")
+    enable_prefix_caching: bool = _opt(True, "Reuse KV blocks of identical prompt prefixes.")
+    seed: int = _opt(0, "Seed of the sampler for requests without their own seed.")
+    quantization: str | None = _opt(None, "Weight quantization: int8, int4 (bitsandbytes) or int8_weight_only.")
+    quant_type: str = _opt("nf4", "4-bit data type for int4: nf4 or fp4.")
+    double_quant: bool = _opt(False, "int4: also quantize the quantization constants.")
+    llm_int8_threshold: float = _opt(6.0, "int8: outlier threshold of LLM.int8() (0 disables outlier columns).")
+    kv_cache_dtype: str = _opt("auto", "KV cache dtype: auto (the compute dtype), int8, bfloat16, float16, "
+                                       "float32.")
+    speculative: dict[str, Any] | None = _opt(None, 'Speculative decoding as JSON, e.g. {"method": "ngram", '
+                                                    '"num_speculative_tokens": 4}; methods: ngram, draft.')
+    enforce_eager: bool = _opt(False, "CUDA: run every step eagerly (no CUDA graph replay of pure-decode steps).")
+    tokenizer: str | None = _opt(None, "Tokenizer folder (default: the model folder).")
+    extra: dict[str, Any] = field(default_factory=dict, metadata={"help": "Free-form settings the engine ignores."})
     speculative_config: SpeculativeConfig | None = field(init=False, default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        assert self.block_size > 0 and self.block_size & (self.block_size - 1) == 0, "block_size: power of two"
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {sorted(set(DTYPES))} or 'auto'")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; choose auto, int8, bfloat16, "
+                             "float16 or float32")
+        if self.quantization is not None:
+            QuantSpec(self.quantization, self.quant_type, self.double_quant, self.llm_int8_threshold)
         self.speculative_config = SpeculativeConfig.parse(self.speculative) if self.speculative else None
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
         """Build a config, refusing unknown keyword arguments by name."""
-        names = {f.name for f in fields(cls)}
+        names = {f.name for f in fields(cls) if f.init}
         unknown = sorted(set(kwargs) - names)
         if unknown:
             raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}")

@@ -2,54 +2,28 @@
 
 from __future__ import annotations
 
-import json
 import time
-from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.model_runner import ModelRunner, StepLogits, kv_bytes_per_token
-from engine.models.llama import ModelConfig
-from engine.models.loader import load_model, read_config
+from engine.model_runner import ModelRunner, StepLogits
+from engine.models.loader import load_model
 from engine.outputs import RequestOutput
-from engine.quantization import int8_kv_cache, kv_token_bytes, linear_hook
+from engine.quantization import int8_kv_cache, linear_hook
 from engine.request import Request
+from engine.resolved import ResolvedConfig
 from engine.sampler import sample, top_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.spec_decode import DraftProposer, NgramProposer, Proposer, load_draft
 from engine.verification import SpecStats, accept_greedy, rejection_sample
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
-          "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "half": torch.float16}
-CPU_KV_DEFAULT_GB = 4.0
-
 
 class RequestRejected(ValueError):
     """A request that can never run (too long, empty, duplicate id); the engine serves the rest."""
-
-
-def resolve_device(name: str) -> torch.device:
-    """'auto' picks CUDA when present, else CPU."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' requested but torch sees no CUDA device")
-    return dev
-
-
-def resolve_dtype(name: str, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
-    """'auto' takes the checkpoint's dtype (bf16 in place of fp16 on CPU)."""
-    if name != "auto":
-        if name not in DTYPES:
-            raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(set(DTYPES))} or 'auto'")
-        return DTYPES[name]
-    dtype = DTYPES.get(str(checkpoint_dtype).replace("torch.", ""), torch.float32)
-    return torch.bfloat16 if dtype == torch.float16 and device.type == "cpu" else dtype
 
 
 class Engine:
@@ -57,15 +31,16 @@ class Engine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.device = resolve_device(config.device)
-        hf_config = read_config(config.model)
-        self.model_config = ModelConfig.from_hf(hf_config)
-        self.dtype = resolve_dtype(config.dtype, self.model_config.torch_dtype, self.device)
+        r = ResolvedConfig.resolve(config)
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
-        self.max_model_len = self._max_model_len()
-        self.model = self._load_model()
-        self.kv_dtype, cache_factory = self._kv_cache_kind()
-        num_blocks = self._num_blocks()
+        r = self.resolved = r.with_eos(self.tokenizer.eos_token_id)
+        self.model_config, self.device, self.dtype, self.kv_dtype = r.model, r.device, r.dtype, r.kv_dtype
+        self.max_model_len, self.eos_token_ids = r.max_model_len, r.eos_token_ids
+        hook = linear_hook(config, self.device, self.dtype, r.hf_config)
+        self.model = load_model(config.model, self.dtype, self.device, self.max_model_len, hook, r.model)
+        num_blocks = r.num_kv_blocks(config)
+        self.kv_block_bytes = r.kv_token_bytes() * config.block_size
+        cache_factory = int8_kv_cache(self.dtype) if self.kv_dtype == torch.int8 else None
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.kv_dtype, self.device,
@@ -73,71 +48,11 @@ class Engine:
         if not config.enforce_eager:
             self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         self.generator = torch.Generator().manual_seed(config.seed)
-        self.eos_token_ids = self._eos_ids()
         self.requests: dict[str, Request] = {}
         self._aborted: list[Request] = []
         self.counters = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0, "computed_tokens": 0}
         self.spec_stats = SpecStats()
         self.proposer = self._make_proposer()
-
-    def _max_model_len(self) -> int:
-        c = self.model_config
-        limit = c.max_position_embeddings
-        if c.sliding_window:
-            limit = min(limit, c.sliding_window)
-        if self.config.max_model_len is not None:
-            if self.config.max_model_len > limit:
-                raise ValueError(f"max_model_len={self.config.max_model_len} exceeds the model's limit {limit}")
-            return self.config.max_model_len
-        return limit
-
-    def _load_model(self):
-        hook = linear_hook(self.config, self.device, self.dtype)
-        return load_model(self.config.model, self.dtype, self.device, self.max_model_len, hook)
-
-    def _kv_cache_kind(self):
-        kind = self.config.kv_cache_dtype
-        if kind in ("auto", None):
-            return self.dtype, None
-        if kind == "int8":
-            return torch.int8, int8_kv_cache(self.dtype)
-        if kind in DTYPES:
-            return DTYPES[kind], None
-        raise ValueError(f"unknown kv_cache_dtype {kind!r}; choose auto, int8, bfloat16, float16 or float32")
-
-    def _num_blocks(self) -> int:
-        if self.kv_dtype == torch.int8:
-            per_token = kv_token_bytes(self.model_config)
-        else:
-            per_token = kv_bytes_per_token(self.model_config, self.kv_dtype)
-        per_block = self.kv_block_bytes = per_token * self.config.block_size
-        budget = self.config.kv_cache_memory_gb
-        if budget is None:
-            budget_bytes = self._default_kv_budget(per_token)
-        else:
-            budget_bytes = int(budget * 1024**3)
-        num_blocks = budget_bytes // per_block
-        if num_blocks < 2:
-            raise ValueError(f"KV cache budget of {budget_bytes} bytes holds fewer than 2 blocks of {per_block} bytes")
-        return int(num_blocks)
-
-    def _default_kv_budget(self, per_token: int) -> int:
-        wanted = per_token * self.config.max_num_seqs * self.max_model_len
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            spare = free - total * (1 - self.config.gpu_memory_utilization)
-            return int(max(spare, 0))
-        return int(min(wanted, CPU_KV_DEFAULT_GB * 1024**3))
-
-    def _eos_ids(self) -> set[int]:
-        ids = set(self.model_config.eos_token_ids)
-        gen = Path(self.config.model) / "generation_config.json"
-        if gen.is_file():
-            eos = json.loads(gen.read_text()).get("eos_token_id")
-            ids |= {eos} if isinstance(eos, int) else set(eos or [])
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return ids
 
     def _make_proposer(self) -> Proposer | None:
         """The proposer the speculative config names, given only what it needs (never the engine)."""

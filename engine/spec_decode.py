@@ -156,10 +156,11 @@ def load_draft(cfg: SpeculativeConfig, engine_config: EngineConfig, target: Mode
                dtype: torch.dtype, device: torch.device, max_model_len: int) -> LlamaModel:
     """The draft model in the target's dtype on its device, quantized as `cfg.quantization` says."""
     assert cfg.model is not None
-    draft = ModelConfig.from_hf(read_config(cfg.model))
+    hf_config = read_config(cfg.model)
+    draft = ModelConfig.from_hf(hf_config)
     _check_vocab(draft, target, target_vocab, cfg.model)
     config = replace(engine_config, model=cfg.model, quantization=cfg.quantization, speculative=None)
-    return load_model(cfg.model, dtype, device, max_model_len, linear_hook(config, device, dtype))
+    return load_model(cfg.model, dtype, device, max_model_len, linear_hook(config, device, dtype, hf_config), draft)
 
 
 def _check_vocab(draft: ModelConfig, target: ModelConfig, target_vocab: dict, path: str) -> None:

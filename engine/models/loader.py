@@ -102,9 +102,11 @@ def load_model(
     device: torch.device,
     max_positions: int,
     linear_hook: LinearHook | None = None,
+    config: ModelConfig | None = None,
 ) -> LlamaModel:
-    """Build our model from an HF folder, streaming tensors layer by layer onto `device`."""
-    config = ModelConfig.from_hf(read_config(path))
+    """Build our model from an HF folder, streaming tensors layer by layer onto `device` (`config`: its
+    config.json when the caller has already read it)."""
+    config = config or ModelConfig.from_hf(read_config(path))
     reader = CheckpointReader(path)
     with torch.device("meta"):
         model = LlamaModel(config, max_positions)

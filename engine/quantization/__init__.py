@@ -15,9 +15,10 @@ from engine.quantization.spec import QuantSpec, check_shapes, resolve_spec
 __all__ = ["FusedLinear", "QuantSpec", "int8_kv_cache", "kv_token_bytes", "linear_hook", "save_quantized"]
 
 
-def linear_hook(config, device: torch.device, dtype: torch.dtype) -> LinearHook | None:
-    """The loader hook for the config's (or the checkpoint's) quantization, checked before any weight loads."""
-    hf_config = read_config(config.model)
+def linear_hook(config, device: torch.device, dtype: torch.dtype, hf_config: dict | None = None) -> LinearHook | None:
+    """The loader hook for the config's (or the checkpoint's) quantization, checked before any weight loads;
+    `hf_config` is the checkpoint's config.json when the caller has already read it."""
+    hf_config = hf_config if hf_config is not None else read_config(config.model)
     spec = resolve_spec(config, hf_config)
     if spec is None:
         return None
