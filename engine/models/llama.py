@@ -148,6 +148,16 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embeddings, decoder stack, final norm and LM head over a flat batch of tokens."""
 
+    # Each fused projection of a layer and the checkpoint linears it concatenates, in order (loader, quantization).
+    FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+             "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+    @staticmethod
+    def fused_sizes(c: ModelConfig) -> dict[str, list[int]]:
+        """Output rows of each checkpoint linear inside each fused projection, in FUSED's order."""
+        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        return {"self_attn.qkv_proj": [q, kv, kv], "mlp.gate_up_proj": [c.intermediate_size] * 2}
+
     def __init__(self, c: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.config = c

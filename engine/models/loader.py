@@ -14,10 +14,6 @@ from engine.models.llama import LlamaModel, ModelConfig
 from engine.models.rope import RotaryEmbedding
 
 LinearHook = Callable[[str, nn.Linear], nn.Module]
-FUSED = {
-    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-}
 
 
 def read_config(path: str | Path) -> dict:
@@ -79,7 +75,7 @@ def _load_layer(layer: nn.Module, reader, i: int, dtype, device, hook: LinearHoo
     for name, mod in list(layer.named_modules()):
         if isinstance(mod, nn.Linear):
             if not getattr(hook, "prequantized", False):
-                _load_linear(mod, reader, prefix, FUSED.get(name, (name,)), dtype, device)
+                _load_linear(mod, reader, prefix, LlamaModel.FUSED.get(name, (name,)), dtype, device)
             if hook is not None:
                 parent, _, attr = name.rpartition(".")
                 setattr(layer.get_submodule(parent), attr, hook(f"{prefix}{name}", mod))

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 import kernels
-from engine.models.llama import ModelConfig
-from engine.models.loader import FUSED, CheckpointReader
+from engine.models.llama import LlamaModel, ModelConfig
+from engine.models.loader import CheckpointReader
 from engine.quantization.spec import BLOCKSIZE, WEIGHT_ONLY, QuantSpec
 
 QUIET = ("bitsandbytes.backends.cpu.ops", "bitsandbytes.autograd._functions")  # per-call cast notices
@@ -135,7 +135,7 @@ def part_names(prefix: str) -> list[str]:
     """Checkpoint names of the linears behind one of our (possibly fused) linears."""
     layer, _, name = prefix.rpartition("layers.")
     index, _, local = name.partition(".")
-    return [f"{layer}layers.{index}.{p}" for p in FUSED.get(local, (local,))]
+    return [f"{layer}layers.{index}.{p}" for p in LlamaModel.FUSED.get(local, (local,))]
 
 
 class Quantizer:
@@ -143,8 +143,7 @@ class Quantizer:
 
     def __init__(self, spec: QuantSpec, c: ModelConfig, dtype, device, reader: CheckpointReader | None) -> None:
         self.spec, self.dtype, self.device, self.reader = spec, dtype, device, reader
-        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        self.split = {"self_attn.qkv_proj": [q, kv, kv], "mlp.gate_up_proj": [c.intermediate_size] * 2}
+        self.split = LlamaModel.fused_sizes(c)
         self.prequantized = reader is not None
 
     @property
