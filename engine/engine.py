@@ -155,7 +155,8 @@ class Engine:
                 req.prompt_logits.append(rows.logits[start:start + count].float().cpu())
         ready = [i for i, r in enumerate(reqs) if r.num_computed_tokens >= r.num_tokens]
         plain = [i for i in ready if not reqs[i].spec_token_ids]
-        finished = self._verify(reqs, rows, [i for i in ready if reqs[i].spec_token_ids])
+        speculated = [i for i in ready if reqs[i].spec_token_ids]
+        finished = self._verify(reqs, rows, speculated) if speculated else []
         if plain:
             finished += self._sample_plain(reqs, rows, plain)
         for req in reqs:
