@@ -9,12 +9,14 @@ import typer
 from cli.batches import batches_app
 from cli.server import keys_app, serve
 from producer.cron import cron_app
+from worker.reaper import reaper_app
 from worker.webhooks import webhooks_app
 
 app = typer.Typer(name="sluice", help="Queue-driven batch inference for LLMs.", no_args_is_help=True)
 app.add_typer(batches_app)
 app.add_typer(cron_app, name="cron")
 app.add_typer(webhooks_app, name="webhooks")
+app.add_typer(reaper_app, name="reaper")
 app.command("serve")(serve)
 app.add_typer(keys_app, name="keys")
 

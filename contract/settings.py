@@ -28,6 +28,11 @@ class Settings(BaseSettings):
     max_shard_bytes: int = Field(16 * 1024 * 1024, gt=0)
     completion_window: str = "24h"
     shard_retries: int = Field(3, ge=0)
+    finalize_retries: int = Field(5, ge=0)
+    retry_backoff: list[int] = Field(default_factory=lambda: [10, 60, 300])
+    reaper_interval: float = Field(30.0, gt=0)
+    validating_timeout: int = Field(3600, gt=0)
+    faults: str = ""
     shard_timeout: int = Field(6 * 3600, gt=0)
     heartbeat_ttl: int = Field(30, ge=3)
     result_ttl: int = Field(7 * 86400, gt=0)

@@ -95,6 +95,10 @@ class Engine:
         vocab = self.model_config.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             raise RequestRejected(f"prompt token ids must be in [0, {vocab})")
+        if params.top_k > vocab:
+            raise RequestRejected(f"top_k ({params.top_k}) must be <= the vocabulary size ({vocab}); 0 disables it")
+        if params.seed is not None and not -(2**63) <= params.seed < 2**64:
+            raise RequestRejected(f"seed ({params.seed}) must fit in 64 bits")
         need = n + (params.max_tokens or 1)
         if need > limit:
             raise RequestRejected(

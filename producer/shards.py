@@ -37,6 +37,11 @@ def split(
     return chunks
 
 
+def retry_policy(retries: int, settings: Settings) -> Retry | None:
+    """rq retries with backoff (SLUICE_RETRY_BACKOFF seconds, the last one repeated)."""
+    return Retry(max=retries, interval=list(settings.retry_backoff)) if retries else None
+
+
 def queue_for(connection: redis.Redis, name: str) -> Queue:
     """An rq queue that (de)serializes jobs as JSON, never pickle."""
     return Queue(name, connection=connection, serializer=JSONSerializer)
@@ -47,7 +52,7 @@ def enqueue(
 ) -> int:
     """Enqueue one job per shard and a finalize job depending on all of them; return the shard count."""
     queue = queue_for(connection, batch.priority)
-    retry = Retry(max=settings.shard_retries) if settings.shard_retries else None
+    retry = retry_policy(settings.shard_retries, settings)
     datas = [
         Queue.prepare_data(
             RUN_SHARD,
@@ -73,6 +78,7 @@ def enqueue(
         timeout=settings.shard_timeout,
         result_ttl=settings.result_ttl,
         failure_ttl=settings.result_ttl,
+        retry=retry_policy(settings.finalize_retries, settings),
     )
     return len(chunks)
 

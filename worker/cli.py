@@ -18,6 +18,7 @@ from contract.settings import get_settings
 from engine import LLM
 from worker import engine_flags
 from worker import webhooks as delivery
+from worker.background import supervised
 from worker.metrics import become_ready, start_metrics
 from worker.worker import EngineWorker
 
@@ -62,7 +63,7 @@ def start(
     w = EngineWorker(queues.split(","), llm, connection, heartbeat_ttl=ttl, grace=grace, name=name)
     stop = threading.Event()
     if webhooks:
-        threading.Thread(target=delivery.run, args=(connection,), kwargs={"stop": stop}, daemon=True).start()
+        supervised("webhooks", lambda stop: delivery.run(connection, stop=stop), stop)
     try:
         w.work(burst=burst)
     finally:

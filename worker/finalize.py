@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,12 +14,13 @@ from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
-from contract.batch import BatchStore
+from contract.batch import BatchStore, TransitionError
 from contract.events import notify
 from contract.jobs import shard_job_id
 from contract.schemas import Batch, BatchStatus, OutputRecord, Request, RequestCounts
 from contract.settings import get_settings
 from contract.storage import Storage, open_storage
+from worker.faults import faults
 from worker.responses import ABORT_CODES, error_record
 from worker.shards import shard_key
 
@@ -26,7 +28,7 @@ MISSING = {JobStatus.CANCELED: "batch_cancelled", JobStatus.FAILED: "shard_faile
 
 
 def shard_records(
-    storage: Storage, connection: redis.Redis, batch_id: str, shard: int
+    storage: Storage, connection: redis.Redis, batch_id: str, shard: int, expired: bool = False
 ) -> Iterator[OutputRecord]:
     """The records a shard wrote or, when it wrote none (dropped, failed), an error per request."""
     key = shard_key(batch_id, shard)
@@ -39,6 +41,8 @@ def shard_records(
     except NoSuchJobError:
         return
     code = MISSING.get(job.get_status(), "shard_missing")
+    if code == "batch_cancelled" and expired:
+        code = "batch_expired"
     message = ABORT_CODES.get(code) or f"shard {shard} produced no output ({job.get_status()})"
     for request in job.args[2]:
         yield error_record(Request.model_validate(request).custom_id, code, message)
@@ -48,20 +52,27 @@ def merge(storage: Storage, connection: redis.Redis, batch: Batch) -> dict[str, 
     """Every shard's records keyed by custom_id, so a re-run shard still counts each request once."""
     records: dict[str, OutputRecord] = {}
     for shard in range(batch.num_shards):
-        for record in shard_records(storage, connection, batch.id, shard):
+        for record in shard_records(storage, connection, batch.id, shard, is_expired(batch)):
             records[record.custom_id] = record
     return records
+
+
+def is_expired(batch: Batch) -> bool:
+    """Past its completion window and not being cancelled: its unrun requests count as expired."""
+    return batch.status != BatchStatus.cancelling and batch.expires_at is not None and time.time() > batch.expires_at
 
 
 def write_jsonl(storage: Storage, key: str, records: list[OutputRecord]) -> str:
     """Write records as JSONL under key through a temp file (multipart upload when large)."""
     with tempfile.NamedTemporaryFile("wb", suffix=".jsonl", delete=False) as f:
-        for record in records:
-            f.write(record.model_dump_json().encode() + b"\n")
+        path = Path(f.name)
     try:
-        return storage.put_file(key, Path(f.name))
+        with path.open("wb") as out:
+            for record in records:
+                out.write(record.model_dump_json().encode() + b"\n")
+        return storage.put_file(key, path)
     finally:
-        Path(f.name).unlink()
+        path.unlink(missing_ok=True)
 
 
 def final_status(batch: Batch, records: dict[str, OutputRecord]) -> BatchStatus:
@@ -73,15 +84,25 @@ def final_status(batch: Batch, records: dict[str, OutputRecord]) -> BatchStatus:
 
 
 def finalize_batch(batch_id: str) -> dict[str, int]:
-    """The rq job run once all shards ended: merged files, counts, final status, then the webhook."""
+    """The rq job run once all shards ended (retried with backoff when it raises)."""
     job = get_current_job()
-    connection = job.connection if job else redis.Redis.from_url(get_settings().redis_url)
+    return finalize(job.connection if job else redis.Redis.from_url(get_settings().redis_url), batch_id)
+
+
+def finalize(connection: redis.Redis, batch_id: str) -> dict[str, int]:
+    """Merged files, counts, final status, then the webhook; a no-op for a batch already done."""
     store = BatchStore(connection)
     batch = store.get(batch_id)
     if batch is None or batch.done:
         return {}
     if batch.status == BatchStatus.in_progress:
-        batch = store.transition(batch_id, BatchStatus.finalizing)
+        try:
+            batch = store.transition(batch_id, BatchStatus.finalizing)
+        except TransitionError:
+            batch = store.get(batch_id)
+            if batch is None or batch.done:
+                return {}
+    faults().before_finalize()
     storage = open_storage(batch.output_url)
     records = merge(storage, connection, batch)
     good = [r for r in records.values() if r.error is None]
@@ -93,7 +114,7 @@ def finalize_batch(batch_id: str) -> dict[str, int]:
         b.output_file, b.error_file = output_file, error_file
         b.request_counts = RequestCounts(total=b.request_counts.total, completed=len(good), failed=len(bad))
 
-    batch = store.transition(batch_id, final_status(batch, records), close)
+    batch = store.transition(batch_id, final_status(store.get(batch_id) or batch, records), close)
     if batch.webhook:
         single = next(iter(records.values())).model_dump(mode="json") if len(records) == 1 else None
         notify(connection, batch, result=single)

@@ -15,6 +15,7 @@ from contract.batch import BatchStore
 from contract.schemas import ChatBody, OutputRecord, Request
 from contract.settings import get_settings
 from contract.storage import open_storage
+from worker.faults import faults
 from worker.responses import ABORT_CODES, error_record, output_record
 
 
@@ -56,22 +57,25 @@ class ShardRun:
     def done(self) -> bool:
         return not self.pending
 
-    def start(self, llm: Any) -> None:
-        """Add every request to the engine; a request it can never run becomes an error record."""
+    def start(self, llm: Any, key: str | None = None) -> None:
+        """Add every request to the engine as `{key}/{i}` (key: the rq execution; default the job id)."""
+        for i, request in enumerate(self.requests):
+            self.add(llm, f"{key or self.job_id}/{i}", request)
+
+    def add(self, llm: Any, rid: str, request: Request) -> None:
+        """Add one request to the engine as rid; a request it can never run becomes an error record."""
         from engine import RequestRejected, SamplingParams  # torch: see shared_llm
 
-        for i, request in enumerate(self.requests):
-            rid = f"{self.job_id}/{i}"
-            try:
-                body = request.parsed_body()
-                prompt = llm.encode_chat(body.plain_messages()) if isinstance(body, ChatBody) else body.prompt
-                llm.engine.add_request(rid, prompt, SamplingParams(**body.sampling_kwargs()))
-            except RequestRejected as exc:
-                self.fail(request, "request_rejected", str(exc))
-            except (ValidationError, ValueError, TypeError) as exc:
-                self.fail(request, "invalid_request", str(exc))
-            else:
-                self.pending[rid] = request
+        try:
+            body = request.parsed_body()
+            prompt = llm.encode_chat(body.plain_messages()) if isinstance(body, ChatBody) else body.prompt
+            llm.engine.add_request(rid, prompt, SamplingParams(**body.sampling_kwargs()))
+        except RequestRejected as exc:
+            self.fail(request, "request_rejected", str(exc))
+        except (ValidationError, ValueError, TypeError) as exc:
+            self.fail(request, "invalid_request", str(exc))
+        else:
+            self.pending[rid] = request
 
     def fail(self, request: Request, code: str, message: str) -> None:
         self.records[request.custom_id] = error_record(request.custom_id, code, message)
@@ -103,6 +107,7 @@ class ShardRun:
         assert self.done and len(self.records) == len(self.requests), "a shard is saved only when complete"
         store = BatchStore(connection)
         batch = store.get(self.batch_id)
+        faults().before_save()
         if batch is not None:
             storage = open_storage(batch.output_url)
             ordered = [self.records[r.custom_id] for r in self.requests]

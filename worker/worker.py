@@ -2,41 +2,39 @@
 
 from __future__ import annotations
 
+import itertools
 import signal
 import sys
+import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
-from rq import Queue, SimpleWorker
-from rq.exceptions import DequeueTimeout, StopRequested
-from rq.executions import Execution
+from rq.exceptions import StopRequested
 from rq.job import Job
-from rq.serializers import JSONSerializer
-from rq.utils import now
+from rq.queue import Queue
 
 from contract.batch import BatchStore
 from contract.jobs import RUN_SHARD
+from contract.schemas import Request
+from contract.settings import get_settings
+from worker.background import every, supervised
+from worker.faults import faults
 from worker.metrics import shard_finished
 from worker.responses import ABORT_CODES
+from worker.rq_jobs import REDIS_ERRORS, JobsWorker
 from worker.shards import ShardRun, model_name, stop_reason
 
 CANCEL_POLL_S = 0.5
 CLAIM_POLL_S = 0.05
+MAX_REDIS_WAIT_S = 30.0
 
 
-@dataclass
-class Claim:
-    """A shard job this worker has claimed through rq, and its run in the engine."""
-
-    job: Job
-    queue: Queue
-    execution: Execution
-    run: ShardRun
+class EngineBroken(RuntimeError):
+    """The engine cannot even drop its requests: the worker hands its shards back (a retry each) and exits."""
 
 
-class EngineWorker(SimpleWorker):
-    """An rq worker whose shard jobs share one continuous batch; other jobs (finalize) run inline."""
+class EngineWorker(JobsWorker):
+    """Shard jobs share one continuous batch; the other allowed jobs (finalize) run inline."""
 
     def __init__(
         self,
@@ -45,74 +43,106 @@ class EngineWorker(SimpleWorker):
         connection: Any,
         heartbeat_ttl: int = 30,
         grace: float = 60.0,
+        reaper: bool = True,
         **kwargs: Any,
     ) -> None:
-        kwargs.setdefault("maintenance_interval", heartbeat_ttl)
-        super().__init__(queues, connection=connection, serializer=JSONSerializer, **kwargs)
+        super().__init__(queues, connection, heartbeat_ttl, **kwargs)
         self.llm = llm
         self.model = model_name(llm)
-        self.job_heartbeat_ttl = heartbeat_ttl
         self.grace = grace
+        self.reaper = reaper
         self.store = BatchStore(connection)
-        self.claims: dict[str, Claim] = {}
-        self.owner: dict[str, Claim] = {}
+        self.runs: dict[str, ShardRun] = {}
+        self.owner: dict[str, str] = {}
         self.stop_deadline: float | None = None
-        self._last_heartbeat = self._last_cancel_check = self._last_claim = 0.0
-
-    def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
-        """Claimed jobs expire from rq's started registry this long after the last heartbeat."""
-        return self.job_heartbeat_ttl
+        self.faults = faults()
+        self._fresh_ids = itertools.count(1)
+        self._last_cancel_check = self._last_claim = 0.0
 
     def work(self, burst: bool = False, logging_level: str = "INFO", **_: Any) -> bool:  # type: ignore[override]
         """Claim, step, complete; until stopped (or, with burst, until the queues are empty)."""
         self.bootstrap(logging_level)
         signal.signal(signal.SIGTERM, self.request_stop)
         signal.signal(signal.SIGINT, self.request_stop)
-        worked = False
+        stop = threading.Event()
+        self._start_background(stop)
         try:
-            while True:
-                self._maintain()
-                if self.stop_deadline is None and self._claim():
-                    worked = True
-                if self.claims:
-                    self._step()
-                elif self.stop_deadline is not None or (burst and self._queues_empty()):
-                    break
-                else:
-                    self.check_for_suspension(burst)
-                    self._wait_for_job()
+            return self._loop(burst)
         except StopRequested:
-            pass
+            return True
+        except BaseException:
+            self._release_all(sys.exc_info())
+            raise
         finally:
-            self._hand_back_all()
-            self.teardown()
-        return worked
+            stop.set()
+            self._release_all(None)
+            self._quietly(self.release)
+            self._quietly(self.teardown)
+
+    def _start_background(self, stop: threading.Event) -> None:
+        supervised("heartbeat", every(self.job_heartbeat_ttl / 3, self.beat), stop)
+        if self.reaper:
+            from worker.reaper import Reaper
+
+            reaper = Reaper(self.connection, get_settings())
+            supervised("reaper", every(reaper.interval, reaper.run_once), stop)
 
     def request_stop(self, signum: int, frame: Any) -> None:
         """SIGTERM/SIGINT: stop claiming, finish in-flight shards within the grace period; twice: hand back now."""
-        self.log.info(
-            "Worker %s: stop requested (signal %s), %d shard(s) in flight",
-            self.name,
-            signum,
-            len(self.claims),
-        )
+        self.log.info("Worker %s: stop requested (signal %s), %d shard(s) in flight", self.name, signum, len(self.runs))
         self._stop_requested = True
         self.stop_deadline = time.monotonic() + self.grace if self.stop_deadline is None else time.monotonic()
+        if self.idle and not self.runs:
+            raise StopRequested()
 
-    def _maintain(self) -> None:
-        if self.should_run_maintenance_tasks:
-            self.run_maintenance_tasks()
+    def _loop(self, burst: bool) -> bool:
+        worked, wait = False, 1.0
+        while True:
+            try:
+                state = self._iterate(burst)
+                wait = 1.0
+            except REDIS_ERRORS as exc:
+                if self.stop_deadline is not None and (not self.runs or time.monotonic() > self.stop_deadline):
+                    return worked
+                self.log.warning("Worker %s: Redis unavailable (%s); retry in %.0f s, model kept", self.name, exc, wait)
+                time.sleep(wait)
+                wait = min(wait * 2, MAX_REDIS_WAIT_S)
+                continue
+            if state is None:
+                return worked
+            worked |= state
+
+    def _iterate(self, burst: bool) -> bool | None:
+        """One pass of the loop: True if it claimed work, None when the loop should end."""
+        self.maintain()
+        self._police()
+        self._save_done()
+        claimed = self.stop_deadline is None and self._claim()
+        if self.owner:
+            self._step()
+            return claimed
+        if self.runs:
+            return claimed
+        if self.stop_deadline is not None or (burst and self.queues_empty()):
+            return None
+        self.check_for_suspension(burst)
+        result = self.wait_for_job()
+        if result is not None:
+            self._start(*result)
+        return claimed or result is not None
+
+    def _police(self) -> None:
+        """Stop deadline, shard timeouts, cancelled or expired batches."""
         clock = time.monotonic()
-        if clock - self._last_heartbeat >= self.job_heartbeat_ttl / 3:
-            self._last_heartbeat = clock
-            self.heartbeat()
-            for claim in self.claims.values():
-                self.maintain_heartbeats(claim.job, claim.execution)
-        if clock - self._last_cancel_check >= CANCEL_POLL_S and self.claims:
+        if self.stop_deadline is not None and clock > self.stop_deadline:
+            self._release_all(None)
+        for job_id in self.overdue():
+            if job_id in self.runs:
+                self._drop_run(job_id)
+                self.time_out(job_id)
+        if self.runs and clock - self._last_cancel_check >= CANCEL_POLL_S:
             self._last_cancel_check = clock
             self._abort_stopped_batches()
-        if self.stop_deadline is not None and clock > self.stop_deadline:
-            self._hand_back_all()
 
     def _has_room(self) -> bool:
         return self.llm.engine.num_unfinished() < self.llm.config.max_num_seqs
@@ -120,98 +150,180 @@ class EngineWorker(SimpleWorker):
     def _claim(self) -> bool:
         """Take jobs from the queues (in priority order) while the engine has room; polls at most every 50 ms."""
         clock = time.monotonic()
-        if self.claims and clock - self._last_claim < CLAIM_POLL_S:
+        if self.runs and clock - self._last_claim < CLAIM_POLL_S:
             return False
         self._last_claim, claimed = clock, False
         while self._has_room():
-            result = Queue.dequeue_any(
-                self._ordered_queues, None, connection=self.connection, serializer=self.serializer
-            )
+            result = self.poll()
             if result is None:
                 break
             self._start(*result)
             claimed = True
         return claimed
 
-    def _wait_for_job(self) -> None:
-        self.set_state("idle")
-        try:
-            result = Queue.dequeue_any(
-                self._ordered_queues, 1, connection=self.connection, serializer=self.serializer
-            )
-        except DequeueTimeout:
-            return
-        if result is not None:
-            self._start(*result)
-
-    def _queues_empty(self) -> bool:
-        return all(q.count == 0 for q in self.queues)
-
     def _start(self, job: Job, queue: Queue) -> None:
-        """Mark the job started through rq; a shard joins the engine, anything else runs inline."""
+        """Mark the job started through rq; a shard joins the engine, finalize runs inline, others are refused."""
+        if not self.allowed(job):
+            self.refuse(job, queue)
+            return
         if job.func_name != RUN_SHARD:
-            self.execute_job(job, queue)
+            self.run_inline(job, queue)
             return
-        execution = self.prepare_execution(job)
+        execution = self.claim(job, queue)
+        if execution is None:
+            return
+        run: ShardRun | None = None
         try:
-            self.prepare_job_execution(job, remove_from_intermediate_queue=len(self.queues) == 1)
-            job.started_at = now()
-            claim = Claim(job, queue, execution, ShardRun.from_args(job.id, job.args))
-            reason = stop_reason(self.store, claim.run.batch_id)
+            run = ShardRun.from_args(job.id, job.args)
+            reason = stop_reason(self.store, run.batch_id)
             if reason:
-                claim.run.fail_all(reason, ABORT_CODES[reason])
+                run.fail_all(reason, ABORT_CODES[reason])
             else:
-                claim.run.start(self.llm)
+                run.start(self.llm, key=execution.id)
+        except REDIS_ERRORS:
+            self._abort_pending(run)
+            self.forget(job.id)
+            raise
         except Exception:
-            self._finalize_failure(job, queue, execution, sys.exc_info())
+            self._abort_pending(run)
+            self.fail(job.id, sys.exc_info())
             return
-        self.claims[job.id] = claim
-        self.owner.update((rid, claim) for rid in claim.run.pending)
-        if claim.run.done:
-            self._complete(claim)
+        self.runs[job.id] = run
+        self.owner.update((rid, job.id) for rid in run.pending)
 
     def _step(self) -> None:
-        for out in self.llm.engine.step():
-            claim = self.owner.pop(out.request_id, None)
-            if claim is None:
-                continue
-            claim.run.finish(out, self.model)
-            if claim.run.done:
-                self._complete(claim)
-
-    def _complete(self, claim: Claim) -> None:
-        """Save the shard's output and mark its job finished (or failed, for rq to retry) through rq."""
-        del self.claims[claim.job.id]
         try:
-            summary = claim.run.save(self.connection)
+            self._injected_step_fault()
+            self._collect(self.llm.engine.step())
+        except Exception as exc:
+            self._isolate(exc)
+        self._save_done()
+
+    def _collect(self, outputs: list[Any]) -> None:
+        for out in outputs:
+            job_id = self.owner.pop(out.request_id, None)
+            if job_id is not None:
+                self.runs[job_id].finish(out, self.model)
+
+    def _save_done(self) -> None:
+        for job_id, run in list(self.runs.items()):
+            if run.done:
+                self._complete(job_id, run)
+
+    def _complete(self, job_id: str, run: ShardRun) -> None:
+        """Save the shard's output and mark its job finished (or failed, for rq to retry with backoff)."""
+        try:
+            summary = run.save(self.connection)
+        except REDIS_ERRORS:
+            raise
         except Exception:
+            self.log.exception("Worker %s: saving %s failed", self.name, job_id)
+            self.fail(job_id, sys.exc_info())
+            del self.runs[job_id]
             shard_finished("failed")
-            self._finalize_failure(claim.job, claim.queue, claim.execution, sys.exc_info())
             return
+        self.finish(job_id, summary)
+        del self.runs[job_id]
         shard_finished("completed")
-        self._finalize_success(claim.job, claim.queue, claim.execution, summary)
 
     def _abort_stopped_batches(self) -> None:
-        batch_ids = sorted({c.run.batch_id for c in self.claims.values() if c.run.abort_code is None})
+        batch_ids = sorted({r.batch_id for r in self.runs.values() if r.abort_code is None})
         for batch_id in batch_ids:
             reason = stop_reason(self.store, batch_id)
             if reason:
-                for claim in self.claims.values():
-                    if claim.run.batch_id == batch_id:
-                        claim.run.abort(self.llm, reason)
+                for run in self.runs.values():
+                    if run.batch_id == batch_id:
+                        run.abort(self.llm, reason)
 
-    def _hand_back_all(self) -> None:
-        """Abort every in-flight shard in the engine and put its job back at the front of its queue."""
-        for claim in list(self.claims.values()):
-            self.log.info("Worker %s: handing back %s", self.name, claim.job.id)
-            for rid in claim.run.pending:
-                self.llm.engine.abort(rid)
-                self.owner.pop(rid, None)
-            with self.connection.pipeline() as pipe:
-                pipe.multi()
-                self.cleanup_execution(claim.job, pipeline=pipe, execution=claim.execution)
-                claim.queue.enqueue_job(claim.job, pipeline=pipe, at_front=True)
-                pipe.execute()
-            del self.claims[claim.job.id]
-        while self.llm.engine.has_unfinished() and not self.owner:
+    def _abort_pending(self, run: ShardRun | None) -> None:
+        for rid in list(run.pending if run is not None else ()):
+            self.llm.engine.abort(rid)
+            self.owner.pop(rid, None)
+
+    def _drop_run(self, job_id: str) -> None:
+        self._abort_pending(self.runs.pop(job_id))
+
+    def _release_all(self, exc_info: Any) -> None:
+        """Drop every run from the engine; hand its job back (a stop) or fail it for a retry (a crash)."""
+        for job_id in list(self.runs):
+            self.log.info("Worker %s: %s %s", self.name, "failing" if exc_info else "handing back", job_id)
+            self._drop_run(job_id)
+            try:
+                self.fail(job_id, exc_info) if exc_info else self.hand_back(job_id)
+            except REDIS_ERRORS as exc:
+                self.log.warning("Worker %s: Redis down, %s left to rq's abandoned-job check: %s", self.name, job_id, exc)
+                self.forget(job_id)
+        self._quietly(self._flush_engine)
+
+    def _flush_engine(self) -> None:
+        for _ in range(3):
+            if not self.llm.engine.has_unfinished():
+                return
             self.llm.engine.step()
+        raise EngineBroken("the engine still has requests after aborting them all")
+
+    def _injected_step_fault(self) -> None:
+        if self.faults.step_error:
+            requests = (self.runs[job_id].pending[rid] for rid, job_id in self.owner.items())
+            self.faults.check_step([r.model_dump_json() for r in requests])
+
+    def _isolate(self, exc: Exception) -> None:
+        """A step raised: re-run its requests in halving groups and fail only those that fail alone."""
+        self.log.error("Worker %s: engine step failed (%s: %s); isolating the culprit", self.name, type(exc).__name__, exc)
+        suspects = [(job_id, self.runs[job_id].pending[rid]) for rid, job_id in self.owner.items()]
+        self._reset_engine()
+        groups = [suspects]
+        while groups:
+            group = groups.pop()
+            try:
+                self._run_group(group)
+            except Exception as err:
+                self._reset_engine()
+                if len(group) > 1:
+                    groups += [group[len(group) // 2 :], group[: len(group) // 2]]
+                else:
+                    self._fail_request(*group[0], err)
+
+    def _run_group(self, group: list[tuple[str, Request]]) -> None:
+        """Re-add the group's requests under fresh ids and step until they are done."""
+        for job_id, request in group:
+            run = self.runs[job_id]
+            old = self._rid_of(run, request)
+            base = old.split("~")[0]
+            new = f"{base}~{next(self._fresh_ids)}"
+            run.pending.pop(old)
+            self.owner.pop(old, None)
+            run.add(self.llm, new, request)
+            if new in run.pending:
+                self.owner[new] = job_id
+        while self.llm.engine.has_unfinished():
+            self._injected_step_fault()
+            self._collect(self.llm.engine.step())
+
+    def _fail_request(self, job_id: str, request: Request, err: Exception) -> None:
+        run = self.runs[job_id]
+        rid = self._rid_of(run, request)
+        del run.pending[rid]
+        self.owner.pop(rid, None)
+        self.log.error("Worker %s: request %s fails the engine: %s", self.name, request.custom_id, err)
+        run.fail(request, "engine_error", f"the engine failed on this request ({type(err).__name__}: {err})")
+
+    @staticmethod
+    def _rid_of(run: ShardRun, request: Request) -> str:
+        return next(rid for rid, r in run.pending.items() if r is request)
+
+    def _reset_engine(self) -> None:
+        """Abort everything in flight and drain the engine; the runs keep those requests pending."""
+        for rid in list(self.owner):
+            self.llm.engine.abort(rid)
+            del self.owner[rid]
+        try:
+            self._flush_engine()
+        except Exception as exc:
+            raise EngineBroken(f"the engine failed while dropping its requests: {exc}") from exc
+
+    def _quietly(self, action: Any) -> None:
+        try:
+            action()
+        except Exception as exc:
+            self.log.warning("Worker %s: %s failed on the way out: %s", self.name, getattr(action, "__name__", action), exc)

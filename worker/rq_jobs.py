@@ -1,0 +1,236 @@
+"""The worker's whole coupling to rq (3.x): claim jobs, keep their heartbeats, finish, fail, hand back, wait.
+
+An rq `SimpleWorker` that holds many jobs at once (the engine loop in `worker.py` drives it). Only this
+module touches rq's worker internals; the rest of the worker sees jobs, queues and a few verbs.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from rq import Queue, SimpleWorker
+from rq.exceptions import DequeueTimeout
+from rq.executions import Execution
+from rq.job import Job
+from rq.scheduler import RQScheduler
+from rq.serializers import JSONSerializer
+from rq.timeouts import JobTimeoutException
+from rq.utils import now
+
+from contract.jobs import FINALIZE, RUN_SHARD
+
+ALLOWED_FUNCTIONS = frozenset({RUN_SHARD, FINALIZE})
+RETRY_POLL_S = 1.0
+REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
+
+
+@dataclass
+class Held:
+    """A job this worker has claimed: rq's record of the run (execution) and when it began."""
+
+    job: Job
+    queue: Queue
+    execution: Execution
+    since: float
+
+
+class JobsWorker(SimpleWorker):
+    """An rq worker holding any number of jobs; heartbeats come from a thread, so a slow step never loses one."""
+
+    def __init__(self, queues: list[str], connection: redis.Redis, heartbeat_ttl: int = 30, **kwargs: Any):
+        kwargs.setdefault("maintenance_interval", heartbeat_ttl)
+        super().__init__(queues, connection=connection, serializer=JSONSerializer, **kwargs)
+        self.job_heartbeat_ttl = heartbeat_ttl
+        self.held: dict[str, Held] = {}
+        self.inline: Held | None = None
+        self._lock = threading.RLock()
+        self._retries = RQScheduler(self.queues, connection, serializer=JSONSerializer, name=f"{self.name}:retries")
+        self._last_retry_poll = 0.0
+        self.idle = False
+
+    def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
+        """Held jobs count as abandoned this long after the last heartbeat."""
+        return self.job_heartbeat_ttl
+
+    def poll(self) -> tuple[Job, Queue] | None:
+        """The next job from the queues in priority order, without blocking."""
+        try:
+            return Queue.dequeue_any(self.queues, None, connection=self.connection, serializer=self.serializer)
+        except REDIS_ERRORS:
+            raise
+        except Exception as exc:  # an unreadable job (not JSON, no such function) is dropped, not fatal
+            self.log.error("Worker %s: dropped unreadable job %s: %s", self.name, getattr(exc, "job_id", "?"), exc)
+            return None
+
+    def wait_for_job(self, timeout: int = 1) -> tuple[Job, Queue] | None:
+        """Block up to timeout seconds for a job, through rq's own dequeue (which waits out Redis outages)."""
+        self.idle = True
+        try:
+            return self.dequeue_job_and_maintain_ttl(timeout, max_idle_time=timeout)
+        except DequeueTimeout:
+            return None
+        except REDIS_ERRORS:
+            raise
+        except Exception as exc:
+            self.log.error("Worker %s: dropped unreadable job %s: %s", self.name, getattr(exc, "job_id", "?"), exc)
+            return None
+        finally:
+            self.idle = False
+
+    def allowed(self, job: Job) -> bool:
+        """Whether job runs one of Sluice's functions; anything else is failed unrun."""
+        return job.func_name in ALLOWED_FUNCTIONS
+
+    def refuse(self, job: Job, queue: Queue) -> None:
+        """Fail a job that calls a function we do not run, without retries and without importing it."""
+        self.log.warning("Worker %s: refused job %s calling %r", self.name, job.id, job.func_name)
+        execution = self.prepare_execution(job)
+        self.prepare_job_execution(job, remove_from_intermediate_queue=True)
+        job.retries_left = None
+        job.ended_at = now()
+        message = f"refused: {job.func_name!r} is not a Sluice job function ({', '.join(sorted(ALLOWED_FUNCTIONS))})"
+        self.handle_job_failure(job, queue, exc_string=message, execution=execution)
+
+    def claim(self, job: Job, queue: Queue) -> Execution | None:
+        """Mark job started through rq; None when this worker already holds it (re-queued while held)."""
+        with self._lock:
+            execution = self.prepare_execution(job)
+            self.prepare_job_execution(job, remove_from_intermediate_queue=True)
+            job.started_at = now()
+            held = self.held.get(job.id)
+            if held is None:
+                self.held[job.id] = Held(job, queue, execution, time.monotonic())
+                return execution
+            self.log.warning("Worker %s: %s came back while held; keeping the run in flight", self.name, job.id)
+            with self.connection.pipeline() as pipe:
+                self.cleanup_execution(held.job, pipeline=pipe, execution=held.execution)
+                pipe.execute()
+            self.held[job.id] = Held(job, queue, execution, held.since)
+            return None
+
+    def run_inline(self, job: Job, queue: Queue) -> None:
+        """Run a non-shard job (finalize) in this process, its heartbeat kept by the heartbeat thread."""
+        execution = self.prepare_execution(job)
+        self.inline = Held(job, queue, execution, time.monotonic())
+        try:
+            self.perform_job(job, queue, execution)
+        finally:
+            self.inline = None
+        self.set_state("idle")
+
+    def finish(self, job_id: str, result: Any) -> None:
+        """Record the held job as finished (dependents enqueued); on a Redis error it stays held."""
+        with self._lock:
+            held = self.held[job_id]
+            self._finalize_success(held.job, held.queue, held.execution, result)
+            del self.held[job_id]
+
+    def fail(self, job_id: str, exc_info: Any = None) -> None:
+        """Record the held job as failed: rq retries it after its backoff while it has retries left."""
+        with self._lock:
+            held = self.held[job_id]
+            self._finalize_failure(held.job, held.queue, held.execution, exc_info or sys.exc_info())
+            del self.held[job_id]
+
+    def hand_back(self, job_id: str) -> None:
+        """Put the held job back at the front of its queue, unrun (a graceful stop; no retry used)."""
+        with self._lock:
+            held = self.held[job_id]
+            with self.connection.pipeline() as pipe:
+                pipe.multi()
+                self.cleanup_execution(held.job, pipeline=pipe, execution=held.execution)
+                held.queue.enqueue_job(held.job, pipeline=pipe, at_front=True)
+                pipe.execute()
+            del self.held[job_id]
+
+    def forget(self, job_id: str) -> None:
+        """Stop holding a job without telling rq (Redis is down): it comes back as abandoned, with a retry used."""
+        with self._lock:
+            self.held.pop(job_id, None)
+
+    def time_out(self, job_id: str) -> None:
+        """Fail a held job that ran past its rq timeout, as rq's own timeout would."""
+        timeout = self.held[job_id].job.timeout
+        try:
+            raise JobTimeoutException(f"Task exceeded maximum timeout value ({timeout} seconds)")
+        except JobTimeoutException:
+            self.fail(job_id, sys.exc_info())
+
+    def overdue(self) -> list[str]:
+        """Held jobs running longer than their rq timeout."""
+        clock = time.monotonic()
+        with self._lock:
+            return [i for i, h in self.held.items() if h.job.timeout and clock - h.since > h.job.timeout]
+
+    def beat(self) -> None:
+        """Heartbeats for the worker and every job it holds (called from the heartbeat thread)."""
+        with self._lock:
+            held = list(self.held.values()) + ([self.inline] if self.inline else [])
+        if not held:
+            self.heartbeat()
+        for h in held:
+            self.maintain_heartbeats(h.job, h.execution)
+
+    def maintain(self) -> None:
+        """rq's registry maintenance, and re-enqueueing retries whose backoff has passed."""
+        if self.should_run_maintenance_tasks:
+            self.run_maintenance_tasks()
+        clock = time.monotonic()
+        if clock - self._last_retry_poll >= RETRY_POLL_S:
+            self._last_retry_poll = clock
+            if self._retries.acquire_locks():
+                self._retries.enqueue_scheduled_jobs()
+
+    def queues_empty(self) -> bool:
+        return all(q.count == 0 for q in self.queues)
+
+    def release(self) -> None:
+        """Give up the retry-scheduling locks (on the way out)."""
+        try:
+            self._retries.release_locks()
+        except REDIS_ERRORS:
+            pass
+
+
+def fetch(connection: redis.Redis, job_ids: list[str]) -> list[Job | None]:
+    """The jobs with these ids (None for those gone), read with the JSON serializer."""
+    return Job.fetch_many(job_ids, connection=connection, serializer=JSONSerializer)
+
+
+def status(job: Job | None) -> str | None:
+    """rq's status of a fetched job as a plain string ('queued', 'started', 'finished', ...)."""
+    return None if job is None else str(job.get_status(refresh=False).value)
+
+
+def lost(connection: redis.Redis, job: Job) -> bool:
+    """A job marked queued that sits in no queue, or started that no worker's execution holds (dequeued by
+    a worker that then died): nothing would ever run it again."""
+    queue = Queue(job.origin, connection=connection, serializer=JSONSerializer)
+    state = status(job)
+    if state == "queued":
+        return connection.lpos(queue.key, job.id) is None and connection.lpos(queue.intermediate_queue_key, job.id) is None
+    if state == "started":
+        return job.id not in queue.started_job_registry
+    return False
+
+
+def requeue(connection: redis.Redis, job: Job) -> None:
+    """Put a lost job back at the front of its queue."""
+    Queue(job.origin, connection=connection, serializer=JSONSerializer).enqueue_job(job, at_front=True)
+
+
+def drop_waiting(connection: redis.Redis, finalize_id: str, job_ids: list[str]) -> int:
+    """Cancel the jobs no worker has claimed yet; the finalize job stops waiting for them."""
+    finalize = Job.fetch(finalize_id, connection=connection, serializer=JSONSerializer)
+    dropped = 0
+    for job in fetch(connection, job_ids):
+        if job is not None and status(job) in ("queued", "deferred", "scheduled"):
+            connection.srem(finalize.dependencies_key, job.id)
+            job.cancel(enqueue_dependents=True)
+            dropped += 1
+    return dropped
