@@ -19,7 +19,7 @@ from engine.sampler import sample, top_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.spec_decode import DraftProposer, NgramProposer, Proposer, load_draft
-from engine.verification import SpecStats, accept_greedy, rejection_sample
+from engine.verification import SpecStats, verify
 
 
 class RequestRejected(ValueError):
@@ -171,13 +171,10 @@ class Engine:
     def _verify(self, reqs: list[Request], rows: StepLogits, index: list[int]) -> list[Request]:
         """Verify each listed request's proposals, append what is emitted, roll back the rejected slots."""
         finished: list[Request] = []
-        best = rows.logits.max(-1).indices.tolist() if any(reqs[i].params.greedy for i in index) else []
-        for i in index:
+        step_logits = [rows.logits[rows.row_start[i]: rows.row_start[i] + rows.num_rows[i]] for i in index]
+        emitted_all = verify([reqs[i] for i in index], step_logits, self.generator)
+        for i, logits, emitted in zip(index, step_logits, emitted_all, strict=True):
             req = reqs[i]
-            start, n = rows.row_start[i], rows.num_rows[i]
-            logits = rows.logits[start: start + n]
-            emitted = accept_greedy(req.spec_token_ids, best[start: start + n]) if req.params.greedy \
-                else rejection_sample(req, logits, self.generator)
             accepted = len(emitted) - 1
             self.spec_stats.record(req, len(req.spec_token_ids), accepted)
             base = req.num_tokens

@@ -1,4 +1,7 @@
-"""Verify speculative tokens against the target's logits: greedy accept and lossless rejection sampling."""
+"""Verify speculative tokens against the target's logits: greedy accept and lossless rejection sampling.
+
+All requests of a step are verified together on the logits' device; the emitted tokens cross to the host
+in one copy (one sync per step)."""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.request import Request
-from engine.sampler import draw, sample_probs
+from engine.sampler import device_tensor, draw, keyed_uniforms, sample_probs
 
 
 @dataclass(slots=True)
@@ -42,25 +45,51 @@ def accept_greedy(spec: list[int], best: list[int]) -> list[int]:
     return best[: n + 1]
 
 
-def rejection_sample(req: Request, logits: torch.Tensor, generator: torch.Generator) -> list[int]:
-    """Accept each proposal with min(1, p/q), else draw from the residual (Leviathan et al.); then a bonus token.
+def verify(reqs: list[Request], logits: list[torch.Tensor], generator: torch.Generator) -> list[list[int]]:
+    """Emitted tokens per request (accepted proposals, then a corrected or bonus token), with one host sync.
 
-    `logits` holds the target's rows for the request's speculative positions plus one; `req.draft_state` holds the
-    draft's distributions q (None: the proposals were deterministic, q is one-hot)."""
-    spec = req.spec_token_ids
-    p = sample_probs(logits, [req] * logits.shape[0])
-    q = req.draft_state if req.draft_state is not None else _one_hot(spec, p.shape[-1], p.device)
-    gen = req.generator if req.generator is not None else generator
-    out: list[int] = []
-    for j, tok in enumerate(spec):
-        u = torch.rand((), generator=gen).item()
-        if u * q[j, tok].item() < p[j, tok].item():
-            out.append(tok)
-            continue
-        residual = (p[j] - q[j]).clamp_min(0)
-        residual = residual if residual.sum() > 0 else p[j]
-        return out + draw(residual[None], [req], generator, [req.num_tokens + j]).tolist()
-    return out + draw(p[len(spec)][None], [req], generator, [req.num_tokens + len(spec)]).tolist()
+    `logits[i]` holds the target's rows for request i's speculative positions plus one. Greedy requests keep
+    proposals while they are the argmax; the others run rejection sampling vectorized over every row."""
+    greedy = [i for i, r in enumerate(reqs) if r.params.greedy]
+    sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
+    parts = [torch.cat([logits[i] for i in greedy]).argmax(-1)] if greedy else []
+    if sampled:
+        parts += _rejection_tensors([reqs[i] for i in sampled], [logits[i] for i in sampled], generator)
+    flat = iter(torch.cat(parts).tolist())
+    best = {i: [next(flat) for _ in range(logits[i].shape[0])] for i in greedy}
+    accepted = {i: [next(flat) for _ in reqs[i].spec_token_ids] for i in sampled}
+    drawn = {i: [next(flat) for _ in range(logits[i].shape[0])] for i in sampled}
+    out = []
+    for i, r in enumerate(reqs):
+        if i in best:
+            out.append(accept_greedy(r.spec_token_ids, best[i]))
+        else:
+            n = accepted[i].index(0) if 0 in accepted[i] else len(accepted[i])
+            out.append(r.spec_token_ids[:n] + [drawn[i][n]])
+    return out
+
+
+def _rejection_tensors(reqs: list[Request], logits: list[torch.Tensor],
+                       generator: torch.Generator) -> list[torch.Tensor]:
+    """Per proposal: accepted (u * q < p, Leviathan et al.); per row: a draw from the residual max(p - q, 0)
+    (p where that is empty) at proposal rows and from p at each request's last row (the bonus token)."""
+    rows = [r for r, lg in zip(reqs, logits, strict=True) for _ in range(lg.shape[0])]
+    offsets = [j for lg in logits for j in range(lg.shape[0])]
+    positions = [r.num_tokens + j for r, j in zip(rows, offsets, strict=True)]
+    p = sample_probs(torch.cat(logits), rows)
+    dev, vocab = p.device, p.shape[-1]
+    spec_at = [k for k, (r, j) in enumerate(zip(rows, offsets, strict=True)) if j < len(r.spec_token_ids)]
+    tokens = [t for r in reqs for t in r.spec_token_ids]
+    q = torch.cat([r.draft_state if r.draft_state is not None else _one_hot(r.spec_token_ids, vocab, dev)
+                   for r in reqs])
+    at, tok = device_tensor(spec_at, torch.int64, dev), device_tensor(tokens, torch.int64, dev)[:, None]
+    ps = p.index_select(0, at)
+    u = keyed_uniforms([rows[k] for k in spec_at], dev, generator, [positions[k] for k in spec_at])
+    accept = u * q.gather(-1, tok)[:, 0] < ps.gather(-1, tok)[:, 0]
+    residual = (ps - q).clamp_min(0)
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, ps)
+    drawn = draw(p.index_copy(0, at, residual), rows, generator, positions)
+    return [accept.long(), drawn]
 
 
 def _one_hot(tokens: list[int], vocab: int, device) -> torch.Tensor:
