@@ -16,7 +16,7 @@ from contract.storage import split_url
 from producer.client import BatchNotFound, check_metadata, window_seconds
 from producer.server.context import ApiKey, Context, api_key, context
 from producer.server.errors import APIError, not_found
-from producer.server.files import FileRecord, FileStore, iter_object
+from producer.server.files import FILE, FileRecord, FileStore, iter_object
 from producer.server.pagination import list_body, page_ids
 
 OWNER = "sluice:api:batch:"  # + batch id -> {project, endpoint, input_file_id}
@@ -103,7 +103,7 @@ class BatchApi:
         if url is None:
             return None
         file_id = f"file-{batch.id.removeprefix('batch_')}-{kind}"
-        if self.connection.exists("sluice:file:" + file_id):
+        if self.connection.exists(FILE + file_id):
             return file_id
         storage, key = split_url(url)
         record = FileRecord(
