@@ -42,18 +42,12 @@ def device_path(monkeypatch):
 def runner(path, kv: str) -> ModelRunner:
     model = load_model(path, torch.float32, torch.device("cpu"), 512)
     factory = int8_kv_cache(torch.float32) if kv == "int8" else None
-    r = ModelRunner(
-        model, NUM_BLOCKS, BS, torch.int8 if kv == "int8" else torch.float32, torch.device("cpu"), factory
-    )
+    r = ModelRunner(model, NUM_BLOCKS, BS, torch.int8 if kv == "int8" else torch.float32, torch.device("cpu"), factory)
     g = torch.Generator().manual_seed(0)
     for cache in r.kv_caches:
         for name in ("k", "v"):
             t = getattr(cache, name)
-            t.copy_(
-                torch.randint(-100, 100, t.shape, generator=g)
-                if kv == "int8"
-                else torch.randn(t.shape, generator=g)
-            )
+            t.copy_(torch.randint(-100, 100, t.shape, generator=g) if kv == "int8" else torch.randn(t.shape, generator=g))
         if kv == "int8":
             cache.k_scale.fill_(0.01)
             cache.v_scale.fill_(0.02)
@@ -68,7 +62,7 @@ def decode_batch(n: int, seed: int):
     tables, used = [], 0
     for c in ctx:
         k = -(-c // BS)
-        tables.append(perm[used : used + k])
+        tables.append(perm[used:used + k])
         used += k
     slots = [t[(c - 1) // BS] * BS + (c - 1) % BS for t, c in zip(tables, ctx, strict=True)]
     ids = torch.randint(0, 100, (n,), generator=g).tolist()
@@ -127,10 +121,8 @@ def test_capture_sizes():
     assert capture_sizes(1) == [1]
 
 
-@pytest.mark.parametrize(
-    "extra",
-    [{}, {"kv_cache_dtype": "int8"}, {"speculative": {"method": "ngram", "num_speculative_tokens": 3}}],
-)
+@pytest.mark.parametrize("extra", [{}, {"kv_cache_dtype": "int8"},
+                                   {"speculative": {"method": "ngram", "num_speculative_tokens": 3}}])
 def test_engine_on_the_device_path_matches_the_default_path(tiny_llama, monkeypatch, extra):
     """Chunked prefill, decode replayed through padded static buffers, n-gram verify rows and int8 KV."""
     prompts = [[5 + i % 7, 6, 7] * (3 + 4 * i) for i in range(6)]

@@ -24,7 +24,7 @@ def hf_greedy(path, prompts, max_new_tokens=24) -> list[list[int]]:
     outs = []
     for p in prompts:
         out = model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False)
-        outs.append(out[0, len(p) :].tolist())
+        outs.append(out[0, len(p):].tolist())
     return outs
 
 
@@ -91,15 +91,11 @@ def test_seeded_sampling_independent_of_batch(tiny_llama):
     target = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, top_k=50, seed=1234, ignore_eos=True)
     alone = llm.generate([[5, 6, 7]], target, progress=False)[0].token_ids
     others = [SamplingParams(max_tokens=30, temperature=1.0, ignore_eos=True)] * 5
-    mixed = llm.generate(
-        [[9, 9]] * 2 + [[5, 6, 7]] + [[11, 12, 13, 14]] * 3,
-        others[:2] + [target] + others[2:5],
-        progress=False,
-    )
+    mixed = llm.generate([[9, 9]] * 2 + [[5, 6, 7]] + [[11, 12, 13, 14]] * 3, others[:2] + [target] + others[2:5],
+                         progress=False)
     assert mixed[2].token_ids == alone
-    unseeded = llm.generate(
-        [[5, 6, 7]] * 4, SamplingParams(max_tokens=20, temperature=1.0, ignore_eos=True), progress=False
-    )
+    unseeded = llm.generate([[5, 6, 7]] * 4, SamplingParams(max_tokens=20, temperature=1.0, ignore_eos=True),
+                            progress=False)
     assert len({tuple(o.token_ids) for o in unseeded}) > 1
 
 
@@ -107,11 +103,8 @@ def test_top_k_one_and_tiny_top_p_are_greedy(tiny_llama):
     llm = LLM(tiny_llama, dtype="float32", device="cpu")
     prompts = random_prompts(4)
     greedy = [o.token_ids for o in llm.generate(prompts, GREEDY, progress=False)]
-    for p in (
-        SamplingParams(max_tokens=24, top_k=1),
-        SamplingParams(max_tokens=24, top_p=1e-6),
-        SamplingParams(max_tokens=24, min_p=1.0),
-    ):
+    for p in (SamplingParams(max_tokens=24, top_k=1), SamplingParams(max_tokens=24, top_p=1e-6),
+              SamplingParams(max_tokens=24, min_p=1.0)):
         assert [o.token_ids for o in llm.generate(prompts, p, progress=False)] == greedy
 
 
@@ -128,26 +121,19 @@ def test_top_k_restricts_support(tiny_llama):
 def test_stops_and_logprobs(tiny_llama):
     llm = LLM(tiny_llama, dtype="float32", device="cpu")
     prompt = random_prompts(1, 10, 11)[0]
-    free = llm.generate(
-        [prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3), progress=False
-    )[0]
+    free = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3),
+                        progress=False)[0]
     assert free.finish_reason == "length" and len(free.token_ids) == 12
     stop_tok = free.token_ids[5]
     first = free.token_ids.index(stop_tok)
-    by_id = llm.generate(
-        [prompt],
-        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop_token_ids=[stop_tok]),
-        progress=False,
-    )[0]
+    by_id = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                                  stop_token_ids=[stop_tok]), progress=False)[0]
     assert by_id.finish_reason == "stop" and by_id.token_ids == free.token_ids[: first + 1]
-    stop_str = free.text[len(free.text) // 2 :][:3]
-    by_str = llm.generate(
-        [prompt],
-        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=[stop_str]),
-        progress=False,
-    )[0]
+    stop_str = free.text[len(free.text) // 2:][:3]
+    by_str = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=[stop_str]),
+                          progress=False)[0]
     assert by_str.finish_reason == "stop" and stop_str not in by_str.text
-    assert free.text.startswith(by_str.text) and free.text[len(by_str.text) :].startswith(stop_str)
+    assert free.text.startswith(by_str.text) and free.text[len(by_str.text):].startswith(stop_str)
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
     logp = model(torch.tensor([prompt])).logits[0, -1].log_softmax(-1)
     lp0 = free.logprobs[0]
@@ -203,17 +189,10 @@ def test_unsupported_architecture_is_named(tmp_path, tiny_llama):
 
 
 def test_sharded_tied_llama3_checkpoint(tmp_path):
-    rope = {
-        "rope_type": "llama3",
-        "rope_theta": 500000.0,
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 64,
-    }
-    path = make_checkpoint(
-        tmp_path / "m", "llama", tie_word_embeddings=True, rope_parameters=rope, max_shard_size="100KB"
-    )
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    path = make_checkpoint(tmp_path / "m", "llama", tie_word_embeddings=True, rope_parameters=rope,
+                           max_shard_size="100KB")
     assert (path / "model.safetensors.index.json").is_file()
     prompts = random_prompts(4, 60, 100)
     ref = hf_greedy(path, prompts)
@@ -233,9 +212,8 @@ def test_chat_uses_template(tiny_llama):
 
 def test_bfloat16_runs_and_stats(tiny_llama):
     llm = LLM(tiny_llama, dtype="bfloat16", device="cpu")
-    outs = llm.generate(
-        random_prompts(6), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), progress=False
-    )
+    outs = llm.generate(random_prompts(6), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+                        progress=False)
     assert all(len(o.token_ids) == 8 for o in outs)
     s = llm.stats()
     assert s["generated_tokens"] == 48 and s["kv_blocks_used"] == 0 and s["num_running"] == 0

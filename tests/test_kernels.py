@@ -19,7 +19,7 @@ def layout(query_lens, context_lens, seed=0):
     tables, used = [], 0
     for c in context_lens:
         n = -(-c // BS)
-        tables.append(perm[used : used + n])
+        tables.append(perm[used:used + n])
         used += n
     slots = []
     for q, c, t in zip(query_lens, context_lens, tables, strict=True):
@@ -29,10 +29,7 @@ def layout(query_lens, context_lens, seed=0):
 
 def caches(dtype, seed=1):
     g = torch.Generator().manual_seed(seed)
-    return (
-        torch.randn(HK, NB, BS, D, generator=g).to(dtype),
-        torch.randn(HK, NB, BS, D, generator=g).to(dtype),
-    )
+    return (torch.randn(HK, NB, BS, D, generator=g).to(dtype), torch.randn(HK, NB, BS, D, generator=g).to(dtype))
 
 
 def dense_reference(q, kc, vc, query_lens, context_lens, tables):
@@ -43,7 +40,7 @@ def dense_reference(q, kc, vc, query_lens, context_lens, tables):
         idx = torch.tensor(t)[pos // BS] * BS + pos % BS
         k = kc.view(HK, -1, D)[:, idx].repeat_interleave(H // HK, 0)
         v = vc.view(HK, -1, D)[:, idx].repeat_interleave(H // HK, 0)
-        qs = q[start : start + ql].transpose(0, 1)
+        qs = q[start:start + ql].transpose(0, 1)
         mask = torch.arange(c)[None, :] <= torch.arange(c - ql, c)[:, None]
         out.append(F.scaled_dot_product_attention(qs, k, v, attn_mask=mask).transpose(0, 1))
         start += ql
@@ -75,9 +72,8 @@ def test_fused_cpu_kernel_matches_reference(dtype, tol):
     k_new = kc.view(HK, -1, D)[:, slots].transpose(0, 1)
     v_new = vc.view(HK, -1, D)[:, slots].transpose(0, 1)
     dev = torch.device("cpu")
-    plain = paged_attention(
-        q, k_new, v_new, kc, vc, build_metadata(QUERY_LENS, CONTEXT_LENS, tables, slots, BS, dev), D**-0.5
-    )
+    plain = paged_attention(q, k_new, v_new, kc, vc, build_metadata(QUERY_LENS, CONTEXT_LENS, tables, slots, BS, dev),
+                            D**-0.5)
     meta = build_metadata(QUERY_LENS, CONTEXT_LENS, tables, slots, BS, dev, fused=True)
     assert meta.fused_short is not None and not meta.short_groups
     fused = paged_attention(q, k_new, v_new, kc, vc, meta, D**-0.5)
@@ -88,9 +84,7 @@ def test_fused_cpu_kernel_matches_reference(dtype, tol):
 def test_int8_linear_matches_dequantized_weights_on_every_path(dtype, tol, monkeypatch):
     gemv_rows = []
     real = torch._weight_int8pack_mm
-    monkeypatch.setattr(
-        torch, "_weight_int8pack_mm", lambda x, w, s: gemv_rows.append(x.shape[0]) or real(x, w, s)
-    )
+    monkeypatch.setattr(torch, "_weight_int8pack_mm", lambda x, w, s: gemv_rows.append(x.shape[0]) or real(x, w, s))
     torch.manual_seed(0)
     for k in (384, 100):  # 100: not a multiple of 16, which torch's GEMV mis-computes, so it must not be used
         qweight = torch.randint(-127, 128, (200, k), dtype=torch.int8)

@@ -63,12 +63,7 @@ def test_quantized_modes_load_generate_and_stay_close(ckpt, reference, mode):
     assert all(isinstance(p, kind) and p.weight.dtype == storage for p in parts)
     assert isinstance(llm.engine.model.layers[0].self_attn.qkv_proj, FusedLinear)
     model = llm.engine.model
-    assert (
-        model.embed_tokens.weight.dtype
-        == model.lm_head.weight.dtype
-        == model.norm.weight.dtype
-        == torch.bfloat16
-    )
+    assert model.embed_tokens.weight.dtype == model.lm_head.weight.dtype == model.norm.weight.dtype == torch.bfloat16
     if mode == "int8":
         assert parts[0].state.threshold == 6.0 and not parts[0].state.has_fp16_weights
     else:
@@ -97,9 +92,7 @@ def test_int8_weight_only_quantizes_every_linear_and_the_head(checkpoint_factory
     assert err < 0.03  # measured 2.0-2.1% on this random checkpoint
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     got, want = (x.generate(PROMPTS, params, progress=False) for x in (llm, reference))
-    same = sum(
-        a == b for g, w in zip(got, want, strict=True) for a, b in zip(g.token_ids, w.token_ids, strict=True)
-    )
+    same = sum(a == b for g, w in zip(got, want, strict=True) for a, b in zip(g.token_ids, w.token_ids, strict=True))
     assert same >= 0.8 * len(PROMPTS) * params.max_tokens
 
 
@@ -130,14 +123,8 @@ def test_int8_threshold_is_configurable(ckpt):
 def test_prequantized_checkpoint_round_trips_without_requantizing(ckpt, tmp_path, monkeypatch, mode):
     kw = MODES[mode]
     direct = LLM(ckpt, dtype="bfloat16", device="cpu", **kw)
-    quantize(
-        ckpt,
-        tmp_path,
-        kw["quantization"],
-        kw.get("quant_type", "nf4"),
-        kw.get("double_quant", False),
-        dtype="bfloat16",
-    )
+    quantize(ckpt, tmp_path, kw["quantization"], kw.get("quant_type", "nf4"), kw.get("double_quant", False),
+             dtype="bfloat16")
     qc = read_config(tmp_path)["quantization_config"]
     assert qc["quant_method"] == "bitsandbytes" and qc[f"load_in_{kw['quantization'][3]}bit"]
 
@@ -147,9 +134,7 @@ def test_prequantized_checkpoint_round_trips_without_requantizing(ckpt, tmp_path
     monkeypatch.setattr(qlinears, "quantized_linear", refuse)
     monkeypatch.setattr("engine.quantization.check_device", lambda *a: None)
     loaded = LLM(tmp_path, dtype="bfloat16", device="cpu")
-    assert loaded.engine.config.quantization is None and len(quantized_parts(loaded)) == len(
-        quantized_parts(direct)
-    )
+    assert loaded.engine.config.quantization is None and len(quantized_parts(loaded)) == len(quantized_parts(direct))
     for a, b in zip(loaded.score(PROMPTS), direct.score(PROMPTS), strict=True):
         assert torch.equal(a, b)
     got, want = (llm.generate(PROMPTS, GREEDY, progress=False) for llm in (loaded, direct))
@@ -159,12 +144,8 @@ def test_prequantized_checkpoint_round_trips_without_requantizing(ckpt, tmp_path
 def test_transformers_bitsandbytes_checkpoint_loads_and_matches(ckpt, tmp_path):
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    qc = BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type="nf4",
-        bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=torch.bfloat16,
-    )
+    qc = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                            bnb_4bit_compute_dtype=torch.bfloat16)
     hf = AutoModelForCausalLM.from_pretrained(ckpt, quantization_config=qc, dtype=torch.bfloat16)
     hf.save_pretrained(tmp_path)
     for f in ("tokenizer.json", "tokenizer_config.json"):
@@ -187,9 +168,7 @@ def test_int8_kv_cache_close_to_fp32_and_holds_twice_the_tokens(ckpt):
     assert err < 0.02
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     got, want = (llm.generate(PROMPTS, params, progress=False) for llm in (int8, plain))
-    same = sum(
-        a == b for g, w in zip(got, want, strict=True) for a, b in zip(g.token_ids, w.token_ids, strict=True)
-    )
+    same = sum(a == b for g, w in zip(got, want, strict=True) for a, b in zip(g.token_ids, w.token_ids, strict=True))
     assert same >= 0.8 * len(PROMPTS) * params.max_tokens
     c = ModelConfig.from_hf(read_config(ckpt))
     bf16 = LLM(ckpt, **{**kw, "dtype": "bfloat16"})
@@ -197,15 +176,12 @@ def test_int8_kv_cache_close_to_fp32_and_holds_twice_the_tokens(ckpt):
     assert 1.9 <= int8.engine.num_blocks / bf16.engine.num_blocks <= 2.0
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [
-        (dict(quantization="int3"), "unknown quantization 'int3'"),
-        (dict(quantization="int4", quant_type="nf2"), "unknown quant_type 'nf2'"),
-        (dict(quantization="int8", llm_int8_threshold=-1.0), "llm_int8_threshold must be >= 0"),
-        (dict(quantization="int4", device="meta"), "not for device 'meta'"),
-    ],
-)
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (dict(quantization="int3"), "unknown quantization 'int3'"),
+    (dict(quantization="int4", quant_type="nf2"), "unknown quant_type 'nf2'"),
+    (dict(quantization="int8", llm_int8_threshold=-1.0), "llm_int8_threshold must be >= 0"),
+    (dict(quantization="int4", device="meta"), "not for device 'meta'"),
+])
 def test_bad_settings_fail_at_construction(ckpt, kwargs, message):
     with pytest.raises(ValueError, match=message):
         LLM(ckpt, **{"dtype": "bfloat16", "device": "cpu", **kwargs})
@@ -219,8 +195,6 @@ def test_unquantizable_shape_and_requantizing_fail_with_reasons(checkpoint_facto
     with pytest.raises(ValueError, match="already quantized as int4"):
         LLM(tmp_path, dtype="bfloat16", device="cpu", quantization="int8")
     config = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(
-        json.dumps(config | {"quantization_config": {"quant_method": "gptq"}})
-    )
+    (tmp_path / "config.json").write_text(json.dumps(config | {"quantization_config": {"quant_method": "gptq"}}))
     with pytest.raises(ValueError, match="quant_method='gptq'; only bitsandbytes"):
         LLM(tmp_path, dtype="bfloat16", device="cpu")

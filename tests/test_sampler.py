@@ -24,12 +24,10 @@ def test_seeded_noise_ignores_batch_composition_and_order():
 def test_noise_changes_with_position_stream_and_seed():
     gen = torch.Generator()
     base = keyed_noise([req(7)], 500, "cpu", gen, [10])
-    for other in (
-        keyed_noise([req(7)], 500, "cpu", gen, [11]),
-        keyed_noise([req(7)], 500, "cpu", gen, [10], stream=DRAFT_STREAM),
-        keyed_noise([req(8)], 500, "cpu", gen, [10]),
-        keyed_noise([req(7 + 2**32)], 500, "cpu", gen, [10]),
-    ):
+    for other in (keyed_noise([req(7)], 500, "cpu", gen, [11]),
+                  keyed_noise([req(7)], 500, "cpu", gen, [10], stream=DRAFT_STREAM),
+                  keyed_noise([req(8)], 500, "cpu", gen, [10]),
+                  keyed_noise([req(7 + 2**32)], 500, "cpu", gen, [10])):
         assert torch.corrcoef(torch.stack([base[0], other[0]]))[0, 1].abs() < 0.15
 
 

@@ -32,7 +32,7 @@ def layout(query_lens, context_lens, seed=0):
     tables, slots, used = [], [], 0
     for q, c in zip(query_lens, context_lens, strict=True):
         n = -(-c // BS)
-        t = perm[used : used + n]
+        t = perm[used:used + n]
         used += n
         tables.append(t)
         slots += [t[p // BS] * BS + p % BS for p in range(c - q, c)]
@@ -68,24 +68,15 @@ def check_attention(query_lens, context_lens, group, dtype, splits, int8=False, 
         scales = (ks, vs)
     kc, vc = kc.to(dtype), vc.to(dtype)
     want = reference(q[: sum(query_lens)], kc, vc, query_lens, context_lens, tables, slots)
-    meta = build_flat_metadata(
-        query_lens + [1] * pad,
-        context_lens + [0] * pad,
-        tables + [[]] * pad,
-        slots + [-1] * pad,
-        CPU,
-        HK,
-        num_splits=splits,
-    )
+    meta = build_flat_metadata(query_lens + [1] * pad, context_lens + [0] * pad, tables + [[]] * pad,
+                               slots + [-1] * pad, CPU, HK, num_splits=splits)
     cache_args = (qk, qv) if int8 else (kc, vc)
     got = triton_attention(q, *cache_args, meta, D**-0.5, *(scales or ()))
     flat = flat_attention(q, *cache_args, meta, D**-0.5, *(scales or ()))
     n = sum(query_lens)
     assert (got[:n].float() - want.float()).abs().max().item() < TOL[dtype]
     assert (flat[:n].float() - want.float()).abs().max().item() < TOL[dtype]
-    assert torch.equal(got[n:], torch.zeros_like(got[n:])) and torch.equal(
-        flat[n:], torch.zeros_like(flat[n:])
-    )
+    assert torch.equal(got[n:], torch.zeros_like(got[n:])) and torch.equal(flat[n:], torch.zeros_like(flat[n:]))
 
 
 @pytest.mark.parametrize("group", [1, 3, 4])
@@ -127,9 +118,7 @@ def test_int8_kv_dequantized_in_registers(group):
 def test_kv_store_skips_padding_slots(dtype):
     t = 12
     k = torch.randn(t, HK, D).to(dtype)
-    v = (
-        torch.randn(t, 3 * HK * D).to(dtype)[:, HK * D : 2 * HK * D].view(t, HK, D)
-    )  # a view of a fused qkv row
+    v = torch.randn(t, 3 * HK * D).to(dtype)[:, HK * D: 2 * HK * D].view(t, HK, D)  # a view of a fused qkv row
     slots = torch.randperm(NB * BS)[:t]
     slots[[3, 7, 11]] = -1
     kc, vc = caches(dtype)
