@@ -6,6 +6,10 @@ from pathlib import Path
 
 import torch
 
+from engine.models.loader import read_config
+from engine.quantization import QuantSpec, save_quantized
+from engine.resolved import resolve_dtype
+
 
 def quantize(
     src: Path,
@@ -17,10 +21,6 @@ def quantize(
     dtype: str = "auto",
 ) -> None:
     """Quantize SRC (an HF folder) with bitsandbytes int8/int4 into DST, which then loads without re-quantizing."""
-    from engine.models.loader import read_config
-    from engine.quantization import QuantSpec, save_quantized
-    from engine.resolved import resolve_dtype
-
     spec = QuantSpec(quantization, quant_type, double_quant, llm_int8_threshold)
     cfg = read_config(src)
     torch_dtype = resolve_dtype(dtype, cfg.get("torch_dtype") or cfg.get("dtype"), torch.device("cpu"))

@@ -27,6 +27,7 @@ def parse(command, *args: str) -> dict:
 
 def test_every_settable_field_is_a_flag_of_its_type(command):
     flags = {p.name: p.opts for p in command.params}
+    helps = {p.name: p.help for p in command.params}
     hints = typing.get_type_hints(EngineConfig)
     settable = [f for f in dataclasses.fields(EngineConfig) if f.init and f.name not in engine_flags.SKIPPED]
     assert len(settable) >= 10
@@ -34,6 +35,7 @@ def test_every_settable_field_is_a_flag_of_its_type(command):
     for f in settable:
         flag = "--" + f.name.replace("_", "-")
         assert flags[f.name] == [flag], f.name
+        assert helps[f.name] == f.metadata["help"], f"{f.name}: the help is the config field's own"
         assert parse(command)[f.name] is None, f"{f.name}: the config, not the CLI, holds the default"
         kind = engine_flags._unwrap_optional(hints[f.name])
         if kind is bool:

@@ -26,7 +26,10 @@ from worker.worker import EngineWorker
 def start(
     engine_args: dict[str, Any],
     model: str | None = typer.Option(
-        None, "--model", help="Hugging Face checkpoint folder (default: $SLUICE_MODEL).", show_default=False
+        None,
+        "--model",
+        help=f"{engine_flags.field_help('model')} Default: $SLUICE_MODEL.",
+        show_default=False,
     ),
     queues: str = typer.Option(",".join(QUEUES), help="Queues in priority order."),
     burst: bool = typer.Option(False, "--burst", help="Exit once the queues are empty."),

@@ -18,8 +18,12 @@ from engine.config import EngineConfig
 
 SKIPPED = {"model", "extra"}  # --model is the worker's own option; `extra` is for Python callers only
 SCALARS = (str, int, float, bool)
-# Shown for a JSON field the config leaves undocumented, so the flag still says what it takes.
-EXAMPLES = {"speculative": 'e.g. {"method": "ngram", "num_speculative_tokens": 4}'}
+
+
+def field_help(name: str) -> str:
+    """The help of one EngineConfig field (its metadata, else its attribute docstring)."""
+    f = next(f for f in dataclasses.fields(EngineConfig) if f.name == name)
+    return f.metadata.get("help") or field_docs(EngineConfig).get(name, "")
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -71,8 +75,7 @@ def _option(f: dataclasses.Field, hint: Any, doc: str) -> tuple[Any, typer.model
         hint = enum.Enum(f.name, {str(c): c for c in typing.get_args(hint)})  # typer shows an Enum's choices
     if hint in SCALARS or _is_enum(hint):
         return hint | None, typer.Option(None, flag, help=help_text, show_default=shown)
-    json_help = f"JSON: {help_text or EXAMPLES.get(f.name, f.name)}"
-    return str | None, typer.Option(None, flag, help=json_help, show_default=shown)
+    return str | None, typer.Option(None, flag, help=help_text or "JSON", show_default=shown)
 
 
 def parameters() -> list[inspect.Parameter]:
