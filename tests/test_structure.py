@@ -1,0 +1,136 @@
+"""The import graph (read with ast, every import at any depth) has no cycles and its arrows point one way."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("engine", "kernels", "contract", "producer", "worker", "cli")
+# (importer package, imported package) pairs that must never occur.
+FORBIDDEN = {
+    *((low, high) for low in ("engine", "kernels") for high in ("contract", "producer", "worker", "cli")),
+    ("kernels", "engine"),
+    ("producer", "worker"),
+    ("worker", "producer"),
+    *(("contract", other) for other in ("engine", "kernels", "producer", "worker", "cli")),
+    *((other, "cli") for other in ("engine", "kernels", "contract", "producer", "worker")),
+}
+
+
+def module_files() -> dict[str, Path]:
+    """Dotted module name → file, for every module of the packages."""
+    modules = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+def imported_names(module: str, path: Path) -> Iterator[str]:
+    """Every dotted name an import statement anywhere in the file asks for (relative ones resolved)."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            yield from (f"{base}.{alias.name}" for alias in node.names)
+
+
+def resolve(name: str, modules: dict[str, Path]) -> str | None:
+    """The module a dotted name lives in (`pkg.mod.func` → `pkg.mod`), None outside the packages."""
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module → the modules it imports (module-level and function-level alike)."""
+    modules = module_files()
+    graph = {}
+    for module, path in modules.items():
+        targets = {resolve(name, modules) for name in imported_names(module, path)}
+        graph[module] = {t for t in targets if t is not None and t != module}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def top(module: str) -> str:
+    return module.partition(".")[0]
+
+
+def test_graph_is_read():
+    graph = import_graph()
+    assert {"engine.engine", "contract.batch", "producer.client", "worker.worker", "cli.main"} <= set(graph)
+    assert "contract.batch" in graph["worker.worker"] and "producer.client" in graph["cli.batches"]
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_import_cycles():
+    assert cycles(import_graph()) == []
+
+
+def test_top_level_packages_form_no_cycle():
+    graph = import_graph()
+    packages: dict[str, set[str]] = {top(m): set() for m in graph}
+    for source, targets in graph.items():
+        packages[top(source)] |= {top(t) for t in targets} - {top(source)}
+    assert cycles(packages) == []
+
+
+def test_imports_point_one_way():
+    graph = import_graph()
+    wrong = sorted(
+        f"{source} -> {target}"
+        for source, targets in graph.items()
+        for target in targets
+        if (top(source), top(target)) in FORBIDDEN
+    )
+    assert wrong == []
