@@ -12,15 +12,18 @@ import secrets
 import socket
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
+from urllib3.exceptions import LocationParseError
+from urllib3.util import Url, parse_url
 
 SECRET_PREFIX = "whsec_"
 METADATA_HOSTS = {"metadata", "metadata.google.internal", "metadata.goog"}
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 _UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, None: 1}
 
 
@@ -34,6 +37,7 @@ class WebhookSettings(BaseSettings):
     webhook_allow: str = ""
     webhook_retry_schedule: str = "5s,30s,2m,10m,1h,2h,4h,8h,8h"
     webhook_timeout: float = Field(10.0, gt=0)
+    webhook_max_response_bytes: int = Field(64 * 1024, ge=0)
 
 
 class WebhookVerificationError(ValueError):
@@ -126,39 +130,129 @@ def parse_allow(allow: str) -> tuple[set[str], list[ipaddress.IPv4Network | ipad
     return hosts, networks
 
 
-def _is_internal(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped:
-        address = address.ipv4_mapped
+_EMBEDDING = [
+    (ipaddress.ip_network("::/96"), 0),  # IPv4-compatible (deprecated)
+    (ipaddress.ip_network("::ffff:0:0/96"), 0),  # IPv4-mapped
+    (ipaddress.ip_network("::ffff:0:0:0/96"), 0),  # IPv4-translated (SIIT)
+    (ipaddress.ip_network("64:ff9b::/96"), 0),  # NAT64 well-known prefix
+    (ipaddress.ip_network("64:ff9b:1::/48"), 0),  # NAT64 local-use prefix
+    (ipaddress.ip_network("2002::/16"), 80),  # 6to4
+]
+
+
+@dataclass(frozen=True)
+class Target:
+    """A checked webhook target: the URL's parts as the sender parses them and the address to connect to."""
+
+    url: str
+    scheme: str
+    host: str
+    port: int
+    request_uri: str
+    address: str
+
+    @property
+    def host_header(self) -> str:
+        """The Host header: the name from the URL (bracketed if IPv6), with a non-default port."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        default = 443 if self.scheme == "https" else 80
+        return host if self.port == default else f"{host}:{self.port}"
+
+
+def embedded_ipv4(address: IPAddress) -> ipaddress.IPv4Address | None:
+    """The IPv4 address inside an IPv6 one (mapped, translated, NAT64, 6to4, Teredo), if any."""
+    if isinstance(address, ipaddress.IPv4Address):
+        return None
+    if address.teredo:
+        return address.teredo[1]
+    for network, shift in _EMBEDDING:
+        if address in network:
+            return ipaddress.IPv4Address((int(address) >> shift) & 0xFFFFFFFF)
+    return None
+
+
+def is_internal(address: IPAddress) -> bool:
+    """True for any address that is not plain public unicast, looking through embedded IPv4 too."""
+    inner = embedded_ipv4(address)
+    if inner is not None and is_internal(inner):
+        return True
     return not address.is_global or address.is_multicast
 
 
-def _resolve(host: str, port: int) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+def _resolve(host: str, port: int) -> list[IPAddress]:
     try:
         infos = socket.getaddrinfo(host, port, proto=socket.IPPROTO_TCP)
-    except socket.gaierror as exc:
+    except (socket.gaierror, UnicodeError) as exc:
         raise UnsafeWebhookURL(f"webhook host {host!r} does not resolve: {exc}") from None
     return [ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos]
 
 
-def check_url(url: str, allow: str | None = None) -> str:
-    """Return url if it is http(s) and every address it resolves to is public or allow-listed."""
-    allow = WebhookSettings().webhook_allow if allow is None else allow
-    parts = urlsplit(url)
+def _parse(url: str) -> Url:
+    if not url.isprintable() or any(c in url for c in "\\ "):
+        raise UnsafeWebhookURL("webhook URL may not contain backslashes, spaces or control characters")
+    try:
+        parts = parse_url(url)
+    except LocationParseError as exc:
+        raise UnsafeWebhookURL(f"webhook URL does not parse: {exc}") from None
     if parts.scheme not in ("http", "https"):
         raise UnsafeWebhookURL(f"webhook URL must be http or https, not {parts.scheme or 'empty'!r}")
-    host = (parts.hostname or "").lower().rstrip(".")
-    if not host:
+    if parts.auth is not None or "@" in (parts.netloc or ""):
+        raise UnsafeWebhookURL(
+            "webhook URL may not carry user:password@ (put credentials in the path or query)"
+        )
+    if not parts.host:
         raise UnsafeWebhookURL("webhook URL has no host")
+    return parts
+
+
+def resolve_target(url: str, allow: str | None = None) -> Target:
+    """Parse url as the sender (urllib3) does and pick the address to connect to, refusing internal ones.
+
+    Every address the host resolves to must be public (IPv4 inside IPv6 included) or allow-listed; the sender
+    then connects to the returned address, so a second lookup cannot be rebound to another one.
+    """
+    allow = WebhookSettings().webhook_allow if allow is None else allow
+    parts = _parse(url)
+    host = parts.host.strip("[]").lower().rstrip(".")
+    port = parts.port or (443 if parts.scheme == "https" else 80)
     hosts, networks = parse_allow(allow)
-    if host in hosts:
-        return url
-    if host in METADATA_HOSTS:
+    if host in METADATA_HOSTS and host not in hosts:
         raise UnsafeWebhookURL(f"webhook host {host!r} is a cloud metadata service")
-    for address in _resolve(host, parts.port or (443 if parts.scheme == "https" else 80)):
-        if _is_internal(address) and not any(
-            address in net for net in networks if net.version == address.version
-        ):
-            raise UnsafeWebhookURL(
-                f"webhook host {host!r} resolves to internal address {address}; allow it with SLUICE_WEBHOOK_ALLOW"
-            )
+    addresses = _resolve(host, port)
+    if host not in hosts:
+        for address in addresses:
+            if is_internal(address) and not any(
+                address in n for n in networks if n.version == address.version
+            ):
+                inner = embedded_ipv4(address)
+                shown = f"{address} (IPv4 {inner} inside)" if inner else str(address)
+                raise UnsafeWebhookURL(
+                    f"webhook host {host!r} resolves to internal address {shown}; allow it with SLUICE_WEBHOOK_ALLOW"
+                )
+    return Target(url, parts.scheme, host, port, parts.request_uri, str(addresses[0]))
+
+
+def check_url(url: str, allow: str | None = None) -> str:
+    """Return url if it is http(s) and every address it resolves to is public or allow-listed."""
+    resolve_target(url, allow)
     return url
+
+
+_URL_IN_TEXT = re.compile(r"(?i)\bhttps?://[^\s'\"<>]+")
+_PLAIN_SEGMENT = re.compile(r"[a-z_.~-]{0,24}")
+
+
+def redact_url(url: str) -> str:
+    """url without what may be a secret: no user:password, query values and token-like path segments as ***."""
+    try:
+        parts = parse_url(url)
+    except LocationParseError:
+        return "<unparseable URL>"
+    path = "/".join(seg if _PLAIN_SEGMENT.fullmatch(seg) else "***" for seg in (parts.path or "").split("/"))
+    query = "&".join(f"{p.partition('=')[0]}=***" for p in parts.query.split("&")) if parts.query else None
+    return Url(scheme=parts.scheme, host=parts.host, port=parts.port, path=path or None, query=query).url
+
+
+def redact(text: str) -> str:
+    """text with every http(s) URL in it redacted (for logs and delivery records)."""
+    return _URL_IN_TEXT.sub(lambda m: redact_url(m.group(0)), text)

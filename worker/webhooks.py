@@ -2,20 +2,31 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import random
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import requests
 import typer
 from redis import Redis
+from urllib3.connection import HTTPConnection, HTTPSConnection
 
 from contract.events import DUE_KEY, as_text, delivery_key, delivery_log, record_attempt
 from contract.settings import default_redis_url
-from contract.signing import UnsafeWebhookURL, WebhookSettings, check_url, parse_schedule, sign_headers
+from contract.signing import (
+    Target,
+    UnsafeWebhookURL,
+    WebhookSettings,
+    parse_schedule,
+    redact,
+    redact_url,
+    resolve_target,
+    sign_headers,
+)
 
 log = logging.getLogger(__name__)
 
@@ -34,25 +45,68 @@ def claim_due(connection: Redis, limit: int, lease_s: float) -> list[str]:
     return [as_text(i) for i in connection.eval(_CLAIM, 1, DUE_KEY, now, now + lease_s, limit)]
 
 
-def _post(url: str, body: bytes, headers: dict[str, str], timeout: float) -> tuple[int | None, str | None]:
-    headers = {**headers, "content-type": "application/json", "user-agent": "sluice-webhooks/0.1"}
+def _connection(target: Target, timeout: float) -> HTTPConnection:
+    """A connection to the checked address, with the URL's host name for Host, SNI and certificate checks."""
+    if target.scheme == "https":
+        return HTTPSConnection(
+            target.address,
+            target.port,
+            timeout=timeout,
+            server_hostname=target.host,
+            assert_hostname=target.host,
+        )
+    return HTTPConnection(target.address, target.port, timeout=timeout)
+
+
+def _cut(conn: HTTPConnection, expired: threading.Event) -> None:
+    expired.set()
+    if conn.sock is not None:
+        with contextlib.suppress(OSError):
+            conn.sock.shutdown(socket.SHUT_RDWR)
+
+
+def _post(
+    target: Target, body: bytes, headers: dict[str, str], timeout: float, max_bytes: int
+) -> tuple[int | None, str | None]:
+    """POST body to the target within timeout seconds in all, reading at most max_bytes of the response."""
+    headers = {**headers, "host": target.host_header, "content-type": "application/json",
+               "user-agent": "sluice-webhooks/0.1", "connection": "close"}  # fmt: skip
+    conn, expired = _connection(target, timeout), threading.Event()
+    timer = threading.Timer(timeout, _cut, args=(conn, expired))
+    timer.daemon = True
+    started = time.monotonic()
     try:
-        response = requests.post(url, data=body, headers=headers, timeout=timeout, allow_redirects=False)
-    except requests.RequestException as exc:
-        return None, f"{type(exc).__name__}: {exc}"
-    return response.status_code, None
+        conn.connect()
+        timer.interval = max(0.0, timeout - (time.monotonic() - started))
+        timer.start()
+        conn.request("POST", target.request_uri, body=body, headers=headers, preload_content=False,
+                     decode_content=False)  # fmt: skip
+        response = conn.getresponse()
+        read = 0
+        for chunk in response.stream(16 * 1024):
+            read += len(chunk)
+            if read >= max_bytes:
+                break
+        return response.status, None
+    except Exception as exc:
+        if expired.is_set() or time.monotonic() - started >= timeout:
+            return None, f"Timeout: no complete response within {timeout:g} s"
+        return None, redact(f"{type(exc).__name__}: {exc}")
+    finally:
+        timer.cancel()
+        conn.close()
 
 
 def _send(delivery: dict[str, str], settings: WebhookSettings) -> tuple[int | None, str | None]:
     if settings.webhook_secret is None:
         return None, "SLUICE_WEBHOOK_SECRET is not set; refusing to send unsigned"
     try:
-        check_url(delivery["url"], settings.webhook_allow)
+        target = resolve_target(delivery["url"], settings.webhook_allow)
     except UnsafeWebhookURL as exc:
-        return None, f"refused: {exc}"
+        return None, f"refused: {redact(str(exc))}"
     body = delivery["body"].encode()
     headers = sign_headers(settings.webhook_secret.get_secret_value(), delivery["event_id"], body)
-    return _post(delivery["url"], body, headers, settings.webhook_timeout)
+    return _post(target, body, headers, settings.webhook_timeout, settings.webhook_max_response_bytes)
 
 
 def _outcome(status: int | None, error: str | None, attempt: int, schedule: list[float]) -> str:
@@ -72,13 +126,17 @@ def attempt(connection: Redis, event_id: str, settings: WebhookSettings) -> str:
     delivery = {as_text(k): as_text(v) for k, v in raw.items()}
     number = connection.hincrby(delivery_key(event_id), "attempts", 1)
     started = time.time()
-    status, error = _send(delivery, settings)
+    try:
+        status, error = _send(delivery, settings)
+    except Exception as exc:
+        status, error = None, redact(f"{type(exc).__name__}: {exc}")
     schedule = parse_schedule(settings.webhook_retry_schedule)
     outcome = _outcome(status, error, number, schedule)
     entry = {
         "attempt": number,
         "event_id": event_id,
         "type": delivery["type"],
+        "url": redact_url(delivery["url"]),
         "at": round(started, 3),
         "status_code": status,
         "error": error,
@@ -114,10 +172,14 @@ def run(
     lease_s = 3 * settings.webhook_timeout + 30
     with ThreadPoolExecutor(concurrency, thread_name_prefix="webhook") as pool:
         while not stop.is_set():
-            due = claim_due(connection, concurrency, lease_s)
-            list(pool.map(lambda event_id: attempt(connection, event_id, settings), due))
-            if burst and not connection.zcard(DUE_KEY):
-                return
+            try:
+                due = claim_due(connection, concurrency, lease_s)
+                list(pool.map(lambda event_id: attempt(connection, event_id, settings), due))
+                if burst and not connection.zcard(DUE_KEY):
+                    return
+            except Exception as exc:
+                log.error("webhook delivery: %s; carrying on", redact(f"{type(exc).__name__}: {exc}"))
+                due = []
             if not due:
                 stop.wait(poll_s)
 
