@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -12,28 +12,59 @@ CHAT = "/v1/chat/completions"
 Priority = Literal["high", "default", "low"]
 
 
+MAX_TOP_K = 1_000_000
+MAX_STOP_CHARS = 1024
+MAX_TOKENS = 1_000_000
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]
+StopText = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: accepted for compatibility, not enforced (see docs/reliability.md)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
 class SamplingBody(BaseModel):
     """Fields shared by completion and chat bodies; unknown fields are refused by name."""
 
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = Field(None, max_length=256)
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=-1)
-    min_p: float = Field(0.0, ge=0, le=1)
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    temperature: Finite = Field(1.0, ge=0, le=2)
+    top_p: Finite = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=-1, le=MAX_TOP_K)
+    min_p: Finite = Field(0.0, ge=0, le=1)
+    seed: Seed | None = None
+    stop: StopText | list[StopText] | None = None
     ignore_eos: bool = False
     n: Literal[1] = 1
     stream: Literal[False] = False
     user: str | None = Field(None, max_length=256)
+    presence_penalty: Finite = Field(0.0, ge=-2, le=2)
+    frequency_penalty: Finite = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, Annotated[Finite, Field(ge=-100, le=100)]] | None = Field(None, max_length=300)
+    response_format: ResponseFormat | None = None
+    service_tier: str | None = Field(None, max_length=64)
+    store: bool | None = None
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+    stream_options: None = None
 
     @field_validator("stop")
     @classmethod
     def _at_most_four_stops(cls, v: str | list[str] | None) -> str | list[str] | None:
         if isinstance(v, list) and len(v) > 4:
             raise ValueError("at most 4 stop sequences")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v and not all(k.isascii() and k.isdigit() and len(k) <= 10 for k in v):
+            raise ValueError("logit_bias keys must be token ids (decimal digits)")
         return v
 
     def sampling_kwargs(self) -> dict[str, Any]:
@@ -61,9 +92,12 @@ class SamplingBody(BaseModel):
 class CompletionBody(SamplingBody):
     """Body of a POST /v1/completions request."""
 
-    prompt: str | list[int]
-    max_tokens: int = Field(16, ge=1, le=1_000_000)
+    prompt: str | list[TokenId]
+    max_tokens: int = Field(16, ge=1, le=MAX_TOKENS)
     logprobs: int | None = Field(None, ge=0, le=20)
+    best_of: Literal[1] | None = None
+    echo: Literal[False] = False
+    suffix: None = None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -110,8 +144,8 @@ class ChatBody(SamplingBody):
     """Body of a POST /v1/chat/completions request."""
 
     messages: list[Message] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1, le=1_000_000)
-    max_completion_tokens: int | None = Field(None, ge=1, le=1_000_000)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
 

@@ -35,8 +35,21 @@ class Settings(BaseSettings):
     faults: str = ""
     shard_timeout: int = Field(6 * 3600, gt=0)
     heartbeat_ttl: int = Field(30, ge=3)
-    result_ttl: int = Field(7 * 86400, gt=0)
+    result_ttl: int = Field(3600, gt=0)
+    failure_ttl: int = Field(7 * 86400, gt=0)
     model: str | None = None
+    served_models: str = ""
+    output_roots: str = ""
+
+    def served_model_names(self) -> list[str]:
+        """Model names requests may ask for (SLUICE_SERVED_MODELS, else SLUICE_MODEL's folder name)."""
+        names = [n.strip() for n in self.served_models.split(",") if n.strip()]
+        return names or ([Path(self.model).name] if self.model else [])
+
+    def output_root_urls(self) -> list[str]:
+        """Where batches may write (SLUICE_OUTPUT_ROOTS, comma-separated; else only SLUICE_OUTPUT_URL)."""
+        roots = [r.strip() for r in self.output_roots.split(",") if r.strip()]
+        return roots or [self.output_url]
 
 
 def default_redis_url() -> str:

@@ -2,16 +2,28 @@
 
 from __future__ import annotations
 
+import fnmatch
 import os
+import shutil
 import tempfile
+from collections.abc import Callable, Iterator
 from io import BytesIO
 from pathlib import Path
-from typing import Protocol
+from typing import BinaryIO, Protocol
 from urllib.parse import unquote, urlsplit
 
 from contract.settings import get_settings
 
 MiB = 1024 * 1024
+COPY_CHUNK = MiB
+
+
+class KeyOutsideRoot(ValueError):
+    """A key that would resolve outside its storage root."""
+
+
+class OutputNotAllowed(ValueError):
+    """An output location outside every allowed output root (SLUICE_OUTPUT_ROOTS)."""
 
 
 class Storage(Protocol):
@@ -29,6 +41,10 @@ class Storage(Protocol):
 
     def get(self, key: str) -> bytes:
         """The bytes under key (FileNotFoundError if absent)."""
+        ...
+
+    def open(self, key: str) -> BinaryIO:
+        """A binary stream of the object under key (FileNotFoundError if absent)."""
         ...
 
     def exists(self, key: str) -> bool:
@@ -53,20 +69,35 @@ class FileStorage:
 
     def _path(self, key: str) -> Path:
         path = (self.root / key).resolve()
-        assert path.is_relative_to(self.root.resolve()), f"key escapes the storage root: {key!r}"
+        if not path.is_relative_to(self.root.resolve()):
+            raise KeyOutsideRoot(f"key escapes the storage root {self.url}: {key!r}")
         return path
 
-    def put(self, key: str, data: bytes) -> str:
+    def _write(self, key: str, fill: Callable[[BinaryIO], object]) -> str:
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                fill(f)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
         return path.as_uri()
 
+    def put(self, key: str, data: bytes) -> str:
+        return self._write(key, lambda f: f.write(data))
+
     def put_file(self, key: str, path: Path) -> str:
-        return self.put(key, path.read_bytes())
+        def copy(f: BinaryIO) -> None:
+            with path.open("rb") as src:
+                shutil.copyfileobj(src, f, COPY_CHUNK)
+
+        return self._write(key, copy)
+
+    def open(self, key: str) -> BinaryIO:
+        return self._path(key).open("rb")
 
     def get(self, key: str) -> bytes:
         return self._path(key).read_bytes()
@@ -111,8 +142,12 @@ class S3Storage:
         return f"s3://{self.bucket}/{self._key(key)}"
 
     def get(self, key: str) -> bytes:
+        with self.open(key) as body:
+            return body.read()
+
+    def open(self, key: str) -> BinaryIO:
         try:
-            return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
+            return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"]
         except self.client.exceptions.NoSuchKey as exc:
             raise FileNotFoundError(f"s3://{self.bucket}/{self._key(key)}") from exc
 
@@ -159,15 +194,27 @@ def transfer_config():
     return TransferConfig(multipart_threshold=16 * MiB, multipart_chunksize=16 * MiB, use_threads=True)
 
 
+def _local_path(url: str) -> Path:
+    """The path of a file:// URL or bare path; a file:// URL naming a host (file://tmp/out) is refused."""
+    parts = urlsplit(url)
+    if parts.scheme != "file":
+        return Path(url).expanduser().resolve()
+    if parts.netloc not in ("", "localhost"):
+        raise ValueError(
+            f"file URL {url!r} names host {parts.netloc!r}; write file:///{parts.netloc}{parts.path}"
+        )
+    return Path(unquote(parts.path)).resolve()
+
+
 def open_storage(url: str) -> Storage:
     """Storage for a file:// or s3:// URL (a bare path means a local folder)."""
     parts = urlsplit(url)
     if parts.scheme == "s3":
         if not parts.netloc:
             raise ValueError(f"s3 URL needs a bucket: {url!r}")
-        return S3Storage(parts.netloc, parts.path)
+        return S3Storage(parts.netloc, unquote(parts.path))
     if parts.scheme in ("file", ""):
-        return FileStorage(Path(unquote(parts.path) if parts.scheme else url).expanduser().resolve())
+        return FileStorage(_local_path(url))
     raise ValueError(f"unsupported storage URL {url!r}: use file:///dir or s3://bucket/prefix")
 
 
@@ -175,17 +222,67 @@ def split_url(url: str) -> tuple[Storage, str]:
     """The storage holding an object URL and the object's key in it."""
     parts = urlsplit(url)
     if parts.scheme == "s3":
-        return S3Storage(parts.netloc), parts.path.lstrip("/")
-    path = Path(unquote(parts.path) if parts.scheme == "file" else url).expanduser().resolve()
+        return S3Storage(parts.netloc), unquote(parts.path.lstrip("/"))
+    path = _local_path(url)
     return FileStorage(path.parent), path.name
 
 
-def read_url(url: str, max_bytes: int | None = None) -> bytes:
-    """The bytes of a local path, file:// or s3:// object, refusing anything larger than max_bytes."""
+def _sized(url: str, max_bytes: int | None) -> tuple[Storage, str]:
     storage, key = split_url(url)
     size = storage.size(key)
     if size is None:
         raise FileNotFoundError(f"no such input: {url}")
     if max_bytes is not None and size > max_bytes:
         raise ValueError(f"{url} is {size} bytes, over the limit of {max_bytes}")
+    return storage, key
+
+
+def read_url(url: str, max_bytes: int | None = None) -> bytes:
+    """The bytes of a local path, file:// or s3:// object, refusing anything larger than max_bytes."""
+    storage, key = _sized(url, max_bytes)
     return storage.get(key)
+
+
+def url_lines(url: str, max_bytes: int, max_line: int) -> Iterator[bytes]:
+    """The lines of an object read a chunk at a time (never whole); a line over max_line is cut to max_line + 1."""
+    storage, key = _sized(url, max_bytes)
+    with storage.open(key) as stream:
+        yield from iter_lines(stream, max_line)
+
+
+def iter_lines(stream: BinaryIO, max_line: int, chunk: int = MiB) -> Iterator[bytes]:
+    """Lines of a binary stream split on newlines, each cut to at most max_line + 1 bytes."""
+    head = b""
+    while data := stream.read(chunk):
+        *done, rest = data.split(b"\n")
+        for piece in done:
+            yield (head + piece)[: max_line + 1]
+            head = b""
+        head = (head + rest)[: max_line + 1]
+    if head:
+        yield head
+
+
+def _within(url: str, root: str) -> bool:
+    parts, base = urlsplit(url), urlsplit(root)
+    if parts.scheme == "s3" or base.scheme == "s3":
+        if parts.scheme != base.scheme or not fnmatch.fnmatchcase(parts.netloc, base.netloc):
+            return False
+        path, prefix = unquote(parts.path).strip("/").split("/"), unquote(base.path).strip("/").split("/")
+        return prefix == [""] or path[: len(prefix)] == prefix
+    return _local_path(url).is_relative_to(_local_path(root))
+
+
+def check_output_url(url: str, roots: list[str]) -> str:
+    """url if it is a file:// (no host) or s3:// location inside one of roots (s3 buckets may be globs)."""
+    open_storage(url)
+    if not any(_within(url, root) for root in roots):
+        raise OutputNotAllowed(
+            f"output {url!r} is outside the allowed output roots ({', '.join(roots)}); see SLUICE_OUTPUT_ROOTS"
+        )
+    return url
+
+
+def open_output(url: str, roots: list[str]) -> Storage:
+    """The storage of a batch's output location, refusing one outside the allowed roots."""
+    return open_storage(check_output_url(url, roots))

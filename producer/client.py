@@ -18,7 +18,7 @@ from contract.jobs import QUEUES
 from contract.schemas import CHAT, COMPLETIONS, Batch, BatchStatus, LineError, OutputRecord, RequestCounts
 from contract.settings import Settings, get_settings
 from contract.signing import check_url
-from contract.storage import read_url
+from contract.storage import check_output_url, read_url
 from producer import shards
 from producer.validation import Input, input_lines, validate_lines
 
@@ -85,6 +85,7 @@ class Client:
         self.settings = settings or get_settings()
         self.connection = redis.Redis.from_url(redis_url or self.settings.redis_url)
         self.batches = BatchStore(self.connection)
+        self.output_roots = self.settings.output_root_urls()
 
     def submit_batch(
         self,
@@ -111,7 +112,7 @@ class Client:
         batch = Batch(
             id=new_batch_id(),
             input_file=str(input) if isinstance(input, str | Path) else "<memory>",
-            output_url=(output or self.settings.output_url).rstrip("/"),
+            output_url=check_output_url((output or self.settings.output_url).rstrip("/"), self.output_roots),
             priority=priority,
             completion_window=completion_window,
             metadata=check_metadata(metadata),
@@ -128,24 +129,27 @@ class Client:
         return self._validate_and_enqueue(batch, input, shard_size)
 
     def _validate_and_enqueue(self, batch: Batch, input: Input, shard_size: int) -> Batch:
+        """Every failure from here on ends the batch `failed` with an error, never stuck in `validating`."""
         try:
             checked = validate_lines(input_lines(input, self.settings), self.settings)
-        except (OSError, ValueError) as exc:
-            return self._fail(batch.id, [LineError(code="input_unreadable", message=str(exc))], 0)
+        except Exception as exc:
+            message = f"cannot read input {batch.input_file}: {type(exc).__name__}: {exc}"
+            return self._fail(batch.id, [LineError(code="input_unreadable", message=message)], 0)
         if checked.errors:
-            return self._fail(batch.id, checked.errors, len(checked.requests) + checked.num_errors)
+            return self._fail(batch.id, checked.errors, checked.num_lines)
         chunks = shards.split(checked.requests, shard_size, checked.sizes, self.settings.max_shard_bytes)
 
         def start(b: Batch) -> None:
             b.request_counts = RequestCounts(total=len(checked.requests))
             b.num_shards = len(chunks)
 
-        self.batches.transition(batch.id, BatchStatus.in_progress, start)
         try:
+            self.batches.transition(batch.id, BatchStatus.in_progress, start)
             shards.enqueue(self.connection, batch, chunks, self.settings)
-        except redis.RedisError as exc:
+        except Exception as exc:
+            message = f"{type(exc).__name__}: {exc}"
             return self._fail(
-                batch.id, [LineError(code="enqueue_failed", message=str(exc))], len(checked.requests)
+                batch.id, [LineError(code="enqueue_failed", message=message)], checked.num_lines
             )
         return self.get(batch.id)
 

@@ -11,8 +11,9 @@ import re
 import time
 import uuid
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 import typer
 from croniter import croniter
@@ -33,6 +34,7 @@ log = logging.getLogger(__name__)
 PIPELINES_KEY = "sluice:cron:pipelines"
 CRON_QUEUE = "sluice-cron"
 LOCK_TTL_MS = 10_000
+DEFAULT_SETTLE_S = 10.0
 
 _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
@@ -52,6 +54,7 @@ class CronPipeline(BaseModel):
     output: str | None = None
     schedule: str | None = None
     every: float | None = Field(None, gt=0)
+    settle: float = Field(DEFAULT_SETTLE_S, ge=0)
     webhook: str | None = None
     priority: Priority = "default"
     created_at: int = Field(default_factory=lambda: int(time.time()))
@@ -142,20 +145,33 @@ def _list_s3(bucket: str, pattern: str) -> list[tuple[str, str]]:
     return [(f"s3://{bucket}/{obj['Key']}", obj["ETag"].strip('"')) for obj in found]
 
 
-def _list_files(pattern: str) -> list[tuple[str, str]]:
+def _list_files(pattern: str, settle: float) -> list[tuple[str, str]]:
     paths = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
     stats = [(p, os.stat(p)) for p in paths]
-    return [(f"file://{p}", f"{st.st_size}-{st.st_mtime_ns}") for p, st in stats]
+    settled = [(p, st) for p, st in stats if time.time() - max(st.st_mtime, st.st_ctime) >= settle]
+    return [(f"file://{p}", f"{st.st_size}-{st.st_mtime_ns}") for p, st in settled]
 
 
-def list_objects(input_glob: str) -> list[tuple[str, str]]:
-    """(url, etag) of every object matching an s3:// or file:// glob, sorted by url."""
+def list_objects(input_glob: str, settle: float = 0.0) -> list[tuple[str, str]]:
+    """(url, etag) of every object matching an s3:// or file:// glob, sorted by url.
+
+    Local files show up only once unchanged (data and metadata) for `settle` seconds, so a file still
+    being written is not submitted half-done; S3 objects appear whole when their upload completes.
+    """
     parts = urlsplit(input_glob)
     if parts.scheme == "s3":
         return sorted(_list_s3(parts.netloc, parts.path.lstrip("/")))
     if parts.scheme == "file":
-        return _list_files(parts.path)
+        return _list_files(input_glob.removeprefix("file://"), settle)
     raise ValueError(f"input must be s3:// or file://, not {input_glob!r}")
+
+
+def source_of(url: str) -> str | Path:
+    """What to submit for a listed object: its path, or its S3 key quoted, so '#' and '?' stay in the name."""
+    if url.startswith("file://"):
+        return Path(url.removeprefix("file://"))
+    bucket, _, key = url.removeprefix("s3://").partition("/")
+    return f"s3://{bucket}/{quote(key, safe='/')}"
 
 
 def idempotency_key(name: str, object_id: str) -> str:
@@ -163,36 +179,41 @@ def idempotency_key(name: str, object_id: str) -> str:
     return f"cron:{name}:{hashlib.sha256(object_id.encode()).hexdigest()[:40]}"
 
 
-def _submit(client: Any, pipeline: CronPipeline, url: str, object_id: str) -> str:
-    source = urlsplit(url).path if url.startswith("file://") else url
+def _submit(client: Any, pipeline: CronPipeline, url: str, object_id: str) -> Any:
     options = {"output": pipeline.output, "webhook": pipeline.webhook}
-    batch = client.submit_batch(
-        input=source,
+    return client.submit_batch(
+        input=source_of(url),
         priority=pipeline.priority,
         idempotency_key=idempotency_key(pipeline.name, object_id),
         **{k: v for k, v in options.items() if v is not None},
     )
-    return _text(batch.id)
 
 
 def tick(connection: Redis, pipeline: CronPipeline, client: Any) -> list[str] | None:
-    """Submit a batch per new object; return their ids, or None if another process is ticking it."""
+    """Submit a batch per new object; return their ids, or None if another process is ticking it.
+
+    An object counts as processed only once its batch left `validating` (failed counts: it is recorded).
+    """
     token = uuid.uuid4().hex
     if not connection.set(lock_key(pipeline.name), token, nx=True, px=LOCK_TTL_MS):
         return None
     submitted = []
     try:
-        for url, etag in list_objects(pipeline.input):
+        for url, etag in list_objects(pipeline.input, pipeline.settle):
             object_id = f"{url}#{etag}"
             if connection.hexists(seen_key(pipeline.name), object_id):
                 continue
             if not connection.eval(_REFRESH, 1, lock_key(pipeline.name), token, LOCK_TTL_MS):
                 log.warning("cron %s: tick lock expired; stopping this tick", pipeline.name)
                 break
-            batch_id = _submit(client, pipeline, url, object_id)
-            connection.hset(seen_key(pipeline.name), object_id, batch_id)
-            submitted.append(batch_id)
-            log.info("cron %s: %s -> batch %s", pipeline.name, url, batch_id)
+            batch = _submit(client, pipeline, url, object_id)
+            if _text(getattr(batch.status, "value", batch.status)) == "validating":
+                log.warning("cron %s: batch %s for %s still validating; checked again next tick",
+                            pipeline.name, batch.id, url)  # fmt: skip
+                continue
+            connection.hset(seen_key(pipeline.name), object_id, _text(batch.id))
+            submitted.append(_text(batch.id))
+            log.info("cron %s: %s -> batch %s (%s)", pipeline.name, url, batch.id, batch.status)
         connection.hset(
             state_key(pipeline.name), mapping={"last_tick": time.time(), "last_submitted": len(submitted)}
         )
@@ -274,6 +295,10 @@ def add_command(
     ),
     schedule: str | None = typer.Option(None, help='cron expression, e.g. "0 2 * * *"'),
     every: str | None = typer.Option(None, help="interval, e.g. 15m"),
+    settle: str = typer.Option(
+        f"{DEFAULT_SETTLE_S:g}s",
+        help="file:// inputs: how long a file must stay unchanged before it is submitted",
+    ),
     webhook: str | None = typer.Option(None, help="webhook URL for each batch"),
     priority: str = typer.Option("default", help="high, default or low"),
     redis_url: str = RedisURL,
@@ -282,7 +307,8 @@ def add_command(
     try:
         interval = parse_duration(every) if every else None
         pipeline = CronPipeline(name=name, input=input, output=output, schedule=schedule, every=interval,
-                                webhook=webhook and check_url(webhook), priority=priority)  # fmt: skip
+                                settle=parse_duration(settle), webhook=webhook and check_url(webhook),
+                                priority=priority)  # fmt: skip
     except (ValidationError, ValueError) as exc:
         raise typer.BadParameter(str(exc)) from None
     add_pipeline(Redis.from_url(redis_url), pipeline)

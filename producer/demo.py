@@ -181,6 +181,7 @@ def prompt_texts() -> dict[str, str]:
 def main() -> int:
     results = get_settings().demo_results.resolve()
     results.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("SLUICE_OUTPUT_ROOTS", results.as_uri())
     console.rule("[bold]Sluice demo")
     with local_redis() as url:
         client = Client(url)

@@ -61,7 +61,7 @@ def enqueue(
             description=f"{batch.id} shard {n} ({len(chunk)} requests)",
             timeout=settings.shard_timeout,
             result_ttl=settings.result_ttl,
-            failure_ttl=settings.result_ttl,
+            failure_ttl=settings.failure_ttl,
             retry=retry,
         )
         for n, chunk in enumerate(chunks)
@@ -77,7 +77,7 @@ def enqueue(
         depends_on=Dependency(jobs=[d.job_id for d in datas], allow_failure=True),
         timeout=settings.shard_timeout,
         result_ttl=settings.result_ttl,
-        failure_ttl=settings.result_ttl,
+        failure_ttl=settings.failure_ttl,
         retry=retry_policy(settings.finalize_retries, settings),
     )
     return len(chunks)

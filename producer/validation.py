@@ -12,9 +12,10 @@ from pydantic import ValidationError
 
 from contract.schemas import BODIES, InputLine, LineError, Request
 from contract.settings import Settings
-from contract.storage import read_url
+from contract.storage import url_lines
 
 MAX_ERRORS = 1000
+MAX_DEPTH = 32
 Input = str | Path | bytes | Iterable[dict[str, Any] | str | bytes]
 
 
@@ -26,19 +27,26 @@ class Validated:
     sizes: list[int] = field(default_factory=list)
     errors: list[LineError] = field(default_factory=list)
     num_errors: int = 0
+    num_line_errors: int = 0
+
+    @property
+    def num_lines(self) -> int:
+        """Lines checked: each became a request or a line-numbered error (file-level errors aside)."""
+        return len(self.requests) + self.num_line_errors
 
     def add_error(self, error: LineError) -> None:
         self.num_errors += 1
+        self.num_line_errors += error.line is not None
         if len(self.errors) < MAX_ERRORS:
             self.errors.append(error)
 
 
 def input_lines(source: Input, settings: Settings) -> Iterator[bytes]:
-    """Raw lines of a JSONL path or URL (file://, s3://), of bytes, or of an in-memory list."""
+    """Raw lines of a JSONL path or URL (file://, s3://) streamed in chunks, of bytes, or of an in-memory list."""
     if isinstance(source, bytes):
         yield from source.splitlines()
     elif isinstance(source, str | Path):
-        yield from read_source(str(source), settings.max_input_bytes).splitlines()
+        yield from url_lines(str(source), settings.max_input_bytes, settings.max_line_bytes)
     else:
         for item in source:
             yield (
@@ -46,16 +54,6 @@ def input_lines(source: Input, settings: Settings) -> Iterator[bytes]:
                 if isinstance(item, bytes)
                 else (item if isinstance(item, str) else json.dumps(item)).encode()
             )
-
-
-def read_source(source: str, max_bytes: int) -> bytes:
-    """Bytes of a local path or storage URL, refusing anything over max_bytes."""
-    data = read_url(source, max_bytes=max_bytes)
-    if len(data) > max_bytes:
-        raise ValueError(
-            f"input {source} is larger than the limit of {max_bytes} bytes (SLUICE_MAX_INPUT_BYTES)"
-        )
-    return data
 
 
 def validate_lines(lines: Iterable[bytes], settings: Settings) -> Validated:
@@ -83,7 +81,7 @@ def validate_lines(lines: Iterable[bytes], settings: Settings) -> Validated:
                     code="duplicate_custom_id",
                     line=number,
                     param="custom_id",
-                    message=f"custom_id {request.custom_id!r} already used on line {seen[request.custom_id]}",
+                    message=f"line {number}: custom_id {request.custom_id!r} already used on line {seen[request.custom_id]}",
                 )
             )
             continue
@@ -108,16 +106,21 @@ def _limit_error(code: str, line: int, what: str) -> LineError:
 def _check_line(raw: bytes, number: int, settings: Settings, out: Validated) -> Request | None:
     if len(raw) > settings.max_line_bytes:
         message = (
-            f"line is {len(raw)} bytes, over the limit of {settings.max_line_bytes} (SLUICE_MAX_LINE_BYTES)"
+            f"line {number} is over the limit of {settings.max_line_bytes} bytes (SLUICE_MAX_LINE_BYTES)"
         )
         out.add_error(LineError(code="line_too_large", line=number, message=message))
         return None
     try:
         data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:
+        reason = f"nested deeper than {MAX_DEPTH} levels" if isinstance(exc, RecursionError) else exc
         out.add_error(
-            LineError(code="invalid_json", line=number, message=f"line {number} is not valid JSON: {exc}")
+            LineError(code="invalid_json", line=number, message=f"line {number} is not valid JSON: {reason}")
         )
+        return None
+    if _depth(data) > MAX_DEPTH:
+        message = f"line {number}: JSON nested deeper than {MAX_DEPTH} levels"
+        out.add_error(LineError(code="too_deep", line=number, message=message))
         return None
     try:
         line = InputLine.model_validate(data)
@@ -126,7 +129,29 @@ def _check_line(raw: bytes, number: int, settings: Settings, out: Validated) -> 
         prefix = "" if exc.title == InputLine.__name__ else "body."
         out.add_error(_schema_error(exc, number, prefix))
         return None
+    served = settings.served_model_names()
+    if served and body.model is not None and body.model not in served:
+        message = (
+            f"line {number}: body.model: model {body.model!r} is not served (served: {', '.join(served)})"
+        )
+        out.add_error(LineError(code="model_not_found", line=number, param="body.model", message=message))
+        return None
     return Request(custom_id=line.custom_id, url=line.url, body=body.model_dump(exclude_defaults=True))
+
+
+def _depth(data: Any) -> int:
+    """How deeply lists and objects nest in parsed JSON (a scalar is 0), without recursion."""
+    deepest, stack = 0, [(data, 1)]
+    while stack:
+        value, level = stack.pop()
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, level)
+        if deepest > MAX_DEPTH:
+            return deepest
+        stack.extend((child, level + 1) for child in children if isinstance(child, dict | list))
+    return deepest
 
 
 def _schema_error(exc: ValidationError, number: int, prefix: str) -> LineError:

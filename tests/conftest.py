@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import os
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +13,13 @@ if not torch.cuda.is_available():  # before anything imports triton: its own lib
 from tests.checkpoints import make_checkpoint
 
 torch.set_num_threads(max(1, torch.get_num_threads()))
+TEST_OUTPUT_ROOTS = [
+    Path(tempfile.gettempdir()).resolve().as_uri(),
+    "file:///tmp",
+    Path("results").resolve().as_uri(),
+    "s3://*",
+]
+os.environ.setdefault("SLUICE_OUTPUT_ROOTS", ",".join(TEST_OUTPUT_ROOTS))
 
 
 @pytest.fixture(scope="session")

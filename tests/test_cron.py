@@ -119,7 +119,7 @@ def test_file_inputs(redis_url, redis, tmp_path):
     )
     (tmp_path / "in" / "a.jsonl").write_text(line + "\n")
     (tmp_path / "in" / "skip.txt").write_text(line + "\n")
-    cli(redis_url, "add", "local", "--every", "1h", "--input", f"file://{tmp_path}/in/*.jsonl", "--output",
+    cli(redis_url, "add", "local", "--every", "1h", "--settle", "0s", "--input", f"file://{tmp_path}/in/*.jsonl", "--output",
         (tmp_path / "out").as_uri())  # fmt: skip
     assert len(cli(redis_url, "tick", "local").split()) == 1
     assert cli(redis_url, "tick", "local").split() == []

@@ -38,7 +38,7 @@ def test_validation_names_line_code_and_field():
         {**line("b"), "method": "GET"},
         line("c", "/v1/chat/completions", messages=[{"role": "user", "content": "hi"}], temperature=3),
         line("d", prompt=["two", "prompts"]),
-        line("e", prompt="x", frequency_penalty=0.5),
+        line("e", prompt="x", frequency_penalti=0.5),
         line("f", "/v1/embeddings"),
         b"",
         line(
@@ -56,7 +56,7 @@ def test_validation_names_line_code_and_field():
         (4, "invalid_request", "method"),
         (5, "invalid_request", "body.temperature"),
         (6, "invalid_request", "body.prompt"),
-        (7, "invalid_request", "body.frequency_penalty"),
+        (7, "invalid_request", "body.frequency_penalti"),
         (8, "invalid_request", "url"),
     ]
     assert "line 1" in checked.errors[1].message and "line 5" in checked.errors[3].message

@@ -27,7 +27,7 @@ def test_file_storage_overwrites_and_lists(tmp_path):
     assert isinstance(storage, FileStorage)
     exercise(storage)
     assert not list((tmp_path / "out" / "b1" / "shards").glob(".*")), "no temp files left behind"
-    with pytest.raises(AssertionError, match="escapes"):
+    with pytest.raises(ValueError, match="escapes"):
         storage.put("../evil", b"x")
 
 

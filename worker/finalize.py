@@ -19,7 +19,7 @@ from contract.events import notify
 from contract.jobs import shard_job_id
 from contract.schemas import Batch, BatchStatus, OutputRecord, Request, RequestCounts
 from contract.settings import get_settings
-from contract.storage import Storage, open_storage
+from contract.storage import Storage, open_output
 from worker.faults import faults
 from worker.responses import ABORT_CODES, error_record
 from worker.shards import shard_key
@@ -103,7 +103,7 @@ def finalize(connection: redis.Redis, batch_id: str) -> dict[str, int]:
             if batch is None or batch.done:
                 return {}
     faults().before_finalize()
-    storage = open_storage(batch.output_url)
+    storage = open_output(batch.output_url, get_settings().output_root_urls())
     records = merge(storage, connection, batch)
     good = [r for r in records.values() if r.error is None]
     bad = [r for r in records.values() if r.error is not None]

@@ -14,7 +14,7 @@ from rq import get_current_job
 from contract.batch import BatchStore
 from contract.schemas import ChatBody, OutputRecord, Request
 from contract.settings import get_settings
-from contract.storage import open_storage
+from contract.storage import open_output
 from worker.faults import faults
 from worker.responses import ABORT_CODES, error_record, output_record
 
@@ -33,6 +33,37 @@ def stop_reason(store: BatchStore, batch_id: str) -> str | None:
     if batch.expires_at is not None and time.time() > batch.expires_at:
         return "batch_expired"
     return None
+
+
+class ModelNotServed(ValueError):
+    """A request naming a model this worker does not serve."""
+
+
+class ChatTemplateError(ValueError):
+    """A conversation the model's chat template refused or failed to render."""
+
+
+def served_models(llm: Any) -> set[str]:
+    """Names requests may give as `model`: the checkpoint folder's name plus SLUICE_SERVED_MODELS."""
+    return {model_name(llm), *get_settings().served_model_names()}
+
+
+def prepare(llm: Any, request: Request, served: set[str]) -> tuple[Any, Any]:
+    """The prompt (a chat rendered through the model's template) and sampling parameters of a request."""
+    from engine import SamplingParams
+
+    body = request.parsed_body()
+    if body.model is not None and body.model not in served:
+        raise ModelNotServed(f"model {body.model!r} is not served here (served: {', '.join(sorted(served))})")
+    if not isinstance(body, ChatBody):
+        return body.prompt, SamplingParams(**body.sampling_kwargs())
+    try:
+        prompt = llm.encode_chat(body.plain_messages())
+    except Exception as exc:
+        raise ChatTemplateError(
+            f"the model's chat template failed on these messages: {type(exc).__name__}: {exc}"
+        ) from exc
+    return prompt, SamplingParams(**body.sampling_kwargs())
 
 
 @dataclass
@@ -59,19 +90,23 @@ class ShardRun:
 
     def start(self, llm: Any, key: str | None = None) -> None:
         """Add every request to the engine as `{key}/{i}` (key: the rq execution; default the job id)."""
+        served = served_models(llm)
         for i, request in enumerate(self.requests):
-            self.add(llm, f"{key or self.job_id}/{i}", request)
+            self.add(llm, f"{key or self.job_id}/{i}", request, served)
 
-    def add(self, llm: Any, rid: str, request: Request) -> None:
-        """Add one request to the engine as rid; a request it can never run becomes an error record."""
-        from engine import RequestRejected, SamplingParams  # torch: see shared_llm
+    def add(self, llm: Any, rid: str, request: Request, served: set[str] | None = None) -> None:
+        """Add one request to the engine as rid; one it cannot run (or even render) becomes an error record."""
+        from engine import RequestRejected  # torch: see shared_llm
 
         try:
-            body = request.parsed_body()
-            prompt = llm.encode_chat(body.plain_messages()) if isinstance(body, ChatBody) else body.prompt
-            llm.engine.add_request(rid, prompt, SamplingParams(**body.sampling_kwargs()))
+            prompt, params = prepare(llm, request, served or served_models(llm))
+            llm.engine.add_request(rid, prompt, params)
         except RequestRejected as exc:
             self.fail(request, "request_rejected", str(exc))
+        except ModelNotServed as exc:
+            self.fail(request, "model_not_found", str(exc))
+        except ChatTemplateError as exc:
+            self.fail(request, "chat_template_error", str(exc))
         except (ValidationError, ValueError, TypeError) as exc:
             self.fail(request, "invalid_request", str(exc))
         else:
@@ -109,7 +144,7 @@ class ShardRun:
         batch = store.get(self.batch_id)
         faults().before_save()
         if batch is not None:
-            storage = open_storage(batch.output_url)
+            storage = open_output(batch.output_url, get_settings().output_root_urls())
             ordered = [self.records[r.custom_id] for r in self.requests]
             storage.put(shard_key(self.batch_id, self.shard), records_jsonl(ordered))
         completed, failed = self.counts()
