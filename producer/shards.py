@@ -12,7 +12,9 @@ from rq.serializers import JSONSerializer
 from contract.jobs import FINALIZE, RUN_SHARD, finalize_job_id, shard_job_id
 from contract.schemas import Batch, Request
 from contract.settings import Settings
+from producer.validation import Requests
 
+PIPELINE_BYTES = 2 * 1024 * 1024
 DROPPABLE = (JobStatus.QUEUED, JobStatus.DEFERRED, JobStatus.SCHEDULED)
 
 
@@ -47,34 +49,47 @@ def queue_for(connection: redis.Redis, name: str) -> Queue:
     return Queue(name, connection=connection, serializer=JSONSerializer)
 
 
+def _payload(chunk: Sequence[Request]) -> list[dict]:
+    return chunk.dicts() if isinstance(chunk, Requests) else [r.model_dump() for r in chunk]
+
+
 def enqueue(
     connection: redis.Redis, batch: Batch, chunks: Sequence[Sequence[Request]], settings: Settings
 ) -> int:
-    """Enqueue one job per shard and a finalize job depending on all of them; return the shard count."""
+    """Enqueue one job per shard and a finalize job depending on all of them; return the shard count.
+
+    Shards go to Redis in pipelines of about PIPELINE_BYTES, so a large batch is never all in memory as jobs.
+    """
     queue = queue_for(connection, batch.priority)
     retry = retry_policy(settings.shard_retries, settings)
-    datas = [
-        Queue.prepare_data(
-            RUN_SHARD,
-            args=(batch.id, n, [r.model_dump() for r in chunk]),
-            job_id=shard_job_id(batch.id, n),
-            description=f"{batch.id} shard {n} ({len(chunk)} requests)",
-            timeout=settings.shard_timeout,
-            result_ttl=settings.result_ttl,
-            failure_ttl=settings.failure_ttl,
-            retry=retry,
+    pending, pending_bytes = [], 0
+    for n, chunk in enumerate(chunks):
+        pending.append(
+            Queue.prepare_data(
+                RUN_SHARD,
+                args=(batch.id, n, _payload(chunk)),
+                job_id=shard_job_id(batch.id, n),
+                description=f"{batch.id} shard {n} ({len(chunk)} requests)",
+                timeout=settings.shard_timeout,
+                result_ttl=settings.result_ttl,
+                failure_ttl=settings.failure_ttl,
+                retry=retry,
+            )
         )
-        for n, chunk in enumerate(chunks)
-    ]
-    with connection.pipeline() as pipe:
-        queue.enqueue_many(datas, pipeline=pipe)
-        pipe.execute()
+        pending_bytes += chunk.nbytes if isinstance(chunk, Requests) else PIPELINE_BYTES
+        if pending_bytes >= PIPELINE_BYTES or n == len(chunks) - 1:
+            with connection.pipeline() as pipe:
+                queue.enqueue_many(pending, pipeline=pipe)
+                pipe.execute()
+            pending, pending_bytes = [], 0
     queue.enqueue_call(
         FINALIZE,
         args=(batch.id,),
         job_id=finalize_job_id(batch.id),
         description=f"finalize {batch.id}",
-        depends_on=Dependency(jobs=[d.job_id for d in datas], allow_failure=True),
+        depends_on=Dependency(
+            jobs=[shard_job_id(batch.id, n) for n in range(len(chunks))], allow_failure=True
+        ),
         timeout=settings.shard_timeout,
         result_ttl=settings.result_ttl,
         failure_ttl=settings.failure_ttl,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -15,6 +17,7 @@ from contract.batch import BatchStore
 from contract.schemas import Batch, BatchStatus
 from producer.client import Client
 from producer.cron import CronPipeline, idempotency_key, processed, tick
+from tests.test_webhooks import ROOT
 
 
 def line(custom_id: str, **body) -> bytes:
@@ -192,3 +195,29 @@ def test_submit_refuses_a_model_that_is_not_served(redis_url, tmp_path, monkeypa
     (error,) = batch.errors
     assert (error.line, error.code, error.param) == (2, "model_not_found", "body.model")
     assert "sluice-tiny" in error.message
+
+
+MEMORY_PROBE = """
+import json, resource, sys
+from pathlib import Path
+from contract.settings import Settings
+from producer.validation import input_lines, validate_lines
+path = Path(sys.argv[1])
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+checked = validate_lines(input_lines(str(path), Settings()), Settings())
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({"requests": len(checked.requests), "grown_mib": (after - before) / 1024}))
+"""
+
+
+def test_validating_a_large_input_costs_about_its_size_in_memory(tmp_path):
+    path = tmp_path / "in.jsonl"
+    with path.open("wb") as f:
+        for i in range(60_000):
+            f.write(line(f"r{i}", prompt="word " * 40, max_tokens=16) + b"\n")
+    size_mib = path.stat().st_size / 2**20
+    out = subprocess.run([sys.executable, "-c", MEMORY_PROBE, str(path)], cwd=ROOT, capture_output=True, text=True,
+                         check=True)  # fmt: skip
+    probe = json.loads(out.stdout)
+    assert probe["requests"] == 60_000
+    assert probe["grown_mib"] < 2.5 * size_mib, (probe, size_mib)
