@@ -89,9 +89,10 @@ def local_redis() -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def worker(url: str, log: Path) -> Iterator[subprocess.Popen]:
-    """One burst worker process on the bundled model, its output in log."""
-    cmd = [sys.executable, "-m", "worker", "--redis-url", url, "--queues", "high,default,low"]
+def worker(url: str, log: Path, output_roots: str) -> Iterator[subprocess.Popen]:
+    """One burst worker process on the bundled model allowed to write under output_roots, its output in log."""
+    cmd = ["env", f"SLUICE_OUTPUT_ROOTS={output_roots}", sys.executable, "-m", "worker", "--redis-url", url]
+    cmd += ["--queues", "high,default,low"]
     cmd += ["--model", str(get_settings().demo_model), "--device", "cpu", "--dtype", "float32", "--burst"]
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
@@ -181,16 +182,17 @@ def prompt_texts() -> dict[str, str]:
 def main() -> int:
     results = get_settings().demo_results.resolve()
     results.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("SLUICE_OUTPUT_ROOTS", results.as_uri())
+    settings = get_settings()
+    roots = ",".join([*settings.output_root_urls(), results.as_uri()])
     console.rule("[bold]Sluice demo")
     with local_redis() as url:
-        client = Client(url)
+        client = Client(url, settings.model_copy(update={"output_roots": roots}))
         start = time.monotonic()
         batch = client.submit_batch(input=str(PROMPTS), output=results.as_uri(), metadata={"source": "demo"})
         if batch.status == BatchStatus.failed:
             raise SystemExit(f"batch failed validation: {batch.errors}")
         console.print(f"submitted {batch.request_counts.total} requests as batch [bold]{batch.id}[/]")
-        with worker(url, results / "demo-worker.log") as proc:
+        with worker(url, results / "demo-worker.log", roots) as proc:
             batch = wait(client, batch, proc, results / "demo-worker.log")
         wall = time.monotonic() - start
         records = list(client.results(batch.id))
