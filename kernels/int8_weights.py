@@ -1,9 +1,11 @@
 """Weight-only int8 matmul: int8 weights with one scale per output row, activations in the model dtype.
 
 For a few rows (decode, a draft model's proposals) torch's CPU int8 GEMV reads half the bytes of a bf16
-matmul and runs ~3x faster at one row. On CUDA with triton the W8A16 kernel (kernels/triton/w8a16.py) serves. Its cost grows linearly with the row count and it mis-computes unless
-in_features % 16 == 0, so larger batches, odd shapes and other devices dequantize the weight and use the
-ordinary matmul.
+matmul and runs ~3x faster at one row. Its cost grows linearly with the row count and it mis-computes unless
+in_features % 16 == 0. More rows of bf16/fp16 activations on CPU are quantized on the fly (int8, one absmax
+scale per row) and multiplied by `torch._int_mm` (oneDNN VNNI, int32 accumulation), faster than a bf16 matmul
+at 16-64 rows. On CUDA with triton the W8A16 kernel (kernels/triton/w8a16.py) serves; fp32 activations, odd
+shapes and other devices dequantize the weight and use the ordinary matmul.
 """
 
 from __future__ import annotations
@@ -13,13 +15,27 @@ import torch.nn.functional as F
 
 from kernels.device_path import triton_on
 
-MAX_GEMV_ROWS = 12  # measured on CPU (rows 2-16, four shapes): up to 12 the GEMV beats dequantizing
+MAX_GEMV_ROWS = 6  # measured on CPU (rows 2-12, three shapes): the GEMV wins to 4-6 rows, dynamic int8 from 8
 GEMV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+DYNAMIC_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def _use_gemv(rows: torch.Tensor, qweight: torch.Tensor) -> bool:
     return (rows.device.type == "cpu" and rows.shape[0] <= MAX_GEMV_ROWS and rows.dtype in GEMV_DTYPES
             and qweight.shape[1] % 16 == 0)
+
+
+def _use_dynamic(rows: torch.Tensor) -> bool:
+    return rows.device.type == "cpu" and rows.dtype in DYNAMIC_DTYPES
+
+
+def dynamic_int8_mm(rows: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """rows [M, in] quantized per row to int8, times qweight [out, in] in int32, rescaled to rows' dtype."""
+    xf = rows.float()
+    row_scale = xf.abs().amax(1, keepdim=True).clamp_min_(1e-12).div_(127)
+    xq = xf.div_(row_scale).round_().to(torch.int8)
+    acc = torch._int_mm(xq, qweight.t())
+    return acc.float().mul_(row_scale).mul_(scales.float()).to(rows.dtype)
 
 
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
@@ -32,6 +48,8 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         return w8a16_linear(x, qweight, scales, bias)
     if _use_gemv(rows, qweight):
         y = torch._weight_int8pack_mm(rows.contiguous(), qweight, scales)
+    elif _use_dynamic(rows):
+        y = dynamic_int8_mm(rows, qweight, scales)
     else:
         y = F.linear(rows, qweight.to(x.dtype)) * scales
     if bias is not None:

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_attention, int8_linear
+from kernels import cpu_attention, int4_weights, int8_linear
 from kernels.attention import build_metadata, paged_attention
 from kernels.int8_weights import MAX_GEMV_ROWS
 
@@ -82,9 +82,10 @@ def test_fused_cpu_kernel_matches_reference(dtype, tol):
 
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_int8_linear_matches_dequantized_weights_on_every_path(dtype, tol, monkeypatch):
-    gemv_rows = []
-    real = torch._weight_int8pack_mm
+    gemv_rows, int_mm_rows = [], []
+    real, real_int_mm = torch._weight_int8pack_mm, torch._int_mm
     monkeypatch.setattr(torch, "_weight_int8pack_mm", lambda x, w, s: gemv_rows.append(x.shape[0]) or real(x, w, s))
+    monkeypatch.setattr(torch, "_int_mm", lambda x, w: int_mm_rows.append(x.shape[0]) or real_int_mm(x, w))
     torch.manual_seed(0)
     for k in (384, 100):  # 100: not a multiple of 16, which torch's GEMV mis-computes, so it must not be used
         qweight = torch.randint(-127, 128, (200, k), dtype=torch.int8)
@@ -97,3 +98,28 @@ def test_int8_linear_matches_dequantized_weights_on_every_path(dtype, tol, monke
             assert ((got.double() - want).norm() / want.norm()).item() < tol
     want = [2 * m for m in (1, 3, 5, 40) if 2 * m <= MAX_GEMV_ROWS]
     assert want and gemv_rows == want, "the int8 GEMV serves few rows, and only when in_features % 16 == 0"
+    dynamic = [] if dtype == torch.float32 else [2 * m for k in (384, 100) for m in (1, 3, 5, 40)
+                                                 if 2 * m > MAX_GEMV_ROWS or k % 16]
+    assert int_mm_rows == dynamic, "bf16 rows past the GEMV run the dynamic int8 matmul; fp32 stays exact"
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_int4_linear_matches_its_dequantized_weight(dtype, tol):
+    torch.manual_seed(0)
+    weight, bias = torch.randn(90, 128), torch.randn(90).to(dtype)  # 90: padded to 96 rows for the CPU packer
+    packed = int4_weights.pack(weight, dtype)
+    deq = int4_weights.dequantize(packed, torch.float64)
+    assert (deq - weight.double()).abs().max() <= 0.6 * (weight.max() - weight.min()) / 15, "codes round to nearest"
+    q, _ = int4_weights.quantize(weight)
+    assert torch.equal(int4_weights.codes(packed), q), "packing keeps every code"
+    for m in (1, 5, 40):
+        x = torch.randn(2, m, 128).to(dtype)
+        got = int4_weights.int4_linear(x, packed, bias)
+        want = x.double() @ deq.T + bias.double()
+        assert got.shape == (2, m, 90) and got.dtype == dtype
+        assert ((got.double() - want).norm() / want.norm()).item() < tol
+
+
+def test_int4_shapes_the_kernel_cannot_pack_are_named():
+    assert int4_weights.shape_error(96, 100) == "in_features 100 is not a multiple of the group size 32"
+    assert int4_weights.shape_error(40, 64) is None, "odd out_features are padded"

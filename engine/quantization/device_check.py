@@ -5,12 +5,19 @@ from __future__ import annotations
 import torch
 
 from engine.quantization.linears import quantized_linear
-from engine.quantization.spec import BLOCKSIZE, CPU_INT4_ROWS, SERVED_DEVICES, WEIGHT_ONLY, QuantSpec
+from engine.quantization.spec import (
+    BLOCKSIZE,
+    CPU_INT4_ROWS,
+    INT4_WEIGHT_ONLY,
+    SERVED_DEVICES,
+    WEIGHT_ONLY,
+    QuantSpec,
+)
 
 
 def check_device(spec: QuantSpec, device: torch.device, dtype: torch.dtype) -> None:
     """Refuse devices bitsandbytes has no kernels for, and run one tiny quantized matmul there."""
-    if spec.method == WEIGHT_ONLY:
+    if spec.method in (WEIGHT_ONLY, INT4_WEIGHT_ONLY):
         return
     if device.type not in SERVED_DEVICES:
         raise ValueError(f"quantization={spec.method!r} needs bitsandbytes kernels, which exist for "

@@ -10,7 +10,8 @@ from torch import nn
 import kernels
 from engine.models.llama import LlamaModel, ModelConfig
 from engine.models.loader import CheckpointReader
-from engine.quantization.spec import BLOCKSIZE, WEIGHT_ONLY, QuantSpec
+from engine.quantization.spec import BLOCKSIZE, INT4_WEIGHT_ONLY, WEIGHT_ONLY, QuantSpec
+from kernels import int4_weights
 
 QUIET = ("bitsandbytes.backends.cpu.ops", "bitsandbytes.autograd._functions")  # per-call cast notices
 
@@ -88,6 +89,28 @@ class Int8WeightOnlyLinear(nn.Module):
         return kernels.int8_linear(x, self.qweight, self.scales, self.bias)
 
 
+class Int4WeightOnlyLinear(nn.Module):
+    """4-bit weights in groups of 32 input columns (scale and zero each); activations stay in `dtype`."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        super().__init__()
+        w = int4_weights.pack(weight, dtype)
+        self.register_buffer("packed", w.packed)
+        self.register_buffer("scales_zeros", w.scales_zeros)
+        self.out_features, self.in_features, self.cpu_layout = w.out_features, w.in_features, w.cpu_layout
+        self.bias = _bias(bias, dtype)
+
+    def weight(self) -> int4_weights.Int4Weight:
+        return int4_weights.Int4Weight(self.packed, self.scales_zeros, self.out_features, self.in_features,
+                                       self.cpu_layout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return int4_weights.int4_linear(x, self.weight(), self.bias)
+
+
+WEIGHT_ONLY_LINEARS = {WEIGHT_ONLY: Int8WeightOnlyLinear, INT4_WEIGHT_ONLY: Int4WeightOnlyLinear}
+
+
 def quantized_linear(spec: QuantSpec, weight: torch.Tensor, bias: torch.Tensor | None, dtype) -> nn.Module:
     """Quantize one weight [out, in] (already on its device) into the spec's bitsandbytes linear."""
     F = _bnb().functional
@@ -148,13 +171,13 @@ class Quantizer:
 
     @property
     def quantizes_head(self) -> bool:
-        """bitsandbytes leaves the LM head in full precision (as transformers does); weight-only int8 does not."""
-        return self.spec.method == WEIGHT_ONLY
+        """bitsandbytes leaves the LM head in full precision (as transformers does); weight-only methods do not."""
+        return self.spec.method in WEIGHT_ONLY_LINEARS
 
     def __call__(self, prefix: str, linear: nn.Linear) -> nn.Module:
         release_freed_memory()
-        if self.spec.method == WEIGHT_ONLY:
-            return Int8WeightOnlyLinear(linear.weight, linear.bias, self.dtype)
+        if self.spec.method in WEIGHT_ONLY_LINEARS:
+            return WEIGHT_ONLY_LINEARS[self.spec.method](linear.weight, linear.bias, self.dtype)
         names = part_names(prefix)
         if self.reader is not None:
             parts = [read_linear(self.spec, self.reader, n, self.dtype, self.device) for n in names]

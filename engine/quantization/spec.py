@@ -8,10 +8,12 @@ from typing import Any
 import torch
 
 from engine.models.llama import ModelConfig
+from kernels.int4_weights import shape_error
 
 BNB_METHODS = ("int8", "int4")
 WEIGHT_ONLY = "int8_weight_only"
-METHODS = (*BNB_METHODS, WEIGHT_ONLY)
+INT4_WEIGHT_ONLY = "int4_weight_only"
+METHODS = (*BNB_METHODS, WEIGHT_ONLY, INT4_WEIGHT_ONLY)
 QUANT_TYPES = ("nf4", "fp4")
 BLOCKSIZE = 64
 SERVED_DEVICES = ("cpu", "cuda", "xpu")
@@ -21,7 +23,8 @@ CPU_INT4_ROWS = 32
 @dataclass(slots=True)
 class QuantSpec:
     """A bitsandbytes method (LLM.int8() linears, or 4-bit NF4/FP4 linears with blocksize 64), or int8 weights
-    with one scale per output row (`int8_weight_only`, LM head included)."""
+    with one scale per output row (`int8_weight_only`), or 4-bit weights in groups of 32 (`int4_weight_only`),
+    LM head included in both."""
 
     method: str
     quant_type: str = "nf4"
@@ -89,10 +92,12 @@ def resolve_spec(config, hf_config: dict[str, Any]) -> QuantSpec | None:
 
 
 def check_shapes(spec: QuantSpec, c: ModelConfig, device: torch.device) -> None:
-    """Refuse linear shapes the int4 CPU kernel cannot pack (in % 64, out % 32), naming the layer."""
+    """Refuse linear shapes the 4-bit kernels cannot pack, naming the layer."""
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    if spec.method == INT4_WEIGHT_ONLY:
+        _check_int4_weight_only(c, q, kv)
     if spec.method != "int4" or device.type != "cpu":
         return
-    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     shapes = {"q_proj": (c.hidden_size, q), "k_proj": (c.hidden_size, kv), "v_proj": (c.hidden_size, kv),
               "o_proj": (q, c.hidden_size), "gate_proj": (c.hidden_size, c.intermediate_size),
               "up_proj": (c.hidden_size, c.intermediate_size), "down_proj": (c.intermediate_size, c.hidden_size)}
@@ -102,3 +107,13 @@ def check_shapes(spec: QuantSpec, c: ModelConfig, device: torch.device) -> None:
                 f"int4 cannot quantize {name} ({n_in} -> {n_out}) on CPU: bitsandbytes' CPU 4-bit kernel needs "
                 f"in_features divisible by the blocksize {BLOCKSIZE} and out_features by {CPU_INT4_ROWS}"
             )
+
+
+def _check_int4_weight_only(c: ModelConfig, q: int, kv: int) -> None:
+    shapes = {"qkv_proj": (c.hidden_size, q + 2 * kv), "o_proj": (q, c.hidden_size),
+              "gate_up_proj": (c.hidden_size, 2 * c.intermediate_size),
+              "down_proj": (c.intermediate_size, c.hidden_size), "lm_head": (c.hidden_size, c.vocab_size)}
+    for name, (n_in, n_out) in shapes.items():
+        err = shape_error(n_out, n_in)
+        if err:
+            raise ValueError(f"int4_weight_only cannot quantize {name} ({n_in} -> {n_out}): {err}")

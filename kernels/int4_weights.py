@@ -1,0 +1,94 @@
+"""Weight-only 4-bit matmul: groups of 32 input columns share a scale and a zero (asymmetric, like q4_1).
+
+A weight w [out, in] is stored as codes q in 0..15 with w ~= (q - 8) * scale + zero per group, the layout of
+torch's int4 kernels. On CPU the codes are packed once by `_convert_weight_to_int4pack_for_cpu` and every
+matmul runs `_weight_int4pack_mm_for_cpu` (AVX-512, a quarter of the bf16 bytes: ~3x a bf16 GEMV at one row).
+Elsewhere the codes stay two per byte and the matmul dequantizes (the reference every kernel is tested against).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+GROUP = 32
+OUT_MULTIPLE = 16  # the CPU packer's requirement on out_features: other sizes are padded with zero rows
+
+
+@dataclass(slots=True)
+class Int4Weight:
+    """Packed codes (backend layout), scales/zeros [in / GROUP, out, 2] in the compute dtype, and the shape."""
+
+    packed: torch.Tensor
+    scales_zeros: torch.Tensor
+    out_features: int
+    in_features: int
+    cpu_layout: bool
+
+
+def shape_error(out_features: int, in_features: int) -> str | None:
+    """Why a weight of this shape cannot be stored as int4, or None."""
+    if in_features % GROUP:
+        return f"in_features {in_features} is not a multiple of the group size {GROUP}"
+    return None
+
+
+def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes [out, in] (int32, 0..15) and scales/zeros [in / GROUP, out, 2] (fp32) of a weight [out, in]."""
+    n, k = weight.shape
+    w = weight.float().view(n, k // GROUP, GROUP)
+    lo, hi = w.amin(-1), w.amax(-1)
+    scale = ((hi - lo) / 15).clamp_min(torch.finfo(torch.float32).tiny)
+    q = ((w - lo[..., None]) / scale[..., None]).round_().clamp_(0, 15).to(torch.int32).view(n, k)
+    zero = lo + 8 * scale
+    return q, torch.stack([scale, zero], -1).transpose(0, 1).contiguous()
+
+
+def pack(weight: torch.Tensor, dtype: torch.dtype) -> Int4Weight:
+    """Quantize and pack a weight [out, in] for its device; scales/zeros in `dtype` (the activations' dtype)."""
+    n, k = weight.shape
+    err = shape_error(n, k)
+    assert err is None, err
+    q, sz = quantize(weight)
+    sz = sz.to(dtype)
+    if weight.device.type == "cpu":
+        pad = -n % OUT_MULTIPLE
+        q, sz = F.pad(q, (0, 0, 0, pad), value=8), F.pad(sz, (0, 0, 0, pad))
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        return Int4Weight(packed, sz, n, k, True)
+    packed = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)
+    return Int4Weight(packed, sz, n, k, False)
+
+
+def codes(w: Int4Weight) -> torch.Tensor:
+    """The codes [out, in] (int32) of a packed weight."""
+    if w.cpu_layout:
+        eye = torch.eye(w.in_features, dtype=w.scales_zeros.dtype, device=w.packed.device)
+        zeros = torch.zeros_like(w.scales_zeros)
+        zeros[..., 0] = 1
+        mm = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, w.packed, GROUP, zeros)
+        return (mm[:, : w.out_features].t().float() + 8).round().int()
+    lo, hi = w.packed & 15, w.packed >> 4
+    return torch.stack([lo, hi], -1).view(w.out_features, w.in_features).int()
+
+
+def dequantize(w: Int4Weight, dtype: torch.dtype) -> torch.Tensor:
+    """The weight [out, in] the codes stand for, in `dtype`."""
+    sz = w.scales_zeros[:, : w.out_features].float().repeat_interleave(GROUP, 0)  # [in, out, 2]
+    return ((codes(w).float() - 8) * sz[..., 0].t() + sz[..., 1].t()).to(dtype)
+
+
+def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] times the 4-bit weight (x's dtype), plus bias."""
+    rows = x.reshape(-1, x.shape[-1])
+    if w.cpu_layout:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.contiguous(), w.packed, GROUP, w.scales_zeros)
+        if y.shape[1] != w.out_features:
+            y = y[:, : w.out_features].contiguous()
+    else:
+        y = F.linear(rows, dequantize(w, x.dtype))
+    if bias is not None:
+        y = y + bias
+    return y.view(*x.shape[:-1], w.out_features)
