@@ -1,8 +1,9 @@
 """Compute kernels, each chosen by device and dtype inside this package.
 
-Torch reference everywhere; on CPU a fused C++ paged attention (csrc/, built on first use, torch fallback)
-and torch's int8 GEMV for few-row int8 weight matmuls; on CUDA with triton the device path (device_path.py:
-Triton KV store, paged attention and W8A16 over a FlatMetadata, no host syncs inside the forward).
+Torch reference everywhere; on CPU a fused C++ paged attention and residual add + RMSNorm (csrc/, built on
+first use, torch fallback), torch's int8 GEMV / dynamic int8 matmul and int4 matmul for weight-only linears;
+on CUDA with triton the device path (device_path.py: Triton KV store, paged attention and W8A16 over a
+FlatMetadata, no host syncs inside the forward).
 """
 
 from kernels.attention import AttentionMetadata, build_metadata, gather_kv, paged_attention, write_kv
@@ -10,6 +11,7 @@ from kernels.device_path import flat_layout
 from kernels.dispatch import fused_attention
 from kernels.flat_metadata import FlatMetadata, build_flat_metadata
 from kernels.int8_weights import int8_linear
+from kernels.rms_norm import add_rms_norm
 
-__all__ = ["AttentionMetadata", "FlatMetadata", "build_flat_metadata", "build_metadata", "flat_layout",
-           "fused_attention", "gather_kv", "int8_linear", "paged_attention", "write_kv"]
+__all__ = ["AttentionMetadata", "FlatMetadata", "add_rms_norm", "build_flat_metadata", "build_metadata",
+           "flat_layout", "fused_attention", "gather_kv", "int8_linear", "paged_attention", "write_kv"]

@@ -7,38 +7,16 @@ missing or the build fails, `available()` is False and the torch implementation 
 
 from __future__ import annotations
 
-import logging
-import os
-from pathlib import Path
-
-log = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
-CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
-          "-fno-trapping-math", "-fopenmp"]
-
-_module = None
-_failed = False
+from kernels import cpp_build
 
 
 def _build():
-    global _module, _failed
-    if _module is not None or _failed:
-        return _module
-    try:
-        from torch.utils.cpp_extension import load
-
-        _module = load(name="sluice_paged_attention_cpu", sources=[str(SOURCE)], extra_cflags=CFLAGS,
-                       extra_ldflags=["-fopenmp"], verbose=False)
-    except Exception as exc:  # toolchain missing, compiler error: fall back to torch
-        log.warning("CPU paged-attention kernel unavailable, using torch: %s", exc)
-        _failed = True
-    return _module
+    return cpp_build.load("sluice_paged_attention_cpu", "paged_attention.cpp")
 
 
 def available() -> bool:
     """True when the kernel is enabled (SLUICE_CPU_KERNEL != 0) and built."""
-    return os.environ.get("SLUICE_CPU_KERNEL", "1") != "0" and _build() is not None
+    return cpp_build.enabled() and _build() is not None
 
 
 def paged_attention_cpu(q, k_cache, v_cache, out, qstart, qlen, ctx, block_tables, scale) -> None:

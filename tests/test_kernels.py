@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_attention, int4_weights, int8_linear
+from kernels import cpu_attention, int4_weights, int8_linear, rms_norm
 from kernels.attention import build_metadata, paged_attention
 from kernels.int8_weights import MAX_GEMV_ROWS
 
@@ -123,3 +123,19 @@ def test_int4_linear_matches_its_dequantized_weight(dtype, tol):
 def test_int4_shapes_the_kernel_cannot_pack_are_named():
     assert int4_weights.shape_error(96, 100) == "in_features 100 is not a multiple of the group size 32"
     assert int4_weights.shape_error(40, 64) is None, "odd out_features are padded"
+
+
+@pytest.mark.skipif(not rms_norm.fused_available(), reason="no C++ toolchain for the optional CPU kernel")
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_fused_add_rms_norm_matches_hf_rounding(dtype, tol):
+    torch.manual_seed(0)
+    x, delta = torch.randn(37, 96).to(dtype), torch.randn(37, 96).to(dtype)
+    weight = (torch.rand(96) + 0.5).to(dtype)
+    total, out = rms_norm.add_rms_norm(x, delta, weight, 1e-6)
+    assert torch.equal(total, x + delta), "the residual sum rounds like `x + delta`"
+    want = rms_norm.rms_norm_reference(x + delta, weight, 1e-6)
+    assert out.dtype == dtype and (out.float() - want.float()).abs().max().item() < tol * want.abs().max().item()
+    if dtype == torch.bfloat16:
+        assert (out != want).float().mean().item() < 0.01, "a rare last-bit difference from the sum order at most"
+    same, normed = rms_norm.add_rms_norm(x, None, weight, 1e-6)
+    assert same is x and (normed.float() - rms_norm.rms_norm_reference(x, weight, 1e-6).float()).abs().max() < tol

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import kernels
-from engine.models.rope import RotaryEmbedding, rope_parameters
+from engine.models.rope import RotaryEmbedding, apply_rope, rope_parameters
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -85,10 +85,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return kernels.add_rms_norm(x, None, self.weight, self.eps)[1]
+
+    def add(self, x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, norm(x + delta)) in one pass where a fused kernel serves; delta None: (x, norm(x))."""
+        return kernels.add_rms_norm(x, delta, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -104,15 +105,17 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.scale = c.head_dim**-0.5
 
-    def forward(self, x, positions, rope, kv_cache, meta) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+    def forward(self, x, cos_sin, kv_cache, meta) -> torch.Tensor:
+        """Attention over the step's tokens x [T, hidden]; cos_sin: the step's rotary tables."""
+        t, nh = x.shape[0], self.num_heads
+        qkv = self.qkv_proj(x).view(t, -1, self.head_dim)  # [T, H + 2 Hkv, D]
+        nqk = nh + self.num_kv_heads
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(positions, q, k)
+            qk = torch.cat([self.q_norm(qkv[:, :nh]), self.k_norm(qkv[:, nh:nqk])], 1)
+        else:
+            qk = qkv[:, :nqk]
+        qk = apply_rope(qk, *cos_sin)  # queries and keys rotated together: one set of ops per layer
+        q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nqk:]
         kv_cache.write(k, v, meta.slot_mapping)
         o = kv_cache.attend(q, k, v, meta, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
@@ -140,9 +143,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
 
-    def forward(self, x, positions, rope, kv_cache, meta) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, delta, cos_sin, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream x + delta through this layer: (stream after attention, MLP output to add)."""
+        x, h = self.input_layernorm.add(x, delta)
+        x, h = self.post_attention_layernorm.add(x, self.self_attn(h, cos_sin, kv_cache, meta))
+        return x, self.mlp(h)
 
 
 class LlamaModel(nn.Module):
@@ -169,10 +174,11 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids, positions, kv_caches, meta, logits_indices) -> torch.Tensor:
         """Logits [len(logits_indices), vocab] for the selected flat positions."""
-        x = self.embed_tokens(input_ids)
+        x, delta = self.embed_tokens(input_ids), None
+        cos_sin = self.rope.cos_sin(positions, x.dtype)
         for layer, cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, positions, self.rope, cache, meta)
-        x = self.norm(x[logits_indices])
+            x, delta = layer(x, delta, cos_sin, cache, meta)
+        x = self.norm.add(x[logits_indices], delta[logits_indices])[1]
         if self.lm_head is None:
             return nn.functional.linear(x, self.embed_tokens.weight)
         return self.lm_head(x)

@@ -57,11 +57,19 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("cos", emb.cos() * attn_scale, persistent=False)
         self.register_buffer("sin", emb.sin() * attn_scale, persistent=False)
 
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, 1, D] of the positions in `dtype`: gathered once per step, shared by every layer."""
+        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q [T, H, D] and k [T, Hkv, D] to their positions."""
-        cos = self.cos[positions].to(q.dtype)[:, None, :]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        cos, sin = self.cos_sin(positions, q.dtype)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate heads x [T, heads, D] by cos/sin [T, 1, D], rounding like HF's apply_rotary_pos_emb."""
+    return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
