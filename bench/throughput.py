@@ -1,6 +1,7 @@
 """Output tokens/s of our engine vs HF generate() (sequential, static batched) and HF generate_batch, one run.
 
 python bench/throughput.py [--num-requests 128] [--hf-batch-size 32] [--sequential-requests 8]
+python bench/throughput.py --mixed   # 64 requests, prompts U(32,384), max_tokens U(16,192), vs HF static only
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ from common import base_parser, bench_model, record, table, workload
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from engine import LLM, SamplingParams
+
+FULL = ((32, 512), (16, 256))  # (prompt range, max_tokens range)
+MIXED = ((32, 384), (16, 192))
 
 
 def run_engine(path, reqs):
@@ -87,12 +91,17 @@ def main() -> None:
     p.add_argument("--sequential-requests", type=int, default=8,
                    help="HF one-at-a-time is slow: measure its rate on this many requests")
     p.add_argument("--skip-generate-batch", action="store_true")
+    p.add_argument("--mixed", action="store_true",
+                   help="the mixed workload: 64 requests, prompts 32-384, 16-192 new tokens, vs HF static batching")
     p.add_argument("--generate-batch-requests", type=int, default=None,
                    help="run HF generate_batch on the first N requests only (it is slow on CPU)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     path = bench_model()
-    reqs = workload(args.num_requests)
+    shape = MIXED if args.mixed else FULL
+    if args.mixed:
+        args.num_requests, args.skip_generate_batch, args.sequential_requests = 64, True, 0
+    reqs = workload(args.num_requests, prompt_range=shape[0], out_range=shape[1])
     tokens, dt, info = run_engine(path, reqs)
     rows = [["sluice engine", len(reqs), tokens, dt, tokens / dt]]
     print(rows[-1], flush=True)
@@ -108,16 +117,17 @@ def main() -> None:
             rows.append(["HF generate_batch (continuous batching)", n_cb, t3, d3, t3 / d3])
             print(rows[-1], flush=True)
         n_seq = min(args.sequential_requests, len(reqs))
-        t1, d1 = run_hf_sequential(model, reqs[:n_seq])
-        rows.append(["HF generate() one request at a time", n_seq, t1, d1, t1 / d1])
+        if n_seq:
+            t1, d1 = run_hf_sequential(model, reqs[:n_seq])
+            rows.append(["HF generate() one request at a time", n_seq, t1, d1, t1 / d1])
     ours = tokens / dt
     body = table(["system", "requests", "output tokens", "seconds", "output tok/s", "sluice ×"],
                  [r + [ours / r[-1]] for r in rows])
     body += (f"\n\nWorkload: random Llama ~125M (hidden 768, 12 layers, 12/4 heads, inter 2048, vocab 32000), "
-             f"bf16, {len(reqs)} requests, prompt U(32,512), max_tokens U(16,256), ignore_eos, greedy, seed 0. "
+             f"bf16, {len(reqs)} requests, prompt U{shape[0]}, max_tokens U{shape[1]}, ignore_eos, greedy, seed 0. "
              f"Engine: {info['steps']} steps, KV utilization (tokens held / slots allocated to running requests) "
              f"mean {info['kv_util_mean']:.3f}, min {info['kv_util_min']:.3f}; peak {info['peak_blocks']} blocks.")
-    record("Throughput (engine vs Hugging Face)", body)
+    record("Mixed workload (engine vs HF static batching)" if args.mixed else "Throughput (engine vs Hugging Face)", body)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,192 @@
+"""Decode tok/s of llama.cpp (`llama-batched-bench`) vs our engine on the same weights, shapes and threads.
+
+python bench/llamacpp.py [--batches 1,8,32,64] [--rounds 2] [--modes bf16,int8,int4] [--prompt 128] [--gen 128]
+
+Builds llama.cpp once from the llama-cpp-python sdist (its vendored source, AMX off: its AMX path crashes on
+our VMs) into ~/.cache/sluice-llamacpp, converts the ~125M benchmark model to GGUF bf16/q8_0/q4_0 with the
+vendored convert_hf_to_gguf.py and llama-quantize, then runs, interleaved per round, llama.cpp and
+`Engine` on B sequences x 128 random prompt tokens, 128 generated tokens. Both report decode tok/s only
+(B * 128 / time of the generation steps); each cell is the best of the rounds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import torch
+from common import base_parser, bench_model, record, table
+
+from engine import LLM, SamplingParams
+
+CACHE = Path(os.environ.get("SLUICE_LLAMACPP_CACHE", Path.home() / ".cache" / "sluice-llamacpp"))
+TARGETS = ("llama-batched-bench", "llama-quantize")
+CMAKE_FLAGS = [  # everything this CPU has except AMX; no network, no server, static binaries
+    "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
+    "-DGGML_F16C=ON", "-DGGML_BMI2=ON", "-DGGML_AVX512=ON", "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=ON",
+    "-DGGML_AVX512_VBMI=ON", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF",
+    "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DBUILD_SHARED_LIBS=OFF",
+]
+# (our quantization= value, llama.cpp GGUF type) per mode
+MODES = {"bf16": (None, "bf16"), "int8": ("int8_weight_only", "q8_0"), "int4": ("int4_weight_only", "q4_0")}
+PROMPT, GEN = 128, 128  # defaults; --prompt / --gen override them
+
+
+def sh(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    print("+", " ".join(map(str, cmd)), flush=True)
+    return subprocess.run(cmd, check=True, **kw)
+
+
+def source_dir() -> Path:
+    """The vendored llama.cpp of the llama-cpp-python sdist, downloaded through pip once."""
+    found = sorted(CACHE.glob("llama_cpp_python-*/vendor/llama.cpp"))
+    if found:
+        return found[-1]
+    CACHE.mkdir(parents=True, exist_ok=True)
+    sh([sys.executable, "-m", "pip", "download", "llama-cpp-python", "--no-deps", "--no-binary", ":all:",
+        "-d", str(CACHE)])
+    with tarfile.open(sorted(CACHE.glob("llama_cpp_python-*.tar.gz"))[-1]) as tar:
+        tar.extractall(CACHE, filter="data")
+    return sorted(CACHE.glob("llama_cpp_python-*/vendor/llama.cpp"))[-1]
+
+
+def build() -> Path:
+    """The build folder holding bin/llama-batched-bench and bin/llama-quantize (built when missing)."""
+    out = CACHE / "build"
+    if all((out / "bin" / t).is_file() for t in TARGETS):
+        return out
+    src = source_dir()
+    sh(["cmake", "-S", str(src), "-B", str(out), *CMAKE_FLAGS])
+    sh(["cmake", "--build", str(out), "--target", *TARGETS, "-j", str(os.cpu_count() or 2)])
+    return out
+
+
+CONVERT = """
+import os, sys
+sys.path.insert(0, os.path.dirname(sys.argv[1])); sys.argv = sys.argv[1:]
+import convert_hf_to_gguf as c
+from conversion.base import TextModel
+from conversion.llama import LlamaModel
+# our test byte-level BPE tokenizer: no sentencepiece model and no registered pre-tokenizer hash
+LlamaModel.set_vocab = lambda self: self._set_vocab_gpt2()
+TextModel.get_vocab_base_pre = lambda self, tok: "gpt-2"
+c.main()
+"""
+
+
+def gguf(model: Path, kind: str, bin_dir: Path) -> Path:
+    """The benchmark model as GGUF of the given type (bf16, q8_0 straight from the converter, q4_0 quantized)."""
+    out = CACHE / f"{model.name}-{kind}.gguf"
+    if out.is_file():
+        return out
+    src = source_dir()
+    if kind == "q4_0":
+        sh([str(bin_dir / "llama-quantize"), str(gguf(model, "bf16", bin_dir)), str(out), "q4_0"])
+        return out
+    sh([sys.executable, "-c", CONVERT, str(src / "convert_hf_to_gguf.py"), str(model), "--outtype", kind,
+        "--outfile", str(out)], env={**os.environ, "PYTHONPATH": str(src / "gguf-py")})
+    return out
+
+
+def llamacpp(bin_dir: Path, model: Path, batches: list[int], threads: int) -> dict[int, float]:
+    """llama-batched-bench's decode tok/s (S_TG) per batch size."""
+    ctx = max(batches) * (PROMPT + GEN) + 64
+    res = subprocess.run(
+        [str(bin_dir / "llama-batched-bench"), "-m", str(model), "-c", str(ctx), "-b", "2048", "-ub", "512",
+         "-npp", str(PROMPT), "-ntg", str(GEN), "-npl", ",".join(map(str, batches)), "-t", str(threads),
+         "-tb", str(threads), "--output-format", "jsonl"],
+        check=True, capture_output=True, text=True)
+    rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    return {r["pl"]: r["speed_tg"] for r in rows}
+
+
+def sluice(llm: LLM, batch: int, seed: int) -> float:
+    """Our decode tok/s: B random 128-token prompts, prefill first, then 128 timed generation steps."""
+    rng = random.Random(seed)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=GEN + 1, temperature=0, ignore_eos=True)
+    reqs = []
+    for i in range(batch):
+        rid = f"b{batch}-{seed}-{i}"
+        engine.add_request(rid, [rng.randrange(4, 32000) for _ in range(PROMPT)], params)
+        reqs.append(engine.requests[rid])
+    while any(not r.output_token_ids for r in reqs):
+        engine.step()
+    t = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    dt = time.perf_counter() - t
+    return sum(len(r.output_token_ids) - 1 for r in reqs) / dt
+
+
+def load(model: Path, mode: str, batches: list[int]) -> LLM:
+    llm = LLM(str(model), dtype="bfloat16", device="cpu", quantization=MODES[mode][0],
+              max_num_seqs=max(batches), max_model_len=PROMPT + GEN + 16, enable_prefix_caching=False)
+    sluice(llm, 2, seed=-1)  # warm-up: kernels built, allocator primed
+    return llm
+
+
+def _set_shape(prompt: int, gen: int) -> None:
+    global PROMPT, GEN
+    PROMPT, GEN = prompt, gen
+
+
+def main() -> None:
+    p = base_parser(__doc__)
+    p.add_argument("--batches", default="1,8,32,64")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--modes", default="bf16,int8,int4")
+    p.add_argument("--prompt", type=int, default=PROMPT)
+    p.add_argument("--gen", type=int, default=GEN)
+    args = p.parse_args()
+    _set_shape(args.prompt, args.gen)
+    torch.set_num_threads(args.threads)
+    batches = [int(b) for b in args.batches.split(",")]
+    modes = args.modes.split(",")
+    model = bench_model()
+    bin_dir = build() / "bin"
+    ggufs = {m: gguf(model, MODES[m][1], bin_dir) for m in modes}
+    llms = {m: load(model, m, batches) for m in modes}
+    best: dict[tuple[str, str, int], float] = {}
+    for r in range(args.rounds):
+        for m in modes:
+            for b, tps in llamacpp(bin_dir, ggufs[m], batches, args.threads).items():
+                best[("llama", m, b)] = max(best.get(("llama", m, b), 0.0), tps)
+            for b in batches:
+                best[("sluice", m, b)] = max(best.get(("sluice", m, b), 0.0), sluice(llms[m], b, seed=r))
+            print(r, m, {k: round(v, 1) for k, v in best.items() if k[1] == m}, flush=True)
+    record("llama.cpp vs Sluice on CPU (decode tok/s)", report(best, modes, batches, args))
+
+
+def report(best, modes, batches, args) -> str:
+    headers = ["B"]
+    for m in modes:
+        headers += [f"llama.cpp {MODES[m][1]}", f"Sluice {m}", "×"]
+    if "bf16" in modes:
+        headers += [f"Sluice {m} / Sluice bf16" for m in modes if m != "bf16"]
+    rows = []
+    for b in batches:
+        row: list = [b]
+        for m in modes:
+            ll, ours = best[("llama", m, b)], best[("sluice", m, b)]
+            row += [ll, ours, ours / ll]
+        if "bf16" in modes:
+            row += [best[("sluice", m, b)] / best[("sluice", "bf16", b)] for m in modes if m != "bf16"]
+        rows.append(row)
+    note = (f"\n\nDecode tok/s (B x {GEN} generated tokens / generation time, prefill of B x {PROMPT} random tokens "
+            f"excluded), {args.threads} threads, best of {args.rounds} interleaved rounds, random ~125M Llama "
+            "(hidden 768, 12 layers, 12/4 heads, inter 2048, vocab 32000) from the same safetensors. llama.cpp: "
+            "`llama-batched-bench` from the llama-cpp-python sdist's vendored source, AVX-512 (VNNI, BF16) "
+            "build without AMX. Sluice modes: " + ", ".join(f"{m} = quantization={MODES[m][0]!r}" for m in modes)
+            + ".")
+    return table(headers, rows) + note
+
+
+if __name__ == "__main__":
+    main()
