@@ -84,7 +84,7 @@ def notify(
     settings: WebhookSettings | None = None,
 ) -> str | None:
     """Queue the event for a batch's final status; return its event id (None if nothing to send)."""
-    settings = settings or WebhookSettings()
+    settings = settings or WebhookSettings.from_env()
     status = as_text(getattr(_field(batch, "status"), "value", _field(batch, "status")))
     url = _field(batch, "webhook") or settings.webhook_url
     batch_id = as_text(_field(batch, "id"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -16,6 +16,11 @@ class Settings(BaseSettings):
     redis_url: str = "redis://127.0.0.1:6379/0"
     output_url: str = Field(default_factory=lambda: Path("results").resolve().as_uri())
     webhook_url: str | None = None
+    webhook_secret: SecretStr | None = None
+    webhook_allow: str = ""
+    webhook_retry_schedule: str = "5s,30s,2m,10m,1h,2h,4h,8h,8h"
+    webhook_timeout: float = Field(10.0, gt=0)
+    webhook_max_response_bytes: int = Field(64 * 1024, ge=0)
     s3_addressing_style: str = "path"
     dtype: str | None = None
     device: str | None = None

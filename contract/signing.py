@@ -15,10 +15,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import Field, SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import BaseModel, Field, SecretStr
 from urllib3.exceptions import LocationParseError
 from urllib3.util import Url, parse_url
+
+from contract.settings import Settings, get_settings
 
 SECRET_PREFIX = "whsec_"
 METADATA_HOSTS = {"metadata", "metadata.google.internal", "metadata.goog"}
@@ -27,17 +28,20 @@ IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 _UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, None: 1}
 
 
-class WebhookSettings(BaseSettings):
-    """Webhook configuration from SLUICE_WEBHOOK_* environment variables."""
-
-    model_config = SettingsConfigDict(env_prefix="SLUICE_", extra="ignore")
+class WebhookSettings(BaseModel):
+    """Webhook configuration; `from_env()` takes it from Settings' SLUICE_WEBHOOK_* fields."""
 
     webhook_url: str | None = None
     webhook_secret: SecretStr | None = None
     webhook_allow: str = ""
-    webhook_retry_schedule: str = "5s,30s,2m,10m,1h,2h,4h,8h,8h"
-    webhook_timeout: float = Field(10.0, gt=0)
-    webhook_max_response_bytes: int = Field(64 * 1024, ge=0)
+    webhook_retry_schedule: str = Settings.model_fields["webhook_retry_schedule"].default
+    webhook_timeout: float = Field(Settings.model_fields["webhook_timeout"].default, gt=0)
+    webhook_max_response_bytes: int = Field(Settings.model_fields["webhook_max_response_bytes"].default, ge=0)
+
+    @classmethod
+    def from_env(cls) -> WebhookSettings:
+        """The webhook fields of the current Settings (the one reader of the environment)."""
+        return cls(**get_settings().model_dump(include=set(cls.model_fields)))
 
 
 class WebhookVerificationError(ValueError):
@@ -211,7 +215,7 @@ def resolve_target(url: str, allow: str | None = None) -> Target:
     Every address the host resolves to must be public (IPv4 inside IPv6 included) or allow-listed; the sender
     then connects to the returned address, so a second lookup cannot be rebound to another one.
     """
-    allow = WebhookSettings().webhook_allow if allow is None else allow
+    allow = WebhookSettings.from_env().webhook_allow if allow is None else allow
     parts = _parse(url)
     host = parts.host.strip("[]").lower().rstrip(".")
     port = parts.port or (443 if parts.scheme == "https" else 80)

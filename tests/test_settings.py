@@ -49,3 +49,16 @@ def test_nothing_but_settings_reads_the_environment():
                     found += [f"{path.relative_to(ROOT)}:{node.lineno} from os import {a.name}"
                               for a in node.names if a.name in ("environ", "getenv")]  # fmt: skip
     assert found == []
+
+
+def test_webhook_settings_come_from_settings(monkeypatch):
+    from pydantic_settings import BaseSettings
+
+    from contract.signing import WebhookSettings
+
+    monkeypatch.setenv("SLUICE_WEBHOOK_TIMEOUT", "3.5")
+    monkeypatch.setenv("SLUICE_WEBHOOK_ALLOW", "127.0.0.1")
+    assert not issubclass(WebhookSettings, BaseSettings)
+    webhook = WebhookSettings.from_env()
+    assert (webhook.webhook_timeout, webhook.webhook_allow) == (3.5, "127.0.0.1")
+    assert WebhookSettings().webhook_timeout == 10.0

@@ -167,7 +167,7 @@ def run(
     stop: threading.Event | None = None,
 ) -> None:
     """Deliver due events until stopped (or, with burst, until none is pending)."""
-    settings = settings or WebhookSettings()
+    settings = settings or WebhookSettings.from_env()
     stop = stop or threading.Event()
     lease_s = 3 * settings.webhook_timeout + 30
     with ThreadPoolExecutor(concurrency, thread_name_prefix="webhook") as pool:
