@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -19,14 +21,34 @@ def enabled() -> bool:
     return os.environ.get("SLUICE_CPU_KERNEL", "1") != "0"
 
 
+@contextmanager
+def _build_lock(name: str):
+    """An exclusive flock on the extension's build folder, released by the OS even if its holder is killed.
+
+    torch's own lock is a file that a build killed midway (a SIGKILLed worker) leaves behind, and every later
+    load then waits on it forever; under our flock no build is running, so such a file is stale and goes.
+    """
+    from torch.utils.cpp_extension import _get_build_directory
+
+    folder = Path(_get_build_directory(name, verbose=False))
+    with open(folder / "sluice-build.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        (folder / "lock").unlink(missing_ok=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def load(name: str, source: str):
     """The extension `name` built from csrc/`source` (cached per process), or None when it cannot be built."""
     if name not in _built:
         try:
             from torch.utils.cpp_extension import load as build
 
-            _built[name] = build(name=name, sources=[str(CSRC / source)], extra_cflags=CFLAGS,
-                                 extra_ldflags=["-fopenmp"], verbose=False)
+            with _build_lock(name):
+                _built[name] = build(name=name, sources=[str(CSRC / source)], extra_cflags=CFLAGS,
+                                     extra_ldflags=["-fopenmp"], verbose=False)
         except Exception as exc:  # toolchain missing, compiler error: fall back to torch
             log.warning("CPU kernel %s unavailable, using torch: %s", name, exc)
             _built[name] = None

@@ -139,3 +139,21 @@ def test_fused_add_rms_norm_matches_hf_rounding(dtype, tol):
         assert (out != want).float().mean().item() < 0.01, "a rare last-bit difference from the sum order at most"
     same, normed = rms_norm.add_rms_norm(x, None, weight, 1e-6)
     assert same is x and (normed.float() - rms_norm.rms_norm_reference(x, weight, 1e-6).float()).abs().max() < tol
+
+
+def test_a_build_killed_midway_does_not_hang_later_loads():
+    """torch's lock file left by a SIGKILLed build is stale under our flock: the next load goes through."""
+    import subprocess
+    import sys
+
+    script = (
+        "from pathlib import Path\n"
+        "from torch.utils.cpp_extension import _get_build_directory\n"
+        "from kernels import cpp_build\n"
+        "assert cpp_build.load('sluice_rms_norm_cpu', 'rms_norm.cpp') is not None\n"
+        "cpp_build._built.clear()\n"
+        "(Path(_get_build_directory('sluice_rms_norm_cpu', False)) / 'lock').touch()\n"
+        "assert cpp_build.load('sluice_rms_norm_cpu', 'rms_norm.cpp') is not None\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], timeout=600, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
