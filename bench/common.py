@@ -72,14 +72,22 @@ def table(headers: list[str], rows: list[list]) -> str:
 
 
 def record(section: str, body: str) -> None:
-    """Print and append a section, with the command that produced it, to docs/benchmarks.md."""
+    """Print a section, with the command that produced it, and put it in docs/benchmarks.md in place of the
+    section of the same title (one current section per benchmark), or at the end when there is none."""
     cmd = "python " + " ".join(shlex.quote(a) for a in sys.argv)
     stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     text = f"\n## {section}\n\n`{cmd}` ({stamp}, {torch.get_num_threads()} threads)\n\n{body}\n"
     print(text)
     if "--no-record" not in sys.argv:
         doc = ROOT / "docs" / "benchmarks.md"
-        if not doc.exists():
-            doc.write_text("# Benchmarks\n\nMeasured results; each section names the command that produced it.\n")
-        with doc.open("a") as f:
-            f.write(text)
+        old = doc.read_text() if doc.exists() else "# Benchmarks\n\nMeasured results; each section names the command that produced it.\n"
+        doc.write_text(replace_section(old, section, text))
+
+
+def replace_section(doc: str, section: str, text: str) -> str:
+    """doc with its `## section` (up to the next `## ` heading) replaced by text, or text appended."""
+    start = doc.find(f"\n## {section}\n")
+    if start < 0:
+        return doc.rstrip("\n") + "\n" + text
+    end = doc.find("\n## ", start + 1)
+    return doc[:start] + text.rstrip("\n") + "\n" + (doc[end:] if end >= 0 else "")
