@@ -50,8 +50,8 @@ def test_cancel_mid_batch_keeps_partial_results(tiny_llama, redis_url, tmp_path)
 def test_sigterm_hands_in_flight_shards_back(tiny_llama, redis_url, tmp_path):
     client = Client(redis_url)
     batch = client.submit_batch(
-        [long_request(i, 900) for i in range(2)], output=tmp_path.as_uri(), shard_size=1
-    )
+        [long_request(i, 900) for i in range(16)], output=tmp_path.as_uri(), shard_size=8
+    )  # a shard of 8 sequential 900-token requests outlasts the grace period even on a fast, quiet machine
     worker = start_worker(
         tiny_llama, redis_url, tmp_path / "worker.log", "--grace", "0.5", "--max-num-seqs", "1"
     )
