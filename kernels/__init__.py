@@ -15,3 +15,14 @@ from kernels.rms_norm import add_rms_norm
 
 __all__ = ["AttentionMetadata", "FlatMetadata", "add_rms_norm", "build_flat_metadata", "build_metadata",
            "flat_layout", "fused_attention", "gather_kv", "int8_linear", "paged_attention", "write_kv"]
+
+
+def __getattr__(name: str):
+    """A name this package lacks: say so plainly, naming the usual cause (Hugging Face's `kernels` hub)."""
+    if name.startswith("__"):
+        raise AttributeError(name)
+    raise ImportError(
+        f"sluice's top-level `kernels` package has no {name!r}. Something expected Hugging Face's `kernels` "
+        "distribution (kernel hub), whose import name ours shadows: transformers >= 5.25 requires it and imports "
+        "it at start-up. Install sluice's pinned transformers (<5.25) and `pip uninstall kernels`."
+    )
