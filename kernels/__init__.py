@@ -6,6 +6,8 @@ on CUDA with triton the device path (device_path.py: Triton KV store, paged atte
 FlatMetadata, no host syncs inside the forward).
 """
 
+import importlib.util
+
 from kernels.attention import AttentionMetadata, build_metadata, gather_kv, paged_attention, write_kv
 from kernels.device_path import flat_layout
 from kernels.dispatch import fused_attention
@@ -19,8 +21,8 @@ __all__ = ["AttentionMetadata", "FlatMetadata", "add_rms_norm", "build_flat_meta
 
 def __getattr__(name: str):
     """A name this package lacks: say so plainly, naming the usual cause (Hugging Face's `kernels` hub)."""
-    if name.startswith("__"):
-        raise AttributeError(name)
+    if name.startswith("__") or importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        raise AttributeError(name)  # dunders, and submodules the import system loads itself
     raise ImportError(
         f"sluice's top-level `kernels` package has no {name!r}. Something expected Hugging Face's `kernels` "
         "distribution (kernel hub), whose import name ours shadows: transformers >= 5.25 requires it and imports "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import logging
 import os
 from contextlib import contextmanager
@@ -40,14 +41,25 @@ def _build_lock(name: str):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def build_name(name: str, source: str) -> str:
+    """The extension's name on disk: `name` and a hash of its source and flags."""
+    digest = hashlib.sha256((CSRC / source).read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:12]
+    return f"{name}_{digest}"
+
+
 def load(name: str, source: str):
-    """The extension `name` built from csrc/`source` (cached per process), or None when it cannot be built."""
+    """The extension `name` built from csrc/`source` (cached per process), or None when it cannot be built.
+
+    The build folder is named after the source's hash as well, so checkouts with different sources (or an
+    upgrade under running workers) each keep their own build instead of rebuilding over one another.
+    """
     if name not in _built:
         try:
             from torch.utils.cpp_extension import load as build
 
-            with _build_lock(name):
-                _built[name] = build(name=name, sources=[str(CSRC / source)], extra_cflags=CFLAGS,
+            versioned = build_name(name, source)
+            with _build_lock(versioned):
+                _built[name] = build(name=versioned, sources=[str(CSRC / source)], extra_cflags=CFLAGS,
                                      extra_ldflags=["-fopenmp"], verbose=False)
         except Exception as exc:  # toolchain missing, compiler error: fall back to torch
             log.warning("CPU kernel %s unavailable, using torch: %s", name, exc)

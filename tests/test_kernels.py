@@ -152,7 +152,8 @@ def test_a_build_killed_midway_does_not_hang_later_loads():
         "from kernels import cpp_build\n"
         "assert cpp_build.load('sluice_rms_norm_cpu', 'rms_norm.cpp') is not None\n"
         "cpp_build._built.clear()\n"
-        "(Path(_get_build_directory('sluice_rms_norm_cpu', False)) / 'lock').touch()\n"
+        "name = cpp_build.build_name('sluice_rms_norm_cpu', 'rms_norm.cpp')\n"
+        "(Path(_get_build_directory(name, False)) / 'lock').touch()\n"
         "assert cpp_build.load('sluice_rms_norm_cpu', 'rms_norm.cpp') is not None\n"
     )
     done = subprocess.run([sys.executable, "-c", script], timeout=600, capture_output=True, text=True)
