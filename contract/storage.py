@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import fnmatch
 import os
-import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from io import BytesIO
@@ -16,6 +15,45 @@ from contract.settings import get_settings
 
 MiB = 1024 * 1024
 COPY_CHUNK = MiB
+
+
+class ObjectWriter:
+    """An object written as a stream into a local temp file; commit() publishes it whole, else it is removed.
+
+    Use as a context manager: leaving it without commit() (an exception, or nothing worth publishing)
+    deletes the temp file, so a failed write leaves nothing behind and never a partial object.
+    """
+
+    def __init__(self, directory: Path | None, prefix: str, publish: Callable[[Path], str]) -> None:
+        fd, name = tempfile.mkstemp(dir=directory, prefix=prefix)
+        self.path = Path(name)
+        self.file: BinaryIO = os.fdopen(fd, "wb")
+        self._publish = publish
+        self.url: str | None = None
+
+    def write(self, data: bytes) -> None:
+        """Append data to the object."""
+        self.file.write(data)
+
+    def commit(self) -> str:
+        """Publish what was written under the key (atomically on file://); return the object's URL."""
+        self.file.close()
+        try:
+            self.url = self._publish(self.path)
+        finally:
+            self.discard()
+        return self.url
+
+    def discard(self) -> None:
+        """Drop what was written (nothing is published)."""
+        self.file.close()
+        self.path.unlink(missing_ok=True)
+
+    def __enter__(self) -> ObjectWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.discard()
 
 
 class KeyOutsideRoot(ValueError):
@@ -37,6 +75,10 @@ class Storage(Protocol):
 
     def put_file(self, key: str, path: Path) -> str:
         """Upload a local file under key; return the object's URL."""
+        ...
+
+    def writer(self, key: str) -> ObjectWriter:
+        """A stream to write the object under key through; nothing is visible under key until commit()."""
         ...
 
     def get(self, key: str) -> bytes:
@@ -73,28 +115,27 @@ class FileStorage:
             raise KeyOutsideRoot(f"key escapes the storage root {self.url}: {key!r}")
         return path
 
-    def _write(self, key: str, fill: Callable[[BinaryIO], object]) -> str:
+    def writer(self, key: str) -> ObjectWriter:
+        """A temp file next to the object's path, renamed onto it (atomically) by commit()."""
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                fill(f)
+
+        def publish(tmp: Path) -> str:
             os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        return path.as_uri()
+            return path.as_uri()
+
+        return ObjectWriter(path.parent, f".{path.name}.", publish)
 
     def put(self, key: str, data: bytes) -> str:
-        return self._write(key, lambda f: f.write(data))
+        with self.writer(key) as out:
+            out.write(data)
+            return out.commit()
 
     def put_file(self, key: str, path: Path) -> str:
-        def copy(f: BinaryIO) -> None:
-            with path.open("rb") as src:
-                shutil.copyfileobj(src, f, COPY_CHUNK)
-
-        return self._write(key, copy)
+        with self.writer(key) as out, path.open("rb") as src:
+            while chunk := src.read(COPY_CHUNK):
+                out.write(chunk)
+            return out.commit()
 
     def open(self, key: str) -> BinaryIO:
         return self._path(key).open("rb")
@@ -140,6 +181,10 @@ class S3Storage:
     def put_file(self, key: str, path: Path) -> str:
         self.client.upload_file(str(path), self.bucket, self._key(key), Config=transfer_config())
         return f"s3://{self.bucket}/{self._key(key)}"
+
+    def writer(self, key: str) -> ObjectWriter:
+        """A local temp file, uploaded by commit() (multipart when large) and then removed."""
+        return ObjectWriter(None, ".sluice-upload.", lambda tmp: self.put_file(key, tmp))
 
     def get(self, key: str) -> bytes:
         with self.open(key) as body:
@@ -250,17 +295,24 @@ def url_lines(url: str, max_bytes: int, max_line: int) -> Iterator[bytes]:
         yield from iter_lines(stream, max_line)
 
 
-def iter_lines(stream: BinaryIO, max_line: int, chunk: int = MiB) -> Iterator[bytes]:
-    """Lines of a binary stream split on newlines, each cut to at most max_line + 1 bytes."""
+def iter_lines(stream: BinaryIO, max_line: int | None = None, chunk: int = MiB) -> Iterator[bytes]:
+    """Lines of a binary stream split on newlines, each cut to at most max_line + 1 bytes (None: never cut)."""
+    cut = slice(None) if max_line is None else slice(max_line + 1)
     head = b""
     while data := stream.read(chunk):
         *done, rest = data.split(b"\n")
         for piece in done:
-            yield (head + piece)[: max_line + 1]
+            yield (head + piece)[cut]
             head = b""
-        head = (head + rest)[: max_line + 1]
+        head = (head + rest)[cut]
     if head:
         yield head
+
+
+def object_lines(storage: Storage, key: str) -> Iterator[bytes]:
+    """The lines of an object, read 256 KiB at a time (never whole)."""
+    with storage.open(key) as stream:
+        yield from iter_lines(stream, chunk=256 * 1024)
 
 
 def _within(url: str, root: str) -> bool:

@@ -58,3 +58,30 @@ def test_bad_urls_are_refused(tmp_path):
     big.write_bytes(b"z" * 100)
     with pytest.raises(ValueError, match="limit"):
         read_url(str(big), max_bytes=10)
+
+
+def exercise_writer(storage, temp_dir) -> None:
+    """A streamed object appears whole on commit, a failed or uncommitted one never, and no temp file stays."""
+    storage.put("b/out.jsonl", b"old\n")
+    with pytest.raises(OSError), storage.writer("b/out.jsonl") as out:
+        out.write(b"half")
+        raise OSError(28, "No space left on device")
+    with storage.writer("b/errors.jsonl") as out:
+        out.write(b"never committed\n")
+    assert storage.get("b/out.jsonl") == b"old\n" and not storage.exists("b/errors.jsonl")
+    with storage.writer("b/out.jsonl") as out:
+        for i in range(3):
+            out.write(b"line %d\n" % i)
+        url = out.commit()
+    assert read_url(url) == b"line 0\nline 1\nline 2\n"
+    assert not list(temp_dir.glob(".*")), "no temp files left behind"
+
+
+def test_file_storage_streams_writes_through_a_temp_file(tmp_path):
+    storage = open_storage((tmp_path / "out").as_uri())
+    exercise_writer(storage, tmp_path / "out" / "b")
+
+
+def test_s3_storage_streams_writes_through_a_local_temp_file(s3_bucket, tmp_path, monkeypatch):
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    exercise_writer(open_storage(f"s3://{s3_bucket}/streamed"), tmp_path)

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import json
-import tempfile
 import time
 from collections.abc import Iterator
-from pathlib import Path
+from dataclasses import dataclass, field
 
 import redis
 from rq import get_current_job
@@ -17,9 +15,9 @@ from rq.serializers import JSONSerializer
 from contract.batch import BatchStore, TransitionError
 from contract.events import notify
 from contract.jobs import shard_job_id
-from contract.schemas import Batch, BatchStatus, OutputRecord, Request, RequestCounts
+from contract.schemas import Batch, BatchStatus, LineError, OutputRecord, Request, RequestCounts
 from contract.settings import get_settings
-from contract.storage import Storage, open_output
+from contract.storage import Storage, object_lines, open_output
 from worker.faults import faults
 from worker.responses import ABORT_CODES, error_record
 from worker.shards import shard_key
@@ -27,19 +25,24 @@ from worker.shards import shard_key
 MISSING = {JobStatus.CANCELED: "batch_cancelled", JobStatus.FAILED: "shard_failed"}
 
 
+class ShardLost(LookupError):
+    """A shard that wrote no output and has no rq job either: its requests are unknown (submit was cut short)."""
+
+
 def shard_records(
     storage: Storage, connection: redis.Redis, batch_id: str, shard: int, expired: bool = False
 ) -> Iterator[OutputRecord]:
-    """The records a shard wrote or, when it wrote none (dropped, failed), an error per request."""
+    """The records a shard wrote, read a line at a time, or, when it wrote none (dropped, failed), an error per
+    request; ShardLost when neither its output nor its job exists."""
     key = shard_key(batch_id, shard)
     if storage.exists(key):
-        for line in storage.get(key).splitlines():
-            yield OutputRecord.model_validate(json.loads(line))
+        for line in object_lines(storage, key):
+            yield OutputRecord.model_validate_json(line)
         return
     try:
         job = Job.fetch(shard_job_id(batch_id, shard), connection=connection, serializer=JSONSerializer)
     except NoSuchJobError:
-        return
+        raise ShardLost(shard) from None
     code = MISSING.get(job.get_status(), "shard_missing")
     if code == "batch_cancelled" and expired:
         code = "batch_expired"
@@ -48,37 +51,75 @@ def shard_records(
         yield error_record(Request.model_validate(request).custom_id, code, message)
 
 
-def merge(storage: Storage, connection: redis.Redis, batch: Batch) -> dict[str, OutputRecord]:
-    """Every shard's records keyed by custom_id, so a re-run shard still counts each request once."""
-    records: dict[str, OutputRecord] = {}
+@dataclass
+class Merged:
+    """What streaming a batch's records taught: counts, lost shards, expiry, and the record of a batch of one."""
+
+    completed: int = 0
+    failed: int = 0
+    expired: bool = False
+    lost: list[int] = field(default_factory=list)
+    first: OutputRecord | None = None
+
+    def add(self, record: OutputRecord) -> None:
+        """Count one record (each custom_id is added once)."""
+        if record.error is None:
+            self.completed += 1
+        else:
+            self.failed += 1
+            self.expired = self.expired or record.error.code == "batch_expired"
+        if self.first is None:
+            self.first = record
+
+
+def merge(storage: Storage, connection: redis.Redis, batch: Batch, merged: Merged) -> Iterator[OutputRecord]:
+    """Every shard's records in shard (input) order, each custom_id once, counted into merged as they pass.
+
+    Only the ids seen so far are kept, never the records, so memory does not grow with the outputs."""
+    seen: set[str] = set()
+    expired = is_expired(batch)
     for shard in range(batch.num_shards):
-        for record in shard_records(storage, connection, batch.id, shard, is_expired(batch)):
-            records[record.custom_id] = record
-    return records
+        try:
+            for record in shard_records(storage, connection, batch.id, shard, expired):
+                if record.custom_id not in seen:
+                    seen.add(record.custom_id)
+                    merged.add(record)
+                    yield record
+        except ShardLost:
+            merged.lost.append(shard)
 
 
 def is_expired(batch: Batch) -> bool:
     """Past its completion window and not being cancelled: its unrun requests count as expired."""
-    return batch.status != BatchStatus.cancelling and batch.expires_at is not None and time.time() > batch.expires_at
+    return (
+        batch.status != BatchStatus.cancelling
+        and batch.expires_at is not None
+        and time.time() > batch.expires_at
+    )
 
 
-def write_jsonl(storage: Storage, key: str, records: list[OutputRecord]) -> str:
-    """Write records as JSONL under key through a temp file (multipart upload when large)."""
-    with tempfile.NamedTemporaryFile("wb", suffix=".jsonl", delete=False) as f:
-        path = Path(f.name)
-    try:
-        with path.open("wb") as out:
-            for record in records:
-                out.write(record.model_dump_json().encode() + b"\n")
-        return storage.put_file(key, path)
-    finally:
-        path.unlink(missing_ok=True)
+def write_outputs(storage: Storage, connection: redis.Redis, batch: Batch) -> tuple[str, str | None, Merged]:
+    """Stream the merged records into output.jsonl and errors.jsonl (the latter only when there are errors);
+    neither file changes unless every record was written."""
+    merged = Merged()
+    with (
+        storage.writer(f"{batch.id}/output.jsonl") as good,
+        storage.writer(f"{batch.id}/errors.jsonl") as bad,
+    ):
+        for record in merge(storage, connection, batch, merged):
+            (good if record.error is None else bad).write(record.model_dump_json().encode() + b"\n")
+        output_file = good.commit()
+        error_file = bad.commit() if merged.failed else None
+    return output_file, error_file, merged
 
 
-def final_status(batch: Batch, records: dict[str, OutputRecord]) -> BatchStatus:
+def final_status(batch: Batch, merged: Merged) -> BatchStatus:
+    """cancelled when cancelling; failed when a shard was lost; expired when a request expired; else completed."""
     if batch.status == BatchStatus.cancelling:
         return BatchStatus.cancelled
-    if any(r.error is not None and r.error.code == "batch_expired" for r in records.values()):
+    if merged.lost:
+        return BatchStatus.failed
+    if merged.expired:
         return BatchStatus.expired
     return BatchStatus.completed
 
@@ -90,7 +131,8 @@ def finalize_batch(batch_id: str) -> dict[str, int]:
 
 
 def finalize(connection: redis.Redis, batch_id: str) -> dict[str, int]:
-    """Merged files, counts, final status, then the webhook; a no-op for a batch already done."""
+    """Merged files, counts, final status, then the webhook; a no-op for a batch already done (or ended by
+    someone else meanwhile: a second finalize, the reaper)."""
     store = BatchStore(connection)
     batch = store.get(batch_id)
     if batch is None or batch.done:
@@ -104,18 +146,32 @@ def finalize(connection: redis.Redis, batch_id: str) -> dict[str, int]:
                 return {}
     faults().before_finalize()
     storage = open_output(batch.output_url, get_settings().output_root_urls())
-    records = merge(storage, connection, batch)
-    good = [r for r in records.values() if r.error is None]
-    bad = [r for r in records.values() if r.error is not None]
-    output_file = write_jsonl(storage, f"{batch_id}/output.jsonl", good)
-    error_file = write_jsonl(storage, f"{batch_id}/errors.jsonl", bad) if bad else None
+    output_file, error_file, merged = write_outputs(storage, connection, batch)
 
     def close(b: Batch) -> None:
         b.output_file, b.error_file = output_file, error_file
-        b.request_counts = RequestCounts(total=b.request_counts.total, completed=len(good), failed=len(bad))
+        total = b.request_counts.total
+        failed = total - merged.completed if merged.lost else merged.failed
+        b.request_counts = RequestCounts(total=total, completed=merged.completed, failed=failed)
+        if merged.lost:
+            message = (
+                f"shards {merged.lost} were never enqueued (the submit stopped part way); "
+                "their requests are in neither file"
+            )
+            b.errors = [*b.errors, LineError(code="shards_lost", message=message)]
 
-    batch = store.transition(batch_id, final_status(store.get(batch_id) or batch, records), close)
+    try:
+        batch = store.transition(batch_id, final_status(store.get(batch_id) or batch, merged), close)
+    except TransitionError:
+        batch = store.get(batch_id)
+        if batch is None or batch.done:
+            return {}
+        raise
     if batch.webhook:
-        single = next(iter(records.values())).model_dump(mode="json") if len(records) == 1 else None
+        single = (
+            merged.first.model_dump(mode="json")
+            if merged.first and merged.completed + merged.failed == 1
+            else None
+        )
         notify(connection, batch, result=single)
     return batch.request_counts.model_dump()
