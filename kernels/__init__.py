@@ -11,12 +11,14 @@ import importlib.util
 from kernels.attention import AttentionMetadata, build_metadata, gather_kv, paged_attention, write_kv
 from kernels.device_path import flat_layout
 from kernels.dispatch import fused_attention
+from kernels.elementwise import rope_qk, silu_mul
 from kernels.flat_metadata import FlatMetadata, build_flat_metadata
 from kernels.int8_weights import int8_linear
 from kernels.rms_norm import add_rms_norm
 
 __all__ = ["AttentionMetadata", "FlatMetadata", "add_rms_norm", "build_flat_metadata", "build_metadata",
-           "flat_layout", "fused_attention", "gather_kv", "int8_linear", "paged_attention", "write_kv"]
+           "flat_layout", "fused_attention", "gather_kv", "int8_linear", "paged_attention", "rope_qk", "silu_mul",
+           "write_kv"]
 
 
 def __getattr__(name: str):

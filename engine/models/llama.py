@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import kernels
-from engine.models.rope import RotaryEmbedding, apply_rope, rope_parameters
+from engine.models.rope import RotaryEmbedding, rope_parameters
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -110,12 +110,11 @@ class Attention(nn.Module):
         t, nh = x.shape[0], self.num_heads
         qkv = self.qkv_proj(x).view(t, -1, self.head_dim)  # [T, H + 2 Hkv, D]
         nqk = nh + self.num_kv_heads
+        qk = qkv
         if self.q_norm is not None:
             qk = torch.cat([self.q_norm(qkv[:, :nh]), self.k_norm(qkv[:, nh:nqk])], 1)
-        else:
-            qk = qkv[:, :nqk]
-        qk = apply_rope(qk, *cos_sin)  # queries and keys rotated together: one set of ops per layer
-        q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nqk:]
+        q, k = kernels.rope_qk(qk, *cos_sin, nh, self.num_kv_heads)  # one pass, q and k contiguous
+        v = qkv[:, nqk:]
         kv_cache.write(k, v, meta.slot_mapping)
         o = kv_cache.attend(q, k, v, meta, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
@@ -126,13 +125,11 @@ class MLP(nn.Module):
 
     def __init__(self, c: ModelConfig) -> None:
         super().__init__()
-        self.inter = c.intermediate_size
         self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(kernels.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from kernels.elementwise import apply_rope
+
 
 def rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
     """Normalise old (rope_theta + rope_scaling) and new (rope_parameters) config styles."""
@@ -65,13 +67,3 @@ class RotaryEmbedding(torch.nn.Module):
         """Rotate q [T, H, D] and k [T, Hkv, D] to their positions."""
         cos, sin = self.cos_sin(positions, q.dtype)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate heads x [T, heads, D] by cos/sin [T, 1, D], rounding like HF's apply_rotary_pos_emb."""
-    return x * cos + _rotate_half(x) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)

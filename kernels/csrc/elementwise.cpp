@@ -1,0 +1,113 @@
+// Fused elementwise steps of a decoder layer on CPU, rounding exactly like the torch ops they replace:
+//   rope_qk:  q, k = x * cos + rotate_half(x) * sin for the query and key heads of a fused qkv row (HF's
+//             apply_rotary_pos_emb, each product and the sum rounded to the activations' dtype), written as
+//             contiguous [T, H, D] / [T, Hkv, D] tensors in one pass;
+//   silu_mul: silu(gate) * up of a fused gate_up row, silu rounded before the product, as torch does.
+// at::vec with the CPU capability this file is compiled for gives torch's own vectorized math (Sleef exp).
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#define CPU_CAPABILITY AVX512
+#define CPU_CAPABILITY_AVX512
+#elif defined(__AVX2__) && defined(__FMA__)
+#define CPU_CAPABILITY AVX2
+#define CPU_CAPABILITY_AVX2
+#endif
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+#include <vector>
+
+using at::vec::Vectorized;
+
+template <typename T>
+static inline T round_to(float v) { return static_cast<T>(v); }
+
+// One head: out[i] = T(T(x[i] * c[i]) + T(r[i] * s[i])), r = rotate_half(x) = (-x[h:], x[:h]).
+template <typename T>
+static void rope_head(const T* x, const T* c, const T* s, T* out, int64_t D) {
+  const int64_t h = D / 2;
+  for (int64_t i = 0; i < D; ++i) {
+    const float xi = static_cast<float>(x[i]);
+    const float ri = i < h ? -static_cast<float>(x[i + h]) : static_cast<float>(x[i - h]);
+    const T a = round_to<T>(xi * static_cast<float>(c[i]));
+    const T b = round_to<T>(ri * static_cast<float>(s[i]));
+    out[i] = round_to<T>(static_cast<float>(a) + static_cast<float>(b));
+  }
+}
+
+// qkv [T, NH + 2 NK, D] (rows may be strided), cos/sin [T, D] -> (q [T, NH, D], k [T, NK, D]) contiguous.
+std::vector<torch::Tensor> rope_qk(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t nh, int64_t nk) {
+  TORCH_CHECK(qkv.dim() == 3 && qkv.stride(2) == 1 && qkv.stride(1) == qkv.size(2), "qkv [T, heads, D] rows");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 && cos.size(1) == qkv.size(2),
+              "cos/sin must be contiguous [T, D]");
+  TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(), "dtypes differ");
+  TORCH_CHECK(qkv.size(2) % 2 == 0 && nh + nk <= qkv.size(1), "bad head counts");
+  const int64_t T = qkv.size(0), D = qkv.size(2), row = qkv.stride(0);
+  auto q = torch::empty({T, nh, D}, qkv.options());
+  auto k = torch::empty({T, nk, D}, qkv.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_qk", [&] {
+    const scalar_t* x = qkv.data_ptr<scalar_t>();
+    const scalar_t* c = cos.data_ptr<scalar_t>();
+    const scalar_t* s = sin.data_ptr<scalar_t>();
+    scalar_t* qo = q.data_ptr<scalar_t>();
+    scalar_t* ko = k.data_ptr<scalar_t>();
+    const int64_t heads = nh + nk;
+    at::parallel_for(0, T * heads, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t w = begin; w < end; ++w) {
+        const int64_t t = w / heads, hd = w % heads;
+        scalar_t* dst = hd < nh ? qo + (t * nh + hd) * D : ko + (t * nk + hd - nh) * D;
+        rope_head<scalar_t>(x + t * row + hd * D, c + t * D, s + t * D, dst, D);
+      }
+    });
+  });
+  return {q, k};
+}
+
+template <typename T>
+static void silu_mul_row(const T* g, const T* u, T* out, int64_t n) {
+  using fVec = Vectorized<float>;
+  const fVec one(1.f);
+  int64_t i = 0;
+  for (; i + fVec::size() <= n; i += fVec::size()) {
+    float gb[fVec::size()], ub[fVec::size()];
+    for (int64_t j = 0; j < fVec::size(); ++j) {
+      gb[j] = static_cast<float>(g[i + j]);
+      ub[j] = static_cast<float>(u[i + j]);
+    }
+    const fVec x = fVec::loadu(gb);
+    fVec sil = x / (one + x.neg().exp());
+    float sb[fVec::size()];
+    sil.store(sb);
+    for (int64_t j = 0; j < fVec::size(); ++j)
+      out[i + j] = round_to<T>(static_cast<float>(round_to<T>(sb[j])) * ub[j]);
+  }
+  for (; i < n; ++i) {
+    const float x = static_cast<float>(g[i]);
+    const T sl = round_to<T>(x / (1.f + std::exp(-x)));
+    out[i] = round_to<T>(static_cast<float>(sl) * static_cast<float>(u[i]));
+  }
+}
+
+// gate_up [T, 2I] (rows may be strided) -> silu(gate) * up [T, I].
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0, "gate_up [T, 2I] rows");
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2, row = gate_up.stride(0);
+  auto out = torch::empty({T, I}, gate_up.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_mul", [&] {
+    const scalar_t* x = gate_up.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    const int64_t chunk = 512;  // columns per work item: rows of a big batch and column chunks of a small one
+    const int64_t per_row = (I + chunk - 1) / chunk;
+    at::parallel_for(0, T * per_row, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t w = begin; w < end; ++w) {
+        const int64_t t = w / per_row, c0 = (w % per_row) * chunk, n = std::min(chunk, I - c0);
+        silu_mul_row<scalar_t>(x + t * row + c0, x + t * row + I + c0, o + t * I + c0, n);
+      }
+    });
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rope_qk", &rope_qk, "rotary embedding of the q and k heads of a fused qkv projection (CPU)");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate_up projection (CPU)");
+}

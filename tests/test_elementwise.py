@@ -1,0 +1,48 @@
+"""The fused CPU rope and SwiGLU kernels round exactly like the torch ops (and HF) they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpp_build, elementwise
+from kernels.elementwise import apply_rope
+
+pytestmark = pytest.mark.skipif(elementwise._ext() is None, reason="C++ toolchain missing: torch path only")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens", [1, 7, 64])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(12, 4, 64), (8, 8, 128), (6, 2, 32)])
+def test_rope_qk_is_bitwise_the_torch_rotation(dtype, tokens, heads, kv_heads, dim):
+    torch.manual_seed(tokens * dim)
+    width = (heads + 2 * kv_heads) * dim
+    projected = torch.randn(tokens, width + 3 * dim, dtype=dtype) * 4  # rows wider than qkv: strided rows
+    qkv = projected[:, dim: dim + width].view(tokens, heads + 2 * kv_heads, dim)
+    angles = torch.rand(tokens, 1, dim) * 100
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    q, k = elementwise.rope_qk(qkv, cos, sin, heads, kv_heads)
+    reference = apply_rope(qkv[:, : heads + kv_heads], cos, sin)
+    assert q.is_contiguous() and k.is_contiguous()
+    assert torch.equal(q, reference[:, :heads]) and torch.equal(k, reference[:, heads:])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize(("tokens", "inter"), [(1, 2048), (3, 37), (64, 2048), (5, 700)])
+def test_silu_mul_is_bitwise_torch_swiglu(dtype, tokens, inter):
+    torch.manual_seed(inter)
+    gate_up = torch.randn(tokens, 2 * inter + 16, dtype=dtype)[:, : 2 * inter] * 6  # strided rows
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.equal(elementwise.silu_mul(gate_up), torch.nn.functional.silu(gate) * up)
+
+
+def test_kernels_off_takes_the_torch_path(monkeypatch):
+    """SLUICE_CPU_KERNEL=0: the same results from torch ops (the reference the kernel is held to)."""
+    qkv = torch.randn(3, 5, 16, dtype=torch.bfloat16)
+    cos, sin = torch.randn(3, 1, 16, dtype=torch.bfloat16), torch.randn(3, 1, 16, dtype=torch.bfloat16)
+    fused = elementwise.rope_qk(qkv, cos, sin, 2, 1)
+    monkeypatch.setenv("SLUICE_CPU_KERNEL", "0")
+    assert not cpp_build.enabled()
+    plain = elementwise.rope_qk(qkv, cos, sin, 2, 1)
+    assert not plain[0].is_contiguous()  # views of the torch rotation, not the kernel's output
+    assert all(torch.equal(a, b) for a, b in zip(fused, plain, strict=True))
