@@ -1,20 +1,29 @@
 """Weight-only 4-bit matmul: groups of 32 input columns share a scale and a zero (asymmetric, like q4_1).
 
 A weight w [out, in] is stored as codes q in 0..15 with w ~= (q - 8) * scale + zero per group, the layout of
-torch's int4 kernels. On CPU the codes are packed once by `_convert_weight_to_int4pack_for_cpu` and every
-matmul runs `_weight_int4pack_mm_for_cpu` (AVX-512, a quarter of the bf16 bytes: ~3x a bf16 GEMV at one row).
-Elsewhere the codes stay two per byte and the matmul dequantizes (the reference every kernel is tested against).
+torch's int4 kernels. On CPU the codes are packed once by `_convert_weight_to_int4pack_for_cpu`. Up to
+`MAX_INT4PACK_ROWS` rows the matmul runs `_weight_int4pack_mm_for_cpu` (AVX-512, a quarter of the bf16 bytes:
+~3x a bf16 GEMV at one row), but it dequantizes again for every 4 rows and multiplies in fp32, so past that the
+C++ tile kernel (csrc/quant_linear.cpp) dequantizes each tile of output rows once, to the activations' dtype,
+and multiplies it with oneDNN. Elsewhere the codes stay two per byte and the matmul dequantizes (the reference
+every kernel is tested against).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from kernels import cpp_build
+
 GROUP = 32
 OUT_MULTIPLE = 16  # the CPU packer's requirement on out_features: other sizes are padded with zero rows
+MAX_INT4PACK_ROWS = 16  # measured (bf16, 2 threads, hidden 768 shapes): int4pack wins to 16 rows, the tiles from 32
+TILE_BYTES = 4 << 20  # dequantized scratch per tile: fewer, larger at::mm calls beat L2-sized tiles here
+LAYOUTS = ((64, True), (32, True), (32, False))  # torch's int4pack (block rows, split) for AVX-512, AVX2, other
 
 
 @dataclass(slots=True)
@@ -80,10 +89,33 @@ def dequantize(w: Int4Weight, dtype: torch.dtype) -> torch.Tensor:
     return ((codes(w).float() - 8) * sz[..., 0].t() + sz[..., 1].t()).to(dtype)
 
 
+def _tile_kernel():
+    return cpp_build.load("sluice_quant_linear_cpu", "quant_linear.cpp") if cpp_build.enabled() else None
+
+
+@functools.cache
+def cpu_layout() -> tuple[int, bool] | None:
+    """torch's int4pack layout on this CPU as (block rows, split), read back from packed known codes; None when
+    the tile kernel is unavailable or reads none of the layouts it knows."""
+    kernel = _tile_kernel()
+    if kernel is None:
+        return None
+    q = (torch.arange(80 * 64, dtype=torch.int32).view(80, 64) * 7) % 16  # one block of 64 rows and a tail of 16
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    return next((lay for lay in LAYOUTS if torch.equal(kernel.int4_codes(packed, 64, 80, *lay) + 8, q)), None)
+
+
+def _use_tiles(rows: torch.Tensor) -> bool:
+    return rows.shape[0] > MAX_INT4PACK_ROWS and cpp_build.enabled() and cpu_layout() is not None
+
+
 def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] times the 4-bit weight (x's dtype), plus bias."""
     rows = x.reshape(-1, x.shape[-1])
-    if w.cpu_layout:
+    if w.cpu_layout and _use_tiles(rows):
+        y = _tile_kernel().int4_tile_mm(rows.contiguous(), w.packed, w.scales_zeros, GROUP, w.out_features,
+                                        *cpu_layout(), TILE_BYTES)
+    elif w.cpu_layout:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.contiguous(), w.packed, GROUP, w.scales_zeros)
         if y.shape[1] != w.out_features:
             y = y[:, : w.out_features].contiguous()

@@ -4,8 +4,10 @@ For a few rows (decode, a draft model's proposals) torch's CPU int8 GEMV reads h
 matmul and runs ~3x faster at one row. Its cost grows linearly with the row count and it mis-computes unless
 in_features % 16 == 0. More rows of bf16/fp16 activations on CPU are quantized on the fly (int8, one absmax
 scale per row) and multiplied by `torch._int_mm` (oneDNN VNNI, int32 accumulation), faster than a bf16 matmul
-at 16-64 rows. On CUDA with triton the W8A16 kernel (kernels/triton/w8a16.py) serves; fp32 activations, odd
-shapes and other devices dequantize the weight and use the ordinary matmul.
+at 8-64 rows; the quantization and the rescale epilogue (bias included) are one C++ pass each
+(csrc/quant_linear.cpp) where it builds, rounding exactly as the torch ops they replace. On CUDA with triton
+the W8A16 kernel (kernels/triton/w8a16.py) serves; fp32 activations, odd shapes and other devices dequantize
+the weight and use the ordinary matmul.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels import cpp_build
 from kernels.device_path import triton_on
 
 MAX_GEMV_ROWS = 6  # measured on CPU (rows 2-12, three shapes): the GEMV wins to 4-6 rows, dynamic int8 from 8
@@ -29,13 +32,27 @@ def _use_dynamic(rows: torch.Tensor) -> bool:
     return rows.device.type == "cpu" and rows.dtype in DYNAMIC_DTYPES
 
 
-def dynamic_int8_mm(rows: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """rows [M, in] quantized per row to int8, times qweight [out, in] in int32, rescaled to rows' dtype."""
+def _fused():
+    return cpp_build.load("sluice_quant_linear_cpu", "quant_linear.cpp") if cpp_build.enabled() else None
+
+
+def quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """rows [M, in] as int8 codes and fp32 scales [M, 1] (absmax / 127 per row): the torch reference."""
     xf = rows.float()
     row_scale = xf.abs().amax(1, keepdim=True).clamp_min_(1e-12).div_(127)
-    xq = xf.div_(row_scale).round_().to(torch.int8)
-    acc = torch._int_mm(xq, qweight.t())
-    return acc.float().mul_(row_scale).mul_(scales.float()).to(rows.dtype)
+    return xf.div_(row_scale).round_().to(torch.int8), row_scale
+
+
+def dynamic_int8_mm(rows: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """rows [M, in] quantized per row to int8, times qweight [out, in] in int32, rescaled to rows' dtype, + bias."""
+    fused = _fused()
+    if fused is not None and rows.is_contiguous():
+        xq, row_scale = fused.quantize_rows(rows)
+        return fused.int8_rescale(torch._int_mm(xq, qweight.t()), row_scale, scales, bias)
+    xq, row_scale = quantize_rows(rows)
+    y = torch._int_mm(xq, qweight.t()).float().mul_(row_scale).mul_(scales.float()).to(rows.dtype)
+    return y if bias is None else y + bias
 
 
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
@@ -49,7 +66,7 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if _use_gemv(rows, qweight):
         y = torch._weight_int8pack_mm(rows.contiguous(), qweight, scales)
     elif _use_dynamic(rows):
-        y = dynamic_int8_mm(rows, qweight, scales)
+        y, bias = dynamic_int8_mm(rows.contiguous(), qweight, scales, bias), None
     else:
         y = F.linear(rows, qweight.to(x.dtype)) * scales
     if bias is not None:

@@ -1,0 +1,133 @@
+"""The C++ weight-only quantized kernels (int4 tile dequant + matmul, fused int8 activation quantization and
+rescale) against the dequantized-weight reference, their dispatch by row count, and the engine's greedy output
+with them against the torch paths they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels.int4_weights as int4
+import kernels.int8_weights as int8
+from engine import LLM, SamplingParams
+
+ROWS = (1, 7, 8, 64, 65)
+TILE_KERNEL = int4.cpu_layout() is not None
+needs_kernel = pytest.mark.skipif(not TILE_KERNEL, reason="no C++ toolchain (or unknown int4pack layout)")
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want).norm() / want.norm()).item()
+
+
+@needs_kernel
+def test_the_tile_kernel_reads_every_int4pack_code_including_a_tail_block():
+    torch.manual_seed(0)
+    weight = torch.randn(200, 96)  # 200 rows: padded to 208, three blocks of 64 and a tail of 16
+    packed = int4.pack(weight, torch.bfloat16)
+    q, _ = int4.quantize(weight)
+    codes = int4._tile_kernel().int4_codes(packed.packed, 96, 208, *int4.cpu_layout())[:200] + 8
+    assert torch.equal(codes, q)
+
+
+@needs_kernel
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_int4_tiles_match_the_dequantized_weight(monkeypatch, dtype, tol, with_bias):
+    monkeypatch.setattr(int4, "MAX_INT4PACK_ROWS", 0)  # every row count through the tiles
+    monkeypatch.setattr(int4, "TILE_BYTES", 64 * 128 * 4)  # several tiles per thread, the last one short
+    tiles, real = [], int4._tile_kernel().int4_tile_mm
+    spy = type("Spy", (), {"int4_tile_mm": staticmethod(lambda x, *a: tiles.append(x.shape[0]) or real(x, *a))})
+    monkeypatch.setattr(int4, "_tile_kernel", lambda: spy)
+    torch.manual_seed(0)
+    for out_features in (90, 200, 333):  # none a multiple of the tile or of the packer's 64-row block
+        weight = torch.randn(out_features, 128)
+        bias = torch.randn(out_features).to(dtype) if with_bias else None
+        packed = int4.pack(weight, dtype)
+        deq = int4.dequantize(packed, torch.float64)
+        for m in ROWS:
+            x = torch.randn(m, 128).to(dtype)
+            got = int4.int4_linear(x, packed, bias)
+            want = x.double() @ deq.T + (bias.double() if with_bias else 0)
+            assert got.shape == (m, out_features) and got.dtype == dtype
+            assert rel_err(got, want) < tol, (out_features, m)
+    assert tiles == [m for _ in range(3) for m in ROWS], "the tile kernel served every call"
+
+
+@needs_kernel
+def test_int4_rows_past_the_threshold_take_the_tiles_and_agree_with_int4pack(monkeypatch):
+    tiles, real = [], int4._tile_kernel().int4_tile_mm
+    spy = type("Spy", (), {"int4_tile_mm": staticmethod(lambda x, *a: tiles.append(x.shape[0]) or real(x, *a))})
+    monkeypatch.setattr(int4, "_tile_kernel", lambda: spy)
+    torch.manual_seed(0)
+    packed = int4.pack(torch.randn(256, 256), torch.bfloat16)
+    limit = int4.MAX_INT4PACK_ROWS
+    for m in (1, limit, limit + 1, 64):
+        x = torch.randn(m, 256).bfloat16()
+        got = int4.int4_linear(x, packed)
+        pack_mm = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed.packed, int4.GROUP, packed.scales_zeros)
+        assert rel_err(got, pack_mm.double()) < 1e-2
+    assert tiles == [limit + 1, 64], "int4pack up to MAX_INT4PACK_ROWS rows, the tiles above"
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_int8_quantize_and_rescale_are_bitwise_the_torch_ops(dtype):
+    torch.manual_seed(0)
+    fused = int8._fused()
+    for m, k, n in ((1, 64, 48), (7, 768, 200), (65, 96, 333)):
+        x = (torch.randn(m, k) * 3).to(dtype)
+        x[0] = 0  # an all-zero row: the 1e-12 floor on its scale
+        q_want, s_want = int8.quantize_rows(x)
+        q_got, s_got = fused.quantize_rows(x)
+        assert torch.equal(q_got, q_want) and torch.equal(s_got, s_want)
+        weight = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+        scales, bias = (torch.rand(n) / 50).to(dtype), torch.randn(n).to(dtype)
+        acc = q_want.int() @ weight.int().T
+        plain = acc.float().mul(s_want).mul(scales.float()).to(dtype)
+        assert torch.equal(fused.int8_rescale(acc, s_want, scales, None), plain)
+        assert torch.equal(fused.int8_rescale(acc, s_want, scales, bias), plain + bias)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_int8_linear_matches_the_dequantized_weight_at_every_row_count(dtype, tol, with_bias):
+    torch.manual_seed(0)
+    for out_features in (200, 333):
+        qweight = torch.randint(-127, 128, (out_features, 384), dtype=torch.int8)
+        scales = (torch.rand(out_features) / 50).to(dtype)
+        bias = torch.randn(out_features).to(dtype) if with_bias else None
+        deq = qweight.double() * scales.double()[:, None]
+        for m in ROWS:
+            x = torch.randn(m, 384).to(dtype)
+            got = int8.int8_linear(x, qweight, scales, bias)
+            want = x.double() @ deq.T + (bias.double() if with_bias else 0)
+            assert got.shape == (m, out_features) and got.dtype == dtype
+            assert rel_err(got, want) < tol, (out_features, m)
+
+
+DIMS = dict(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1)
+PROMPTS = [[1, *range(5, 5 + n)] for n in (6, 30, 70)]
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+def greedy_tokens(path, method: str) -> list[list[int]]:
+    llm = LLM(path, dtype="bfloat16", device="cpu", quantization=method)
+    return [o.token_ids for o in llm.generate(PROMPTS, GREEDY, progress=False)]
+
+
+@needs_kernel
+def test_int8_weight_only_greedy_output_is_unchanged_by_the_fused_kernels(checkpoint_factory, monkeypatch):
+    path = checkpoint_factory("llama", **DIMS)
+    fused = greedy_tokens(path, "int8_weight_only")
+    monkeypatch.setattr(int8, "_fused", lambda: None)
+    assert fused == greedy_tokens(path, "int8_weight_only")
+
+
+@needs_kernel
+def test_int4_weight_only_greedy_output_is_unchanged_by_the_tiles(checkpoint_factory, monkeypatch):
+    path = checkpoint_factory("llama", **DIMS)
+    monkeypatch.setattr(int4, "MAX_INT4PACK_ROWS", 0)  # prefill and decode through the tiles
+    tiles = greedy_tokens(path, "int4_weight_only")
+    monkeypatch.setattr(int4, "MAX_INT4PACK_ROWS", 1 << 30)  # the int4pack kernel alone, as before the tiles
+    assert tiles == greedy_tokens(path, "int4_weight_only")
