@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.flat_metadata import FlatMetadata, default_splits, padded_tables
+from kernels.flat_metadata import StepBuffers, default_splits
 
 SMALL_SIZES = (1, 2, 4, 8)
 
@@ -27,40 +27,33 @@ class DecodeGraphs:
     """Padded decode steps over static buffers, replayed from CUDA graphs (or run eagerly off CUDA)."""
 
     def __init__(self, model, kv_caches, max_num_seqs: int, max_blocks_per_seq: int, device: torch.device,
-                 capture: bool = True) -> None:
+                 capture: bool = True, buffers: StepBuffers | None = None) -> None:
         self.model, self.kv_caches, self.device = model, kv_caches, device
         self.sizes = capture_sizes(max_num_seqs)
-        n, w = self.sizes[-1], max_blocks_per_seq
-        i32 = dict(dtype=torch.int32, device=device)
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
-        self.positions = torch.zeros(n, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)
-        self.seq_len = torch.zeros(n, **i32)
-        self.block_tables = torch.zeros(n, w, **i32)
-        self.arange = torch.arange(n, **i32)
-        self.ones, self.zeros = torch.ones(n, **i32), torch.zeros(n, **i32)
-        self.host = {name: torch.zeros(getattr(self, name).shape, dtype=getattr(self, name).dtype,
-                                       pin_memory=device.type == "cuda")
-                     for name in ("input_ids", "positions", "slot_mapping", "seq_len", "block_tables")}
+        self.buffers = buffers or StepBuffers(max_num_seqs, max_num_seqs, max_blocks_per_seq, device)
+        width = self.buffers.host["block_tables"].shape[1]
+        self.splits = {n: default_splits(n, model.config.num_kv_heads, width * self.kv_block_size(), 1)
+                       for n in self.sizes}
         self.runs: dict[int, Callable[[], torch.Tensor]] = {}
         self.pool = None
         for size in reversed(self.sizes):
             self.runs[size] = self._capture(size) if capture else (lambda s=size: self._forward(s))
 
-    def _meta(self, n: int) -> FlatMetadata:
-        c = self.model.config
-        splits = default_splits(n, c.num_kv_heads, self.block_tables.shape[1] * self.kv_block_size(), 1)
-        return FlatMetadata(self.slot_mapping[:n], self.arange[:n], self.ones[:n], self.seq_len[:n],
-                            self.block_tables[:n], self.arange[:n], self.arange[:n], self.zeros[:n],
-                            block_q=1, num_splits=splits)
-
     def kv_block_size(self) -> int:
         return self.kv_caches[0].k.shape[2]
 
+    def _inputs(self, n: int, ids=(), positions=(), slots=(), context_lens=(), tables=()) -> None:
+        """Fill the static buffers with a decode step padded to n sequences."""
+        k = len(ids)
+        self.buffers.load(list(ids), list(positions), list(slots), [], [1] * k, list(context_lens), list(tables),
+                          self.model.config.num_kv_heads, pad_to=n, num_splits=self.splits[n])
+
     def _forward(self, n: int) -> torch.Tensor:
-        return self.model(self.input_ids[:n], self.positions[:n], self.kv_caches, self._meta(n), self.arange[:n])
+        ids, positions, meta, rows = self.buffers.views(n, n, n, n, None, 1, self.splits[n])
+        return self.model(ids, positions, self.kv_caches, meta, rows)
 
     def _capture(self, n: int) -> Callable[[], torch.Tensor]:
+        self._inputs(n)  # all padding (slot -1: the capture writes nothing)
         self._forward(n)  # warm-up: compiles the Triton kernels outside the capture (all slots -1: no writes)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
@@ -87,18 +80,6 @@ class DecodeGraphs:
     def load(self, ids: list[int], positions: list[int], slots: list[int], context_lens: list[int],
              tables: list[list[int]]) -> int:
         """Fill the static buffers with one decode step padded to the next captured size; return that size."""
-        n = len(ids)
-        size = next(s for s in self.sizes if s >= n)
-        h = self.host
-        h["input_ids"][:n] = torch.tensor(ids)
-        h["positions"][:n] = torch.tensor(positions)
-        h["slot_mapping"][:n] = torch.tensor(slots)
-        h["slot_mapping"][n:size] = -1
-        h["seq_len"][:n] = torch.tensor(context_lens, dtype=torch.int32)
-        h["seq_len"][n:size] = 0
-        width = max(len(t) for t in tables)
-        assert width <= h["block_tables"].shape[1], "block table wider than max_model_len allows"
-        h["block_tables"][:n, :width] = padded_tables(tables, width)
-        for name, host in h.items():
-            getattr(self, name)[:size].copy_(host[:size], non_blocking=True)
+        size = next(s for s in self.sizes if s >= len(ids))
+        self._inputs(size, ids, positions, slots, context_lens, tables)
         return size

@@ -11,6 +11,7 @@ import kernels
 from engine.models.llama import LayerKVCache, LlamaModel, ModelConfig
 from engine.request import Request
 from engine.scheduler import ScheduledBatch
+from kernels.flat_metadata import StepBuffers
 
 
 @dataclass(slots=True)
@@ -41,6 +42,19 @@ class ModelRunner:
                                                                        kv_dtype)
         self.kv_caches = [factory(num_blocks, block_size, c, kv_dtype, device) for _ in range(c.num_layers)]
         self.graphs = None
+        self.buffers: StepBuffers | None = None
+
+    def _step_buffers(self, tokens: int, seqs: int, width: int) -> StepBuffers:
+        """The device path's persistent step inputs, regrown (doubling) only when a step outgrows them."""
+        b = self.buffers
+        if b is None or tokens > b.host["input_ids"].shape[0] or seqs > b.max_seqs \
+                or width > b.host["block_tables"].shape[1]:
+            grow = (lambda need, have: max(need, 2 * have)) if b is not None else (lambda need, have: need)
+            old = (0, 0, 0) if b is None else (b.host["input_ids"].shape[0], b.max_seqs,
+                                               b.host["block_tables"].shape[1])
+            self.buffers = StepBuffers(grow(max(tokens, 256), old[0]), grow(max(seqs, 8), old[1]),
+                                       grow(max(width, 16), old[2]), self.device)
+        return self.buffers
 
     @torch.inference_mode()
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
@@ -97,8 +111,11 @@ class ModelRunner:
             rows.logits = self.graphs.run(ids, positions, slots, context_lens, tables)
             return rows
         if self.flat:
-            meta = kernels.build_flat_metadata(batch.num_new_tokens, context_lens, tables, slots, dev,
-                                               self.model.config.num_kv_heads)
+            buffers = self._step_buffers(len(ids), len(tables), max(len(t) for t in tables))
+            inputs = buffers.load(ids, positions, slots, logit_idx, batch.num_new_tokens, context_lens, tables,
+                                  self.model.config.num_kv_heads)
+            rows.logits = self.model(*inputs[:2], self.kv_caches, *inputs[2:])
+            return rows
         else:
             slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)
             meta = kernels.build_metadata(batch.num_new_tokens, context_lens, tables, slot_mapping, bs, dev,

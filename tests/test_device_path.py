@@ -141,3 +141,55 @@ def test_engine_on_the_device_path_matches_the_default_path(tiny_llama, monkeypa
     got = [o.token_ids for o in llm.generate(prompts, params, progress=False)]
     assert got == want
     assert sizes or "speculative" in extra
+
+
+def test_step_buffers_reused_across_steps_hold_no_stale_rows():
+    """A big prefill step then a small mixed step in the same buffers: exactly the layout built by hand."""
+    from kernels.flat_metadata import StepBuffers
+
+    b = StepBuffers(64, 8, 6, torch.device("cpu"))
+    b.load(list(range(40)), list(range(40)), list(range(40)), [39], [40], [40], [[5, 4, 3]], 2)
+    ids, pos, meta, rows = b.load([7, 8, 9, 1], [3, 4, 5, 9], [11, 12, 13, -1], [2, 3], [3, 1], [6, 10],
+                                  [[2], [0, 1]], 2)
+    assert ids.tolist() == [7, 8, 9, 1] and pos.tolist() == [3, 4, 5, 9] and rows.tolist() == [2, 3]
+    assert meta.slot_mapping.tolist() == [11, 12, 13, -1]
+    assert meta.query_start.tolist() == [0, 3] and meta.query_len.tolist() == [3, 1]
+    assert meta.seq_len.tolist() == [6, 10] and meta.token_seq.tolist() == [0, 0, 0, 1]
+    assert meta.block_tables.shape == (2, 2) and meta.block_tables[1].tolist() == [0, 1]
+    assert meta.block_tables[0, 0].item() == 2
+    assert meta.tile_seq.tolist() == [0, 1] and meta.tile_q0.tolist() == [0, 0] and meta.block_q == 4
+
+
+def test_padded_load_fills_padding_rows_and_fixed_views():
+    from kernels.flat_metadata import StepBuffers
+
+    b = StepBuffers(8, 8, 4, torch.device("cpu"))
+    b.load(list(range(8)), list(range(8)), list(range(8)), [], [1] * 8, [5] * 8, [[1]] * 8, 2, pad_to=8)
+    ids, _, meta, rows = b.load([4, 5], [6, 7], [20, 21], [], [1, 1], [7, 8], [[2], [3]], 2, pad_to=4,
+                                num_splits=2)
+    assert ids.tolist() == [4, 5, 0, 0] and rows.tolist() == [0, 1, 2, 3]
+    assert meta.slot_mapping.tolist() == [20, 21, -1, -1] and meta.seq_len.tolist() == [7, 8, 0, 0]
+    assert meta.query_len.tolist() == [1] * 4 and meta.query_start.tolist() == [0, 1, 2, 3]
+    assert meta.block_tables.shape == (4, 4) and meta.num_splits == 2 and meta.block_q == 1
+
+
+def test_runner_keeps_its_step_buffers(tiny_llama, device_path):
+    """Steps of the device path reuse one set of buffers (same storage), regrown only when outgrown."""
+    llm = LLM(tiny_llama, dtype="float32", device="cpu", max_num_batched_tokens=40, max_num_seqs=4)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    llm.generate([[5, 6, 7] * 3], params, progress=False)
+    r = llm.engine.runner
+    first = r.buffers.host["input_ids"].data_ptr()
+    llm.generate([[5, 6, 7] * 4, [8, 9]], params, progress=False)
+    assert r.buffers.host["input_ids"].data_ptr() == first
+
+
+def test_default_splits_are_powers_of_two():
+    from kernels.flat_metadata import default_splits
+
+    for seqs in (1, 2, 3, 5, 64):
+        for heads in (1, 2, 8):
+            for ctx in (257, 700, 1100, 3000, 9000):
+                s = default_splits(seqs, heads, ctx, 1)
+                assert s >= 1 and s & (s - 1) == 0
+    assert default_splits(1, 8, 768, 1) == 2  # 3 wanted, rounded down
