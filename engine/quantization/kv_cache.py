@@ -1,4 +1,8 @@
-"""The int8 KV cache: int8 keys/values with a per-token, per-head fp16 scale, dequantized inside attention."""
+"""The int8 KV cache: int8 keys/values with a per-token, per-head fp16 scale, dequantized inside attention.
+
+On CPU, short queries (decode, verify) run the fused kernel, which reads the int8 blocks and their scales
+itself; prefill, and every query where the kernel is off or unbuilt, attends over a dequantized copy.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,8 @@ import torch
 import kernels
 from engine.models.llama import ModelConfig
 from kernels import device_path
+from kernels.cpu_attention import paged_attention_cpu
+from kernels.dispatch import fused_int8_attention
 from kernels.kv_int8 import SCALE_DTYPE, compact_metadata, dequantize_blocks, write_kv_int8
 
 
@@ -19,20 +25,23 @@ def kv_token_bytes(c: ModelConfig) -> int:
 class StepBlocks:
     """The blocks this step reads and its renumbered metadata, computed once and shared by all layers."""
 
-    __slots__ = ("meta", "used", "compact")
+    __slots__ = ("meta", "used", "compact", "fused")
 
     def __init__(self) -> None:
-        self.meta = self.used = self.compact = None
+        self.meta = self.used = self.compact = self.fused = None
 
-    def of(self, meta, num_blocks: int):
+    def of(self, meta, num_blocks: int, device: torch.device):
+        """(blocks to dequantize, their renumbered metadata, the fused kernel's arguments or None) of this step."""
         if self.meta is not meta:
-            self.used, self.compact = compact_metadata(meta, num_blocks)
+            fused = fused_int8_attention(device)
+            self.used, self.compact, self.fused = compact_metadata(meta, num_blocks, fused)
             self.meta = meta
-        return self.used, self.compact
+        return self.used, self.compact, self.fused
 
 
 class Int8LayerKVCache:
-    """One layer's int8 slice of the pool: quantizes in `write`, attends over dequantized blocks."""
+    """One layer's int8 slice of the pool: quantizes in `write`; attends with the fused kernel or over
+    dequantized blocks."""
 
     __slots__ = ("k", "v", "k_scale", "v_scale", "dtype", "step")
 
@@ -51,10 +60,13 @@ class Int8LayerKVCache:
     def attend(self, q, k, v, meta, scale) -> torch.Tensor:
         if isinstance(meta, kernels.FlatMetadata):
             return device_path.attention(q, self.k, self.v, meta, scale, self.k_scale, self.v_scale)
-        used, compact = self.step.of(meta, self.k.shape[1])
+        used, compact, fused = self.step.of(meta, self.k.shape[1], q.device)
         keys = dequantize_blocks(self.k, self.k_scale, used, q.dtype)
         vals = dequantize_blocks(self.v, self.v_scale, used, q.dtype)
-        return kernels.paged_attention(q, k, v, keys, vals, compact, scale)
+        out = kernels.paged_attention(q, k, v, keys, vals, compact, scale)
+        if fused is not None:
+            paged_attention_cpu(q, self.k, self.v, out, *fused, scale, self.k_scale, self.v_scale)
+        return out
 
 
 def int8_kv_cache(dtype: torch.dtype):

@@ -1,80 +1,318 @@
-// Fused CPU paged attention: walks each sequence's block table, reading every cached key/value once.
+// Fused CPU paged attention of short queries: walks each sequence's block table, reading every cached key and
+// value once per kv head, in tiles converted to fp32 in L1 and shared by the kv head's G query rows; AVX-512
+// (or AVX2) through at::vec; a flash-style online softmax; long contexts split across threads and merged by
+// log-sum-exp. An int8 cache (per-token-head fp16 scales) is dequantized in registers: the key scale folds into
+// the score, the value scale into the softmax weight.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
+#define CPU_CAPABILITY_AVX512
+#elif defined(__AVX2__) && defined(__FMA__)
+#define CPU_CAPABILITY_AVX2
+#endif
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <algorithm>
 #include <cmath>
+#include <limits>
+#include <type_traits>
 #include <vector>
 
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kTile = 16;       // key/value positions converted and scored together
+constexpr int64_t kMinChunk = 128;  // the fewest positions a thread's share of a split context holds
+
+struct Cache {
+  const void* k;
+  const void* v;
+  const at::Half* k_scale;  // null for a plain cache
+  const at::Half* v_scale;
+  int64_t blocks, block_size, width;  // blocks per head, positions per block, block-table row width
+  const int64_t* tables;
+};
+
+struct Unit {  // one kv head of one sequence over positions [p0, p1)
+  int64_t s, hk, p0, p1, part;  // part: row of the partial-result buffer, -1 when the unit writes out directly
+};
+
+template <typename C>
+static inline void row_to_float(const C* src, float* dst, int64_t D) {
+  int64_t d = 0;
+  if constexpr (at::vec::is_reduced_floating_point_v<C>) {
+    for (; d + Vec::size() <= D; d += Vec::size()) {
+      Vec x;
+      at::vec::load_to_float<C>(src + d, x);
+      x.store(dst + d);
+    }
+  }
+  for (; d < D; ++d) dst[d] = static_cast<float>(src[d]);  // int8 and double: a loop the compiler vectorizes
+}
+
+// Rows [p, p + n) of the cache for head hk as fp32: pointers into the cache itself when it is fp32.
+template <typename C>
+static void load_tile(const C* base, const Cache& c, const int64_t* table, int64_t hk, int64_t p, int64_t n,
+                      int64_t D, float* buf, const float** rows) {
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t pos = p + j;
+    const C* src = base + ((hk * c.blocks + table[pos / c.block_size]) * c.block_size + pos % c.block_size) * D;
+    if constexpr (std::is_same_v<C, float>) {
+      rows[j] = src;
+    } else {
+      row_to_float(src, buf + j * D, D);
+      rows[j] = buf + j * D;
+    }
+  }
+}
+
+static inline float scale_at(const at::Half* scales, const Cache& c, const int64_t* table, int64_t hk, int64_t pos) {
+  return static_cast<float>(scales[(hk * c.blocks + table[pos / c.block_size]) * c.block_size + pos % c.block_size]);
+}
+
+static inline float dot(const float* a, const float* b, int64_t D) {
+  Vec acc(0.f);
+  int64_t d = 0;
+  for (; d + Vec::size() <= D; d += Vec::size()) acc = at::vec::fmadd(Vec::loadu(a + d), Vec::loadu(b + d), acc);
+  float sum = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc);
+  for (; d < D; ++d) sum += a[d] * b[d];
+  return sum;
+}
+
+// Scores of one query row against n key rows, four rows at a time so q is loaded once per four keys.
+static inline void scores(const float* q, const float* const* k, int64_t n, int64_t D, float* out) {
+  int64_t j = 0;
+  if (D % Vec::size() == 0) {
+    for (; j + 4 <= n; j += 4) {
+      Vec a0(0.f), a1(0.f), a2(0.f), a3(0.f);
+      for (int64_t d = 0; d < D; d += Vec::size()) {
+        const Vec x = Vec::loadu(q + d);
+        a0 = at::vec::fmadd(x, Vec::loadu(k[j] + d), a0);
+        a1 = at::vec::fmadd(x, Vec::loadu(k[j + 1] + d), a1);
+        a2 = at::vec::fmadd(x, Vec::loadu(k[j + 2] + d), a2);
+        a3 = at::vec::fmadd(x, Vec::loadu(k[j + 3] + d), a3);
+      }
+      auto sum = [](Vec& x, Vec& y) { return x + y; };
+      out[j] = at::vec::vec_reduce_all<float>(sum, a0);
+      out[j + 1] = at::vec::vec_reduce_all<float>(sum, a1);
+      out[j + 2] = at::vec::vec_reduce_all<float>(sum, a2);
+      out[j + 3] = at::vec::vec_reduce_all<float>(sum, a3);
+    }
+  }
+  for (; j < n; ++j) out[j] = dot(q, k[j], D);
+}
+
+// acc [D] += sum_j w[j] * v[j]: each slice of acc stays in a register across the tile's rows.
+static inline void accumulate(float* acc, const float* w, const float* const* v, int64_t n, int64_t D) {
+  int64_t d = 0;
+  for (; d + Vec::size() <= D; d += Vec::size()) {
+    Vec a = Vec::loadu(acc + d);
+    for (int64_t j = 0; j < n; ++j) a = at::vec::fmadd(Vec(w[j]), Vec::loadu(v[j] + d), a);
+    a.store(acc + d);
+  }
+  for (; d < D; ++d)
+    for (int64_t j = 0; j < n; ++j) acc[d] += w[j] * v[j][d];
+}
+
+static inline void scale_row(float* x, float f, int64_t D) {
+  int64_t d = 0;
+  for (; d + Vec::size() <= D; d += Vec::size()) (Vec::loadu(x + d) * Vec(f)).store(x + d);
+  for (; d < D; ++d) x[d] *= f;
+}
+
+// Online softmax over one unit: m (running max), l (running sum) and acc [R, D] (unnormalized output).
+template <typename T, typename C>
+static void attend_unit(const T* q, const Cache& c, const Unit& u, int64_t t0, int64_t nq, int64_t L, int64_t H,
+                        int64_t G, int64_t D, float scale, std::vector<float>& qf, float* m, float* l, float* acc) {
+  const int64_t R = nq * G, hk = u.hk;
+  const int64_t* table = c.tables + u.s * c.width;
+  qf.resize(R * D);
+  for (int64_t r = 0; r < R; ++r) {
+    const T* src = q + ((t0 + r / G) * H + hk * G + r % G) * D;
+    for (int64_t d = 0; d < D; ++d) qf[r * D + d] = static_cast<float>(src[d]) * scale;
+    m[r] = -std::numeric_limits<float>::infinity();
+    l[r] = 0.f;
+  }
+  std::fill(acc, acc + R * D, 0.f);
+  alignas(64) float kbuf[kTile * 256], vbuf[kTile * 256], s[kTile], w[kTile], ks[kTile], vs[kTile];
+  std::vector<float> big;
+  float *kb = kbuf, *vb = vbuf;
+  if (D > 256) {
+    big.resize(2 * kTile * D);
+    kb = big.data();
+    vb = big.data() + kTile * D;
+  }
+  const float* krows[kTile];
+  const float* vrows[kTile];
+  const C* kc = static_cast<const C*>(c.k);
+  const C* vc = static_cast<const C*>(c.v);
+  for (int64_t p = u.p0; p < u.p1; p += kTile) {
+    const int64_t n = std::min(kTile, u.p1 - p);
+    load_tile(kc, c, table, hk, p, n, D, kb, krows);
+    load_tile(vc, c, table, hk, p, n, D, vb, vrows);
+    for (int64_t j = 0; j < n; ++j) {
+      ks[j] = c.k_scale ? scale_at(c.k_scale, c, table, hk, p + j) : 1.f;
+      vs[j] = c.v_scale ? scale_at(c.v_scale, c, table, hk, p + j) : 1.f;
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t valid = std::min(n, L - nq + r / G + 1 - p);  // causal: query i sees positions < L - nq + i + 1
+      if (valid <= 0) continue;
+      scores(qf.data() + r * D, krows, valid, D, s);
+      float top = m[r];
+      for (int64_t j = 0; j < valid; ++j) {
+        s[j] *= ks[j];
+        top = std::max(top, s[j]);
+      }
+      float sum = 0.f;
+      int64_t j = 0;
+      for (; j + Vec::size() <= valid; j += Vec::size()) {
+        const Vec e = (Vec::loadu(s + j) - Vec(top)).exp_u20();
+        e.store(w + j);
+      }
+      for (; j < valid; ++j) w[j] = std::exp(s[j] - top);
+      for (j = 0; j < valid; ++j) {
+        sum += w[j];
+        w[j] *= vs[j];
+      }
+      float* ar = acc + r * D;
+      if (top != m[r]) {
+        const float alpha = std::exp(m[r] - top);  // exp(-inf) = 0 on the first tile
+        scale_row(ar, alpha, D);
+        l[r] *= alpha;
+        m[r] = top;
+      }
+      l[r] += sum;
+      accumulate(ar, w, vrows, valid, D);
+    }
+  }
+}
+
 template <typename T>
-static void run(const T* q, const T* kc, const T* vc, T* out, const int64_t* qstart, const int64_t* qlen,
-                const int64_t* ctx, const int64_t* bt, int64_t S, int64_t H, int64_t Hk, int64_t D, int64_t NB,
-                int64_t bs, int64_t max_nb, float scale) {
+static void write_rows(T* out, const float* acc, const float* l, int64_t t0, int64_t R, int64_t H, int64_t G,
+                       int64_t hk, int64_t D) {
+  for (int64_t r = 0; r < R; ++r) {
+    T* dst = out + ((t0 + r / G) * H + hk * G + r % G) * D;
+    const float inv = 1.f / l[r];
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[r * D + d] * inv);
+  }
+}
+
+static inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Units in order of sequence, chunk, kv head, with each split sequence's partial rows numbered.
+static std::vector<Unit> plan(const int64_t* qlen, const int64_t* ctx, int64_t S, int64_t Hk, int64_t G,
+                              int64_t chunk, std::vector<int64_t>& part_rows) {
+  if (chunk <= 0) {  // automatic: split contexts only when sequences x kv heads leave threads idle
+    const int64_t want = 4 * at::get_num_threads(), units = S * Hk;
+    int64_t longest = 1;
+    for (int64_t s = 0; s < S; ++s) longest = std::max(longest, ctx[s]);
+    chunk = units >= want ? longest : std::max(kMinChunk, ceil_div(longest, ceil_div(want, units)));
+  }
+  std::vector<Unit> units;
+  int64_t parts = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t n = std::max<int64_t>(1, ceil_div(ctx[s], chunk));
+    for (int64_t c = 0; c < n; ++c)
+      for (int64_t hk = 0; hk < Hk; ++hk) {
+        units.push_back({s, hk, c * chunk, std::min(ctx[s], (c + 1) * chunk), n > 1 ? parts : -1});
+        if (n > 1) parts += qlen[s] * G;
+      }
+  }
+  part_rows.assign(1, parts);
+  return units;
+}
+
+template <typename T, typename C>
+static void run(const T* q, const Cache& c, T* out, const int64_t* qstart, const int64_t* qlen, const int64_t* ctx,
+                int64_t S, int64_t H, int64_t Hk, int64_t D, float scale, int64_t chunk) {
   const int64_t G = H / Hk;
+  std::vector<int64_t> part_rows;
+  const std::vector<Unit> units = plan(qlen, ctx, S, Hk, G, chunk, part_rows);
+  std::vector<float> part_m(part_rows[0]), part_l(part_rows[0]), part_acc(part_rows[0] * D);
+  std::vector<double> cost(units.size() + 1, 0.0);  // prefix sums: threads take equal shares of the work
+  for (size_t i = 0; i < units.size(); ++i)
+    cost[i + 1] = cost[i] + double(qlen[units[i].s] * G) * double(units[i].p1 - units[i].p0 + kTile);
+  const int64_t T_ = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), units.size()));
+  at::parallel_for(0, T_, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf, m, l, acc;
+    for (int64_t t = begin; t < end; ++t) {
+      const double lo = cost.back() * t / T_, hi = cost.back() * (t + 1) / T_;
+      for (size_t i = 0; i < units.size(); ++i) {
+        const double mid = 0.5 * (cost[i] + cost[i + 1]);
+        if (mid < lo || mid >= hi) continue;
+        const Unit& u = units[i];
+        const int64_t R = qlen[u.s] * G;
+        float *pm, *pl, *pa;
+        if (u.part >= 0) {
+          pm = part_m.data() + u.part, pl = part_l.data() + u.part, pa = part_acc.data() + u.part * D;
+        } else {
+          m.resize(R), l.resize(R), acc.resize(R * D);
+          pm = m.data(), pl = l.data(), pa = acc.data();
+        }
+        attend_unit<T, C>(q, c, u, qstart[u.s], qlen[u.s], ctx[u.s], H, G, D, scale, qf, pm, pl, pa);
+        if (u.part < 0) write_rows(out, pa, pl, qstart[u.s], R, H, G, u.hk, D);
+      }
+    }
+  });
+  if (part_rows[0] == 0) return;
+  std::vector<std::vector<const Unit*>> chunks_of(S * Hk);  // the partial units of each split (sequence, kv head)
+  for (const Unit& u : units)
+    if (u.part >= 0) chunks_of[u.s * Hk + u.hk].push_back(&u);
   at::parallel_for(0, S * Hk, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf, sc, acc, row(D);
+    std::vector<float> acc, l;
     for (int64_t w = begin; w < end; ++w) {
-      const int64_t s = w / Hk, hk = w % Hk, nq = qlen[s], L = ctx[s], t0 = qstart[s], R = nq * G;
-      const int64_t* table = bt + s * max_nb;
-      qf.resize(R * D); sc.resize(R * L); acc.assign(R * D, 0.f);
-      for (int64_t i = 0; i < nq; ++i)
-        for (int64_t g = 0; g < G; ++g) {
-          const T* src = q + ((t0 + i) * H + hk * G + g) * D;
-          float* dst = qf.data() + (i * G + g) * D;
-          for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]) * scale;
-        }
-      for (int64_t p = 0; p < L; ++p) {
-        const T* k = kc + ((hk * NB + table[p / bs]) * bs + p % bs) * D;
-        for (int64_t d = 0; d < D; ++d) row[d] = static_cast<float>(k[d]);
-        for (int64_t r = 0; r < R; ++r) {
-          const float* qr = qf.data() + r * D;
-          float dot = 0.f;
-          for (int64_t d = 0; d < D; ++d) dot += qr[d] * row[d];
-          sc[r * L + p] = dot;
-        }
-      }
+      const auto& parts = chunks_of[w];
+      if (parts.empty()) continue;
+      const int64_t s = parts[0]->s, R = qlen[s] * G;
+      acc.assign(R * D, 0.f), l.assign(R, 0.f);
       for (int64_t r = 0; r < R; ++r) {
-        const int64_t lim = L - nq + r / G + 1;
-        float* sr = sc.data() + r * L;
-        float m = -INFINITY, sum = 0.f;
-        for (int64_t p = 0; p < lim; ++p) m = sr[p] > m ? sr[p] : m;
-        for (int64_t p = 0; p < lim; ++p) { sr[p] = std::exp(sr[p] - m); sum += sr[p]; }
-        const float inv = 1.f / sum;
-        for (int64_t p = 0; p < lim; ++p) sr[p] *= inv;
-        for (int64_t p = lim; p < L; ++p) sr[p] = 0.f;
-      }
-      for (int64_t p = 0; p < L; ++p) {
-        const T* v = vc + ((hk * NB + table[p / bs]) * bs + p % bs) * D;
-        for (int64_t d = 0; d < D; ++d) row[d] = static_cast<float>(v[d]);
-        for (int64_t r = 0; r < R; ++r) {
-          const float wgt = sc[r * L + p];
-          float* ar = acc.data() + r * D;
-          for (int64_t d = 0; d < D; ++d) ar[d] += wgt * row[d];
+        float top = -std::numeric_limits<float>::infinity();
+        for (const Unit* u : parts) top = std::max(top, part_m[u->part + r]);
+        for (const Unit* u : parts) {
+          const float mu = part_m[u->part + r];
+          if (mu == -std::numeric_limits<float>::infinity()) continue;  // no visible position in this chunk
+          const float f = std::exp(mu - top);
+          l[r] += part_l[u->part + r] * f;
+          const float* src = part_acc.data() + (u->part + r) * D;
+          for (int64_t d = 0; d < D; ++d) acc[r * D + d] += src[d] * f;
         }
       }
-      for (int64_t i = 0; i < nq; ++i)
-        for (int64_t g = 0; g < G; ++g) {
-          T* dst = out + ((t0 + i) * H + hk * G + g) * D;
-          const float* a = acc.data() + (i * G + g) * D;
-          for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(a[d]);
-        }
+      write_rows(out, acc.data(), l.data(), qstart[s], R, H, G, parts[0]->hk, D);
     }
   });
 }
 
 void paged_attention_cpu(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor out,
                          torch::Tensor qstart, torch::Tensor qlen, torch::Tensor ctx, torch::Tensor block_tables,
-                         double scale) {
+                         double scale, std::optional<torch::Tensor> k_scale, std::optional<torch::Tensor> v_scale,
+                         int64_t chunk) {
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() && out.is_contiguous());
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q and cache dtypes differ");
-  const int64_t S = qstart.size(0), H = q.size(1), D = q.size(2), Hk = k_cache.size(0), NB = k_cache.size(1);
-  const int64_t bs = k_cache.size(2), max_nb = block_tables.size(1);
+  TORCH_CHECK(block_tables.is_contiguous() && block_tables.scalar_type() == at::kLong, "block tables: int64");
+  const bool int8 = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(int8 || q.scalar_type() == k_cache.scalar_type(), "q and cache dtypes differ");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "key and value caches differ in dtype");
+  TORCH_CHECK(int8 == (k_scale.has_value() && v_scale.has_value()), "an int8 cache needs both scales");
+  Cache c{k_cache.data_ptr(), v_cache.data_ptr(), nullptr, nullptr, k_cache.size(1), k_cache.size(2),
+          block_tables.size(1), block_tables.data_ptr<int64_t>()};
+  if (int8) {
+    TORCH_CHECK(k_scale->scalar_type() == at::kHalf && v_scale->scalar_type() == at::kHalf, "scales: fp16");
+    TORCH_CHECK(k_scale->is_contiguous() && v_scale->is_contiguous());
+    c.k_scale = k_scale->data_ptr<at::Half>();
+    c.v_scale = v_scale->data_ptr<at::Half>();
+  }
+  const int64_t S = qstart.size(0), H = q.size(1), D = q.size(2), Hk = k_cache.size(0);
+  const int64_t* qs = qstart.data_ptr<int64_t>();
+  const int64_t* ql = qlen.data_ptr<int64_t>();
+  const int64_t* cl = ctx.data_ptr<int64_t>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention_cpu", [&] {
-    run<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                  out.data_ptr<scalar_t>(), qstart.data_ptr<int64_t>(), qlen.data_ptr<int64_t>(),
-                  ctx.data_ptr<int64_t>(), block_tables.data_ptr<int64_t>(), S, H, Hk, D, NB, bs, max_nb,
-                  static_cast<float>(scale));
+    const scalar_t* qp = q.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    if (int8)
+      run<scalar_t, int8_t>(qp, c, op, qs, ql, cl, S, H, Hk, D, static_cast<float>(scale), chunk);
+    else
+      run<scalar_t, scalar_t>(qp, c, op, qs, ql, cl, S, H, Hk, D, static_cast<float>(scale), chunk);
   });
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention_cpu", &paged_attention_cpu, "Paged attention of short queries over their blocks (CPU)");
+  m.def("paged_attention_cpu", &paged_attention_cpu,
+        "Paged attention of short queries over their blocks (CPU; plain or int8 cache with per-token-head scales)");
 }

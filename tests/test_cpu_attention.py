@@ -1,0 +1,166 @@
+"""The vectorized CPU paged-attention kernel (plain and int8 caches) against a float64 reference, and the int8 KV
+cache's fused path against its dequantize-then-attend path, down to greedy engine output."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.quantization import kv_cache as int8_cache
+from engine.quantization.kv_cache import StepBlocks, int8_kv_cache
+from kernels import cpu_attention
+from kernels.attention import build_metadata
+from kernels.int8_heads import quantize_heads
+
+pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="no C++ toolchain for the CPU kernel")
+
+BS, NB, D = 16, 160, 64
+# query lengths 1-16 against contexts 1, block_size, block_size + 1 and long ones (split when chunk > 0)
+QUERY_LENS = [1, 1, 1, 4, 16, 1, 7, 2, 16]
+CONTEXT_LENS = [1, BS, BS + 1, BS, 40, 700, 333, 1000, 16]
+TOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+def layout(context_lens, seed=0):
+    """Block tables drawn from a shuffled pool, so no sequence's blocks are contiguous."""
+    perm = torch.randperm(NB, generator=torch.Generator().manual_seed(seed)).tolist()
+    tables, used = [], 0
+    for c in context_lens:
+        n = -(-c // BS)
+        tables.append(perm[used:used + n])
+        used += n
+    return tables
+
+
+def kernel_args(query_lens, context_lens, tables):
+    starts = torch.tensor([sum(query_lens[:i]) for i in range(len(query_lens))])
+    width = max(len(t) for t in tables)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    return starts, torch.tensor(query_lens), torch.tensor(context_lens), bt
+
+
+def reference(q, kc, vc, query_lens, context_lens, tables, scale):
+    """Causal attention in float64 per sequence over its keys laid out contiguously (GQA by repetition)."""
+    hk, h = kc.shape[0], q.shape[1]
+    out, start = [], 0
+    for ql, c, t in zip(query_lens, context_lens, tables, strict=True):
+        pos = torch.arange(c)
+        idx = torch.tensor(t)[pos // BS] * BS + pos % BS
+        k = kc.reshape(hk, -1, D)[:, idx].double().repeat_interleave(h // hk, 0)
+        v = vc.reshape(hk, -1, D)[:, idx].double().repeat_interleave(h // hk, 0)
+        qs = q[start:start + ql].transpose(0, 1).double()
+        s = (qs @ k.transpose(1, 2)) * scale
+        s = s.masked_fill(pos[None, :] > torch.arange(c - ql, c)[:, None], float("-inf"))
+        out.append((s.softmax(-1) @ v).transpose(0, 1))
+        start += ql
+    return torch.cat(out)
+
+
+def run_kernel(q, kc, vc, query_lens, context_lens, tables, chunk, k_scale=None, v_scale=None):
+    out = torch.full_like(q, float("nan"))
+    cpu_attention.paged_attention_cpu(q, kc, vc, out, *kernel_args(query_lens, context_lens, tables), D**-0.5,
+                                      k_scale, v_scale, chunk)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("chunk", [0, 64, 1])  # automatic; long contexts split and merged; every position alone
+def test_kernel_matches_float64_reference(dtype, group, chunk):
+    hk = 2
+    g = torch.Generator().manual_seed(group)
+    kc, vc = (torch.randn(hk, NB, BS, D, generator=g).to(dtype) for _ in range(2))
+    q = (torch.randn(sum(QUERY_LENS), hk * group, D, generator=g) * 2).to(dtype)
+    tables = layout(CONTEXT_LENS)
+    got = run_kernel(q, kc, vc, QUERY_LENS, CONTEXT_LENS, tables, chunk)
+    want = reference(q, kc, vc, QUERY_LENS, CONTEXT_LENS, tables, D**-0.5)
+    assert got.dtype == dtype and not got.isnan().any(), "every query row is written"
+    assert (got.double() - want).abs().max().item() < TOL[dtype]
+
+
+def test_batch_one_long_context_splits_across_threads_and_matches():
+    """One sequence and one kv head: the automatic plan splits the context, the merge is exact."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        kc, vc = (torch.randn(1, NB, BS, D) for _ in range(2))
+        q = torch.randn(3, 4, D)
+        tables = layout([1500])
+        got = run_kernel(q, kc, vc, [3], [1500], tables, 0)
+        whole = run_kernel(q, kc, vc, [3], [1500], tables, 10**6)
+    finally:
+        torch.set_num_threads(threads)
+    want = reference(q, kc, vc, [3], [1500], tables, D**-0.5)
+    assert (got.double() - want).abs().max().item() < 2e-5
+    assert (whole.double() - want).abs().max().item() < 2e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk", [0, 64])
+def test_int8_cache_read_by_the_kernel_matches_dequantize_then_attend(dtype, chunk):
+    hk, group = 2, 3
+    g = torch.Generator().manual_seed(7)
+    (kq, ks), (vq, vs) = (quantize_heads(torch.randn(hk, NB, BS, D, generator=g) * 3) for _ in range(2))
+    q = torch.randn(sum(QUERY_LENS), hk * group, D, generator=g).to(dtype)
+    tables = layout(CONTEXT_LENS, seed=3)
+    got = run_kernel(q, kq, vq, QUERY_LENS, CONTEXT_LENS, tables, chunk, ks, vs)
+    kd, vd = (x.double() * s.double()[..., None] for x, s in ((kq, ks), (vq, vs)))
+    want = reference(q, kd, vd, QUERY_LENS, CONTEXT_LENS, tables, D**-0.5)
+    assert got.dtype == dtype and (got.double() - want).abs().max().item() < TOL[dtype] * 3
+
+
+def test_int8_layer_cache_reads_only_long_sequences_blocks_into_a_copy(monkeypatch):
+    """A step mixing decode, verify and a prefill chunk: same output with the kernel as without it, and the
+    dequantized copy holds only the prefill chunk's blocks."""
+    c = SimpleNamespace(num_kv_heads=2, head_dim=D)  # all the cache factory reads of a ModelConfig
+    query_lens, context_lens = [1, 5, 40, 1], [30, 70, 90, 1]
+    tables = layout(context_lens)
+    slots = torch.tensor([t[p // BS] * BS + p % BS for q, n, t in zip(query_lens, context_lens, tables, strict=True)
+                          for p in range(n - q, n)])
+    past = torch.tensor([t[p // BS] * BS + p % BS for q, n, t in zip(query_lens, context_lens, tables, strict=True)
+                         for p in range(n - q)])
+    torch.manual_seed(0)
+    outs = []
+    for fused in (True, False):
+        monkeypatch.setattr(int8_cache, "fused_int8_attention", lambda device, on=fused: on)
+        cache = int8_kv_cache(torch.float32)(NB, BS, c, torch.int8, torch.device("cpu"))
+        torch.manual_seed(1)
+        cache.write(torch.randn(len(past), 2, D), torch.randn(len(past), 2, D), past)
+        k, v, q = torch.randn(len(slots), 2, D), torch.randn(len(slots), 2, D), torch.randn(len(slots), 6, D)
+        cache.write(k, v, slots)
+        meta = build_metadata(query_lens, context_lens, tables, slots, BS, torch.device("cpu"))
+        outs.append(cache.attend(q, k, v, meta, D**-0.5))
+        used, _, args = cache.step.of(meta, NB, q.device)
+        assert (args is not None) == fused
+        if fused:
+            assert sorted(used.tolist()) == sorted(tables[2]), "the copy holds only the prefill chunk's blocks"
+        else:
+            assert set(sum(tables, [])) <= set(used.tolist())
+    assert (outs[0] - outs[1]).abs().max().item() < 1e-4
+    assert isinstance(cache.step, StepBlocks)
+
+
+@pytest.mark.parametrize(("dtype", "min_same"), [("float32", 1.0), ("bfloat16", 0.8)])
+def test_engine_greedy_output_with_int8_kv_is_unchanged_by_the_kernel(checkpoint_factory, monkeypatch, dtype,
+                                                                      min_same):
+    """fp32: token for token; bf16: the torch path rounds its dequantized copy to bf16, so the existing int8-KV
+    bound (80% of tokens) applies."""
+    ckpt = checkpoint_factory("llama", hidden_size=192, intermediate_size=256, num_attention_heads=6,
+                              num_key_value_heads=2)
+    calls = []
+    real = int8_cache.paged_attention_cpu
+    monkeypatch.setattr(int8_cache, "paged_attention_cpu", lambda *a: calls.append(1) or real(*a))
+    prompts = [[1, *range(5, 5 + n)] for n in (6, 30, 70)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    kw = dict(dtype=dtype, device="cpu", kv_cache_dtype="int8", kv_cache_memory_gb=0.002, max_num_batched_tokens=32)
+    fused = LLM(ckpt, **kw).generate(prompts, params, progress=False)
+    assert calls, "decode over the int8 cache ran the kernel"
+    monkeypatch.setenv("SLUICE_CPU_KERNEL", "0")
+    calls.clear()
+    plain = LLM(ckpt, **kw).generate(prompts, params, progress=False)
+    assert not calls, "SLUICE_CPU_KERNEL=0 keeps the torch path"
+    pairs = [(a, b) for f, p in zip(fused, plain, strict=True) for a, b in zip(f.token_ids, p.token_ids, strict=True)]
+    assert sum(a == b for a, b in pairs) >= min_same * len(pairs)
