@@ -1,7 +1,8 @@
 """The reaper: drives every unfinished batch to a terminal status when nothing else would.
 
 Runs in each worker's background (one reaper acts per interval, under a Redis lock) and as
-`sluice reaper run`. Each pass, for every batch not yet done:
+`sluice reaper run`. Each pass first lets rq retry (or fail) jobs whose worker stopped heartbeating, as a
+worker's maintenance would, so nothing waits for a worker to come back; then, for every batch not yet done:
 - `validating` longer than SLUICE_VALIDATING_TIMEOUT (its producer died): `failed`;
 - past its completion window: queued shards are dropped, so it ends `expired` with what ran;
 - a shard job dequeued by a worker that died before rq recorded it (in no queue, no registry): re-enqueued;
@@ -24,7 +25,7 @@ import typer
 
 from contract.batch import INDEX, BatchStore, TransitionError, batch_key
 from contract.events import notify
-from contract.jobs import finalize_job_id, shard_job_id
+from contract.jobs import QUEUES, finalize_job_id, shard_job_id
 from contract.schemas import Batch, BatchStatus, LineError, RequestCounts
 from contract.settings import Settings, get_settings
 from worker import rq_jobs
@@ -52,6 +53,7 @@ class Reaper:
         report: Counter = Counter()
         if not self.connection.set(LOCK, self.name, nx=True, px=max(1, int(self.interval * 900))):
             return report
+        rq_jobs.clean_abandoned(self.connection, QUEUES)
         for batch in self.unfinished():
             try:
                 self.reap(batch, report)

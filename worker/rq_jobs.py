@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +18,7 @@ from rq import Queue, SimpleWorker
 from rq.exceptions import DequeueTimeout
 from rq.executions import Execution
 from rq.job import Job
+from rq.registry import StartedJobRegistry
 from rq.scheduler import RQScheduler
 from rq.serializers import JSONSerializer
 from rq.timeouts import JobTimeoutException
@@ -217,6 +219,14 @@ def lost(connection: redis.Redis, job: Job) -> bool:
     if state == "started":
         return job.id not in queue.started_job_registry
     return False
+
+
+def clean_abandoned(connection: redis.Redis, queue_names: Iterable[str]) -> None:
+    """rq's own handling of started jobs whose worker stopped heartbeating (SIGKILL, lost machine): retried
+    while they have retries left, else failed. Workers do this in their maintenance; the reaper does it too,
+    so a job abandoned while no worker runs (a finalize killed mid-write) does not stay `started` for ever."""
+    for name in queue_names:
+        StartedJobRegistry(name, connection=connection, serializer=JSONSerializer).cleanup()
 
 
 def requeue(connection: redis.Redis, job: Job) -> None:
