@@ -235,12 +235,14 @@ def requeue(connection: redis.Redis, job: Job) -> None:
 
 
 def drop_waiting(connection: redis.Redis, finalize_id: str, job_ids: list[str]) -> int:
-    """Cancel the jobs no worker has claimed yet; the finalize job stops waiting for them."""
-    finalize = Job.fetch(finalize_id, connection=connection, serializer=JSONSerializer)
+    """Cancel the jobs no worker has claimed yet; the finalize job (if the submit got to enqueue it) stops
+    waiting for them."""
+    [finalize] = fetch(connection, [finalize_id])
     dropped = 0
     for job in fetch(connection, job_ids):
         if job is not None and status(job) in ("queued", "deferred", "scheduled"):
-            connection.srem(finalize.dependencies_key, job.id)
+            if finalize is not None:
+                connection.srem(finalize.dependencies_key, job.id)
             job.cancel(enqueue_dependents=True)
             dropped += 1
     return dropped

@@ -1,8 +1,10 @@
-"""Finalize streams: memory bounded by a shard's chunk, not by the batch's outputs; a lost shard fails the batch."""
+"""Finalize streams: memory bounded by a shard's chunk, not by the batch's outputs; a lost shard (a submit cut
+short) fails the batch, through finalize or the reaper, never leaving it stuck or its requests silently missing."""
 
 from __future__ import annotations
 
 import json
+import time
 import tracemalloc
 
 import pytest
@@ -10,10 +12,12 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from contract.jobs import finalize_job_id, shard_job_id
+from contract.settings import Settings
 from contract.storage import open_storage
 from producer import BatchStatus, Client
 from tests.faults.conftest import assert_exactly_once, request
 from worker.finalize import finalize
+from worker.reaper import Reaper
 from worker.shards import shard_key
 
 
@@ -118,3 +122,26 @@ def test_a_failed_output_write_leaves_no_file_and_the_retry_completes(redis_url,
     assert sorted(p.name for p in (tmp_path / batch.id).iterdir()) == ["shards"], "no output, no temp file"
     assert finalize(client.connection, batch.id)["completed"] == 2
     assert client.get(batch.id).status == BatchStatus.completed
+
+
+def test_reaper_ends_an_expired_batch_whose_submit_was_cut_short(redis_url, tmp_path):
+    """No finalize job and a shard job missing (the submit died between pipelines), then the window passes:
+    the reaper still drops the queued shard and ends the batch, `failed` naming the lost shard."""
+    client = Client(redis_url)
+    batch = client.submit_batch(
+        [request(i) for i in range(4)], output=tmp_path.as_uri(), shard_size=2, completion_window="1s"
+    )
+    for job_id in (shard_job_id(batch.id, 1), finalize_job_id(batch.id)):
+        Job.fetch(job_id, connection=client.connection, serializer=JSONSerializer).delete()
+    reaper = Reaper(client.connection, Settings(reaper_interval=0.2))
+    deadline = time.monotonic() + 20
+    while not client.get(batch.id).done and time.monotonic() < deadline:
+        reaper.run_once()
+        time.sleep(0.25)
+    done = client.get(batch.id)
+    assert done.status == BatchStatus.failed and done.errors[-1].code == "shards_lost"
+    assert {r.custom_id: r.error.code for r in client.results(batch.id, errors=True)} == {
+        "r0": "batch_expired",
+        "r1": "batch_expired",
+    }
+    assert done.request_counts.failed == 4
