@@ -61,9 +61,12 @@ class Int8LayerKVCache:
         if isinstance(meta, kernels.FlatMetadata):
             return device_path.attention(q, self.k, self.v, meta, scale, self.k_scale, self.v_scale)
         used, compact, fused = self.step.of(meta, self.k.shape[1], q.device)
-        keys = dequantize_blocks(self.k, self.k_scale, used, q.dtype)
-        vals = dequantize_blocks(self.v, self.v_scale, used, q.dtype)
-        out = kernels.paged_attention(q, k, v, keys, vals, compact, scale)
+        if compact.short_groups or compact.long_seqs:
+            keys = dequantize_blocks(self.k, self.k_scale, used, q.dtype)
+            vals = dequantize_blocks(self.v, self.v_scale, used, q.dtype)
+            out = kernels.paged_attention(q, k, v, keys, vals, compact, scale)
+        else:  # a decode/verify-only step: the kernel writes every row
+            out = torch.empty_like(q)
         if fused is not None:
             paged_attention_cpu(q, self.k, self.v, out, *fused, scale, self.k_scale, self.v_scale)
         return out
