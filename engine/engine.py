@@ -15,7 +15,7 @@ from engine.outputs import RequestOutput
 from engine.quantization import int8_kv_cache, linear_hook
 from engine.request import Request
 from engine.resolved import ResolvedConfig
-from engine.sampler import sample, top_logprobs
+from engine.sampler import device_tensor, sample, top_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.spec_decode import DraftProposer, NgramProposer, Proposer, load_draft
@@ -188,7 +188,10 @@ class Engine:
 
     def _sample_plain(self, reqs: list[Request], rows: StepLogits, ready: list[int]) -> list[Request]:
         idx = [rows.row_start[i] + rows.num_rows[i] - 1 for i in ready]
-        logits = rows.logits[idx]
+        if idx == list(range(idx[0], idx[0] + len(idx))):  # every row samples (decode): a view, no index copy
+            logits = rows.logits[idx[0]: idx[0] + len(idx)]
+        else:
+            logits = rows.logits[device_tensor(idx, torch.long, rows.logits.device)]
         sreqs = [reqs[i] for i in ready]
         tokens = sample(logits, sreqs, self.generator)
         lps = self._logprobs(logits, tokens, sreqs)
