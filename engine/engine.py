@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 
 import torch
-from transformers import AutoTokenizer
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
@@ -19,6 +18,7 @@ from engine.sampler import device_tensor, sample, top_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.spec_decode import DraftProposer, NgramProposer, Proposer, load_draft
+from engine.tokenizer import load_tokenizer
 from engine.verification import SpecStats, verify
 
 
@@ -32,7 +32,7 @@ class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         r = ResolvedConfig.resolve(config)
-        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         r = self.resolved = r.with_eos(self.tokenizer.eos_token_id)
         self.model_config, self.device, self.dtype, self.kv_dtype = r.model, r.device, r.dtype, r.kv_dtype
         self.max_model_len, self.eos_token_ids = r.max_model_len, r.eos_token_ids

@@ -1,19 +1,33 @@
-"""Load HF checkpoint folders (config.json + single or sharded safetensors) into our model, layer by layer."""
+"""Load HF checkpoint folders (config.json + single or sharded safetensors) into our model, layer by layer.
+
+Tensors are read with plain positioned reads straight into the storage of their final parameters (a fused
+projection's parts into its rows): no memory map to fault in page by page, no intermediate copy, and the model
+is built on the meta device with its random initialisation skipped, so no weight is written twice.
+"""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import os
+import struct
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from engine.models.llama import LlamaModel, ModelConfig
 from engine.models.rope import RotaryEmbedding
 
 LinearHook = Callable[[str, nn.Linear], nn.Module]
+
+DTYPES = {
+    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+    "I8": torch.int8, "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
 
 
 def read_config(path: str | Path) -> dict:
@@ -24,50 +38,120 @@ def read_config(path: str | Path) -> dict:
     return json.loads(cfg_file.read_text())
 
 
+def weight_files(path: str | Path) -> list[Path]:
+    """The checkpoint's safetensors files: those its index names, else every *.safetensors in the folder."""
+    root = Path(path)
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        return sorted({root / f for f in json.loads(index.read_text())["weight_map"].values()})
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {root} (only safetensors is supported)")
+    return files
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    """Where one tensor's bytes lie in its safetensors file."""
+
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+def read_header(file: Path) -> dict[str, TensorEntry]:
+    """Every tensor of a safetensors file by name, from its JSON header (nothing else is read)."""
+    with open(file, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+    header.pop("__metadata__", None)
+    entries = {}
+    for name, e in header.items():
+        if e["dtype"] not in DTYPES:
+            raise ValueError(f"{file}: tensor {name} has dtype {e['dtype']}, which the loader does not read")
+        start, end = e["data_offsets"]
+        entries[name] = TensorEntry(file, DTYPES[e["dtype"]], tuple(e["shape"]), 8 + size + start, end - start)
+    return entries
+
+
+def _pread_into(fd: int, out: torch.Tensor, offset: int) -> None:
+    """Fill the contiguous CPU tensor `out` with the bytes at `offset` of the open file `fd`."""
+    view = memoryview(out.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise EOFError(f"weight file ends {len(view) - done} bytes early")
+        done += n
+
+
 class CheckpointReader:
-    """Tensors by name across one or many safetensors files, read one at a time."""
+    """Tensors by name across one or many safetensors files, each read straight into the tensor that keeps it."""
 
     def __init__(self, path: str | Path) -> None:
-        root = Path(path)
-        index = root / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            self.files = {name: root / f for name, f in weight_map.items()}
-        else:
-            files = sorted(root.glob("*.safetensors"))
-            if not files:
-                raise FileNotFoundError(f"no *.safetensors weights in {root} (only safetensors is supported)")
-            self.files = {}
-            for f in files:
-                with safe_open(f, framework="pt") as h:
-                    self.files.update({name: f for name in h.keys()})
-        self._handles: dict[Path, object] = {}
+        self.entries: dict[str, TensorEntry] = {}
+        for file in weight_files(path):
+            self.entries.update(read_header(file))
 
     def names(self) -> list[str]:
-        return list(self.files)
+        return list(self.entries)
 
     def __contains__(self, name: str) -> bool:
-        return name in self.files
+        return name in self.entries
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The tensor's shape as stored."""
+        return self.entries[name].shape
 
     def get(self, name: str) -> torch.Tensor:
-        f = self.files[name]
-        if f not in self._handles:
-            self._handles[f] = safe_open(f, framework="pt")
-        return self._handles[f].get_tensor(name)
+        """The tensor `name` in its stored dtype, as a fresh CPU tensor."""
+        e = self.entries[name]
+        out = torch.empty(e.shape, dtype=e.dtype)
+        self.read_into(name, out)
+        return out
 
-    def close(self) -> None:
-        self._handles.clear()
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        """Read the tensor `name` into the contiguous CPU tensor `out` of its shape (converted to out's dtype)."""
+        e = self.entries[name]
+        if tuple(out.shape) != e.shape:
+            raise ValueError(f"checkpoint tensor {name} has shape {list(e.shape)}, the model expects {list(out.shape)}")
+        if out.dtype != e.dtype:
+            out.copy_(self.get(name))
+        elif e.nbytes:
+            fd = os.open(e.file, os.O_RDONLY)
+            try:
+                _pread_into(fd, out, e.offset)
+            finally:
+                os.close(fd)
 
 
-def _param(t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
-    return nn.Parameter(t.to(device=device, dtype=dtype), requires_grad=False)
+def _read_param(reader: CheckpointReader, names: list[str], dtype, device: torch.device) -> nn.Parameter:
+    """One parameter from checkpoint tensors stacked along their first dimension, read in place."""
+    shapes = [reader.shape(n) for n in names]
+    rows = [s[0] if s else 1 for s in shapes]
+    out = torch.empty((sum(rows), *shapes[0][1:]) if len(names) > 1 else shapes[0], dtype=dtype)
+    start = 0
+    for name, n in zip(names, rows, strict=True):
+        reader.read_into(name, out[start : start + n] if len(names) > 1 else out)
+        start += n
+    return nn.Parameter(out if device.type == "cpu" else out.to(device), requires_grad=False)
+
+
+def _check_shape(name: str, param: nn.Parameter, expected: torch.Size) -> nn.Parameter:
+    if param.shape != expected:
+        raise ValueError(f"checkpoint {name} has shape {list(param.shape)}, the model expects {list(expected)}")
+    return param
 
 
 def _load_linear(mod: nn.Linear, reader: CheckpointReader, hf_prefix: str, parts, dtype, device) -> None:
     names = [f"{hf_prefix}{p}" for p in parts]
-    mod.weight = _param(torch.cat([reader.get(f"{n}.weight") for n in names]), dtype, device)
+    weight = _read_param(reader, [f"{n}.weight" for n in names], dtype, device)
+    mod.weight = _check_shape(f"{names[0]}.weight", weight, mod.weight.shape)
     if mod.bias is not None:
-        mod.bias = _param(torch.cat([reader.get(f"{n}.bias") for n in names]), dtype, device)
+        bias = _read_param(reader, [f"{n}.bias" for n in names], dtype, device)
+        mod.bias = _check_shape(f"{names[0]}.bias", bias, mod.bias.shape)
 
 
 def _load_layer(layer: nn.Module, reader, i: int, dtype, device, hook: LinearHook | None) -> None:
@@ -80,16 +164,40 @@ def _load_layer(layer: nn.Module, reader, i: int, dtype, device, hook: LinearHoo
                 parent, _, attr = name.rpartition(".")
                 setattr(layer.get_submodule(parent), attr, hook(f"{prefix}{name}", mod))
         elif hasattr(mod, "weight") and isinstance(mod.weight, nn.Parameter) and name:
-            mod.weight = _param(reader.get(f"{prefix}{name}.weight"), dtype, device)
+            weight = _read_param(reader, [f"{prefix}{name}.weight"], dtype, device)
+            mod.weight = _check_shape(f"{prefix}{name}.weight", weight, mod.weight.shape)
 
 
 def _head(model: LlamaModel) -> nn.Linear:
     """The LM head as a linear (sharing the embedding table when tied)."""
     if model.lm_head is not None:
         return model.lm_head
-    head = nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=False, device="meta")
+    with skip_init():
+        head = nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=False, device="meta")
     head.weight = model.embed_tokens.weight
     return head
+
+
+@contextmanager
+def skip_init() -> Iterator[None]:
+    """Build modules without their random initialisation (transformers' `no_init_weights`): every weight is
+    about to be replaced by the checkpoint's."""
+    saved = {name: getattr(nn.init, name) for name in dir(nn.init) if name.endswith("_") and not name.startswith("_")}
+    for name in saved:
+        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
+
+
+def build_model(config: ModelConfig) -> LlamaModel:
+    """Our model for `config` with uninitialised CPU storage that is never written, so never committed: the
+    loader replaces every tensor. (Not the meta device: its Python reference kernels import torch's compiler
+    stack, a second or more of start-up; the rotary tables are built for one position, the loader builds them.)"""
+    with skip_init():
+        return LlamaModel(config, 1)
 
 
 def load_model(
@@ -100,21 +208,22 @@ def load_model(
     linear_hook: LinearHook | None = None,
     config: ModelConfig | None = None,
 ) -> LlamaModel:
-    """Build our model from an HF folder, streaming tensors layer by layer onto `device` (`config`: its
+    """Build our model from an HF folder, reading tensors layer by layer onto `device` (`config`: its
     config.json when the caller has already read it)."""
     config = config or ModelConfig.from_hf(read_config(path))
     reader = CheckpointReader(path)
-    with torch.device("meta"):
-        model = LlamaModel(config, max_positions)
-    model.embed_tokens.weight = _param(reader.get("model.embed_tokens.weight"), dtype, device)
-    model.norm.weight = _param(reader.get("model.norm.weight"), dtype, device)
+    model = build_model(config)
+    placeholders = list(model.parameters())
+    model.embed_tokens.weight = _read_param(reader, ["model.embed_tokens.weight"], dtype, device)
+    model.norm.weight = _read_param(reader, ["model.norm.weight"], dtype, device)
     if model.lm_head is not None:
         name = "lm_head.weight" if "lm_head.weight" in reader else "model.embed_tokens.weight"
-        model.lm_head.weight = _param(reader.get(name), dtype, device)
+        model.lm_head.weight = _read_param(reader, [name], dtype, device)
     for i, layer in enumerate(model.layers):
         _load_layer(layer, reader, i, dtype, device, linear_hook)
+    left = {id(p) for p in placeholders} & {id(p) for p in model.parameters()}
+    assert not left, f"{len(left)} parameter(s) never read from the checkpoint"
     if getattr(linear_hook, "quantizes_head", False):
         model.lm_head = linear_hook("lm_head", _head(model))
     model.rope = RotaryEmbedding(config.head_dim, max_positions, config.rope).to(device)
-    reader.close()
     return model.eval()

@@ -1,0 +1,105 @@
+"""Worker cold start: weights read straight into their parameters, no compiler stack or model-config import on
+the way to ready, and the tokenizer AutoTokenizer would pick."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import AutoTokenizer
+
+from engine.models.loader import CheckpointReader, load_model
+from engine.tokenizer import load_tokenizer
+from tests.checkpoints import make_checkpoint
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "models" / "sluice-tiny"
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory) -> Path:
+    """A bf16 llama checkpoint split over several safetensors files with an index."""
+    return make_checkpoint(tmp_path_factory.mktemp("sharded"), dtype=torch.bfloat16, max_shard_size="100KB")
+
+
+def test_reader_matches_safetensors_for_every_tensor(sharded):
+    """Every tensor of a sharded checkpoint reads back bit for bit as safetensors' own reader gives it."""
+    files = sorted(sharded.glob("*.safetensors"))
+    assert len(files) > 1 and (sharded / "model.safetensors.index.json").is_file()
+    reader = CheckpointReader(sharded)
+    seen = 0
+    for f in files:
+        with safe_open(f, framework="pt") as h:
+            for name in h.keys():
+                expected, got = h.get_tensor(name), reader.get(name)
+                assert got.dtype == expected.dtype and torch.equal(got, expected), name
+                seen += 1
+    assert seen == len(reader.names())
+
+
+def test_reader_converts_into_the_target_dtype_and_refuses_wrong_shapes(sharded):
+    reader = CheckpointReader(sharded)
+    name = "model.layers.0.mlp.down_proj.weight"
+    out = torch.empty(reader.shape(name), dtype=torch.float32)
+    reader.read_into(name, out)
+    assert torch.equal(out, reader.get(name).float())
+    with pytest.raises(ValueError, match="shape"):
+        reader.read_into(name, torch.empty(3, 3, dtype=torch.bfloat16))
+
+
+def test_fused_projections_are_the_checkpoint_rows_in_order(sharded):
+    """qkv and gate/up are read part by part into one parameter: rows equal the checkpoint tensors stacked."""
+    model = load_model(sharded, torch.float32, torch.device("cpu"), 64)
+    reader = CheckpointReader(sharded)
+    layer = model.layers[1]
+    qkv = torch.cat([reader.get(f"model.layers.1.self_attn.{p}_proj.weight") for p in "qkv"]).float()
+    gate_up = torch.cat([reader.get(f"model.layers.1.mlp.{p}_proj.weight") for p in ("gate", "up")]).float()
+    assert torch.equal(layer.self_attn.qkv_proj.weight, qkv)
+    assert torch.equal(layer.mlp.gate_up_proj.weight, gate_up)
+    assert all(p.device.type == "cpu" and p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_a_missing_tensor_is_named(tmp_path, sharded):
+    """A checkpoint lacking a weight fails the load with its name, never leaves uninitialised storage."""
+    reader = CheckpointReader(sharded)
+    missing = "model.layers.2.post_attention_layernorm.weight"
+    save_file({n: reader.get(n) for n in reader.names() if n != missing}, tmp_path / "model.safetensors")
+    shutil.copy(sharded / "config.json", tmp_path / "config.json")
+    with pytest.raises(KeyError, match="post_attention_layernorm"):
+        load_model(tmp_path, torch.float32, torch.device("cpu"), 64)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+def test_tokenizer_is_the_one_autotokenizer_loads(tmp_path, arch):
+    path = make_checkpoint(tmp_path / arch, arch)
+    ours, auto = load_tokenizer(path), AutoTokenizer.from_pretrained(path)
+    text = "to be or not to be, that is the question."
+    chat = [{"role": "user", "content": "hello world"}]
+    assert type(ours) is type(auto)
+    assert ours.encode(text) == auto.encode(text) and ours.eos_token_id == auto.eos_token_id
+    assert ours.decode(auto.encode(text)) == auto.decode(auto.encode(text))
+    assert ours.apply_chat_template(chat, add_generation_prompt=True) == auto.apply_chat_template(
+        chat, add_generation_prompt=True
+    )
+
+
+def test_engine_start_imports_neither_the_compiler_nor_the_model_config():
+    """Loading and running the bundled model pulls in neither torch._dynamo (meta-device init kernels used to)
+    nor transformers' llama config module (AutoTokenizer used to): each costs a second of every worker start."""
+    code = (
+        "import sys; from engine import LLM, SamplingParams\n"
+        f"llm = LLM({str(TINY)!r}, dtype='float32', device='cpu', max_model_len=64, max_num_seqs=2)\n"
+        "out = llm.generate(['O Romeo'], SamplingParams(max_tokens=4, temperature=0), progress=False)\n"
+        "assert len(out[0].token_ids) == 4\n"
+        "print(sorted(m for m in ('torch._dynamo', 'transformers.models.llama.configuration_llama') "
+        "if m in sys.modules))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "[]"
