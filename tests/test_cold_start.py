@@ -1,5 +1,5 @@
 """Worker cold start: weights read straight into their parameters, no compiler stack or model-config import on
-the way to ready, and the tokenizer AutoTokenizer would pick."""
+the way to ready, the tokenizer AutoTokenizer would pick, and the weights prefetched while Python starts."""
 
 from __future__ import annotations
 
@@ -14,9 +14,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoTokenizer
 
+from engine import LLM
 from engine.models.loader import CheckpointReader, load_model
 from engine.tokenizer import load_tokenizer
 from tests.checkpoints import make_checkpoint
+from worker.metrics import warm_up
+from worker.prefetch import model_argument, prefetch, read_through, weight_files
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "models" / "sluice-tiny"
@@ -103,3 +106,30 @@ def test_engine_start_imports_neither_the_compiler_nor_the_model_config():
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_model_argument_from_command_line_or_environment():
+    env = {"SLUICE_MODEL": "/models/env"}
+    assert model_argument(["--dtype", "bfloat16", "--model", "/m/a"], env) == "/m/a"
+    assert model_argument(["--model=/m/b", "--burst"], env) == "/m/b"
+    assert model_argument(["--burst"], env) == "/models/env"
+    assert model_argument(["--burst"], {}) is None
+
+
+def test_prefetch_reads_the_index_files_within_budget(sharded, tmp_path):
+    files = weight_files(str(sharded))
+    total = sum(f.stat().st_size for f in files)
+    assert files == sorted(sharded.glob("*.safetensors"))
+    assert read_through(files, total + 10) == total
+    assert read_through(files, 1000) == 1000
+    thread = prefetch(str(sharded))
+    assert thread is not None
+    thread.join(30)
+    assert not thread.is_alive()
+    assert prefetch(str(tmp_path / "missing")) is None and prefetch("org/hub-model") is None and prefetch(None) is None
+
+
+def test_warm_up_is_one_step_that_generates_a_token():
+    llm = LLM(str(TINY), dtype="float32", device="cpu", max_model_len=64, max_num_seqs=2)
+    assert warm_up(llm) == 1
+    assert not llm.engine.has_unfinished() and llm.engine.counters["generated_tokens"] == 1

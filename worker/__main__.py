@@ -1,8 +1,14 @@
 """`python -m worker ...` is `sluice worker ...`."""
 
-import typer
+import sys
 
-from worker.cli import worker
+from worker.prefetch import model_argument, prefetch
+
+prefetch(model_argument(sys.argv[1:]))  # first: the weights' disk read overlaps the imports below
+
+import typer  # noqa: E402
+
+from worker.cli import worker  # noqa: E402
 
 app = typer.Typer(add_completion=False)
 app.command()(worker)

@@ -109,13 +109,15 @@ def shard_finished(outcome: str) -> None:
     METRICS.shard_finished(outcome)
 
 
-def warm_up(llm: Any) -> None:
-    """Run one short request through the engine so that the first real step pays no lazy set-up."""
-    llm.engine.add_request(
-        "warmup", [1, 2, 3, 4], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
-    )
+def warm_up(llm: Any) -> int:
+    """One engine step over a one-token prompt (the shape of a decode step): proves the model runs end to end
+    and pays the kernels' lazy set-up before the first claim; returns the steps it took (1)."""
+    llm.engine.add_request("warmup", [1], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    steps = 0
     while llm.engine.has_unfinished():
         llm.engine.step()
+        steps += 1
+    return steps
 
 
 def announce(connection: Any, model: str) -> None:

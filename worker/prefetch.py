@@ -1,0 +1,76 @@
+"""Read the model's weight files into the page cache from a background thread, started before the worker's
+imports, so that the disk read overlaps the seconds of Python start-up instead of following them.
+
+Torch-free on purpose: it runs before torch (or anything else heavy) is imported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+CHUNK = 16 * 1024 * 1024
+MEMORY_SHARE = 0.5  # never prefetch more than this share of the memory available now
+
+
+def model_argument(argv: Sequence[str], environ: dict[str, str] | os._Environ = os.environ) -> str | None:
+    """The worker's model as its command line (`--model X` or `--model=X`) or $SLUICE_MODEL gives it."""
+    for i, arg in enumerate(argv):
+        if arg == "--model" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--model="):
+            return arg.split("=", 1)[1]
+    return environ.get("SLUICE_MODEL")
+
+
+def weight_files(model: str) -> list[Path]:
+    """The safetensors files of a local model folder, in file order (none for a hub id or a missing folder)."""
+    root = Path(model)
+    index = root / "model.safetensors.index.json"
+    try:
+        if index.is_file():
+            return sorted({root / f for f in json.loads(index.read_text())["weight_map"].values()})
+        return sorted(root.glob("*.safetensors"))
+    except (OSError, ValueError, KeyError):
+        return []
+
+
+def available_memory() -> int:
+    """MemAvailable from /proc/meminfo in bytes (0 where it cannot be read: then nothing is prefetched)."""
+    try:
+        with open("/proc/meminfo") as f:
+            line = next(line for line in f if line.startswith("MemAvailable:"))
+        return int(line.split()[1]) * 1024
+    except (OSError, StopIteration, ValueError):
+        return 0
+
+
+def read_through(files: Sequence[Path], budget: int) -> int:
+    """Read the files once, in order, up to `budget` bytes; returns the bytes read (data lands in the page cache)."""
+    buffer = bytearray(CHUNK)
+    done = 0
+    for path in files:
+        try:
+            with open(path, "rb", buffering=0) as f:
+                while done < budget:
+                    n = f.readinto(memoryview(buffer)[: min(CHUNK, budget - done)])
+                    if not n:
+                        break
+                    done += n
+        except OSError:
+            continue
+    return done
+
+
+def prefetch(model: str | None) -> threading.Thread | None:
+    """Start reading the model's weights into the page cache in a daemon thread (None: nothing to read)."""
+    files = weight_files(model) if model else []
+    if not files:
+        return None
+    budget = int(available_memory() * MEMORY_SHARE)
+    thread = threading.Thread(target=read_through, args=(files, budget), name="prefetch-weights", daemon=True)
+    thread.start()
+    return thread
