@@ -107,14 +107,31 @@ class BatchStore:
 
         return self.update(batch_id, apply)
 
-    def record_shard(self, batch_id: str, shard: int, completed: int, failed: int) -> None:
-        """Record a finished shard's counts (idempotent: a re-run shard overwrites its entry)."""
-        self.connection.hset(shards_key(batch_id), str(shard), json.dumps([completed, failed]))
+    def record_shard(
+        self, batch_id: str, shard: int, completed: int, failed: int, input_tokens: int = 0, output_tokens: int = 0
+    ) -> None:
+        """Record a finished shard's counts and token usage (idempotent: a re-run shard overwrites its entry)."""
+        entry = [completed, failed, input_tokens, output_tokens]
+        self.connection.hset(shards_key(batch_id), str(shard), json.dumps(entry))
+
+    def _shard_totals(self, batch_id: str) -> list[int]:
+        """[completed, failed, input tokens, output tokens] summed over the shards finished so far (entries
+        recorded before usage was, hold only the counts)."""
+        totals = [0, 0, 0, 0]
+        for raw in self.connection.hvals(shards_key(batch_id)):
+            for i, value in enumerate(json.loads(raw)):
+                totals[i] += value
+        return totals
 
     def shard_counts(self, batch_id: str) -> tuple[int, int]:
         """Completed and failed requests summed over the shards finished so far."""
-        values = [json.loads(v) for v in self.connection.hvals(shards_key(batch_id))]
-        return sum(v[0] for v in values), sum(v[1] for v in values)
+        completed, failed, _, _ = self._shard_totals(batch_id)
+        return completed, failed
+
+    def shard_usage(self, batch_id: str) -> tuple[int, int]:
+        """Input (prompt) and output (completion) tokens summed over the shards finished so far."""
+        _, _, input_tokens, output_tokens = self._shard_totals(batch_id)
+        return input_tokens, output_tokens
 
     def list(self, limit: int = 20) -> list[Batch]:
         """The most recent batches, newest first."""

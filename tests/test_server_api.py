@@ -53,6 +53,40 @@ def test_file_to_batch_to_results(stack):
         client.files.retrieve(uploaded.id)
 
 
+def test_usage_grows_with_finished_shards_while_in_progress(stack):
+    """The Batch object's usage is summed over the shards finished so far, not zero until the batch is done."""
+    client = stack.openai(stack.key("usage"))
+    lines = [completion(i, max_tokens=32, ignore_eos=True) for i in range(64)]
+    uploaded = client.files.create(file=jsonl(lines), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
+    running = []
+    while (seen := client.batches.retrieve(batch.id)).status in ("validating", "in_progress"):
+        if seen.status == "in_progress" and seen.request_counts.completed:
+            running.append(seen)
+        time.sleep(0.05)
+    seen = wait_status(client, batch.id, {"completed", "failed", "cancelled", "expired"})
+    assert seen.status == "completed", seen
+    assert running, "never saw the batch in progress with finished shards"
+    for partial in running:  # counts and usage are read one after the other: usage may include a later shard
+        assert partial.usage.output_tokens % 32 == 0
+        assert partial.usage.output_tokens >= 32 * partial.request_counts.completed
+        assert 0 < partial.usage.input_tokens <= seen.usage.input_tokens
+        assert partial.usage.total_tokens == partial.usage.input_tokens + partial.usage.output_tokens
+    assert seen.usage.output_tokens == 32 * 64
+
+
+def test_shard_usage_sums_entries_and_reads_older_ones_as_zero_tokens(stack):
+    from contract.batch import BatchStore, shards_key
+
+    store = BatchStore(stack.keys.connection)
+    store.record_shard("batch_usage_unit", 0, 4, 0, 40, 32)
+    store.record_shard("batch_usage_unit", 1, 3, 1, 30, 24)
+    store.record_shard("batch_usage_unit", 1, 4, 0, 41, 33)  # a re-run shard overwrites its entry
+    stack.keys.connection.hset(shards_key("batch_usage_unit"), "2", json.dumps([4, 0]))
+    assert store.shard_usage("batch_usage_unit") == (81, 65)
+    assert store.shard_counts("batch_usage_unit") == (12, 0)
+
+
 def test_chat_batch_and_models(stack):
     client = stack.openai(stack.key("chat"))
     line = {

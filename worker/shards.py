@@ -137,6 +137,11 @@ class ShardRun:
         failed = sum(1 for r in self.records.values() if r.error is not None)
         return len(self.records) - failed, failed
 
+    def usage(self) -> tuple[int, int]:
+        """Prompt and completion tokens over the shard's responses."""
+        usages = [r.response.body.get("usage") or {} for r in self.records.values() if r.response is not None]
+        return sum(u.get("prompt_tokens", 0) for u in usages), sum(u.get("completion_tokens", 0) for u in usages)
+
     def save(self, connection: redis.Redis) -> dict[str, int]:
         """Write shards/{n}.jsonl (overwriting a previous run's) and record the shard's counts."""
         assert self.done and len(self.records) == len(self.requests), "a shard is saved only when complete"
@@ -148,7 +153,7 @@ class ShardRun:
             ordered = [self.records[r.custom_id] for r in self.requests]
             storage.put(shard_key(self.batch_id, self.shard), records_jsonl(ordered))
         completed, failed = self.counts()
-        store.record_shard(self.batch_id, self.shard, completed, failed)
+        store.record_shard(self.batch_id, self.shard, completed, failed, *self.usage())
         return {"completed": completed, "failed": failed}
 
 

@@ -73,7 +73,8 @@ def usage_of(url: str | None) -> dict[str, int]:
 
 
 class BatchApi:
-    """Batches as OpenAI objects: ownership, output files registered as files, usage once finished."""
+    """Batches as OpenAI objects: ownership, output files registered as files, usage (from the finished shards
+    while the batch runs, from its output file once done)."""
 
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
@@ -119,6 +120,7 @@ class BatchApi:
         return file_id
 
     def usage(self, batch: Batch) -> dict[str, Any]:
+        """OpenAI's usage object: summed over the output file once done (cached), over finished shards before."""
         cached = self.connection.get(USAGE + batch.id) if batch.done else None
         if cached is not None:
             tokens = json.loads(cached)
@@ -126,7 +128,8 @@ class BatchApi:
             tokens = usage_of(batch.output_file)
             self.connection.set(USAGE + batch.id, json.dumps(tokens), ex=self.ctx.settings.result_ttl)
         else:
-            tokens = {"input_tokens": 0, "output_tokens": 0}
+            input_tokens, output_tokens = self.ctx.client.batches.shard_usage(batch.id)
+            tokens = {"input_tokens": input_tokens, "output_tokens": output_tokens}
         return {
             **tokens,
             "total_tokens": tokens["input_tokens"] + tokens["output_tokens"],
