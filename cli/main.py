@@ -4,22 +4,6 @@ from __future__ import annotations
 
 import sys
 
-import typer
-
-from cli.batches import batches_app
-from cli.server import keys_app, serve
-from producer.cron import cron_app
-from worker.reaper import reaper_app
-from worker.webhooks import webhooks_app
-
-app = typer.Typer(name="sluice", help="Queue-driven batch inference for LLMs.", no_args_is_help=True)
-app.add_typer(batches_app)
-app.add_typer(cron_app, name="cron")
-app.add_typer(webhooks_app, name="webhooks")
-app.add_typer(reaper_app, name="reaper")
-app.command("serve")(serve)
-app.add_typer(keys_app, name="keys")
-
 
 def wanted(command: str) -> bool:
     """Whether this process's command line asks for command (or for the list of all commands)."""
@@ -27,7 +11,37 @@ def wanted(command: str) -> bool:
     return not args or args[0] in (command, "--help", "-h")
 
 
-# These two import torch (seconds): loaded only for their own command or the list of commands.
+WORKER_ONLY = sys.argv[1:2] == ["worker"]
+if WORKER_ONLY:  # first: the weights' disk read overlaps every import below
+    from worker.prefetch import model_argument, prefetch
+
+    prefetch(model_argument(sys.argv[2:]))
+
+import typer  # noqa: E402
+
+app = typer.Typer(name="sluice", help="Queue-driven batch inference for LLMs.", no_args_is_help=True)
+
+
+@app.callback()
+def sluice() -> None:
+    """Queue-driven batch inference for LLMs."""
+
+
+# The worker loads none of the other commands' modules (the server's FastAPI, boto3, cron): its start-up is the
+# time to ready of every new GPU. These two import torch (seconds): loaded only for their own command or the list.
+if not WORKER_ONLY:
+    from cli.batches import batches_app
+    from cli.server import keys_app, serve
+    from producer.cron import cron_app
+    from worker.reaper import reaper_app
+    from worker.webhooks import webhooks_app
+
+    app.add_typer(batches_app)
+    app.add_typer(cron_app, name="cron")
+    app.add_typer(webhooks_app, name="webhooks")
+    app.add_typer(reaper_app, name="reaper")
+    app.command("serve")(serve)
+    app.add_typer(keys_app, name="keys")
 if wanted("worker"):
     from worker.cli import worker
 
