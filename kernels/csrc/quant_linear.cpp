@@ -147,14 +147,18 @@ std::vector<torch::Tensor> quantize_rows(torch::Tensor x) {
   float* s = scale.data_ptr<float>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantize_rows", [&] {
     const scalar_t* src = x.data_ptr<scalar_t>();
-    at::parallel_for(0, M, 4, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, M, std::max<int64_t>(1, at::internal::GRAIN_SIZE / K), [&](int64_t begin, int64_t end) {
+      std::vector<float> row(K);
       for (int64_t m = begin; m < end; ++m) {
-        const scalar_t* row = src + m * K;
         float amax = 0.f;
-        for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::abs(static_cast<float>(row[k])));
+        for (int64_t k = 0; k < K; ++k) {
+          row[k] = static_cast<float>(src[m * K + k]);
+          amax = std::max(amax, std::abs(row[k]));
+        }
         const float sc = std::max(amax, 1e-12f) / 127.f;
         s[m] = sc;
-        for (int64_t k = 0; k < K; ++k) q[m * K + k] = static_cast<int8_t>(std::nearbyint(static_cast<float>(row[k]) / sc));
+        int8_t* qm = q + m * K;
+        for (int64_t k = 0; k < K; ++k) qm[k] = static_cast<int8_t>(std::nearbyint(row[k] / sc));
       }
     });
   });
@@ -176,12 +180,14 @@ torch::Tensor int8_rescale(torch::Tensor acc, torch::Tensor row_scale, torch::Te
     const scalar_t* cs = col_scale.data_ptr<scalar_t>();
     const scalar_t* bp = b.defined() ? b.data_ptr<scalar_t>() : nullptr;
     scalar_t* out = y.data_ptr<scalar_t>();
-    at::parallel_for(0, M * N, 4096, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        const int64_t m = i / N, n = i % N;
-        scalar_t v = static_cast<scalar_t>(static_cast<float>(a[i]) * r[m] * static_cast<float>(cs[n]));
-        if (bp != nullptr) v = static_cast<scalar_t>(static_cast<float>(v) + static_cast<float>(bp[n]));
-        out[i] = v;
+    at::parallel_for(0, M, std::max<int64_t>(1, at::internal::GRAIN_SIZE / N), [&](int64_t begin, int64_t end) {
+      for (int64_t m = begin; m < end; ++m) {
+        const int32_t* am = a + m * N;
+        scalar_t* om = out + m * N;
+        const float rm = r[m];
+        for (int64_t n = 0; n < N; ++n) om[n] = static_cast<scalar_t>(static_cast<float>(am[n]) * rm * static_cast<float>(cs[n]));
+        if (bp != nullptr)
+          for (int64_t n = 0; n < N; ++n) om[n] = static_cast<scalar_t>(static_cast<float>(om[n]) + static_cast<float>(bp[n]));
       }
     });
   });
