@@ -13,9 +13,9 @@ def wanted(command: str) -> bool:
 
 WORKER_ONLY = sys.argv[1:2] == ["worker"]
 if WORKER_ONLY:  # first: the weights' disk read overlaps every import below
-    from worker.prefetch import model_argument, prefetch
+    from worker.prefetch import prefetch_for
 
-    prefetch(model_argument(sys.argv[2:]))
+    prefetch_for(sys.argv[2:])
 
 import typer  # noqa: E402
 

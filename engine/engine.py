@@ -32,7 +32,7 @@ class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         r = ResolvedConfig.resolve(config)
-        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        self.tokenizer = load_tokenizer(config.tokenizer or config.model, None if config.tokenizer else r.hf_config)
         r = self.resolved = r.with_eos(self.tokenizer.eos_token_id)
         self.model_config, self.device, self.dtype, self.kv_dtype = r.model, r.device, r.dtype, r.kv_dtype
         self.max_model_len, self.eos_token_ids = r.max_model_len, r.eos_token_ids

@@ -9,8 +9,9 @@ from typing import Any
 GENERIC = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
-def load_tokenizer(path: str | Path) -> Any:
-    """The tokenizer transformers' AutoTokenizer would load for `path`.
+def load_tokenizer(path: str | Path, hf_config: dict[str, Any] | None = None) -> Any:
+    """The tokenizer transformers' AutoTokenizer would load for `path` (`hf_config`: the folder's config.json
+    where the caller has read it already).
 
     A local folder whose tokenizer_config.json names the generic tokenizers-backed class (what transformers
     itself writes) is loaded through that class directly: AutoTokenizer would first build the model's
@@ -18,7 +19,7 @@ def load_tokenizer(path: str | Path) -> Any:
     (over a second of CPU at every worker start) only to reach the same class. Anything else goes through
     AutoTokenizer.
     """
-    if _generic_folder(Path(path)):
+    if _generic_folder(Path(path), hf_config):
         from transformers import TokenizersBackend
 
         return TokenizersBackend.from_pretrained(str(path))
@@ -27,7 +28,7 @@ def load_tokenizer(path: str | Path) -> Any:
     return AutoTokenizer.from_pretrained(path)
 
 
-def _generic_folder(root: Path) -> bool:
+def _generic_folder(root: Path, hf_config: dict[str, Any] | None = None) -> bool:
     """Whether AutoTokenizer would pick the generic class for this folder whatever its model type."""
     from transformers.models.auto.tokenization_auto import (
         MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS,
@@ -36,7 +37,9 @@ def _generic_folder(root: Path) -> bool:
 
     try:
         tok_config = json.loads((root / "tokenizer_config.json").read_text())
-        model_type = json.loads((root / "config.json").read_text()).get("model_type")
+        if hf_config is None:
+            hf_config = json.loads((root / "config.json").read_text())
+        model_type = hf_config.get("model_type")
     except (OSError, ValueError):
         return False
     return (

@@ -108,7 +108,9 @@ def test_engine_start_imports_neither_the_compiler_nor_the_model_config():
     assert result.stdout.strip().splitlines()[-1] == "[]"
 
 
-def test_model_argument_from_command_line_or_environment():
+def test_model_argument_from_command_line_or_environment(monkeypatch):
+    monkeypatch.setenv("SLUICE_MODEL", "/models/settings")
+    assert model_argument(["--burst"]) == "/models/settings"  # through Settings, the environment's one reader
     env = {"SLUICE_MODEL": "/models/env"}
     assert model_argument(["--dtype", "bfloat16", "--model", "/m/a"], env) == "/m/a"
     assert model_argument(["--model=/m/b", "--burst"], env) == "/m/b"

@@ -14,7 +14,8 @@ from engine.model_runner import ModelRunner
 from engine.models.loader import load_model
 from engine.quantization import int8_kv_cache
 
-FORBIDDEN = ("nonzero", "_local_scalar_dense", "unique", "masked_select", "item")
+FORBIDDEN = ("nonzero", "_local_scalar_dense", "unique", "masked_select", "item", "boolean index")
+INDEX_OPS = ("aten.index.Tensor", "aten.index_put_.default", "aten.index_put.default")
 BS, NUM_BLOCKS = 8, 96
 
 
@@ -26,8 +27,11 @@ class OpRecorder(TorchDispatchMode):
         self.ops: list[tuple[str, tuple]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        shapes = tuple(tuple(a.shape) for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor))
-        self.ops.append((str(func), shapes))
+        tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        name = str(func)
+        if name in INDEX_OPS and any(t is not None and t.dtype == torch.bool for t in args[1]):
+            name += " boolean index"  # syncs: the mask's true count sizes the result (nonzero below the dispatcher)
+        self.ops.append((name, tuple(tuple(t.shape) for t in tensors)))
         return func(*args, **(kwargs or {}))
 
     def forbidden(self) -> list[str]:
@@ -82,12 +86,12 @@ def test_padded_decode_forward_makes_no_host_syncs(tiny_llama, device_path, kv):
 
 def test_recorder_sees_the_syncs_of_the_bucketed_path(tiny_llama, monkeypatch):
     monkeypatch.setenv("SLUICE_DEVICE_PATH", "0")
-    r = runner(tiny_llama, "int8")
+    r = runner(tiny_llama, "plain")  # the bucketed torch groups (the CPU kernels since read int8 KV themselves)
     ids, pos, slots, ctx, tables = decode_batch(3, seed=1)
     meta = kernels.build_metadata([1] * 3, ctx, tables, torch.tensor(slots), BS, torch.device("cpu"))
     with torch.inference_mode(), OpRecorder() as rec:
         r.model(torch.tensor(ids), torch.tensor(pos), r.kv_caches, meta, torch.arange(3))
-    assert any("unique" in name for name in rec.forbidden())
+    assert any("boolean index" in name for name in rec.forbidden())  # the padded group rows picked by a mask
 
 
 def test_batches_padded_to_one_size_record_identical_op_shapes(tiny_llama, device_path):

@@ -122,6 +122,7 @@ def test_sigkilled_worker_loses_nothing(tiny_llama, redis_url, tmp_path):
             assert time.monotonic() < deadline, "victim never got going"
             time.sleep(0.1)
         survivor = start_worker(tiny_llama, redis_url, tmp_path / "survivor.log", *args, "--name", "survivor")
+        os.kill(victim.pid, signal.SIGSTOP)  # frozen first: no shard of its can finish between listing and kill
         killed = victim_shards()
         os.kill(victim.pid, signal.SIGKILL)
         victim.wait()

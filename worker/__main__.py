@@ -2,9 +2,9 @@
 
 import sys
 
-from worker.prefetch import model_argument, prefetch
+from worker.prefetch import prefetch_for
 
-prefetch(model_argument(sys.argv[1:]))  # first: the weights' disk read overlaps the imports below
+prefetch_for(sys.argv[1:])  # first: the weights' disk read overlaps the imports below
 
 import typer  # noqa: E402
 

@@ -7,23 +7,30 @@ Torch-free on purpose: it runs before torch (or anything else heavy) is imported
 from __future__ import annotations
 
 import json
-import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 CHUNK = 16 * 1024 * 1024
 MEMORY_SHARE = 0.5  # never prefetch more than this share of the memory available now
 
 
-def model_argument(argv: Sequence[str], environ: dict[str, str] | os._Environ = os.environ) -> str | None:
-    """The worker's model as its command line (`--model X` or `--model=X`) or $SLUICE_MODEL gives it."""
+def model_argument(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> str | None:
+    """The worker's model as its command line (`--model X` or `--model=X`) gives it, else $SLUICE_MODEL: from
+    `environ` where given, otherwise through Settings (the one reader of the environment; imports pydantic)."""
     for i, arg in enumerate(argv):
         if arg == "--model" and i + 1 < len(argv):
             return argv[i + 1]
         if arg.startswith("--model="):
             return arg.split("=", 1)[1]
-    return environ.get("SLUICE_MODEL")
+    if environ is not None:
+        return environ.get("SLUICE_MODEL")
+    try:
+        from contract.settings import Settings
+
+        return Settings().model
+    except Exception:  # a bad SLUICE_* value is the worker's own error to report, not the prefetch's
+        return None
 
 
 def weight_files(model: str) -> list[Path]:
@@ -63,6 +70,20 @@ def read_through(files: Sequence[Path], budget: int) -> int:
         except OSError:
             continue
     return done
+
+
+def prefetch_for(argv: Sequence[str]) -> threading.Thread:
+    """Prefetch the weights of the model the worker's command line names; a model named only by $SLUICE_MODEL is
+    looked up inside the thread, so that not even the settings import delays the main thread's start-up."""
+
+    def run() -> None:
+        thread = prefetch(model_argument(argv))
+        if thread is not None:
+            thread.join()
+
+    thread = threading.Thread(target=run, name="prefetch-model", daemon=True)
+    thread.start()
+    return thread
 
 
 def prefetch(model: str | None) -> threading.Thread | None:
