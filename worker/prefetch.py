@@ -75,23 +75,23 @@ def read_through(files: Sequence[Path], budget: int) -> int:
 def prefetch_for(argv: Sequence[str]) -> threading.Thread:
     """Prefetch the weights of the model the worker's command line names; a model named only by $SLUICE_MODEL is
     looked up inside the thread, so that not even the settings import delays the main thread's start-up."""
-
-    def run() -> None:
-        thread = prefetch(model_argument(argv))
-        if thread is not None:
-            thread.join()
-
-    thread = threading.Thread(target=run, name="prefetch-model", daemon=True)
+    thread = threading.Thread(target=lambda: read_through(*_plan(model_argument(argv))), name="prefetch-weights",
+                              daemon=True)
     thread.start()
     return thread
 
 
 def prefetch(model: str | None) -> threading.Thread | None:
     """Start reading the model's weights into the page cache in a daemon thread (None: nothing to read)."""
-    files = weight_files(model) if model else []
+    files, budget = _plan(model)
     if not files:
         return None
-    budget = int(available_memory() * MEMORY_SHARE)
     thread = threading.Thread(target=read_through, args=(files, budget), name="prefetch-weights", daemon=True)
     thread.start()
     return thread
+
+
+def _plan(model: str | None) -> tuple[list[Path], int]:
+    """The model's weight files and the byte budget for reading them (no files: nothing to read)."""
+    files = weight_files(model) if model else []
+    return files, int(available_memory() * MEMORY_SHARE) if files else 0
