@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 import kernels
+from engine.kv_memory import kv_zeros
 from engine.models.llama import LayerKVCache, LlamaModel, ModelConfig
 from engine.request import Request
 from engine.scheduler import ScheduledBatch
@@ -71,8 +72,7 @@ class ModelRunner:
     @staticmethod
     def _plain_cache(num_blocks, block_size, c: ModelConfig, dtype, device) -> LayerKVCache:
         shape = (c.num_kv_heads, num_blocks, block_size, c.head_dim)
-        return LayerKVCache(torch.zeros(shape, dtype=dtype, device=device),
-                            torch.zeros(shape, dtype=dtype, device=device))
+        return LayerKVCache(kv_zeros(shape, dtype, device), kv_zeros(shape, dtype, device))
 
     def _rows(self, req: Request, start: int, n: int) -> tuple[int, int]:
         """First position and count of the positions whose logits this step must return."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 import kernels
+from engine.kv_memory import kv_zeros
 from engine.models.llama import ModelConfig
 from kernels import device_path
 from kernels.cpu_attention import paged_attention_cpu
@@ -46,8 +47,8 @@ class Int8LayerKVCache:
     __slots__ = ("k", "v", "k_scale", "v_scale", "dtype", "step")
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device, step: StepBlocks) -> None:
-        self.k, self.v = (torch.zeros(shape, dtype=torch.int8, device=device) for _ in range(2))
-        self.k_scale, self.v_scale = (torch.zeros(shape[:3], dtype=SCALE_DTYPE, device=device) for _ in range(2))
+        self.k, self.v = (kv_zeros(shape, torch.int8, device) for _ in range(2))
+        self.k_scale, self.v_scale = (kv_zeros(shape[:3], SCALE_DTYPE, device) for _ in range(2))
         self.dtype, self.step = dtype, step
 
     def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
