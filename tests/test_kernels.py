@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_attention, int4_weights, int8_linear, rms_norm
+from kernels import cpp_build, cpu_attention, int4_weights, int8_linear, rms_norm
+from kernels import linear as linear_kernels
 from kernels.attention import build_metadata, paged_attention
 from kernels.int8_weights import MAX_GEMV_ROWS
 
@@ -158,3 +161,55 @@ def test_a_build_killed_midway_does_not_hang_later_loads():
     )
     done = subprocess.run([sys.executable, "-c", script], timeout=600, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+AVX512_BF16 = "avx512_bf16" in Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else False
+
+
+def test_bf16_gemv_is_served_where_the_cpu_has_avx512_bf16():
+    """The GEMV builds and serves on a CPU with avx512_bf16 (a silent fallback would lose its 1.5-2x)."""
+    assert linear_kernels.gemv_available() == (AVX512_BF16 and cpp_build.enabled())
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize(("n", "k"), [(96, 256), (77, 100), (130, 33), (16, 2048)])
+def test_bf16_linear_matches_the_fp32_reference(rows, n, k):
+    """Every row count the GEMV takes, K with a masked tail, N off its 16-row tiles, bias or not, rows with a
+    stride: within a bf16 rounding of the fp32 product, as close as F.linear (oneDNN) is."""
+    g = torch.Generator().manual_seed(rows * 1000 + n + k)
+    base = torch.randn(rows, k + 7, generator=g).to(torch.bfloat16)
+    x = base[:, 3 : 3 + k]  # rows with stride k + 7
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(torch.bfloat16)
+    for bias in (None, torch.randn(n, generator=g).to(torch.bfloat16)):
+        ref = x.float() @ w.float().t() + (0 if bias is None else bias.float())
+        with torch.inference_mode():
+            got = linear_kernels.linear(x, w, bias)
+        theirs = F.linear(x, w, bias).float()
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+        tol = ref.abs() * 2**-8 + 1e-3 * k**0.5  # rounding to bf16, plus fp32 sums in another order
+        assert ((got.float() - ref).abs() <= tol).all()
+        assert ((theirs - ref).abs() <= tol).all()
+
+
+def test_model_linears_run_the_gemv_at_decode_rows(monkeypatch):
+    """A bf16 decode step's linears go through the GEMV (and 9+ rows through F.linear)."""
+    calls = []
+    ext = linear_kernels._gemv()
+    if ext is None:
+        assert not AVX512_BF16 or not cpp_build.enabled()
+        return
+
+    class Spy:
+        def bf16_gemv(self, x, w, b):
+            calls.append(x.shape[0])
+            return ext.bf16_gemv(x, w, b)
+
+        def supported(self):
+            return True
+
+    monkeypatch.setattr(linear_kernels, "_gemv", Spy)
+    layer = linear_kernels.Linear(64, 48, bias=True).to(torch.bfloat16)
+    with torch.inference_mode():
+        for rows in (1, 8, 9, 64):
+            layer(torch.randn(rows, 64, dtype=torch.bfloat16))
+    assert calls == [1, 8]

@@ -10,6 +10,7 @@ from torch import nn
 
 import kernels
 from engine.models.rope import RotaryEmbedding, rope_parameters
+from kernels.linear import Linear, linear
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -99,8 +100,8 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.q_size, self.kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        self.qkv_proj = nn.Linear(c.hidden_size, self.q_size + 2 * self.kv_size, bias=c.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, c.hidden_size, bias=False)
+        self.qkv_proj = Linear(c.hidden_size, self.q_size + 2 * self.kv_size, bias=c.qkv_bias)
+        self.o_proj = Linear(self.q_size, c.hidden_size, bias=False)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.scale = c.head_dim**-0.5
@@ -125,8 +126,8 @@ class MLP(nn.Module):
 
     def __init__(self, c: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.gate_up_proj = Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
+        self.down_proj = Linear(c.intermediate_size, c.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(kernels.silu_mul(self.gate_up_proj(x)))
@@ -166,7 +167,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        self.lm_head = None if c.tie_word_embeddings else Linear(c.hidden_size, c.vocab_size, bias=False)
         self.rope = RotaryEmbedding(c.head_dim, max_positions, c.rope)
 
     def forward(self, input_ids, positions, kv_caches, meta, logits_indices) -> torch.Tensor:
@@ -177,7 +178,7 @@ class LlamaModel(nn.Module):
             x, delta = layer(x, delta, cos_sin, cache, meta)
         x = self.norm.add(x[logits_indices], delta[logits_indices])[1]
         if self.lm_head is None:
-            return nn.functional.linear(x, self.embed_tokens.weight)
+            return linear(x, self.embed_tokens.weight)
         return self.lm_head(x)
 
 

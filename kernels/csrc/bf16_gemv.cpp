@@ -1,0 +1,151 @@
+// y[M, N] = x[M, K] · W[N, K]ᵀ (+ bias) in bf16 for a few rows of x (decode steps), with AVX512-BF16.
+//
+// At one to a few rows a linear is a pass over its weight: the time is the weight's bytes over the memory
+// bandwidth. oneDNN's bf16 matmul reads a weight at ~26-31 GB/s at one row on this class of CPU, a plain
+// two-thread pass reads ~47 GB/s. Here each thread streams a run of R weight rows at a time, 32 bf16 per load,
+// and `vdpbf16ps` multiplies them pairwise with every x row into fp32 accumulators (R·M independent chains);
+// a masked load takes the tail of K. Sums are reduced once per output, the bias added in fp32, and the result
+// rounded to bf16 (round to nearest even), as the matmul does. Built only where the compiler targets
+// avx512_bf16 (`-march=native`); `supported()` says so, and the Python side falls back to F.linear.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cstring>
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define SLUICE_AVX512_BF16 1
+#endif
+
+namespace {
+
+#ifdef SLUICE_AVX512_BF16
+
+inline float bf16_to_float(uint16_t h) {
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Sixteen fp32 vectors to their sixteen sums in one vector (a shuffle/add tree, not 16 horizontal reductions):
+// lane 4l + p of the result is the sum of v[4p + l].
+inline __m512 reduce16(const __m512* v) {
+  __m512 s1[8], s2[4], s3[2];
+  for (int j = 0; j < 8; ++j)  // 256-bit halves: [v2j 8 | v2j+1 8]
+    s1[j] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0x44),
+                          _mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0xEE));
+  for (int j = 0; j < 4; ++j)  // 128-bit lane l: v[4j + l], 4 partials each
+    s2[j] = _mm512_add_ps(_mm512_shuffle_f32x4(s1[2 * j], s1[2 * j + 1], 0x88),
+                          _mm512_shuffle_f32x4(s1[2 * j], s1[2 * j + 1], 0xDD));
+  for (int j = 0; j < 2; ++j)
+    s3[j] = _mm512_add_ps(_mm512_shuffle_ps(s2[2 * j], s2[2 * j + 1], 0x44),
+                          _mm512_shuffle_ps(s2[2 * j], s2[2 * j + 1], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_ps(s3[0], s3[1], 0x88), _mm512_shuffle_ps(s3[0], s3[1], 0xDD));
+}
+
+// Outputs [n, n + R) of M rows: out[m * ldo + r]. Every x row is loaded once per 32 columns of K, each weight
+// row once and used at once (M x registers, M·R accumulators, one weight register).
+template <int M, int R>
+inline void tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, float* out, int64_t ldo) {
+  __m512 acc[M * R];
+  for (int i = 0; i < M * R; ++i) acc[i] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    __m512bh xv[M];
+    for (int m = 0; m < M; ++m) xv[m] = (__m512bh)_mm512_loadu_si512(x + m * ldx + k);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + r * K + k);
+      for (int m = 0; m < M; ++m) acc[m * R + r] = _mm512_dpbf16_ps(acc[m * R + r], xv[m], wv);
+    }
+  }
+  if (k < K) {
+    const __mmask32 mask = static_cast<__mmask32>((1ULL << (K - k)) - 1);
+    __m512bh xv[M];
+    for (int m = 0; m < M; ++m) xv[m] = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * ldx + k);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + r * K + k);
+      for (int m = 0; m < M; ++m) acc[m * R + r] = _mm512_dpbf16_ps(acc[m * R + r], xv[m], wv);
+    }
+  }
+  if constexpr (M * R == 16) {
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, reduce16(acc));
+    for (int i = 0; i < 16; ++i) out[(i / R) * ldo + i % R] = lanes[(i % 4) * 4 + i / 4];
+  } else {
+    for (int i = 0; i < M * R; ++i) out[(i / R) * ldo + i % R] = _mm512_reduce_add_ps(acc[i]);
+  }
+}
+
+constexpr int64_t kBlock = 64;  // output rows a thread sums before writing them (a multiple of every R)
+
+template <int M>
+void gemv(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, int64_t N, const uint16_t* bias,
+          uint16_t* y) {
+  constexpr int R = M == 1 ? 16 : M == 2 ? 8 : M <= 4 ? 4 : 2;  // M·R accumulators (16 where M divides it)
+  at::parallel_for(0, (N + kBlock - 1) / kBlock, 1, [&](int64_t b0, int64_t b1) {
+    float sums[M * kBlock];
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * kBlock, rows = std::min(kBlock, N - n0);
+      int64_t r = 0;
+      for (; r + R <= rows; r += R) tile<M, R>(x, ldx, w + (n0 + r) * K, K, sums + r, kBlock);
+      for (; r < rows; ++r) tile<M, 1>(x, ldx, w + (n0 + r) * K, K, sums + r, kBlock);
+      for (int m = 0; m < M; ++m) {
+        for (int64_t i = 0; i < rows; ++i) {
+          float v = sums[m * kBlock + i];
+          if (bias) v += bf16_to_float(bias[n0 + i]);
+          y[m * N + n0 + i] = c10::BFloat16(v).x;  // round to nearest even
+        }
+      }
+    }
+  });
+}
+
+#endif
+
+bool supported() {
+#ifdef SLUICE_AVX512_BF16
+  return true;
+#else
+  return false;
+#endif
+}
+
+torch::Tensor bf16_gemv(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(supported(), "bf16_gemv: built without avx512_bf16");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "bf16_gemv: x [M, K], weight [N, K]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16, "bf16_gemv: bf16 only");
+  TORCH_CHECK(x.stride(1) == 1 && weight.is_contiguous(), "bf16_gemv: x rows and the weight must be contiguous");
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 8, "bf16_gemv: 1 to 8 rows");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  const uint16_t* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == N,
+                "bf16_gemv: bias bf16 [N]");
+    b = reinterpret_cast<const uint16_t*>(bias->data_ptr());
+  }
+  auto y = torch::empty({M, N}, x.options());
+#ifdef SLUICE_AVX512_BF16
+  auto xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  auto wp = reinterpret_cast<const uint16_t*>(weight.data_ptr());
+  auto yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  const int64_t ldx = x.stride(0);
+  switch (M) {
+    case 1: gemv<1>(xp, ldx, wp, K, N, b, yp); break;
+    case 2: gemv<2>(xp, ldx, wp, K, N, b, yp); break;
+    case 3: gemv<3>(xp, ldx, wp, K, N, b, yp); break;
+    case 4: gemv<4>(xp, ldx, wp, K, N, b, yp); break;
+    case 5: gemv<5>(xp, ldx, wp, K, N, b, yp); break;
+    case 6: gemv<6>(xp, ldx, wp, K, N, b, yp); break;
+    case 7: gemv<7>(xp, ldx, wp, K, N, b, yp); break;
+    default: gemv<8>(xp, ldx, wp, K, N, b, yp); break;
+  }
+#endif
+  return y;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("supported", &supported, "True when built with avx512_bf16");
+  m.def("bf16_gemv", &bf16_gemv, "x [M<=8, K] · weight [N, K]ᵀ (+ bias) in bf16", py::arg("x"), py::arg("weight"),
+        py::arg("bias") = py::none());
+}

@@ -1,0 +1,50 @@
+"""Unquantized linears: on CPU a bf16 GEMV of ours for a few rows (csrc/bf16_gemv.cpp), F.linear elsewhere.
+
+At the row counts of decode (one to a few tokens per step) a linear only streams its weight, and oneDNN's bf16
+matmul reads it at about half the memory bandwidth that a plain AVX512-BF16 pass reaches (measured per shape
+in docs/benchmarks.md); from `MAX_GEMV_ROWS` rows on, and on any other device or dtype, F.linear serves.
+Sums are fp32 in a different order than oneDNN's, then rounded to bf16 as it does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import cpp_build
+
+MAX_GEMV_ROWS = 8  # measured on CPU (docs/benchmarks.md): 1.5-2x oneDNN's bf16 matmul at 1-4 rows, par at 8
+
+
+def _gemv():
+    ext = cpp_build.load("sluice_bf16_gemv_cpu", "bf16_gemv.cpp") if cpp_build.enabled() else None
+    return ext if ext is not None and ext.supported() else None
+
+
+def gemv_available() -> bool:
+    """True when the C++ bf16 GEMV is enabled (SLUICE_CPU_KERNEL != 0), built, and the CPU has avx512_bf16."""
+    return _gemv() is not None
+
+
+def _use_gemv(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    return (rows.device.type == "cpu" and rows.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
+            and 1 <= rows.shape[0] <= MAX_GEMV_ROWS and rows.stride(-1) == 1 and weight.is_contiguous()
+            and (bias is None or bias.dtype == torch.bfloat16) and not torch.is_grad_enabled()
+            and gemv_available())
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] · weight [out, in]ᵀ (+ bias), as F.linear."""
+    rows = x.reshape(-1, x.shape[-1])
+    if _use_gemv(rows, weight, bias):
+        bias = None if bias is None else bias.contiguous()
+        return _gemv().bf16_gemv(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose forward is `linear` (same parameters, state dict and repr)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
