@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from kernels import device_path
 from kernels.cpu_attention import paged_attention_cpu
+from kernels.elementwise import store_kv
 from kernels.flat_metadata import FlatMetadata
 
 MAX_SHORT_QUERY = 16
@@ -114,6 +115,8 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     """Store this step's keys/values [T, Hkv, D] at their slots of the [Hkv, blocks, block, D] cache."""
     if device_path.flat_layout(k_cache.device):
         device_path.store_kv(k_cache, v_cache, k, v, slot_mapping)
+        return
+    if store_kv(k_cache, v_cache, k, v, slot_mapping):
         return
     hk, _, _, d = k_cache.shape
     k_cache.view(hk, -1, d).index_copy_(1, slot_mapping, k.transpose(0, 1).to(k_cache.dtype))

@@ -1,7 +1,7 @@
 """A decoder layer's elementwise steps: one fused C++ pass each on CPU (csrc/elementwise.cpp), torch elsewhere.
 
 `rope_qk` rotates the query and key heads of a fused qkv projection and returns them contiguous; `silu_mul`
-is SwiGLU's silu(gate) * up. Both round every intermediate to the activations' dtype as the torch ops (and HF)
+is SwiGLU's silu(gate) * up; `store_kv` copies a step's keys and values to their cache slots. Both round every intermediate to the activations' dtype as the torch ops (and HF)
 do, so the fused kernels change speed, not results.
 """
 
@@ -51,3 +51,15 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return _ext().silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> bool:
+    """Copy keys/values [T, Hkv, D] to their slots of the [Hkv, blocks, block, D] caches in one C++ call;
+    False (nothing written) where it does not serve: another device, dtypes that differ, other strides."""
+    ok = (_fused(k) and k.dtype == v.dtype == k_cache.dtype == v_cache.dtype and slot_mapping.dtype == torch.long
+          and k_cache.is_contiguous() and v_cache.is_contiguous() and slot_mapping.is_contiguous()
+          and all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in (k, v)))
+    if ok:
+        _ext().store_kv(k_cache, v_cache, k, v, slot_mapping)
+    return ok

@@ -46,3 +46,29 @@ def test_kernels_off_takes_the_torch_path(monkeypatch):
     plain = elementwise.rope_qk(qkv, cos, sin, 2, 1)
     assert not plain[0].is_contiguous()  # views of the torch rotation, not the kernel's output
     assert all(torch.equal(a, b) for a, b in zip(fused, plain, strict=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tokens", [1, 5, 300])
+def test_store_kv_writes_the_slots_index_copy_writes(dtype, tokens):
+    """One C++ call stores k (contiguous) and v (a strided view of qkv, as the model passes it) exactly where
+    the two index_copy_ of the torch path do, and nowhere else; a bad slot is refused, nothing written."""
+    from kernels.attention import write_kv
+
+    torch.manual_seed(tokens)
+    hk, blocks, block, d = 2, 40, 16, 32
+    qkv = torch.randn(tokens, 6 + 2 * hk, d).to(dtype)
+    k, v = qkv[:, 6 : 6 + hk].contiguous(), qkv[:, 6 + hk :]
+    slots = torch.randperm(blocks * block)[:tokens]
+    ours = [torch.zeros(hk, blocks, block, d, dtype=dtype) for _ in range(2)]
+    theirs = [torch.zeros(hk, blocks, block, d, dtype=dtype) for _ in range(2)]
+    assert elementwise.store_kv(*ours, k, v, slots)
+    theirs[0].view(hk, -1, d).index_copy_(1, slots, k.transpose(0, 1))
+    theirs[1].view(hk, -1, d).index_copy_(1, slots, v.transpose(0, 1))
+    assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+    fresh = [torch.zeros_like(ours[0]) for _ in range(2)]
+    write_kv(*fresh, k, v, slots)  # the engine's entry point takes the same path
+    assert torch.equal(fresh[0], theirs[0]) and torch.equal(fresh[1], theirs[1])
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        elementwise.store_kv(*fresh, k, v, torch.full_like(slots, blocks * block))
+    assert not elementwise.store_kv(*fresh, k.to(torch.float16), v, slots)  # mixed dtypes: the torch path

@@ -3,6 +3,9 @@
 //             apply_rotary_pos_emb, each product and the sum rounded to the activations' dtype), written as
 //             contiguous [T, H, D] / [T, Hkv, D] tensors in one pass;
 //   silu_mul: silu(gate) * up of a fused gate_up row, silu rounded before the product, as torch does.
+//   store_kv: this step's keys and values [T, Hkv, D] (rows may be strided, as v is inside qkv) copied to
+//             their slots of the [Hkv, blocks, block, D] caches in one call (two index_copy_ and their views
+//             cost ~15 us a layer at one token).
 // at::vec with the CPU capability this file is compiled for gives torch's own vectorized math (Sleef exp).
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
 #define CPU_CAPABILITY AVX512
@@ -14,6 +17,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
+#include <cstring>
 #include <vector>
 
 using at::vec::Vectorized;
@@ -107,7 +111,35 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   return out;
 }
 
+void store_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, torch::Tensor v, torch::Tensor slots) {
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
+              k_cache.dim() == 4, "caches [Hkv, blocks, block, D], contiguous");
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.stride(2) == 1 && v.stride(2) == 1 &&
+              k.stride(1) == k.size(2) && v.stride(1) == v.size(2), "k, v [T, Hkv, D] with contiguous heads");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k_cache.scalar_type() &&
+              v_cache.scalar_type() == k_cache.scalar_type(), "k, v and caches in one dtype");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == k.size(0) &&
+              slots.is_contiguous(), "slots int64 [T]");
+  const int64_t T = k.size(0), H = k.size(1), D = k.size(2);
+  const int64_t capacity = k_cache.size(1) * k_cache.size(2);
+  TORCH_CHECK(k_cache.size(0) == H && k_cache.size(3) == D, "cache heads/dim differ from k's");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(slot[t] >= 0 && slot[t] < capacity, "slot out of range");
+  const int64_t bytes = D * k.element_size();
+  auto kc = static_cast<char*>(k_cache.data_ptr()), vc = static_cast<char*>(v_cache.data_ptr());
+  auto ks = static_cast<const char*>(k.data_ptr()), vs = static_cast<const char*>(v.data_ptr());
+  const int64_t krow = k.stride(0) * k.element_size(), vrow = v.stride(0) * v.element_size();
+  at::parallel_for(0, T * H, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t t = w / H, h = w % H, dst = (h * capacity + slot[t]) * bytes;
+      std::memcpy(kc + dst, ks + t * krow + h * bytes, bytes);
+      std::memcpy(vc + dst, vs + t * vrow + h * bytes, bytes);
+    }
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("store_kv", &store_kv, "keys/values [T, Hkv, D] to their slots of the paged caches (CPU)");
   m.def("rope_qk", &rope_qk, "rotary embedding of the q and k heads of a fused qkv projection (CPU)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate_up projection (CPU)");
 }
