@@ -38,7 +38,9 @@ one request, ready to claim), best of the rounds; the raw read reads every weigh
 `posix_fadvise(DONTNEED)` (the VM's host may still cache it, so this is a lower bound on a disk read). The
 sluice-tiny row is the fixed cost every worker pays whatever its model (Python, torch, transformers and
 bitsandbytes imports, tokenizer, KV allocation); CPU attention kernels are built once beforehand, as a
-worker image should ship them. The last column is the size-dependent part against the raw read."""
+worker image should ship them. Workers run on their default settings (256 sequences, the model's full context:
+the CPU KV pool's 4 GiB cap, mapped but not touched). The last column is the size-dependent part against the
+raw read."""
 
 
 def weight_files(model: Path) -> list[Path]:
@@ -106,10 +108,6 @@ def time_to_ready(model: Path, redis_url: str, log: Path, *args: str) -> float:
         log,
         "--metrics-port",
         str(port),
-        "--max-num-seqs",
-        "4",
-        "--max-model-len",
-        "256",
         *args,
         dtype="bfloat16",
         device="cpu",

@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 from transformers import AutoTokenizer
 
 from engine import LLM, SamplingParams
+from engine.models import loader
 from engine.models.loader import CheckpointReader, load_model
 from engine.tokenizer import load_tokenizer
 from tests.checkpoints import make_checkpoint
@@ -31,8 +32,12 @@ def sharded(tmp_path_factory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("sharded"), dtype=torch.bfloat16, max_shard_size="100KB")
 
 
-def test_reader_matches_safetensors_for_every_tensor(sharded):
-    """Every tensor of a sharded checkpoint reads back bit for bit as safetensors' own reader gives it."""
+@pytest.mark.parametrize("readers", [1, 3])
+def test_reader_matches_safetensors_for_every_tensor(sharded, readers, monkeypatch):
+    """Every tensor of a sharded checkpoint reads back bit for bit as safetensors' own reader gives it, also
+    when each is read in parallel spans (3 readers: spans of unequal length, the last one short)."""
+    monkeypatch.setattr(loader, "READERS", readers)
+    monkeypatch.setattr(loader, "PARALLEL_CHUNK", 1000)
     files = sorted(sharded.glob("*.safetensors"))
     assert len(files) > 1 and (sharded / "model.safetensors.index.json").is_file()
     reader = CheckpointReader(sharded)
