@@ -16,6 +16,7 @@
 #endif
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <cstring>
 #include <vector>
@@ -71,6 +72,16 @@ static void silu_mul_row(const T* g, const T* u, T* out, int64_t n) {
   using fVec = Vectorized<float>;
   const fVec one(1.f);
   int64_t i = 0;
+  if constexpr (at::vec::is_reduced_floating_point_v<T>) {  // 32 at a time, conversions vectorized too
+    using TVec = Vectorized<T>;
+    for (; i + TVec::size() <= n; i += TVec::size()) {
+      auto [g0, g1] = at::vec::convert_to_float<T>(TVec::loadu(g + i));
+      auto [u0, u1] = at::vec::convert_to_float<T>(TVec::loadu(u + i));
+      auto [s0, s1] = at::vec::convert_to_float<T>(
+          at::vec::convert_from_float<T>(g0 / (one + g0.neg().exp()), g1 / (one + g1.neg().exp())));
+      at::vec::convert_from_float<T>(s0 * u0, s1 * u1).store(out + i);
+    }
+  }
   for (; i + fVec::size() <= n; i += fVec::size()) {
     float gb[fVec::size()], ub[fVec::size()];
     for (int64_t j = 0; j < fVec::size(); ++j) {

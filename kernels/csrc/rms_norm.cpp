@@ -1,7 +1,22 @@
 // Fused residual add + RMSNorm on CPU, rounding like HF's LlamaRMSNorm: out = w * dtype(x * rsqrt(mean(x^2) + eps)).
+// bf16/fp16 rows go 32 elements at a time through at::vec (fp32 math, round-to-nearest-even casts back), with
+// the sum of squares in fp32 lanes as torch's own vectorized reduction keeps it; other dtypes and tails are
+// scalar loops.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#define CPU_CAPABILITY AVX512
+#define CPU_CAPABILITY_AVX512
+#elif defined(__AVX2__) && defined(__FMA__)
+#define CPU_CAPABILITY AVX2
+#define CPU_CAPABILITY_AVX2
+#endif
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
 #include <cmath>
+#include <vector>
+
+using Vec = at::vec::Vectorized<float>;
 
 template <typename T>
 static void norm_rows(const T* x, const T* delta, T* sum, const T* w, T* out, int64_t rows, int64_t D, float eps) {
@@ -9,8 +24,28 @@ static void norm_rows(const T* x, const T* delta, T* sum, const T* w, T* out, in
     std::vector<float> buf(D);
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * D;
-      double ss = 0.0;  // near-exact, as close as we can get to torch's vectorized fp32 sum of squares
-      for (int64_t d = 0; d < D; ++d) {
+      int64_t d = 0;
+      float ss = 0.f;
+      if constexpr (at::vec::is_reduced_floating_point_v<T>) {
+        using TVec = at::vec::Vectorized<T>;
+        constexpr int64_t n = TVec::size();  // 2 * Vec::size()
+        Vec acc0(0.f), acc1(0.f);
+        for (; d + n <= D; d += n) {
+          auto [a, b] = at::vec::convert_to_float<T>(TVec::loadu(xr + d));
+          if (delta != nullptr) {
+            auto [da, db] = at::vec::convert_to_float<T>(TVec::loadu(delta + r * D + d));
+            const TVec s = at::vec::convert_from_float<T>(a + da, b + db);  // rounded like `x + delta`
+            s.store(sum + r * D + d);
+            std::tie(a, b) = at::vec::convert_to_float<T>(s);
+          }
+          a.store(buf.data() + d);
+          b.store(buf.data() + d + Vec::size());
+          acc0 = at::vec::fmadd(a, a, acc0);
+          acc1 = at::vec::fmadd(b, b, acc1);
+        }
+        ss = at::vec::vec_reduce_all<float>([](Vec& p, Vec& q) { return p + q; }, acc0 + acc1);
+      }
+      for (; d < D; ++d) {
         float v = static_cast<float>(xr[d]);
         if (delta != nullptr) {
           const T s = static_cast<T>(v + static_cast<float>(delta[r * D + d]));  // rounded like `x + delta`
@@ -18,11 +53,24 @@ static void norm_rows(const T* x, const T* delta, T* sum, const T* w, T* out, in
           v = static_cast<float>(s);
         }
         buf[d] = v;
-        ss += static_cast<double>(v * v);
+        ss += v * v;
       }
-      const float inv = 1.f / std::sqrt(static_cast<float>(ss) / static_cast<float>(D) + eps);
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(D) + eps);
       T* o = out + r * D;
-      for (int64_t d = 0; d < D; ++d)
+      d = 0;
+      if constexpr (at::vec::is_reduced_floating_point_v<T>) {
+        using TVec = at::vec::Vectorized<T>;
+        constexpr int64_t n = TVec::size();
+        const Vec f(inv);
+        for (; d + n <= D; d += n) {
+          // w * dtype(x * inv): the normalised row is rounded to the dtype before the weight multiplies
+          auto [na, nb] = at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(
+              Vec::loadu(buf.data() + d) * f, Vec::loadu(buf.data() + d + Vec::size()) * f));
+          auto [wa, wb] = at::vec::convert_to_float<T>(TVec::loadu(w + d));
+          at::vec::convert_from_float<T>(wa * na, wb * nb).store(o + d);
+        }
+      }
+      for (; d < D; ++d)
         o[d] = static_cast<T>(static_cast<float>(w[d]) * static_cast<float>(static_cast<T>(buf[d] * inv)));
     }
   });
