@@ -42,9 +42,10 @@ def _build_lock(name: str):
 
 
 def build_name(name: str, source: str) -> str:
-    """The extension's name on disk: `name` and a hash of its source, flags and folder (ninja rebuilds when a
+    """The extension's name on disk: `name` and a hash of its source, the headers of csrc/, flags and folder (ninja rebuilds when a
     source's path changes, so two checkouts sharing one build folder would rebuild over each other)."""
-    key = (CSRC / source).read_bytes() + " ".join(CFLAGS).encode() + str(CSRC.resolve()).encode()
+    headers = b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))  # included by sources: part of them
+    key = (CSRC / source).read_bytes() + headers + " ".join(CFLAGS).encode() + str(CSRC.resolve()).encode()
     digest = hashlib.sha256(key).hexdigest()[:12]
     return f"{name}_{digest}"
 

@@ -14,6 +14,7 @@
 #include <vector>
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
+#include "avx512_reduce.h"
 #define SLUICE_AVX512_BF16 1
 #endif
 
@@ -26,22 +27,6 @@ inline float bf16_to_float(uint16_t h) {
   float f;
   std::memcpy(&f, &bits, 4);
   return f;
-}
-
-// Sixteen fp32 vectors to their sixteen sums in one vector (a shuffle/add tree, not 16 horizontal reductions):
-// lane 4l + p of the result is the sum of v[4p + l].
-inline __m512 reduce16(const __m512* v) {
-  __m512 s1[8], s2[4], s3[2];
-  for (int j = 0; j < 8; ++j)  // 256-bit halves: [v2j 8 | v2j+1 8]
-    s1[j] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0x44),
-                          _mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0xEE));
-  for (int j = 0; j < 4; ++j)  // 128-bit lane l: v[4j + l], 4 partials each
-    s2[j] = _mm512_add_ps(_mm512_shuffle_f32x4(s1[2 * j], s1[2 * j + 1], 0x88),
-                          _mm512_shuffle_f32x4(s1[2 * j], s1[2 * j + 1], 0xDD));
-  for (int j = 0; j < 2; ++j)
-    s3[j] = _mm512_add_ps(_mm512_shuffle_ps(s2[2 * j], s2[2 * j + 1], 0x44),
-                          _mm512_shuffle_ps(s2[2 * j], s2[2 * j + 1], 0xEE));
-  return _mm512_add_ps(_mm512_shuffle_ps(s3[0], s3[1], 0x88), _mm512_shuffle_ps(s3[0], s3[1], 0xDD));
 }
 
 // Outputs [n, n + R) of M rows: out[m * ldo + r]. Every x row is loaded once per 32 columns of K, each weight
@@ -70,8 +55,8 @@ inline void tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, f
   }
   if constexpr (M * R == 16) {
     alignas(64) float lanes[16];
-    _mm512_store_ps(lanes, reduce16(acc));
-    for (int i = 0; i < 16; ++i) out[(i / R) * ldo + i % R] = lanes[(i % 4) * 4 + i / 4];
+    _mm512_store_ps(lanes, sluice_reduce16(acc));
+    for (int i = 0; i < 16; ++i) out[(i / R) * ldo + i % R] = lanes[sluice_lane_of(i)];
   } else {
     for (int i = 0; i < M * R; ++i) out[(i / R) * ldo + i % R] = _mm512_reduce_add_ps(acc[i]);
   }

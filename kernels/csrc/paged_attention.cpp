@@ -1,8 +1,10 @@
 // Fused CPU paged attention of short queries: walks each sequence's block table, reading every cached key and
 // value once per kv head, in tiles converted to fp32 in L1 and shared by the kv head's G query rows; AVX-512
 // (or AVX2) through at::vec; a flash-style online softmax; long contexts split across threads and merged by
-// log-sum-exp. An int8 cache (per-token-head fp16 scales) is dequantized in registers: the key scale folds into
-// the score, the value scale into the softmax weight.
+// log-sum-exp. A bf16 cache on a CPU with avx512_bf16 takes a faster path (attend_unit_bf16: bf16 dot products
+// straight from the cache, the softmax on whole tiles, the next tile prefetched). An int8 cache (per-token-head
+// fp16 scales) is dequantized in registers: the key scale folds into the score, the value scale into the
+// softmax weight.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
 #define CPU_CAPABILITY_AVX512
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -11,6 +13,10 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+#include "avx512_reduce.h"
+#define SLUICE_BF16_DOT 1
+#endif
 #include <ATen/cpu/vec/vec.h>
 #include <algorithm>
 #include <cmath>
@@ -204,6 +210,90 @@ static void attend_unit(const T* q, const Cache& c, const Unit& u, int64_t t0, i
   }
 }
 
+#ifdef SLUICE_BF16_DOT
+// The bf16 cache without scales: scores straight from the bf16 keys with `vdpbf16ps` (no fp32 copy of the key
+// tile; sixteen keys' dot products reduced into one vector at once), the softmax on that vector, then the fp32
+// value tile added into up to four query rows per pass (each value slice loaded once for all of them; rows
+// past their causal limit weigh the tail positions 0). D % 32 == 0, D <= 256.
+static void attend_unit_bf16(const at::BFloat16* q, const Cache& c, const Unit& u, int64_t t0, int64_t nq,
+                             int64_t L, int64_t H, int64_t G, int64_t D, float scale, std::vector<float>& wbuf,
+                             float* m, float* l, float* acc) {
+  const int64_t R = nq * G, hk = u.hk;
+  const int64_t* table = c.tables + u.s * c.width;
+  for (int64_t r = 0; r < R; ++r) m[r] = -std::numeric_limits<float>::infinity(), l[r] = 0.f;
+  std::fill(acc, acc + R * D, 0.f);
+  wbuf.resize(R * kTile);
+  float* w = wbuf.data();
+  alignas(64) float vbuf[kTile * 256];
+  alignas(64) static const uint16_t zero_row[256] = {};
+  int64_t slots[kTile];
+  const uint16_t* krows[kTile];
+  const float* vrows[kTile];
+  const auto* kc = reinterpret_cast<const uint16_t*>(c.k);
+  const auto* vc = static_cast<const at::BFloat16*>(c.v);
+  const __m512 vscale = _mm512_set1_ps(scale), minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t p = u.p0; p < u.p1; p += kTile) {
+    const int64_t n = std::min(kTile, u.p1 - p);
+    tile_slots(c, table, hk, p, n, slots);
+    for (int64_t j = 0; j < kTile; ++j) krows[j] = j < n ? kc + slots[j] * D : zero_row;
+    load_tile(vc, slots, n, D, vbuf, vrows);
+    // The next tile's blocks lie anywhere in the pool, where no hardware prefetcher looks: ask for them while
+    // this one is computed (attention at 64 sequences with their KV in DRAM: 12.0 -> 8.4 ms a step).
+    if (p + kTile < u.p1) {
+      int64_t next[kTile];
+      const int64_t nn = std::min(kTile, u.p1 - p - kTile);
+      tile_slots(c, table, hk, p + kTile, nn, next);
+      for (int64_t j = 0; j < nn; ++j)
+        for (int64_t b = 0; b < D * 2; b += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(kc + next[j] * D) + b, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(vc + next[j] * D) + b, _MM_HINT_T0);
+        }
+    }
+    int64_t rows = 0;  // rows up to the last that sees this tile (earlier rows that do not weigh it 0)
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t valid = std::min(n, L - nq + r / G + 1 - p);  // causal: query i sees positions < L - nq + i + 1
+      if (valid <= 0) {
+        _mm512_storeu_ps(w + r * kTile, _mm512_setzero_ps());
+        continue;
+      }
+      rows = r + 1;
+      const auto* qr = reinterpret_cast<const uint16_t*>(q + ((t0 + r / G) * H + hk * G + r % G) * D);
+      __m512 dots[16];
+      for (int i = 0; i < 16; ++i) dots[i] = _mm512_setzero_ps();
+      for (int64_t d = 0; d < D; d += 32) {
+        const __m512bh qv = (__m512bh)_mm512_loadu_si512(qr + d);
+        for (int i = 0; i < 16; ++i)  // dots[i] lands in lane sluice_lane_of(i): give it that key
+          dots[i] = _mm512_dpbf16_ps(dots[i], qv, (__m512bh)_mm512_loadu_si512(krows[sluice_lane_of(i)] + d));
+      }
+      const __mmask16 seen = static_cast<__mmask16>((1u << valid) - 1);
+      const __m512 sc = _mm512_mask_mov_ps(minus_inf, seen, _mm512_mul_ps(sluice_reduce16(dots), vscale));
+      const float top = std::max(m[r], _mm512_reduce_max_ps(sc));
+      const __m512 wv = _mm512_maskz_mov_ps(seen, (Vec(sc) - Vec(top)).exp_u20());
+      _mm512_storeu_ps(w + r * kTile, wv);
+      if (top != m[r]) {
+        const float alpha = std::exp(m[r] - top);  // exp(-inf) = 0 on the first tile
+        scale_row(acc + r * D, alpha, D);
+        l[r] *= alpha;
+        m[r] = top;
+      }
+      l[r] += _mm512_reduce_add_ps(wv);
+    }
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+      const int64_t nr = std::min<int64_t>(4, rows - r0);
+      for (int64_t d = 0; d < D; d += 16) {
+        __m512 a[4];
+        for (int64_t i = 0; i < nr; ++i) a[i] = _mm512_loadu_ps(acc + (r0 + i) * D + d);
+        for (int64_t j = 0; j < n; ++j) {
+          const __m512 v = _mm512_loadu_ps(vrows[j] + d);
+          for (int64_t i = 0; i < nr; ++i) a[i] = _mm512_fmadd_ps(v, _mm512_set1_ps(w[(r0 + i) * kTile + j]), a[i]);
+        }
+        for (int64_t i = 0; i < nr; ++i) _mm512_storeu_ps(acc + (r0 + i) * D + d, a[i]);
+      }
+    }
+  }
+}
+#endif
+
 template <typename T>
 static void write_rows(T* out, const float* acc, const float* l, int64_t t0, int64_t R, int64_t H, int64_t G,
                        int64_t hk, int64_t D) {
@@ -266,6 +356,15 @@ static void run(const T* q, const Cache& c, T* out, const int64_t* qstart, const
           m.resize(R), l.resize(R), acc.resize(R * D);
           pm = m.data(), pl = l.data(), pa = acc.data();
         }
+#ifdef SLUICE_BF16_DOT
+        if constexpr (std::is_same_v<T, at::BFloat16> && std::is_same_v<C, at::BFloat16>) {
+          if (D % 32 == 0 && D <= 256) {
+            attend_unit_bf16(q, c, u, qstart[u.s], qlen[u.s], ctx[u.s], H, G, D, scale, qf, pm, pl, pa);
+            if (u.part < 0) write_rows(out, pa, pl, qstart[u.s], R, H, G, u.hk, D);
+            continue;
+          }
+        }
+#endif
         attend_unit<T, C>(q, c, u, qstart[u.s], qlen[u.s], ctx[u.s], H, G, D, scale, qf, pm, pl, pa);
         if (u.part < 0) write_rows(out, pa, pl, qstart[u.s], R, H, G, u.hk, D);
       }
