@@ -11,7 +11,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.quantization import kv_cache as int8_cache
 from engine.quantization.kv_cache import StepBlocks, int8_kv_cache
-from kernels import cpu_attention
+from kernels import cpp_build, cpu_attention
 from kernels.attention import build_metadata
 from kernels.int8_heads import quantize_heads
 
@@ -144,8 +144,8 @@ def test_int8_layer_cache_reads_only_long_sequences_blocks_into_a_copy(monkeypat
 
 
 @pytest.mark.parametrize(("dtype", "min_same"), [("float32", 1.0), ("bfloat16", 0.8)])
-def test_engine_greedy_output_with_int8_kv_is_unchanged_by_the_kernel(checkpoint_factory, monkeypatch, dtype,
-                                                                      min_same):
+def test_engine_greedy_output_with_int8_kv_is_unchanged_by_the_kernel(checkpoint_factory, monkeypatch, request,
+                                                                      dtype, min_same):
     """fp32: token for token; bf16: the torch path rounds its dequantized copy to bf16, so the existing int8-KV
     bound (80% of tokens) applies."""
     ckpt = checkpoint_factory("llama", hidden_size=192, intermediate_size=256, num_attention_heads=6,
@@ -159,6 +159,8 @@ def test_engine_greedy_output_with_int8_kv_is_unchanged_by_the_kernel(checkpoint
     fused = LLM(ckpt, **kw).generate(prompts, params, progress=False)
     assert calls, "decode over the int8 cache ran the kernel"
     monkeypatch.setenv("SLUICE_CPU_KERNEL", "0")
+    cpp_build.enabled.cache_clear()
+    request.addfinalizer(cpp_build.enabled.cache_clear)  # read again once the environment is restored
     calls.clear()
     plain = LLM(ckpt, **kw).generate(prompts, params, progress=False)
     assert not calls, "SLUICE_CPU_KERNEL=0 keeps the torch path"

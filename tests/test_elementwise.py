@@ -36,12 +36,14 @@ def test_silu_mul_is_bitwise_torch_swiglu(dtype, tokens, inter):
     assert torch.equal(elementwise.silu_mul(gate_up), torch.nn.functional.silu(gate) * up)
 
 
-def test_kernels_off_takes_the_torch_path(monkeypatch):
+def test_kernels_off_takes_the_torch_path(monkeypatch, request):
     """SLUICE_CPU_KERNEL=0: the same results from torch ops (the reference the kernel is held to)."""
     qkv = torch.randn(3, 5, 16, dtype=torch.bfloat16)
     cos, sin = torch.randn(3, 1, 16, dtype=torch.bfloat16), torch.randn(3, 1, 16, dtype=torch.bfloat16)
     fused = elementwise.rope_qk(qkv, cos, sin, 2, 1)
     monkeypatch.setenv("SLUICE_CPU_KERNEL", "0")
+    cpp_build.enabled.cache_clear()
+    request.addfinalizer(cpp_build.enabled.cache_clear)  # read again once the environment is restored
     assert not cpp_build.enabled()
     plain = elementwise.rope_qk(qkv, cos, sin, 2, 1)
     assert not plain[0].is_contiguous()  # views of the torch rotation, not the kernel's output
