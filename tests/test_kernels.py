@@ -205,8 +205,7 @@ def test_model_linears_run_the_gemv_at_decode_rows(monkeypatch):
             calls.append(x.shape[0])
             return ext.bf16_gemv(x, w, b)
 
-        def supported(self):
-            return True
+        SUPPORTED = True
 
     monkeypatch.setattr(linear_kernels, "_gemv", Spy)
     layer = linear_kernels.Linear(64, 48, bias=True).to(torch.bfloat16)
@@ -230,3 +229,14 @@ def test_every_cpu_kernel_builds_where_a_compiler_exists(source):
              "rms_norm.cpp": "sluice_rms_norm_cpu"}
     assert source in names, f"csrc/{source} is not named here: add it"
     assert cpp_build.load(names[source], source) is not None, f"csrc/{source} did not build (see the warning)"
+
+
+def test_bf16_linear_keeps_leading_dimensions():
+    """[..., in] inputs come back [..., out], each row as its 2-D product."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 3, 64, generator=g).to(torch.bfloat16)
+    w = torch.randn(40, 64, generator=g).to(torch.bfloat16)
+    with torch.inference_mode():
+        got = linear_kernels.linear(x, w)
+        flat = linear_kernels.linear(x.reshape(6, 64), w)
+    assert got.shape == (2, 3, 40) and torch.equal(got.reshape(6, 40), flat)
