@@ -7,6 +7,7 @@ import functools
 import hashlib
 import logging
 import os
+import re
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -15,6 +16,7 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
           "-fno-trapping-math", "-fopenmp"]
+INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 _built: dict[str, object | None] = {}
 
 
@@ -44,11 +46,23 @@ def _build_lock(name: str):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def _sources(source: str) -> list[str]:
+    """`source` and every csrc/ file it `#include "..."`s, transitively, each once, in the order first met."""
+    found, todo = [], [source]
+    while todo:
+        name = todo.pop(0)
+        if name not in found:
+            found.append(name)
+            todo += INCLUDE.findall((CSRC / name).read_text())
+    return found
+
+
 def build_name(name: str, source: str) -> str:
-    """The extension's name on disk: `name` and a hash of its source, the headers of csrc/, flags and folder (ninja rebuilds when a
-    source's path changes, so two checkouts sharing one build folder would rebuild over each other)."""
-    headers = b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))  # included by sources: part of them
-    key = (CSRC / source).read_bytes() + headers + " ".join(CFLAGS).encode() + str(CSRC.resolve()).encode()
+    """The extension's name on disk: `name` and a hash of its source and the local files it includes, flags and
+    folder (ninja rebuilds when a source's path changes, so two checkouts sharing one build folder would rebuild
+    over each other)."""
+    key = b"".join((CSRC / f).read_bytes() for f in _sources(source))
+    key += " ".join(CFLAGS).encode() + str(CSRC.resolve()).encode()
     digest = hashlib.sha256(key).hexdigest()[:12]
     return f"{name}_{digest}"
 

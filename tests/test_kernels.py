@@ -226,9 +226,20 @@ def test_every_cpu_kernel_builds_where_a_compiler_exists(source):
         pytest.skip("SLUICE_CPU_KERNEL=0 or no C++ compiler: the torch paths serve")
     names = {"paged_attention.cpp": "sluice_paged_attention_cpu", "elementwise.cpp": "sluice_elementwise_cpu",
              "quant_linear.cpp": "sluice_quant_linear_cpu", "bf16_gemv.cpp": "sluice_bf16_gemv_cpu",
-             "rms_norm.cpp": "sluice_rms_norm_cpu"}
+             "rms_norm.cpp": "sluice_rms_norm_cpu", "decode_stack.cpp": "sluice_decode_stack_cpu"}
     assert source in names, f"csrc/{source} is not named here: add it"
     assert cpp_build.load(names[source], source) is not None, f"csrc/{source} did not build (see the warning)"
+
+
+def test_build_name_follows_the_local_files_a_source_includes(tmp_path, monkeypatch):
+    """Editing a file that a source includes, at any depth, renames (so rebuilds) the source's extension."""
+    (tmp_path / "a.cpp").write_text('#include "b.cpp"\n#include <vector>\n')
+    (tmp_path / "b.cpp").write_text('#include "c.h"\n')
+    (tmp_path / "c.h").write_text("int x;\n")
+    monkeypatch.setattr(cpp_build, "CSRC", tmp_path)
+    before = cpp_build.build_name("a", "a.cpp")
+    (tmp_path / "c.h").write_text("int y;\n")
+    assert cpp_build.build_name("a", "a.cpp") != before
 
 
 def test_bf16_linear_keeps_leading_dimensions():

@@ -10,6 +10,7 @@ from torch import nn
 
 import kernels
 from engine.models.rope import RotaryEmbedding, rope_parameters
+from kernels import decode_stack
 from kernels.linear import Linear, linear
 
 ARCHITECTURES = {
@@ -147,6 +148,16 @@ class DecoderLayer(nn.Module):
         x, h = self.post_attention_layernorm.add(x, self.self_attn(h, cos_sin, kv_cache, meta))
         return x, self.mlp(h)
 
+    def stack_tensors(self, cache) -> list[torch.Tensor | None] | None:
+        """This layer's tensors in kernels.decode_stack's order, or None where the stack cannot stand in for it:
+        qk norm, a linear other than our Linear (a quantized one), a cache other than LayerKVCache (int8)."""
+        a, m = self.self_attn, self.mlp
+        if (a.q_norm is not None or type(cache) is not LayerKVCache
+                or any(type(p) is not Linear for p in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj))):
+            return None
+        return [self.input_layernorm.weight, a.qkv_proj.weight, a.qkv_proj.bias, a.o_proj.weight,
+                self.post_attention_layernorm.weight, m.gate_up_proj.weight, m.down_proj.weight, cache.k, cache.v]
+
 
 class LlamaModel(nn.Module):
     """Embeddings, decoder stack, final norm and LM head over a flat batch of tokens."""
@@ -169,17 +180,34 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = None if c.tie_word_embeddings else Linear(c.hidden_size, c.vocab_size, bias=False)
         self.rope = RotaryEmbedding(c.head_dim, max_positions, c.rope)
+        self._stack_caches: list | None = None  # the KV pool `_stack` was built over
+        self._stack: decode_stack.DecodeStack | None = None
 
     def forward(self, input_ids, positions, kv_caches, meta, logits_indices) -> torch.Tensor:
         """Logits [len(logits_indices), vocab] for the selected flat positions."""
         x, delta = self.embed_tokens(input_ids), None
         cos_sin = self.rope.cos_sin(positions, x.dtype)
-        for layer, cache in zip(self.layers, kv_caches, strict=True):
-            x, delta = layer(x, delta, cos_sin, cache, meta)
+        stack = self._decode_stack(kv_caches) if decode_stack.step_fits(x, meta) else None
+        if stack is not None:
+            x, delta = stack.run(x, cos_sin, meta)
+        else:
+            for layer, cache in zip(self.layers, kv_caches, strict=True):
+                x, delta = layer(x, delta, cos_sin, cache, meta)
         x = self.norm.add(x[logits_indices], delta[logits_indices])[1]
         if self.lm_head is None:
             return linear(x, self.embed_tokens.weight)
         return self.lm_head(x)
+
+    def _decode_stack(self, kv_caches) -> decode_stack.DecodeStack | None:
+        """The layers as one C++ call over these caches (kernels.decode_stack), built once per KV pool; None where
+        a layer cannot be stacked."""
+        if self._stack_caches is not kv_caches:
+            layers = [layer.stack_tensors(cache) for layer, cache in zip(self.layers, kv_caches, strict=True)]
+            a, self._stack_caches = self.layers[0].self_attn, kv_caches
+            whole_rope = self.rope.cos.shape[-1] == a.head_dim  # the C++ rope rotates whole heads only
+            self._stack = None if not whole_rope or any(t is None for t in layers) else decode_stack.build(
+                layers, a.num_heads, a.num_kv_heads, a.head_dim, self.config.rms_norm_eps, a.scale)
+        return self._stack
 
 
 class LayerKVCache:

@@ -146,9 +146,11 @@ torch::Tensor bf16_gemv(const torch::Tensor& x, const torch::Tensor& weight, con
 
 }  // namespace
 
+#ifndef SLUICE_NO_MODULE  // decode_stack.cpp includes this file for its functions
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("supported", &supported, "True when built with avx512_bf16");
   m.attr("SUPPORTED") = supported();  // read on every call from Python: an attribute, not a call
   m.def("bf16_gemv", &bf16_gemv, "x [M<=64, K] · weight [N, K]ᵀ (+ bias) in bf16", py::arg("x"), py::arg("weight"),
         py::arg("bias") = py::none());
 }
+#endif

@@ -149,8 +149,10 @@ void store_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, tor
   });
 }
 
+#ifndef SLUICE_NO_MODULE  // decode_stack.cpp includes this file for its functions
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("store_kv", &store_kv, "keys/values [T, Hkv, D] to their slots of the paged caches (CPU)");
   m.def("rope_qk", &rope_qk, "rotary embedding of the q and k heads of a fused qkv projection (CPU)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate_up projection (CPU)");
 }
+#endif

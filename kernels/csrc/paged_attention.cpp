@@ -430,7 +430,9 @@ void paged_attention_cpu(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v
   });
 }
 
+#ifndef SLUICE_NO_MODULE  // decode_stack.cpp includes this file for its functions
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_cpu", &paged_attention_cpu,
         "Paged attention of short queries over their blocks (CPU; plain or int8 cache with per-token-head scales)");
 }
+#endif

@@ -1,0 +1,125 @@
+"""The decoder stack in one C++ call (kernels.decode_stack) against the Python layers it stands in for: bitwise
+the same logits, KV writes and greedy tokens, and used only where every layer and the step fit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from kernels import build_metadata, decode_stack
+from kernels import linear as linear_kernels
+from tests.test_engine import random_prompts
+
+pytestmark = pytest.mark.skipif(not decode_stack.available(), reason="no C++ toolchain or no avx512_bf16")
+
+KV = dict(dtype="bfloat16", device="cpu", kv_cache_memory_gb=0.004)
+WIDE = dict(hidden_size=128, intermediate_size=192)  # head_dim 32: the bf16 attention fast path
+
+
+@pytest.fixture
+def stack_calls(monkeypatch) -> list[int]:
+    """The token count of every step that ran on a stack."""
+    calls = []
+    real = decode_stack.DecodeStack.run
+
+    def spy(self, x, cos_sin, meta):
+        calls.append(x.shape[0])
+        return real(self, x, cos_sin, meta)
+
+    monkeypatch.setattr(decode_stack.DecodeStack, "run", spy)
+    return calls
+
+
+def python_layers(monkeypatch) -> None:
+    monkeypatch.setattr(decode_stack, "step_fits", lambda x, meta: False)
+
+
+def step(llm: LLM, query_lens: list[int], seed: int = 0) -> torch.Tensor:
+    """Logits of every token of one step straight through the model: sequences with these query lengths over
+    random contexts of up to 60 earlier positions, in randomly placed blocks of the pool."""
+    g = torch.Generator().manual_seed(seed)
+    runner, bs = llm.engine.runner, llm.engine.runner.block_size
+    perm = torch.randperm(runner.kv_caches[0].k.shape[1], generator=g).tolist()
+    contexts = [q + int(torch.randint(0, 60, (), generator=g)) for q in query_lens]
+    tables, slots, positions = [], [], []
+    for q, c in zip(query_lens, contexts, strict=True):
+        tables.append(perm[:-(-c // bs)])
+        perm = perm[len(tables[-1]):]
+        positions += range(c - q, c)
+        slots += [tables[-1][p // bs] * bs + p % bs for p in range(c - q, c)]
+    meta = build_metadata(query_lens, contexts, tables, torch.tensor(slots), bs, torch.device("cpu"), fused=True)
+    ids = torch.randint(4, llm.engine.model_config.vocab_size, (len(slots),), generator=g)
+    with torch.inference_mode():
+        return runner.model(ids, torch.tensor(positions), runner.kv_caches, meta, torch.arange(len(slots)))
+
+
+def test_stack_builds_where_the_gemv_does():
+    """The stack serves wherever the bf16 GEMV does (a build that failed would fall back silently)."""
+    assert decode_stack.available() == linear_kernels.gemv_available()
+
+
+@pytest.mark.parametrize(("arch", "overrides"), [("llama", WIDE), ("qwen2", {})], ids=["llama-gqa", "qwen2-bias"])
+@pytest.mark.parametrize("query_lens", [[1], [1, 2], [1] * 8 + [3, 5]], ids=["1", "3", "16"])
+def test_logits_and_kv_writes_are_bitwise_the_layers(checkpoint_factory, monkeypatch, stack_calls, arch, overrides,
+                                                     query_lens):
+    """Decode and verify steps of 1, 3 and 16 tokens over random caches: the same logits and cache contents."""
+    llm = LLM(checkpoint_factory(arch, **overrides), **KV)
+    caches = llm.engine.runner.kv_caches
+    g = torch.Generator().manual_seed(1)
+    for c in caches:
+        c.k.copy_(torch.randn(c.k.shape, generator=g))
+        c.v.copy_(torch.randn(c.v.shape, generator=g))
+    before = [(c.k.clone(), c.v.clone()) for c in caches]
+    stacked = step(llm, query_lens)
+    assert stack_calls == [sum(query_lens)]
+    after = [(c.k.clone(), c.v.clone()) for c in caches]
+    for c, (k, v) in zip(caches, before, strict=True):
+        c.k.copy_(k)
+        c.v.copy_(v)
+    python_layers(monkeypatch)
+    reference = step(llm, query_lens)
+    assert stack_calls == [sum(query_lens)]
+    assert torch.equal(stacked, reference)
+    assert all(torch.equal(c.k, k) and torch.equal(c.v, v) for c, (k, v) in zip(caches, after, strict=True))
+
+
+def test_used_for_short_queries_only(checkpoint_factory, stack_calls):
+    """Up to 16 tokens of short queries; a long query (prefill) or a 17th token runs the Python layers."""
+    llm = LLM(checkpoint_factory("llama"), **KV)
+    for query_lens in ([1], [16], [1] * 16, [17], [20, 1], [1] * 17):
+        step(llm, query_lens)
+    assert stack_calls == [1, 16, 16]
+    out = llm.generate([list(range(4, 34))], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+                       progress=False)
+    assert len(out[0].token_ids) == 4 and stack_calls[3:] == [1, 1, 1], "prefill in Python, decode on the stack"
+
+
+@pytest.mark.parametrize(("arch", "kw"), [("llama", dict(kv_cache_dtype="int8")),
+                                          ("llama", dict(quantization="int8_weight_only")), ("qwen3", {})],
+                         ids=["int8-kv", "quantized", "qk-norm"])
+def test_not_used_where_a_layer_does_not_fit(checkpoint_factory, stack_calls, arch, kw):
+    llm = LLM(checkpoint_factory(arch), **{**KV, **kw})
+    out = llm.generate(random_prompts(3), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+                       progress=False)
+    assert all(len(o.token_ids) == 4 for o in out)
+    assert not stack_calls
+    assert llm.engine.model._decode_stack(llm.engine.runner.kv_caches) is None
+
+
+@pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 4}], ids=["decode", "ngram"])
+def test_greedy_generate_is_unchanged(checkpoint_factory, monkeypatch, stack_calls, spec):
+    """Greedy tokens and their logprobs, with speculative verify steps too, as the Python layers give them."""
+    path = checkpoint_factory("llama", **WIDE)
+    base = random_prompts(4, 10, 30, seed=3)
+    prompts = [p * 3 for p in base]  # repeated spans: n-gram lookup proposes
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=2)
+    kw = {**KV, **({} if spec is None else {"speculative": {"disable_by_batch_size": 64, **spec}})}
+    stacked = LLM(path, **kw).generate(prompts, params, progress=False)
+    assert stack_calls and (spec is None or max(stack_calls) > 4)
+    python_layers(monkeypatch)
+    calls = len(stack_calls)
+    reference = LLM(path, **kw).generate(prompts, params, progress=False)
+    assert len(stack_calls) == calls
+    assert [o.token_ids for o in stacked] == [o.token_ids for o in reference]
+    assert [o.logprobs for o in stacked] == [o.logprobs for o in reference]
