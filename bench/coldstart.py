@@ -1,8 +1,9 @@
 """Worker cold start: process start → ready to claim (model loaded and warmed), against the raw read time of
-its weight files, page cache dropped before each; bf16, a pre-quantized int8 checkpoint, and int8 quantized
-while loading.
+its weight files, page cache dropped before each; bf16 (default loading, and every tensor mapped), a
+pre-quantized int8 checkpoint, and int8 quantized while loading.
 
-python bench/coldstart.py [--hidden 2048 --layers 12] [--rounds 2] [--no-record]
+python bench/coldstart.py [--hidden 2048 --layers 12] [--rounds 2] [--variants bf16,bf16-mmap,...] [--no-record]
+(--hidden 4096 --layers 32: a 7B-class checkpoint, 11.5 GB)
 """
 
 from __future__ import annotations
@@ -26,21 +27,26 @@ from pipeline import start_redis
 from tests.services import free_port, start_worker, stop_worker
 
 CHUNK = 16 * 1024 * 1024
+VARIANTS = ("bf16", "bf16-mmap", "int8-prequantized", "int8-while-loading")
 EXT = {
     "TORCH_EXTENSIONS_DIR": str(Path(tempfile.gettempdir()) / "sluice-coldstart-ext")
 }  # built once, unshared
 TINY = ROOT / "models" / "sluice-tiny"
-SECTION = "Cold start (worker time to ready vs raw weight read)"
+SECTION = "Cold start (worker time to ready vs raw weight read)"  # + the checkpoint's shape
 NOTES = """
 
 Time to ready is the worker's own `sluice_time_to_ready_seconds` (process start → model loaded, warmed by
-one request, ready to claim), best of the rounds; the raw read reads every weight file once after
+one request, ready to claim), best of the rounds; the raw read (best of every read of that checkpoint, one
+before each of its workers) reads every weight file once after
 `posix_fadvise(DONTNEED)` (the VM's host may still cache it, so this is a lower bound on a disk read). The
 sluice-tiny row is the fixed cost every worker pays whatever its model (Python, torch, transformers and
 bitsandbytes imports, tokenizer, KV allocation); CPU attention kernels are built once beforehand, as a
 worker image should ship them. Workers run on their default settings (256 sequences, the model's full context:
-the CPU KV pool's 4 GiB cap, mapped but not touched). The last column is the size-dependent part against the
-raw read."""
+the CPU KV pool's 4 GiB cap, mapped but not touched). `bf16` loads as a worker does by default
+(`--weight-loading auto`: tensors are the file's own page-cache pages where 64-byte aligned, read into private
+memory otherwise; files written by `save_pretrained` start their data at a random multiple of 8 bytes, so
+most are read); `bf16, mapped` passes `--weight-loading mmap` (every tensor stored as used is mapped, aligned
+or not). The last column is the size-dependent part against the raw read."""
 
 
 def weight_files(model: Path) -> list[Path]:
@@ -130,17 +136,17 @@ def time_to_ready(model: Path, redis_url: str, log: Path, *args: str) -> float:
         stop_worker(worker)
 
 
-def write_section(body: str) -> None:
-    """Replace this benchmark's section of docs/benchmarks.md (or add it)."""
+def write_section(title: str, body: str) -> None:
+    """Replace this benchmark's section `title` of docs/benchmarks.md (or add it)."""
     cmd = "python " + " ".join(shlex.quote(a) for a in sys.argv)
     stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
-    section = f"## {SECTION}\n\n`{cmd}` ({stamp})\n\n{body}\n"
+    section = f"## {title}\n\n`{cmd}` ({stamp})\n\n{body}\n"
     print(section)
     if "--no-record" in sys.argv:
         return
     doc = ROOT / "docs" / "benchmarks.md"
     text = doc.read_text()
-    pattern = re.compile(rf"^## {re.escape(SECTION)}\n.*?(?=^## |\Z)", re.S | re.M)
+    pattern = re.compile(rf"^## {re.escape(title)}\n.*?(?=^## |\Z)", re.S | re.M)
     doc.write_text(
         pattern.sub(section + "\n", text) if pattern.search(text) else text.rstrip("\n") + "\n\n" + section
     )
@@ -151,17 +157,21 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"Some of {', '.join(VARIANTS)}.")
     p.add_argument("--no-record", action="store_true")
     args = p.parse_args()
     bf16 = checkpoint(args.hidden, args.layers)
-    int8 = prequantized(bf16)
-    variants = [
-        ("sluice-tiny (fixed overhead)", TINY, ()),
-        ("bf16", bf16, ()),
-        ("int8, pre-quantized", int8, ()),
-        ("int8, quantized while loading", bf16, ("--quantization", "int8")),
-    ]
-    best: dict[str, list[float]] = {name: [float("inf"), float("inf")] for name, _, _ in variants}
+    wanted = args.variants.split(",")
+    int8 = prequantized(bf16) if "int8-prequantized" in wanted else None
+    every = {
+        "bf16": ("bf16", bf16, ()),
+        "bf16-mmap": ("bf16, mapped", bf16, ("--weight-loading", "mmap")),
+        "int8-prequantized": ("int8, pre-quantized", int8, ()),
+        "int8-while-loading": ("int8, quantized while loading", bf16, ("--quantization", "int8")),
+    }
+    variants = [("sluice-tiny (fixed overhead)", TINY, ())] + [every[v] for v in wanted]
+    ready_s = {name: float("inf") for name, _, _ in variants}
+    read_s = {model: float("inf") for _, model, _ in variants}  # per checkpoint: variants of one share its reads
     with tempfile.TemporaryDirectory() as tmp:
         redis_proc, redis_url = start_redis(Path(tmp))
         try:
@@ -172,14 +182,14 @@ def main() -> None:
                 for name, model, extra in variants:
                     read = raw_read(weight_files(model))
                     ready = time_to_ready(model, redis_url, Path(tmp) / "worker.log", *extra)
-                    best[name] = [min(best[name][0], read), min(best[name][1], ready)]
+                    read_s[model], ready_s[name] = min(read_s[model], read), min(ready_s[name], ready)
                     print(f"{name}: raw read {read:.2f} s, time to ready {ready:.2f} s", flush=True)
         finally:
             redis_proc.terminate()
-    rows, fixed = [], best[variants[0][0]][1]
+    rows, fixed = [], ready_s[variants[0][0]]
     for name, model, _ in variants:
         size = sum(f.stat().st_size for f in weight_files(model)) / 1e9
-        read, ready = best[name]
+        read, ready = read_s[model], ready_s[name]
         marginal = f"{(ready - fixed) / read:.2f}x" if model != TINY else "-"
         rows.append([name, f"{size:.2f}", f"{read:.2f}", f"{ready:.2f}", f"{ready / read:.2f}x", marginal])
     headers = [
@@ -191,7 +201,7 @@ def main() -> None:
         "(ready - tiny) / read",
     ]
     body = table(headers, rows) + NOTES
-    write_section(body)
+    write_section(f"{SECTION}, hidden {args.hidden} x {args.layers} layers", body)
 
 
 if __name__ == "__main__":

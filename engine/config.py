@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from engine.models.loader import WEIGHT_LOADING
 from engine.quantization.spec import QuantSpec
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
@@ -94,6 +95,11 @@ class EngineConfig:
                                                     '"num_speculative_tokens": 4}; methods: ngram, draft.')
     enforce_eager: bool = _opt(False, "CUDA: run every step eagerly (no CUDA graph replay of pure-decode steps).")
     tokenizer: str | None = _opt(None, "Tokenizer folder (default: the model folder).")
+    weight_loading: str = _opt("auto", "CPU weights: auto (unquantized tensors stored as used are the checkpoint "
+                                       "file's own page-cache pages, mapped copy-on-write, when 64-byte aligned), "
+                                       "mmap (mapped even misaligned: a faster start, a GEMV up to 45% slower on "
+                                       "rows off a cache line), copy "
+                                       "(every tensor read into private memory).")
     extra: dict[str, Any] = field(default_factory=dict, metadata={"help": "Free-form settings the engine ignores."})
     speculative_config: SpeculativeConfig | None = field(init=False, default=None, repr=False, compare=False)
 
@@ -109,6 +115,9 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; choose auto, int8, bfloat16, "
                              "float16 or float32")
+        if self.weight_loading not in WEIGHT_LOADING:
+            raise ValueError(f"unknown weight_loading {self.weight_loading!r}; choose one of "
+                             f"{', '.join(WEIGHT_LOADING)}")
         if self.quantization is not None:
             QuantSpec(self.quantization, self.quant_type, self.double_quant, self.llm_int8_threshold)
         self.speculative_config = SpeculativeConfig.parse(self.speculative) if self.speculative else None

@@ -160,3 +160,99 @@ def test_kv_pool_touches_no_page_at_start_and_reads_as_zeros(kv_dtype):
     assert all(int(t.count_nonzero()) == 0 for t in (caches[0].k, caches[-1].v))
     out = llm.generate(["O Romeo"], SamplingParams(max_tokens=4, temperature=0), progress=False)
     assert len(out[0].token_ids) == 4 and _rss() - before < 512 * 1024**2
+
+
+def aligned_copy(src: Path, dst: Path) -> Path:
+    """src as one bf16 safetensors file whose tensor data starts on a 64-byte boundary (a header padded with
+    metadata), so every tensor of a size in whole cache lines is aligned, as `auto` maps them."""
+    reader = CheckpointReader(src)
+    tensors = {n: reader.get(n) for n in reader.names()}
+    dst.mkdir()
+    for f in src.iterdir():  # config, tokenizer
+        if f.suffix != ".safetensors" and not f.name.endswith(".index.json"):
+            shutil.copy(f, dst / f.name)
+    for pad in range(64):
+        save_file(tensors, dst / "model.safetensors", metadata={"pad": "x" * pad})
+        if next(iter(loader.read_header(dst / "model.safetensors").values())).offset % 64 == 0:
+            return dst
+    raise AssertionError("no padding aligned the data")
+
+
+def _mapped_files(t: torch.Tensor) -> set[str]:
+    """The files whose mappings hold the tensor's first byte (/proc/self/maps)."""
+    ptr, hits = t.data_ptr(), set()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        span, *rest = line.split()
+        lo, hi = (int(x, 16) for x in span.split("-"))
+        if lo <= ptr < hi and len(rest) >= 5:
+            hits.add(rest[4])
+    return hits
+
+
+def _logits(model) -> torch.Tensor:
+    from engine.models.llama import LayerKVCache
+    from kernels import build_metadata
+
+    c = model.config
+    shape = (c.num_kv_heads, 4, 16, c.head_dim)
+    caches = [LayerKVCache(torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(shape, dtype=torch.bfloat16))
+              for _ in range(c.num_layers)]
+    ids = torch.tensor([5, 9, 2, 7, 11])
+    meta = build_metadata([5], [5], [[0]], torch.arange(5), 16, torch.device("cpu"))
+    with torch.inference_mode():
+        return model(ids, torch.arange(5), caches, meta, torch.arange(5))
+
+
+@pytest.fixture(scope="module")
+def aligned(sharded, tmp_path_factory) -> Path:
+    return aligned_copy(sharded, tmp_path_factory.mktemp("aligned") / "model")
+
+
+def test_mapped_weights_are_the_files_pages_copy_on_write(aligned):
+    """weight_loading=auto on an aligned bf16 file: every parameter stored as the model keeps it (all but qkv,
+    whose parts lie apart in the file; gate/up lie back to back) is a view of the file's own pages, the
+    logits are bitwise those of private copies, and writing a mapped weight leaves the file as it was."""
+    file = str((aligned / "model.safetensors").resolve())
+    mapped = load_model(aligned, torch.bfloat16, torch.device("cpu"), 64, weight_loading="auto")
+    copied = load_model(aligned, torch.bfloat16, torch.device("cpu"), 64, weight_loading="copy")
+    on_file = {n for n, p in mapped.named_parameters() if file in _mapped_files(p)}
+    assert not any(file in _mapped_files(p) for p in copied.parameters())
+    expected = {n for n, _ in mapped.named_parameters() if "qkv_proj" not in n}
+    assert on_file == expected and "layers.0.mlp.gate_up_proj.weight" in on_file
+    assert torch.equal(_logits(mapped), _logits(copied))
+    before = CheckpointReader(aligned).get("model.norm.weight")
+    with torch.no_grad():
+        mapped.norm.weight.add_(1)
+    after = CheckpointReader(aligned).get("model.norm.weight")
+    assert torch.equal(after, before) and not torch.equal(mapped.norm.weight, before)
+
+
+def test_auto_maps_only_aligned_tensors_and_mmap_maps_misaligned_too(aligned, tmp_path):
+    """A file whose data starts 8 bytes off a cache line: auto copies every tensor (aligned private memory for
+    the vector kernels), mmap maps them anyway; both load the same weights; other dtypes are always read."""
+    shutil.copy(aligned / "config.json", tmp_path / "config.json")
+    reader = CheckpointReader(aligned)
+    tensors = {n: reader.get(n) for n in reader.names()}
+    for pad in range(64):
+        save_file(tensors, tmp_path / "model.safetensors", metadata={"pad": "x" * pad})
+        if next(iter(loader.read_header(tmp_path / "model.safetensors").values())).offset % 64 == 8:
+            break
+    file = str((tmp_path / "model.safetensors").resolve())
+    auto = load_model(tmp_path, torch.bfloat16, torch.device("cpu"), 64, weight_loading="auto")
+    mmapped = load_model(tmp_path, torch.bfloat16, torch.device("cpu"), 64, weight_loading="mmap")
+    fp32 = load_model(tmp_path, torch.float32, torch.device("cpu"), 64, weight_loading="mmap")
+    assert not any(file in _mapped_files(p) for p in auto.parameters())
+    assert all(p.data_ptr() % 64 == 0 for p in auto.parameters() if p.numel() * 2 >= 64)
+    assert file in _mapped_files(mmapped.layers[1].mlp.down_proj.weight)
+    assert not any(file in _mapped_files(p) for p in fp32.parameters())
+    for (name, a), b in zip(auto.named_parameters(), mmapped.parameters(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_a_quantizing_load_maps_nothing_and_bad_modes_are_refused(aligned):
+    llm = LLM(str(aligned), dtype="bfloat16", device="cpu", max_model_len=64, max_num_seqs=2,
+              quantization="int8_weight_only")
+    file = str((aligned / "model.safetensors").resolve())
+    assert not any(file in _mapped_files(t) for t in llm.engine.model.state_dict().values())
+    with pytest.raises(ValueError, match="weight_loading"):
+        LLM(str(aligned), device="cpu", weight_loading="lazy")

@@ -1,15 +1,21 @@
 """Load HF checkpoint folders (config.json + single or sharded safetensors) into our model, layer by layer.
 
-Tensors are read with positioned reads straight into the storage of their final parameters (a fused
-projection's parts into its rows; a large tensor in spans, one per core, in parallel): no memory map to fault in
-page by page, no intermediate copy, and the model
-is built on the meta device with its random initialisation skipped, so no weight is written twice.
+On CPU a parameter whose stored bytes are already what the model keeps (same dtype; a fused projection whose
+parts lie back to back in the file; 64-byte aligned, as the vector kernels read best) is the checkpoint's own
+page-cache pages, mapped copy-on-write: no copy, no second copy of the weights in memory, the page cache shared
+by every worker on the host, as llama.cpp's mmap. Everything else (other dtypes, parts apart, misaligned
+files, other devices) is read with positioned reads straight into the storage of its final parameter (a fused
+projection's parts into its rows; a large tensor in spans, one per core, in parallel; off CPU, from the map
+straight to the device). The model is built with its random initialisation skipped, so no weight is written
+twice.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import json
+import mmap
 import os
 import struct
 from collections.abc import Callable, Iterator
@@ -79,6 +85,8 @@ def read_header(file: Path) -> dict[str, TensorEntry]:
     return entries
 
 
+WEIGHT_LOADING = ("auto", "mmap", "copy")  # mapped when aligned / mapped whenever the dtype matches / always read
+MAP_ALIGNMENT = 64  # bytes: a mapped tensor starts on a cache line (rows off one cost the GEMV 5-45%)
 PARALLEL_CHUNK = 4 << 20  # tensors above this are read by several threads, a span each
 READERS = min(8, os.cpu_count() or 1)
 
@@ -117,6 +125,7 @@ class CheckpointReader:
 
     def __init__(self, path: str | Path) -> None:
         self.entries: dict[str, TensorEntry] = {}
+        self._maps: dict[Path, torch.Tensor] = {}
         for file in weight_files(path):
             self.entries.update(read_header(file))
 
@@ -137,6 +146,31 @@ class CheckpointReader:
         self.read_into(name, out)
         return out
 
+    def _file_bytes(self, file: Path) -> torch.Tensor:
+        """The whole file as a uint8 CPU tensor over a private (copy-on-write) map of it: writes to it never
+        reach the file; the map lives as long as any tensor viewing it."""
+        if file not in self._maps:
+            with open(file, "rb") as f:
+                self._maps[file] = torch.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY), dtype=torch.uint8)
+        return self._maps[file]
+
+    def mapped(self, names: list[str]) -> torch.Tensor | None:
+        """The tensors `names` stacked along their first dimension as one zero-copy view of the file map, or
+        None where that cannot be: parts in other files or dtypes, apart or out of order in the file, of
+        different trailing shapes, or empty."""
+        es = [self.entries[n] for n in names]
+        first, shape = es[0], es[0].shape
+        if len(es) > 1:
+            alike = all(e.file == first.file and e.dtype == first.dtype and e.shape and e.shape[1:] == shape[1:]
+                        for e in es)
+            if not alike or any(a.offset + a.nbytes != b.offset for a, b in itertools.pairwise(es)):
+                return None
+            shape = (sum(e.shape[0] for e in es), *shape[1:])
+        if not first.nbytes:
+            return None
+        span = self._file_bytes(first.file)[first.offset : first.offset + sum(e.nbytes for e in es)]
+        return span.view(first.dtype).view(shape)
+
     def read_into(self, name: str, out: torch.Tensor) -> None:
         """Read the tensor `name` into the contiguous CPU tensor `out` of its shape (converted to out's dtype)."""
         e = self.entries[name]
@@ -152,16 +186,33 @@ class CheckpointReader:
                 os.close(fd)
 
 
-def _read_param(reader: CheckpointReader, names: list[str], dtype, device: torch.device) -> nn.Parameter:
-    """One parameter from checkpoint tensors stacked along their first dimension, read in place."""
+def _read_param(reader: CheckpointReader, names: list[str], dtype, device: torch.device,
+                weight_loading: str = "copy") -> nn.Parameter:
+    """One parameter from checkpoint tensors stacked along their first dimension: on CPU the file's own mapped
+    bytes where `weight_loading` allows and they serve as they are, otherwise read in place."""
+    if device.type == "cpu" and weight_loading != "copy":
+        view = reader.mapped(names)
+        if view is not None and view.dtype == dtype and (
+            weight_loading == "mmap" or view.data_ptr() % MAP_ALIGNMENT == 0
+        ):
+            return nn.Parameter(view, requires_grad=False)
     shapes = [reader.shape(n) for n in names]
     rows = [s[0] if s else 1 for s in shapes]
-    out = torch.empty((sum(rows), *shapes[0][1:]) if len(names) > 1 else shapes[0], dtype=dtype)
+    shape = (sum(rows), *shapes[0][1:]) if len(names) > 1 else shapes[0]
+    out = torch.empty(shape, dtype=dtype, device=device)
     start = 0
     for name, n in zip(names, rows, strict=True):
-        reader.read_into(name, out[start : start + n] if len(names) > 1 else out)
+        part = out[start : start + n] if len(names) > 1 else out
+        if device.type == "cpu":
+            reader.read_into(name, part)
+        else:  # from the page cache straight to the device, no private CPU copy on the way
+            if tuple(part.shape) != reader.shape(name):
+                raise ValueError(f"checkpoint tensor {name} has shape {list(reader.shape(name))}, "
+                                 f"the model expects {list(part.shape)}")
+            view = reader.mapped([name])
+            part.copy_(view if view is not None else reader.get(name))
         start += n
-    return nn.Parameter(out if device.type == "cpu" else out.to(device), requires_grad=False)
+    return nn.Parameter(out, requires_grad=False)
 
 
 def _check_shape(name: str, param: nn.Parameter, expected: torch.Size) -> nn.Parameter:
@@ -170,26 +221,28 @@ def _check_shape(name: str, param: nn.Parameter, expected: torch.Size) -> nn.Par
     return param
 
 
-def _load_linear(mod: nn.Linear, reader: CheckpointReader, hf_prefix: str, parts, dtype, device) -> None:
+def _load_linear(mod: nn.Linear, reader: CheckpointReader, hf_prefix: str, parts, dtype, device,
+                 weight_loading: str) -> None:
     names = [f"{hf_prefix}{p}" for p in parts]
-    weight = _read_param(reader, [f"{n}.weight" for n in names], dtype, device)
+    weight = _read_param(reader, [f"{n}.weight" for n in names], dtype, device, weight_loading)
     mod.weight = _check_shape(f"{names[0]}.weight", weight, mod.weight.shape)
     if mod.bias is not None:
-        bias = _read_param(reader, [f"{n}.bias" for n in names], dtype, device)
+        bias = _read_param(reader, [f"{n}.bias" for n in names], dtype, device, weight_loading)
         mod.bias = _check_shape(f"{names[0]}.bias", bias, mod.bias.shape)
 
 
-def _load_layer(layer: nn.Module, reader, i: int, dtype, device, hook: LinearHook | None) -> None:
+def _load_layer(layer: nn.Module, reader, i: int, dtype, device, hook: LinearHook | None,
+                weight_loading: str) -> None:
     prefix = f"model.layers.{i}."
     for name, mod in list(layer.named_modules()):
         if isinstance(mod, nn.Linear):
             if not getattr(hook, "prequantized", False):
-                _load_linear(mod, reader, prefix, LlamaModel.FUSED.get(name, (name,)), dtype, device)
+                _load_linear(mod, reader, prefix, LlamaModel.FUSED.get(name, (name,)), dtype, device, weight_loading)
             if hook is not None:
                 parent, _, attr = name.rpartition(".")
                 setattr(layer.get_submodule(parent), attr, hook(f"{prefix}{name}", mod))
         elif hasattr(mod, "weight") and isinstance(mod.weight, nn.Parameter) and name:
-            weight = _read_param(reader, [f"{prefix}{name}.weight"], dtype, device)
+            weight = _read_param(reader, [f"{prefix}{name}.weight"], dtype, device, weight_loading)
             mod.weight = _check_shape(f"{prefix}{name}.weight", weight, mod.weight.shape)
 
 
@@ -232,20 +285,26 @@ def load_model(
     max_positions: int,
     linear_hook: LinearHook | None = None,
     config: ModelConfig | None = None,
+    weight_loading: str = "auto",
 ) -> LlamaModel:
     """Build our model from an HF folder, reading tensors layer by layer onto `device` (`config`: its
-    config.json when the caller has already read it)."""
+    config.json when the caller has already read it; `weight_loading`: one of WEIGHT_LOADING, for CPU: map
+    the file's tensors where they serve as stored, only when aligned, or never. A linear hook reads private
+    copies: what it keeps replaces the weights, and no map outlives the load for the few tensors left.)"""
+    if weight_loading not in WEIGHT_LOADING:
+        raise ValueError(f"weight_loading must be one of {', '.join(WEIGHT_LOADING)}, got {weight_loading!r}")
+    mode = weight_loading if linear_hook is None else "copy"
     config = config or ModelConfig.from_hf(read_config(path))
     reader = CheckpointReader(path)
     model = build_model(config)
     placeholders = list(model.parameters())
-    model.embed_tokens.weight = _read_param(reader, ["model.embed_tokens.weight"], dtype, device)
-    model.norm.weight = _read_param(reader, ["model.norm.weight"], dtype, device)
+    model.embed_tokens.weight = _read_param(reader, ["model.embed_tokens.weight"], dtype, device, mode)
+    model.norm.weight = _read_param(reader, ["model.norm.weight"], dtype, device, mode)
     if model.lm_head is not None:
         name = "lm_head.weight" if "lm_head.weight" in reader else "model.embed_tokens.weight"
-        model.lm_head.weight = _read_param(reader, [name], dtype, device)
+        model.lm_head.weight = _read_param(reader, [name], dtype, device, mode)
     for i, layer in enumerate(model.layers):
-        _load_layer(layer, reader, i, dtype, device, linear_hook)
+        _load_layer(layer, reader, i, dtype, device, linear_hook, mode)
     left = {id(p) for p in placeholders} & {id(p) for p in model.parameters()}
     assert not left, f"{len(left)} parameter(s) never read from the checkpoint"
     if getattr(linear_hook, "quantizes_head", False):
