@@ -4,14 +4,17 @@ At a few tokens a layer's ~10 kernel calls from Python (module __call__, each ke
 ~0.1 ms a layer, 1.1-1.4 ms of a 125M model's bf16 decode step at batch 1 and 8 (measured on a loaded 2-core
 CPU). The stack makes the same calls in the same order from C++, so its results are bitwise the layers'. It
 serves bf16 steps of 1 to MAX_GEMV_ROWS tokens whose sequences all have short queries (decode, speculative
-verify) on the fused attention kernel; anything else runs the Python layers.
+verify) on the fused attention kernel; anything else runs the Python layers. Its linears are bf16 ones and the
+weight-only quantized ones, each running the op its Python module would at the step's row count (decided when
+the stack is built, by asking the module's own branch tests); a layer with any other linear (bitsandbytes) is
+not stacked.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels import cpp_build
+from kernels import cpp_build, int4_weights, int8_weights
 from kernels.attention import AttentionMetadata
 from kernels.linear import MAX_GEMV_ROWS
 
@@ -37,13 +40,50 @@ def _plain_bf16(t: torch.Tensor | None) -> bool:
     return t is None or (t.dtype is torch.bfloat16 and t.device.type == "cpu" and t.is_contiguous())
 
 
-def build(layers: list[list[torch.Tensor | None]], num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
-          scale: float) -> DecodeStack | None:
-    """A stack over per-layer [input norm, qkv weight, qkv bias or None, o weight, post-attention norm, gate_up
-    weight, down weight, k cache, v cache], or None where the kernels do not build or a tensor is not a
-    contiguous CPU bf16 one."""
+def _row_counts(in_features: int) -> list[torch.Tensor]:
+    """Empty bf16 inputs of every row count the stack serves: the quantized linears' own branch tests are asked
+    about each, once, when a linear is stacked."""
+    return [torch.empty(m, in_features, dtype=torch.bfloat16) for m in range(1, MAX_GEMV_ROWS + 1)]
+
+
+def bf16_linear(weight: torch.Tensor, bias: torch.Tensor | None):
+    """kernels.linear.Linear's weights as a stack linear (our GEMV at every row count), or None where the GEMV
+    would not serve them."""
     ext = _ext()
-    if ext is None or not all(_plain_bf16(t) for layer in layers for t in layer):
+    return ext.bf16_linear(weight, bias) if ext is not None and _plain_bf16(weight) and _plain_bf16(bias) else None
+
+
+def int4_linear(w: int4_weights.Int4Weight, bias: torch.Tensor | None):
+    """An int4 weight-only linear as a stack linear (`_weight_int4pack_mm_for_cpu`, as int4_weights.int4_linear
+    runs it), or None where that function takes another branch at some row count."""
+    ext = _ext()
+    if ext is None or not w.cpu_layout or any(int4_weights._use_tiles(r) for r in _row_counts(w.in_features)):
+        return None
+    return ext.int4_linear(w.packed, w.scales_zeros, bias, w.out_features, int4_weights.GROUP)
+
+
+def int8_linear(qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
+    """An int8 weight-only linear as a stack linear: torch's int8 GEMV at the row counts where
+    int8_weights.int8_linear runs it, the fused dynamic int8 matmul at the rest; None where it takes another
+    branch (the torch dynamic reference when the fused helpers do not build)."""
+    ext = _ext()
+    if ext is None or qweight.device.type != "cpu" or int8_weights._fused() is None:
+        return None
+    rows = _row_counts(qweight.shape[1])
+    gemv = [int8_weights._use_gemv(r, qweight) for r in rows]
+    if (gemv != sorted(gemv, reverse=True)  # the stack runs the GEMV on a prefix of the row counts
+            or not all(g or int8_weights._use_dynamic(r) for g, r in zip(gemv, rows, strict=True))):
+        return None
+    return ext.int8_linear(qweight, scales, bias, sum(gemv))
+
+
+def build(layers: list[list], num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
+          scale: float) -> DecodeStack | None:
+    """A stack over per-layer [input norm, qkv, o, post-attention norm, gate_up, down, k cache, v cache], the
+    linears as this module's stack linears, or None where the kernels do not build or a norm or cache is not a
+    contiguous CPU bf16 tensor."""
+    ext = _ext()
+    if ext is None or not all(_plain_bf16(layer[i]) for layer in layers for i in (0, 3, 6, 7)):
         return None
     return DecodeStack(ext.DecodeStack(layers, num_heads, num_kv_heads, head_dim, eps, scale))
 

@@ -59,12 +59,24 @@ def test_stack_builds_where_the_gemv_does():
     assert decode_stack.available() == linear_kernels.gemv_available()
 
 
-@pytest.mark.parametrize(("arch", "overrides"), [("llama", WIDE), ("qwen2", {})], ids=["llama-gqa", "qwen2-bias"])
+MODELS = {  # (arch, overrides, quantization)
+    "llama-gqa": ("llama", WIDE, None),
+    "qwen2-bias": ("qwen2", {}, None),
+    "int4-llama": ("llama", WIDE, "int4_weight_only"),
+    "int4-qwen2-bias": ("qwen2", {}, "int4_weight_only"),
+    "int8-llama": ("llama", WIDE, "int8_weight_only"),  # the int8 GEMV to 4 rows, the dynamic int8 matmul above
+    "int8-qwen2-bias-odd": ("qwen2", dict(intermediate_size=200), "int8_weight_only"),  # down: 200 % 16, no GEMV
+}
+
+
+@pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("query_lens", [[1], [1, 2], [1] * 8 + [3, 5]], ids=["1", "3", "16"])
-def test_logits_and_kv_writes_are_bitwise_the_layers(checkpoint_factory, monkeypatch, stack_calls, arch, overrides,
+def test_logits_and_kv_writes_are_bitwise_the_layers(checkpoint_factory, monkeypatch, stack_calls, model,
                                                      query_lens):
-    """Decode and verify steps of 1, 3 and 16 tokens over random caches: the same logits and cache contents."""
-    llm = LLM(checkpoint_factory(arch, **overrides), **KV)
+    """Decode and verify steps of 1, 3 and 16 tokens over random caches: the same logits and cache contents, bf16
+    and weight-only quantized."""
+    arch, overrides, quantization = MODELS[model]
+    llm = LLM(checkpoint_factory(arch, **overrides), quantization=quantization, **KV)
     caches = llm.engine.runner.kv_caches
     g = torch.Generator().manual_seed(1)
     for c in caches:
@@ -95,9 +107,9 @@ def test_used_for_short_queries_only(checkpoint_factory, stack_calls):
     assert len(out[0].token_ids) == 4 and stack_calls[3:] == [1, 1, 1], "prefill in Python, decode on the stack"
 
 
-@pytest.mark.parametrize(("arch", "kw"), [("llama", dict(kv_cache_dtype="int8")),
-                                          ("llama", dict(quantization="int8_weight_only")), ("qwen3", {})],
-                         ids=["int8-kv", "quantized", "qk-norm"])
+@pytest.mark.parametrize(("arch", "kw"), [("llama", dict(kv_cache_dtype="int8")), ("llama", dict(quantization="int8")),
+                                          ("llama", dict(quantization="int4")), ("qwen3", {})],
+                         ids=["int8-kv", "bnb-int8", "bnb-int4", "qk-norm"])
 def test_not_used_where_a_layer_does_not_fit(checkpoint_factory, stack_calls, arch, kw):
     llm = LLM(checkpoint_factory(arch), **{**KV, **kw})
     out = llm.generate(random_prompts(3), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
@@ -107,14 +119,20 @@ def test_not_used_where_a_layer_does_not_fit(checkpoint_factory, stack_calls, ar
     assert llm.engine.model._decode_stack(llm.engine.runner.kv_caches) is None
 
 
-@pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 4}], ids=["decode", "ngram"])
-def test_greedy_generate_is_unchanged(checkpoint_factory, monkeypatch, stack_calls, spec):
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
+
+
+@pytest.mark.parametrize(("spec", "quantization"), [(None, None), (NGRAM, None), (None, "int4_weight_only"),
+                                                    (NGRAM, "int8_weight_only")],
+                         ids=["decode", "ngram", "int4-decode", "int8-ngram"])
+def test_greedy_generate_is_unchanged(checkpoint_factory, monkeypatch, stack_calls, spec, quantization):
     """Greedy tokens and their logprobs, with speculative verify steps too, as the Python layers give them."""
     path = checkpoint_factory("llama", **WIDE)
     base = random_prompts(4, 10, 30, seed=3)
     prompts = [p * 3 for p in base]  # repeated spans: n-gram lookup proposes
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=2)
-    kw = {**KV, **({} if spec is None else {"speculative": {"disable_by_batch_size": 64, **spec}})}
+    kw = {**KV, "quantization": quantization,
+          **({} if spec is None else {"speculative": {"disable_by_batch_size": 64, **spec}})}
     stacked = LLM(path, **kw).generate(prompts, params, progress=False)
     assert stack_calls and (spec is None or max(stack_calls) > 4)
     python_layers(monkeypatch)

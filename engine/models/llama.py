@@ -148,15 +148,26 @@ class DecoderLayer(nn.Module):
         x, h = self.post_attention_layernorm.add(x, self.self_attn(h, cos_sin, kv_cache, meta))
         return x, self.mlp(h)
 
-    def stack_tensors(self, cache) -> list[torch.Tensor | None] | None:
-        """This layer's tensors in kernels.decode_stack's order, or None where the stack cannot stand in for it:
-        qk norm, a linear other than our Linear (a quantized one), a cache other than LayerKVCache (int8)."""
+    def stack_layer(self, cache) -> list | None:
+        """This layer in kernels.decode_stack's order, or None where the stack cannot stand in for it: qk norm, a
+        linear it has no kernel for (bitsandbytes), a cache other than LayerKVCache (int8)."""
         a, m = self.self_attn, self.mlp
-        if (a.q_norm is not None or type(cache) is not LayerKVCache
-                or any(type(p) is not Linear for p in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj))):
+        if a.q_norm is not None or type(cache) is not LayerKVCache:
             return None
-        return [self.input_layernorm.weight, a.qkv_proj.weight, a.qkv_proj.bias, a.o_proj.weight,
-                self.post_attention_layernorm.weight, m.gate_up_proj.weight, m.down_proj.weight, cache.k, cache.v]
+        qkv, o, gate_up, down = (stack_linear(p) for p in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj))
+        if None in (qkv, o, gate_up, down):
+            return None
+        return [self.input_layernorm.weight, qkv, o, self.post_attention_layernorm.weight, gate_up, down, cache.k,
+                cache.v]
+
+
+def stack_linear(p: nn.Module):
+    """A linear as a kernels.decode_stack linear: our Linear, or a weight-only quantized one by its own
+    `stack_linear`; None for any other (bitsandbytes) or where the stack would not run it as its module does."""
+    if type(p) is Linear:
+        return decode_stack.bf16_linear(p.weight, p.bias)
+    to_stack = getattr(p, "stack_linear", None)
+    return None if to_stack is None else to_stack()
 
 
 class LlamaModel(nn.Module):
@@ -202,7 +213,7 @@ class LlamaModel(nn.Module):
         """The layers as one C++ call over these caches (kernels.decode_stack), built once per KV pool; None where
         a layer cannot be stacked."""
         if self._stack_caches is not kv_caches:
-            layers = [layer.stack_tensors(cache) for layer, cache in zip(self.layers, kv_caches, strict=True)]
+            layers = [layer.stack_layer(cache) for layer, cache in zip(self.layers, kv_caches, strict=True)]
             a, self._stack_caches = self.layers[0].self_attn, kv_caches
             whole_rope = self.rope.cos.shape[-1] == a.head_dim  # the C++ rope rotates whole heads only
             self._stack = None if not whole_rope or any(t is None for t in layers) else decode_stack.build(

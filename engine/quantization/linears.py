@@ -11,7 +11,7 @@ import kernels
 from engine.models.llama import LlamaModel, ModelConfig
 from engine.models.loader import CheckpointReader
 from engine.quantization.spec import BLOCKSIZE, INT4_WEIGHT_ONLY, WEIGHT_ONLY, QuantSpec
-from kernels import int4_weights
+from kernels import decode_stack, int4_weights
 
 QUIET = ("bitsandbytes.backends.cpu.ops", "bitsandbytes.autograd._functions")  # per-call cast notices
 
@@ -88,6 +88,10 @@ class Int8WeightOnlyLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.int8_linear(x, self.qweight, self.scales, self.bias)
 
+    def stack_linear(self):
+        """This linear for kernels.decode_stack, or None where the stack would not run it as `forward` does."""
+        return decode_stack.int8_linear(self.qweight, self.scales, self.bias)
+
 
 class Int4WeightOnlyLinear(nn.Module):
     """4-bit weights in groups of 32 input columns (scale and zero each); activations stay in `dtype`."""
@@ -106,6 +110,10 @@ class Int4WeightOnlyLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return int4_weights.int4_linear(x, self.weight(), self.bias)
+
+    def stack_linear(self):
+        """This linear for kernels.decode_stack, or None where the stack would not run it as `forward` does."""
+        return decode_stack.int4_linear(self.weight(), self.bias)
 
 
 WEIGHT_ONLY_LINEARS = {WEIGHT_ONLY: Int8WeightOnlyLinear, INT4_WEIGHT_ONLY: Int4WeightOnlyLinear}

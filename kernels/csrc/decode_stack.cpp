@@ -1,5 +1,5 @@
 // A decode step's whole decoder stack in one call: per layer the same kernels, in the same order, that
-// engine/models/llama.py's DecoderLayer calls one by one from Python (add_rms_norm, bf16_gemv, rope_qk,
+// engine/models/llama.py's DecoderLayer calls one by one from Python (add_rms_norm, the linears' ops, rope_qk,
 // store_kv, paged_attention_cpu, silu_mul), so the results are bitwise the layers', without the ~0.1 ms a layer
 // that ~10 calls from Python (module __call__, dispatch checks, views) cost.
 // The kernels' sources are included whole; elementwise.cpp first, as it sets CPU_CAPABILITY before any ATen
@@ -9,29 +9,58 @@
 #include "rms_norm.cpp"
 #include "paged_attention.cpp"
 #include "bf16_gemv.cpp"
+#include "quant_linear.cpp"
 
 #include <optional>
 #include <tuple>
 #include <vector>
 
-struct LayerWeights {
-  torch::Tensor input_norm, qkv;
-  std::optional<torch::Tensor> qkv_bias;
-  torch::Tensor o, post_norm, gate_up, down, k_cache, v_cache;
+// One linear, run by the op its Python module runs at the step's row count: our bf16 GEMV (kernels/linear.py),
+// torch's int4pack matmul (kernels/int4_weights.py), torch's int8 GEMV up to gemv_rows rows or else the fused
+// dynamic int8 matmul (kernels/int8_weights.py). kernels/decode_stack.py makes one only where its module takes
+// exactly these branches at every row count the stack serves.
+struct StackLinear {
+  enum Kind { kBf16, kInt4, kInt8 } kind;
+  torch::Tensor weight;                 // bf16 [out, in]; int4: packed codes; int8: int8 [out, in]
+  std::optional<torch::Tensor> scales;  // int4: scales_zeros [in / group, padded out, 2]; int8: row scales [out]
+  std::optional<torch::Tensor> bias;
+  int64_t out_features, group, gemv_rows;  // group: int4's; gemv_rows: int8's
+
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    if (kind == kBf16) return bf16_gemv(x, weight, bias);
+    torch::Tensor y;
+    if (kind == kInt4) {
+      y = at::_weight_int4pack_mm_for_cpu(x, weight, group, *scales);
+      if (y.size(1) != out_features) y = y.slice(1, 0, out_features).contiguous();
+    } else if (x.size(0) <= gemv_rows) {
+      y = at::_weight_int8pack_mm(x, weight, *scales);
+    } else {
+      const auto q = quantize_rows(x);
+      return int8_rescale(at::_int_mm(q[0], weight.t()), q[1], *scales, bias);
+    }
+    return bias ? y + *bias : y;
+  }
 };
+
+struct LayerWeights {
+  torch::Tensor input_norm;
+  StackLinear qkv, o;
+  torch::Tensor post_norm;
+  StackLinear gate_up, down;
+  torch::Tensor k_cache, v_cache;
+};
+
+using LayerSpec = std::tuple<torch::Tensor, StackLinear, StackLinear, torch::Tensor, StackLinear, StackLinear,
+                             torch::Tensor, torch::Tensor>;
 
 class DecodeStack {
  public:
-  // Each layer: input norm, qkv weight, qkv bias or None, o weight, post-attention norm, gate_up weight, down
-  // weight, key cache, value cache (held, not copied: the stack sees later writes to them).
-  DecodeStack(const std::vector<std::vector<std::optional<torch::Tensor>>>& layers, int64_t num_heads,
-              int64_t num_kv_heads, int64_t head_dim, double eps, double scale)
+  // Each layer: input norm, qkv, o, post-attention norm, gate_up, down, key cache, value cache (held, not copied:
+  // the stack sees later writes to them).
+  DecodeStack(const std::vector<LayerSpec>& layers, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+              double eps, double scale)
       : nh_(num_heads), nk_(num_kv_heads), d_(head_dim), eps_(eps), scale_(scale) {
-    for (const auto& t : layers) {
-      TORCH_CHECK(t.size() == 9, "DecodeStack: 9 tensors a layer");
-      for (size_t i = 0; i < 9; ++i) TORCH_CHECK(i == 2 || t[i].has_value(), "DecodeStack: only the bias may be None");
-      layers_.push_back({*t[0], *t[1], t[2], *t[3], *t[4], *t[5], *t[6], *t[7], *t[8]});
-    }
+    for (const auto& t : layers) std::apply([&](const auto&... w) { layers_.push_back(LayerWeights{w...}); }, t);
   }
 
   // The residual stream x [T, hidden] (+ delta) through every layer: (stream after the last attention, the last
@@ -45,15 +74,15 @@ class DecodeStack {
     for (const LayerWeights& w : layers_) {
       auto normed = add_rms_norm(x, delta, w.input_norm, eps_);
       x = normed[0];
-      const torch::Tensor qkv = bf16_gemv(normed[1], w.qkv, w.qkv_bias).view({T, -1, d_});
+      const torch::Tensor qkv = w.qkv(normed[1]).view({T, -1, d_});
       const auto qk = rope_qk(qkv, cos, sin, nh_, nk_);
       store_kv(w.k_cache, w.v_cache, qk[1], qkv.slice(1, nh_ + nk_), slots);
       torch::Tensor o = torch::empty_like(qk[0]);
       paged_attention_cpu(qk[0], w.k_cache, w.v_cache, o, qstart, qlen, ctx, tables, scale_, std::nullopt,
                           std::nullopt, 0);
-      normed = add_rms_norm(x, bf16_gemv(o.view({T, nh_ * d_}), w.o, std::nullopt), w.post_norm, eps_);
+      normed = add_rms_norm(x, w.o(o.view({T, nh_ * d_})), w.post_norm, eps_);
       x = normed[0];
-      delta = bf16_gemv(silu_mul(bf16_gemv(normed[1], w.gate_up, std::nullopt)), w.down, std::nullopt);
+      delta = w.down(silu_mul(w.gate_up(normed[1])));
     }
     TORCH_CHECK(delta.has_value(), "DecodeStack: no layers");
     return {x, *delta};
@@ -65,13 +94,29 @@ class DecodeStack {
   double eps_, scale_;
 };
 
+using Bias = std::optional<torch::Tensor>;
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("SUPPORTED") = supported();  // the GEMV's avx512_bf16: without it the stack has no kernel to call
+  py::class_<StackLinear>(m, "Linear");
+  m.def("bf16_linear", [](torch::Tensor weight, Bias bias) {
+    const int64_t n = weight.size(0);
+    return StackLinear{StackLinear::kBf16, std::move(weight), std::nullopt, std::move(bias), n, 0, 0};
+  }, "a bf16 linear, on the GEMV", py::arg("weight"), py::arg("bias"));
+  m.def("int4_linear", [](torch::Tensor packed, torch::Tensor scales_zeros, Bias bias, int64_t out_features,
+                          int64_t group) {
+    return StackLinear{StackLinear::kInt4, std::move(packed), std::move(scales_zeros), std::move(bias), out_features,
+                       group, 0};
+  }, "an int4pack linear", py::arg("packed"), py::arg("scales_zeros"), py::arg("bias"), py::arg("out_features"),
+        py::arg("group"));
+  m.def("int8_linear", [](torch::Tensor qweight, torch::Tensor scales, Bias bias, int64_t gemv_rows) {
+    const int64_t n = qweight.size(0);
+    return StackLinear{StackLinear::kInt8, std::move(qweight), std::move(scales), std::move(bias), n, 0, gemv_rows};
+  }, "an int8 weight-only linear: the int8 GEMV to gemv_rows rows, the dynamic int8 matmul above",
+        py::arg("qweight"), py::arg("scales"), py::arg("bias"), py::arg("gemv_rows"));
   py::class_<DecodeStack>(m, "DecodeStack")
-      .def(py::init<const std::vector<std::vector<std::optional<torch::Tensor>>>&, int64_t, int64_t, int64_t, double,
-                    double>(),
-           py::arg("layers"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"),
-           py::arg("scale"))
+      .def(py::init<const std::vector<LayerSpec>&, int64_t, int64_t, int64_t, double, double>(), py::arg("layers"),
+           py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("scale"))
       .def("run", &DecodeStack::run, "the decoder stack over one decode step: (x, delta)",
            py::call_guard<py::gil_scoped_release>());
 }

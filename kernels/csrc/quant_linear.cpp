@@ -194,9 +194,11 @@ torch::Tensor int8_rescale(torch::Tensor acc, torch::Tensor row_scale, torch::Te
   return y;
 }
 
+#ifndef SLUICE_NO_MODULE  // decode_stack.cpp includes this file for its functions
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_tile_mm", &int4_tile_mm, "x times an int4-packed weight, dequantized tile by tile (CPU)");
   m.def("int4_codes", &int4_codes, "codes of an int4-packed weight as the tile kernel reads them");
   m.def("quantize_rows", &quantize_rows, "per-row absmax int8 quantization (CPU)");
   m.def("int8_rescale", &int8_rescale, "int32 matmul result times row and column scales, plus bias (CPU)");
 }
+#endif
