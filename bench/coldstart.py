@@ -27,7 +27,7 @@ from pipeline import start_redis
 from tests.services import free_port, start_worker, stop_worker
 
 CHUNK = 16 * 1024 * 1024
-VARIANTS = ("bf16", "bf16-mmap", "int8-prequantized", "int8-while-loading")
+VARIANTS = ("bf16", "bf16-mmap", "bf16-copy", "int8-prequantized", "int8-while-loading")
 EXT = {
     "TORCH_EXTENSIONS_DIR": str(Path(tempfile.gettempdir()) / "sluice-coldstart-ext")
 }  # built once, unshared
@@ -43,10 +43,11 @@ sluice-tiny row is the fixed cost every worker pays whatever its model (Python, 
 bitsandbytes imports, tokenizer, KV allocation); CPU attention kernels are built once beforehand, as a
 worker image should ship them. Workers run on their default settings (256 sequences, the model's full context:
 the CPU KV pool's 4 GiB cap, mapped but not touched). `bf16` loads as a worker does by default
-(`--weight-loading auto`: tensors are the file's own page-cache pages where 64-byte aligned, read into private
-memory otherwise; files written by `save_pretrained` start their data at a random multiple of 8 bytes, so
-most are read); `bf16, mapped` passes `--weight-loading mmap` (every tensor stored as used is mapped, aligned
-or not). The last column is the size-dependent part against the raw read."""
+(`--weight-loading auto`: from 4 GiB of weights every tensor stored as used is the file's own page-cache pages;
+below that only those on a 64-byte boundary, and files written by `save_pretrained` start their data at a
+random multiple of 8 bytes, so most are read into private memory); `bf16, mapped` passes `--weight-loading
+mmap` (every tensor mapped); `bf16, copied` passes `--weight-loading copy` (every tensor read). The last column
+is the size-dependent part against the raw read."""
 
 
 def weight_files(model: Path) -> list[Path]:
@@ -166,6 +167,7 @@ def main() -> None:
     every = {
         "bf16": ("bf16", bf16, ()),
         "bf16-mmap": ("bf16, mapped", bf16, ("--weight-loading", "mmap")),
+        "bf16-copy": ("bf16, copied", bf16, ("--weight-loading", "copy")),
         "int8-prequantized": ("int8, pre-quantized", int8, ()),
         "int8-while-loading": ("int8, quantized while loading", bf16, ("--quantization", "int8")),
     }

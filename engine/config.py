@@ -96,10 +96,9 @@ class EngineConfig:
     enforce_eager: bool = _opt(False, "CUDA: run every step eagerly (no CUDA graph replay of pure-decode steps).")
     tokenizer: str | None = _opt(None, "Tokenizer folder (default: the model folder).")
     weight_loading: str = _opt("auto", "CPU weights: auto (unquantized tensors stored as used are the checkpoint "
-                                       "file's own page-cache pages, mapped copy-on-write, when 64-byte aligned), "
-                                       "mmap (mapped even misaligned: a faster start, a GEMV up to 45% slower on "
-                                       "rows off a cache line), copy "
-                                       "(every tensor read into private memory).")
+                                       "file's own page-cache pages, mapped copy-on-write: every one from 4 GiB "
+                                       "of weights, below that those on a 64-byte boundary), mmap (every one), "
+                                       "copy (each read into private memory).")
     extra: dict[str, Any] = field(default_factory=dict, metadata={"help": "Free-form settings the engine ignores."})
     speculative_config: SpeculativeConfig | None = field(init=False, default=None, repr=False, compare=False)
 

@@ -227,9 +227,10 @@ def test_mapped_weights_are_the_files_pages_copy_on_write(aligned):
     assert torch.equal(after, before) and not torch.equal(mapped.norm.weight, before)
 
 
-def test_auto_maps_only_aligned_tensors_and_mmap_maps_misaligned_too(aligned, tmp_path):
-    """A file whose data starts 8 bytes off a cache line: auto copies every tensor (aligned private memory for
-    the vector kernels), mmap maps them anyway; both load the same weights; other dtypes are always read."""
+def test_auto_maps_only_aligned_tensors_and_mmap_maps_misaligned_too(aligned, tmp_path, monkeypatch):
+    """A file whose data starts 8 bytes off a cache line: auto copies every tensor of a small checkpoint
+    (aligned private memory for the vector kernels) and maps those of one of MAP_ALL_BYTES or more, mmap maps
+    them anyway; all load the same weights; other dtypes are always read."""
     shutil.copy(aligned / "config.json", tmp_path / "config.json")
     reader = CheckpointReader(aligned)
     tensors = {n: reader.get(n) for n in reader.names()}
@@ -245,8 +246,11 @@ def test_auto_maps_only_aligned_tensors_and_mmap_maps_misaligned_too(aligned, tm
     assert all(p.data_ptr() % 64 == 0 for p in auto.parameters() if p.numel() * 2 >= 64)
     assert file in _mapped_files(mmapped.layers[1].mlp.down_proj.weight)
     assert not any(file in _mapped_files(p) for p in fp32.parameters())
-    for (name, a), b in zip(auto.named_parameters(), mmapped.parameters(), strict=True):
-        assert torch.equal(a, b), name
+    monkeypatch.setattr(loader, "MAP_ALL_BYTES", (tmp_path / "model.safetensors").stat().st_size - 4096)
+    large = load_model(tmp_path, torch.bfloat16, torch.device("cpu"), 64, weight_loading="auto")
+    assert file in _mapped_files(large.layers[1].mlp.down_proj.weight)
+    for (name, a), b, c in zip(auto.named_parameters(), mmapped.parameters(), large.parameters(), strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c), name
 
 
 def test_a_quantizing_load_maps_nothing_and_bad_modes_are_refused(aligned):
@@ -256,3 +260,23 @@ def test_a_quantizing_load_maps_nothing_and_bad_modes_are_refused(aligned):
     assert not any(file in _mapped_files(t) for t in llm.engine.model.state_dict().values())
     with pytest.raises(ValueError, match="weight_loading"):
         LLM(str(aligned), device="cpu", weight_loading="lazy")
+
+
+def test_bitsandbytes_loads_without_the_compiler_and_still_quantizes():
+    """Importing bitsandbytes through the engine pulls in no torch._dynamo (its import-time torch.compile wraps
+    are deferred to their first call: ~3 s of every quantized worker's start), torch.compile is torch's again
+    afterwards, and an int8 model built on it generates."""
+    code = (
+        "import sys, torch; real = torch.compile\n"
+        "from engine.quantization.linears import _bnb\n"
+        "bnb = _bnb(); assert torch.compile is real and hasattr(bnb, 'functional')\n"
+        "print('torch._dynamo' in sys.modules)\n"
+        "from engine import LLM, SamplingParams\n"
+        f"llm = LLM({str(TINY)!r}, dtype='bfloat16', device='cpu', max_model_len=64, max_num_seqs=2, "
+        "quantization='int8')\n"
+        "out = llm.generate(['O Romeo'], SamplingParams(max_tokens=4, temperature=0), progress=False)\n"
+        "assert len(out[0].token_ids) == 4\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[0] == "False"

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import ctypes
+import functools
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -21,9 +25,37 @@ def _bnb():
 
     for name in QUIET:
         logging.getLogger(name).setLevel(logging.ERROR)
-    import bitsandbytes
+    if "bitsandbytes" not in sys.modules:
+        with _compile_on_first_call():
+            import bitsandbytes  # noqa: F401
+    return sys.modules["bitsandbytes"]
 
-    return bitsandbytes
+
+@contextmanager
+def _compile_on_first_call() -> Iterator[None]:
+    """torch.compile that compiles at the first call, for bitsandbytes' import: it wraps its default-backend
+    ops in torch.compile there, which imports dynamo and inductor (~3 s of every quantized worker's start) for
+    ops compiled only when first called anyway, if ever (the CPU backend serves them); nothing else changes."""
+    real = torch.compile
+
+    def lazy(fn=None, **options):
+        if fn is None:
+            return lambda f: lazy(f, **options)
+        compiled = None
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            nonlocal compiled
+            compiled = compiled or real(fn, **options)
+            return compiled(*args, **kwargs)
+
+        return call
+
+    torch.compile = lazy
+    try:
+        yield
+    finally:
+        torch.compile = real
 
 
 class FusedLinear(nn.Module):
