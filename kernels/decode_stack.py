@@ -63,11 +63,13 @@ def int4_linear(w: int4_weights.Int4Weight, bias: torch.Tensor | None):
 
 
 def int8_linear(qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
-    """An int8 weight-only linear as a stack linear: torch's int8 GEMV at the row counts where
+    """An int8 weight-only linear as a stack linear: our int8 GEMV at the row counts where
     int8_weights.int8_linear runs it, the fused dynamic int8 matmul at the rest; None where it takes another
-    branch (the torch dynamic reference when the fused helpers do not build)."""
+    branch (torch's GEMV for other scale dtypes, the torch dynamic reference when the fused helpers do not
+    build)."""
     ext = _ext()
-    if ext is None or qweight.device.type != "cpu" or int8_weights._fused() is None:
+    if (ext is None or qweight.device.type != "cpu" or int8_weights._fused() is None
+            or int8_weights._gemv_kernel(scales) is None):
         return None
     rows = _row_counts(qweight.shape[1])
     gemv = [int8_weights._use_gemv(r, qweight) for r in rows]

@@ -1,8 +1,9 @@
 """Weight-only int8 matmul: int8 weights with one scale per output row, activations in the model dtype.
 
-For a few rows (decode, a draft model's proposals) torch's CPU int8 GEMV reads half the bytes of a bf16
-matmul and runs ~3x faster at one row. Its cost grows linearly with the row count and it mis-computes unless
-in_features % 16 == 0. More rows of bf16/fp16 activations on CPU are quantized on the fly (int8, one absmax
+For a few rows (decode, a draft model's proposals) a GEMV reads half the bytes of a bf16 matmul: for bf16
+activations ours (csrc/bf16_gemv.cpp, weight rows in memory order: ~2x torch's at one row, par at four),
+else torch's CPU int8 GEMV, whose cost grows linearly with the row count and which mis-computes unless
+in_features % 16 == 0 (so neither serves such shapes: one rule for both). More rows of bf16/fp16 activations on CPU are quantized on the fly (int8, one absmax
 scale per row) and multiplied by `torch._int_mm` (oneDNN VNNI, int32 accumulation), faster than a bf16 matmul
 at 8-64 rows; the quantization and the rescale epilogue (bias included) are one C++ pass each
 (csrc/quant_linear.cpp) where it builds, rounding exactly as the torch ops they replace. On CUDA with triton
@@ -26,6 +27,14 @@ DYNAMIC_DTYPES = (torch.bfloat16, torch.float16)
 def _use_gemv(rows: torch.Tensor, qweight: torch.Tensor) -> bool:
     return (rows.device.type == "cpu" and rows.shape[0] <= MAX_GEMV_ROWS and rows.dtype in GEMV_DTYPES
             and qweight.shape[1] % 16 == 0)
+
+
+def _gemv_kernel(scales: torch.Tensor):
+    """Our int8 GEMV (csrc/bf16_gemv.cpp: the bf16 GEMV's memory-order pass, ~2x torch's at one row, par at
+    four) for bf16 activations and scales, or None (then torch's serves)."""
+    from kernels.linear import _gemv
+
+    return _gemv() if scales.dtype is torch.bfloat16 else None
 
 
 def _use_dynamic(rows: torch.Tensor) -> bool:
@@ -64,7 +73,8 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
 
         return w8a16_linear(x, qweight, scales, bias)
     if _use_gemv(rows, qweight):
-        y = torch._weight_int8pack_mm(rows.contiguous(), qweight, scales)
+        ours = _gemv_kernel(scales) if rows.dtype is torch.bfloat16 else None
+        y = (ours.int8_gemv if ours is not None else torch._weight_int8pack_mm)(rows.contiguous(), qweight, scales)
     elif _use_dynamic(rows):
         y, bias = dynamic_int8_mm(rows.contiguous(), qweight, scales, bias), None
     else:

@@ -106,6 +106,31 @@ def test_int8_linear_matches_the_dequantized_weight_at_every_row_count(dtype, to
             assert rel_err(got, want) < tol, (out_features, m)
 
 
+@pytest.mark.skipif(int8._gemv_kernel(torch.ones(1, dtype=torch.bfloat16)) is None,
+                    reason="no C++ toolchain or no avx512_bf16")
+def test_our_int8_gemv_serves_bf16_rows_and_rounds_as_torchs(monkeypatch):
+    """bf16 rows up to MAX_GEMV_ROWS run our int8 GEMV (a spy), within the error of torch's own GEMV against the
+    float64 product at every row count and K tail (it sums in fp32, scales after, rounds once, as torch does)."""
+    torch.manual_seed(0)
+    ext, calls = int8._gemv_kernel(torch.ones(1, dtype=torch.bfloat16)), []
+    monkeypatch.setattr(int8, "_gemv_kernel", lambda scales: type("Spy", (), {
+        "int8_gemv": staticmethod(lambda *a: calls.append(a[0].shape[0]) or ext.int8_gemv(*a))})())
+    for n, k in ((200, 384), (333, 768), (64, 16)):
+        qweight = torch.randint(-128, 128, (n, k), dtype=torch.int8)
+        scales = (torch.rand(n) / 50).to(torch.bfloat16)
+        for m in range(1, int8.MAX_GEMV_ROWS + 1):
+            x = torch.randn(m, k, dtype=torch.bfloat16)
+            want = (x.double() @ qweight.double().T) * scales.double()
+            got, theirs = int8.int8_linear(x, qweight, scales), torch._weight_int8pack_mm(x, qweight, scales)
+            assert (got.double() - want).abs().max() <= (theirs.double() - want).abs().max() * 1.01 + 1e-3, (n, k, m)
+    assert calls == list(range(1, int8.MAX_GEMV_ROWS + 1)) * 3
+    for k in (40, 200):  # any K (torch's GEMV needs K % 16 == 0): exact to bf16 rounding
+        qweight, scales = torch.randint(-128, 128, (50, k), dtype=torch.int8), torch.rand(50).to(torch.bfloat16)
+        x = torch.randn(3, k, dtype=torch.bfloat16)
+        want = (x.double() @ qweight.double().T) * scales.double()
+        assert rel_err(ext.int8_gemv(x, qweight, scales), want) < 4e-3
+
+
 DIMS = dict(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1)
 PROMPTS = [[1, *range(5, 5 + n)] for n in (6, 30, 70)]
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

@@ -110,6 +110,58 @@ void gemv(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* w, int64_t 
   });
 }
 
+// y[M, N] = (x[M, K] · Q[N, K]ᵀ) * scale[N] for int8 Q (int8 weight-only linears), as torch's
+// _weight_int8pack_mm computes it (fp32 sums, the row scale after, one rounding to bf16) with the bf16 GEMV's
+// order of reading: weight rows one by one in memory order, x rows four at a time, x converted to fp32 once.
+// Four accumulators a row (64 columns a pass) keep the FMAs independent.
+template <int M>
+inline void int8_tile(const float* xf, int64_t K, const int8_t* w, float* out, int64_t ldo) {
+  __m512 acc[M][4];
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 64 <= K; k += 64) {
+    for (int j = 0; j < 4; ++j) {
+      const __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+          reinterpret_cast<const __m128i*>(w + k + 16 * j))));
+      for (int m = 0; m < M; ++m) acc[m][j] = _mm512_fmadd_ps(_mm512_loadu_ps(xf + m * K + k + 16 * j), wv, acc[m][j]);
+    }
+  }
+  for (; k < K; k += 16) {
+    const __mmask16 mask = K - k >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (K - k)) - 1);
+    const __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, w + k)));
+    for (int m = 0; m < M; ++m) acc[m][0] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, xf + m * K + k), wv, acc[m][0]);
+  }
+  for (int m = 0; m < M; ++m)
+    out[m * ldo] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]),
+                                                      _mm512_add_ps(acc[m][2], acc[m][3])));
+}
+
+void int8_gemv(const float* xf, int64_t M, const int8_t* w, int64_t K, int64_t N, const uint16_t* scale,
+               uint16_t* y) {
+  at::parallel_for(0, (N + kBlock - 1) / kBlock, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> buffer(M * kBlock);
+    float* sums = buffer.data();
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * kBlock, rows = std::min(kBlock, N - n0);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int8_t* wr = w + (n0 + r) * K;
+        int64_t m = 0;
+        for (; m + 4 <= M; m += 4) int8_tile<4>(xf + m * K, K, wr, sums + m * kBlock + r, kBlock);
+        switch (M - m) {
+          case 1: int8_tile<1>(xf + m * K, K, wr, sums + m * kBlock + r, kBlock); break;
+          case 2: int8_tile<2>(xf + m * K, K, wr, sums + m * kBlock + r, kBlock); break;
+          case 3: int8_tile<3>(xf + m * K, K, wr, sums + m * kBlock + r, kBlock); break;
+          default: break;
+        }
+      }
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t i = 0; i < rows; ++i)
+          y[m * N + n0 + i] = c10::BFloat16(sums[m * kBlock + i] * bf16_to_float(scale[n0 + i])).x;
+    }
+  });
+}
+
 #endif
 
 bool supported() {
@@ -144,6 +196,24 @@ torch::Tensor bf16_gemv(const torch::Tensor& x, const torch::Tensor& weight, con
   return y;
 }
 
+torch::Tensor int8_gemv_op(const torch::Tensor& x, const torch::Tensor& qweight, const torch::Tensor& scales) {
+  TORCH_CHECK(supported(), "int8_gemv: built without avx512_bf16");
+  TORCH_CHECK(x.dim() == 2 && qweight.dim() == 2 && x.size(1) == qweight.size(1), "int8_gemv: x [M, K], qweight [N, K]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && qweight.scalar_type() == at::kChar &&
+              scales.scalar_type() == at::kBFloat16, "int8_gemv: bf16 x and scales, int8 weight");
+  TORCH_CHECK(qweight.is_contiguous() && scales.is_contiguous() && scales.numel() == qweight.size(0),
+              "int8_gemv: contiguous weight, scales [N]");
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 64, "int8_gemv: 1 to 64 rows");
+  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
+  const torch::Tensor xf = x.to(at::kFloat).contiguous();  // exact: bf16 widens to fp32
+  auto y = torch::empty({M, N}, x.options());
+#ifdef SLUICE_AVX512_BF16
+  int8_gemv(xf.data_ptr<float>(), M, qweight.data_ptr<int8_t>(), K, N,
+            reinterpret_cast<const uint16_t*>(scales.data_ptr()), reinterpret_cast<uint16_t*>(y.data_ptr()));
+#endif
+  return y;
+}
+
 }  // namespace
 
 #ifndef SLUICE_NO_MODULE  // decode_stack.cpp includes this file for its functions
@@ -152,5 +222,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("SUPPORTED") = supported();  // read on every call from Python: an attribute, not a call
   m.def("bf16_gemv", &bf16_gemv, "x [M<=64, K] · weight [N, K]ᵀ (+ bias) in bf16", py::arg("x"), py::arg("weight"),
         py::arg("bias") = py::none());
+  m.def("int8_gemv", &int8_gemv_op, "(x [M<=64, K] · qweight [N, K]ᵀ) * scales [N], int8 weights, bf16 x",
+        py::arg("x"), py::arg("qweight"), py::arg("scales"));
 }
 #endif

@@ -16,7 +16,7 @@
 #include <vector>
 
 // One linear, run by the op its Python module runs at the step's row count: our bf16 GEMV (kernels/linear.py),
-// torch's int4pack matmul (kernels/int4_weights.py), torch's int8 GEMV up to gemv_rows rows or else the fused
+// torch's int4pack matmul (kernels/int4_weights.py), our int8 GEMV up to gemv_rows rows or else the fused
 // dynamic int8 matmul (kernels/int8_weights.py). kernels/decode_stack.py makes one only where its module takes
 // exactly these branches at every row count the stack serves.
 struct StackLinear {
@@ -33,7 +33,7 @@ struct StackLinear {
       y = at::_weight_int4pack_mm_for_cpu(x, weight, group, *scales);
       if (y.size(1) != out_features) y = y.slice(1, 0, out_features).contiguous();
     } else if (x.size(0) <= gemv_rows) {
-      y = at::_weight_int8pack_mm(x, weight, *scales);
+      y = int8_gemv_op(x, weight, *scales);  // kernels.int8_weights' GEMV for bf16 (bf16_gemv.cpp)
     } else {
       const auto q = quantize_rows(x);
       return int8_rescale(at::_int_mm(q[0], weight.t()), q[1], *scales, bias);
