@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpp_build, cpu_attention, int4_weights, int8_linear, rms_norm
+from kernels import cpp_build, cpu_attention, int4_weights, int8_linear, int8_weights, rms_norm
 from kernels import linear as linear_kernels
 from kernels.attention import build_metadata, paged_attention
 from kernels.int8_weights import MAX_GEMV_ROWS
@@ -89,6 +89,11 @@ def test_int8_linear_matches_dequantized_weights_on_every_path(dtype, tol, monke
     real, real_int_mm = torch._weight_int8pack_mm, torch._int_mm
     monkeypatch.setattr(torch, "_weight_int8pack_mm", lambda x, w, s: gemv_rows.append(x.shape[0]) or real(x, w, s))
     monkeypatch.setattr(torch, "_int_mm", lambda x, w: int_mm_rows.append(x.shape[0]) or real_int_mm(x, w))
+    ours = int8_weights._gemv_kernel(torch.ones(1, dtype=torch.bfloat16))  # ours for bf16 rows, where it builds
+    if ours is not None:
+        spy = type("Spy", (), {"int8_gemv": staticmethod(lambda x, w, s: gemv_rows.append(x.shape[0])
+                                                           or ours.int8_gemv(x, w, s))})()
+        monkeypatch.setattr(int8_weights, "_gemv_kernel", lambda scales: spy if scales.dtype is torch.bfloat16 else None)
     torch.manual_seed(0)
     for k in (384, 100):  # 100: not a multiple of 16, which torch's GEMV mis-computes, so it must not be used
         qweight = torch.randint(-127, 128, (200, k), dtype=torch.int8)
