@@ -15,7 +15,7 @@ from typing import Any
 
 import redis
 from rq import Queue, SimpleWorker
-from rq.exceptions import DequeueTimeout
+from rq.exceptions import DequeueTimeout, StopRequested
 from rq.executions import Execution
 from rq.job import Job
 from rq.registry import StartedJobRegistry
@@ -28,6 +28,7 @@ from contract.jobs import FINALIZE, RUN_SHARD
 
 ALLOWED_FUNCTIONS = frozenset({RUN_SHARD, FINALIZE})
 RETRY_POLL_S = 1.0
+PUBSUB_POLL_S = 1.0  # how long the command-channel thread blocks per read; its stop waits this long
 REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
 
 
@@ -55,6 +56,19 @@ class JobsWorker(SimpleWorker):
         self._last_retry_poll = 0.0
         self.idle = False
 
+    def subscribe(self) -> None:
+        """rq's command channel (`rq.command`: stop/kill), read by a thread that notices a stop within 1 s.
+
+        rq reads it in 60 s waits and redis-py >= 8 joins that thread on stop without a timeout, so a SIGTERM
+        could keep an idle worker alive for a minute.
+        """
+        self.log.info("Worker %s: subscribing to channel %s", self.name, self.pubsub_channel_name)
+        self.pubsub = self.connection.pubsub()
+        self.pubsub.subscribe(**{self.pubsub_channel_name: self.handle_payload})
+        self.pubsub_thread = self.pubsub.run_in_thread(
+            sleep_time=PUBSUB_POLL_S, daemon=True, exception_handler=self._pubsub_exception_handler
+        )
+
     def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
         """Held jobs count as abandoned this long after the last heartbeat."""
         return self.job_heartbeat_ttl
@@ -76,7 +90,7 @@ class JobsWorker(SimpleWorker):
             return self.dequeue_job_and_maintain_ttl(timeout, max_idle_time=timeout)
         except DequeueTimeout:
             return None
-        except REDIS_ERRORS:
+        except (StopRequested, *REDIS_ERRORS):  # a stop signal while idle ends the loop (worker.request_stop)
             raise
         except Exception as exc:
             self.log.error("Worker %s: dropped unreadable job %s: %s", self.name, getattr(exc, "job_id", "?"), exc)
