@@ -1,12 +1,14 @@
 """Weight-only int8 matmul: int8 weights with one scale per output row, activations in the model dtype.
 
-For a few rows (decode, a draft model's proposals) a GEMV reads half the bytes of a bf16 matmul: for bf16
-activations ours (csrc/bf16_gemv.cpp, weight rows in memory order: ~2x torch's at one row, par at four),
-else torch's CPU int8 GEMV, whose cost grows linearly with the row count and which mis-computes unless
-in_features % 16 == 0 (so neither serves such shapes: one rule for both). More rows of bf16/fp16 activations on CPU are quantized on the fly (int8, one absmax
-scale per row) and multiplied by `torch._int_mm` (oneDNN VNNI, int32 accumulation), faster than a bf16 matmul
-at 8-64 rows; the quantization and the rescale epilogue (bias included) are one C++ pass each
-(csrc/quant_linear.cpp) where it builds, rounding exactly as the torch ops they replace. On CUDA with triton
+For a few rows (decode, a draft model's proposals) a GEMV reads half the bytes of a bf16 matmul: for one bf16
+row ours (csrc/bf16_gemv.cpp, weight rows in memory order: ~2x torch's), for up to four fp32/fp16 rows torch's
+CPU int8 GEMV, whose cost grows linearly with the row count and which mis-computes unless in_features % 16 == 0
+(so neither serves such shapes: one rule for both). More rows of bf16/fp16 activations on CPU are quantized on the fly (int8, one absmax
+scale per row) and multiplied in int32, faster than a bf16 matmul at 8-64 rows: up to 64 rows by our AVX512-VNNI
+kernel (csrc/quant_linear.cpp `int8_mm`: 1.1-2x oneDNN's, whose weight reorder on every call costs as much as
+the product at a few rows), above by `torch._int_mm` (oneDNN), the same exact int32 sums either way; the
+quantization and the rescale epilogue (bias included) are one C++ pass each (csrc/quant_linear.cpp) where it
+builds, rounding exactly as the torch ops they replace. On CUDA with triton
 the W8A16 kernel (kernels/triton/w8a16.py) serves; fp32 activations, odd shapes and other devices dequantize
 the weight and use the ordinary matmul.
 """
@@ -19,13 +21,21 @@ import torch.nn.functional as F
 from kernels import cpp_build
 from kernels.device_path import triton_on
 
-MAX_GEMV_ROWS = 4  # measured on CPU (rows 1-16, five shapes): the GEMV wins at 2-4 rows, the fused dynamic int8 from 6
+MAX_GEMV_ROWS = 4  # fp32/fp16 rows, torch's GEMV: measured on CPU (rows 1-16, five shapes), it wins at 2-4 rows
+# bf16 rows, ours: streaming a 125M model's weights it ties the dynamic int8 matmul (our VNNI kernel) at one row
+# and loses from two (1.2x slower at 2 rows, 1.9x at 4); at one row it keeps the activations unquantized
+BF16_GEMV_ROWS = 1
 GEMV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 DYNAMIC_DTYPES = (torch.bfloat16, torch.float16)
 
 
+def gemv_rows(dtype: torch.dtype) -> int:
+    """Up to how many rows of this dtype a GEMV serves on CPU."""
+    return BF16_GEMV_ROWS if dtype is torch.bfloat16 else MAX_GEMV_ROWS
+
+
 def _use_gemv(rows: torch.Tensor, qweight: torch.Tensor) -> bool:
-    return (rows.device.type == "cpu" and rows.shape[0] <= MAX_GEMV_ROWS and rows.dtype in GEMV_DTYPES
+    return (rows.device.type == "cpu" and rows.shape[0] <= gemv_rows(rows.dtype) and rows.dtype in GEMV_DTYPES
             and qweight.shape[1] % 16 == 0)
 
 
@@ -58,7 +68,7 @@ def dynamic_int8_mm(rows: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     fused = _fused()
     if fused is not None and rows.is_contiguous():
         xq, row_scale = fused.quantize_rows(rows)
-        return fused.int8_rescale(torch._int_mm(xq, qweight.t()), row_scale, scales, bias)
+        return fused.int8_rescale(fused.int8_mm(xq, qweight), row_scale, scales, bias)
     xq, row_scale = quantize_rows(rows)
     y = torch._int_mm(xq, qweight.t()).float().mul_(row_scale).mul_(scales.float()).to(rows.dtype)
     return y if bias is None else y + bias

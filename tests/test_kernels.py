@@ -11,7 +11,6 @@ import torch.nn.functional as F
 from kernels import cpp_build, cpu_attention, int4_weights, int8_linear, int8_weights, rms_norm
 from kernels import linear as linear_kernels
 from kernels.attention import build_metadata, paged_attention
-from kernels.int8_weights import MAX_GEMV_ROWS
 
 H, HK, D, BS, NB = 6, 2, 16, 4, 200
 
@@ -86,9 +85,10 @@ def test_fused_cpu_kernel_matches_reference(dtype, tol):
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_int8_linear_matches_dequantized_weights_on_every_path(dtype, tol, monkeypatch):
     gemv_rows, int_mm_rows = [], []
-    real, real_int_mm = torch._weight_int8pack_mm, torch._int_mm
+    real, real_dynamic = torch._weight_int8pack_mm, int8_weights.dynamic_int8_mm
     monkeypatch.setattr(torch, "_weight_int8pack_mm", lambda x, w, s: gemv_rows.append(x.shape[0]) or real(x, w, s))
-    monkeypatch.setattr(torch, "_int_mm", lambda x, w: int_mm_rows.append(x.shape[0]) or real_int_mm(x, w))
+    monkeypatch.setattr(int8_weights, "dynamic_int8_mm",
+                        lambda x, *a: int_mm_rows.append(x.shape[0]) or real_dynamic(x, *a))
     ours = int8_weights._gemv_kernel(torch.ones(1, dtype=torch.bfloat16))  # ours for bf16 rows, where it builds
     if ours is not None:
         spy = type("Spy", (), {"int8_gemv": staticmethod(lambda x, w, s: gemv_rows.append(x.shape[0])
@@ -99,15 +99,15 @@ def test_int8_linear_matches_dequantized_weights_on_every_path(dtype, tol, monke
         qweight = torch.randint(-127, 128, (200, k), dtype=torch.int8)
         scales, bias = (torch.rand(200) / 50).to(dtype), torch.randn(200).to(dtype)
         for m in (1, 3, 5, 40):
-            x = torch.randn(2, m, k).to(dtype)
+            x = torch.randn(1, m, k).to(dtype)
             got = int8_linear(x, qweight, scales, bias)
             want = x.double() @ (qweight.double() * scales.double()[:, None]).T + bias.double()
-            assert got.shape == (2, m, 200) and got.dtype == dtype
+            assert got.shape == (1, m, 200) and got.dtype == dtype
             assert ((got.double() - want).norm() / want.norm()).item() < tol
-    want = [2 * m for m in (1, 3, 5, 40) if 2 * m <= MAX_GEMV_ROWS]
+    want = [m for m in (1, 3, 5, 40) if m <= int8_weights.gemv_rows(dtype)]
     assert want and gemv_rows == want, "the int8 GEMV serves few rows, and only when in_features % 16 == 0"
-    dynamic = [] if dtype == torch.float32 else [2 * m for k in (384, 100) for m in (1, 3, 5, 40)
-                                                 if 2 * m > MAX_GEMV_ROWS or k % 16]
+    dynamic = [] if dtype == torch.float32 else [m for k in (384, 100) for m in (1, 3, 5, 40)
+                                                 if m > int8_weights.gemv_rows(dtype) or k % 16]
     assert int_mm_rows == dynamic, "bf16 rows past the GEMV run the dynamic int8 matmul; fp32 stays exact"
 
 

@@ -109,7 +109,7 @@ def test_int8_linear_matches_the_dequantized_weight_at_every_row_count(dtype, to
 @pytest.mark.skipif(int8._gemv_kernel(torch.ones(1, dtype=torch.bfloat16)) is None,
                     reason="no C++ toolchain or no avx512_bf16")
 def test_our_int8_gemv_serves_bf16_rows_and_rounds_as_torchs(monkeypatch):
-    """bf16 rows up to MAX_GEMV_ROWS run our int8 GEMV (a spy), within the error of torch's own GEMV against the
+    """bf16 rows up to BF16_GEMV_ROWS run our int8 GEMV (a spy), within the error of torch's own GEMV against the
     float64 product at every row count and K tail (it sums in fp32, scales after, rounds once, as torch does)."""
     torch.manual_seed(0)
     ext, calls = int8._gemv_kernel(torch.ones(1, dtype=torch.bfloat16)), []
@@ -118,17 +118,45 @@ def test_our_int8_gemv_serves_bf16_rows_and_rounds_as_torchs(monkeypatch):
     for n, k in ((200, 384), (333, 768), (64, 16)):
         qweight = torch.randint(-128, 128, (n, k), dtype=torch.int8)
         scales = (torch.rand(n) / 50).to(torch.bfloat16)
-        for m in range(1, int8.MAX_GEMV_ROWS + 1):
+        for m in range(1, int8.BF16_GEMV_ROWS + 1):
             x = torch.randn(m, k, dtype=torch.bfloat16)
             want = (x.double() @ qweight.double().T) * scales.double()
             got, theirs = int8.int8_linear(x, qweight, scales), torch._weight_int8pack_mm(x, qweight, scales)
             assert (got.double() - want).abs().max() <= (theirs.double() - want).abs().max() * 1.01 + 1e-3, (n, k, m)
-    assert calls == list(range(1, int8.MAX_GEMV_ROWS + 1)) * 3
+    assert calls == list(range(1, int8.BF16_GEMV_ROWS + 1)) * 3
     for k in (40, 200):  # any K (torch's GEMV needs K % 16 == 0): exact to bf16 rounding
         qweight, scales = torch.randint(-128, 128, (50, k), dtype=torch.int8), torch.rand(50).to(torch.bfloat16)
         x = torch.randn(3, k, dtype=torch.bfloat16)
         want = (x.double() @ qweight.double().T) * scales.double()
         assert rel_err(ext.int8_gemv(x, qweight, scales), want) < 4e-3
+
+
+@pytest.mark.skipif(int8._fused() is None or not int8._fused().VNNI, reason="no C++ toolchain or no avx512_vnni")
+def test_our_vnni_int8_matmul_is_exactly_torchs_int_mm_and_serves_the_dynamic_rows(monkeypatch):
+    """int8 x int8 -> int32 by our VNNI kernel equals torch._int_mm bit for bit at every tile shape (1-8 weight
+    rows x 1-4 x rows, N and K tails, extreme codes), and the dynamic int8 path runs it up to VNNI_MAX_ROWS."""
+    torch.manual_seed(0)
+    fused = int8._fused()
+    for m in (1, 2, 3, 4, 5, 7, 9, 16, 33, 64):
+        for n, k in ((1, 1), (5, 63), (37, 64), (64, 130), (203, 768), (9, 2048)):
+            x = torch.randint(-128, 128, (m, k), dtype=torch.int8)
+            w = torch.randint(-128, 128, (n, k), dtype=torch.int8)
+            want = x.int() @ w.int().T
+            assert torch.equal(fused.int8_mm_vnni(x, w), want), (m, n, k)
+            assert torch.equal(fused.int8_mm(x, w), want), (m, n, k)
+    x, w = torch.full((3, 300), -128, dtype=torch.int8), torch.full((11, 300), -128, dtype=torch.int8)
+    assert torch.equal(fused.int8_mm_vnni(x, w), torch.full((3, 11), 128 * 128 * 300, dtype=torch.int32))
+    calls, real = [], fused.int8_mm
+    spy = type("Spy", (), {"quantize_rows": staticmethod(fused.quantize_rows), "int8_rescale": staticmethod(fused.int8_rescale),
+                           "int8_mm": staticmethod(lambda x, w: calls.append(x.shape[0]) or real(x, w))})
+    monkeypatch.setattr(int8, "_fused", lambda: spy)
+    qweight, scales = torch.randint(-127, 128, (96, 256), dtype=torch.int8), (torch.rand(96) / 50).to(torch.bfloat16)
+    for m in (8, fused.VNNI_MAX_ROWS, fused.VNNI_MAX_ROWS + 1):
+        rows = torch.randn(m, 256, dtype=torch.bfloat16)
+        xq, row_scale = int8.quantize_rows(rows)
+        want = (torch._int_mm(xq, qweight.t()).float() * row_scale * scales.float()).to(torch.bfloat16)
+        assert torch.equal(int8.dynamic_int8_mm(rows, qweight, scales), want), m
+    assert calls == [8, fused.VNNI_MAX_ROWS, fused.VNNI_MAX_ROWS + 1]
 
 
 DIMS = dict(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1)

@@ -20,4 +20,22 @@ inline __m512 sluice_reduce16(const __m512* v) {
 }
 
 constexpr int sluice_lane_of(int i) { return (i % 4) * 4 + i / 4; }
+
+// The same tree for int32 lanes (the shuffles move bits only; the adds are integer, so the sums are exact).
+inline __m512i sluice_reduce16_epi32(const __m512i* v) {
+  auto f = [](__m512i a) { return _mm512_castsi512_ps(a); };
+  auto i = [](__m512 a) { return _mm512_castps_si512(a); };
+  __m512i s1[8], s2[4], s3[2];
+  for (int j = 0; j < 8; ++j)
+    s1[j] = _mm512_add_epi32(_mm512_shuffle_i32x4(v[2 * j], v[2 * j + 1], 0x44),
+                             _mm512_shuffle_i32x4(v[2 * j], v[2 * j + 1], 0xEE));
+  for (int j = 0; j < 4; ++j)
+    s2[j] = _mm512_add_epi32(_mm512_shuffle_i32x4(s1[2 * j], s1[2 * j + 1], 0x88),
+                             _mm512_shuffle_i32x4(s1[2 * j], s1[2 * j + 1], 0xDD));
+  for (int j = 0; j < 2; ++j)
+    s3[j] = _mm512_add_epi32(i(_mm512_shuffle_ps(f(s2[2 * j]), f(s2[2 * j + 1]), 0x44)),
+                             i(_mm512_shuffle_ps(f(s2[2 * j]), f(s2[2 * j + 1]), 0xEE)));
+  return _mm512_add_epi32(i(_mm512_shuffle_ps(f(s3[0]), f(s3[1]), 0x88)),
+                          i(_mm512_shuffle_ps(f(s3[0]), f(s3[1]), 0xDD)));
+}
 #endif

@@ -36,7 +36,7 @@ struct StackLinear {
       y = int8_gemv_op(x, weight, *scales);  // kernels.int8_weights' GEMV for bf16 (bf16_gemv.cpp)
     } else {
       const auto q = quantize_rows(x);
-      return int8_rescale(at::_int_mm(q[0], weight.t()), q[1], *scales, bias);
+      return int8_rescale(int8_mm(q[0], weight), q[1], *scales, bias);
     }
     return bias ? y + *bias : y;
   }
