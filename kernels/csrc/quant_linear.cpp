@@ -23,7 +23,7 @@
 #include <immintrin.h>
 #define SLUICE_AVX512_BF16 1
 #endif
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__BMI2__)
 #include <immintrin.h>
 #include "avx512_reduce.h"
 #define SLUICE_AVX512_VNNI 1
