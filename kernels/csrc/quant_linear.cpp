@@ -276,8 +276,7 @@ void vnni_mm(const int8_t* x, int64_t M, const int8_t* w, int64_t K, int64_t N, 
   at::parallel_for(0, (N + kVnniBlock - 1) / kVnniBlock, 1, [&](int64_t b0, int64_t b1) {
     const int64_t n0 = b0 * kVnniBlock, n1 = std::min(N, b1 * kVnniBlock);
     for (int64_t n = n0; n < n1; ++n) comp[n] = vnni_comp(w + n * K, K);
-    if (M == 1) vnni_rows<8>(xp, Kp, M, w, K, N, comp.data(), n0, n1, y);
-    else if (M == 2) vnni_rows<8>(xp, Kp, M, w, K, N, comp.data(), n0, n1, y);
+    if (M <= 2) vnni_rows<8>(xp, Kp, M, w, K, N, comp.data(), n0, n1, y);  // 8 x 1-2: more weight rows in flight
     else vnni_rows<4>(xp, Kp, M, w, K, N, comp.data(), n0, n1, y);
   });
 }
