@@ -54,10 +54,17 @@ def bf16_linear(weight: torch.Tensor, bias: torch.Tensor | None):
 
 
 def int4_linear(w: int4_weights.Int4Weight, bias: torch.Tensor | None):
-    """An int4 weight-only linear as a stack linear (`_weight_int4pack_mm_for_cpu`, as int4_weights.int4_linear
-    runs it), or None where that function takes another branch at some row count."""
+    """An int4 weight-only linear as a stack linear (the int8 x int4 VNNI product for our layout,
+    `_weight_int4pack_mm_for_cpu` for torch's, as int4_weights.int4_linear runs them), or None where that function
+    takes another branch at some row count."""
     ext = _ext()
-    if ext is None or not w.cpu_layout or any(int4_weights._use_tiles(r) for r in _row_counts(w.in_features)):
+    if ext is None:
+        return None
+    if w.layout == "vnni":
+        if int4_weights.vnni_kernel() is None or MAX_GEMV_ROWS > int4_weights.MAX_VNNI_ROWS or not _plain_bf16(bias):
+            return None
+        return ext.int4_vnni_linear(w.packed, w.scales_zeros, bias)
+    if w.layout != "int4pack" or any(int4_weights._use_tiles(r) for r in _row_counts(w.in_features)):
         return None
     return ext.int4_linear(w.packed, w.scales_zeros, bias, w.out_features, int4_weights.GROUP)
 

@@ -1,12 +1,17 @@
 """Weight-only 4-bit matmul: groups of 32 input columns share a scale and a zero (asymmetric, like q4_1).
 
-A weight w [out, in] is stored as codes q in 0..15 with w ~= (q - 8) * scale + zero per group, the layout of
-torch's int4 kernels. On CPU the codes are packed once by `_convert_weight_to_int4pack_for_cpu`. Up to
-`MAX_INT4PACK_ROWS` rows the matmul runs `_weight_int4pack_mm_for_cpu` (AVX-512, a quarter of the bf16 bytes:
-~3x a bf16 GEMV at one row), but it dequantizes again for every 4 rows and multiplies in fp32, so past that the
-C++ tile kernel (csrc/quant_linear.cpp) dequantizes each tile of output rows once, to the activations' dtype,
-and multiplies it with oneDNN. Elsewhere the codes stay two per byte and the matmul dequantizes (the reference
-every kernel is tested against).
+A weight w [out, in] is stored as codes q in 0..15 with w ~= (q - 8) * scale + zero per group, in one of three
+layouts (`Int4Weight.layout`):
+- "vnni", bf16 on a CPU with AVX512-VNNI (csrc/quant_linear.cpp): our layout, each row's codes in memory order,
+  two per byte so that one 64-byte load unpacks into four whole groups, scales/zeros per row [out, 2, groups].
+  Up to `MAX_VNNI_ROWS` rows the activations are quantized to int8 per group of 32 (absmax, as llama.cpp's
+  q8_0 against q4_0) and multiplied by `vpdpbusd` (`int4_vnni_mm`): at one row it streams the weights at the
+  memory's speed, 1.3-1.5x torch's int4pack GEMV, which multiplies in fp32. Past that (prefill) tiles of rows
+  are dequantized to bf16 and multiplied by oneDNN (`int4_vnni_tile_mm`).
+- "int4pack", other CPU dtypes (or no VNNI kernel): torch's `_convert_weight_to_int4pack_for_cpu` layout. Up to
+  `MAX_INT4PACK_ROWS` rows `_weight_int4pack_mm_for_cpu` runs, past that the C++ tile kernel dequantizes each
+  tile of output rows once, to the activations' dtype, and multiplies it with oneDNN.
+- "plain" elsewhere: two codes per byte, the matmul dequantizes (the reference every kernel is tested against).
 """
 
 from __future__ import annotations
@@ -22,19 +27,24 @@ from kernels import cpp_build
 GROUP = 32
 OUT_MULTIPLE = 16  # the CPU packer's requirement on out_features: other sizes are padded with zero rows
 MAX_INT4PACK_ROWS = 16  # measured (bf16, 2 threads, hidden 768 shapes): int4pack wins to 16 rows, the tiles from 32
+# measured over a 125M model's 49 linears (2 threads): the int8 x int4 products are 1.3-1.6x int4pack at 1-4 rows,
+# 1.2x at 8-16 and 1.1x our bf16 tiles at 16; the tiles win from ~24 rows (1.2x at 32, 1.4x at 64)
+MAX_VNNI_ROWS = 16
+CHUNK = 128  # our VNNI layout pads in_features to a multiple of this (code 0, scale and zero 0: adds nothing)
 TILE_BYTES = 4 << 20  # dequantized scratch per tile: fewer, larger at::mm calls beat L2-sized tiles here
 LAYOUTS = ((64, True), (32, True), (32, False))  # torch's int4pack (block rows, split) for AVX-512, AVX2, other
 
 
 @dataclass(slots=True)
 class Int4Weight:
-    """Packed codes (backend layout), scales/zeros [in / GROUP, out, 2] in the compute dtype, and the shape."""
+    """Packed codes and scales/zeros in one of the layouts (module docstring), and the shape. scales_zeros:
+    [in / GROUP, padded out, 2] in the compute dtype (int4pack, plain), bf16 [out, 2, padded in / GROUP] (vnni)."""
 
     packed: torch.Tensor
     scales_zeros: torch.Tensor
     out_features: int
     in_features: int
-    cpu_layout: bool
+    layout: str
 
 
 def shape_error(out_features: int, in_features: int) -> str | None:
@@ -55,25 +65,44 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, torch.stack([scale, zero], -1).transpose(0, 1).contiguous()
 
 
-def pack(weight: torch.Tensor, dtype: torch.dtype) -> Int4Weight:
-    """Quantize and pack a weight [out, in] for its device; scales/zeros in `dtype` (the activations' dtype)."""
+def layout_for(device: torch.device, dtype: torch.dtype) -> str:
+    """The layout `pack` stores weights of this device and compute dtype in."""
+    if device.type != "cpu":
+        return "plain"
+    return "vnni" if dtype is torch.bfloat16 and vnni_kernel() is not None else "int4pack"
+
+
+def pack(weight: torch.Tensor, dtype: torch.dtype, layout: str | None = None) -> Int4Weight:
+    """Quantize and pack a weight [out, in] for its device; scales/zeros in `dtype` (the activations' dtype);
+    `layout`: the device's own (`layout_for`) unless given."""
     n, k = weight.shape
     err = shape_error(n, k)
     assert err is None, err
     q, sz = quantize(weight)
     sz = sz.to(dtype)
-    if weight.device.type == "cpu":
+    layout = layout or layout_for(weight.device, dtype)
+    if layout == "vnni":
+        kp = -k // CHUNK * -CHUNK
+        # chunk c, byte 16 g + j: column 128 c + 32 g + j (low nibble) and 128 c + 32 g + 16 + j (high)
+        halves = F.pad(q, (0, kp - k)).view(n, kp // CHUNK, 4, 2, 16)
+        packed = (halves[..., 0, :] | (halves[..., 1, :] << 4)).to(torch.uint8).view(n, kp // 2)
+        return Int4Weight(packed, F.pad(sz.permute(1, 2, 0), (0, (kp - k) // GROUP)).contiguous(), n, k, layout)
+    if layout == "int4pack":
         pad = -n % OUT_MULTIPLE
         q, sz = F.pad(q, (0, 0, 0, pad), value=8), F.pad(sz, (0, 0, 0, pad))
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-        return Int4Weight(packed, sz, n, k, True)
+        return Int4Weight(packed, sz, n, k, layout)
     packed = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)
-    return Int4Weight(packed, sz, n, k, False)
+    return Int4Weight(packed, sz, n, k, layout)
 
 
 def codes(w: Int4Weight) -> torch.Tensor:
     """The codes [out, in] (int32) of a packed weight."""
-    if w.cpu_layout:
+    if w.layout == "vnni":
+        chunks = w.packed.view(w.out_features, -1, 4, 16)
+        halves = torch.stack([chunks & 15, chunks >> 4], -2)  # [out, chunks, 4 groups, 2 halves, 16]
+        return halves.reshape(w.out_features, -1)[:, : w.in_features].int()
+    if w.layout == "int4pack":
         eye = torch.eye(w.in_features, dtype=w.scales_zeros.dtype, device=w.packed.device)
         zeros = torch.zeros_like(w.scales_zeros)
         zeros[..., 0] = 1
@@ -83,14 +112,27 @@ def codes(w: Int4Weight) -> torch.Tensor:
     return torch.stack([lo, hi], -1).view(w.out_features, w.in_features).int()
 
 
+def scales_zeros(w: Int4Weight) -> torch.Tensor:
+    """Scales and zeros [in / GROUP, out, 2] (fp32) of a packed weight, whatever its layout."""
+    if w.layout == "vnni":
+        return w.scales_zeros[:, :, : w.in_features // GROUP].float().permute(2, 0, 1)
+    return w.scales_zeros[:, : w.out_features].float()
+
+
 def dequantize(w: Int4Weight, dtype: torch.dtype) -> torch.Tensor:
     """The weight [out, in] the codes stand for, in `dtype`."""
-    sz = w.scales_zeros[:, : w.out_features].float().repeat_interleave(GROUP, 0)  # [in, out, 2]
+    sz = scales_zeros(w).repeat_interleave(GROUP, 0)  # [in, out, 2]
     return ((codes(w).float() - 8) * sz[..., 0].t() + sz[..., 1].t()).to(dtype)
 
 
 def _tile_kernel():
     return cpp_build.load("sluice_quant_linear_cpu", "quant_linear.cpp") if cpp_build.enabled() else None
+
+
+def vnni_kernel():
+    """The C++ kernels when they have the int8 x int4 VNNI product (csrc/quant_linear.cpp), else None."""
+    kernel = _tile_kernel()
+    return kernel if kernel is not None and kernel.VNNI else None
 
 
 @functools.cache
@@ -112,10 +154,16 @@ def _use_tiles(rows: torch.Tensor) -> bool:
 def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] times the 4-bit weight (x's dtype), plus bias."""
     rows = x.reshape(-1, x.shape[-1])
-    if w.cpu_layout and _use_tiles(rows):
+    if w.layout == "vnni" and x.dtype is torch.bfloat16 and (kernel := _tile_kernel()) is not None:
+        if rows.shape[0] <= MAX_VNNI_ROWS:
+            y = kernel.int4_vnni_mm(rows.contiguous(), w.packed, w.scales_zeros, bias)
+        else:
+            y = kernel.int4_vnni_tile_mm(rows.contiguous(), w.packed, w.scales_zeros, bias, TILE_BYTES)
+        return y.view(*x.shape[:-1], w.out_features)
+    if w.layout == "int4pack" and _use_tiles(rows):
         y = _tile_kernel().int4_tile_mm(rows.contiguous(), w.packed, w.scales_zeros, GROUP, w.out_features,
                                         *cpu_layout(), TILE_BYTES)
-    elif w.cpu_layout:
+    elif w.layout == "int4pack":
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.contiguous(), w.packed, GROUP, w.scales_zeros)
         if y.shape[1] != w.out_features:
             y = y[:, : w.out_features].contiguous()

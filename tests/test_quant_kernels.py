@@ -1,6 +1,7 @@
-"""The C++ weight-only quantized kernels (int4 tile dequant + matmul, fused int8 activation quantization and
-rescale) against the dequantized-weight reference, their dispatch by row count, and the engine's greedy output
-with them against the torch paths they replace."""
+"""The C++ weight-only quantized kernels (int4: our int8 x int4 VNNI product and bf16 tiles, the tile dequant +
+matmul on torch's int4pack layout; fused int8 activation quantization and rescale) against the dequantized-weight
+reference, their dispatch by row count, and the engine's greedy output with them against the torch paths they
+replace."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 def test_the_tile_kernel_reads_every_int4pack_code_including_a_tail_block():
     torch.manual_seed(0)
     weight = torch.randn(200, 96)  # 200 rows: padded to 208, three blocks of 64 and a tail of 16
-    packed = int4.pack(weight, torch.bfloat16)
+    packed = int4.pack(weight, torch.bfloat16, "int4pack")
     q, _ = int4.quantize(weight)
     codes = int4._tile_kernel().int4_codes(packed.packed, 96, 208, *int4.cpu_layout())[:200] + 8
     assert torch.equal(codes, q)
@@ -43,7 +44,7 @@ def test_int4_tiles_match_the_dequantized_weight(monkeypatch, dtype, tol, with_b
     for out_features in (90, 200, 333):  # none a multiple of the tile or of the packer's 64-row block
         weight = torch.randn(out_features, 128)
         bias = torch.randn(out_features).to(dtype) if with_bias else None
-        packed = int4.pack(weight, dtype)
+        packed = int4.pack(weight, dtype, "int4pack")
         deq = int4.dequantize(packed, torch.float64)
         for m in ROWS:
             x = torch.randn(m, 128).to(dtype)
@@ -60,7 +61,7 @@ def test_int4_rows_past_the_threshold_take_the_tiles_and_agree_with_int4pack(mon
     spy = type("Spy", (), {"int4_tile_mm": staticmethod(lambda x, *a: tiles.append(x.shape[0]) or real(x, *a))})
     monkeypatch.setattr(int4, "_tile_kernel", lambda: spy)
     torch.manual_seed(0)
-    packed = int4.pack(torch.randn(256, 256), torch.bfloat16)
+    packed = int4.pack(torch.randn(256, 256), torch.bfloat16, "int4pack")
     limit = int4.MAX_INT4PACK_ROWS
     for m in (1, limit, limit + 1, 64):
         x = torch.randn(m, 256).bfloat16()
@@ -68,6 +69,69 @@ def test_int4_rows_past_the_threshold_take_the_tiles_and_agree_with_int4pack(mon
         pack_mm = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed.packed, int4.GROUP, packed.scales_zeros)
         assert rel_err(got, pack_mm.double()) < 1e-2
     assert tiles == [limit + 1, 64], "int4pack up to MAX_INT4PACK_ROWS rows, the tiles above"
+
+
+VNNI = int4.vnni_kernel() is not None
+needs_vnni = pytest.mark.skipif(not VNNI, reason="no C++ toolchain or no avx512_vnni")
+
+
+def w4a8_reference(x: torch.Tensor, w: int4.Int4Weight) -> torch.Tensor:
+    """What the int8 x int4 product stands for, in float64: x quantized per group of 32 (a = round(x / d),
+    d = absmax / 127), sum_g s_g d_g sum (q - 8) a + z_g sum x."""
+    m, k = x.shape
+    xg = x.float().view(m, k // int4.GROUP, int4.GROUP)
+    d = xg.abs().amax(-1) / 127
+    a = torch.where(d[..., None] > 0, xg / d[..., None], torch.zeros_like(xg)).round().double()
+    sz = int4.scales_zeros(w).double()  # [groups, out, 2]
+    q = (int4.codes(w).double() - 8).view(w.out_features, k // int4.GROUP, int4.GROUP)
+    dots = torch.einsum("mgk,ngk->mng", a, q) * d.double()[:, None, :]
+    return (dots * sz[..., 0].t()).sum(-1) + xg.double().sum(-1) @ sz[..., 1]
+
+
+@needs_vnni
+def test_bf16_int4_weights_take_our_vnni_layout_and_keep_every_code():
+    torch.manual_seed(0)
+    assert int4.layout_for(torch.device("cpu"), torch.bfloat16) == "vnni"
+    assert int4.layout_for(torch.device("cpu"), torch.float32) == "int4pack", "fp32 and fp16 stay on torch's"
+    for n, k in ((90, 128), (37, 160), (8, 2048)):  # 160: padded to 256 columns
+        weight = torch.randn(n, k)
+        packed = int4.pack(weight, torch.bfloat16)
+        assert packed.layout == "vnni" and packed.packed.shape == (n, -(-k // 128) * 64)
+        assert torch.equal(int4.codes(packed), int4.quantize(weight)[0])
+        plain = int4.pack(weight, torch.bfloat16, "plain")
+        assert torch.equal(int4.dequantize(packed, torch.float64), int4.dequantize(plain, torch.float64))
+
+
+@needs_vnni
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_our_int8_x_int4_product_is_the_w4a8_sum_and_close_to_the_dequantized_weight(monkeypatch, with_bias):
+    """Every tile shape (4 weight rows x 1-4 x rows, N tails), K tails (padded chunks) and an all-zero group: the
+    kernel computes the W4A8 sum to fp32 rounding (then one bf16 rounding), within 1% of the unquantized
+    activations' product; int4_linear runs it to MAX_VNNI_ROWS rows and the bf16 tiles above (a spy)."""
+    torch.manual_seed(0)
+    kernel, calls = int4.vnni_kernel(), []
+    spy = type("Spy", (), {
+        "VNNI": True,
+        "int4_vnni_mm": staticmethod(lambda x, *a: calls.append(("mm", x.shape[0])) or kernel.int4_vnni_mm(x, *a)),
+        "int4_vnni_tile_mm": staticmethod(
+            lambda x, *a: calls.append(("tiles", x.shape[0])) or kernel.int4_vnni_tile_mm(x, *a))})
+    monkeypatch.setattr(int4, "_tile_kernel", lambda: spy)
+    limit, expected = int4.MAX_VNNI_ROWS, []
+    for n, k in ((90, 128), (333, 96), (64, 768), (37, 160), (5, 2048)):
+        w = int4.pack(torch.randn(n, k), torch.bfloat16)
+        bias = torch.randn(n).bfloat16() if with_bias else None
+        b64 = bias.double() if with_bias else 0
+        deq = int4.dequantize(w, torch.float64)
+        for m in (1, 2, 3, 4, 5, 7, limit, limit + 1, 40):
+            x = torch.randn(m, k).bfloat16()
+            x[0, :32] = 0  # a group of zeros: scale 0, nothing added
+            got = int4.int4_linear(x, w, bias).double()
+            assert rel_err(got, x.double() @ deq.T + b64) < 1e-2, (n, k, m)
+            if m <= limit:
+                want = w4a8_reference(x, w) + b64
+                assert ((got - want).abs() <= want.abs() * 2**-8 + 1e-4).all(), (n, k, m)
+            expected.append(("mm" if m <= limit else "tiles", m))
+    assert calls == expected
 
 
 @needs_kernel
@@ -180,6 +244,7 @@ def test_int8_weight_only_greedy_output_is_unchanged_by_the_fused_kernels(checkp
 @needs_kernel
 def test_int4_weight_only_greedy_output_is_unchanged_by_the_tiles(checkpoint_factory, monkeypatch):
     path = checkpoint_factory("llama", **DIMS)
+    monkeypatch.setattr(int4, "layout_for", lambda device, dtype: "int4pack")  # torch's layout, not our VNNI one
     monkeypatch.setattr(int4, "MAX_INT4PACK_ROWS", 0)  # prefill and decode through the tiles
     tiles = greedy_tokens(path, "int4_weight_only")
     monkeypatch.setattr(int4, "MAX_INT4PACK_ROWS", 1 << 30)  # the int4pack kernel alone, as before the tiles

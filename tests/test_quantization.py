@@ -84,10 +84,13 @@ WEIGHT_ONLY = {  # method: (linear class, bytes per weight, logits error bound, 
 
 
 def stored(p: torch.nn.Module) -> tuple[int, int, int]:
-    """(bytes of weight codes, in_features, out_features) of a weight-only linear."""
+    """(bytes of weight codes, in_features, out_features) of a weight-only linear, int4's as padded by its layout
+    (ours: columns to 128; torch's int4pack: rows to 16)."""
     if isinstance(p, Int8WeightOnlyLinear):
         return p.qweight.numel(), p.qweight.shape[1], p.qweight.shape[0]
-    return p.packed.numel(), p.in_features, p.out_features
+    if p.layout == "vnni":
+        return p.packed.numel(), -(-p.in_features // 128) * 128, p.out_features
+    return p.packed.numel(), p.in_features, -(-p.out_features // 16) * 16
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -102,9 +105,8 @@ def test_weight_only_quantizes_every_linear_and_the_head(checkpoint_factory, tie
     assert not any(isinstance(m, torch.nn.Linear) for m in mods), "a linear was left unquantized"
     parts = [m for m in mods if isinstance(m, cls)]
     assert len(parts) == 4 * model.config.num_layers + 1
-    padded = lambda o: -(-o // 16) * 16 if per_weight < 1 else o  # noqa: E731 (int4 rows padded to 16)
     sizes = list(map(stored, parts))
-    assert all(n == per_weight * i * padded(o) for n, i, o in sizes), "int8: 1 byte per weight, int4: 0.5"
+    assert all(n == per_weight * i * o for n, i, o in sizes), "int8: 1 byte per weight, int4: 0.5"
     assert model.embed_tokens.weight.dtype == torch.bfloat16
     err = rel_err(llm.score(PROMPTS), reference.score(PROMPTS))
     print(f"{method} (tied={tied}): logits relative error vs bf16 {err:.4f}")

@@ -133,12 +133,12 @@ class Int4WeightOnlyLinear(nn.Module):
         w = int4_weights.pack(weight, dtype)
         self.register_buffer("packed", w.packed)
         self.register_buffer("scales_zeros", w.scales_zeros)
-        self.out_features, self.in_features, self.cpu_layout = w.out_features, w.in_features, w.cpu_layout
+        self.out_features, self.in_features, self.layout = w.out_features, w.in_features, w.layout
         self.bias = _bias(bias, dtype)
 
     def weight(self) -> int4_weights.Int4Weight:
         return int4_weights.Int4Weight(self.packed, self.scales_zeros, self.out_features, self.in_features,
-                                       self.cpu_layout)
+                                       self.layout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return int4_weights.int4_linear(x, self.weight(), self.bias)

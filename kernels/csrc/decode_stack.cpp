@@ -16,18 +16,19 @@
 #include <vector>
 
 // One linear, run by the op its Python module runs at the step's row count: our bf16 GEMV (kernels/linear.py),
-// torch's int4pack matmul (kernels/int4_weights.py), our int8 GEMV up to gemv_rows rows or else the fused
+// our int8 x int4 VNNI product or torch's int4pack matmul (kernels/int4_weights.py), our int8 GEMV up to gemv_rows rows or else the fused
 // dynamic int8 matmul (kernels/int8_weights.py). kernels/decode_stack.py makes one only where its module takes
 // exactly these branches at every row count the stack serves.
 struct StackLinear {
-  enum Kind { kBf16, kInt4, kInt8 } kind;
+  enum Kind { kBf16, kInt4, kInt4Vnni, kInt8 } kind;
   torch::Tensor weight;                 // bf16 [out, in]; int4: packed codes; int8: int8 [out, in]
-  std::optional<torch::Tensor> scales;  // int4: scales_zeros [in / group, padded out, 2]; int8: row scales [out]
+  std::optional<torch::Tensor> scales;  // int4: scales_zeros (int4pack or our layout); int8: row scales [out]
   std::optional<torch::Tensor> bias;
   int64_t out_features, group, gemv_rows;  // group: int4's; gemv_rows: int8's
 
   torch::Tensor operator()(const torch::Tensor& x) const {
     if (kind == kBf16) return bf16_gemv(x, weight, bias);
+    if (kind == kInt4Vnni) return int4_vnni_mm(x, weight, *scales, bias);
     torch::Tensor y;
     if (kind == kInt4) {
       y = at::_weight_int4pack_mm_for_cpu(x, weight, group, *scales);
@@ -109,6 +110,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        group, 0};
   }, "an int4pack linear", py::arg("packed"), py::arg("scales_zeros"), py::arg("bias"), py::arg("out_features"),
         py::arg("group"));
+  m.def("int4_vnni_linear", [](torch::Tensor packed, torch::Tensor scales_zeros, Bias bias) {
+    const int64_t n = packed.size(0);
+    return StackLinear{StackLinear::kInt4Vnni, std::move(packed), std::move(scales_zeros), std::move(bias), n, 0, 0};
+  }, "an int4 linear in our VNNI layout", py::arg("packed"), py::arg("scales_zeros"), py::arg("bias"));
   m.def("int8_linear", [](torch::Tensor qweight, torch::Tensor scales, Bias bias, int64_t gemv_rows) {
     const int64_t n = qweight.size(0);
     return StackLinear{StackLinear::kInt8, std::move(qweight), std::move(scales), std::move(bias), n, 0, gemv_rows};

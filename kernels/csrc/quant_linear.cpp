@@ -18,6 +18,7 @@
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -282,6 +283,141 @@ void vnni_mm(const int8_t* x, int64_t M, const int8_t* w, int64_t K, int64_t N, 
 }
 #endif
 
+#ifdef SLUICE_AVX512_VNNI
+// ---- int4 weights x int8 activations (W4A8) by VNNI --------------------------------------------------------
+// Our int4 layout (kernels/int4_weights.py `pack`, layout "vnni"): K padded to Kp, a multiple of 128, with
+// code 0 and scale/zero 0 (adds nothing). Row n's codes are Kp / 2 bytes, 64 per chunk of 128 columns; in chunk
+// c byte 16 g + j (g < 4) holds column 128 c + 32 g + j in its low nibble and 128 c + 32 g + 16 + j in its high,
+// so after `vpdpbusd` on the low and the high nibbles int32 lanes 4 g .. 4 g + 3 sum group 4 c + g only. Scales
+// and zeros are bf16 [N, 2, Kp / 32] (w = (q - 8) * s + z per group of 32). Activations are quantized per group
+// of 32 (x ~ d a, absmax / 127, as llama.cpp's q8_0): sum_k w x = sum_g s_g d_g (sum q a - 8 sum a) + z_g sum x.
+// (The - 8 sum a keeps the error that of the centred codes q - 8: summing q a alone would weigh the activations'
+// rounding by q, ~2.7x the error.)
+constexpr int64_t kW4Chunk = 128, kW4Group = 32;
+
+struct W4Acts {  // one activation row, quantized and laid out for the kernel
+  std::vector<int8_t> a;   // [Kp]: per chunk 64 bytes of low halves, then 64 of high halves
+  std::vector<float> d;    // [Kp / 128 * 16]: lane l of chunk c holds d of group 4 c + l / 4
+  std::vector<float> sum;  // [Kp / 32]: sum of the group's x (exact fp32, not the quantized values)
+  std::vector<float> off;  // [Kp / 32]: - 8 d sum a, the codes' offset against the quantized values
+};
+
+// x row [K] (bf16 bits) -> the quantized activations (groups past K: a = 0, d = 0, sum = 0).
+inline void w4_quantize_row(const uint16_t* x, int64_t K, int64_t Kp, int8_t* a, float* d, float* sum, float* off) {
+  std::memset(a, 0, Kp);
+  std::memset(d, 0, Kp / 8 * sizeof(float));
+  std::memset(sum, 0, Kp / 32 * sizeof(float));
+  std::memset(off, 0, Kp / 32 * sizeof(float));
+  for (int64_t g = 0; g < K / kW4Group; ++g) {
+    const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32 * g))), 16));
+    const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32 * g + 16))), 16));
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+    const float dg = amax / 127.f;
+    const int64_t c = g / 4, j = g % 4;
+    int8_t* at = a + c * kW4Chunk + 16 * j;
+    if (amax > 0.f) {
+      const __m512 dv = _mm512_set1_ps(dg);
+      const __m512i qlo = _mm512_cvtps_epi32(_mm512_div_ps(lo, dv)), qhi = _mm512_cvtps_epi32(_mm512_div_ps(hi, dv));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(at), _mm512_cvtepi32_epi8(qlo));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(at + 64), _mm512_cvtepi32_epi8(qhi));
+      off[g] = -8.f * dg * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi)));
+    }
+    for (int t = 0; t < 4; ++t) d[c * 16 + 4 * j + t] = dg;
+    sum[g] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+  }
+}
+
+// bf16 scales of chunk c (four groups) to fp32 lanes: lane l holds the scale of group 4 c + l / 4.
+inline __m512 w4_lane_scales(const uint16_t* s, int64_t c) {
+  const __m512i ctl = _mm512_set_epi8(7, 6, -1, -1, 7, 6, -1, -1, 7, 6, -1, -1, 7, 6, -1, -1,
+                                      5, 4, -1, -1, 5, 4, -1, -1, 5, 4, -1, -1, 5, 4, -1, -1,
+                                      3, 2, -1, -1, 3, 2, -1, -1, 3, 2, -1, -1, 3, 2, -1, -1,
+                                      1, 0, -1, -1, 1, 0, -1, -1, 1, 0, -1, -1, 1, 0, -1, -1);
+  int64_t four;
+  std::memcpy(&four, s + 4 * c, 8);
+  return _mm512_castsi512_ps(_mm512_shuffle_epi8(_mm512_set1_epi64(four), ctl));
+}
+
+inline __m512 w4_bf16x16(const uint16_t* p, __mmask16 mask) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
+}
+
+// W weight rows (codes `q`, row stride Kp / 2; scales/zeros `sz`, row stride 2 Gp) against R activation rows:
+// out[m * ldo + j] = the fp32 dot product. Rows one after another (memory order: one stream for the prefetcher),
+// each into its own R accumulators; the W x R sums are reduced at once at the end.
+template <int W, int R>
+inline void w4_tile(const W4Acts* acts, int64_t Kp, const uint8_t* q, const uint16_t* sz, float* out, int64_t ldo) {
+  static_assert(W * R <= 16, "one reduction tree");
+  const int64_t Gp = Kp / kW4Group, row = Kp / 2, chunks = Kp / kW4Chunk;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512 acc[16];
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+#pragma GCC unroll 16
+  for (int j = 0; j < W; ++j) {
+    const uint8_t* qj = q + j * row;
+    const uint16_t* sj = sz + j * 2 * Gp;
+    __m512 a[R];
+#pragma GCC unroll 16
+    for (int m = 0; m < R; ++m) a[m] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < chunks; ++c) {
+      const __m512i v = _mm512_loadu_si512(qj + c * 64);
+      const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      const __m512 s = w4_lane_scales(sj, c);
+#pragma GCC unroll 16
+      for (int m = 0; m < R; ++m) {
+        const int8_t* am = acts[m].a.data() + c * kW4Chunk;
+        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(am));
+        dot = _mm512_dpbusd_epi32(dot, hi, _mm512_loadu_si512(am + 64));
+        const __m512 ds = _mm512_mul_ps(s, _mm512_loadu_ps(acts[m].d.data() + c * 16));
+        a[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), ds, a[m]);
+      }
+    }
+    for (int64_t g = 0; g < Gp; g += 16) {  // per group: s * (- 8 d sum a) + z * sum x
+      const __mmask16 mask = static_cast<__mmask16>(_bzhi_u32(0xFFFF, static_cast<uint32_t>(std::min<int64_t>(16, Gp - g))));
+      const __m512 s = w4_bf16x16(sj + g, mask), z = w4_bf16x16(sj + Gp + g, mask);
+#pragma GCC unroll 16
+      for (int m = 0; m < R; ++m) {
+        const __m512 zx = _mm512_fmadd_ps(z, _mm512_maskz_loadu_ps(mask, acts[m].sum.data() + g), a[m]);
+        a[m] = _mm512_fmadd_ps(s, _mm512_maskz_loadu_ps(mask, acts[m].off.data() + g), zx);
+      }
+    }
+#pragma GCC unroll 16
+    for (int m = 0; m < R; ++m) acc[j * R + m] = a[m];
+  }
+  alignas(64) float sums[16];
+  _mm512_store_ps(sums, sluice_reduce16(acc));
+  for (int j = 0; j < W; ++j)
+    for (int m = 0; m < R; ++m) out[m * ldo + j] = sums[sluice_lane_of(j * R + m)];
+}
+
+constexpr int64_t kW4Block = 32;  // output rows per parallel task (a multiple of every W)
+
+template <int W>
+void w4_rows(const W4Acts* acts, int64_t M, int64_t Kp, const uint8_t* q, const uint16_t* sz, int64_t n0,
+             int64_t n1, float* y, int64_t N) {
+  constexpr int R = 16 / W > 4 ? 4 : 16 / W;
+  const int64_t row = Kp / 2, Gp = Kp / kW4Group;
+  int64_t n = n0;
+  for (; n + W <= n1; n += W) {
+    const uint8_t* qn = q + n * row;
+    const uint16_t* sn = sz + n * 2 * Gp;
+    int64_t m = 0;
+    for (; m + R <= M; m += R) w4_tile<W, R>(acts + m, Kp, qn, sn, y + m * N + n, N);
+    switch (M - m) {
+      case 1: w4_tile<W, 1>(acts + m, Kp, qn, sn, y + m * N + n, N); break;
+      case 2: if constexpr (R > 2) w4_tile<W, 2>(acts + m, Kp, qn, sn, y + m * N + n, N); break;
+      case 3: if constexpr (R > 3) w4_tile<W, 3>(acts + m, Kp, qn, sn, y + m * N + n, N); break;
+      default: break;
+    }
+  }
+  for (; n < n1; ++n)
+    for (int64_t m = 0; m < M; ++m) w4_tile<1, 1>(acts + m, Kp, q + n * row, sz + n * 2 * Gp, y + m * N + n, N);
+}
+#endif
+
 bool vnni_supported() {
 #ifdef SLUICE_AVX512_VNNI
   return true;
@@ -316,6 +452,123 @@ torch::Tensor int8_mm(const torch::Tensor& x, const torch::Tensor& w) {
   return at::_int_mm(x, w.t());
 }
 
+// x [M, K] (bf16) times an int4 weight in our VNNI layout (packed [N, Kp / 2] u8, scales_zeros bf16
+// [N, 2, Kp / 32]) + bias -> [M, N] bf16: activations quantized per group of 32, int8 x int4 products by
+// `vpdpbusd`, scales in fp32, one rounding to bf16 (bias added in fp32 before it).
+torch::Tensor int4_vnni_mm(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales_zeros,
+                           const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(vnni_supported(), "int4_vnni_mm: built without avx512_vnni");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.device().is_cpu(),
+              "int4_vnni_mm: x must be a contiguous CPU bf16 [M, K]");
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
+              "int4_vnni_mm: packed must be contiguous uint8 [N, Kp / 2]");
+  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0), Kp = packed.size(1) * 2;
+  TORCH_CHECK(K % 32 == 0 && Kp % 128 == 0 && Kp >= K && Kp < K + 128, "int4_vnni_mm: packed does not match x");
+  TORCH_CHECK(scales_zeros.scalar_type() == at::kBFloat16 && scales_zeros.is_contiguous() &&
+                  scales_zeros.sizes() == at::IntArrayRef({N, 2, Kp / 32}),
+              "int4_vnni_mm: scales_zeros must be contiguous bf16 [N, 2, Kp / 32]");
+  auto y = torch::empty({M, N}, x.options());
+#ifdef SLUICE_AVX512_VNNI
+  std::vector<W4Acts> acts(M);
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
+    for (int64_t m = b; m < e; ++m) {
+      acts[m].a.resize(Kp);
+      acts[m].d.resize(Kp / 8);
+      acts[m].sum.resize(Kp / 32);
+      acts[m].off.resize(Kp / 32);
+      w4_quantize_row(xp + m * K, K, Kp, acts[m].a.data(), acts[m].d.data(), acts[m].sum.data(), acts[m].off.data());
+    }
+  });
+  auto sums = torch::empty({M, N}, x.options().dtype(torch::kFloat32));
+  float* sp = sums.data_ptr<float>();
+  const uint8_t* q = packed.data_ptr<uint8_t>();
+  const uint16_t* sz = reinterpret_cast<const uint16_t*>(scales_zeros.data_ptr<at::BFloat16>());
+  at::parallel_for(0, (N + kW4Block - 1) / kW4Block, 1, [&](int64_t b0, int64_t b1) {
+    const int64_t n0 = b0 * kW4Block, n1 = std::min(N, b1 * kW4Block);
+    w4_rows<4>(acts.data(), M, Kp, q, sz, n0, n1, sp, N);  // 4 x 1-4 tiles: 8 or 16 rows measured no faster
+  });
+  if (bias.has_value()) sums.add_(bias->to(torch::kFloat32));
+  y.copy_(sums);
+#endif
+  return y;
+}
+
+#ifdef SLUICE_AVX512_VNNI
+// Weight rows [n0, n0 + rows) of our int4 layout dequantized to bf16 rows [rows, K] (w = (q - 8) s + z in fp32,
+// rounded once).
+void w4_dequant_rows(const uint8_t* q, const uint16_t* sz, int64_t K, int64_t Kp, int64_t n0, int64_t rows,
+                     uint16_t* out) {
+  const int64_t Gp = Kp / kW4Group, G = K / kW4Group;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* qr = q + (n0 + r) * (Kp / 2);
+    const uint16_t* sr = sz + (n0 + r) * 2 * Gp;
+    uint16_t* o = out + r * K;
+    for (int64_t c = 0; c * 4 < G; ++c) {
+      const __m512i v = _mm512_loadu_si512(qr + c * 64);
+      const __m512i halves[2] = {_mm512_and_si512(v, low4), _mm512_and_si512(_mm512_srli_epi16(v, 4), low4)};
+      for (int64_t g = 4 * c; g < std::min(G, 4 * c + 4); ++g) {
+        float sv, zv;
+        const uint32_t sb = static_cast<uint32_t>(sr[g]) << 16, zb = static_cast<uint32_t>(sr[Gp + g]) << 16;
+        std::memcpy(&sv, &sb, 4);
+        std::memcpy(&zv, &zb, 4);
+        const __m512 s = _mm512_set1_ps(sv), base = _mm512_set1_ps(zv - 8.f * sv);
+        alignas(64) uint8_t bytes[2][64];
+        _mm512_store_si512(bytes[0], halves[0]);
+        _mm512_store_si512(bytes[1], halves[1]);
+        for (int h = 0; h < 2; ++h) {
+          const __m512 codes = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+              _mm_load_si128(reinterpret_cast<const __m128i*>(bytes[h] + 16 * (g - 4 * c)))));
+          const __m512 w = _mm512_fmadd_ps(codes, s, base);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 32 * g + 16 * h), (__m256i)_mm512_cvtneps_pbh(w));
+        }
+      }
+    }
+  }
+}
+#endif
+
+// x [M, K] (bf16) times an int4 weight in our VNNI layout for many rows (prefill): each thread dequantizes
+// tiles of weight rows to bf16 (scratch of at most scratch_bytes, kept per thread) and multiplies them with
+// at::mm (oneDNN), whose bf16 GEMM outruns the int8 products once the rows are many.
+torch::Tensor int4_vnni_tile_mm(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales_zeros,
+                                const c10::optional<torch::Tensor>& bias, int64_t scratch_bytes) {
+  TORCH_CHECK(vnni_supported(), "int4_vnni_tile_mm: built without avx512_vnni");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.device().is_cpu(),
+              "int4_vnni_tile_mm: x must be a contiguous CPU bf16 [M, K]");
+  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0), Kp = packed.size(1) * 2;
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && K % 32 == 0 && Kp % 128 == 0 &&
+                  Kp >= K && Kp < K + 128, "int4_vnni_tile_mm: packed does not match x");
+  TORCH_CHECK(scales_zeros.scalar_type() == at::kBFloat16 && scales_zeros.is_contiguous() &&
+                  scales_zeros.sizes() == at::IntArrayRef({N, 2, Kp / 32}),
+              "int4_vnni_tile_mm: scales_zeros must be contiguous bf16 [N, 2, Kp / 32]");
+  auto y = torch::empty({M, N}, x.options());
+#ifdef SLUICE_AVX512_VNNI
+  const int64_t threads = at::get_num_threads();
+  const int64_t wanted = (N * K * 2 + scratch_bytes - 1) / scratch_bytes;
+  const int64_t tiles_wanted = std::max<int64_t>(1, std::min(N / 16, (wanted + threads - 1) / threads * threads));
+  const int64_t per_tile = (N + tiles_wanted - 1) / tiles_wanted, tiles = (N + per_tile - 1) / per_tile;
+  const uint8_t* q = packed.data_ptr<uint8_t>();
+  const uint16_t* sz = reinterpret_cast<const uint16_t*>(scales_zeros.data_ptr<at::BFloat16>());
+  const bool inference = c10::InferenceMode::is_enabled();  // worker threads do not inherit it
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    c10::InferenceMode guard(inference);
+    static thread_local std::vector<uint16_t> scratch;
+    if (scratch.size() < static_cast<size_t>(K * per_tile)) scratch.resize(K * per_tile);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * per_tile, rows = std::min(per_tile, N - n0);
+      w4_dequant_rows(q, sz, K, Kp, n0, rows, scratch.data());
+      auto w = torch::from_blob(scratch.data(), {rows, K}, x.options());
+      auto out = y.narrow(1, n0, rows);
+      at::mm_out(out, x, w.t());
+    }
+  });
+  if (bias.has_value()) y.add_(*bias);
+#endif
+  return y;
+}
+
 #ifndef SLUICE_NO_MODULE  // decode_stack.cpp includes this file for its functions
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_tile_mm", &int4_tile_mm, "x times an int4-packed weight, dequantized tile by tile (CPU)");
@@ -326,5 +579,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("VNNI_MAX_ROWS") = kVnniMaxRows;
   m.def("int8_mm", &int8_mm, "torch._int_mm(x, w.t()) for int8 x [M, K], w [N, K]: ours (VNNI) to VNNI_MAX_ROWS");
   m.def("int8_mm_vnni", &int8_mm_vnni, "torch._int_mm(x, w.t()) by our AVX512-VNNI kernel (CPU)");
+  m.def("int4_vnni_mm", &int4_vnni_mm, "x (bf16) times an int4 weight in our VNNI layout, activations int8 per 32",
+        py::arg("x"), py::arg("packed"), py::arg("scales_zeros"), py::arg("bias") = py::none());
+  m.def("int4_vnni_tile_mm", &int4_vnni_tile_mm, "x (bf16) times an int4 weight in our VNNI layout, dequantized "
+        "tile by tile to bf16 and multiplied by at::mm", py::arg("x"), py::arg("packed"), py::arg("scales_zeros"),
+        py::arg("bias"), py::arg("scratch_bytes"));
 }
 #endif
