@@ -72,6 +72,15 @@ def layout_for(device: torch.device, dtype: torch.dtype) -> str:
     return "vnni" if dtype is torch.bfloat16 and vnni_kernel() is not None else "int4pack"
 
 
+@functools.cache
+def kernel_order(padded_in: int) -> torch.Tensor:
+    """The groups in our VNNI layout's scale order (csrc/quant_linear.cpp `w4_pos`): per block of four chunks
+    (16 groups), position 4 g + c holds group 4 c + g; the chunks after the last whole block keep group order."""
+    groups, whole = padded_in // GROUP, padded_in // CHUNK // 4 * 16
+    block = torch.arange(16).view(4, 4).t().reshape(-1)  # position 4 g + c -> group 4 c + g
+    return torch.cat([block + b for b in range(0, whole, 16)] + [torch.arange(whole, groups)])
+
+
 def pack(weight: torch.Tensor, dtype: torch.dtype, layout: str | None = None) -> Int4Weight:
     """Quantize and pack a weight [out, in] for its device; scales/zeros in `dtype` (the activations' dtype);
     `layout`: the device's own (`layout_for`) unless given."""
@@ -86,7 +95,8 @@ def pack(weight: torch.Tensor, dtype: torch.dtype, layout: str | None = None) ->
         # chunk c, byte 16 g + j: column 128 c + 32 g + j (low nibble) and 128 c + 32 g + 16 + j (high)
         halves = F.pad(q, (0, kp - k)).view(n, kp // CHUNK, 4, 2, 16)
         packed = (halves[..., 0, :] | (halves[..., 1, :] << 4)).to(torch.uint8).view(n, kp // 2)
-        return Int4Weight(packed, F.pad(sz.permute(1, 2, 0), (0, (kp - k) // GROUP)).contiguous(), n, k, layout)
+        sz = F.pad(sz.permute(1, 2, 0), (0, (kp - k) // GROUP))[..., kernel_order(kp)].contiguous()
+        return Int4Weight(packed, sz, n, k, layout)
     if layout == "int4pack":
         pad = -n % OUT_MULTIPLE
         q, sz = F.pad(q, (0, 0, 0, pad), value=8), F.pad(sz, (0, 0, 0, pad))
@@ -115,7 +125,8 @@ def codes(w: Int4Weight) -> torch.Tensor:
 def scales_zeros(w: Int4Weight) -> torch.Tensor:
     """Scales and zeros [in / GROUP, out, 2] (fp32) of a packed weight, whatever its layout."""
     if w.layout == "vnni":
-        return w.scales_zeros[:, :, : w.in_features // GROUP].float().permute(2, 0, 1)
+        natural = torch.argsort(kernel_order(w.packed.shape[1] * 2))
+        return w.scales_zeros[:, :, natural[: w.in_features // GROUP]].float().permute(2, 0, 1)
     return w.scales_zeros[:, : w.out_features].float()
 
 

@@ -289,17 +289,26 @@ void vnni_mm(const int8_t* x, int64_t M, const int8_t* w, int64_t K, int64_t N, 
 // code 0 and scale/zero 0 (adds nothing). Row n's codes are Kp / 2 bytes, 64 per chunk of 128 columns; in chunk
 // c byte 16 g + j (g < 4) holds column 128 c + 32 g + j in its low nibble and 128 c + 32 g + 16 + j in its high,
 // so after `vpdpbusd` on the low and the high nibbles int32 lanes 4 g .. 4 g + 3 sum group 4 c + g only. Scales
-// and zeros are bf16 [N, 2, Kp / 32] (w = (q - 8) * s + z per group of 32). Activations are quantized per group
-// of 32 (x ~ d a, absmax / 127, as llama.cpp's q8_0): sum_k w x = sum_g s_g d_g (sum q a - 8 sum a) + z_g sum x.
-// (The - 8 sum a keeps the error that of the centred codes q - 8: summing q a alone would weigh the activations'
-// rounding by q, ~2.7x the error.)
+// and zeros are bf16 [N, 2, Kp / 32] (w = (q - 8) * s + z per group of 32), in the kernel's order (`w4_pos`):
+// per block of four chunks (16 groups) position 4 g + c holds group 4 c + g of the block, the order in which a
+// four-way transpose-add of the block's four int32 dot products leaves the 16 group sums; chunks past the last
+// whole block keep group order. Activations are quantized per group of 32 (x ~ d a, absmax / 127, as llama.cpp's
+// q8_0): sum_k w x = sum_g s_g d_g (sum q a - 8 sum a) + z_g sum x. (The - 8 sum a keeps the error that of the
+// centred codes q - 8: summing q a alone would weigh the activations' rounding by q, ~2.7x the error.)
 constexpr int64_t kW4Chunk = 128, kW4Group = 32;
 
-struct W4Acts {  // one activation row, quantized and laid out for the kernel
-  std::vector<int8_t> a;   // [Kp]: per chunk 64 bytes of low halves, then 64 of high halves
-  std::vector<float> d;    // [Kp / 128 * 16]: lane l of chunk c holds d of group 4 c + l / 4
-  std::vector<float> sum;  // [Kp / 32]: sum of the group's x (exact fp32, not the quantized values)
-  std::vector<float> off;  // [Kp / 32]: - 8 d sum a, the codes' offset against the quantized values
+// Position of group g among a row's scales when the first `block_chunks` chunks form whole blocks of four.
+inline int64_t w4_pos(int64_t g, int64_t block_chunks) {
+  const int64_t c = g / 4;
+  return c < block_chunks ? (c / 4) * 16 + (g % 4) * 4 + c % 4 : g;
+}
+
+struct W4Acts {  // one activation row, quantized and laid out for the kernel (in a per-thread scratch)
+  int8_t* a;   // [Kp]: per chunk 64 bytes of low halves, then 64 of high halves
+  float* d;    // [Kp / 128 * 16]: block b: d in the scales' order at 64 b; a chunk c after the blocks: 16 c + l
+               // holds d of group 4 c + l / 4
+  float* sum;  // [Kp / 32]: sum of the group's x (exact fp32, not the quantized values), the scales' order
+  float* off;  // [Kp / 32]: - 8 d sum a, the codes' offset against the quantized values, the scales' order
 };
 
 // x row [K] (bf16 bits) -> the quantized activations (groups past K: a = 0, d = 0, sum = 0).
@@ -308,7 +317,9 @@ inline void w4_quantize_row(const uint16_t* x, int64_t K, int64_t Kp, int8_t* a,
   std::memset(d, 0, Kp / 8 * sizeof(float));
   std::memset(sum, 0, Kp / 32 * sizeof(float));
   std::memset(off, 0, Kp / 32 * sizeof(float));
+  const int64_t block_chunks = Kp / kW4Chunk / 4 * 4;
   for (int64_t g = 0; g < K / kW4Group; ++g) {
+    const int64_t pos = w4_pos(g, block_chunks);
     const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(
         _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32 * g))), 16));
     const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(
@@ -322,10 +333,11 @@ inline void w4_quantize_row(const uint16_t* x, int64_t K, int64_t Kp, int8_t* a,
       const __m512i qlo = _mm512_cvtps_epi32(_mm512_div_ps(lo, dv)), qhi = _mm512_cvtps_epi32(_mm512_div_ps(hi, dv));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(at), _mm512_cvtepi32_epi8(qlo));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(at + 64), _mm512_cvtepi32_epi8(qhi));
-      off[g] = -8.f * dg * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi)));
+      off[pos] = -8.f * dg * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi)));
     }
-    for (int t = 0; t < 4; ++t) d[c * 16 + 4 * j + t] = dg;
-    sum[g] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+    if (c < block_chunks) d[(c / 4) * 64 + pos % 16] = dg;
+    else for (int t = 0; t < 4; ++t) d[c * 16 + 4 * j + t] = dg;
+    sum[pos] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
   }
 }
 
@@ -344,13 +356,22 @@ inline __m512 w4_bf16x16(const uint16_t* p, __mmask16 mask) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
 }
 
+// Four int32 vectors of a block's chunks (lane 4 g + p: part p of group g of the chunk) to the 16 group sums,
+// lane 4 g + c holding chunk c's group g.
+inline __m512i w4_transpose_add(const __m512i* d) {
+  const __m512i p = _mm512_add_epi32(_mm512_unpacklo_epi32(d[0], d[1]), _mm512_unpackhi_epi32(d[0], d[1]));
+  const __m512i q = _mm512_add_epi32(_mm512_unpacklo_epi32(d[2], d[3]), _mm512_unpackhi_epi32(d[2], d[3]));
+  return _mm512_add_epi32(_mm512_unpacklo_epi64(p, q), _mm512_unpackhi_epi64(p, q));
+}
+
 // W weight rows (codes `q`, row stride Kp / 2; scales/zeros `sz`, row stride 2 Gp) against R activation rows:
 // out[m * ldo + j] = the fp32 dot product. Rows one after another (memory order: one stream for the prefetcher),
 // each into its own R accumulators; the W x R sums are reduced at once at the end.
 template <int W, int R>
-inline void w4_tile(const W4Acts* acts, int64_t Kp, const uint8_t* q, const uint16_t* sz, float* out, int64_t ldo) {
+inline void w4_tile(const W4Acts* acts, int64_t Kp, const uint8_t* q, const uint16_t* sz, const at::BFloat16* bias,
+                    at::BFloat16* out, int64_t ldo) {
   static_assert(W * R <= 16, "one reduction tree");
-  const int64_t Gp = Kp / kW4Group, row = Kp / 2, chunks = Kp / kW4Chunk;
+  const int64_t Gp = Kp / kW4Group, row = Kp / 2, chunks = Kp / kW4Chunk, blocks = chunks / 4;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   __m512 acc[16];
 #pragma GCC unroll 16
@@ -362,16 +383,36 @@ inline void w4_tile(const W4Acts* acts, int64_t Kp, const uint8_t* q, const uint
     __m512 a[R];
 #pragma GCC unroll 16
     for (int m = 0; m < R; ++m) a[m] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < chunks; ++c) {
+    for (int64_t b = 0; b < blocks; ++b) {  // whole blocks: one conversion and scaling per 16 groups
+      __m512i dots[R][4];
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) {
+        const __m512i v = _mm512_loadu_si512(qj + (4 * b + c) * 64);
+        const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+#pragma GCC unroll 16
+        for (int m = 0; m < R; ++m) {
+          const int8_t* am = acts[m].a + (4 * b + c) * kW4Chunk;
+          const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(am));
+          dots[m][c] = _mm512_dpbusd_epi32(dot, hi, _mm512_loadu_si512(am + 64));
+        }
+      }
+      const __m512 s = w4_bf16x16(sj + 16 * b, 0xFFFF);
+#pragma GCC unroll 16
+      for (int m = 0; m < R; ++m) {
+        const __m512 ds = _mm512_mul_ps(s, _mm512_loadu_ps(acts[m].d + 64 * b));
+        a[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(w4_transpose_add(dots[m])), ds, a[m]);
+      }
+    }
+    for (int64_t c = 4 * blocks; c < chunks; ++c) {  // the chunks after them, one at a time
       const __m512i v = _mm512_loadu_si512(qj + c * 64);
       const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
       const __m512 s = w4_lane_scales(sj, c);
 #pragma GCC unroll 16
       for (int m = 0; m < R; ++m) {
-        const int8_t* am = acts[m].a.data() + c * kW4Chunk;
+        const int8_t* am = acts[m].a + c * kW4Chunk;
         __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(am));
         dot = _mm512_dpbusd_epi32(dot, hi, _mm512_loadu_si512(am + 64));
-        const __m512 ds = _mm512_mul_ps(s, _mm512_loadu_ps(acts[m].d.data() + c * 16));
+        const __m512 ds = _mm512_mul_ps(s, _mm512_loadu_ps(acts[m].d + c * 16));
         a[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), ds, a[m]);
       }
     }
@@ -380,8 +421,8 @@ inline void w4_tile(const W4Acts* acts, int64_t Kp, const uint8_t* q, const uint
       const __m512 s = w4_bf16x16(sj + g, mask), z = w4_bf16x16(sj + Gp + g, mask);
 #pragma GCC unroll 16
       for (int m = 0; m < R; ++m) {
-        const __m512 zx = _mm512_fmadd_ps(z, _mm512_maskz_loadu_ps(mask, acts[m].sum.data() + g), a[m]);
-        a[m] = _mm512_fmadd_ps(s, _mm512_maskz_loadu_ps(mask, acts[m].off.data() + g), zx);
+        const __m512 zx = _mm512_fmadd_ps(z, _mm512_maskz_loadu_ps(mask, acts[m].sum + g), a[m]);
+        a[m] = _mm512_fmadd_ps(s, _mm512_maskz_loadu_ps(mask, acts[m].off + g), zx);
       }
     }
 #pragma GCC unroll 16
@@ -389,32 +430,36 @@ inline void w4_tile(const W4Acts* acts, int64_t Kp, const uint8_t* q, const uint
   }
   alignas(64) float sums[16];
   _mm512_store_ps(sums, sluice_reduce16(acc));
-  for (int j = 0; j < W; ++j)
-    for (int m = 0; m < R; ++m) out[m * ldo + j] = sums[sluice_lane_of(j * R + m)];
+  for (int j = 0; j < W; ++j) {  // the bias in fp32, one rounding to bf16
+    const float b = bias != nullptr ? static_cast<float>(bias[j]) : 0.f;
+    for (int m = 0; m < R; ++m) out[m * ldo + j] = static_cast<at::BFloat16>(sums[sluice_lane_of(j * R + m)] + b);
+  }
 }
 
 constexpr int64_t kW4Block = 32;  // output rows per parallel task (a multiple of every W)
 
-template <int W>
-void w4_rows(const W4Acts* acts, int64_t M, int64_t Kp, const uint8_t* q, const uint16_t* sz, int64_t n0,
-             int64_t n1, float* y, int64_t N) {
-  constexpr int R = 16 / W > 4 ? 4 : 16 / W;
+// Output rows [n0, n1) of y [M, N]: tiles of 4 weight rows x 4 activation rows (8 or 16 weight rows at one or two
+// activation rows measured no faster), the last N % 4 rows one at a time.
+void w4_rows(const W4Acts* acts, int64_t M, int64_t Kp, const uint8_t* q, const uint16_t* sz,
+             const at::BFloat16* bias, int64_t n0, int64_t n1, at::BFloat16* y, int64_t N) {
   const int64_t row = Kp / 2, Gp = Kp / kW4Group;
   int64_t n = n0;
-  for (; n + W <= n1; n += W) {
+  for (; n + 4 <= n1; n += 4) {
     const uint8_t* qn = q + n * row;
     const uint16_t* sn = sz + n * 2 * Gp;
+    const at::BFloat16* bn = bias != nullptr ? bias + n : nullptr;
     int64_t m = 0;
-    for (; m + R <= M; m += R) w4_tile<W, R>(acts + m, Kp, qn, sn, y + m * N + n, N);
+    for (; m + 4 <= M; m += 4) w4_tile<4, 4>(acts + m, Kp, qn, sn, bn, y + m * N + n, N);
     switch (M - m) {
-      case 1: w4_tile<W, 1>(acts + m, Kp, qn, sn, y + m * N + n, N); break;
-      case 2: if constexpr (R > 2) w4_tile<W, 2>(acts + m, Kp, qn, sn, y + m * N + n, N); break;
-      case 3: if constexpr (R > 3) w4_tile<W, 3>(acts + m, Kp, qn, sn, y + m * N + n, N); break;
+      case 1: w4_tile<4, 1>(acts + m, Kp, qn, sn, bn, y + m * N + n, N); break;
+      case 2: w4_tile<4, 2>(acts + m, Kp, qn, sn, bn, y + m * N + n, N); break;
+      case 3: w4_tile<4, 3>(acts + m, Kp, qn, sn, bn, y + m * N + n, N); break;
       default: break;
     }
   }
   for (; n < n1; ++n)
-    for (int64_t m = 0; m < M; ++m) w4_tile<1, 1>(acts + m, Kp, q + n * row, sz + n * 2 * Gp, y + m * N + n, N);
+    for (int64_t m = 0; m < M; ++m)
+      w4_tile<1, 1>(acts + m, Kp, q + n * row, sz + n * 2 * Gp, bias != nullptr ? bias + n : nullptr, y + m * N + n, N);
 }
 #endif
 
@@ -469,27 +514,31 @@ torch::Tensor int4_vnni_mm(const torch::Tensor& x, const torch::Tensor& packed, 
               "int4_vnni_mm: scales_zeros must be contiguous bf16 [N, 2, Kp / 32]");
   auto y = torch::empty({M, N}, x.options());
 #ifdef SLUICE_AVX512_VNNI
-  std::vector<W4Acts> acts(M);
+  // the quantized activations in a scratch kept per thread (no allocation per call: a decode step makes ~50)
+  const int64_t Gp = Kp / 32, per_row = Kp + (Kp / 8 + 2 * Gp) * static_cast<int64_t>(sizeof(float));
+  static thread_local std::vector<float> scratch;  // floats: 4-byte aligned for every part
+  static thread_local std::vector<W4Acts> acts;
+  if (scratch.size() * sizeof(float) < static_cast<size_t>(M * per_row)) scratch.resize(M * per_row / sizeof(float) + 1);
+  acts.resize(M);
+  for (int64_t m = 0; m < M; ++m) {
+    char* base = reinterpret_cast<char*>(scratch.data()) + m * per_row;
+    float* f = reinterpret_cast<float*>(base + Kp);
+    acts[m] = W4Acts{reinterpret_cast<int8_t*>(base), f, f + Kp / 8, f + Kp / 8 + Gp};
+  }
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
-    for (int64_t m = b; m < e; ++m) {
-      acts[m].a.resize(Kp);
-      acts[m].d.resize(Kp / 8);
-      acts[m].sum.resize(Kp / 32);
-      acts[m].off.resize(Kp / 32);
-      w4_quantize_row(xp + m * K, K, Kp, acts[m].a.data(), acts[m].d.data(), acts[m].sum.data(), acts[m].off.data());
-    }
+  W4Acts* ap = acts.data();
+  at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {  // inline (no threads) up to 16 rows
+    for (int64_t m = b; m < e; ++m) w4_quantize_row(xp + m * K, K, Kp, ap[m].a, ap[m].d, ap[m].sum, ap[m].off);
   });
-  auto sums = torch::empty({M, N}, x.options().dtype(torch::kFloat32));
-  float* sp = sums.data_ptr<float>();
+  torch::Tensor b = bias.has_value() ? bias->contiguous().to(at::kBFloat16) : torch::Tensor();
+  TORCH_CHECK(!b.defined() || b.numel() == N, "int4_vnni_mm: bias must have N values");
+  const at::BFloat16* bp = b.defined() ? b.data_ptr<at::BFloat16>() : nullptr;
+  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
   const uint8_t* q = packed.data_ptr<uint8_t>();
   const uint16_t* sz = reinterpret_cast<const uint16_t*>(scales_zeros.data_ptr<at::BFloat16>());
   at::parallel_for(0, (N + kW4Block - 1) / kW4Block, 1, [&](int64_t b0, int64_t b1) {
-    const int64_t n0 = b0 * kW4Block, n1 = std::min(N, b1 * kW4Block);
-    w4_rows<4>(acts.data(), M, Kp, q, sz, n0, n1, sp, N);  // 4 x 1-4 tiles: 8 or 16 rows measured no faster
+    w4_rows(ap, M, Kp, q, sz, bp, b0 * kW4Block, std::min(N, b1 * kW4Block), yp, N);
   });
-  if (bias.has_value()) sums.add_(bias->to(torch::kFloat32));
-  y.copy_(sums);
 #endif
   return y;
 }
@@ -510,7 +559,8 @@ void w4_dequant_rows(const uint8_t* q, const uint16_t* sz, int64_t K, int64_t Kp
       const __m512i halves[2] = {_mm512_and_si512(v, low4), _mm512_and_si512(_mm512_srli_epi16(v, 4), low4)};
       for (int64_t g = 4 * c; g < std::min(G, 4 * c + 4); ++g) {
         float sv, zv;
-        const uint32_t sb = static_cast<uint32_t>(sr[g]) << 16, zb = static_cast<uint32_t>(sr[Gp + g]) << 16;
+        const int64_t pos = w4_pos(g, Kp / kW4Chunk / 4 * 4);
+        const uint32_t sb = static_cast<uint32_t>(sr[pos]) << 16, zb = static_cast<uint32_t>(sr[Gp + pos]) << 16;
         std::memcpy(&sv, &sb, 4);
         std::memcpy(&zv, &zb, 4);
         const __m512 s = _mm512_set1_ps(sv), base = _mm512_set1_ps(zv - 8.f * sv);
