@@ -6,7 +6,8 @@ Whole-run ratios (bench/llamacpp.py's best-of-rounds) swing by +-20% here when t
 runs. This one keeps every mode's engine loaded with the same B decoding sequences and alternates modes every
 `--steps` decode steps, `--blocks` times, so each mode sees the same host; it reports the median step. A second
 table times the int8 x int8 matmul of the dynamic int8 path, ours (AVX512-VNNI) against torch._int_mm, over
-the bench model's 48 decoder linears (weights out of cache, as in a decode step).
+the bench model's 48 decoder linears (weights out of cache, as in a decode step); a third the int4 linears, ours
+(int8 x int4 by VNNI on our layout) against torch's int4pack path.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from common import base_parser, bench_model, record, table
 from llamacpp import GEN, MODES, PROMPT, load
 
 from engine import SamplingParams
-from kernels import int8_weights
+from kernels import int4_weights, int8_weights
 
 LINEARS = [(1280, 768), (768, 768), (4096, 768), (768, 2048)] * 12  # qkv, o, gate_up, down of 12 layers
 
@@ -53,23 +54,45 @@ def int8_matmuls(rows: list[int]) -> list[list]:
     torch.manual_seed(0)
     weights = [torch.randint(-127, 128, s, dtype=torch.int8) for s in LINEARS]
 
-    def best(fn) -> float:
-        fn()
-        out = float("inf")
-        for _ in range(5):
-            t = time.perf_counter()
-            for _ in range(10):
-                fn()
-            out = min(out, (time.perf_counter() - t) / 10)
-        return out * 1e3
-
     table_rows = []
     for m in rows:
         xs = {k: torch.randint(-127, 128, (m, k), dtype=torch.int8) for k in (768, 2048)}
-        theirs = best(lambda xs=xs: [torch._int_mm(xs[w.shape[1]], w.t()) for w in weights])
-        ours = best(lambda xs=xs: [fused.int8_mm_vnni(xs[w.shape[1]], w) for w in weights])
+        theirs = _best(lambda xs=xs: [torch._int_mm(xs[w.shape[1]], w.t()) for w in weights])
+        ours = _best(lambda xs=xs: [fused.int8_mm_vnni(xs[w.shape[1]], w) for w in weights])
         table_rows.append([m, theirs, ours, theirs / ours])
     return table_rows
+
+
+def int4_matmuls(rows: list[int]) -> list[list]:
+    """ms for the model's 49 int4 linears (LM head included) at each row count: torch's int4pack path (its GEMV to
+    MAX_INT4PACK_ROWS rows, our tiles on its layout above), ours on our VNNI layout (the int8 x int4 product to
+    MAX_VNNI_ROWS rows, bf16 tiles above), ratio; [] without VNNI."""
+    if int4_weights.vnni_kernel() is None:
+        return []
+    torch.manual_seed(0)
+    shapes = [(n, k) for n, k in LINEARS] + [(32000, 768)]
+    dense = [torch.randn(s) * 0.02 for s in shapes]
+    layouts = {lay: [int4_weights.pack(w, torch.bfloat16, lay) for w in dense] for lay in ("int4pack", "vnni")}
+    del dense
+    table_rows = []
+    for m in rows:
+        xs = {k: torch.randn(m, k, dtype=torch.bfloat16) for k in (768, 2048)}
+        ms = {lay: _best(lambda ws=ws, xs=xs: [int4_weights.int4_linear(xs[w.in_features], w) for w in ws])
+              for lay, ws in layouts.items()}
+        table_rows.append([m, ms["int4pack"], ms["vnni"], ms["int4pack"] / ms["vnni"]])
+    return table_rows
+
+
+def _best(fn) -> float:
+    """Best ms of 5 x 10 calls."""
+    fn()
+    out = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        for _ in range(10):
+            fn()
+        out = min(out, (time.perf_counter() - t) / 10)
+    return out * 1e3
 
 
 def main() -> None:
@@ -99,6 +122,13 @@ def main() -> None:
         body += "\n\n" + table(["rows", "torch._int_mm ms", "ours (VNNI) ms", "ours ×"], matmuls) + (
             "\n\nThe int8 x int8 -> int32 matmuls of the dynamic int8 path over the model's 48 decoder linears "
             "(int8 weights, 42 MB, read from memory each pass), best of 5 x 10 passes; both give the same exact sums.")
+    matmuls = int4_matmuls([1, 2, 4, 8, 16, 32, 64])
+    if matmuls:
+        body += "\n\n" + table(["rows", "torch int4pack ms", "ours (VNNI layout) ms", "ours ×"], matmuls) + (
+            "\n\nThe int4 weight-only linears of the model, LM head included (49, 62 MB with scales and zeros), "
+            "best of 5 x 10 passes: torch's `_weight_int4pack_mm_for_cpu` to 16 rows and our tiles on its layout "
+            "above, against ours: activations quantized to int8 per group of 32 and multiplied by `vpdpbusd` to 16 "
+            "rows, above it weight blocks requantized to int8 per row times x quantized per row (VNNI).")
     record("Decode step by quantization mode (fine interleave)", body)
 
 

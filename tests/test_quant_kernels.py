@@ -105,19 +105,20 @@ def test_bf16_int4_weights_take_our_vnni_layout_and_keep_every_code():
 @needs_vnni
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_our_int8_x_int4_product_is_the_w4a8_sum_and_close_to_the_dequantized_weight(monkeypatch, with_bias):
-    """Every tile shape (4 weight rows x 1-4 x rows, N tails), K tails (padded chunks) and an all-zero group: the
-    kernel computes the W4A8 sum to fp32 rounding (then one bf16 rounding), within 1% of the unquantized
-    activations' product; int4_linear runs it to MAX_VNNI_ROWS rows and the bf16 tiles above (a spy)."""
+    """Every tile shape (4 weight rows x 1-4 x rows, N tails), K tails (padded chunks, partial blocks of four
+    chunks) and an all-zero group: the W4A8 kernel computes the W4A8 sum to fp32 rounding (then one bf16
+    rounding), within 1% of the unquantized activations' product; int4_linear runs it to MAX_VNNI_ROWS rows and the
+    product requantized to int8 per row above (within 2%; a spy)."""
     torch.manual_seed(0)
     kernel, calls = int4.vnni_kernel(), []
     spy = type("Spy", (), {
         "VNNI": True,
         "int4_vnni_mm": staticmethod(lambda x, *a: calls.append(("mm", x.shape[0])) or kernel.int4_vnni_mm(x, *a)),
-        "int4_vnni_tile_mm": staticmethod(
-            lambda x, *a: calls.append(("tiles", x.shape[0])) or kernel.int4_vnni_tile_mm(x, *a))})
+        "int4_vnni_int8_mm": staticmethod(
+            lambda x, *a: calls.append(("int8", x.shape[0])) or kernel.int4_vnni_int8_mm(x, *a))})
     monkeypatch.setattr(int4, "_tile_kernel", lambda: spy)
     limit, expected = int4.MAX_VNNI_ROWS, []
-    for n, k in ((90, 128), (333, 96), (64, 768), (37, 160), (5, 2048)):
+    for n, k in ((90, 128), (333, 96), (64, 768), (37, 160), (5, 2048), (6, 1536)):
         w = int4.pack(torch.randn(n, k), torch.bfloat16)
         bias = torch.randn(n).bfloat16() if with_bias else None
         b64 = bias.double() if with_bias else 0
@@ -126,11 +127,11 @@ def test_our_int8_x_int4_product_is_the_w4a8_sum_and_close_to_the_dequantized_we
             x = torch.randn(m, k).bfloat16()
             x[0, :32] = 0  # a group of zeros: scale 0, nothing added
             got = int4.int4_linear(x, w, bias).double()
-            assert rel_err(got, x.double() @ deq.T + b64) < 1e-2, (n, k, m)
+            assert rel_err(got, x.double() @ deq.T + b64) < (1e-2 if m <= limit else 2e-2), (n, k, m)
             if m <= limit:
                 want = w4a8_reference(x, w) + b64
                 assert ((got - want).abs() <= want.abs() * 2**-8 + 1e-4).all(), (n, k, m)
-            expected.append(("mm" if m <= limit else "tiles", m))
+            expected.append(("mm" if m <= limit else "int8", m))
     assert calls == expected
 
 
