@@ -544,49 +544,55 @@ torch::Tensor int4_vnni_mm(const torch::Tensor& x, const torch::Tensor& packed, 
 }
 
 #ifdef SLUICE_AVX512_VNNI
-// One weight row of our int4 layout dequantized (w = (q - 8) s + z in fp32): store(k, w) takes the 16 weights
-// of columns k .. k + 15.
-template <typename Store>
-inline void w4_dequant_row(const uint8_t* qr, const uint16_t* sr, int64_t K, int64_t Kp, Store store) {
-  const int64_t Gp = Kp / kW4Group, G = K / kW4Group;
+// Weight rows [n0, n0 + rows) of our int4 layout requantized to int8 rows [rows, K] with one absmax scale per
+// row (as the int8 weight-only linears store theirs), and each row's 128 x sum of codes (`vnni_comp`). A row's
+// absmax comes from its groups' ends, z - 8 s and z + 7 s (the codes 0 and 15, which `quantize` gives each
+// group's minimum and maximum), so every weight is dequantized and requantized in one fused step.
+void w4_requant_rows(const uint8_t* q, const uint16_t* sz, int64_t K, int64_t Kp, int64_t n0, int64_t rows,
+                     int8_t* out, float* scales, int32_t* comp) {
+  const int64_t Gp = Kp / kW4Group, G = K / kW4Group, block_chunks = Kp / kW4Chunk / 4 * 4;
+  auto bf16 = [](uint16_t h) {
+    const uint32_t bits = static_cast<uint32_t>(h) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+  };
   const __m512i low4 = _mm512_set1_epi8(0x0F);
-  for (int64_t c = 0; c * 4 < G; ++c) {
-    const __m512i v = _mm512_loadu_si512(qr + c * 64);
-    alignas(64) uint8_t bytes[2][64];
-    _mm512_store_si512(bytes[0], _mm512_and_si512(v, low4));
-    _mm512_store_si512(bytes[1], _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
-    for (int64_t g = 4 * c; g < std::min(G, 4 * c + 4); ++g) {
-      float sv, zv;
-      const int64_t pos = w4_pos(g, Kp / kW4Chunk / 4 * 4);
-      const uint32_t sb = static_cast<uint32_t>(sr[pos]) << 16, zb = static_cast<uint32_t>(sr[Gp + pos]) << 16;
-      std::memcpy(&sv, &sb, 4);
-      std::memcpy(&zv, &zb, 4);
-      const __m512 s = _mm512_set1_ps(sv), base = _mm512_set1_ps(zv - 8.f * sv);
-      for (int h = 0; h < 2; ++h) {
-        const __m512 codes = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-            _mm_load_si128(reinterpret_cast<const __m128i*>(bytes[h] + 16 * (g - 4 * c)))));
-        store(32 * g + 16 * h, _mm512_fmadd_ps(codes, s, base));
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* qr = q + (n0 + r) * (Kp / 2);
+    const uint16_t* sr = sz + (n0 + r) * 2 * Gp;
+    float amax = 0.f;
+    for (int64_t p = 0; p < Gp; ++p) {  // padded groups have s = z = 0
+      const float sv = bf16(sr[p]), base = bf16(sr[Gp + p]) - 8.f * sv;
+      amax = std::max({amax, std::abs(base), std::abs(std::fma(15.f, sv, base))});
+    }
+    const float scale = std::max(amax, 1e-30f) / 127.f, inv = 1.f / scale;
+    int8_t* o = out + r * K;
+    __m512i sum = _mm512_setzero_si512();
+    for (int64_t c = 0; c * 4 < G; ++c) {
+      const __m512i v = _mm512_loadu_si512(qr + c * 64);
+      const __m512i halves[2] = {_mm512_and_si512(v, low4), _mm512_and_si512(_mm512_srli_epi16(v, 4), low4)};
+      for (int64_t g = 4 * c; g < std::min(G, 4 * c + 4); ++g) {
+        const int64_t pos = w4_pos(g, block_chunks);
+        const float sv = bf16(sr[pos]), base = bf16(sr[Gp + pos]) - 8.f * sv;
+        const __m512 a = _mm512_set1_ps(sv * inv), b = _mm512_set1_ps(base * inv);
+        for (int h = 0; h < 2; ++h) {
+          __m128i lane;  // group g's 16 codes of this half: 128-bit lane g - 4 c
+          switch (g - 4 * c) {
+            case 0: lane = _mm512_extracti32x4_epi32(halves[h], 0); break;
+            case 1: lane = _mm512_extracti32x4_epi32(halves[h], 1); break;
+            case 2: lane = _mm512_extracti32x4_epi32(halves[h], 2); break;
+            default: lane = _mm512_extracti32x4_epi32(halves[h], 3); break;
+          }
+          const __m512 codes = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lane));
+          const __m512i w8 = _mm512_cvtps_epi32(_mm512_fmadd_ps(codes, a, b));
+          sum = _mm512_add_epi32(sum, w8);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 32 * g + 16 * h), _mm512_cvtepi32_epi8(w8));
+        }
       }
     }
-  }
-}
-
-// Weight rows [n0, n0 + rows) of our int4 layout requantized to int8 rows [rows, K] with one absmax scale per
-// row (as the int8 weight-only linears store theirs); `row` [K] is fp32 scratch.
-void w4_requant_rows(const uint8_t* q, const uint16_t* sz, int64_t K, int64_t Kp, int64_t n0, int64_t rows,
-                     float* row, int8_t* out, float* scales) {
-  for (int64_t r = 0; r < rows; ++r) {
-    __m512 amax = _mm512_setzero_ps();
-    w4_dequant_row(q + (n0 + r) * (Kp / 2), sz + (n0 + r) * 2 * (Kp / kW4Group), K, Kp, [&](int64_t k, __m512 w) {
-      _mm512_storeu_ps(row + k, w);
-      amax = _mm512_max_ps(amax, _mm512_abs_ps(w));
-    });
-    const float scale = std::max(_mm512_reduce_max_ps(amax), 1e-30f) / 127.f;
-    const __m512 inv = _mm512_set1_ps(1.f / scale);
-    for (int64_t k = 0; k < K; k += 16)
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + r * K + k),
-                       _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(row + k), inv))));
     scales[r] = scale;
+    comp[r] = 128 * _mm512_reduce_add_epi32(sum);
   }
 }
 #endif
@@ -626,17 +632,15 @@ torch::Tensor int4_vnni_int8_mm(const torch::Tensor& x, const torch::Tensor& pac
   const uint8_t* xup = xu.data();
   at::parallel_for(0, (N + kVnniBlock - 1) / kVnniBlock, 1, [&](int64_t b0, int64_t b1) {
     static thread_local std::vector<int8_t> w8;
-    static thread_local std::vector<float> row, wscale;
+    static thread_local std::vector<float> wscale;
     static thread_local std::vector<int32_t> comp, y32;
     w8.resize(kVnniBlock * K);
-    row.resize(K);
     wscale.resize(kVnniBlock);
     comp.resize(kVnniBlock);
     y32.resize(M * kVnniBlock);
     for (int64_t blk = b0; blk < b1; ++blk) {
       const int64_t n0 = blk * kVnniBlock, rows = std::min(kVnniBlock, N - n0);
-      w4_requant_rows(q, sz, K, Kp, n0, rows, row.data(), w8.data(), wscale.data());
-      for (int64_t j = 0; j < rows; ++j) comp[j] = vnni_comp(w8.data() + j * K, K);
+      w4_requant_rows(q, sz, K, Kp, n0, rows, w8.data(), wscale.data(), comp.data());
       vnni_rows<4>(xup, K64, M, w8.data(), K, rows, comp.data(), 0, rows, y32.data());
       for (int64_t m = 0; m < M; ++m)
         for (int64_t j = 0; j < rows; ++j) {
