@@ -147,6 +147,23 @@ torch::Tensor int4_codes(torch::Tensor packed, int64_t K, int64_t n_padded, int6
   return out;
 }
 
+#ifdef SLUICE_AVX512_VNNI
+// bf16 <-> fp32 for 16 lanes; the rounding is c10::BFloat16's (nearest even; the values here are never NaN).
+inline __m512 sluice_load_bf16(const at::BFloat16* p, __mmask16 mask) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
+}
+
+inline __m512i sluice_round_bf16(__m512 v) {  // the bf16 bits in the low half of each lane
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  return _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+}
+
+inline __mmask16 sluice_tail16(int64_t left) {
+  return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+}
+#endif
+
 // rows [M, K] -> (int8 codes [M, K], fp32 scales [M, 1]): absmax / 127 per row (at least 1e-12 / 127).
 std::vector<torch::Tensor> quantize_rows(torch::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x [M, K] must be contiguous");
@@ -155,6 +172,28 @@ std::vector<torch::Tensor> quantize_rows(torch::Tensor x) {
   auto scale = torch::empty({M, 1}, x.options().dtype(torch::kFloat32));
   int8_t* q = xq.data_ptr<int8_t>();
   float* s = scale.data_ptr<float>();
+#ifdef SLUICE_AVX512_VNNI
+  if (x.scalar_type() == at::kBFloat16) {  // the same operations 16 lanes at a time (division, round to even)
+    const at::BFloat16* src = x.data_ptr<at::BFloat16>();
+    at::parallel_for(0, M, std::max<int64_t>(1, at::internal::GRAIN_SIZE / K), [&](int64_t begin, int64_t end) {
+      for (int64_t m = begin; m < end; ++m) {
+        const at::BFloat16* xm = src + m * K;
+        __m512 amax = _mm512_setzero_ps();
+        for (int64_t k = 0; k < K; k += 16)
+          amax = _mm512_max_ps(amax, _mm512_abs_ps(sluice_load_bf16(xm + k, sluice_tail16(K - k))));
+        const float sc = std::max(_mm512_reduce_max_ps(amax), 1e-12f) / 127.f;
+        s[m] = sc;
+        const __m512 vs = _mm512_set1_ps(sc);
+        for (int64_t k = 0; k < K; k += 16) {
+          const __mmask16 mask = sluice_tail16(K - k);
+          const __m512i qv = _mm512_cvtps_epi32(_mm512_div_ps(sluice_load_bf16(xm + k, mask), vs));
+          _mm_mask_storeu_epi8(q + m * K + k, mask, _mm512_cvtepi32_epi8(qv));
+        }
+      }
+    });
+    return {xq, scale};
+  }
+#endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantize_rows", [&] {
     const scalar_t* src = x.data_ptr<scalar_t>();
     at::parallel_for(0, M, std::max<int64_t>(1, at::internal::GRAIN_SIZE / K), [&](int64_t begin, int64_t end) {
@@ -184,6 +223,31 @@ torch::Tensor int8_rescale(torch::Tensor acc, torch::Tensor row_scale, torch::Te
   auto y = torch::empty({M, N}, acc.options().dtype(col_scale.scalar_type()));
   auto rs = row_scale.contiguous();
   torch::Tensor b = bias.has_value() ? bias->contiguous().to(col_scale.scalar_type()) : torch::Tensor();
+#ifdef SLUICE_AVX512_VNNI
+  if (col_scale.scalar_type() == at::kBFloat16) {  // the same roundings 16 lanes at a time
+    const int32_t* a = acc.data_ptr<int32_t>();
+    const float* r = rs.data_ptr<float>();
+    const at::BFloat16* cs = col_scale.data_ptr<at::BFloat16>();
+    const at::BFloat16* bp = b.defined() ? b.data_ptr<at::BFloat16>() : nullptr;
+    at::BFloat16* out = y.data_ptr<at::BFloat16>();
+    at::parallel_for(0, M, std::max<int64_t>(1, at::internal::GRAIN_SIZE / N), [&](int64_t begin, int64_t end) {
+      for (int64_t m = begin; m < end; ++m) {
+        const __m512 rm = _mm512_set1_ps(r[m]);
+        for (int64_t n = 0; n < N; n += 16) {
+          const __mmask16 mask = sluice_tail16(N - n);
+          const __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(mask, a + m * N + n)),
+                                                       rm), sluice_load_bf16(cs + n, mask));
+          __m512i h = sluice_round_bf16(v);
+          if (bp != nullptr)
+            h = sluice_round_bf16(_mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(h, 16)),
+                                                sluice_load_bf16(bp + n, mask)));
+          _mm256_mask_storeu_epi16(out + m * N + n, mask, _mm512_cvtepi32_epi16(h));
+        }
+      }
+    });
+    return y;
+  }
+#endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, col_scale.scalar_type(), "int8_rescale", [&] {
     const int32_t* a = acc.data_ptr<int32_t>();
     const float* r = rs.data_ptr<float>();
@@ -267,11 +331,23 @@ void vnni_rows(const uint8_t* xu, int64_t ldx, int64_t M, const int8_t* w, int64
     for (int64_t m = 0; m < M; ++m) vnni_tile<1, 1>(xu + m * ldx, ldx, K, w + n * K, comp + n, y + m * N + n, N);
 }
 
+// Activation codes x [M, K] as the kernel reads them: + 128 as u8, rows Kp apart (K rounded up to 64), the
+// padding 0 (it meets weight lanes loaded as 0).
+std::vector<uint8_t> vnni_activations(const int8_t* x, int64_t M, int64_t K, int64_t Kp) {
+  std::vector<uint8_t> xu(M * Kp);
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < Kp; k += 64) {
+      const __mmask64 mask = k + 64 <= K ? ~0ULL : (k < K ? _bzhi_u64(~0ULL, K - k) : 0ULL);
+      _mm512_storeu_si512(xu.data() + m * Kp + k,
+                          _mm512_maskz_mov_epi8(mask, _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, x + m * K + k), flip)));
+    }
+  return xu;
+}
+
 void vnni_mm(const int8_t* x, int64_t M, const int8_t* w, int64_t K, int64_t N, int32_t* y) {
   const int64_t Kp = (K + 63) / 64 * 64;
-  std::vector<uint8_t> xu(M * Kp, 0);  // codes + 128 as u8; the padding meets weight lanes loaded as 0
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; ++k) xu[m * Kp + k] = static_cast<uint8_t>(x[m * K + k] ^ 0x80);
+  const std::vector<uint8_t> xu = vnni_activations(x, M, K, Kp);
   std::vector<int32_t> comp(N);
   const uint8_t* xp = xu.data();
   at::parallel_for(0, (N + kVnniBlock - 1) / kVnniBlock, 1, [&](int64_t b0, int64_t b1) {
@@ -569,27 +645,33 @@ void w4_requant_rows(const uint8_t* q, const uint16_t* sz, int64_t K, int64_t Kp
     const float scale = std::max(amax, 1e-30f) / 127.f, inv = 1.f / scale;
     int8_t* o = out + r * K;
     __m512i sum = _mm512_setzero_si512();
+    const __m512 qv = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i ones = _mm512_set1_epi8(1);
+    const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), second = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
     for (int64_t c = 0; c * 4 < G; ++c) {
-      const __m512i v = _mm512_loadu_si512(qr + c * 64);
-      const __m512i halves[2] = {_mm512_and_si512(v, low4), _mm512_and_si512(_mm512_srli_epi16(v, 4), low4)};
-      for (int64_t g = 4 * c; g < std::min(G, 4 * c + 4); ++g) {
-        const int64_t pos = w4_pos(g, block_chunks);
+      // each group's 16 possible weights, round((q s + z - 8 s) / scale) for q = 0..15, in its 128-bit lane:
+      // one byte shuffle per half chunk then requantizes 64 codes
+      __m128i tables[4];
+      for (int l = 0; l < 4; ++l) {
+        const int64_t g = std::min(4 * c + l, G - 1), pos = w4_pos(g, block_chunks);
         const float sv = bf16(sr[pos]), base = bf16(sr[Gp + pos]) - 8.f * sv;
-        const __m512 a = _mm512_set1_ps(sv * inv), b = _mm512_set1_ps(base * inv);
-        for (int h = 0; h < 2; ++h) {
-          __m128i lane;  // group g's 16 codes of this half: 128-bit lane g - 4 c
-          switch (g - 4 * c) {
-            case 0: lane = _mm512_extracti32x4_epi32(halves[h], 0); break;
-            case 1: lane = _mm512_extracti32x4_epi32(halves[h], 1); break;
-            case 2: lane = _mm512_extracti32x4_epi32(halves[h], 2); break;
-            default: lane = _mm512_extracti32x4_epi32(halves[h], 3); break;
-          }
-          const __m512 codes = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lane));
-          const __m512i w8 = _mm512_cvtps_epi32(_mm512_fmadd_ps(codes, a, b));
-          sum = _mm512_add_epi32(sum, w8);
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 32 * g + 16 * h), _mm512_cvtepi32_epi8(w8));
-        }
+        tables[l] = _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(
+            _mm512_fmadd_ps(qv, _mm512_set1_ps(sv * inv), _mm512_set1_ps(base * inv))));
       }
+      const __m512i lut = _mm512_inserti32x4(_mm512_inserti32x4(_mm512_inserti32x4(
+          _mm512_castsi128_si512(tables[0]), tables[1], 1), tables[2], 2), tables[3], 3);
+      const __m512i v = _mm512_loadu_si512(qr + c * 64);
+      const __m512i lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(v, low4));
+      const __m512i hi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
+      // group l's 32 columns are its low half's lane l, then its high half's
+      const __m512i a = _mm512_permutex2var_epi64(lo, first, hi), b = _mm512_permutex2var_epi64(lo, second, hi);
+      const int64_t left = K - 128 * c;  // a multiple of 32
+      const __mmask64 ma = left >= 64 ? ~0ULL : _bzhi_u64(~0ULL, left);
+      const __mmask64 mb = left >= 128 ? ~0ULL : (left > 64 ? _bzhi_u64(~0ULL, left - 64) : 0ULL);
+      _mm512_mask_storeu_epi8(o + 128 * c, ma, a);
+      _mm512_mask_storeu_epi8(o + 128 * c + 64, mb, b);
+      sum = _mm512_dpbusd_epi32(sum, ones, _mm512_maskz_mov_epi8(ma, a));
+      sum = _mm512_dpbusd_epi32(sum, ones, _mm512_maskz_mov_epi8(mb, b));
     }
     scales[r] = scale;
     comp[r] = 128 * _mm512_reduce_add_epi32(sum);
@@ -620,9 +702,7 @@ torch::Tensor int4_vnni_int8_mm(const torch::Tensor& x, const torch::Tensor& pac
   const int8_t* xc = xq[0].data_ptr<int8_t>();
   const float* xs = xq[1].data_ptr<float>();
   const int64_t K64 = (K + 63) / 64 * 64;
-  std::vector<uint8_t> xu(M * K64, 0);  // codes + 128 as u8; the padding meets weight lanes loaded as 0
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; ++k) xu[m * K64 + k] = static_cast<uint8_t>(xc[m * K + k] ^ 0x80);
+  const std::vector<uint8_t> xu = vnni_activations(xc, M, K, K64);
   torch::Tensor b = bias.has_value() ? bias->contiguous().to(torch::kFloat32) : torch::Tensor();
   TORCH_CHECK(!b.defined() || b.numel() == N, "int4_vnni_int8_mm: bias must have N values");
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
@@ -643,9 +723,12 @@ torch::Tensor int4_vnni_int8_mm(const torch::Tensor& x, const torch::Tensor& pac
       w4_requant_rows(q, sz, K, Kp, n0, rows, w8.data(), wscale.data(), comp.data());
       vnni_rows<4>(xup, K64, M, w8.data(), K, rows, comp.data(), 0, rows, y32.data());
       for (int64_t m = 0; m < M; ++m)
-        for (int64_t j = 0; j < rows; ++j) {
-          const float v = static_cast<float>(y32[m * rows + j]) * xs[m] * wscale[j];
-          yp[m * N + n0 + j] = static_cast<at::BFloat16>(bp != nullptr ? v + bp[n0 + j] : v);
+        for (int64_t j = 0; j < rows; j += 16) {  // y32 x row scale x weight scale (+ bias), one rounding
+          const __mmask16 mask = sluice_tail16(rows - j);
+          __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(mask, &y32[m * rows + j])),
+                                                 _mm512_set1_ps(xs[m])), _mm512_maskz_loadu_ps(mask, &wscale[j]));
+          if (bp != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bp + n0 + j));
+          _mm256_mask_storeu_epi16(yp + m * N + n0 + j, mask, _mm512_cvtepi32_epi16(sluice_round_bf16(v)));
         }
     }
   });
