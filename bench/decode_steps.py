@@ -121,7 +121,7 @@ def main() -> None:
     if matmuls:
         body += "\n\n" + table(["rows", "torch._int_mm ms", "ours (VNNI) ms", "ours ×"], matmuls) + (
             "\n\nThe int8 x int8 -> int32 matmuls of the dynamic int8 path over the model's 48 decoder linears "
-            "(int8 weights, 42 MB, read from memory each pass), best of 5 x 10 passes; both give the same exact sums.")
+            "(int8 weights, 75 MB, read from memory each pass), best of 5 x 10 passes; both give the same exact sums.")
     matmuls = int4_matmuls([1, 2, 4, 8, 16, 32, 64])
     if matmuls:
         body += "\n\n" + table(["rows", "torch int4pack ms", "ours (VNNI layout) ms", "ours ×"], matmuls) + (
