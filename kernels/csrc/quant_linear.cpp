@@ -148,9 +148,17 @@ torch::Tensor int4_codes(torch::Tensor packed, int64_t K, int64_t n_padded, int6
 }
 
 #ifdef SLUICE_AVX512_VNNI
-// bf16 <-> fp32 for 16 lanes; the rounding is c10::BFloat16's (nearest even; the values here are never NaN).
-inline __m512 sluice_load_bf16(const at::BFloat16* p, __mmask16 mask) {
+// bf16 <-> fp32 for 16 lanes (p: bf16 values); the rounding is c10::BFloat16's (nearest even; the values here are
+// never NaN).
+inline __m512 sluice_load_bf16(const void* p, __mmask16 mask = 0xFFFF) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
+}
+
+inline float sluice_bf16_to_float(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
 }
 
 inline __m512i sluice_round_bf16(__m512 v) {  // the bf16 bits in the low half of each lane
@@ -396,10 +404,7 @@ inline void w4_quantize_row(const uint16_t* x, int64_t K, int64_t Kp, int8_t* a,
   const int64_t block_chunks = Kp / kW4Chunk / 4 * 4;
   for (int64_t g = 0; g < K / kW4Group; ++g) {
     const int64_t pos = w4_pos(g, block_chunks);
-    const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32 * g))), 16));
-    const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32 * g + 16))), 16));
+    const __m512 lo = sluice_load_bf16(x + 32 * g), hi = sluice_load_bf16(x + 32 * g + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
     const float dg = amax / 127.f;
     const int64_t c = g / 4, j = g % 4;
@@ -426,10 +431,6 @@ inline __m512 w4_lane_scales(const uint16_t* s, int64_t c) {
   int64_t four;
   std::memcpy(&four, s + 4 * c, 8);
   return _mm512_castsi512_ps(_mm512_shuffle_epi8(_mm512_set1_epi64(four), ctl));
-}
-
-inline __m512 w4_bf16x16(const uint16_t* p, __mmask16 mask) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
 }
 
 // Four int32 vectors of a block's chunks (lane 4 g + p: part p of group g of the chunk) to the 16 group sums,
@@ -472,7 +473,7 @@ inline void w4_tile(const W4Acts* acts, int64_t Kp, const uint8_t* q, const uint
           dots[m][c] = _mm512_dpbusd_epi32(dot, hi, _mm512_loadu_si512(am + 64));
         }
       }
-      const __m512 s = w4_bf16x16(sj + 16 * b, 0xFFFF);
+      const __m512 s = sluice_load_bf16(sj + 16 * b);
 #pragma GCC unroll 16
       for (int m = 0; m < R; ++m) {
         const __m512 ds = _mm512_mul_ps(s, _mm512_loadu_ps(acts[m].d + 64 * b));
@@ -494,7 +495,7 @@ inline void w4_tile(const W4Acts* acts, int64_t Kp, const uint8_t* q, const uint
     }
     for (int64_t g = 0; g < Gp; g += 16) {  // per group: s * (- 8 d sum a) + z * sum x
       const __mmask16 mask = static_cast<__mmask16>(_bzhi_u32(0xFFFF, static_cast<uint32_t>(std::min<int64_t>(16, Gp - g))));
-      const __m512 s = w4_bf16x16(sj + g, mask), z = w4_bf16x16(sj + Gp + g, mask);
+      const __m512 s = sluice_load_bf16(sj + g, mask), z = sluice_load_bf16(sj + Gp + g, mask);
 #pragma GCC unroll 16
       for (int m = 0; m < R; ++m) {
         const __m512 zx = _mm512_fmadd_ps(z, _mm512_maskz_loadu_ps(mask, acts[m].sum + g), a[m]);
@@ -573,21 +574,29 @@ torch::Tensor int8_mm(const torch::Tensor& x, const torch::Tensor& w) {
   return at::_int_mm(x, w.t());
 }
 
+// The arguments of both int4 VNNI-layout products: x contiguous CPU bf16 [M, K], packed uint8 [N, Kp / 2] with
+// Kp the next multiple of 128 from K, scales_zeros bf16 [N, 2, Kp / 32].
+void check_w4_args(const char* name, const torch::Tensor& x, const torch::Tensor& packed,
+                   const torch::Tensor& scales_zeros) {
+  TORCH_CHECK(vnni_supported(), name, ": built without avx512_vnni");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.device().is_cpu(), name,
+              ": x must be a contiguous CPU bf16 [M, K]");
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous(), name,
+              ": packed must be contiguous uint8 [N, Kp / 2]");
+  const int64_t K = x.size(1), N = packed.size(0), Kp = packed.size(1) * 2;
+  TORCH_CHECK(K % 32 == 0 && Kp % 128 == 0 && Kp >= K && Kp < K + 128, name, ": packed does not match x");
+  TORCH_CHECK(scales_zeros.scalar_type() == at::kBFloat16 && scales_zeros.is_contiguous() &&
+                  scales_zeros.sizes() == at::IntArrayRef({N, 2, Kp / 32}),
+              name, ": scales_zeros must be contiguous bf16 [N, 2, Kp / 32]");
+}
+
 // x [M, K] (bf16) times an int4 weight in our VNNI layout (packed [N, Kp / 2] u8, scales_zeros bf16
 // [N, 2, Kp / 32]) + bias -> [M, N] bf16: activations quantized per group of 32, int8 x int4 products by
 // `vpdpbusd`, scales in fp32, one rounding to bf16 (bias added in fp32 before it).
 torch::Tensor int4_vnni_mm(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales_zeros,
                            const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(vnni_supported(), "int4_vnni_mm: built without avx512_vnni");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.device().is_cpu(),
-              "int4_vnni_mm: x must be a contiguous CPU bf16 [M, K]");
-  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
-              "int4_vnni_mm: packed must be contiguous uint8 [N, Kp / 2]");
+  check_w4_args("int4_vnni_mm", x, packed, scales_zeros);
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0), Kp = packed.size(1) * 2;
-  TORCH_CHECK(K % 32 == 0 && Kp % 128 == 0 && Kp >= K && Kp < K + 128, "int4_vnni_mm: packed does not match x");
-  TORCH_CHECK(scales_zeros.scalar_type() == at::kBFloat16 && scales_zeros.is_contiguous() &&
-                  scales_zeros.sizes() == at::IntArrayRef({N, 2, Kp / 32}),
-              "int4_vnni_mm: scales_zeros must be contiguous bf16 [N, 2, Kp / 32]");
   auto y = torch::empty({M, N}, x.options());
 #ifdef SLUICE_AVX512_VNNI
   // the quantized activations in a scratch kept per thread (no allocation per call: a decode step makes ~50)
@@ -627,19 +636,13 @@ torch::Tensor int4_vnni_mm(const torch::Tensor& x, const torch::Tensor& packed, 
 void w4_requant_rows(const uint8_t* q, const uint16_t* sz, int64_t K, int64_t Kp, int64_t n0, int64_t rows,
                      int8_t* out, float* scales, int32_t* comp) {
   const int64_t Gp = Kp / kW4Group, G = K / kW4Group, block_chunks = Kp / kW4Chunk / 4 * 4;
-  auto bf16 = [](uint16_t h) {
-    const uint32_t bits = static_cast<uint32_t>(h) << 16;
-    float f;
-    std::memcpy(&f, &bits, 4);
-    return f;
-  };
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   for (int64_t r = 0; r < rows; ++r) {
     const uint8_t* qr = q + (n0 + r) * (Kp / 2);
     const uint16_t* sr = sz + (n0 + r) * 2 * Gp;
     float amax = 0.f;
     for (int64_t p = 0; p < Gp; ++p) {  // padded groups have s = z = 0
-      const float sv = bf16(sr[p]), base = bf16(sr[Gp + p]) - 8.f * sv;
+      const float sv = sluice_bf16_to_float(sr[p]), base = sluice_bf16_to_float(sr[Gp + p]) - 8.f * sv;
       amax = std::max({amax, std::abs(base), std::abs(std::fma(15.f, sv, base))});
     }
     const float scale = std::max(amax, 1e-30f) / 127.f, inv = 1.f / scale;
@@ -654,7 +657,7 @@ void w4_requant_rows(const uint8_t* q, const uint16_t* sz, int64_t K, int64_t Kp
       __m128i tables[4];
       for (int l = 0; l < 4; ++l) {
         const int64_t g = std::min(4 * c + l, G - 1), pos = w4_pos(g, block_chunks);
-        const float sv = bf16(sr[pos]), base = bf16(sr[Gp + pos]) - 8.f * sv;
+        const float sv = sluice_bf16_to_float(sr[pos]), base = sluice_bf16_to_float(sr[Gp + pos]) - 8.f * sv;
         tables[l] = _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(
             _mm512_fmadd_ps(qv, _mm512_set1_ps(sv * inv), _mm512_set1_ps(base * inv))));
       }
@@ -687,15 +690,8 @@ void w4_requant_rows(const uint8_t* q, const uint16_t* sz, int64_t K, int64_t Kp
 // measured over a 125M model's linears, 1.3-1.6x dequantizing to bf16 for oneDNN at 24-512 rows.
 torch::Tensor int4_vnni_int8_mm(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales_zeros,
                                 const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(vnni_supported(), "int4_vnni_int8_mm: built without avx512_vnni");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.device().is_cpu(),
-              "int4_vnni_int8_mm: x must be a contiguous CPU bf16 [M, K]");
+  check_w4_args("int4_vnni_int8_mm", x, packed, scales_zeros);
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0), Kp = packed.size(1) * 2;
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && K % 32 == 0 && Kp % 128 == 0 &&
-                  Kp >= K && Kp < K + 128, "int4_vnni_int8_mm: packed does not match x");
-  TORCH_CHECK(scales_zeros.scalar_type() == at::kBFloat16 && scales_zeros.is_contiguous() &&
-                  scales_zeros.sizes() == at::IntArrayRef({N, 2, Kp / 32}),
-              "int4_vnni_int8_mm: scales_zeros must be contiguous bf16 [N, 2, Kp / 32]");
   auto y = torch::empty({M, N}, x.options());
 #ifdef SLUICE_AVX512_VNNI
   const auto xq = quantize_rows(x);
