@@ -116,15 +116,10 @@ class ModelRunner:
                                   self.model.config.num_kv_heads)
             rows.logits = self.model(*inputs[:2], self.kv_caches, *inputs[2:])
             return rows
-        else:
-            slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)
-            meta = kernels.build_metadata(batch.num_new_tokens, context_lens, tables, slot_mapping, bs, dev,
-                                          fused=self.fused)
-        rows.logits = self.model(
-            torch.tensor(ids, dtype=torch.long, device=dev),
-            torch.tensor(positions, dtype=torch.long, device=dev),
-            self.kv_caches,
-            meta,
-            torch.tensor(logit_idx, dtype=torch.long, device=dev),
-        )
+        # ids, positions and slots in one host-to-tensor copy; no logits index where every row is wanted (decode)
+        flat = torch.tensor([ids, positions, slots], dtype=torch.long, device=dev)
+        meta = kernels.build_metadata(batch.num_new_tokens, context_lens, tables, flat[2], bs, dev, fused=self.fused)
+        every_row = len(logit_idx) == len(ids) and logit_idx == list(range(len(ids)))
+        rows.logits = self.model(flat[0], flat[1], self.kv_caches, meta,
+                                 None if every_row else torch.tensor(logit_idx, dtype=torch.long, device=dev))
         return rows

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from engine.request import Request
+from kernels.elementwise import argmax
 
 MASK32 = 0xFFFFFFFF
 GOLDEN = 0x9E3779B9
@@ -101,7 +102,7 @@ def sample_probs(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     probs = _filter(logits.float(), reqs).softmax(-1)
     if any(r.params.greedy for r in reqs):
         greedy = device_tensor([r.params.greedy for r in reqs], torch.bool, logits.device)
-        onehot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        onehot = torch.zeros_like(probs).scatter_(-1, argmax(logits)[:, None], 1.0)
         probs = torch.where(greedy[:, None], onehot, probs)
     return probs
 
@@ -111,16 +112,16 @@ def draw(probs: torch.Tensor, reqs: list[Request], generator: torch.Generator,
     """One token per row from `probs` via the exponential race (argmax of p / E), for the token at `positions`
     (default: each request's next one); `stream` separates draws at one position (target, draft, ...)."""
     noise = keyed_noise(reqs, probs.shape[-1], probs.device, generator, positions, stream)
-    return (probs / noise).argmax(-1)
+    return argmax(probs / noise)
 
 
 def sample(logits: torch.Tensor, reqs: list[Request], generator: torch.Generator) -> torch.Tensor:
     """Sampled token ids [len(reqs)] from logits [len(reqs), vocab]."""
     if all(r.params.greedy for r in reqs):
-        return logits.max(-1).indices
+        return argmax(logits)
     tokens = draw(sample_probs(logits, reqs), reqs, generator)
     greedy = device_tensor([r.params.greedy for r in reqs], torch.bool, logits.device)
-    return torch.where(greedy, logits.argmax(-1), tokens)
+    return torch.where(greedy, argmax(logits), tokens)
 
 
 def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor, n: int) -> list[dict[int, float]]:

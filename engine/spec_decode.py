@@ -19,6 +19,7 @@ from engine.quantization import linear_hook
 from engine.request import Request
 from engine.sampler import DRAFT_STREAM, draw, sample_probs
 from engine.scheduler import ScheduledBatch
+from kernels.elementwise import argmax
 
 
 class Proposer:
@@ -142,7 +143,7 @@ class DraftProposer(Proposer):
                 positions: list[int]) -> tuple[list[int], torch.Tensor | None]:
         """Draft tokens and, unless every row is greedy, the distributions they were drawn from."""
         if all(r.params.greedy for r in reqs):
-            return logits.max(-1).indices.tolist(), None
+            return argmax(logits).tolist(), None
         q = sample_probs(logits, reqs)
         return draw(q, reqs, self.generator, positions, stream=DRAFT_STREAM).tolist(), q
 

@@ -11,6 +11,7 @@ import torch
 
 from engine.request import Request
 from engine.sampler import device_tensor, draw, keyed_uniforms, sample_probs
+from kernels.elementwise import argmax
 
 
 @dataclass(slots=True)
@@ -52,7 +53,7 @@ def verify(reqs: list[Request], logits: list[torch.Tensor], generator: torch.Gen
     proposals while they are the argmax; the others run rejection sampling vectorized over every row."""
     greedy = [i for i, r in enumerate(reqs) if r.params.greedy]
     sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
-    parts = [torch.cat([logits[i] for i in greedy]).argmax(-1)] if greedy else []
+    parts = [argmax(torch.cat([logits[i] for i in greedy]))] if greedy else []
     if sampled:
         parts += _rejection_tensors([reqs[i] for i in sampled], [logits[i] for i in sampled], generator)
     flat = iter(torch.cat(parts).tolist())

@@ -80,12 +80,11 @@ def build_metadata(
 
 
 def _fused_args(idx, starts, query_lens, context_lens, block_tables) -> tuple[torch.Tensor, ...]:
+    """(query starts, query lens, contexts, block tables zero-padded to the widest): two host-to-tensor copies."""
     width = max(len(block_tables[i]) for i in idx)
-    tables = torch.zeros(len(idx), width, dtype=torch.long)
-    for r, i in enumerate(idx):
-        tables[r, : len(block_tables[i])] = torch.tensor(block_tables[i], dtype=torch.long)
-    pick = lambda xs: torch.tensor([xs[i] for i in idx], dtype=torch.long)  # noqa: E731
-    return pick(starts), pick(query_lens), pick(context_lens), tables
+    tables = torch.tensor([block_tables[i] + [0] * (width - len(block_tables[i])) for i in idx], dtype=torch.long)
+    per_seq = torch.tensor([[xs[i] for i in idx] for xs in (starts, query_lens, context_lens)], dtype=torch.long)
+    return per_seq[0], per_seq[1], per_seq[2], tables
 
 
 def _short_group(idx, starts, query_lens, context_lens, block_tables, block_size, device) -> ShortGroup:

@@ -1,4 +1,5 @@
-"""The fused CPU rope and SwiGLU kernels round exactly like the torch ops (and HF) they replace."""
+"""The fused CPU rope and SwiGLU kernels round exactly like the torch ops (and HF) they replace; the argmax picks
+the index torch does."""
 
 from __future__ import annotations
 
@@ -74,3 +75,43 @@ def test_store_kv_writes_the_slots_index_copy_writes(dtype, tokens):
     with pytest.raises(RuntimeError, match="slot out of range"):
         elementwise.store_kv(*fresh, k, v, torch.full_like(slots, blocks * block))
     assert not elementwise.store_kv(*fresh, k.to(torch.float16), v, slots)  # mixed dtypes: the torch path
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("rows", "width"), [(1, 32000), (9, 151936), (3, 17), (2, 1)])
+def test_argmax_is_torch_max_indices(dtype, rows, width):
+    """Random rows, then the cases a wrong reduction gets wrong: ties (the first wins), the maximum in a masked
+    tail, -inf rows, +-0, +inf and NaN (the first NaN wins, as torch.max propagates it)."""
+    torch.manual_seed(width + rows)
+    x = torch.randn(rows, width).to(dtype)
+    assert torch.equal(elementwise._ext().argmax_rows(x), x.max(-1).indices)
+    if width < 17:
+        return
+    nan, inf = float("nan"), float("inf")
+    x = torch.randn(8, width).to(dtype)
+    x[0, [3, width - 1]] = 50  # a tie: the first
+    x[1, width - 1] = 50  # in the last (masked) vector
+    x[2] = -inf
+    x[3] = -1.0
+    x[3, 5], x[3, 9] = -0.0, 0.0  # +0 and -0 compare equal: the first of the zeros
+    x[4, [2, 7]] = inf
+    x[5, [4, width - 2]] = nan  # NaN beats everything, the first one
+    x[6, width - 1] = nan
+    x[7, 0] = nan
+    assert torch.equal(elementwise._ext().argmax_rows(x), x.max(-1).indices)
+    assert torch.equal(elementwise.argmax(x[:, ::2]), x[:, ::2].max(-1).indices)  # strided: torch's path
+
+
+def test_rope_tables_cast_once_give_the_rows_cast_per_step():
+    """The CPU rotary tables are cast to the step's dtype once: the same values as casting the gathered fp32
+    rows, for each dtype asked in turn, and rebuilt when the fp32 tables are replaced (module.to())."""
+    from engine.models.rope import RotaryEmbedding
+
+    rope = RotaryEmbedding(64, 512, {"rope_theta": 10000.0, "rope_type": "default"})
+    positions = torch.tensor([0, 7, 511, 300, 7])
+    for dtype in (torch.bfloat16, torch.float16, torch.bfloat16):
+        cos, sin = rope.cos_sin(positions, dtype)
+        assert cos.dtype == dtype and cos.shape == (5, 1, 64)
+        assert torch.equal(cos, rope.cos[positions].to(dtype)[:, None]) and torch.equal(sin, rope.sin[positions].to(dtype)[:, None])
+    rope.cos, rope.sin = rope.cos * 2, rope.sin * 2
+    assert torch.equal(rope.cos_sin(positions, torch.bfloat16)[0], rope.cos[positions].bfloat16()[:, None])

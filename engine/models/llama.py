@@ -195,7 +195,7 @@ class LlamaModel(nn.Module):
         self._stack: decode_stack.DecodeStack | None = None
 
     def forward(self, input_ids, positions, kv_caches, meta, logits_indices) -> torch.Tensor:
-        """Logits [len(logits_indices), vocab] for the selected flat positions."""
+        """Logits [len(logits_indices), vocab] for the selected flat positions (None: every position, in order)."""
         x, delta = self.embed_tokens(input_ids), None
         cos_sin = self.rope.cos_sin(positions, x.dtype)
         stack = self._decode_stack(kv_caches) if decode_stack.step_fits(x, meta) else None
@@ -204,7 +204,9 @@ class LlamaModel(nn.Module):
         else:
             for layer, cache in zip(self.layers, kv_caches, strict=True):
                 x, delta = layer(x, delta, cos_sin, cache, meta)
-        x = self.norm.add(x[logits_indices], delta[logits_indices])[1]
+        if logits_indices is not None:
+            x, delta = x[logits_indices], delta[logits_indices]
+        x = self.norm.add(x, delta)[1]
         if self.lm_head is None:
             return linear(x, self.embed_tokens.weight)
         return self.lm_head(x)
