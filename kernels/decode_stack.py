@@ -29,9 +29,10 @@ def available() -> bool:
     return _ext() is not None
 
 
-def step_fits(x: torch.Tensor, meta) -> bool:
-    """Whether a step with hidden states x [T, hidden] can run on a stack (a few attribute tests: every step)."""
-    return (x.dtype is torch.bfloat16 and 1 <= x.shape[0] <= MAX_GEMV_ROWS and x.device.type == "cpu"
+def step_fits(ids: torch.Tensor, dtype: torch.dtype, meta) -> bool:
+    """Whether a step of token ids [T] with activations in `dtype` can run on a stack (a few attribute tests:
+    every step)."""
+    return (dtype is torch.bfloat16 and 1 <= ids.shape[0] <= MAX_GEMV_ROWS and ids.device.type == "cpu"
             and type(meta) is AttentionMetadata and meta.fused_short is not None and not meta.short_groups
             and not meta.long_seqs and not torch.is_grad_enabled())
 
@@ -87,23 +88,35 @@ def int8_linear(qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor 
 
 
 def build(layers: list[list], num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
-          scale: float) -> DecodeStack | None:
+          scale: float, head: tuple | None = None) -> DecodeStack | None:
     """A stack over per-layer [input norm, qkv, o, post-attention norm, gate_up, down, k cache, v cache], the
     linears as this module's stack linears, or None where the kernels do not build or a norm or cache is not a
-    contiguous CPU bf16 tensor."""
+    contiguous CPU bf16 tensor. `head` (embedding weight, final norm weight, LM head as a stack linear or None)
+    gives it `logits`, where both weights are contiguous CPU bf16 and the LM head stacks."""
     ext = _ext()
     if ext is None or not all(_plain_bf16(layer[i]) for layer in layers for i in (0, 3, 6, 7)):
         return None
-    return DecodeStack(ext.DecodeStack(layers, num_heads, num_kv_heads, head_dim, eps, scale))
+    stack = ext.DecodeStack(layers, num_heads, num_kv_heads, head_dim, eps, scale)
+    with_head = head is not None and head[2] is not None and _plain_bf16(head[0]) and _plain_bf16(head[1])
+    if with_head:
+        stack.set_head(*head)
+    return DecodeStack(stack, with_head)
 
 
 class DecodeStack:
     """The C++ stack, holding the layers' weights and caches (later writes to them are seen, not copies)."""
 
-    __slots__ = ("_stack",)
+    __slots__ = ("_stack", "has_head")
 
-    def __init__(self, stack) -> None:
-        self._stack = stack
+    def __init__(self, stack, has_head: bool = False) -> None:
+        self._stack, self.has_head = stack, has_head
+
+    def logits(self, ids: torch.Tensor, positions: torch.Tensor, rope_tables: tuple[torch.Tensor, torch.Tensor],
+               meta: AttentionMetadata) -> torch.Tensor:
+        """Logits [T, vocab] of every token of a step that `step_fits` (the stack has a head): the embedding, the
+        layers, the final norm and the LM head as LlamaModel.forward runs them; rope_tables: cos and sin
+        [positions, D] in bf16."""
+        return self._stack.logits(ids, positions, *rope_tables, meta.slot_mapping, *meta.fused_short)
 
     def run(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
             meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

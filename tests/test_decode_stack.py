@@ -19,25 +19,31 @@ WIDE = dict(hidden_size=128, intermediate_size=192)  # head_dim 32: the bf16 att
 
 @pytest.fixture
 def stack_calls(monkeypatch) -> list[int]:
-    """The token count of every step that ran on a stack."""
+    """The token count of every step that ran on a stack (its layers only, or with the model's ends: `logits`)."""
     calls = []
-    real = decode_stack.DecodeStack.run
+    run, logits = decode_stack.DecodeStack.run, decode_stack.DecodeStack.logits
 
-    def spy(self, x, cos_sin, meta):
+    def spy_run(self, x, cos_sin, meta):
         calls.append(x.shape[0])
-        return real(self, x, cos_sin, meta)
+        return run(self, x, cos_sin, meta)
 
-    monkeypatch.setattr(decode_stack.DecodeStack, "run", spy)
+    def spy_logits(self, ids, positions, tables, meta):
+        calls.append(ids.shape[0])
+        return logits(self, ids, positions, tables, meta)
+
+    monkeypatch.setattr(decode_stack.DecodeStack, "run", spy_run)
+    monkeypatch.setattr(decode_stack.DecodeStack, "logits", spy_logits)
     return calls
 
 
 def python_layers(monkeypatch) -> None:
-    monkeypatch.setattr(decode_stack, "step_fits", lambda x, meta: False)
+    monkeypatch.setattr(decode_stack, "step_fits", lambda ids, dtype, meta: False)
 
 
-def step(llm: LLM, query_lens: list[int], seed: int = 0) -> torch.Tensor:
-    """Logits of every token of one step straight through the model: sequences with these query lengths over
-    random contexts of up to 60 earlier positions, in randomly placed blocks of the pool."""
+def step(llm: LLM, query_lens: list[int], seed: int = 0, rows: list[int] | None = None) -> torch.Tensor:
+    """Logits of every token of one step straight through the model (or of the listed rows: logits_indices):
+    sequences with these query lengths over random contexts of up to 60 earlier positions, in randomly placed
+    blocks of the pool."""
     g = torch.Generator().manual_seed(seed)
     runner, bs = llm.engine.runner, llm.engine.runner.block_size
     perm = torch.randperm(runner.kv_caches[0].k.shape[1], generator=g).tolist()
@@ -51,7 +57,8 @@ def step(llm: LLM, query_lens: list[int], seed: int = 0) -> torch.Tensor:
     meta = build_metadata(query_lens, contexts, tables, torch.tensor(slots), bs, torch.device("cpu"), fused=True)
     ids = torch.randint(4, llm.engine.model_config.vocab_size, (len(slots),), generator=g)
     with torch.inference_mode():
-        return runner.model(ids, torch.tensor(positions), runner.kv_caches, meta, torch.arange(len(slots)))
+        return runner.model(ids, torch.tensor(positions), runner.kv_caches, meta,
+                            None if rows is None else torch.tensor(rows))
 
 
 def test_stack_builds_where_the_gemv_does():
@@ -94,6 +101,32 @@ def test_logits_and_kv_writes_are_bitwise_the_layers(checkpoint_factory, monkeyp
     assert stack_calls == [sum(query_lens)]
     assert torch.equal(stacked, reference)
     assert all(torch.equal(c.k, k) and torch.equal(c.v, v) for c, (k, v) in zip(caches, after, strict=True))
+
+
+@pytest.mark.parametrize(("model", "tied"), [("llama-gqa", False), ("llama-gqa", True), ("int4-llama", False),
+                                             ("int8-llama", True)])
+def test_model_ends_run_on_the_stack_where_every_row_is_wanted(checkpoint_factory, monkeypatch, model, tied):
+    """Every row wanted (decode, verify): the embedding, final norm and LM head (tied or its own, quantized or
+    not) run inside the stack's `logits`, bitwise what the stack's layers plus the Python ends give; a subset of
+    rows keeps the Python ends."""
+    arch, overrides, quantization = MODELS[model]
+    llm = LLM(checkpoint_factory(arch, tie_word_embeddings=tied, **overrides), quantization=quantization, **KV)
+    stack = llm.engine.model._decode_stack(llm.engine.runner.kv_caches)
+    assert stack is not None and stack.has_head
+    ends = []
+    real = decode_stack.DecodeStack.logits
+    monkeypatch.setattr(decode_stack.DecodeStack, "logits", lambda self, *a: ends.append(1) or real(self, *a))
+    query_lens = [1, 3, 1]
+    snapshot = [(c.k.clone(), c.v.clone()) for c in llm.engine.runner.kv_caches]
+    on_stack = step(llm, query_lens)
+    assert ends == [1]
+    for c, (k, v) in zip(llm.engine.runner.kv_caches, snapshot, strict=True):
+        c.k.copy_(k)
+        c.v.copy_(v)
+    python_ends = step(llm, query_lens, rows=list(range(5)))
+    assert ends == [1], "rows given: the stack's layers, the Python ends"
+    assert on_stack.shape == (5, llm.engine.model_config.vocab_size) and torch.equal(on_stack, python_ends)
+    assert torch.equal(step(llm, query_lens, rows=[4, 0]), on_stack[[4, 0]])
 
 
 def test_used_for_short_queries_only(checkpoint_factory, stack_calls):

@@ -196,9 +196,12 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids, positions, kv_caches, meta, logits_indices) -> torch.Tensor:
         """Logits [len(logits_indices), vocab] for the selected flat positions (None: every position, in order)."""
+        dtype = self.embed_tokens.weight.dtype
+        stack = self._decode_stack(kv_caches) if decode_stack.step_fits(input_ids, dtype, meta) else None
+        if stack is not None and stack.has_head and logits_indices is None:
+            return stack.logits(input_ids, positions, self.rope.tables(dtype), meta)
         x, delta = self.embed_tokens(input_ids), None
         cos_sin = self.rope.cos_sin(positions, x.dtype)
-        stack = self._decode_stack(kv_caches) if decode_stack.step_fits(x, meta) else None
         if stack is not None:
             x, delta = stack.run(x, cos_sin, meta)
         else:
@@ -218,8 +221,11 @@ class LlamaModel(nn.Module):
             layers = [layer.stack_layer(cache) for layer, cache in zip(self.layers, kv_caches, strict=True)]
             a, self._stack_caches = self.layers[0].self_attn, kv_caches
             whole_rope = self.rope.cos.shape[-1] == a.head_dim  # the C++ rope rotates whole heads only
+            head = (self.embed_tokens.weight, self.norm.weight,
+                    decode_stack.bf16_linear(self.embed_tokens.weight, None) if self.lm_head is None
+                    else stack_linear(self.lm_head))
             self._stack = None if not whole_rope or any(t is None for t in layers) else decode_stack.build(
-                layers, a.num_heads, a.num_kv_heads, a.head_dim, self.config.rms_norm_eps, a.scale)
+                layers, a.num_heads, a.num_kv_heads, a.head_dim, self.config.rms_norm_eps, a.scale, head)
         return self._stack
 
 

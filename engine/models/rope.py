@@ -67,10 +67,16 @@ class RotaryEmbedding(torch.nn.Module):
         only indexes them (~35 -> ~10 us a decode step)."""
         if positions.device.type != "cpu":  # CUDA: no extra tables in device memory, nothing built in a graph
             return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+        cos, sin = self.tables(dtype)
+        return cos[positions][:, None, :], sin[positions][:, None, :]
+
+    def tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole cos and sin tables [positions, D] cast to `dtype` (once: kept until the next dtype or until
+        the fp32 tables are replaced)."""
         typed = self._typed
         if typed is None or typed[0] is not self.cos or typed[1].dtype != dtype:
             typed = self._typed = (self.cos, self.cos.to(dtype), self.sin.to(dtype))
-        return typed[1][positions][:, None, :], typed[2][positions][:, None, :]
+        return typed[1], typed[2]
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q [T, H, D] and k [T, Hkv, D] to their positions."""

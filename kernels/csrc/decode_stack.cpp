@@ -1,7 +1,9 @@
 // A decode step's whole decoder stack in one call: per layer the same kernels, in the same order, that
 // engine/models/llama.py's DecoderLayer calls one by one from Python (add_rms_norm, the linears' ops, rope_qk,
 // store_kv, paged_attention_cpu, silu_mul), so the results are bitwise the layers', without the ~0.1 ms a layer
-// that ~10 calls from Python (module __call__, dispatch checks, views) cost.
+// that ~10 calls from Python (module __call__, dispatch checks, views) cost. With a head (`set_head`), `logits`
+// also runs what LlamaModel.forward does around the layers: the embedding rows, the step's rotary rows, the final
+// norm and the LM head (~0.1 ms of Python ops a step, each slow on caches the step's weights have just evicted).
 // The kernels' sources are included whole; elementwise.cpp first, as it sets CPU_CAPABILITY before any ATen
 // vector header is read.
 #define SLUICE_NO_MODULE
@@ -89,10 +91,31 @@ class DecodeStack {
     return {x, *delta};
   }
 
+  // The model's ends: embedding [vocab, hidden], final norm [hidden], LM head.
+  void set_head(torch::Tensor embed, torch::Tensor final_norm, StackLinear head) {
+    embed_ = std::move(embed);
+    final_norm_ = std::move(final_norm);
+    head_ = std::move(head);
+  }
+
+  // Logits [T, vocab] of every token of the step: token ids and positions [T] (int64), the rotary tables
+  // [positions, D] in the activations' dtype; the rest as `run`.
+  torch::Tensor logits(const torch::Tensor& ids, const torch::Tensor& positions, const torch::Tensor& cos_table,
+                       const torch::Tensor& sin_table, torch::Tensor slots, torch::Tensor qstart, torch::Tensor qlen,
+                       torch::Tensor ctx, torch::Tensor tables) const {
+    TORCH_CHECK(head_.has_value(), "DecodeStack.logits: no head (set_head)");
+    auto [x, delta] = run(embed_->index_select(0, ids), std::nullopt, cos_table.index_select(0, positions),
+                          sin_table.index_select(0, positions), std::move(slots), std::move(qstart), std::move(qlen),
+                          std::move(ctx), std::move(tables));
+    return (*head_)(add_rms_norm(x, delta, *final_norm_, eps_)[1]);
+  }
+
  private:
   std::vector<LayerWeights> layers_;
   int64_t nh_, nk_, d_;
   double eps_, scale_;
+  std::optional<torch::Tensor> embed_, final_norm_;
+  std::optional<StackLinear> head_;
 };
 
 using Bias = std::optional<torch::Tensor>;
@@ -123,5 +146,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<const std::vector<LayerSpec>&, int64_t, int64_t, int64_t, double, double>(), py::arg("layers"),
            py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("scale"))
       .def("run", &DecodeStack::run, "the decoder stack over one decode step: (x, delta)",
+           py::call_guard<py::gil_scoped_release>())
+      .def("set_head", &DecodeStack::set_head, "the embedding, final norm and LM head `logits` runs",
+           py::arg("embed"), py::arg("final_norm"), py::arg("head"))
+      .def("logits", &DecodeStack::logits, "embedding, the decoder stack, final norm and LM head over one step",
            py::call_guard<py::gil_scoped_release>());
 }
