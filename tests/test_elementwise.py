@@ -103,15 +103,18 @@ def test_argmax_is_torch_max_indices(dtype, rows, width):
 
 
 def test_rope_tables_cast_once_give_the_rows_cast_per_step():
-    """The CPU rotary tables are cast to the step's dtype once: the same values as casting the gathered fp32
-    rows, for each dtype asked in turn, and rebuilt when the fp32 tables are replaced (module.to())."""
+    """The rotary tables cast to the step's dtype once (`tables`) give the same rows as casting the gathered fp32
+    rows, for each dtype asked in turn, and are rebuilt when the fp32 tables are replaced (module.to())."""
     from engine.models.rope import RotaryEmbedding
 
     rope = RotaryEmbedding(64, 512, {"rope_theta": 10000.0, "rope_type": "default"})
     positions = torch.tensor([0, 7, 511, 300, 7])
     for dtype in (torch.bfloat16, torch.float16, torch.bfloat16):
-        cos, sin = rope.cos_sin(positions, dtype)
-        assert cos.dtype == dtype and cos.shape == (5, 1, 64)
-        assert torch.equal(cos, rope.cos[positions].to(dtype)[:, None]) and torch.equal(sin, rope.sin[positions].to(dtype)[:, None])
+        expected = rope.cos[positions].to(dtype)[:, None], rope.sin[positions].to(dtype)[:, None]
+        assert all(torch.equal(a, b) for a, b in zip(rope.cos_sin(positions, dtype), expected, strict=True))
+        cos, sin = rope.tables(dtype)
+        assert cos.dtype == dtype and torch.equal(cos[positions][:, None], expected[0])
+        assert all(torch.equal(a, b) for a, b in zip(rope.cos_sin(positions, dtype), expected, strict=True))
     rope.cos, rope.sin = rope.cos * 2, rope.sin * 2
     assert torch.equal(rope.cos_sin(positions, torch.bfloat16)[0], rope.cos[positions].bfloat16()[:, None])
+    assert torch.equal(rope.tables(torch.bfloat16)[0], rope.cos.bfloat16())

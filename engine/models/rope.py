@@ -58,21 +58,22 @@ class RotaryEmbedding(torch.nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos() * attn_scale, persistent=False)
         self.register_buffer("sin", emb.sin() * attn_scale, persistent=False)
-        self._typed: tuple | None = None  # CPU: (fp32 cos it was cast from, cos, sin in one dtype)
+        self._typed: tuple | None = None  # `tables`: (the fp32 cos it was cast from, cos, sin in one dtype)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [T, 1, D] of the positions in `dtype`: gathered once per step, shared by every layer.
 
-        On CPU the tables are cast to `dtype` once (the same values: a row's cast is the cast's row), so a step
-        only indexes them (~35 -> ~10 us a decode step)."""
-        if positions.device.type != "cpu":  # CUDA: no extra tables in device memory, nothing built in a graph
-            return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
-        cos, sin = self.tables(dtype)
-        return cos[positions][:, None, :], sin[positions][:, None, :]
+        Where `tables` has cast the whole tables to `dtype` (the CPU decode stack does), a step only indexes them:
+        the same values, as a row's cast is the cast's row. Nothing is built here, so a step's ops stay the same
+        from the first call on (CUDA graphs capture them)."""
+        typed = self._typed
+        if typed is not None and typed[0] is self.cos and typed[1].dtype == dtype:
+            return typed[1][positions][:, None, :], typed[2][positions][:, None, :]
+        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
 
     def tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The whole cos and sin tables [positions, D] cast to `dtype` (once: kept until the next dtype or until
-        the fp32 tables are replaced)."""
+        """The whole cos and sin tables [positions, D] cast to `dtype`, built on first use and kept until another
+        dtype is asked or the fp32 tables are replaced (module.to())."""
         typed = self._typed
         if typed is None or typed[0] is not self.cos or typed[1].dtype != dtype:
             typed = self._typed = (self.cos, self.cos.to(dtype), self.sin.to(dtype))
