@@ -1,16 +1,17 @@
 """Weight-only int8 matmul: int8 weights with one scale per output row, activations in the model dtype.
 
 For a few rows (decode, a draft model's proposals) a GEMV reads half the bytes of a bf16 matmul: for one bf16
-row ours (csrc/bf16_gemv.cpp, weight rows in memory order: ~2x torch's), for up to four fp32/fp16 rows torch's
-CPU int8 GEMV, whose cost grows linearly with the row count and which mis-computes unless in_features % 16 == 0
-(so neither serves such shapes: one rule for both). More rows of bf16/fp16 activations on CPU are quantized on the fly (int8, one absmax
-scale per row) and multiplied in int32, faster than a bf16 matmul at 8-64 rows: up to 64 rows by our AVX512-VNNI
-kernel (csrc/quant_linear.cpp `int8_mm`: 1.1-2x oneDNN's, whose weight reorder on every call costs as much as
-the product at a few rows), above by `torch._int_mm` (oneDNN), the same exact int32 sums either way; the
-quantization and the rescale epilogue (bias included) are one C++ pass each (csrc/quant_linear.cpp) where it
-builds, rounding exactly as the torch ops they replace. On CUDA with triton
-the W8A16 kernel (kernels/triton/w8a16.py) serves; fp32 activations, odd shapes and other devices dequantize
-the weight and use the ordinary matmul.
+row on CPUs without AVX512-VNNI ours (csrc/bf16_gemv.cpp, weight rows in memory order: ~2x torch's), for up to
+four fp32/fp16 rows torch's CPU int8 GEMV, whose cost grows linearly with the row count and which mis-computes
+unless in_features % 16 == 0 (so neither serves such shapes: one rule for both). Other rows of bf16/fp16
+activations on CPU (bf16 from one row where VNNI serves) are quantized on the fly (int8, one absmax scale per
+row) and multiplied in int32: up to 64 rows by our AVX512-VNNI kernel (csrc/quant_linear.cpp `int8_mm`, with the
+linear's per-row comp kept beside its weight: 1.1-1.4x the version that computed it per call, which was already
+1.1-2x oneDNN's, whose weight reorder on every call costs as much as the product at a few rows), above by
+`torch._int_mm` (oneDNN), the same exact int32 sums either way; the quantization and the rescale epilogue (bias
+included) are one C++ pass each (csrc/quant_linear.cpp) where it builds, rounding exactly as the torch ops they
+replace. On CUDA with triton the W8A16 kernel (kernels/triton/w8a16.py) serves; fp32 activations, odd shapes
+and other devices dequantize the weight and use the ordinary matmul.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from kernels import cpp_build
 from kernels.device_path import triton_on
 
 MAX_GEMV_ROWS = 4  # fp32/fp16 rows, torch's GEMV: measured on CPU (rows 1-16, five shapes), it wins at 2-4 rows
-# bf16 rows, ours: streaming a 125M model's weights it ties the dynamic int8 matmul (our VNNI kernel) at one row
-# and loses from two (1.2x slower at 2 rows, 1.9x at 4); at one row it keeps the activations unquantized
+# bf16 rows, ours: where our VNNI int8 product serves, none (over a 125M model's 49 linears at one row, the
+# dynamic int8 matmul with the linear's kept comp, weight rows in memory order, is 1.22-1.24x this GEMV); on other
+# CPUs one row (it keeps the activations unquantized; oneDNN's int8 matmul is slower there)
 BF16_GEMV_ROWS = 1
 GEMV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 DYNAMIC_DTYPES = (torch.bfloat16, torch.float16)
@@ -31,7 +33,15 @@ DYNAMIC_DTYPES = (torch.bfloat16, torch.float16)
 
 def gemv_rows(dtype: torch.dtype) -> int:
     """Up to how many rows of this dtype a GEMV serves on CPU."""
-    return BF16_GEMV_ROWS if dtype is torch.bfloat16 else MAX_GEMV_ROWS
+    if dtype is torch.bfloat16:
+        return 0 if vnni_from_one_row() else BF16_GEMV_ROWS
+    return MAX_GEMV_ROWS
+
+
+def vnni_from_one_row() -> bool:
+    """Whether bf16 rows take the dynamic int8 matmul from one row on (our AVX512-VNNI kernel builds here)."""
+    fused = _fused()
+    return fused is not None and fused.VNNI
 
 
 def _use_gemv(rows: torch.Tensor, qweight: torch.Tensor) -> bool:
@@ -62,21 +72,33 @@ def quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return xf.div_(row_scale).round_().to(torch.int8), row_scale
 
 
+def vnni_comp(qweight: torch.Tensor) -> torch.Tensor | None:
+    """What our VNNI int8 product subtracts per weight row (128 x the row's sum), for a linear to keep beside its
+    weight and pass to every call (else each call computes it: at one row a second pass over the weight); None
+    where that product does not serve (other devices, no C++ kernels)."""
+    fused = _fused()
+    if fused is None or qweight.device.type != "cpu" or not qweight.is_contiguous():
+        return None
+    return fused.int8_vnni_comp(qweight)
+
+
 def dynamic_int8_mm(rows: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                    bias: torch.Tensor | None = None) -> torch.Tensor:
-    """rows [M, in] quantized per row to int8, times qweight [out, in] in int32, rescaled to rows' dtype, + bias."""
+                    bias: torch.Tensor | None = None, comp: torch.Tensor | None = None) -> torch.Tensor:
+    """rows [M, in] quantized per row to int8, times qweight [out, in] in int32, rescaled to rows' dtype, + bias
+    (comp: `vnni_comp(qweight)`, or None)."""
     fused = _fused()
     if fused is not None and rows.is_contiguous():
         xq, row_scale = fused.quantize_rows(rows)
-        return fused.int8_rescale(fused.int8_mm(xq, qweight), row_scale, scales, bias)
+        return fused.int8_rescale(fused.int8_mm(xq, qweight, comp), row_scale, scales, bias)
     xq, row_scale = quantize_rows(rows)
     y = torch._int_mm(xq, qweight.t()).float().mul_(row_scale).mul_(scales.float()).to(rows.dtype)
     return y if bias is None else y + bias
 
 
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., in] times the dequantized weight qweight [out, in] * scales [out] (x's dtype), plus bias."""
+                bias: torch.Tensor | None = None, comp: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] times the dequantized weight qweight [out, in] * scales [out] (x's dtype), plus bias (comp:
+    `vnni_comp(qweight)` where the caller keeps it)."""
     rows = x.reshape(-1, x.shape[-1])
     if triton_on(rows.device):
         from kernels.triton.w8a16 import w8a16_linear
@@ -86,7 +108,7 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         ours = _gemv_kernel(scales) if rows.dtype is torch.bfloat16 else None
         y = (ours.int8_gemv if ours is not None else torch._weight_int8pack_mm)(rows.contiguous(), qweight, scales)
     elif _use_dynamic(rows):
-        y, bias = dynamic_int8_mm(rows.contiguous(), qweight, scales, bias), None
+        y, bias = dynamic_int8_mm(rows.contiguous(), qweight, scales, bias, comp), None
     else:
         y = F.linear(rows, qweight.to(x.dtype)) * scales
     if bias is not None:

@@ -174,9 +174,11 @@ def test_int8_linear_matches_the_dequantized_weight_at_every_row_count(dtype, to
 @pytest.mark.skipif(int8._gemv_kernel(torch.ones(1, dtype=torch.bfloat16)) is None,
                     reason="no C++ toolchain or no avx512_bf16")
 def test_our_int8_gemv_serves_bf16_rows_and_rounds_as_torchs(monkeypatch):
-    """bf16 rows up to BF16_GEMV_ROWS run our int8 GEMV (a spy), within the error of torch's own GEMV against the
-    float64 product at every row count and K tail (it sums in fp32, scales after, rounds once, as torch does)."""
+    """bf16 rows up to BF16_GEMV_ROWS run our int8 GEMV (a spy) where VNNI does not serve, within the error of
+    torch's own GEMV against the float64 product at every row count and K tail (it sums in fp32, scales after,
+    rounds once, as torch does)."""
     torch.manual_seed(0)
+    monkeypatch.setattr(int8, "vnni_from_one_row", lambda: False)
     ext, calls = int8._gemv_kernel(torch.ones(1, dtype=torch.bfloat16)), []
     monkeypatch.setattr(int8, "_gemv_kernel", lambda scales: type("Spy", (), {
         "int8_gemv": staticmethod(lambda *a: calls.append(a[0].shape[0]) or ext.int8_gemv(*a))})())
@@ -199,7 +201,8 @@ def test_our_int8_gemv_serves_bf16_rows_and_rounds_as_torchs(monkeypatch):
 @pytest.mark.skipif(int8._fused() is None or not int8._fused().VNNI, reason="no C++ toolchain or no avx512_vnni")
 def test_our_vnni_int8_matmul_is_exactly_torchs_int_mm_and_serves_the_dynamic_rows(monkeypatch):
     """int8 x int8 -> int32 by our VNNI kernel equals torch._int_mm bit for bit at every tile shape (1-8 weight
-    rows x 1-4 x rows, N and K tails, extreme codes), and the dynamic int8 path runs it up to VNNI_MAX_ROWS."""
+    rows x 1-4 x rows, N and K tails, extreme codes), with a kept comp too (one row: weight rows in memory order),
+    and the dynamic int8 path runs it for bf16 rows from one to VNNI_MAX_ROWS."""
     torch.manual_seed(0)
     fused = int8._fused()
     for m in (1, 2, 3, 4, 5, 7, 9, 16, 33, 64):
@@ -211,17 +214,28 @@ def test_our_vnni_int8_matmul_is_exactly_torchs_int_mm_and_serves_the_dynamic_ro
             assert torch.equal(fused.int8_mm(x, w), want), (m, n, k)
     x, w = torch.full((3, 300), -128, dtype=torch.int8), torch.full((11, 300), -128, dtype=torch.int8)
     assert torch.equal(fused.int8_mm_vnni(x, w), torch.full((3, 11), 128 * 128 * 300, dtype=torch.int32))
+    for n, k in ((1, 1), (5, 63), (37, 64), (203, 768), (70, 2048), (9, 300)):  # the comp a linear keeps
+        w = torch.randint(-128, 128, (n, k), dtype=torch.int8)
+        comp = fused.int8_vnni_comp(w)
+        assert torch.equal(comp, 128 * w.int().sum(1)), (n, k)
+        for m in (1, 2, 5):
+            x = torch.randint(-128, 128, (m, k), dtype=torch.int8)
+            assert torch.equal(fused.int8_mm_vnni(x, w, comp), x.int() @ w.int().T), (m, n, k)
     calls, real = [], fused.int8_mm
     spy = type("Spy", (), {"quantize_rows": staticmethod(fused.quantize_rows), "int8_rescale": staticmethod(fused.int8_rescale),
-                           "int8_mm": staticmethod(lambda x, w: calls.append(x.shape[0]) or real(x, w))})
+                           "int8_mm": staticmethod(lambda x, w, comp: calls.append((x.shape[0], comp is not None))
+                                                   or real(x, w, comp)),
+                           "VNNI": fused.VNNI, "int8_vnni_comp": staticmethod(fused.int8_vnni_comp)})
     monkeypatch.setattr(int8, "_fused", lambda: spy)
     qweight, scales = torch.randint(-127, 128, (96, 256), dtype=torch.int8), (torch.rand(96) / 50).to(torch.bfloat16)
-    for m in (8, fused.VNNI_MAX_ROWS, fused.VNNI_MAX_ROWS + 1):
+    comp = int8.vnni_comp(qweight)
+    for m in (1, 8, fused.VNNI_MAX_ROWS, fused.VNNI_MAX_ROWS + 1):
         rows = torch.randn(m, 256, dtype=torch.bfloat16)
         xq, row_scale = int8.quantize_rows(rows)
         want = (torch._int_mm(xq, qweight.t()).float() * row_scale * scales.float()).to(torch.bfloat16)
-        assert torch.equal(int8.dynamic_int8_mm(rows, qweight, scales), want), m
-    assert calls == [8, fused.VNNI_MAX_ROWS, fused.VNNI_MAX_ROWS + 1]
+        assert torch.equal(int8.int8_linear(rows, qweight, scales, None, comp), want), m
+    assert calls == [(1, True), (8, True), (fused.VNNI_MAX_ROWS, True), (fused.VNNI_MAX_ROWS + 1, True)], \
+        "bf16 rows from one on, with the linear's comp"
 
 
 DIMS = dict(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1)

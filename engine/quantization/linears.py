@@ -15,7 +15,7 @@ import kernels
 from engine.models.llama import LlamaModel, ModelConfig
 from engine.models.loader import CheckpointReader
 from engine.quantization.spec import BLOCKSIZE, INT4_WEIGHT_ONLY, WEIGHT_ONLY, QuantSpec
-from kernels import decode_stack, int4_weights
+from kernels import decode_stack, int4_weights, int8_weights
 
 QUIET = ("bitsandbytes.backends.cpu.ops", "bitsandbytes.autograd._functions")  # per-call cast notices
 
@@ -116,13 +116,15 @@ class Int8WeightOnlyLinear(nn.Module):
             self.qweight[rows] = (w / scales[:, None]).round_().to(torch.int8)
             self.scales[rows] = scales.to(dtype)
         self.bias = _bias(bias, dtype)
+        # what the CPU int8 product subtracts per row, computed once here instead of on every call (not saved)
+        self.register_buffer("comp", int8_weights.vnni_comp(self.qweight), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.int8_linear(x, self.qweight, self.scales, self.bias)
+        return kernels.int8_linear(x, self.qweight, self.scales, self.bias, self.comp)
 
     def stack_linear(self):
         """This linear for kernels.decode_stack, or None where the stack would not run it as `forward` does."""
-        return decode_stack.int8_linear(self.qweight, self.scales, self.bias)
+        return decode_stack.int8_linear(self.qweight, self.scales, self.bias, self.comp)
 
 
 class Int4WeightOnlyLinear(nn.Module):
