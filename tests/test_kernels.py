@@ -178,7 +178,7 @@ def test_bf16_gemv_is_served_where_the_cpu_has_avx512_bf16():
     assert linear_kernels.gemv_available() == (AVX512_BF16 and cpp_build.enabled())
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 11, 16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 11, 12, 13, 16])
 @pytest.mark.parametrize(("n", "k"), [(96, 256), (77, 100), (130, 33), (16, 2048)])
 def test_bf16_linear_matches_the_fp32_reference(rows, n, k):
     """Every row count the GEMV takes, K with a masked tail, N off its 16-row tiles, bias or not, rows with a
