@@ -3,7 +3,7 @@
 At a few tokens a layer's ~10 kernel calls from Python (module __call__, each kernel's checks, views) cost
 ~0.1 ms a layer, 1.1-1.4 ms of a 125M model's bf16 decode step at batch 1 and 8 (measured on a loaded 2-core
 CPU). The stack makes the same calls in the same order from C++, so its results are bitwise the layers'. It
-serves bf16 steps of 1 to MAX_GEMV_ROWS tokens whose sequences all have short queries (decode, speculative
+serves bf16 steps of 1 to MAX_STACK_TOKENS tokens whose sequences all have short queries (decode, speculative
 verify) on the fused attention kernel; anything else runs the Python layers. Its linears are bf16 ones and the
 weight-only quantized ones, each running the op its Python module would at the step's row count (decided when
 the stack is built, by asking the module's own branch tests); a layer with any other linear (bitsandbytes) is
@@ -17,6 +17,9 @@ import torch
 from kernels import cpp_build, int4_weights, int8_weights
 from kernels.attention import AttentionMetadata
 from kernels.linear import MAX_GEMV_ROWS
+
+MAX_STACK_TOKENS = 16  # the stack's steps: where the int4 W4A8 product and our bf16 GEMV serve every linear
+assert MAX_STACK_TOKENS <= MAX_GEMV_ROWS
 
 
 def _ext():
@@ -32,7 +35,7 @@ def available() -> bool:
 def step_fits(ids: torch.Tensor, dtype: torch.dtype, meta) -> bool:
     """Whether a step of token ids [T] with activations in `dtype` can run on a stack (a few attribute tests:
     every step)."""
-    return (dtype is torch.bfloat16 and 1 <= ids.shape[0] <= MAX_GEMV_ROWS and ids.device.type == "cpu"
+    return (dtype is torch.bfloat16 and 1 <= ids.shape[0] <= MAX_STACK_TOKENS and ids.device.type == "cpu"
             and type(meta) is AttentionMetadata and meta.fused_short is not None and not meta.short_groups
             and not meta.long_seqs and not torch.is_grad_enabled())
 
@@ -44,7 +47,7 @@ def _plain_bf16(t: torch.Tensor | None) -> bool:
 def _row_counts(in_features: int) -> list[torch.Tensor]:
     """Empty bf16 inputs of every row count the stack serves: the quantized linears' own branch tests are asked
     about each, once, when a linear is stacked."""
-    return [torch.empty(m, in_features, dtype=torch.bfloat16) for m in range(1, MAX_GEMV_ROWS + 1)]
+    return [torch.empty(m, in_features, dtype=torch.bfloat16) for m in range(1, MAX_STACK_TOKENS + 1)]
 
 
 def bf16_linear(weight: torch.Tensor, bias: torch.Tensor | None):
@@ -62,7 +65,7 @@ def int4_linear(w: int4_weights.Int4Weight, bias: torch.Tensor | None):
     if ext is None:
         return None
     if w.layout == "vnni":
-        if int4_weights.vnni_kernel() is None or MAX_GEMV_ROWS > int4_weights.MAX_VNNI_ROWS or not _plain_bf16(bias):
+        if int4_weights.vnni_kernel() is None or MAX_STACK_TOKENS > int4_weights.MAX_VNNI_ROWS or not _plain_bf16(bias):
             return None
         return ext.int4_vnni_linear(w.packed, w.scales_zeros, bias)
     if w.layout != "int4pack" or any(int4_weights._use_tiles(r) for r in _row_counts(w.in_features)):

@@ -1,8 +1,9 @@
 """Unquantized linears: on CPU a bf16 GEMV of ours for a few rows (csrc/bf16_gemv.cpp), F.linear elsewhere.
 
 At the row counts of decode (one to a few tokens per step) a linear only streams its weight, and oneDNN's bf16
-matmul reads it at about half the memory bandwidth that a plain AVX512-BF16 pass reaches; past
-`MAX_GEMV_ROWS` rows, and on any other device or dtype, F.linear serves.
+matmul reads it at about half the memory bandwidth that a plain AVX512-BF16 pass reaches; up to `MAX_GEMV_ROWS`
+rows, and up to 64 while the rows are small enough to stay in L2 (`gemv_serves`), ours serves; past that, and on
+any other device or dtype, F.linear.
 Sums are fp32 in a different order than oneDNN's, then rounded to bf16 as it does.
 """
 
@@ -14,7 +15,17 @@ from torch import nn
 
 from kernels import cpp_build
 
-MAX_GEMV_ROWS = 16  # measured on CPU, five shapes: 1.4-2.8x oneDNN's bf16 matmul at 1-4 rows, 1.2-1.6x at 8-12, 1.0-1.4x at 16, par at 32
+# Measured on CPU against oneDNN's bf16 matmul, weights streamed from memory: 1.4-2.8x at 1-4 rows, and since the
+# GEMV reads weights in memory order past 8 rows, over the bench model's 49 linears 1.34/1.24/1.10/1.05x at
+# 24/32/48/64 rows, on 7B shapes (4096x4096, 4096x11008, 22016x4096) 1.13-1.16x at 24, 1.08-1.10x at 32, but
+# 0.96-1.05x at 48 and 0.90-1.01x at 64, where its x rows (re-read for every 4 weight rows) outgrow L2.
+MAX_GEMV_ROWS = 32
+MAX_GEMV_X = 64 * 2048  # past MAX_GEMV_ROWS, up to 64 rows while rows x in_features is at most this (256 KB)
+
+
+def gemv_serves(rows: int, in_features: int) -> bool:
+    """Whether our GEMV takes `rows` rows of a bf16 linear with `in_features` inputs."""
+    return 1 <= rows <= MAX_GEMV_ROWS or (rows <= 64 and rows * in_features <= MAX_GEMV_X)
 
 
 def _gemv():
@@ -31,7 +42,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """x [..., in] · weight [out, in]ᵀ (+ bias), as F.linear. (Checks ordered cheapest-first and the extension
     resolved once: this runs ~50 times a decode step.)"""
     rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    if (1 <= rows.shape[0] <= MAX_GEMV_ROWS and rows.dtype is torch.bfloat16 and weight.dtype is torch.bfloat16
+    if (gemv_serves(rows.shape[0], rows.shape[1]) and rows.dtype is torch.bfloat16 and weight.dtype is torch.bfloat16
             and rows.device.type == "cpu" and (bias is None or bias.dtype is torch.bfloat16)
             and rows.stride(-1) == 1 and weight.is_contiguous() and not torch.is_grad_enabled()):
         ext = _gemv()

@@ -178,7 +178,7 @@ def test_bf16_gemv_is_served_where_the_cpu_has_avx512_bf16():
     assert linear_kernels.gemv_available() == (AVX512_BF16 and cpp_build.enabled())
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 11, 12, 13, 16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 11, 12, 13, 16, 31, 64])
 @pytest.mark.parametrize(("n", "k"), [(96, 256), (77, 100), (130, 33), (16, 2048)])
 def test_bf16_linear_matches_the_fp32_reference(rows, n, k):
     """Every row count the GEMV takes, K with a masked tail, N off its 16-row tiles, bias or not, rows with a
@@ -199,7 +199,8 @@ def test_bf16_linear_matches_the_fp32_reference(rows, n, k):
 
 
 def test_model_linears_run_the_gemv_at_decode_rows(monkeypatch):
-    """A bf16 decode step's linears go through the GEMV (and 17+ rows through F.linear)."""
+    """A bf16 decode step's linears go through the GEMV: to 32 rows, and to 64 while the rows stay small (rows x
+    in_features <= MAX_GEMV_X); F.linear above."""
     calls = []
     ext = linear_kernels._gemv()
     if ext is None:
@@ -214,11 +215,14 @@ def test_model_linears_run_the_gemv_at_decode_rows(monkeypatch):
         SUPPORTED = True
 
     monkeypatch.setattr(linear_kernels, "_gemv", Spy)
-    layer = linear_kernels.Linear(64, 48, bias=True).to(torch.bfloat16)
+    small = linear_kernels.Linear(64, 48, bias=True).to(torch.bfloat16)
+    wide = linear_kernels.Linear(4096, 8, bias=False).to(torch.bfloat16)  # 33 x 4096 rows > MAX_GEMV_X
     with torch.inference_mode():
-        for rows in (1, 16, 17, 64):
-            layer(torch.randn(rows, 64, dtype=torch.bfloat16))
-    assert calls == [1, 16]
+        for rows in (1, 16, 17, 32, 33, 64, 65):
+            small(torch.randn(rows, 64, dtype=torch.bfloat16))
+        for rows in (32, 33):
+            wide(torch.randn(rows, 4096, dtype=torch.bfloat16))
+    assert calls == [1, 16, 17, 32, 33, 64, 32]
 
 
 @pytest.mark.parametrize("source", sorted(p.name for p in cpp_build.CSRC.glob("*.cpp")))
