@@ -586,7 +586,8 @@ bool vnni_supported() {
 
 // What the VNNI product needs of a weight [N, K] besides the weight: per row 128 * its sum (int32 [N]), which
 // the + 128 on the activation codes adds to each dot product. A linear computes it once and passes it to
-// int8_mm, sparing the product a pass over the weight per call.
+// int8_mm, sparing the one-row product a pass over the weight per call (with more rows the product makes that
+// pass anyway, block by block, to bring the rows into cache for its tiles).
 torch::Tensor int8_vnni_comp(const torch::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.is_contiguous() && w.device().is_cpu(),
               "int8_vnni_comp: a contiguous CPU int8 weight [N, K]");
