@@ -66,18 +66,24 @@ class RotaryEmbedding(torch.nn.Module):
         Where `tables` has cast the whole tables to `dtype` (the CPU decode stack does), a step only indexes them:
         the same values, as a row's cast is the cast's row. Nothing is built here, so a step's ops stay the same
         from the first call on (CUDA graphs capture them)."""
-        typed = self._typed
-        if typed is not None and typed[0] is self.cos and typed[1].dtype == dtype:
-            return typed[1][positions][:, None, :], typed[2][positions][:, None, :]
+        typed = self._cast(dtype)
+        if typed is not None:
+            return typed[0][positions][:, None, :], typed[1][positions][:, None, :]
         return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
 
     def tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole cos and sin tables [positions, D] cast to `dtype`, built on first use and kept until another
         dtype is asked or the fp32 tables are replaced (module.to())."""
+        typed = self._cast(dtype)
+        if typed is None:
+            self._typed = (self.cos, self.cos.to(dtype), self.sin.to(dtype))
+            typed = self._typed[1:]
+        return typed
+
+    def _cast(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The kept (cos, sin) in `dtype`, if `tables` built them from the current fp32 tables."""
         typed = self._typed
-        if typed is None or typed[0] is not self.cos or typed[1].dtype != dtype:
-            typed = self._typed = (self.cos, self.cos.to(dtype), self.sin.to(dtype))
-        return typed[1], typed[2]
+        return typed[1:] if typed is not None and typed[0] is self.cos and typed[1].dtype == dtype else None
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q [T, H, D] and k [T, Hkv, D] to their positions."""

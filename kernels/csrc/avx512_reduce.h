@@ -38,4 +38,15 @@ inline __m512i sluice_reduce16_epi32(const __m512i* v) {
   return _mm512_add_epi32(i(_mm512_shuffle_ps(f(s3[0]), f(s3[1]), 0x88)),
                           i(_mm512_shuffle_ps(f(s3[0]), f(s3[1]), 0xDD)));
 }
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+// 16 bf16 values (p) as fp32 lanes, lanes off `mask` 0.
+inline __m512 sluice_load_bf16(const void* p, __mmask16 mask = 0xFFFF) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
+}
+#endif
+
+// The lanes of a 16-lane step that `left` elements fill.
+inline __mmask16 sluice_tail16(int64_t left) {
+  return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+}
 #endif

@@ -19,6 +19,9 @@
 #endif
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#if defined(CPU_CAPABILITY_AVX512)
+#include "avx512_reduce.h"
+#endif
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <cmath>
@@ -160,32 +163,25 @@ void store_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, tor
 template <typename T>
 static int64_t argmax_row(const T* x, int64_t n) {
   float top = -std::numeric_limits<float>::infinity();
-  bool nan = false;
   int64_t i = 0;
 #if defined(CPU_CAPABILITY_AVX512)
   auto load = [&](int64_t k, __mmask16 mask) -> __m512 {
-    if constexpr (std::is_same_v<T, float>) {
-      return _mm512_maskz_loadu_ps(mask, x + k);
-    } else if constexpr (std::is_same_v<T, at::BFloat16>) {
-      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, x + k)), 16));
-    } else {
-      return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, x + k));
-    }
+    if constexpr (std::is_same_v<T, float>) return _mm512_maskz_loadu_ps(mask, x + k);
+    else if constexpr (std::is_same_v<T, at::BFloat16>) return sluice_load_bf16(x + k, mask);
+    else return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, x + k));
   };
   __m512 vmax = _mm512_set1_ps(top);
   __mmask16 unordered = 0;
   for (; i < n; i += 16) {
-    const __mmask16 mask = n - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __mmask16 mask = sluice_tail16(n - i);
     const __m512 v = _mm512_mask_mov_ps(vmax, mask, load(i, mask));  // masked-off lanes keep the max
     unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     vmax = _mm512_max_ps(vmax, v);
   }
-  nan = unordered != 0;
-  top = _mm512_reduce_max_ps(vmax);
-  if (!nan) {
-    const __m512 t = _mm512_set1_ps(top);
+  if (unordered == 0) {  // with a NaN, the loop after this block finds the first
+    const __m512 t = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
     for (i = 0; i < n; i += 16) {
-      const __mmask16 mask = n - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - i)) - 1);
+      const __mmask16 mask = sluice_tail16(n - i);
       const __mmask16 hit = _mm512_mask_cmp_ps_mask(mask, load(i, mask), t, _CMP_EQ_OQ);
       if (hit) return i + __builtin_ctz(hit);
     }

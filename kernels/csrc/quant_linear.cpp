@@ -148,12 +148,8 @@ torch::Tensor int4_codes(torch::Tensor packed, int64_t K, int64_t n_padded, int6
 }
 
 #ifdef SLUICE_AVX512_VNNI
-// bf16 <-> fp32 for 16 lanes (p: bf16 values); the rounding is c10::BFloat16's (nearest even; the values here are
-// never NaN).
-inline __m512 sluice_load_bf16(const void* p, __mmask16 mask = 0xFFFF) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
-}
-
+// bf16 <-> fp32 (loads: avx512_reduce.h's sluice_load_bf16); the rounding is c10::BFloat16's (nearest even; the
+// values here are never NaN).
 inline float sluice_bf16_to_float(uint16_t h) {
   const uint32_t bits = static_cast<uint32_t>(h) << 16;
   float f;
@@ -165,10 +161,6 @@ inline __m512i sluice_round_bf16(__m512 v) {  // the bf16 bits in the low half o
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   return _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
-}
-
-inline __mmask16 sluice_tail16(int64_t left) {
-  return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
 }
 #endif
 
