@@ -26,7 +26,7 @@ def _bnb():
     for name in QUIET:
         logging.getLogger(name).setLevel(logging.ERROR)
     if "bitsandbytes" not in sys.modules:
-        with _compile_on_first_call():
+        with _compile_on_first_call(), _dynamo_on_first_trace():
             import bitsandbytes  # noqa: F401
     return sys.modules["bitsandbytes"]
 
@@ -56,6 +56,38 @@ def _compile_on_first_call() -> Iterator[None]:
         yield
     finally:
         torch.compile = real
+
+
+@contextmanager
+def _dynamo_on_first_trace() -> Iterator[None]:
+    """torch._disable_dynamo that imports dynamo only once something has: bitsandbytes registers its CPU kernels
+    through torch.library.register_kernel, which wraps each in torch._disable_dynamo, whose first call imports
+    torch._dynamo (~1.5 s of every bitsandbytes worker's start, at its first quantized matmul). Nothing can be
+    tracing while dynamo is not imported, so until then the kernel is called as it is; after, dynamo's own
+    disable wraps it, as torch's would have."""
+    real = torch._disable_dynamo
+
+    def lazy(fn=None, recursive: bool = True):
+        if fn is None:
+            return functools.partial(lazy, recursive=recursive)
+        disabled = None
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            nonlocal disabled
+            if disabled is None:
+                if "torch._dynamo" not in sys.modules:
+                    return fn(*args, **kwargs)
+                disabled = sys.modules["torch._dynamo"].disable(fn, recursive, wrapping=False)
+            return disabled(*args, **kwargs)
+
+        return call
+
+    torch._disable_dynamo = lazy
+    try:
+        yield
+    finally:
+        torch._disable_dynamo = real
 
 
 class FusedLinear(nn.Module):
