@@ -58,13 +58,9 @@ inline void tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, f
       for (int m = 0; m < M; ++m) acc[m * R + r] = _mm512_dpbf16_ps(acc[m * R + r], xv[m], wv);
     }
   }
-  if constexpr (M * R == 16) {
-    alignas(64) float lanes[16];
-    _mm512_store_ps(lanes, sluice_reduce16(acc));
-    for (int i = 0; i < 16; ++i) out[(i / R) * ldo + i % R] = lanes[sluice_lane_of(i)];
-  } else {
-    for (int i = 0; i < M * R; ++i) out[(i / R) * ldo + i % R] = _mm512_reduce_add_ps(acc[i]);
-  }
+  float sums[M * R];
+  sluice_sums<M * R>(acc, sums);
+  for (int i = 0; i < M * R; ++i) out[(i / R) * ldo + i % R] = sums[i];
 }
 
 // Reads n bf16 (a multiple of 32 or not: the tail is short of a load) in memory order, bringing them into cache.

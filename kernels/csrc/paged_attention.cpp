@@ -13,8 +13,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
-#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
 #include "avx512_reduce.h"
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
 #define SLUICE_BF16_DOT 1
 #endif
 #include <ATen/cpu/vec/vec.h>
@@ -86,15 +86,10 @@ static inline float dot(const float* a, const float* b, int64_t D) {
   return sum;
 }
 
-// out[0..4) = the horizontal sums of a0..a3, shuffled together (AVX-512: 9 instructions for all four).
+// out[0..4) = the horizontal sums of a0..a3 (AVX-512: sluice_reduce4, 9 instructions for all four).
 static inline void reduce4(const Vec& a0, const Vec& a1, const Vec& a2, const Vec& a3, float* out) {
 #if defined(CPU_CAPABILITY_AVX512)
-  const __m512 x01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
-  const __m512 x23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
-  const __m512 y = _mm512_add_ps(_mm512_shuffle_ps(x01, x23, _MM_SHUFFLE(1, 0, 1, 0)),
-                                 _mm512_shuffle_ps(x01, x23, _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m256 z = _mm256_add_ps(_mm512_castps512_ps256(y), _mm512_extractf32x8_ps(y, 1));
-  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(z), _mm256_extractf128_ps(z, 1)));
+  _mm_storeu_ps(out, sluice_reduce4(a0, a1, a2, a3));
 #else
   auto sum = [](Vec& x, Vec& y) { return x + y; };
   out[0] = at::vec::vec_reduce_all<float>(sum, a0);

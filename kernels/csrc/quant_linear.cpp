@@ -305,10 +305,10 @@ inline void vnni_tile(const uint8_t* xu, int64_t ldx, int64_t K, const int8_t* w
   __m512i done[16];  // a copy: acc's address never escapes, so it stays in registers through the loop
 #pragma GCC unroll 16
   for (int i = 0; i < 16; ++i) done[i] = acc[i];
-  alignas(64) int32_t sums[16];
-  _mm512_store_si512(sums, sluice_reduce16_epi32(done));
+  int32_t sums[W * R];
+  sluice_sums<W * R>(done, sums);
   for (int j = 0; j < W; ++j)
-    for (int m = 0; m < R; ++m) out[m * ldo + j] = sums[sluice_lane_of(j * R + m)] - comp[j];
+    for (int m = 0; m < R; ++m) out[m * ldo + j] = sums[j * R + m] - comp[j];
 }
 
 // Output rows [n0, n1) of y [1, N] for one activation row, weight rows one after another in memory order (one
@@ -533,11 +533,11 @@ inline void w4_tile(const W4Acts* acts, int64_t Kp, const uint8_t* q, const uint
 #pragma GCC unroll 16
     for (int m = 0; m < R; ++m) acc[j * R + m] = a[m];
   }
-  alignas(64) float sums[16];
-  _mm512_store_ps(sums, sluice_reduce16(acc));
+  float sums[W * R];
+  sluice_sums<W * R>(acc, sums);
   for (int j = 0; j < W; ++j) {  // the bias in fp32, one rounding to bf16
     const float b = bias != nullptr ? static_cast<float>(bias[j]) : 0.f;
-    for (int m = 0; m < R; ++m) out[m * ldo + j] = static_cast<at::BFloat16>(sums[sluice_lane_of(j * R + m)] + b);
+    for (int m = 0; m < R; ++m) out[m * ldo + j] = static_cast<at::BFloat16>(sums[j * R + m] + b);
   }
 }
 
