@@ -40,8 +40,8 @@ one request, ready to claim), best of the rounds; the raw read (best of every re
 before each of its workers) reads every weight file once after
 `posix_fadvise(DONTNEED)` (the VM's host may still cache it, so this is a lower bound on a disk read). The
 sluice-tiny row is the fixed cost every worker pays whatever its model (Python, torch and transformers
-imports, tokenizer, KV allocation; bitsandbytes models add its import); CPU attention kernels are built once beforehand, as a
-worker image should ship them. Workers run on their default settings (256 sequences, the model's full context:
+imports, tokenizer, KV allocation; bitsandbytes models add its import); CPU attention kernels are built once
+beforehand, as a worker image should ship them. Workers run on their default settings (256 sequences, the model's full context:
 the CPU KV pool's 4 GiB cap, mapped but not touched). `bf16` loads as a worker does by default
 (`--weight-loading auto`: from 4 GiB of weights every tensor stored as used is the file's own page-cache pages;
 below that only those on a 64-byte boundary, and files written by `save_pretrained` start their data at a
