@@ -72,6 +72,17 @@ def quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return xf.div_(row_scale).round_().to(torch.int8), row_scale
 
 
+def bnb_int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A weight [out, in] quantized as bitsandbytes' int8_vectorwise_quant quantizes its fp16 copy (codes CB, fp32
+    row absmax SCB; the same bits), in one C++ pass per row; None where that kernel does not serve (other
+    devices, no C++ kernels), for the caller to use bitsandbytes' own."""
+    fused = _fused()
+    if fused is None or weight.device.type != "cpu" or weight.dim() != 2:
+        return None
+    cb, scb = fused.bnb_int8_rows(weight.contiguous())
+    return cb, scb
+
+
 def vnni_comp(qweight: torch.Tensor) -> torch.Tensor | None:
     """What our VNNI int8 product subtracts per weight row (128 x the row's sum), for a linear to keep beside its
     weight and pass to every call (else each call computes it: at one row a second pass over the weight); None

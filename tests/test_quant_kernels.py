@@ -264,3 +264,34 @@ def test_int4_weight_only_greedy_output_is_unchanged_by_the_tiles(checkpoint_fac
     tiles = greedy_tokens(path, "int4_weight_only")
     monkeypatch.setattr(int4, "MAX_INT4PACK_ROWS", 1 << 30)  # the int4pack kernel alone, as before the tiles
     assert tiles == greedy_tokens(path, "int4_weight_only")
+
+
+@pytest.mark.skipif(int8._fused() is None, reason="no C++ toolchain")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_int8_quantization_while_loading_gives_bitsandbytes_own_bits(dtype, monkeypatch):
+    """Our one-pass row quantization is bitsandbytes' int8_vectorwise_quant of the fp16 copy bit for bit (codes
+    and row absmax): K with a tail, a zero row, a value past fp16's range (its row's codes 0), a row of tiny
+    values, and ties that the fast-math compiler would round differently had the factor been folded; the int8
+    linears built while loading use it."""
+    from engine.quantization import linears
+    from engine.quantization.spec import QuantSpec
+
+    bnb = linears._bnb()
+    torch.manual_seed(0)
+    for n, k in ((301, 77), (640, 2048), (33, 16)):
+        w = (torch.randn(n, k) * 3).to(dtype)
+        w[5 % n] = 0
+        w[7 % n, 3] = 6e4 if dtype == torch.float16 else 7e4
+        w[9 % n] *= 1e-6
+        want_cb, want_scb, _ = bnb.functional.int8_vectorwise_quant(w.to(torch.float16))
+        cb, scb = int8.bnb_int8_rows(w)
+        assert cb.dtype == torch.int8 and scb.dtype == torch.float32
+        assert torch.equal(cb, want_cb) and torch.equal(scb, want_scb), (n, k, (cb != want_cb).sum())
+    calls = []
+    real = int8.bnb_int8_rows
+    monkeypatch.setattr(int8, "bnb_int8_rows", lambda weight: calls.append(weight.shape) or real(weight))
+    w = torch.randn(48, 64).to(torch.bfloat16)
+    layer = linears.quantized_linear(QuantSpec("int8"), w, None, torch.bfloat16)
+    want_cb, want_scb, _ = bnb.functional.int8_vectorwise_quant(w.to(torch.float16))
+    assert calls == [(48, 64)]
+    assert torch.equal(layer.weight.data, want_cb) and torch.equal(layer.weight.SCB, want_scb)

@@ -188,8 +188,8 @@ WEIGHT_ONLY_LINEARS = {WEIGHT_ONLY: Int8WeightOnlyLinear, INT4_WEIGHT_ONLY: Int4
 def quantized_linear(spec: QuantSpec, weight: torch.Tensor, bias: torch.Tensor | None, dtype) -> nn.Module:
     """Quantize one weight [out, in] (already on its device) into the spec's bitsandbytes linear."""
     F = _bnb().functional
-    if spec.method == "int8":
-        cb, scb, _ = F.int8_vectorwise_quant(weight.to(torch.float16))
+    if spec.method == "int8":  # bitsandbytes' own quantization, or the same bits in one pass on CPU (~5x faster)
+        cb, scb = int8_weights.bnb_int8_rows(weight) or F.int8_vectorwise_quant(weight.to(torch.float16))[:2]
         return int8_linear(spec, cb, scb, bias, dtype)
     packed, state = F.quantize_4bit(weight.to(dtype).contiguous(), blocksize=BLOCKSIZE,
                                     compress_statistics=spec.double_quant, quant_type=spec.quant_type)
