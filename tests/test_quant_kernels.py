@@ -287,6 +287,7 @@ def test_int8_quantization_while_loading_gives_bitsandbytes_own_bits(dtype, monk
         cb, scb = int8.bnb_int8_rows(w)
         assert cb.dtype == torch.int8 and scb.dtype == torch.float32
         assert torch.equal(cb, want_cb) and torch.equal(scb, want_scb), (n, k, (cb != want_cb).sum())
+    assert linears._rows_match_bnb()
     calls = []
     real = int8.bnb_int8_rows
     monkeypatch.setattr(int8, "bnb_int8_rows", lambda weight: calls.append(weight.shape) or real(weight))
@@ -295,3 +296,13 @@ def test_int8_quantization_while_loading_gives_bitsandbytes_own_bits(dtype, monk
     want_cb, want_scb, _ = bnb.functional.int8_vectorwise_quant(w.to(torch.float16))
     assert calls == [(48, 64)]
     assert torch.equal(layer.weight.data, want_cb) and torch.equal(layer.weight.SCB, want_scb)
+    # a bitsandbytes that quantized otherwise (here: our kernel made one code off) keeps its own op
+    monkeypatch.setattr(int8, "bnb_int8_rows", lambda weight: (real(weight)[0].add_(1).clamp_(-127, 127),
+                                                               real(weight)[1]))
+    linears._rows_match_bnb.cache_clear()
+    try:
+        assert not linears._rows_match_bnb()
+        layer = linears.quantized_linear(QuantSpec("int8"), w, None, torch.bfloat16)
+        assert torch.equal(layer.weight.data, want_cb)
+    finally:
+        linears._rows_match_bnb.cache_clear()
