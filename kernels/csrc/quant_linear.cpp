@@ -284,6 +284,62 @@ std::vector<torch::Tensor> bnb_int8_rows(torch::Tensor w) {
   return {cb, scb};
 }
 
+// x (flattened) in blocks of `blocksize` values (the last may be short) quantized to 4-bit codes exactly as
+// bitsandbytes' default quantize_4bit does with torch ops: a full block's values times the reciprocal of its
+// absmax (at least 1e-38), a short last block's divided by its absmax, clamped to [-1, 1]; the code is the number
+// of `bounds` (the 15 midpoints between the sorted NF4/FP4 levels) below the value, mapped through `order` where
+// given (FP4); two codes a byte, the first in the high nibble (an odd count padded with the code of 0). Returns
+// (packed uint8 [(n + 1) / 2], absmax fp32: each full block's own, the short block's clamped). Finite values.
+std::vector<torch::Tensor> bnb_4bit_blocks(torch::Tensor x, int64_t blocksize, torch::Tensor bounds,
+                                           c10::optional<torch::Tensor> order) {
+  TORCH_CHECK(x.is_contiguous() && x.device().is_cpu() && blocksize > 0 && blocksize % 2 == 0, "bnb_4bit_blocks");
+  TORCH_CHECK(bounds.scalar_type() == at::kFloat && bounds.numel() == 15 && bounds.is_contiguous(), "15 fp32 bounds");
+  const int64_t n = x.numel(), rem = n % blocksize, full = n - rem, blocks = full / blocksize;
+  auto packed = torch::empty({(n + 1) / 2}, x.options().dtype(torch::kUInt8));
+  auto absmax = torch::empty({blocks + (rem ? 1 : 0)}, x.options().dtype(torch::kFloat32));
+  float bnd[15];
+  std::memcpy(bnd, bounds.data_ptr<float>(), sizeof(bnd));
+  uint8_t map[16];
+  for (int i = 0; i < 16; ++i) map[i] = order.has_value() ? static_cast<uint8_t>(order->data_ptr<int64_t>()[i]) : i;
+  auto code = [&](float v) {
+    v = std::min(1.f, std::max(-1.f, v));
+    int c = 0;
+    for (int i = 0; i < 15; ++i) c += bnd[i] < v;
+    return map[c];
+  };
+  uint8_t* out = packed.data_ptr<uint8_t>();
+  float* am = absmax.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "bnb_4bit_blocks", [&] {
+    const scalar_t* src = x.data_ptr<scalar_t>();
+    const int64_t tasks = blocks + (rem ? 1 : 0);
+    at::parallel_for(0, tasks, std::max<int64_t>(1, 65536 / blocksize), [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t start = b * blocksize, len = b < blocks ? blocksize : rem;
+        const scalar_t* v = src + start;
+        float top = 0.f;
+        for (int64_t j = 0; j < len; ++j) top = std::max(top, std::abs(static_cast<float>(v[j])));
+        float scale = std::max(top, 1e-38f);
+        if (b < blocks) {  // times the reciprocal (torch's 1.0 / t), kept from being folded into a division
+          scale = 1.f / scale;
+          asm volatile("" : "+x"(scale));
+        }
+        am[b] = b < blocks ? top : scale;
+        for (int64_t j = 0; j < len; j += 2) {
+          const float v0 = static_cast<float>(v[j]);
+          const uint8_t hi = code(b < blocks ? v0 * scale : v0 / scale);
+          uint8_t lo = code(0.f);
+          if (j + 1 < len) {
+            const float v1 = static_cast<float>(v[j + 1]);
+            lo = code(b < blocks ? v1 * scale : v1 / scale);
+          }
+          out[(start + j) / 2] = static_cast<uint8_t>((hi << 4) | lo);
+        }
+      }
+    });
+  });
+  return {packed, absmax};
+}
+
 // acc [M, N] int32 * row_scale [M, 1] * col_scale [N] -> dtype of col_scale, then + bias (rounded as torch's add).
 torch::Tensor int8_rescale(torch::Tensor acc, torch::Tensor row_scale, torch::Tensor col_scale,
                            c10::optional<torch::Tensor> bias) {
@@ -866,6 +922,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_tile_mm", &int4_tile_mm, "x times an int4-packed weight, dequantized tile by tile (CPU)");
   m.def("int4_codes", &int4_codes, "codes of an int4-packed weight as the tile kernel reads them");
   m.def("quantize_rows", &quantize_rows, "per-row absmax int8 quantization (CPU)");
+  m.def("bnb_4bit_blocks", &bnb_4bit_blocks, "blocks as bitsandbytes' default quantize_4bit codes them (CPU)",
+        py::arg("x"), py::arg("blocksize"), py::arg("bounds"), py::arg("order") = py::none());
   m.def("bnb_int8_rows", &bnb_int8_rows, "weight rows as bitsandbytes' int8_vectorwise_quant gives an fp16 copy (CPU)");
   m.def("int8_rescale", &int8_rescale, "int32 matmul result times row and column scales, plus bias (CPU)");
   m.attr("VNNI") = vnni_supported();
