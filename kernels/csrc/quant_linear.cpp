@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -284,6 +285,34 @@ std::vector<torch::Tensor> bnb_int8_rows(torch::Tensor w) {
   return {cb, scb};
 }
 
+#ifdef SLUICE_AVX512_VNNI
+// bnb_4bit_blocks' codes of a full block, 16 values at a time (the same comparisons and clamp, in lanes): the
+// count of bounds below each value, mapped, two codes a byte. Returns the values done (len rounded down to 16).
+template <typename T>
+int64_t bnb_4bit_codes16(const T* v, int64_t len, float scale, const float* bnd, const uint8_t* map, uint8_t* out) {
+  __m512 bounds[15];
+  for (int i = 0; i < 15; ++i) bounds[i] = _mm512_set1_ps(bnd[i]);
+  alignas(64) int32_t order[16];
+  for (int i = 0; i < 16; ++i) order[i] = map[i];
+  const __m512i ordered = _mm512_load_si512(order), one = _mm512_set1_epi32(1);
+  const __m512 s = _mm512_set1_ps(scale), lo = _mm512_set1_ps(-1.f), hi = _mm512_set1_ps(1.f);
+  int64_t j = 0;
+  for (; j + 16 <= len; j += 16) {
+    __m512 x;
+    if constexpr (std::is_same_v<T, float>) x = _mm512_loadu_ps(v + j);
+    else x = sluice_load_bf16(v + j);
+    x = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(x, s), lo), hi);
+    __m512i c = _mm512_setzero_si512();
+    for (int i = 0; i < 15; ++i) c = _mm512_mask_add_epi32(c, _mm512_cmp_ps_mask(bounds[i], x, _CMP_LT_OQ), c, one);
+    const __m128i bytes = _mm512_cvtepi32_epi8(_mm512_permutexvar_epi32(c, ordered));  // code k in byte k
+    const __m128i pairs = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(bytes, _mm_set1_epi16(0x00FF)), 4),
+                                       _mm_srli_epi16(bytes, 8));  // (code 2i << 4) | code 2i + 1, 16-bit lanes
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out + j / 2), _mm_packus_epi16(pairs, pairs));
+  }
+  return j;
+}
+#endif
+
 // x (flattened) in blocks of `blocksize` values (the last may be short) quantized to 4-bit codes exactly as
 // bitsandbytes' default quantize_4bit does with torch ops: a full block's values times the reciprocal of its
 // absmax (at least 1e-38), a short last block's divided by its absmax, clamped to [-1, 1]; the code is the number
@@ -324,7 +353,13 @@ std::vector<torch::Tensor> bnb_4bit_blocks(torch::Tensor x, int64_t blocksize, t
           asm volatile("" : "+x"(scale));
         }
         am[b] = b < blocks ? top : scale;
-        for (int64_t j = 0; j < len; j += 2) {
+        int64_t j = 0;
+#ifdef SLUICE_AVX512_VNNI
+        if constexpr (std::is_same_v<scalar_t, at::BFloat16> || std::is_same_v<scalar_t, float>) {
+          if (b < blocks) j = bnb_4bit_codes16(v, len, scale, bnd, map, out + start / 2);
+        }
+#endif
+        for (; j < len; j += 2) {
           const float v0 = static_cast<float>(v[j]);
           const uint8_t hi = code(b < blocks ? v0 * scale : v0 / scale);
           uint8_t lo = code(0.f);
