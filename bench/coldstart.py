@@ -1,6 +1,6 @@
 """Worker cold start: process start → ready to claim (model loaded and warmed), against the raw read time of
 its weight files, page cache dropped before each; bf16 (default loading, and every tensor mapped), a
-pre-quantized int8 checkpoint, and int8 quantized while loading.
+pre-quantized int8 checkpoint, and int8 and int4 (NF4) quantized while loading.
 
 python bench/coldstart.py [--hidden 2048 --layers 12] [--rounds 2] [--variants bf16,bf16-mmap,...] [--no-record]
 (--hidden 4096 --layers 32: a 7B-class checkpoint, 11.5 GB)
@@ -27,7 +27,7 @@ from pipeline import start_redis
 from tests.services import free_port, start_worker, stop_worker
 
 CHUNK = 16 * 1024 * 1024
-VARIANTS = ("bf16", "bf16-mmap", "bf16-copy", "int8-prequantized", "int8-while-loading")
+VARIANTS = ("bf16", "bf16-mmap", "bf16-copy", "int8-prequantized", "int8-while-loading", "int4-while-loading")
 EXT = {
     "TORCH_EXTENSIONS_DIR": str(Path(tempfile.gettempdir()) / "sluice-coldstart-ext")
 }  # built once, unshared
@@ -170,6 +170,7 @@ def main() -> None:
         "bf16-copy": ("bf16, copied", bf16, ("--weight-loading", "copy")),
         "int8-prequantized": ("int8, pre-quantized", int8, ()),
         "int8-while-loading": ("int8, quantized while loading", bf16, ("--quantization", "int8")),
+        "int4-while-loading": ("int4 (NF4), quantized while loading", bf16, ("--quantization", "int4")),
     }
     variants = [("sluice-tiny (fixed overhead)", TINY, ())] + [every[v] for v in wanted]
     ready_s = {name: float("inf") for name, _, _ in variants}
