@@ -224,10 +224,8 @@ std::vector<torch::Tensor> quantize_rows(torch::Tensor x) {
 // fast-math flags it folds 127 * (1 / SCB) into 127 / SCB, which rounds differently (a factor one ulp higher:
 // products of 63.499996 become 63.5, codes 63 become 64).
 inline float bnb_factor(float amax) {
-  float r = 1.f / amax;
-  asm volatile("" : "+x"(r));  // else 127 * (1 / amax) folds to 127 / amax
-  float f = 127.f * r;
-  asm volatile("" : "+x"(f));
+  const volatile float r = 1.f / amax;  // a volatile read the compiler cannot fold 127 * (1 / amax) through
+  const volatile float f = 127.f * r;
   return f;
 }
 
@@ -349,8 +347,8 @@ std::vector<torch::Tensor> bnb_4bit_blocks(torch::Tensor x, int64_t blocksize, t
         for (int64_t j = 0; j < len; ++j) top = std::max(top, std::abs(static_cast<float>(v[j])));
         float scale = std::max(top, 1e-38f);
         if (b < blocks) {  // times the reciprocal (torch's 1.0 / t), kept from being folded into a division
-          scale = 1.f / scale;
-          asm volatile("" : "+x"(scale));
+          const volatile float reciprocal = 1.f / scale;
+          scale = reciprocal;
         }
         am[b] = b < blocks ? top : scale;
         int64_t j = 0;
