@@ -147,6 +147,13 @@ def vnni_kernel():
     return kernel if kernel is not None and kernel.VNNI else None
 
 
+def bnb_4bit_kernel():
+    """The C++ kernels' `bnb_4bit_blocks` (blocks coded as bitsandbytes' default quantize_4bit codes them,
+    csrc/quant_linear.cpp), or None where they do not build."""
+    kernel = _tile_kernel()
+    return kernel.bnb_4bit_blocks if kernel is not None else None
+
+
 @functools.cache
 def cpu_layout() -> tuple[int, bool] | None:
     """torch's int4pack layout on this CPU as (block rows, split), read back from packed known codes; None when

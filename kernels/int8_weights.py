@@ -79,8 +79,7 @@ def bnb_int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | N
     fused = _fused()
     if fused is None or weight.device.type != "cpu" or weight.dim() != 2:
         return None
-    cb, scb = fused.bnb_int8_rows(weight.contiguous())
-    return cb, scb
+    return tuple(fused.bnb_int8_rows(weight.contiguous()))
 
 
 def vnni_comp(qweight: torch.Tensor) -> torch.Tensor | None:

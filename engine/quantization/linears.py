@@ -217,17 +217,17 @@ _QUANTIZE_4BIT: list = []  # the torch.library registration of our CPU bitsandby
 
 def _serve_4bit_quantize() -> bool:
     """Serve bitsandbytes::quantize_4bit on CPU by one C++ pass over the blocks (`bnb_4bit_blocks`, 16 values
-    a step: 8 vs 214 ms for its torch ops on a 5632 x 2048 weight) where a probe shows the installed bitsandbytes' own bits for
-    NF4 and FP4 (a zero block and a short last block included); F.quantize_4bit and its QuantState are
-    bitsandbytes' own either way. Registered once per process; False where it is not."""
+    a step: 8 vs 214 ms for its torch ops on a 5632 x 2048 weight) where a probe shows the installed
+    bitsandbytes' own bits for NF4 and FP4 (a zero block and a short last block included); F.quantize_4bit and
+    its QuantState are bitsandbytes' own either way. Registered once per process; False where it is not."""
     if _QUANTIZE_4BIT:
         return _QUANTIZE_4BIT[0] is not None
-    ext = int8_weights._fused()
+    blocks = int4_weights.bnb_4bit_kernel()
     try:
         from bitsandbytes.backends.default.ops import _get_4bit_quantize_bounds
     except ImportError:
-        ext = None
-    if ext is None or not hasattr(ext, "bnb_4bit_blocks"):
+        blocks = None
+    if blocks is None:
         _QUANTIZE_4BIT.append(None)
         return False
     tables = {}
@@ -237,7 +237,7 @@ def _serve_4bit_quantize() -> bool:
 
     def kernel(A: torch.Tensor, blocksize: int, quant_type: str, quant_storage: torch.dtype):
         bounds, order = tables[quant_type]
-        packed, absmax = ext.bnb_4bit_blocks(A.contiguous(), blocksize, bounds, order)
+        packed, absmax = blocks(A.contiguous(), blocksize, bounds, order)
         if quant_storage != torch.uint8:
             return packed.view(quant_storage).unsqueeze(1), absmax
         return packed.unsqueeze(1), absmax
