@@ -95,10 +95,12 @@ class EngineConfig:
                                                     '"num_speculative_tokens": 4}; methods: ngram, draft.')
     enforce_eager: bool = _opt(False, "CUDA: run every step eagerly (no CUDA graph replay of pure-decode steps).")
     tokenizer: str | None = _opt(None, "Tokenizer folder (default: the model folder).")
-    weight_loading: str = _opt("auto", "CPU weights: auto (unquantized tensors stored as used are the checkpoint "
-                                       "file's own page-cache pages, mapped copy-on-write: every one from 4 GiB "
-                                       "of weights, below that those on a 64-byte boundary), mmap (every one), "
-                                       "copy (each read into private memory).")
+    weight_loading: str = _opt("auto", "CPU weights: auto (from 4 GiB of weights, unquantized tensors stored as "
+                                       "used are the checkpoint file's own page-cache pages, mapped "
+                                       "copy-on-write; below that, copy), mmap (at any size), copy (each read "
+                                       "into private memory).")
+    huge_pages: bool = _opt(True, "CPU: private weights in one arena collapsed into transparent huge pages "
+                                  "after loading (decode steps 1.1-1.25x faster where they stream weights).")
     extra: dict[str, Any] = field(default_factory=dict, metadata={"help": "Free-form settings the engine ignores."})
     speculative_config: SpeculativeConfig | None = field(init=False, default=None, repr=False, compare=False)
 

@@ -38,7 +38,7 @@ class Engine:
         self.max_model_len, self.eos_token_ids = r.max_model_len, r.eos_token_ids
         hook = linear_hook(config, self.device, self.dtype, r.hf_config)
         self.model = load_model(config.model, self.dtype, self.device, self.max_model_len, hook, r.model,
-                                config.weight_loading)
+                                config.weight_loading, config.huge_pages)
         num_blocks = r.num_kv_blocks(config)
         self.kv_block_bytes = r.kv_token_bytes() * config.block_size
         cache_factory = int8_kv_cache(self.dtype) if self.kv_dtype == torch.int8 else None

@@ -161,7 +161,8 @@ def load_draft(cfg: SpeculativeConfig, engine_config: EngineConfig, target: Mode
     draft = ModelConfig.from_hf(hf_config)
     _check_vocab(draft, target, target_vocab, cfg.model)
     config = replace(engine_config, model=cfg.model, quantization=cfg.quantization, speculative=None)
-    return load_model(cfg.model, dtype, device, max_model_len, linear_hook(config, device, dtype, hf_config), draft)
+    return load_model(cfg.model, dtype, device, max_model_len, linear_hook(config, device, dtype, hf_config), draft,
+                      engine_config.weight_loading, engine_config.huge_pages)
 
 
 def _check_vocab(draft: ModelConfig, target: ModelConfig, target_vocab: dict, path: str) -> None:

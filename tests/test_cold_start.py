@@ -210,11 +210,11 @@ def aligned(sharded, tmp_path_factory) -> Path:
 
 
 def test_mapped_weights_are_the_files_pages_copy_on_write(aligned):
-    """weight_loading=auto on an aligned bf16 file: every parameter stored as the model keeps it (all but qkv,
+    """weight_loading=mmap on an aligned bf16 file: every parameter stored as the model keeps it (all but qkv,
     whose parts lie apart in the file; gate/up lie back to back) is a view of the file's own pages, the
     logits are bitwise those of private copies, and writing a mapped weight leaves the file as it was."""
     file = str((aligned / "model.safetensors").resolve())
-    mapped = load_model(aligned, torch.bfloat16, torch.device("cpu"), 64, weight_loading="auto")
+    mapped = load_model(aligned, torch.bfloat16, torch.device("cpu"), 64, weight_loading="mmap")
     copied = load_model(aligned, torch.bfloat16, torch.device("cpu"), 64, weight_loading="copy")
     on_file = {n for n, p in mapped.named_parameters() if file in _mapped_files(p)}
     assert not any(file in _mapped_files(p) for p in copied.parameters())
@@ -228,10 +228,10 @@ def test_mapped_weights_are_the_files_pages_copy_on_write(aligned):
     assert torch.equal(after, before) and not torch.equal(mapped.norm.weight, before)
 
 
-def test_auto_maps_only_aligned_tensors_and_mmap_maps_misaligned_too(aligned, tmp_path, monkeypatch):
-    """A file whose data starts 8 bytes off a cache line: auto copies every tensor of a small checkpoint
-    (aligned private memory for the vector kernels) and maps those of one of MAP_ALL_BYTES or more, mmap maps
-    them anyway; all load the same weights; other dtypes are always read."""
+def test_auto_copies_small_checkpoints_and_maps_large_ones(aligned, tmp_path, monkeypatch):
+    """auto reads every tensor of a checkpoint below MAP_ALL_BYTES into private memory on cache lines, aligned
+    in the file or not (here 8 bytes off a cache line), and maps those of one of MAP_ALL_BYTES or more; mmap
+    maps them at any size; all load the same weights; other dtypes are always read."""
     shutil.copy(aligned / "config.json", tmp_path / "config.json")
     reader = CheckpointReader(aligned)
     tensors = {n: reader.get(n) for n in reader.names()}
@@ -241,9 +241,11 @@ def test_auto_maps_only_aligned_tensors_and_mmap_maps_misaligned_too(aligned, tm
             break
     file = str((tmp_path / "model.safetensors").resolve())
     auto = load_model(tmp_path, torch.bfloat16, torch.device("cpu"), 64, weight_loading="auto")
+    auto_aligned = load_model(aligned, torch.bfloat16, torch.device("cpu"), 64, weight_loading="auto")
     mmapped = load_model(tmp_path, torch.bfloat16, torch.device("cpu"), 64, weight_loading="mmap")
     fp32 = load_model(tmp_path, torch.float32, torch.device("cpu"), 64, weight_loading="mmap")
     assert not any(file in _mapped_files(p) for p in auto.parameters())
+    assert not any(_mapped_files(p) - {"[heap]", "[anon]"} for p in auto_aligned.parameters())
     assert all(p.data_ptr() % 64 == 0 for p in auto.parameters() if p.numel() * 2 >= 64)
     assert file in _mapped_files(mmapped.layers[1].mlp.down_proj.weight)
     assert not any(file in _mapped_files(p) for p in fp32.parameters())

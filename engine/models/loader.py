@@ -1,13 +1,14 @@
 """Load HF checkpoint folders (config.json + single or sharded safetensors) into our model, layer by layer.
 
-On CPU a parameter whose stored bytes are already what the model keeps (same dtype; a fused projection whose
-parts lie back to back in the file; 64-byte aligned, as the vector kernels read best) is the checkpoint's own
-page-cache pages, mapped copy-on-write: no copy, no second copy of the weights in memory, the page cache shared
-by every worker on the host, as llama.cpp's mmap. Everything else (other dtypes, parts apart, misaligned
-files, other devices) is read with positioned reads straight into the storage of its final parameter (a fused
-projection's parts into its rows; a large tensor in spans, one per core, in parallel; off CPU, from the map
-straight to the device). The model is built with its random initialisation skipped, so no weight is written
-twice.
+On CPU a checkpoint of MAP_ALL_BYTES or more (any size with weight_loading=mmap) is mapped: a parameter whose
+stored bytes are already what the model keeps (same dtype; a fused projection whose parts lie back to back in
+the file) is the checkpoint's own page-cache pages, mapped copy-on-write: no copy, no second copy of the weights
+in memory, the page cache shared by every worker on the host, as llama.cpp's mmap. Everything else (smaller
+checkpoints, other dtypes, parts apart, other devices) is read with positioned reads straight into the storage
+of its final parameter (a fused projection's parts into its rows; a large tensor in spans, one per core, in
+parallel; off CPU, from the map straight to the device); on CPU that storage is one arena that becomes huge
+pages once loaded (engine.weight_memory). The model is built with its random initialisation skipped, so no
+weight is written twice.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from torch import nn
 
 from engine.models.llama import LlamaModel, ModelConfig
 from engine.models.rope import RotaryEmbedding
+from engine.weight_memory import WeightArena
 
 LinearHook = Callable[[str, nn.Linear], nn.Module]
 
@@ -85,11 +87,11 @@ def read_header(file: Path) -> dict[str, TensorEntry]:
     return entries
 
 
-WEIGHT_LOADING = ("auto", "mmap", "copy")  # mapped when aligned / mapped whenever the dtype matches / always read
-MAP_ALIGNMENT = 64  # bytes: below MAP_ALL_BYTES, auto maps a tensor only where it starts on a cache line
-# From this size auto maps misaligned tensors too: such weights stream from memory, where rows off a cache line
-# cost the bf16 GEMV 1-5% (oneDNN 3-6% at 64 rows), and copying them takes seconds and twice the memory;
-# smaller ones fit the caches better, where off-line rows read up to 1.6x slower, and copy quickly.
+WEIGHT_LOADING = ("auto", "mmap", "copy")  # mapped from MAP_ALL_BYTES, else read / mapped where the dtype matches / read
+# From this size auto maps the checkpoint: copying it would take seconds and twice the memory, and the page cache
+# is shared by every worker on the host. Below it auto reads every tensor into the huge-page arena
+# (engine.weight_memory: decode steps 1.1-1.25x faster than over 4 KB pages, page-cache maps included), on cache
+# lines (rows off a cache line read up to 1.6x slower while they fit the caches).
 MAP_ALL_BYTES = 4 << 30
 PARALLEL_CHUNK = 4 << 20  # tensors above this are read by several threads, a span each
 READERS = min(8, os.cpu_count() or 1)
@@ -191,19 +193,19 @@ class CheckpointReader:
 
 
 def _read_param(reader: CheckpointReader, names: list[str], dtype, device: torch.device,
-                weight_loading: str = "copy") -> nn.Parameter:
+                weight_loading: str = "copy", arena: WeightArena | None = None) -> nn.Parameter:
     """One parameter from checkpoint tensors stacked along their first dimension: on CPU the file's own mapped
-    bytes where `weight_loading` allows and they serve as they are, otherwise read in place."""
-    if device.type == "cpu" and weight_loading != "copy":
+    bytes where `weight_loading` is mmap and they serve as they are, otherwise read in place (into `arena`
+    where it has room)."""
+    if device.type == "cpu" and weight_loading == "mmap":
         view = reader.mapped(names)
-        if view is not None and view.dtype == dtype and (
-            weight_loading == "mmap" or view.data_ptr() % MAP_ALIGNMENT == 0
-        ):
+        if view is not None and view.dtype == dtype:
             return nn.Parameter(view, requires_grad=False)
     shapes = [reader.shape(n) for n in names]
     rows = [s[0] if s else 1 for s in shapes]
     shape = (sum(rows), *shapes[0][1:]) if len(names) > 1 else shapes[0]
-    out = torch.empty(shape, dtype=dtype, device=device)
+    out = arena.empty(shape, dtype) if arena is not None else None
+    out = torch.empty(shape, dtype=dtype, device=device) if out is None else out
     start = 0
     for name, n in zip(names, rows, strict=True):
         part = out[start : start + n] if len(names) > 1 else out
@@ -226,27 +228,29 @@ def _check_shape(name: str, param: nn.Parameter, expected: torch.Size) -> nn.Par
 
 
 def _load_linear(mod: nn.Linear, reader: CheckpointReader, hf_prefix: str, parts, dtype, device,
-                 weight_loading: str) -> None:
+                 weight_loading: str, arena: WeightArena | None) -> None:
     names = [f"{hf_prefix}{p}" for p in parts]
-    weight = _read_param(reader, [f"{n}.weight" for n in names], dtype, device, weight_loading)
+    weight = _read_param(reader, [f"{n}.weight" for n in names], dtype, device, weight_loading, arena)
     mod.weight = _check_shape(f"{names[0]}.weight", weight, mod.weight.shape)
     if mod.bias is not None:
-        bias = _read_param(reader, [f"{n}.bias" for n in names], dtype, device, weight_loading)
+        bias = _read_param(reader, [f"{n}.bias" for n in names], dtype, device, weight_loading, arena)
         mod.bias = _check_shape(f"{names[0]}.bias", bias, mod.bias.shape)
 
 
 def _load_layer(layer: nn.Module, reader, i: int, dtype, device, hook: LinearHook | None,
-                weight_loading: str) -> None:
+                weight_loading: str, arena: WeightArena | None) -> None:
+    """Layer i's tensors; a linear that `hook` replaces is read outside `arena` (the hook keeps its own)."""
     prefix = f"model.layers.{i}."
     for name, mod in list(layer.named_modules()):
         if isinstance(mod, nn.Linear):
             if not getattr(hook, "prequantized", False):
-                _load_linear(mod, reader, prefix, LlamaModel.FUSED.get(name, (name,)), dtype, device, weight_loading)
+                _load_linear(mod, reader, prefix, LlamaModel.FUSED.get(name, (name,)), dtype, device, weight_loading,
+                             None if hook is not None else arena)
             if hook is not None:
                 parent, _, attr = name.rpartition(".")
                 setattr(layer.get_submodule(parent), attr, hook(f"{prefix}{name}", mod))
         elif hasattr(mod, "weight") and isinstance(mod.weight, nn.Parameter) and name:
-            weight = _read_param(reader, [f"{prefix}{name}.weight"], dtype, device, weight_loading)
+            weight = _read_param(reader, [f"{prefix}{name}.weight"], dtype, device, weight_loading, arena)
             mod.weight = _check_shape(f"{prefix}{name}.weight", weight, mod.weight.shape)
 
 
@@ -290,31 +294,46 @@ def load_model(
     linear_hook: LinearHook | None = None,
     config: ModelConfig | None = None,
     weight_loading: str = "auto",
+    huge_pages: bool = True,
 ) -> LlamaModel:
     """Build our model from an HF folder, reading tensors layer by layer onto `device` (`config`: its
     config.json when the caller has already read it; `weight_loading`: one of WEIGHT_LOADING, for CPU: map
-    the file's tensors where they serve as stored (auto: all of them from MAP_ALL_BYTES of weights, below
-    that only the aligned ones), always, or never. A linear hook reads private copies: what it keeps replaces
-    the weights, and no map outlives the load for the few tensors left.)"""
+    the file's tensors where they serve as stored (auto: from MAP_ALL_BYTES of weights), always, or never. A
+    linear hook reads private copies: what it keeps replaces the weights, and no map outlives the load.
+    `huge_pages`: on CPU, private weights in engine.weight_memory's arena, collapsed in the background.)"""
     if weight_loading not in WEIGHT_LOADING:
         raise ValueError(f"weight_loading must be one of {', '.join(WEIGHT_LOADING)}, got {weight_loading!r}")
     config = config or ModelConfig.from_hf(read_config(path))
     reader = CheckpointReader(path)
     mode = weight_loading if linear_hook is None else "copy"
-    if mode == "auto" and sum(e.nbytes for e in reader.entries.values()) >= MAP_ALL_BYTES:
-        mode = "mmap"
+    if mode == "auto":
+        mode = "mmap" if sum(e.nbytes for e in reader.entries.values()) >= MAP_ALL_BYTES else "copy"
+    arena = _arena(reader, dtype) if device.type == "cpu" and mode == "copy" and huge_pages else None
     model = build_model(config)
     placeholders = list(model.parameters())
-    model.embed_tokens.weight = _read_param(reader, ["model.embed_tokens.weight"], dtype, device, mode)
-    model.norm.weight = _read_param(reader, ["model.norm.weight"], dtype, device, mode)
+    model.embed_tokens.weight = _read_param(reader, ["model.embed_tokens.weight"], dtype, device, mode, arena)
+    model.norm.weight = _read_param(reader, ["model.norm.weight"], dtype, device, mode, arena)
     if model.lm_head is not None:
         name = "lm_head.weight" if "lm_head.weight" in reader else "model.embed_tokens.weight"
-        model.lm_head.weight = _read_param(reader, [name], dtype, device, mode)
+        model.lm_head.weight = _read_param(reader, [name], dtype, device, mode, arena)
     for i, layer in enumerate(model.layers):
-        _load_layer(layer, reader, i, dtype, device, linear_hook, mode)
+        _load_layer(layer, reader, i, dtype, device, linear_hook, mode, arena)
     left = {id(p) for p in placeholders} & {id(p) for p in model.parameters()}
     assert not left, f"{len(left)} parameter(s) never read from the checkpoint"
     if getattr(linear_hook, "quantizes_head", False):
         model.lm_head = linear_hook("lm_head", _head(model))
     model.rope = RotaryEmbedding(config.head_dim, max_positions, config.rope).to(device)
+    if arena is not None:
+        arena.adopt(model)
+        arena.settle()
+        model.weight_arena = arena
     return model.eval()
+
+
+def _arena(reader: CheckpointReader, dtype: torch.dtype) -> WeightArena:
+    """An arena with room for every checkpoint tensor in the dtype the model keeps it (floating ones in `dtype`),
+    a quarter more for what quantized linears and the rotary tables add (committed only where written)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    nbytes = sum(e.nbytes // e.dtype.itemsize * (size if e.dtype.is_floating_point else e.dtype.itemsize)
+                 for e in reader.entries.values())
+    return WeightArena(nbytes + nbytes // 4 + (64 << 20))

@@ -1,0 +1,93 @@
+"""CPU weights in one arena that becomes transparent huge pages (engine.weight_memory)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from engine import LLM, SamplingParams
+from engine.weight_memory import HUGE_PAGE, WeightArena
+from tests.checkpoints import make_checkpoint
+
+
+def _mapping(ptr: int) -> dict[str, int]:
+    """The kB fields of /proc/self/smaps for the mapping that holds address `ptr`."""
+    fields, inside = {}, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if "-" in head[0] and len(head) >= 5:
+            lo, hi = (int(x, 16) for x in head[0].split("-"))
+            inside = lo <= ptr < hi
+        elif inside and line.endswith(" kB"):
+            fields[head[0].rstrip(":")] = int(head[1])
+    return fields
+
+
+def _collapse_supported() -> bool:
+    """MADV_COLLAPSE is Linux 6.1+, and THP must not be switched off."""
+    enabled = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    major, minor = (int(x) for x in os.uname().release.split(".")[:2])
+    return enabled.is_file() and "[never]" not in enabled.read_text() and (major, minor) >= (6, 1)
+
+
+@pytest.fixture(scope="module")
+def mid_llama(tmp_path_factory) -> Path:
+    """A bf16 llama of ~20 MB: several huge pages of weights."""
+    return make_checkpoint(tmp_path_factory.mktemp("mid"), dtype=torch.bfloat16, hidden_size=512,
+                           intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4)
+
+
+def _llm(path: Path, **kw) -> LLM:
+    return LLM(str(path), dtype="bfloat16", device="cpu", max_model_len=96, max_num_seqs=2, **kw)
+
+
+@pytest.mark.parametrize("quantization", [None, "int8_weight_only", "int4_weight_only"])
+def test_weights_live_in_one_arena_of_huge_pages_and_decode_the_same(mid_llama, quantization):
+    """Every parameter and buffer (quantized linears' codes and scales included) lies in the arena, which is
+    committed only where written and, once settled, backed by huge pages; greedy tokens are those of the same
+    model on ordinary pages."""
+    llm = _llm(mid_llama, quantization=quantization)
+    plain = _llm(mid_llama, quantization=quantization, huge_pages=False)
+    model, arena = llm.engine.model, llm.engine.model.weight_arena
+    tensors = [*model.parameters(), *model.buffers()]
+    assert all(arena.holds(t) for t in tensors)
+    assert not hasattr(plain.engine.model, "weight_arena")
+    assert not any(arena.holds(t) for t in plain.engine.model.parameters())
+    assert arena.used >= sum(t.numel() * t.element_size() for t in tensors) > 4 * HUGE_PAGE
+    assert arena.settled.wait(60)
+    smaps = _mapping(arena.data_ptr())
+    assert smaps["Rss"] * 1024 <= arena.used + 2 * HUGE_PAGE < arena.capacity  # the slack is never committed
+    if _collapse_supported():
+        assert smaps["AnonHugePages"] * 1024 >= (arena.used // HUGE_PAGE - 1) * HUGE_PAGE
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = [[5, 9, 2, 7, 11, 3], [8, 1, 4]]
+    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in plain.generate(prompts, params)]
+
+
+class _Views(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.arange(4096, dtype=torch.float32).view(64, 64), requires_grad=False)
+        self.register_buffer("codes", torch.arange(1000, dtype=torch.int16))
+        self.register_buffer("tail", self.codes[600:].view(20, 20).t())  # a strided view of codes' storage
+        self.register_buffer("big", torch.ones(100_000))
+
+
+def test_adopt_keeps_views_of_one_storage_views_of_one_copy():
+    """adopt moves a storage once with every view of it (offset and strides kept), so writes through one still
+    show through the other; what does not fit stays where it was, unchanged."""
+    mod, expected = _Views(), {k: v.clone() for k, v in _Views().state_dict().items()}
+    arena = WeightArena(64 * 64 * 4 + 1000 * 2 + 1024)
+    moved = arena.adopt(mod)
+    assert moved == 64 * 64 * 4 + 1000 * 2
+    assert arena.holds(mod.weight) and arena.holds(mod.codes) and arena.holds(mod.tail) and not arena.holds(mod.big)
+    assert mod.tail.untyped_storage().data_ptr() == mod.codes.untyped_storage().data_ptr()
+    assert isinstance(mod.weight, nn.Parameter) and mod.weight.data_ptr() % 64 == 0
+    for k, v in mod.state_dict().items():
+        assert torch.equal(v, expected[k]), k
+    mod.codes[610] = -1
+    assert mod.tail[10, 0] == -1  # tail[i, j] is codes[600 + 20 j + i]
