@@ -27,7 +27,7 @@ from pipeline import start_redis
 from tests.services import free_port, start_worker, stop_worker
 
 CHUNK = 16 * 1024 * 1024
-VARIANTS = ("bf16", "bf16-mmap", "bf16-copy", "int8-prequantized", "int8-while-loading", "int4-while-loading")
+VARIANTS = ("bf16", "bf16-4k", "bf16-mmap", "bf16-copy", "int8-prequantized", "int8-while-loading", "int4-while-loading")
 EXT = {
     "TORCH_EXTENSIONS_DIR": str(Path(tempfile.gettempdir()) / "sluice-coldstart-ext")
 }  # built once, unshared
@@ -166,6 +166,7 @@ def main() -> None:
     int8 = prequantized(bf16) if "int8-prequantized" in wanted else None
     every = {
         "bf16": ("bf16", bf16, ()),
+        "bf16-4k": ("bf16, 4 KB pages", bf16, ("--no-huge-pages",)),
         "bf16-mmap": ("bf16, mapped", bf16, ("--weight-loading", "mmap")),
         "bf16-copy": ("bf16, copied", bf16, ("--weight-loading", "copy")),
         "int8-prequantized": ("int8, pre-quantized", int8, ()),

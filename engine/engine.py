@@ -54,6 +54,10 @@ class Engine:
         self.counters = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0, "computed_tokens": 0}
         self.spec_stats = SpecStats()
         self.proposer = self._make_proposer()
+        # Huge pages for the weights (engine.weight_memory) once the first step has run: loading, the KV pool and
+        # the first step's lazy set-up (a worker's warm-up, before it is ready) never share the cores with them.
+        draft = getattr(getattr(self.proposer, "runner", None), "model", None)
+        self._unsettled = [m.weight_arena for m in (self.model, draft) if hasattr(m, "weight_arena")]
 
     def _make_proposer(self) -> Proposer | None:
         """The proposer the speculative config names, given only what it needs (never the engine)."""
@@ -138,6 +142,9 @@ class Engine:
                 self.counters["computed_tokens"] += n
             done += self._process(batch.requests, step_logits)
             self.counters["steps"] += 1
+            for arena in self._unsettled:
+                arena.settle()
+            self._unsettled = []
         return [self._output(r) for r in done]
 
     def _drop_unscheduled_speculation(self, batch) -> None:

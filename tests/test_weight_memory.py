@@ -48,8 +48,8 @@ def _llm(path: Path, **kw) -> LLM:
 @pytest.mark.parametrize("quantization", [None, "int8_weight_only", "int4_weight_only"])
 def test_weights_live_in_one_arena_of_huge_pages_and_decode_the_same(mid_llama, quantization):
     """Every parameter and buffer (quantized linears' codes and scales included) lies in the arena, which is
-    committed only where written and, once settled, backed by huge pages; greedy tokens are those of the same
-    model on ordinary pages."""
+    committed only where written and, settled after the engine's first step, backed by huge pages; greedy
+    tokens are those of the same model on ordinary pages."""
     llm = _llm(mid_llama, quantization=quantization)
     plain = _llm(mid_llama, quantization=quantization, huge_pages=False)
     model, arena = llm.engine.model, llm.engine.model.weight_arena
@@ -58,14 +58,25 @@ def test_weights_live_in_one_arena_of_huge_pages_and_decode_the_same(mid_llama, 
     assert not hasattr(plain.engine.model, "weight_arena")
     assert not any(arena.holds(t) for t in plain.engine.model.parameters())
     assert arena.used >= sum(t.numel() * t.element_size() for t in tensors) > 4 * HUGE_PAGE
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = [[5, 9, 2, 7, 11, 3], [8, 1, 4]]
+    assert not arena.settled.is_set()
+    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in plain.generate(prompts, params)]
     assert arena.settled.wait(60)
     smaps = _mapping(arena.data_ptr())
     assert smaps["Rss"] * 1024 <= arena.used + 2 * HUGE_PAGE < arena.capacity  # the slack is never committed
     if _collapse_supported():
         assert smaps["AnonHugePages"] * 1024 >= (arena.used // HUGE_PAGE - 1) * HUGE_PAGE
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    prompts = [[5, 9, 2, 7, 11, 3], [8, 1, 4]]
     assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in plain.generate(prompts, params)]
+
+
+def test_a_draft_models_weights_settle_too(mid_llama):
+    """A draft model loads into an arena of its own, settled with the target's after the first step."""
+    llm = _llm(mid_llama, speculative={"method": "draft", "model": str(mid_llama), "num_speculative_tokens": 2})
+    arenas = [llm.engine.model.weight_arena, llm.engine.proposer.runner.model.weight_arena]
+    assert arenas[0] is not arenas[1] and not any(a.settled.is_set() for a in arenas)
+    llm.generate([[5, 9, 2, 7]], SamplingParams(max_tokens=4, temperature=0))
+    assert all(a.settled.wait(60) for a in arenas)
 
 
 class _Views(nn.Module):

@@ -300,7 +300,8 @@ def load_model(
     config.json when the caller has already read it; `weight_loading`: one of WEIGHT_LOADING, for CPU: map
     the file's tensors where they serve as stored (auto: from MAP_ALL_BYTES of weights), always, or never. A
     linear hook reads private copies: what it keeps replaces the weights, and no map outlives the load.
-    `huge_pages`: on CPU, private weights in engine.weight_memory's arena, collapsed in the background.)"""
+    `huge_pages`: on CPU, private weights in engine.weight_memory's arena, `model.weight_arena`, which its
+    owner settles.)"""
     if weight_loading not in WEIGHT_LOADING:
         raise ValueError(f"weight_loading must be one of {', '.join(WEIGHT_LOADING)}, got {weight_loading!r}")
     config = config or ModelConfig.from_hf(read_config(path))
@@ -325,8 +326,7 @@ def load_model(
     model.rope = RotaryEmbedding(config.head_dim, max_positions, config.rope).to(device)
     if arena is not None:
         arena.adopt(model)
-        arena.settle()
-        model.weight_arena = arena
+        model.weight_arena = arena  # for its owner to settle once it runs
     return model.eval()
 
 
