@@ -44,10 +44,10 @@ imports, tokenizer, KV allocation; bitsandbytes models add its import); CPU atte
 beforehand, as a worker image should ship them. Workers run on their default settings (256 sequences, the model's full context:
 the CPU KV pool's 4 GiB cap, mapped but not touched). `bf16` loads as a worker does by default
 (`--weight-loading auto`: from 4 GiB of weights every tensor stored as used is the file's own page-cache pages;
-below that only those on a 64-byte boundary, and files written by `save_pretrained` start their data at a
-random multiple of 8 bytes, so most are read into private memory); `bf16, mapped` passes `--weight-loading
-mmap` (every tensor mapped); `bf16, copied` passes `--weight-loading copy` (every tensor read). The last column
-is the size-dependent part against the raw read."""
+below that every tensor is read into private memory, an arena that becomes huge pages after the warm-up);
+`bf16, 4 KB pages` passes `--no-huge-pages`; `bf16, mapped` passes `--weight-loading mmap` (every tensor
+mapped); `bf16, copied` passes `--weight-loading copy` (every tensor read). The last column is the
+size-dependent part against the raw read."""
 
 
 def weight_files(model: Path) -> list[Path]:

@@ -1,13 +1,14 @@
 """Decode-step time of our quantized modes against bf16, interleaved finely enough for a noisy shared host.
 
-python bench/decode_steps.py [--batches 1,4,8,32,64] [--modes bf16,int8,int4] [--blocks 12] [--steps 8]
+python bench/decode_steps.py [--batches 1,4,8,32,64] [--modes bf16,int8,int4] [--blocks 12] [--steps 8] [--pages]
 
 Whole-run ratios (bench/llamacpp.py's best-of-rounds) swing by +-20% here when the host's load changes between
 runs. This one keeps every mode's engine loaded with the same B decoding sequences and alternates modes every
 `--steps` decode steps, `--blocks` times, so each mode sees the same host; it reports the median step. A second
 table times the int8 x int8 matmul of the dynamic int8 path, ours (AVX512-VNNI) against torch._int_mm, over
 the bench model's 48 decoder linears (weights out of cache, as in a decode step); a third the int4 linears, ours
-(int8 x int4 by VNNI on our layout) against torch's int4pack path.
+(int8 x int4 by VNNI on our layout) against torch's int4pack path. `--pages` instead times each mode's step with
+its weights in huge pages (the default) against the same engine on 4 KB pages (huge_pages=False), alternating.
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ from kernels import int4_weights, int8_weights
 LINEARS = [(1280, 768), (768, 768), (4096, 768), (768, 2048)] * 12  # qkv, o, gate_up, down of 12 layers
 
 
-def step_times(model, modes: list[str], batch: int, blocks: int, steps: int) -> dict[str, float]:
-    """Median decode-step seconds per mode, every mode decoding the same `batch` random prompts."""
-    llms = {m: load(model, m, [batch]) for m in modes}
+def step_times(model, engines: dict[str, tuple[str, bool]], batch: int, blocks: int, steps: int) -> dict[str, float]:
+    """Median decode-step seconds per engine (name: mode, huge pages), each decoding the same `batch` random
+    prompts."""
+    llms = {name: load(model, m, [batch], huge_pages=huge) for name, (m, huge) in engines.items()}
     params = SamplingParams(max_tokens=blocks * steps + 2, temperature=0, ignore_eos=True)
     for llm in llms.values():
         rng = random.Random(0)
@@ -36,7 +38,7 @@ def step_times(model, modes: list[str], batch: int, blocks: int, steps: int) -> 
             llm.engine.add_request(f"d{i}", [rng.randrange(4, 32000) for _ in range(PROMPT)], params)
         while any(not r.output_token_ids for r in llm.engine.requests.values()):
             llm.engine.step()
-    times: dict[str, list[float]] = {m: [] for m in modes}
+    times: dict[str, list[float]] = {name: [] for name in engines}
     for _ in range(blocks):
         for m, llm in llms.items():
             for _ in range(steps):
@@ -83,6 +85,22 @@ def int4_matmuls(rows: list[int]) -> list[list]:
     return table_rows
 
 
+def pages(model, modes: list[str], batches: list[int], blocks: int, steps: int) -> None:
+    """Each mode's median step with its weights in huge pages against 4 KB pages, alternating in one process."""
+    rows = []
+    for b in batches:
+        for m in modes:
+            med = step_times(model, {"4k": (m, False), "huge": (m, True)}, b, blocks, steps)
+            rows.append([b, m, med["4k"] * 1e3, med["huge"] * 1e3, med["4k"] / med["huge"]])
+            print(rows[-1], flush=True)
+    body = table(["B", "mode", "4 KB pages step ms", "huge pages step ms", "huge ×"], rows) + (
+        f"\n\nMedian decode step (ms) of B sequences past a {PROMPT}-token random prompt: per mode, the engine with "
+        f"its weights in one arena of transparent huge pages (engine.weight_memory, the default) and the same "
+        f"engine with huge_pages=False loaded side by side, alternating every {steps} steps, {blocks} times; "
+        "bench/llamacpp.py's model. Modes: " + ", ".join(f"{m} = quantization={MODES[m][0]!r}" for m in modes) + ".")
+    record("Decode step, weights in huge pages vs 4 KB pages", body)
+
+
 def _best(fn) -> float:
     """Best ms of 5 x 10 calls."""
     fn()
@@ -101,15 +119,18 @@ def main() -> None:
     p.add_argument("--modes", default="bf16,int8,int4")
     p.add_argument("--blocks", type=int, default=12)
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--pages", action="store_true", help="huge pages against 4 KB pages, per mode")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     modes = args.modes.split(",")
     assert modes[0] == "bf16" and all(m in MODES for m in modes), f"modes: bf16 first, then of {sorted(MODES)}"
     batches = [int(b) for b in args.batches.split(",")]
     model = bench_model()
+    if args.pages:
+        return pages(model, modes, batches, args.blocks, args.steps)
     rows = []
     for b in batches:
-        med = step_times(model, modes, b, args.blocks, args.steps)
+        med = step_times(model, {m: (m, True) for m in modes}, b, args.blocks, args.steps)
         rows.append([b, *(med[m] * 1e3 for m in modes), *(med["bf16"] / med[m] for m in modes[1:])])
         print(rows[-1], flush=True)
     headers = ["B", *(f"{m} step ms" for m in modes), *(f"{m} / bf16 speed" for m in modes[1:])]

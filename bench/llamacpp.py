@@ -125,10 +125,13 @@ def sluice(llm: LLM, batch: int, seed: int) -> float:
     return sum(len(r.output_token_ids) - 1 for r in reqs) / dt
 
 
-def load(model: Path, mode: str, batches: list[int]) -> LLM:
+def load(model: Path, mode: str, batches: list[int], **engine_args) -> LLM:
     llm = LLM(str(model), dtype="bfloat16", device="cpu", quantization=MODES[mode][0],
-              max_num_seqs=max(batches), max_model_len=PROMPT + GEN + 16, enable_prefix_caching=False)
+              max_num_seqs=max(batches), max_model_len=PROMPT + GEN + 16, enable_prefix_caching=False, **engine_args)
     sluice(llm, 2, seed=-1)  # warm-up: kernels built, allocator primed
+    arena = getattr(llm.engine.model, "weight_arena", None)
+    if arena is not None:
+        arena.settled.wait()  # the weights in huge pages, as in a worker's steady state
     return llm
 
 
