@@ -330,10 +330,14 @@ def load_model(
     return model.eval()
 
 
-def _arena(reader: CheckpointReader, dtype: torch.dtype) -> WeightArena:
-    """An arena with room for every checkpoint tensor in the dtype the model keeps it (floating ones in `dtype`),
-    a quarter more for what quantized linears and the rotary tables add (committed only where written)."""
+def _arena(reader: CheckpointReader, dtype: torch.dtype) -> WeightArena | None:
+    """An arena with room for every checkpoint tensor in the dtype the model keeps it (floating ones in `dtype`;
+    quantized linears keep fewer bytes than that, their row sums a little more), committed only where written;
+    None where the address space cannot be had (the tensors then go to torch's allocator)."""
     size = torch.empty((), dtype=dtype).element_size()
     nbytes = sum(e.nbytes // e.dtype.itemsize * (size if e.dtype.is_floating_point else e.dtype.itemsize)
                  for e in reader.entries.values())
-    return WeightArena(nbytes + nbytes // 4 + (64 << 20))
+    try:
+        return WeightArena(nbytes + nbytes // 64 + (64 << 20))
+    except OSError:
+        return None
