@@ -46,8 +46,8 @@ the CPU KV pool's 4 GiB cap, mapped but not touched). `bf16` loads as a worker d
 (`--weight-loading auto`: from 4 GiB of weights every tensor stored as used is the file's own page-cache pages;
 below that every tensor is read into private memory, an arena that becomes huge pages after the warm-up);
 `bf16, 4 KB pages` passes `--no-huge-pages`; `bf16, mapped` passes `--weight-loading mmap` (every tensor
-mapped); `bf16, copied` passes `--weight-loading copy` (every tensor read). The last column is the
-size-dependent part against the raw read."""
+mapped); `bf16, copied` passes `--weight-loading copy` (every tensor read: what `auto` does below 4 GiB, so
+the two rows differ by the host's noise). The last column is the size-dependent part against the raw read."""
 
 
 def weight_files(model: Path) -> list[Path]:
