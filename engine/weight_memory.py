@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 HUGE_PAGE = 2 << 20
 SLOT_ALIGNMENT = 64  # bytes: every tensor starts on a cache line, as the vector kernels read best
 MADV_HUGEPAGE, MADV_COLLAPSE = 14, 25  # Linux's values (MADV_COLLAPSE is not in Python's mmap module)
-COLLAPSE_SPAN = 64 << 20  # collapsed a span at a time, so a freed arena stops the thread within one span
+COLLAPSE_SPAN = 64 << 20  # a call a span: the first that fails (no huge page to be had now) ends the pass
 
 
 def _slot(nbytes: int) -> int:
