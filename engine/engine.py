@@ -11,7 +11,7 @@ from engine.config import EngineConfig
 from engine.model_runner import ModelRunner, StepLogits
 from engine.models.loader import load_model
 from engine.outputs import RequestOutput
-from engine.quantization import int8_kv_cache, linear_hook
+from engine.quantization import int8_kv_cache, linear_hook, pack_4bit_for_cpu
 from engine.request import Request
 from engine.resolved import ResolvedConfig
 from engine.sampler import device_tensor, sample, top_logprobs
@@ -57,6 +57,9 @@ class Engine:
         # Huge pages for the weights (engine.weight_memory) once the first step has run: loading, the KV pool and
         # the first step's lazy set-up (a worker's warm-up, before it is ready) never share the cores with them.
         draft = getattr(getattr(self.proposer, "runner", None), "model", None)
+        for m in (self.model, draft):
+            if m is not None and self.device.type == "cpu":
+                pack_4bit_for_cpu(m)  # at load, in a fraction of the time bitsandbytes' first forward takes
         self._unsettled = [m.weight_arena for m in (self.model, draft) if hasattr(m, "weight_arena")]
 
     def _make_proposer(self) -> Proposer | None:

@@ -3,6 +3,7 @@ unquantized engine on small random checkpoints."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import bitsandbytes as bnb
@@ -229,3 +230,31 @@ def test_unquantizable_shape_and_requantizing_fail_with_reasons(checkpoint_facto
     (tmp_path / "config.json").write_text(json.dumps(config | {"quantization_config": {"quant_method": "gptq"}}))
     with pytest.raises(ValueError, match="quant_method='gptq'; only bitsandbytes"):
         LLM(tmp_path, dtype="bfloat16", device="cpu")
+
+
+@pytest.mark.parametrize("quant_type,nested", [("nf4", False), ("fp4", True)])
+def test_4bit_cpu_packing_is_bitsandbytes_own(quant_type, nested):
+    """Our uint8 repack of a 4-bit weight for bitsandbytes' CPU kernel gives the bytes and QuantState of its own
+    `_convert_weight_packed_for_cpu` (three blocks of 32 rows, a zero block), and the probe agrees."""
+    w = torch.randn(96, 512, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    w[:32, :64] = 0
+    packed, state = bnb.functional.quantize_4bit(w, blocksize=64, compress_statistics=nested, quant_type=quant_type)
+    theirs = bnb.functional._convert_weight_packed_for_cpu(packed.clone(), copy.deepcopy(state))
+    ours = qlinears._packed_for_cpu(packed.clone(), copy.deepcopy(state))
+    assert torch.equal(ours[0], theirs[0]) and qlinears._same_state(ours[1], theirs[1])
+    assert ours[1].packing_format_for_cpu and not ours[1].nested
+    assert qlinears._cpu_packing_matches_bnb()
+
+
+def test_int4_linears_are_packed_for_the_cpu_kernel_at_load(ckpt, monkeypatch):
+    """The engine packs bitsandbytes' 4-bit linears for its CPU kernel while loading (where the kernel needs
+    it): the same logits as a model that bitsandbytes packs at its first forward."""
+    llm = LLM(ckpt, dtype="bfloat16", device="cpu", quantization="int4")
+    parts = quantized_parts(llm)
+    needs = parts[0].support_avx512bf16_for_cpu
+    assert all(getattr(p.weight.quant_state, "packing_format_for_cpu", False) == needs for p in parts)
+    monkeypatch.setattr("engine.engine.pack_4bit_for_cpu", lambda model: 0)
+    lazy = LLM(ckpt, dtype="bfloat16", device="cpu", quantization="int4")
+    assert not any(getattr(p.weight.quant_state, "packing_format_for_cpu", False) for p in quantized_parts(lazy))
+    for a, b in zip(llm.score(PROMPTS), lazy.score(PROMPTS), strict=True):
+        assert torch.equal(a, b)

@@ -9,10 +9,11 @@ from engine.models.loader import CheckpointReader, LinearHook, read_config
 from engine.quantization.checkpoint import save_quantized
 from engine.quantization.device_check import check_device
 from engine.quantization.kv_cache import int8_kv_cache, kv_token_bytes
-from engine.quantization.linears import FusedLinear, Quantizer
+from engine.quantization.linears import FusedLinear, Quantizer, pack_4bit_for_cpu
 from engine.quantization.spec import QuantSpec, check_shapes, resolve_spec
 
-__all__ = ["FusedLinear", "QuantSpec", "int8_kv_cache", "kv_token_bytes", "linear_hook", "save_quantized"]
+__all__ = ["FusedLinear", "QuantSpec", "int8_kv_cache", "kv_token_bytes", "linear_hook", "pack_4bit_for_cpu",
+           "save_quantized"]
 
 
 def linear_hook(config, device: torch.device, dtype: torch.dtype, hf_config: dict | None = None) -> LinearHook | None:
