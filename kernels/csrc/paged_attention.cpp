@@ -118,16 +118,26 @@ static inline void scores(const float* q, const float* const* k, int64_t n, int6
   for (; j < n; ++j) out[j] = dot(q, k[j], D);
 }
 
-// acc [D] += sum_j w[j] * v[j]: each slice of acc stays in a register across the tile's rows.
-static inline void accumulate(float* acc, const float* w, const float* const* v, int64_t n, int64_t D) {
+// acc row i [D] += sum_j w[i * kTile + j] * v[j] for NR rows, j < n[i]: each slice of the NR acc rows stays in a
+// register across the tile's rows, and each value slice is loaded once for all of them (per row the sums run in
+// the same order as one row at a time).
+template <int NR>
+static inline void accumulate(float* acc, const float* w, const int64_t* n, const float* const* v, int64_t D) {
+  const int64_t most = *std::max_element(n, n + NR);
   int64_t d = 0;
   for (; d + Vec::size() <= D; d += Vec::size()) {
-    Vec a = Vec::loadu(acc + d);
-    for (int64_t j = 0; j < n; ++j) a = at::vec::fmadd(Vec(w[j]), Vec::loadu(v[j] + d), a);
-    a.store(acc + d);
+    Vec a[NR];
+    for (int i = 0; i < NR; ++i) a[i] = Vec::loadu(acc + i * D + d);
+    for (int64_t j = 0; j < most; ++j) {
+      const Vec x = Vec::loadu(v[j] + d);
+      for (int i = 0; i < NR; ++i)
+        if (j < n[i]) a[i] = at::vec::fmadd(Vec(w[i * kTile + j]), x, a[i]);
+    }
+    for (int i = 0; i < NR; ++i) a[i].store(acc + i * D + d);
   }
   for (; d < D; ++d)
-    for (int64_t j = 0; j < n; ++j) acc[d] += w[j] * v[j][d];
+    for (int i = 0; i < NR; ++i)
+      for (int64_t j = 0; j < n[i]; ++j) acc[i * D + d] += w[i * kTile + j] * v[j][d];
 }
 
 static inline void scale_row(float* x, float f, int64_t D) {
@@ -175,7 +185,9 @@ static void attend_unit(const T* q, const Cache& c, const Unit& u, int64_t t0, i
     l[r] = 0.f;
   }
   std::fill(acc, acc + R * D, 0.f);
-  alignas(64) float kbuf[kTile * 256], vbuf[kTile * 256], s[kTile], w[kTile], ks[kTile], vs[kTile];
+  alignas(64) float kbuf[kTile * 256], vbuf[kTile * 256], s[kTile], ks[kTile], vs[kTile];
+  std::vector<float> wbuf(R * kTile);
+  std::vector<int64_t> seen(R);
   int64_t slots[kTile];
   std::vector<float> big;
   float *kb = kbuf, *vb = vbuf;
@@ -200,7 +212,9 @@ static void attend_unit(const T* q, const Cache& c, const Unit& u, int64_t t0, i
     }
     for (int64_t r = 0; r < R; ++r) {
       const int64_t valid = std::min(n, L - nq + r / G + 1 - p);  // causal: query i sees positions < L - nq + i + 1
+      seen[r] = std::max<int64_t>(valid, 0);
       if (valid <= 0) continue;
+      float* w = wbuf.data() + r * kTile;
       scores(qf.data() + r * D, krows, valid, D, s);
       float top = m[r];
       for (int64_t j = 0; j < valid; ++j) {
@@ -226,7 +240,14 @@ static void attend_unit(const T* q, const Cache& c, const Unit& u, int64_t t0, i
         m[r] = top;
       }
       l[r] += sum;
-      accumulate(ar, w, vrows, valid, D);
+    }
+    int64_t r0 = 0;
+    for (; r0 + 4 <= R; r0 += 4) accumulate<4>(acc + r0 * D, wbuf.data() + r0 * kTile, &seen[r0], vrows, D);
+    switch (R - r0) {
+      case 1: accumulate<1>(acc + r0 * D, wbuf.data() + r0 * kTile, &seen[r0], vrows, D); break;
+      case 2: accumulate<2>(acc + r0 * D, wbuf.data() + r0 * kTile, &seen[r0], vrows, D); break;
+      case 3: accumulate<3>(acc + r0 * D, wbuf.data() + r0 * kTile, &seen[r0], vrows, D); break;
+      default: break;
     }
   }
 }
