@@ -54,13 +54,14 @@ class Engine:
         self.counters = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0, "computed_tokens": 0}
         self.spec_stats = SpecStats()
         self.proposer = self._make_proposer()
+        draft = getattr(getattr(self.proposer, "runner", None), "model", None)
+        models = [m for m in (self.model, draft) if m is not None]
+        if self.device.type == "cpu":
+            for m in models:
+                pack_4bit_for_cpu(m)  # at load, in a fraction of the time bitsandbytes' first forward takes
         # Huge pages for the weights (engine.weight_memory) once the first step has run: loading, the KV pool and
         # the first step's lazy set-up (a worker's warm-up, before it is ready) never share the cores with them.
-        draft = getattr(getattr(self.proposer, "runner", None), "model", None)
-        for m in (self.model, draft):
-            if m is not None and self.device.type == "cpu":
-                pack_4bit_for_cpu(m)  # at load, in a fraction of the time bitsandbytes' first forward takes
-        self._unsettled = [m.weight_arena for m in (self.model, draft) if hasattr(m, "weight_arena")]
+        self._unsettled = [m.weight_arena for m in models if hasattr(m, "weight_arena")]
 
     def _make_proposer(self) -> Proposer | None:
         """The proposer the speculative config names, given only what it needs (never the engine)."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import mmap
 import sys
 import threading
@@ -48,10 +49,7 @@ class WeightArena:
 
     def empty(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor | None:
         """An uninitialised contiguous tensor in the arena, or None when it does not fit."""
-        numel = 1
-        for n in shape:
-            numel *= n
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         if self.used + nbytes > self.capacity:
             return None
         at = self._start + self.used

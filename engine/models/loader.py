@@ -334,8 +334,7 @@ def _arena(reader: CheckpointReader, dtype: torch.dtype) -> WeightArena | None:
     """An arena with room for every checkpoint tensor in the dtype the model keeps it (floating ones in `dtype`;
     quantized linears keep fewer bytes than that, their row sums a little more), committed only where written;
     None where the address space cannot be had (the tensors then go to torch's allocator)."""
-    size = torch.empty((), dtype=dtype).element_size()
-    nbytes = sum(e.nbytes // e.dtype.itemsize * (size if e.dtype.is_floating_point else e.dtype.itemsize)
+    nbytes = sum(e.nbytes // e.dtype.itemsize * (dtype.itemsize if e.dtype.is_floating_point else e.dtype.itemsize)
                  for e in reader.entries.values())
     try:
         return WeightArena(nbytes + nbytes // 64 + (64 << 20))

@@ -141,9 +141,9 @@ def pack_4bit_for_cpu(model: nn.Module) -> int:
     on the packed ones (7-11 ms), where a probe shows this bitsandbytes' own result; returns the linears packed."""
     if "bitsandbytes" not in sys.modules or not _cpu_packing_matches_bnb():
         return 0
-    done = 0
+    done, linear4bit = 0, _bnb().nn.Linear4bit
     for mod in model.modules():
-        if isinstance(mod, _bnb().nn.Linear4bit) and _cpu_packable(mod):
+        if isinstance(mod, linear4bit) and _cpu_packable(mod):
             mod.weight.data, _ = _packed_for_cpu(mod.weight.data, mod.weight.quant_state)
             done += 1
     return done

@@ -146,14 +146,18 @@ static inline void scale_row(float* x, float f, int64_t D) {
   for (; d < D; ++d) x[d] *= f;
 }
 
-// Tile [p, p + n)'s key and value rows (and their scales) asked for while the tile before it is computed: a
+// The tile from position p (up to p1)'s key and value rows (and their scales) asked for while the tile before it
+// is computed; nothing past p1. A
 // sequence's blocks lie anywhere in the pool, where no hardware prefetcher looks (attention at 64 sequences with
 // their KV in DRAM: 12.0 -> 8.4 ms a step). Into L2: into L1 (T0) a tile's 64 lines held the miss buffers that
 // the demand loads wait for (12 layers, 64 sequences x 192 positions from DRAM: 1.28-1.36x T0, both paths;
 // two or four tiles ahead added nothing). Always inlined: GCC deems a function of prefetches alone free of side
 // effects and drops the calls.
 template <typename C>
-__attribute__((always_inline)) static inline void prefetch_tile(const Cache& c, const int64_t* table, int64_t hk, int64_t p, int64_t n, int64_t D) {
+__attribute__((always_inline)) static inline void prefetch_tile(const Cache& c, const int64_t* table, int64_t hk,
+                                                                int64_t p, int64_t p1, int64_t D) {
+  if (p >= p1) return;
+  const int64_t n = std::min(kTile, p1 - p);
   int64_t slots[kTile];
   tile_slots(c, table, hk, p, n, slots);
   const auto* k = static_cast<const char*>(c.k);
@@ -171,10 +175,12 @@ __attribute__((always_inline)) static inline void prefetch_tile(const Cache& c, 
   }
 }
 
-// Online softmax over one unit: m (running max), l (running sum) and acc [R, D] (unnormalized output).
+// Online softmax over one unit: m (running max), l (running sum) and acc [R, D] (unnormalized output); qf, wbuf
+// and seen are the calling thread's scratch (scaled queries, a tile's softmax weights and valid positions per row).
 template <typename T, typename C>
 static void attend_unit(const T* q, const Cache& c, const Unit& u, int64_t t0, int64_t nq, int64_t L, int64_t H,
-                        int64_t G, int64_t D, float scale, std::vector<float>& qf, float* m, float* l, float* acc) {
+                        int64_t G, int64_t D, float scale, std::vector<float>& qf, std::vector<float>& wbuf,
+                        std::vector<int64_t>& seen, float* m, float* l, float* acc) {
   const int64_t R = nq * G, hk = u.hk;
   const int64_t* table = c.tables + u.s * c.width;
   qf.resize(R * D);
@@ -186,8 +192,8 @@ static void attend_unit(const T* q, const Cache& c, const Unit& u, int64_t t0, i
   }
   std::fill(acc, acc + R * D, 0.f);
   alignas(64) float kbuf[kTile * 256], vbuf[kTile * 256], s[kTile], ks[kTile], vs[kTile];
-  std::vector<float> wbuf(R * kTile);
-  std::vector<int64_t> seen(R);
+  wbuf.resize(R * kTile);
+  seen.resize(R);
   int64_t slots[kTile];
   std::vector<float> big;
   float *kb = kbuf, *vb = vbuf;
@@ -205,7 +211,7 @@ static void attend_unit(const T* q, const Cache& c, const Unit& u, int64_t t0, i
     tile_slots(c, table, hk, p, n, slots);
     load_tile(kc, slots, n, D, kb, krows);
     load_tile(vc, slots, n, D, vb, vrows);
-    if (p + kTile < u.p1) prefetch_tile<C>(c, table, hk, p + kTile, std::min(kTile, u.p1 - p - kTile), D);
+    prefetch_tile<C>(c, table, hk, p + kTile, u.p1, D);
     for (int64_t j = 0; j < n; ++j) {
       ks[j] = c.k_scale ? static_cast<float>(c.k_scale[slots[j]]) : 1.f;
       vs[j] = c.v_scale ? static_cast<float>(c.v_scale[slots[j]]) : 1.f;
@@ -279,7 +285,7 @@ static void attend_unit_bf16(const at::BFloat16* q, const Cache& c, const Unit& 
     tile_slots(c, table, hk, p, n, slots);
     for (int64_t j = 0; j < kTile; ++j) krows[j] = j < n ? kc + slots[j] * D : zero_row;
     load_tile(vc, slots, n, D, vbuf, vrows);
-    if (p + kTile < u.p1) prefetch_tile<uint16_t>(c, table, hk, p + kTile, std::min(kTile, u.p1 - p - kTile), D);
+    prefetch_tile<uint16_t>(c, table, hk, p + kTile, u.p1, D);
     int64_t rows = 0;  // rows up to the last that sees this tile (earlier rows that do not weigh it 0)
     for (int64_t r = 0; r < R; ++r) {
       const int64_t valid = std::min(n, L - nq + r / G + 1 - p);  // causal: query i sees positions < L - nq + i + 1
@@ -372,7 +378,8 @@ static void run(const T* q, const Cache& c, T* out, const int64_t* qstart, const
     cost[i + 1] = cost[i] + double(qlen[units[i].s] * G) * double(units[i].p1 - units[i].p0 + kTile);
   const int64_t T_ = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), units.size()));
   at::parallel_for(0, T_, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf, m, l, acc;
+    std::vector<float> qf, wbuf, m, l, acc;
+    std::vector<int64_t> seen;
     for (int64_t t = begin; t < end; ++t) {
       const double lo = cost.back() * t / T_, hi = cost.back() * (t + 1) / T_;
       for (size_t i = 0; i < units.size(); ++i) {
@@ -396,7 +403,7 @@ static void run(const T* q, const Cache& c, T* out, const int64_t* qstart, const
           }
         }
 #endif
-        attend_unit<T, C>(q, c, u, qstart[u.s], qlen[u.s], ctx[u.s], H, G, D, scale, qf, pm, pl, pa);
+        attend_unit<T, C>(q, c, u, qstart[u.s], qlen[u.s], ctx[u.s], H, G, D, scale, qf, wbuf, seen, pm, pl, pa);
         if (u.part < 0) write_rows(out, pa, pl, qstart[u.s], R, H, G, u.hk, D);
       }
     }
