@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python -m producer.demo
+	$(BIN)/python -m sluice.producer.demo
 
 test: $(STAMP)
 	@command -v redis-server >/dev/null 2>&1 || { echo "redis-server not found: apt-get install redis-server"; exit 1; }

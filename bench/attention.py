@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from common import base_parser, record, table
 
-from kernels import cpu_attention
+from sluice.kernels import cpu_attention
 
 H, HK, D, BLOCK = 12, 4, 64, 16
 

@@ -21,8 +21,8 @@ import torch
 from common import base_parser, bench_model, record, table
 from llamacpp import GEN, MODES, PROMPT, load
 
-from engine import SamplingParams
-from kernels import int4_weights, int8_weights
+from sluice.engine import SamplingParams
+from sluice.kernels import int4_weights, int8_weights
 
 LINEARS = [(1280, 768), (768, 768), (4096, 768), (768, 2048)] * 12  # qkv, o, gate_up, down of 12 layers
 

@@ -26,7 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine import LLM, SamplingParams  # noqa: E402
+from sluice.engine import LLM, SamplingParams  # noqa: E402
 
 BUNDLED = ROOT / "models" / "sluice-tiny"
 BIG = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,

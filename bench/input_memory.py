@@ -54,9 +54,9 @@ def main() -> None:
     path = tmp / "in.jsonl"
     write_input(path, args.mib)
     os.environ["SLUICE_OUTPUT_ROOTS"] = tmp.as_uri()
-    from contract.settings import Settings
-    from producer.client import Client
-    from producer.validation import input_lines, validate_lines
+    from sluice.contract.settings import Settings
+    from sluice.producer.client import Client
+    from sluice.producer.validation import input_lines, validate_lines
 
     before = peak_mib()
     if args.step == "validate":

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from common import base_parser, bench_model, record, table
 
-from engine import LLM, SamplingParams
+from sluice.engine import LLM, SamplingParams
 
 CACHE = Path(os.environ.get("SLUICE_LLAMACPP_CACHE", Path.home() / ".cache" / "sluice-llamacpp"))
 TARGETS = ("llama-batched-bench", "llama-quantize")

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 from common import base_parser, bench_model, record, table, timed, workload
 
-from engine import LLM, SamplingParams
-from producer import Client
+from sluice.engine import LLM, SamplingParams
+from sluice.producer import Client
 from tests.checkpoints import make_checkpoint
 from tests.services import free_port, start_worker, stop_worker, wait_for_port
 

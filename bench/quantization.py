@@ -41,7 +41,7 @@ def weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
     """Bytes of all parameters, buffers and bitsandbytes quantization state; and of the decoder linears alone."""
     import bitsandbytes as bnb
 
-    from engine.quantization.linears import Int8WeightOnlyLinear
+    from sluice.engine.quantization.linears import Int8WeightOnlyLinear
 
     total = linear = 0
     for name, mod in model.named_modules():
@@ -94,9 +94,9 @@ class AnonPeak:
 
 def load_only(path, kw: dict) -> dict:
     """Load the weights as the engine does (same hook), recording time and peak memory, then drop them."""
-    from engine.config import EngineConfig
-    from engine.models.loader import load_model
-    from engine.quantization import linear_hook
+    from sluice.engine.config import EngineConfig
+    from sluice.engine.models.loader import load_model
+    from sluice.engine.quantization import linear_hook
 
     cpu = torch.device("cpu")
     hook = linear_hook(EngineConfig(str(path), **kw), cpu, torch.bfloat16)
@@ -111,8 +111,8 @@ def load_only(path, kw: dict) -> dict:
 
 def measure(mode: str, num_requests: int, ppl_windows: int) -> dict:
     """One mode in this process: load (time, peak RSS), bytes, throughput, perplexity."""
-    from engine import LLM, SamplingParams
-    from engine.model_runner import kv_bytes_per_token
+    from sluice.engine import LLM, SamplingParams
+    from sluice.engine.model_runner import kv_bytes_per_token
 
     kw = MODES[mode]
     path = bench_model()

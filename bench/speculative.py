@@ -18,8 +18,8 @@ import torch
 from common import ROOT, base_parser, bench_model, record, table, timed, workload
 from safetensors.torch import load_file, save_file
 
-from engine import LLM, SamplingParams
-from engine.config import DEFAULT_DISABLE_BY_BATCH_SIZE
+from sluice.engine import LLM, SamplingParams
+from sluice.engine.config import DEFAULT_DISABLE_BY_BATCH_SIZE
 
 ALWAYS = 10_000  # disable_by_batch_size that keeps speculation on at every batch size
 

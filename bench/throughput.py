@@ -12,7 +12,7 @@ import torch
 from common import base_parser, bench_model, record, table, workload
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from engine import LLM, SamplingParams
+from sluice.engine import LLM, SamplingParams
 
 FULL = ((32, 512), (16, 256))  # (prompt range, max_tokens range)
 MIXED = ((32, 384), (16, 192))

@@ -13,9 +13,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from contract.events import delivery_log
-from contract.schemas import Batch
-from producer.client import BatchNotFound, Client
+from sluice.contract.events import delivery_log
+from sluice.contract.schemas import Batch
+from sluice.producer.client import BatchNotFound, Client
 
 batches_app = typer.Typer()
 console = Console()

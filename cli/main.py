@@ -13,7 +13,7 @@ def wanted(command: str) -> bool:
 
 WORKER_ONLY = sys.argv[1:2] == ["worker"]
 if WORKER_ONLY:  # first: the weights' disk read overlaps every import below
-    from worker.prefetch import prefetch_for
+    from sluice.worker.prefetch import prefetch_for
 
     prefetch_for(sys.argv[2:])
 
@@ -30,11 +30,11 @@ def sluice() -> None:
 # The worker loads none of the other commands' modules (the server's FastAPI, boto3, cron): its start-up is the
 # time to ready of every new GPU. These two import torch (seconds): loaded only for their own command or the list.
 if not WORKER_ONLY:
-    from cli.batches import batches_app
-    from cli.server import keys_app, serve
-    from producer.cron import cron_app
-    from worker.reaper import reaper_app
-    from worker.webhooks import webhooks_app
+    from sluice.cli.batches import batches_app
+    from sluice.cli.server import keys_app, serve
+    from sluice.producer.cron import cron_app
+    from sluice.worker.reaper import reaper_app
+    from sluice.worker.webhooks import webhooks_app
 
     app.add_typer(batches_app)
     app.add_typer(cron_app, name="cron")
@@ -43,11 +43,11 @@ if not WORKER_ONLY:
     app.command("serve")(serve)
     app.add_typer(keys_app, name="keys")
 if wanted("worker"):
-    from worker.cli import worker
+    from sluice.worker.cli import worker
 
     app.command("worker")(worker)
 if wanted("quantize"):
-    from cli.quantize import quantize
+    from sluice.cli.quantize import quantize
 
     app.command("quantize")(quantize)
 

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import torch
 
-from engine.models.loader import read_config
-from engine.quantization import QuantSpec, save_quantized
-from engine.resolved import resolve_dtype
+from sluice.engine.models.loader import read_config
+from sluice.engine.quantization import QuantSpec, save_quantized
+from sluice.engine.resolved import resolve_dtype
 
 
 def quantize(

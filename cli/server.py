@@ -7,9 +7,9 @@ import json
 import redis
 import typer
 
-from contract.logs import configure
-from contract.settings import get_settings
-from producer.client import check_webhook
+from sluice.contract.logs import configure
+from sluice.contract.settings import get_settings
+from sluice.producer.client import check_webhook
 
 keys_app = typer.Typer(
     help="API keys for `sluice serve`: one project per key, stored hashed in Redis.", no_args_is_help=True
@@ -18,7 +18,7 @@ RedisUrl = typer.Option(None, "--redis-url", help="Redis URL (default: $SLUICE_R
 
 
 def key_store(redis_url: str | None):
-    from producer.server.keys import KeyStore  # producer.server imports fastapi: only for its commands
+    from sluice.producer.server.keys import KeyStore  # producer.server imports fastapi: only for its commands
 
     return KeyStore(redis.Redis.from_url(redis_url or get_settings().redis_url))
 
@@ -34,8 +34,8 @@ def serve(
     """Serve the OpenAI-compatible Batch API, the dashboard (/) and /metrics over the queues."""
     import uvicorn  # uvicorn and fastapi take a second to import: only for `sluice serve`
 
-    from producer.server import create_app
-    from producer.server.context import ServerLimits
+    from sluice.producer.server import create_app
+    from sluice.producer.server.context import ServerLimits
 
     configure(log_format)
     settings = get_settings()
@@ -101,7 +101,7 @@ def webhook(
     redis_url: str = RedisUrl,
 ) -> None:
     """Set (or clear) the webhook used by every batch the project creates through the API."""
-    from producer.server.keys import ProjectSettings  # fastapi, as in key_store
+    from sluice.producer.server.keys import ProjectSettings  # fastapi, as in key_store
 
     try:
         checked = check_webhook(url)

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import redis
 
-from contract.schemas import Batch, BatchStatus, RequestCounts
+from sluice.contract.schemas import Batch, BatchStatus, RequestCounts
 
 PREFIX = "sluice:batch:"
 INDEX = "sluice:batches"

@@ -9,7 +9,7 @@ from typing import Any
 
 from redis import Redis
 
-from contract.signing import UnsafeWebhookURL, WebhookSettings, check_url
+from sluice.contract.signing import UnsafeWebhookURL, WebhookSettings, check_url
 
 DUE_KEY = "sluice:webhooks:due"
 EVENT_TYPES = {

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 QUEUES = ("high", "default", "low")
-RUN_SHARD = "worker.shards.run_shard"
-FINALIZE = "worker.finalize.finalize_batch"
+RUN_SHARD = "sluice.worker.shards.run_shard"
+FINALIZE = "sluice.worker.finalize.finalize_batch"
 MODELS = "sluice:models"  # hash: model name -> unix time a worker last became ready with it
 
 

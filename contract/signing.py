@@ -19,7 +19,7 @@ from pydantic import BaseModel, Field, SecretStr
 from urllib3.exceptions import LocationParseError
 from urllib3.util import Url, parse_url
 
-from contract.settings import Settings, get_settings
+from sluice.contract.settings import Settings, get_settings
 
 SECRET_PREFIX = "whsec_"
 METADATA_HOSTS = {"metadata", "metadata.google.internal", "metadata.goog"}

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import BinaryIO, Protocol
 from urllib.parse import unquote, urlsplit
 
-from contract.settings import get_settings
+from sluice.contract.settings import get_settings
 
 MiB = 1024 * 1024
 COPY_CHUNK = MiB

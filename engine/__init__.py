@@ -1,9 +1,9 @@
 """Sluice's inference engine: continuous batching over a paged KV cache (vLLM-compatible names)."""
 
-from engine.config import EngineConfig
-from engine.engine import Engine, RequestRejected
-from engine.llm import LLM
-from engine.outputs import RequestMetrics, RequestOutput
-from engine.sampling_params import SamplingParams
+from sluice.engine.config import EngineConfig
+from sluice.engine.engine import Engine, RequestRejected
+from sluice.engine.llm import LLM
+from sluice.engine.outputs import RequestMetrics, RequestOutput
+from sluice.engine.sampling_params import SamplingParams
 
 __all__ = ["LLM", "Engine", "EngineConfig", "RequestMetrics", "RequestOutput", "RequestRejected", "SamplingParams"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from engine.request import Request
+from sluice.engine.request import Request
 
 
 class Block:

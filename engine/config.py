@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from engine.models.loader import WEIGHT_LOADING
-from engine.quantization.spec import QuantSpec
+from sluice.engine.models.loader import WEIGHT_LOADING
+from sluice.engine.quantization.spec import QuantSpec
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
           "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "half": torch.float16}

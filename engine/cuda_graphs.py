@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.flat_metadata import StepBuffers, default_splits
+from sluice.kernels.flat_metadata import StepBuffers, default_splits
 
 SMALL_SIZES = (1, 2, 4, 8)
 

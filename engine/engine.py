@@ -6,20 +6,20 @@ import time
 
 import torch
 
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig
-from engine.model_runner import ModelRunner, StepLogits
-from engine.models.loader import load_model
-from engine.outputs import RequestOutput
-from engine.quantization import int8_kv_cache, linear_hook, pack_4bit_for_cpu
-from engine.request import Request
-from engine.resolved import ResolvedConfig
-from engine.sampler import device_tensor, sample, top_logprobs
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.spec_decode import DraftProposer, NgramProposer, Proposer, load_draft
-from engine.tokenizer import load_tokenizer
-from engine.verification import SpecStats, verify
+from sluice.engine.block_manager import BlockManager
+from sluice.engine.config import EngineConfig
+from sluice.engine.model_runner import ModelRunner, StepLogits
+from sluice.engine.models.loader import load_model
+from sluice.engine.outputs import RequestOutput
+from sluice.engine.quantization import int8_kv_cache, linear_hook, pack_4bit_for_cpu
+from sluice.engine.request import Request
+from sluice.engine.resolved import ResolvedConfig
+from sluice.engine.sampler import device_tensor, sample, top_logprobs
+from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.scheduler import Scheduler
+from sluice.engine.spec_decode import DraftProposer, NgramProposer, Proposer, load_draft
+from sluice.engine.tokenizer import load_tokenizer
+from sluice.engine.verification import SpecStats, verify
 
 
 class RequestRejected(ValueError):

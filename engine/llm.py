@@ -7,10 +7,10 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from sluice.engine.config import EngineConfig
+from sluice.engine.engine import Engine
+from sluice.engine.outputs import RequestOutput
+from sluice.engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 

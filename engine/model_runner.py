@@ -7,12 +7,12 @@ from dataclasses import dataclass
 
 import torch
 
-import kernels
-from engine.kv_memory import kv_zeros
-from engine.models.llama import LayerKVCache, LlamaModel, ModelConfig
-from engine.request import Request
-from engine.scheduler import ScheduledBatch
-from kernels.flat_metadata import StepBuffers
+from sluice import kernels
+from sluice.engine.kv_memory import kv_zeros
+from sluice.engine.models.llama import LayerKVCache, LlamaModel, ModelConfig
+from sluice.engine.request import Request
+from sluice.engine.scheduler import ScheduledBatch
+from sluice.kernels.flat_metadata import StepBuffers
 
 
 @dataclass(slots=True)
@@ -61,7 +61,7 @@ class ModelRunner:
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Replay pure-decode steps from CUDA graphs (CUDA device path only; CPU never captures)."""
         if self.device.type == "cuda" and self.flat:
-            from engine.cuda_graphs import DecodeGraphs
+            from sluice.engine.cuda_graphs import DecodeGraphs
 
             try:
                 self.graphs = DecodeGraphs(self.model, self.kv_caches, max_num_seqs,

@@ -7,8 +7,8 @@ from enum import Enum, auto
 
 import torch
 
-from engine.outputs import RequestMetrics
-from engine.sampling_params import SamplingParams
+from sluice.engine.outputs import RequestMetrics
+from sluice.engine.sampling_params import SamplingParams
 
 
 class RequestStatus(Enum):

@@ -9,11 +9,11 @@ from typing import Any
 
 import torch
 
-from engine.config import DTYPES, EngineConfig
-from engine.model_runner import kv_bytes_per_token
-from engine.models.llama import ModelConfig
-from engine.models.loader import read_config
-from engine.quantization import kv_token_bytes
+from sluice.engine.config import DTYPES, EngineConfig
+from sluice.engine.model_runner import kv_bytes_per_token
+from sluice.engine.models.llama import ModelConfig
+from sluice.engine.models.loader import read_config
+from sluice.engine.quantization import kv_token_bytes
 
 CPU_KV_DEFAULT_GB = 4.0
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.request import Request
-from kernels.elementwise import argmax
+from sluice.engine.request import Request
+from sluice.kernels.elementwise import argmax
 
 MASK32 = 0xFFFFFFFF
 GOLDEN = 0x9E3779B9

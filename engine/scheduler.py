@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig
-from engine.request import Request, RequestStatus
+from sluice.engine.block_manager import BlockManager
+from sluice.engine.config import EngineConfig
+from sluice.engine.request import Request, RequestStatus
 
 
 @dataclass(slots=True)

@@ -10,16 +10,16 @@ from dataclasses import replace
 import torch
 from transformers import AutoTokenizer
 
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig, SpeculativeConfig
-from engine.model_runner import ModelRunner
-from engine.models.llama import LlamaModel, ModelConfig
-from engine.models.loader import load_model, read_config
-from engine.quantization import linear_hook
-from engine.request import Request
-from engine.sampler import DRAFT_STREAM, draw, sample_probs
-from engine.scheduler import ScheduledBatch
-from kernels.elementwise import argmax
+from sluice.engine.block_manager import BlockManager
+from sluice.engine.config import EngineConfig, SpeculativeConfig
+from sluice.engine.model_runner import ModelRunner
+from sluice.engine.models.llama import LlamaModel, ModelConfig
+from sluice.engine.models.loader import load_model, read_config
+from sluice.engine.quantization import linear_hook
+from sluice.engine.request import Request
+from sluice.engine.sampler import DRAFT_STREAM, draw, sample_probs
+from sluice.engine.scheduler import ScheduledBatch
+from sluice.kernels.elementwise import argmax
 
 
 class Proposer:

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.request import Request
-from engine.sampler import device_tensor, draw, keyed_uniforms, sample_probs
-from kernels.elementwise import argmax
+from sluice.engine.request import Request
+from sluice.engine.sampler import device_tensor, draw, keyed_uniforms, sample_probs
+from sluice.kernels.elementwise import argmax
 
 
 @dataclass(slots=True)

@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kernels import device_path
-from kernels.cpu_attention import paged_attention_cpu
-from kernels.elementwise import store_kv
-from kernels.flat_metadata import FlatMetadata
+from sluice.kernels import device_path
+from sluice.kernels.cpu_attention import paged_attention_cpu
+from sluice.kernels.elementwise import store_kv
+from sluice.kernels.flat_metadata import FlatMetadata
 
 MAX_SHORT_QUERY = 16
 SHORT_BUCKET = 32

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cpp_build, int4_weights, int8_weights
-from kernels.attention import AttentionMetadata
-from kernels.linear import MAX_GEMV_ROWS
+from sluice.kernels import cpp_build, int4_weights, int8_weights
+from sluice.kernels.attention import AttentionMetadata
+from sluice.kernels.linear import MAX_GEMV_ROWS
 
 MAX_STACK_TOKENS = 16  # the stack's steps: where the int4 W4A8 product and our bf16 GEMV serve every linear
 assert MAX_STACK_TOKENS <= MAX_GEMV_ROWS
@@ -51,7 +51,7 @@ def _row_counts(in_features: int) -> list[torch.Tensor]:
 
 
 def bf16_linear(weight: torch.Tensor, bias: torch.Tensor | None):
-    """kernels.linear.Linear's weights as a stack linear (our GEMV at every row count), or None where the GEMV
+    """sluice.kernels.linear.Linear's weights as a stack linear (our GEMV at every row count), or None where the GEMV
     would not serve them."""
     ext = _ext()
     return ext.bf16_linear(weight, bias) if ext is not None and _plain_bf16(weight) and _plain_bf16(bias) else None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu_attention import available as cpu_kernel_available
+from sluice.kernels.cpu_attention import available as cpu_kernel_available
 
 
 def fused_attention(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.flat_metadata import FlatMetadata
+from sluice.kernels.flat_metadata import FlatMetadata
 
 
 def store_slots(cache: torch.Tensor, x: torch.Tensor, slot_mapping: torch.Tensor) -> None:

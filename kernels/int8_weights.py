@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import cpp_build
-from kernels.device_path import triton_on
+from sluice.kernels import cpp_build
+from sluice.kernels.device_path import triton_on
 
 MAX_GEMV_ROWS = 4  # fp32/fp16 rows, torch's GEMV: measured on CPU (rows 1-16, five shapes), it wins at 2-4 rows
 # bf16 rows, ours: where our VNNI int8 product serves, none (over a 125M model's 49 linears at one row, the
@@ -52,7 +52,7 @@ def _use_gemv(rows: torch.Tensor, qweight: torch.Tensor) -> bool:
 def _gemv_kernel(scales: torch.Tensor):
     """Our int8 GEMV (csrc/bf16_gemv.cpp: the bf16 GEMV's memory-order pass, ~2x torch's at one row, par at
     four) for bf16 activations and scales, or None (then torch's serves)."""
-    from kernels.linear import _gemv
+    from sluice.kernels.linear import _gemv
 
     return _gemv() if scales.dtype is torch.bfloat16 else None
 
@@ -111,7 +111,7 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     `vnni_comp(qweight)` where the caller keeps it)."""
     rows = x.reshape(-1, x.shape[-1])
     if triton_on(rows.device):
-        from kernels.triton.w8a16 import w8a16_linear
+        from sluice.kernels.triton.w8a16 import w8a16_linear
 
         return w8a16_linear(x, qweight, scales, bias)
     if _use_gemv(rows, qweight):

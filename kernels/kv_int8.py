@@ -12,8 +12,8 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from kernels.attention import AttentionMetadata, ShortGroup
-from kernels.int8_heads import SCALE_DTYPE, quantize_heads
+from sluice.kernels.attention import AttentionMetadata, ShortGroup
+from sluice.kernels.int8_heads import SCALE_DTYPE, quantize_heads
 
 __all__ = ["SCALE_DTYPE", "compact_metadata", "dequantize_blocks", "fused_args", "quantize_heads", "write_kv_int8"]
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpp_build
+from sluice.kernels import cpp_build
 
 # Measured on CPU against oneDNN's bf16 matmul, weights streamed from memory: 1.4-2.8x at 1-4 rows, and since the
 # GEMV reads weights in memory order past 8 rows, over the bench model's 49 linears 1.34/1.24/1.10/1.05x at

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cpp_build
+from sluice.kernels import cpp_build
 
 
 def fused_available() -> bool:

@@ -12,15 +12,15 @@ from typing import Any
 import redis
 from tqdm.auto import tqdm
 
-from contract.batch import BatchStore, TransitionError, new_batch_id
-from contract.events import notify
-from contract.jobs import QUEUES
-from contract.schemas import CHAT, COMPLETIONS, Batch, BatchStatus, LineError, OutputRecord, RequestCounts
-from contract.settings import Settings, get_settings
-from contract.signing import check_url
-from contract.storage import check_output_url, read_url
-from producer import shards
-from producer.validation import Input, input_lines, validate_lines
+from sluice.contract.batch import BatchStore, TransitionError, new_batch_id
+from sluice.contract.events import notify
+from sluice.contract.jobs import QUEUES
+from sluice.contract.schemas import CHAT, COMPLETIONS, Batch, BatchStatus, LineError, OutputRecord, RequestCounts
+from sluice.contract.settings import Settings, get_settings
+from sluice.contract.signing import check_url
+from sluice.contract.storage import check_output_url, read_url
+from sluice.producer import shards
+from sluice.producer.validation import Input, input_lines, validate_lines
 
 WINDOW = re.compile(r"^(\d+)([smhd])$")
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}

@@ -23,11 +23,11 @@ from rq.cron import CronJob, CronScheduler
 from rq.exceptions import StopRequested
 from rq.utils import now
 
-from contract.schemas import Priority
-from contract.settings import default_redis_url, get_settings, output_url_if_set
-from contract.signing import check_url, parse_duration
-from contract.storage import s3_client
-from producer.client import Client
+from sluice.contract.schemas import Priority
+from sluice.contract.settings import default_redis_url, get_settings, output_url_if_set
+from sluice.contract.signing import check_url, parse_duration
+from sluice.contract.storage import s3_client
+from sluice.producer.client import Client
 
 log = logging.getLogger(__name__)
 

@@ -23,9 +23,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from contract.schemas import Batch, BatchStatus, OutputRecord
-from contract.settings import get_settings
-from producer.client import Client
+from sluice.contract.schemas import Batch, BatchStatus, OutputRecord
+from sluice.contract.settings import get_settings
+from sluice.producer.client import Client
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ROOT / "examples" / "prompts.jsonl"
@@ -91,7 +91,7 @@ def local_redis() -> Iterator[str]:
 @contextlib.contextmanager
 def worker(url: str, log: Path, output_roots: str) -> Iterator[subprocess.Popen]:
     """One burst worker process on the bundled model allowed to write under output_roots, its output in log."""
-    cmd = ["env", f"SLUICE_OUTPUT_ROOTS={output_roots}", sys.executable, "-m", "worker", "--redis-url", url]
+    cmd = ["env", f"SLUICE_OUTPUT_ROOTS={output_roots}", sys.executable, "-m", "sluice.worker", "--redis-url", url]
     cmd += ["--queues", "high,default,low"]
     cmd += ["--model", str(get_settings().demo_model), "--device", "cpu", "--dtype", "float32", "--burst"]
     with log.open("w") as out:

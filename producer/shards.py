@@ -9,10 +9,10 @@ from rq import Queue, Retry
 from rq.job import Dependency, Job, JobStatus
 from rq.serializers import JSONSerializer
 
-from contract.jobs import FINALIZE, RUN_SHARD, finalize_job_id, shard_job_id
-from contract.schemas import Batch, Request
-from contract.settings import Settings
-from producer.validation import Requests
+from sluice.contract.jobs import FINALIZE, RUN_SHARD, finalize_job_id, shard_job_id
+from sluice.contract.schemas import Batch, Request
+from sluice.contract.settings import Settings
+from sluice.producer.validation import Requests
 
 PIPELINE_BYTES = 2 * 1024 * 1024
 DROPPABLE = (JobStatus.QUEUED, JobStatus.DEFERRED, JobStatus.SCHEDULED)

@@ -10,9 +10,9 @@ from typing import Any, overload
 
 from pydantic import ValidationError
 
-from contract.schemas import BODIES, InputLine, LineError, Request
-from contract.settings import Settings
-from contract.storage import url_lines
+from sluice.contract.schemas import BODIES, InputLine, LineError, Request
+from sluice.contract.settings import Settings
+from sluice.contract.storage import url_lines
 
 MAX_ERRORS = 1000
 MAX_DEPTH = 32

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from producer.server.keys import KeyStore
+from sluice.producer.server.keys import KeyStore
 from tests.services import RedisServer, free_port, start_worker, stop_worker, worker_env
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine import LLM, SamplingParams
+from sluice.engine import LLM, SamplingParams
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 PAIR = ["sluice-tiny", "sluice-tiny-draft"]

@@ -6,7 +6,7 @@ import json
 
 from typer.testing import CliRunner
 
-from cli.main import app
+from sluice.cli.main import app
 
 runner = CliRunner()
 
@@ -66,7 +66,7 @@ def test_cancel_from_cli(redis_url, tmp_path):
 
 
 def test_results_of_a_cancelled_batch(redis_url, tmp_path):
-    from worker.finalize import finalize_batch
+    from sluice.worker.finalize import finalize_batch
 
     path = write_batch(tmp_path / "in.jsonl", 2)
     batch = json.loads(runner.invoke(app, ["submit", path, "--json", "--output", tmp_path.as_uri()]).output)

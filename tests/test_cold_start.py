@@ -15,13 +15,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoTokenizer
 
-from engine import LLM, SamplingParams
-from engine.models import loader
-from engine.models.loader import CheckpointReader, load_model
-from engine.tokenizer import load_tokenizer
+from sluice.engine import LLM, SamplingParams
+from sluice.engine.models import loader
+from sluice.engine.models.loader import CheckpointReader, load_model
+from sluice.engine.tokenizer import load_tokenizer
 from tests.checkpoints import make_checkpoint
-from worker.metrics import warm_up
-from worker.prefetch import model_argument, prefetch, read_through, weight_files
+from sluice.worker.metrics import warm_up
+from sluice.worker.prefetch import model_argument, prefetch, read_through, weight_files
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "models" / "sluice-tiny"
@@ -191,8 +191,8 @@ def _mapped_files(t: torch.Tensor) -> set[str]:
 
 
 def _logits(model) -> torch.Tensor:
-    from engine.models.llama import LayerKVCache
-    from kernels import build_metadata
+    from sluice.engine.models.llama import LayerKVCache
+    from sluice.kernels import build_metadata
 
     c = model.config
     shape = (c.num_kv_heads, 4, 16, c.head_dim)

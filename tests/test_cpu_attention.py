@@ -8,12 +8,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.quantization import kv_cache as int8_cache
-from engine.quantization.kv_cache import StepBlocks, int8_kv_cache
-from kernels import cpp_build, cpu_attention
-from kernels.attention import build_metadata
-from kernels.int8_heads import quantize_heads
+from sluice.engine import LLM, SamplingParams
+from sluice.engine.quantization import kv_cache as int8_cache
+from sluice.engine.quantization.kv_cache import StepBlocks, int8_kv_cache
+from sluice.kernels import cpp_build, cpu_attention
+from sluice.kernels.attention import build_metadata
+from sluice.kernels.int8_heads import quantize_heads
 
 pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="no C++ toolchain for the CPU kernel")
 

@@ -13,8 +13,8 @@ import pytest
 from redis import Redis
 from typer.testing import CliRunner
 
-from producer.client import Client
-from producer.cron import cron_app, get_pipeline, glob_regex, processed, tick
+from sluice.producer.client import Client
+from sluice.producer.cron import cron_app, get_pipeline, glob_regex, processed, tick
 from tests.test_webhooks import ROOT, wait_for
 
 
@@ -127,7 +127,7 @@ def test_file_inputs(redis_url, redis, tmp_path):
 
 
 def start_scheduler(redis_url: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "producer.cron", "run", "--poll", "0.1", "--redis-url", redis_url]
+    cmd = [sys.executable, "-m", "sluice.producer.cron", "run", "--poll", "0.1", "--redis-url", redis_url]
     return subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE)
 
 

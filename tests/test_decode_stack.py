@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from kernels import build_metadata, decode_stack
-from kernels import linear as linear_kernels
+from sluice.engine import LLM, SamplingParams
+from sluice.kernels import build_metadata, decode_stack
+from sluice.kernels import linear as linear_kernels
 from tests.test_engine import random_prompts
 
 pytestmark = pytest.mark.skipif(not decode_stack.available(), reason="no C++ toolchain or no avx512_bf16")

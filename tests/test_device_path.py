@@ -7,12 +7,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-import kernels
-from engine import LLM, SamplingParams
-from engine.cuda_graphs import DecodeGraphs, capture_sizes
-from engine.model_runner import ModelRunner
-from engine.models.loader import load_model
-from engine.quantization import int8_kv_cache
+from sluice import kernels
+from sluice.engine import LLM, SamplingParams
+from sluice.engine.cuda_graphs import DecodeGraphs, capture_sizes
+from sluice.engine.model_runner import ModelRunner
+from sluice.engine.models.loader import load_model
+from sluice.engine.quantization import int8_kv_cache
 
 FORBIDDEN = ("nonzero", "_local_scalar_dense", "unique", "masked_select", "item", "boolean index")
 INDEX_OPS = ("aten.index.Tensor", "aten.index_put_.default", "aten.index_put.default")
@@ -149,7 +149,7 @@ def test_engine_on_the_device_path_matches_the_default_path(tiny_llama, monkeypa
 
 def test_step_buffers_reused_across_steps_hold_no_stale_rows():
     """A big prefill step then a small mixed step in the same buffers: exactly the layout built by hand."""
-    from kernels.flat_metadata import StepBuffers
+    from sluice.kernels.flat_metadata import StepBuffers
 
     b = StepBuffers(64, 8, 6, torch.device("cpu"))
     b.load(list(range(40)), list(range(40)), list(range(40)), [39], [40], [40], [[5, 4, 3]], 2)
@@ -165,7 +165,7 @@ def test_step_buffers_reused_across_steps_hold_no_stale_rows():
 
 
 def test_padded_load_fills_padding_rows_and_fixed_views():
-    from kernels.flat_metadata import StepBuffers
+    from sluice.kernels.flat_metadata import StepBuffers
 
     b = StepBuffers(8, 8, 4, torch.device("cpu"))
     b.load(list(range(8)), list(range(8)), list(range(8)), [], [1] * 8, [5] * 8, [[1]] * 8, 2, pad_to=8)
@@ -189,7 +189,7 @@ def test_runner_keeps_its_step_buffers(tiny_llama, device_path):
 
 
 def test_default_splits_are_powers_of_two():
-    from kernels.flat_metadata import default_splits
+    from sluice.kernels.flat_metadata import default_splits
 
     for seqs in (1, 2, 3, 5, 64):
         for heads in (1, 2, 8):

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpp_build, elementwise
-from kernels.elementwise import apply_rope
+from sluice.kernels import cpp_build, elementwise
+from sluice.kernels.elementwise import apply_rope
 
 pytestmark = pytest.mark.skipif(elementwise._ext() is None, reason="C++ toolchain missing: torch path only")
 
@@ -56,7 +56,7 @@ def test_kernels_off_takes_the_torch_path(monkeypatch, request):
 def test_store_kv_writes_the_slots_index_copy_writes(dtype, tokens):
     """One C++ call stores k (contiguous) and v (a strided view of qkv, as the model passes it) exactly where
     the two index_copy_ of the torch path do, and nowhere else; a bad slot is refused, nothing written."""
-    from kernels.attention import write_kv
+    from sluice.kernels.attention import write_kv
 
     torch.manual_seed(tokens)
     hk, blocks, block, d = 2, 40, 16, 32
@@ -105,7 +105,7 @@ def test_argmax_is_torch_max_indices(dtype, rows, width):
 def test_rope_tables_cast_once_give_the_rows_cast_per_step():
     """The rotary tables cast to the step's dtype once (`tables`) give the same rows as casting the gathered fp32
     rows, for each dtype asked in turn, and are rebuilt when the fp32 tables are replaced (module.to())."""
-    from engine.models.rope import RotaryEmbedding
+    from sluice.engine.models.rope import RotaryEmbedding
 
     rope = RotaryEmbedding(64, 512, {"rope_theta": 10000.0, "rope_type": "default"})
     positions = torch.tensor([0, 7, 511, 300, 7])

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine import LLM, RequestRejected, SamplingParams
+from sluice.engine import LLM, RequestRejected, SamplingParams
 from tests.checkpoints import make_checkpoint
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from engine import LLM, EngineConfig
-from engine.config import SpeculativeConfig
+from sluice.engine import LLM, EngineConfig
+from sluice.engine.config import SpeculativeConfig
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpp_build, cpu_attention, int4_weights, int8_linear, int8_weights, rms_norm
-from kernels import linear as linear_kernels
-from kernels.attention import build_metadata, paged_attention
+from sluice.kernels import cpp_build, cpu_attention, int4_weights, int8_linear, int8_weights, rms_norm
+from sluice.kernels import linear as linear_kernels
+from sluice.kernels.attention import build_metadata, paged_attention
 
 H, HK, D, BS, NB = 6, 2, 16, 4, 200
 

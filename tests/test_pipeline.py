@@ -14,9 +14,9 @@ from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
 from rq.worker import Worker
 
-from contract.jobs import shard_job_id
-from engine import LLM, SamplingParams
-from producer import BatchStatus, Client
+from sluice.contract.jobs import shard_job_id
+from sluice.engine import LLM, SamplingParams
+from sluice.producer import BatchStatus, Client
 from tests.services import start_worker, stop_worker
 
 pytestmark = pytest.mark.slow

@@ -11,14 +11,14 @@ from rq.job import Job, JobStatus
 from rq.registry import CanceledJobRegistry
 from rq.serializers import JSONSerializer
 
-from contract.batch import TransitionError
-from contract.jobs import finalize_job_id, shard_job_id
-from contract.settings import Settings
-from producer import BatchStatus, Client
-from producer.client import window_seconds
-from producer.shards import queue_for
-from producer.validation import validate_lines
-from worker.finalize import finalize_batch
+from sluice.contract.batch import TransitionError
+from sluice.contract.jobs import finalize_job_id, shard_job_id
+from sluice.contract.settings import Settings
+from sluice.producer import BatchStatus, Client
+from sluice.producer.client import window_seconds
+from sluice.producer.shards import queue_for
+from sluice.producer.validation import validate_lines
+from sluice.worker.finalize import finalize_batch
 
 
 def line(custom_id: str, url: str = "/v1/completions", **body) -> dict:
@@ -92,7 +92,7 @@ def test_submit_enqueues_json_shards_and_a_finalize_job_depending_on_them(redis_
     assert queue.job_ids == [shard_job_id(batch.id, n) for n in range(3)]
     data = client.connection.hget(Job.key_for(shard_job_id(batch.id, 2)), "data")
     func, _, args, _ = json.loads(zlib.decompress(data))
-    assert func == "worker.shards.run_shard" and [r["custom_id"] for r in args[2]] == ["r8", "r9"]
+    assert func == "sluice.worker.shards.run_shard" and [r["custom_id"] for r in args[2]] == ["r8", "r9"]
     finalize = Job.fetch(finalize_job_id(batch.id), connection=client.connection, serializer=JSONSerializer)
     assert finalize.get_status() == JobStatus.DEFERRED
     assert set(finalize._dependency_ids) == set(queue.job_ids)
@@ -160,7 +160,7 @@ def test_completion_window_and_metadata_are_checked(redis_url):
 
 
 def test_webhook_is_checked_at_submit_and_notified_on_finalize(redis_url, tmp_path, monkeypatch):
-    from contract.events import DUE_KEY, delivery_key
+    from sluice.contract.events import DUE_KEY, delivery_key
 
     client = Client(redis_url)
     with pytest.raises(ValueError, match="internal address"):

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels.int4_weights as int4
-import kernels.int8_weights as int8
-from engine import LLM, SamplingParams
+import sluice.kernels.int4_weights as int4
+import sluice.kernels.int8_weights as int8
+from sluice.engine import LLM, SamplingParams
 
 ROWS = (1, 7, 8, 64, 65)
 TILE_KERNEL = int4.cpu_layout() is not None
@@ -273,8 +273,8 @@ def test_int8_quantization_while_loading_gives_bitsandbytes_own_bits(dtype, monk
     and row absmax): K with a tail, a zero row, a value past fp16's range (its row's codes 0), a row of tiny
     values, and ties that the fast-math compiler would round differently had the factor been folded; the int8
     linears built while loading use it."""
-    from engine.quantization import linears
-    from engine.quantization.spec import QuantSpec
+    from sluice.engine.quantization import linears
+    from sluice.engine.quantization.spec import QuantSpec
 
     bnb = linears._bnb()
     torch.manual_seed(0)

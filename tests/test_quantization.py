@@ -10,13 +10,13 @@ import bitsandbytes as bnb
 import pytest
 import torch
 
-from cli.quantize import quantize
-from engine import LLM, SamplingParams
-from engine.models.llama import ModelConfig
-from engine.models.loader import read_config
-from engine.quantization import FusedLinear, kv_token_bytes
-from engine.quantization import linears as qlinears
-from engine.quantization.linears import Int4WeightOnlyLinear, Int8WeightOnlyLinear
+from sluice.cli.quantize import quantize
+from sluice.engine import LLM, SamplingParams
+from sluice.engine.models.llama import ModelConfig
+from sluice.engine.models.loader import read_config
+from sluice.engine.quantization import FusedLinear, kv_token_bytes
+from sluice.engine.quantization import linears as qlinears
+from sluice.engine.quantization.linears import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 
 DIMS = dict(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1)
 PROMPTS = [[1, *range(5, 5 + n)] for n in (6, 30, 70)]
@@ -164,7 +164,7 @@ def test_prequantized_checkpoint_round_trips_without_requantizing(ckpt, tmp_path
         raise AssertionError("a pre-quantized checkpoint was quantized again")
 
     monkeypatch.setattr(qlinears, "quantized_linear", refuse)
-    monkeypatch.setattr("engine.quantization.check_device", lambda *a: None)
+    monkeypatch.setattr("sluice.engine.quantization.check_device", lambda *a: None)
     loaded = LLM(tmp_path, dtype="bfloat16", device="cpu")
     assert loaded.engine.config.quantization is None and len(quantized_parts(loaded)) == len(quantized_parts(direct))
     for a, b in zip(loaded.score(PROMPTS), direct.score(PROMPTS), strict=True):
@@ -253,7 +253,7 @@ def test_int4_linears_are_packed_for_the_cpu_kernel_at_load(ckpt, monkeypatch):
     parts = quantized_parts(llm)
     needs = parts[0].support_avx512bf16_for_cpu
     assert all(getattr(p.weight.quant_state, "packing_format_for_cpu", False) == needs for p in parts)
-    monkeypatch.setattr("engine.engine.pack_4bit_for_cpu", lambda model: 0)
+    monkeypatch.setattr("sluice.engine.engine.pack_4bit_for_cpu", lambda model: 0)
     lazy = LLM(ckpt, dtype="bfloat16", device="cpu", quantization="int4")
     assert not any(getattr(p.weight.quant_state, "packing_format_for_cpu", False) for p in quantized_parts(lazy))
     for a, b in zip(llm.score(PROMPTS), lazy.score(PROMPTS), strict=True):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.request import Request
-from engine.sampler import DRAFT_STREAM, draw, keyed_noise, keyed_uniform
-from engine.sampling_params import SamplingParams
+from sluice.engine.request import Request
+from sluice.engine.sampler import DRAFT_STREAM, draw, keyed_noise, keyed_uniform
+from sluice.engine.sampling_params import SamplingParams
 
 
 def req(seed: int | None, tokens: int = 3) -> Request:

@@ -76,7 +76,7 @@ def test_usage_grows_with_finished_shards_while_in_progress(stack):
 
 
 def test_shard_usage_sums_entries_and_reads_older_ones_as_zero_tokens(stack):
-    from contract.batch import BatchStore, shards_key
+    from sluice.contract.batch import BatchStore, shards_key
 
     store = BatchStore(stack.keys.connection)
     store.record_shard("batch_usage_unit", 0, 4, 0, 40, 32)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from contract.logs import JsonFormatter, redact
+from sluice.contract.logs import JsonFormatter, redact
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from cli.main import app
-from producer import Client
+from sluice.cli.main import app
+from sluice.producer import Client
 
 ROOT = Path(__file__).resolve().parents[1]
 READERS = {("os", "environ"), ("os", "getenv"), ("os", "getenvb")}
@@ -54,7 +54,7 @@ def test_nothing_but_settings_reads_the_environment():
 def test_webhook_settings_come_from_settings(monkeypatch):
     from pydantic_settings import BaseSettings
 
-    from contract.signing import WebhookSettings
+    from sluice.contract.signing import WebhookSettings
 
     monkeypatch.setenv("SLUICE_WEBHOOK_TIMEOUT", "3.5")
     monkeypatch.setenv("SLUICE_WEBHOOK_ALLOW", "127.0.0.1")

@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-from engine import LLM, SamplingParams
-from engine.quantization.linears import Int8WeightOnlyLinear
+from sluice.engine import LLM, SamplingParams
+from sluice.engine.quantization.linears import Int8WeightOnlyLinear
 from tests.checkpoints import build_tokenizer
 from tests.test_engine import random_prompts
 

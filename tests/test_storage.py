@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from contract.storage import FileStorage, MiB, S3Storage, open_storage, read_url
+from sluice.contract.storage import FileStorage, MiB, S3Storage, open_storage, read_url
 
 
 def exercise(storage) -> None:

@@ -25,7 +25,7 @@ def module_files() -> dict[str, Path]:
     for package in PACKAGES:
         for path in sorted((ROOT / package).rglob("*.py")):
             parts = path.relative_to(ROOT).with_suffix("").parts
-            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+            modules[".".join(["sluice", *(parts[:-1] if parts[-1] == "__init__" else parts)])] = path
     return modules
 
 
@@ -103,13 +103,17 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def top(module: str) -> str:
-    return module.partition(".")[0]
+    """The design folder a `sluice.<folder>...` module lives in."""
+    return module.split(".")[1]
 
 
 def test_graph_is_read():
     graph = import_graph()
-    assert {"engine.engine", "contract.batch", "producer.client", "worker.worker", "cli.main"} <= set(graph)
-    assert "contract.batch" in graph["worker.worker"] and "producer.client" in graph["cli.batches"]
+    names = {"sluice.engine.engine", "sluice.contract.batch", "sluice.producer.client", "sluice.worker.worker",
+             "sluice.cli.main"}
+    assert names <= set(graph)
+    assert "sluice.contract.batch" in graph["sluice.worker.worker"]
+    assert "sluice.producer.client" in graph["sluice.cli.batches"]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
@@ -134,3 +138,14 @@ def test_imports_point_one_way():
         if (top(source), top(target)) in FORBIDDEN
     )
     assert wrong == []
+
+
+def test_no_module_imports_a_bare_folder_name():
+    """Every import of our own code goes through `sluice.`: the bare folder names are not importable once installed."""
+    bare = sorted(
+        f"{module}: {name}"
+        for module, path in module_files().items()
+        for name in imported_names(module, path)
+        if name.split(".")[0] in PACKAGES
+    )
+    assert bare == []

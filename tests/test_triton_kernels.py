@@ -11,14 +11,14 @@ import torch  # noqa: E402
 
 triton = pytest.importorskip("triton", reason="triton cannot be imported on this platform")
 
-from kernels.attention import build_metadata, paged_attention  # noqa: E402
-from kernels.flat_attention import flat_attention, write_kv_flat  # noqa: E402
-from kernels.flat_metadata import build_flat_metadata  # noqa: E402
-from kernels.int8_weights import int8_linear  # noqa: E402
-from kernels.kv_int8 import dequantize_blocks, write_kv_int8  # noqa: E402
-from kernels.triton.kv_store import store_kv  # noqa: E402
-from kernels.triton.paged_attention import paged_attention as triton_attention  # noqa: E402
-from kernels.triton.w8a16 import w8a16_linear  # noqa: E402
+from sluice.kernels.attention import build_metadata, paged_attention  # noqa: E402
+from sluice.kernels.flat_attention import flat_attention, write_kv_flat  # noqa: E402
+from sluice.kernels.flat_metadata import build_flat_metadata  # noqa: E402
+from sluice.kernels.int8_weights import int8_linear  # noqa: E402
+from sluice.kernels.kv_int8 import dequantize_blocks, write_kv_int8  # noqa: E402
+from sluice.kernels.triton.kv_store import store_kv  # noqa: E402
+from sluice.kernels.triton.paged_attention import paged_attention as triton_attention  # noqa: E402
+from sluice.kernels.triton.w8a16 import w8a16_linear  # noqa: E402
 
 HK, D, BS, NB = 2, 16, 8, 128
 CPU = torch.device("cpu")

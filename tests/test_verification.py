@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.verification import verify
+from sluice.engine.request import Request
+from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.verification import verify
 
 VOCAB = 50
 

@@ -16,9 +16,9 @@ import pytest
 from redis import Redis
 from standardwebhooks import Webhook
 
-from contract.events import delivery_log, notify
-from contract.schemas import Batch, BatchStatus, RequestCounts
-from contract.signing import (
+from sluice.contract.events import delivery_log, notify
+from sluice.contract.schemas import Batch, BatchStatus, RequestCounts
+from sluice.contract.signing import (
     UnsafeWebhookURL,
     WebhookSettings,
     WebhookVerificationError,
@@ -28,8 +28,8 @@ from contract.signing import (
     sign_headers,
     verify,
 )
-from producer.client import Client
-from worker.webhooks import run
+from sluice.producer.client import Client
+from sluice.worker.webhooks import run
 
 ROOT = Path(__file__).resolve().parents[1]
 SECRET = generate_secret()
@@ -117,7 +117,7 @@ def delivery_env(redis_url: str, schedule: str) -> dict:
 
 
 def start_delivery(redis_url: str, schedule: str, *args: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "worker.webhooks", "run", "--poll", "0.05", *args]
+    cmd = [sys.executable, "-m", "sluice.worker.webhooks", "run", "--poll", "0.05", *args]
     return subprocess.Popen(cmd, cwd=ROOT, env=delivery_env(redis_url, schedule), stderr=subprocess.PIPE)
 
 

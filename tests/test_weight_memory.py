@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from engine import LLM, SamplingParams
-from engine.weight_memory import HUGE_PAGE, WeightArena
+from sluice.engine import LLM, SamplingParams
+from sluice.engine.weight_memory import HUGE_PAGE, WeightArena
 from tests.checkpoints import make_checkpoint
 
 

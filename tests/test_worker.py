@@ -12,11 +12,11 @@ from rq.job import Job, JobStatus
 from rq.registry import FinishedJobRegistry, StartedJobRegistry
 from rq.serializers import JSONSerializer
 
-from contract.jobs import finalize_job_id, shard_job_id
-from engine import LLM, SamplingParams
-from producer import BatchStatus, Client
-from producer.shards import queue_for
-from worker.worker import EngineWorker
+from sluice.contract.jobs import finalize_job_id, shard_job_id
+from sluice.engine import LLM, SamplingParams
+from sluice.producer import BatchStatus, Client
+from sluice.producer.shards import queue_for
+from sluice.worker.worker import EngineWorker
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,9 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from engine.config import EngineConfig
-from worker import engine_flags
-from worker.cli import worker
+from sluice.engine.config import EngineConfig
+from sluice.worker import engine_flags
+from sluice.worker.cli import worker
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from rq.registry import CanceledJobRegistry, StartedJobRegistry
 from rq.serializers import JSONSerializer
 from rq.worker import Worker
 
-from producer import BatchStatus, Client
+from sluice.producer import BatchStatus, Client
 from tests.services import start_worker, stop_worker
 
 

@@ -1,4 +1,4 @@
-"""The worker's command line, `python -m worker ...` and `sluice worker ...`: one engine fed from the queues.
+"""The worker's command line, `python -m sluice.worker ...` and `sluice worker ...`: one engine fed from the queues.
 
 The engine flags (--dtype, --max-num-seqs, --speculative, ...) are generated from `EngineConfig`'s fields.
 """
@@ -12,15 +12,15 @@ from typing import Any
 import redis
 import typer
 
-from contract.jobs import QUEUES
-from contract.logs import configure as configure_logging
-from contract.settings import get_settings
-from engine import LLM
-from worker import engine_flags
-from worker import webhooks as delivery
-from worker.background import supervised
-from worker.metrics import become_ready, start_metrics
-from worker.worker import EngineWorker
+from sluice.contract.jobs import QUEUES
+from sluice.contract.logs import configure as configure_logging
+from sluice.contract.settings import get_settings
+from sluice.engine import LLM
+from sluice.worker import engine_flags
+from sluice.worker import webhooks as delivery
+from sluice.worker.background import supervised
+from sluice.worker.metrics import become_ready, start_metrics
+from sluice.worker.worker import EngineWorker
 
 
 def start(

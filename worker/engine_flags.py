@@ -14,7 +14,7 @@ from typing import Any
 
 import typer
 
-from engine.config import EngineConfig
+from sluice.engine.config import EngineConfig
 
 SKIPPED = {"model", "extra"}  # --model is the worker's own option; `extra` is for Python callers only
 SCALARS = (str, int, float, bool)

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from functools import cache
 
-from contract.settings import get_settings
+from sluice.contract.settings import get_settings
 
 KNOWN = {"step_error", "slow_save", "slow_finalize"}
 

@@ -12,15 +12,15 @@ from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
-from contract.batch import BatchStore, TransitionError
-from contract.events import notify
-from contract.jobs import shard_job_id
-from contract.schemas import Batch, BatchStatus, LineError, OutputRecord, Request, RequestCounts
-from contract.settings import get_settings
-from contract.storage import Storage, object_lines, open_output
-from worker.faults import faults
-from worker.responses import ABORT_CODES, error_record
-from worker.shards import shard_key
+from sluice.contract.batch import BatchStore, TransitionError
+from sluice.contract.events import notify
+from sluice.contract.jobs import shard_job_id
+from sluice.contract.schemas import Batch, BatchStatus, LineError, OutputRecord, Request, RequestCounts
+from sluice.contract.settings import get_settings
+from sluice.contract.storage import Storage, object_lines, open_output
+from sluice.worker.faults import faults
+from sluice.worker.responses import ABORT_CODES, error_record
+from sluice.worker.shards import shard_key
 
 MISSING = {JobStatus.CANCELED: "batch_cancelled", JobStatus.FAILED: "shard_failed"}
 

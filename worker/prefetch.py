@@ -26,7 +26,7 @@ def model_argument(argv: Sequence[str], environ: Mapping[str, str] | None = None
     if environ is not None:
         return environ.get("SLUICE_MODEL")
     try:
-        from contract.settings import Settings
+        from sluice.contract.settings import Settings
 
         return Settings().model
     except Exception:  # a bad SLUICE_* value is the worker's own error to report, not the prefetch's

@@ -23,13 +23,13 @@ from collections.abc import Iterator
 import redis
 import typer
 
-from contract.batch import INDEX, BatchStore, TransitionError, batch_key
-from contract.events import notify
-from contract.jobs import QUEUES, finalize_job_id, shard_job_id
-from contract.schemas import Batch, BatchStatus, LineError, RequestCounts
-from contract.settings import Settings, get_settings
-from worker import rq_jobs
-from worker.finalize import finalize
+from sluice.contract.batch import INDEX, BatchStore, TransitionError, batch_key
+from sluice.contract.events import notify
+from sluice.contract.jobs import QUEUES, finalize_job_id, shard_job_id
+from sluice.contract.schemas import Batch, BatchStatus, LineError, RequestCounts
+from sluice.contract.settings import Settings, get_settings
+from sluice.worker import rq_jobs
+from sluice.worker.finalize import finalize
 
 log = logging.getLogger(__name__)
 LOCK = "sluice:reaper:lock"

@@ -6,7 +6,7 @@ import time
 import uuid
 from typing import Any
 
-from contract.schemas import CHAT, ErrorInfo, OutputRecord, Request, Response
+from sluice.contract.schemas import CHAT, ErrorInfo, OutputRecord, Request, Response
 
 ABORT_CODES = {
     "batch_cancelled": "the batch was cancelled",

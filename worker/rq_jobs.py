@@ -24,7 +24,7 @@ from rq.serializers import JSONSerializer
 from rq.timeouts import JobTimeoutException
 from rq.utils import now
 
-from contract.jobs import FINALIZE, RUN_SHARD
+from sluice.contract.jobs import FINALIZE, RUN_SHARD
 
 ALLOWED_FUNCTIONS = frozenset({RUN_SHARD, FINALIZE})
 RETRY_POLL_S = 1.0

@@ -11,12 +11,12 @@ import redis
 from pydantic import ValidationError
 from rq import get_current_job
 
-from contract.batch import BatchStore
-from contract.schemas import ChatBody, OutputRecord, Request
-from contract.settings import get_settings
-from contract.storage import open_output
-from worker.faults import faults
-from worker.responses import ABORT_CODES, error_record, output_record
+from sluice.contract.batch import BatchStore
+from sluice.contract.schemas import ChatBody, OutputRecord, Request
+from sluice.contract.settings import get_settings
+from sluice.contract.storage import open_output
+from sluice.worker.faults import faults
+from sluice.worker.responses import ABORT_CODES, error_record, output_record
 
 
 def shard_key(batch_id: str, shard: int) -> str:
@@ -50,7 +50,7 @@ def served_models(llm: Any) -> set[str]:
 
 def prepare(llm: Any, request: Request, served: set[str]) -> tuple[Any, Any]:
     """The prompt (a chat rendered through the model's template) and sampling parameters of a request."""
-    from engine import SamplingParams
+    from sluice.engine import SamplingParams
 
     body = request.parsed_body()
     if body.model is not None and body.model not in served:
@@ -96,7 +96,7 @@ class ShardRun:
 
     def add(self, llm: Any, rid: str, request: Request, served: set[str] | None = None) -> None:
         """Add one request to the engine as rid; one it cannot run (or even render) becomes an error record."""
-        from engine import RequestRejected  # torch: see shared_llm
+        from sluice.engine import RequestRejected  # torch: see shared_llm
 
         try:
             prompt, params = prepare(llm, request, served or served_models(llm))
@@ -173,7 +173,7 @@ def shared_llm() -> Any:
     """The process's engine for stock rq workers, loaded once from SLUICE_MODEL (and SLUICE_DTYPE/DEVICE)."""
     global _LLM
     if _LLM is None:
-        from engine import LLM  # torch: imported when a shard first runs, not by every CLI command
+        from sluice.engine import LLM  # torch: imported when a shard first runs, not by every CLI command
 
         settings = get_settings()
         if not settings.model:

@@ -15,9 +15,9 @@ import typer
 from redis import Redis
 from urllib3.connection import HTTPConnection, HTTPSConnection
 
-from contract.events import DUE_KEY, as_text, delivery_key, delivery_log, record_attempt
-from contract.settings import default_redis_url
-from contract.signing import (
+from sluice.contract.events import DUE_KEY, as_text, delivery_key, delivery_log, record_attempt
+from sluice.contract.settings import default_redis_url
+from sluice.contract.signing import (
     Target,
     UnsafeWebhookURL,
     WebhookSettings,

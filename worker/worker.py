@@ -13,16 +13,16 @@ from rq.exceptions import StopRequested
 from rq.job import Job
 from rq.queue import Queue
 
-from contract.batch import BatchStore
-from contract.jobs import RUN_SHARD
-from contract.schemas import Request
-from contract.settings import get_settings
-from worker.background import every, supervised
-from worker.faults import faults
-from worker.metrics import shard_finished
-from worker.responses import ABORT_CODES
-from worker.rq_jobs import REDIS_ERRORS, JobsWorker
-from worker.shards import ShardRun, model_name, stop_reason
+from sluice.contract.batch import BatchStore
+from sluice.contract.jobs import RUN_SHARD
+from sluice.contract.schemas import Request
+from sluice.contract.settings import get_settings
+from sluice.worker.background import every, supervised
+from sluice.worker.faults import faults
+from sluice.worker.metrics import shard_finished
+from sluice.worker.responses import ABORT_CODES
+from sluice.worker.rq_jobs import REDIS_ERRORS, JobsWorker
+from sluice.worker.shards import ShardRun, model_name, stop_reason
 
 CANCEL_POLL_S = 0.5
 CLAIM_POLL_S = 0.05
@@ -82,7 +82,7 @@ class EngineWorker(JobsWorker):
     def _start_background(self, stop: threading.Event) -> None:
         supervised("heartbeat", every(self.job_heartbeat_ttl / 3, self.beat), stop)
         if self.reaper:
-            from worker.reaper import Reaper
+            from sluice.worker.reaper import Reaper
 
             reaper = Reaper(self.connection, get_settings())
             supervised("reaper", every(reaper.interval, reaper.run_once), stop)

@@ -1,3 +1,3 @@
-from engine.models.llama import ARCHITECTURES, LlamaModel, ModelConfig
+from sluice.engine.models.llama import ARCHITECTURES, LlamaModel, ModelConfig
 
 __all__ = ["ARCHITECTURES", "LlamaModel", "ModelConfig"]

@@ -8,10 +8,10 @@ from typing import Any
 import torch
 from torch import nn
 
-import kernels
-from engine.models.rope import RotaryEmbedding, rope_parameters
-from kernels import decode_stack
-from kernels.linear import Linear, linear
+from sluice import kernels
+from sluice.engine.models.rope import RotaryEmbedding, rope_parameters
+from sluice.kernels import decode_stack
+from sluice.kernels.linear import Linear, linear
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",

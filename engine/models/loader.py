@@ -28,9 +28,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine.models.llama import LlamaModel, ModelConfig
-from engine.models.rope import RotaryEmbedding
-from engine.weight_memory import WeightArena
+from sluice.engine.models.llama import LlamaModel, ModelConfig
+from sluice.engine.models.rope import RotaryEmbedding
+from sluice.engine.weight_memory import WeightArena
 
 LinearHook = Callable[[str, nn.Linear], nn.Module]
 

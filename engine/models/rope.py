@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from kernels.elementwise import apply_rope
+from sluice.kernels.elementwise import apply_rope
 
 
 def rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from engine.models.llama import ModelConfig
-from engine.models.loader import CheckpointReader, LinearHook, read_config
-from engine.quantization.checkpoint import save_quantized
-from engine.quantization.device_check import check_device
-from engine.quantization.kv_cache import int8_kv_cache, kv_token_bytes
-from engine.quantization.linears import FusedLinear, Quantizer, pack_4bit_for_cpu
-from engine.quantization.spec import QuantSpec, check_shapes, resolve_spec
+from sluice.engine.models.llama import ModelConfig
+from sluice.engine.models.loader import CheckpointReader, LinearHook, read_config
+from sluice.engine.quantization.checkpoint import save_quantized
+from sluice.engine.quantization.device_check import check_device
+from sluice.engine.quantization.kv_cache import int8_kv_cache, kv_token_bytes
+from sluice.engine.quantization.linears import FusedLinear, Quantizer, pack_4bit_for_cpu
+from sluice.engine.quantization.spec import QuantSpec, check_shapes, resolve_spec
 
 __all__ = ["FusedLinear", "QuantSpec", "int8_kv_cache", "kv_token_bytes", "linear_hook", "pack_4bit_for_cpu",
            "save_quantized"]

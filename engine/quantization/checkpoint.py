@@ -10,10 +10,10 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from engine.models.llama import ModelConfig
-from engine.models.loader import CheckpointReader, load_model, read_config
-from engine.quantization.linears import FusedLinear, Quantizer, part_names
-from engine.quantization.spec import QuantSpec, check_shapes
+from sluice.engine.models.llama import ModelConfig
+from sluice.engine.models.loader import CheckpointReader, load_model, read_config
+from sluice.engine.quantization.linears import FusedLinear, Quantizer, part_names
+from sluice.engine.quantization.spec import QuantSpec, check_shapes
 
 WEIGHTS = "model.safetensors"
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.quantization.linears import quantized_linear
-from engine.quantization.spec import (
+from sluice.engine.quantization.linears import quantized_linear
+from sluice.engine.quantization.spec import (
     BLOCKSIZE,
     CPU_INT4_ROWS,
     INT4_WEIGHT_ONLY,

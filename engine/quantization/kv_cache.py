@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import torch
 
-import kernels
-from engine.kv_memory import kv_zeros
-from engine.models.llama import ModelConfig
-from kernels import device_path
-from kernels.cpu_attention import paged_attention_cpu
-from kernels.dispatch import fused_int8_attention
-from kernels.kv_int8 import SCALE_DTYPE, compact_metadata, dequantize_blocks, write_kv_int8
+from sluice import kernels
+from sluice.engine.kv_memory import kv_zeros
+from sluice.engine.models.llama import ModelConfig
+from sluice.kernels import device_path
+from sluice.kernels.cpu_attention import paged_attention_cpu
+from sluice.kernels.dispatch import fused_int8_attention
+from sluice.kernels.kv_int8 import SCALE_DTYPE, compact_metadata, dequantize_blocks, write_kv_int8
 
 
 def kv_token_bytes(c: ModelConfig) -> int:

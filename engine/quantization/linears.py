@@ -13,11 +13,11 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-import kernels
-from engine.models.llama import LlamaModel, ModelConfig
-from engine.models.loader import CheckpointReader
-from engine.quantization.spec import BLOCKSIZE, INT4_WEIGHT_ONLY, WEIGHT_ONLY, QuantSpec
-from kernels import decode_stack, int4_weights, int8_weights
+from sluice import kernels
+from sluice.engine.models.llama import LlamaModel, ModelConfig
+from sluice.engine.models.loader import CheckpointReader
+from sluice.engine.quantization.spec import BLOCKSIZE, INT4_WEIGHT_ONLY, WEIGHT_ONLY, QuantSpec
+from sluice.kernels import decode_stack, int4_weights, int8_weights
 
 QUIET = ("bitsandbytes.backends.cpu.ops", "bitsandbytes.autograd._functions")  # per-call cast notices
 

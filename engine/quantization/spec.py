@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from engine.models.llama import ModelConfig
-from kernels.int4_weights import shape_error
+from sluice.engine.models.llama import ModelConfig
+from sluice.kernels.int4_weights import shape_error
 
 BNB_METHODS = ("int8", "int4")
 WEIGHT_ONLY = "int8_weight_only"

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.flat_metadata import FlatMetadata
+from sluice.kernels.flat_metadata import FlatMetadata
 
 BLOCK_N = 32
 

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.paged_attention import dot_precision
+from sluice.kernels.triton.paged_attention import dot_precision
 
 MAX_GEMV_ROWS = 4
 

@@ -8,12 +8,12 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 
-from contract.settings import Settings, get_settings
-from producer.client import Client
-from producer.server import batches, dashboard, files, metrics, models
-from producer.server.context import Context, ServerLimits
-from producer.server.errors import install
-from producer.server.keys import KeyStore
+from sluice.contract.settings import Settings, get_settings
+from sluice.producer.client import Client
+from sluice.producer.server import batches, dashboard, files, metrics, models
+from sluice.producer.server.context import Context, ServerLimits
+from sluice.producer.server.errors import install
+from sluice.producer.server.keys import KeyStore
 
 log = logging.getLogger("sluice.server")
 

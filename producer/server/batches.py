@@ -10,14 +10,14 @@ from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
-from contract.batch import TransitionError
-from contract.schemas import Batch
-from contract.storage import split_url
-from producer.client import BatchNotFound, check_metadata, window_seconds
-from producer.server.context import ApiKey, Context, api_key, context
-from producer.server.errors import APIError, not_found
-from producer.server.files import FILE, FileRecord, FileStore, iter_object
-from producer.server.pagination import list_body, page_ids
+from sluice.contract.batch import TransitionError
+from sluice.contract.schemas import Batch
+from sluice.contract.storage import split_url
+from sluice.producer.client import BatchNotFound, check_metadata, window_seconds
+from sluice.producer.server.context import ApiKey, Context, api_key, context
+from sluice.producer.server.errors import APIError, not_found
+from sluice.producer.server.files import FILE, FileRecord, FileStore, iter_object
+from sluice.producer.server.pagination import list_body, page_ids
 
 OWNER = "sluice:api:batch:"  # + batch id -> {project, endpoint, input_file_id}
 INDEX = "sluice:api:batches:"  # + project: sorted set of batch ids by creation time

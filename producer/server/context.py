@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
-from contract.settings import Settings
-from producer.client import Client
-from producer.server.errors import APIError
-from producer.server.keys import ApiKey, KeyStore
+from sluice.contract.settings import Settings
+from sluice.producer.client import Client
+from sluice.producer.server.errors import APIError
+from sluice.producer.server.keys import ApiKey, KeyStore
 
 COOKIE = "sluice_key"
 

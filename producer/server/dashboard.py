@@ -10,10 +10,10 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 
-from producer.server import fleet
-from producer.server.batches import INDEX, BatchApi
-from producer.server.context import COOKIE, ApiKey, api_key, context
-from producer.server.errors import APIError
+from sluice.producer.server import fleet
+from sluice.producer.server.batches import INDEX, BatchApi
+from sluice.producer.server.context import COOKIE, ApiKey, api_key, context
+from sluice.producer.server.errors import APIError
 
 ROWS = 50
 POLL_MS = 1500

@@ -13,11 +13,11 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
-from contract.storage import S3Storage, open_storage, split_url
-from producer.server.context import ApiKey, Context, api_key, context
-from producer.server.errors import APIError, not_found
-from producer.server.pagination import list_body, page_ids
-from producer.server.upload import JsonlSink, receive
+from sluice.contract.storage import S3Storage, open_storage, split_url
+from sluice.producer.server.context import ApiKey, Context, api_key, context
+from sluice.producer.server.errors import APIError, not_found
+from sluice.producer.server.pagination import list_body, page_ids
+from sluice.producer.server.upload import JsonlSink, receive
 
 FILE = "sluice:file:"
 INDEX = "sluice:files:"  # + project: sorted set of file ids by creation time

@@ -11,9 +11,9 @@ from rq import Queue, Worker
 from rq.registry import FailedJobRegistry, StartedJobRegistry
 from rq.serializers import JSONSerializer
 
-from contract.batch import INDEX, batch_key
-from contract.jobs import QUEUES
-from contract.schemas import BatchStatus
+from sluice.contract.batch import INDEX, batch_key
+from sluice.contract.jobs import QUEUES
+from sluice.contract.schemas import BatchStatus
 
 
 @dataclass

@@ -11,7 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from producer.server import fleet
+from sluice.producer.server import fleet
 
 
 class FleetCollector(Collector):

@@ -7,8 +7,8 @@ from pathlib import Path
 import redis
 from fastapi import APIRouter, Depends, Request
 
-from contract.jobs import MODELS
-from producer.server.context import ApiKey, api_key, context
+from sluice.contract.jobs import MODELS
+from sluice.producer.server.context import ApiKey, api_key, context
 
 router = APIRouter()
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import redis
 
-from producer.server.errors import APIError
+from sluice.producer.server.errors import APIError
 
 MAX_LIMIT = 100
 

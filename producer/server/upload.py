@@ -10,7 +10,7 @@ from pathlib import Path
 
 from python_multipart.multipart import MultipartParser, parse_options_header
 
-from producer.server.errors import APIError
+from sluice.producer.server.errors import APIError
 
 MAX_FIELD_BYTES = 64 * 1024
 

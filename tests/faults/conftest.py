@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from contract.schemas import Batch
-from producer import Client
+from sluice.contract.schemas import Batch
+from sluice.producer import Client
 from tests.services import free_port, start_worker, wait_for_port
 
 # Fast clocks for every worker the fault suite starts: 3 s heartbeats, 1 s retry backoff, 1 s reaper passes.

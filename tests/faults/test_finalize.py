@@ -11,14 +11,14 @@ import pytest
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from contract.jobs import finalize_job_id, shard_job_id
-from contract.settings import Settings
-from contract.storage import open_storage
-from producer import BatchStatus, Client
+from sluice.contract.jobs import finalize_job_id, shard_job_id
+from sluice.contract.settings import Settings
+from sluice.contract.storage import open_storage
+from sluice.producer import BatchStatus, Client
 from tests.faults.conftest import assert_exactly_once, request
-from worker.finalize import finalize
-from worker.reaper import Reaper
-from worker.shards import shard_key
+from sluice.worker.finalize import finalize
+from sluice.worker.reaper import Reaper
+from sluice.worker.shards import shard_key
 
 
 def shard_file(ids: list[str], text_bytes: int, fail: set[str] = frozenset()) -> bytes:
@@ -116,7 +116,7 @@ def test_a_failed_output_write_leaves_no_file_and_the_retry_completes(redis_url,
         raise OSError(28, "No space left on device")
 
     with monkeypatch.context() as patched, pytest.raises(OSError, match="No space"):
-        patched.setattr("contract.storage.ObjectWriter.write", broken)
+        patched.setattr("sluice.contract.storage.ObjectWriter.write", broken)
         finalize(client.connection, batch.id)
     assert client.get(batch.id).status == BatchStatus.finalizing
     assert sorted(p.name for p in (tmp_path / batch.id).iterdir()) == ["shards"], "no output, no temp file"

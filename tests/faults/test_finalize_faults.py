@@ -17,10 +17,10 @@ import pytest
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
-from contract.batch import TransitionError
-from contract.jobs import finalize_job_id
-from contract.storage import open_storage
-from producer import BatchStatus, Client
+from sluice.contract.batch import TransitionError
+from sluice.contract.jobs import finalize_job_id
+from sluice.contract.storage import open_storage
+from sluice.producer import BatchStatus, Client
 from tests.faults.conftest import FAST, assert_exactly_once, request, spawn, wait_until
 from tests.services import stop_worker, worker_env
 

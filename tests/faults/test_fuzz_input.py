@@ -9,10 +9,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from contract.schemas import Request
-from contract.settings import Settings
-from engine.sampling_params import SamplingParams
-from producer.validation import validate_lines
+from sluice.contract.schemas import Request
+from sluice.contract.settings import Settings
+from sluice.engine.sampling_params import SamplingParams
+from sluice.producer.validation import validate_lines
 
 EXAMPLES = 500
 LINES_PER_EXAMPLE = 40

@@ -13,10 +13,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from redis import Redis
 
-from contract.batch import BatchStore
-from contract.schemas import Batch, BatchStatus
-from producer.client import Client
-from producer.cron import CronPipeline, idempotency_key, processed, tick
+from sluice.contract.batch import BatchStore
+from sluice.contract.schemas import Batch, BatchStatus
+from sluice.producer.client import Client
+from sluice.producer.cron import CronPipeline, idempotency_key, processed, tick
 from tests.test_webhooks import ROOT
 
 
@@ -153,8 +153,8 @@ RAISING_TEMPLATE = (
 
 
 def test_a_raising_chat_template_or_unknown_model_fails_only_that_request(tiny_llama):
-    from engine import LLM
-    from worker.shards import ShardRun, model_name
+    from sluice.engine import LLM
+    from sluice.worker.shards import ShardRun, model_name
 
     llm = LLM(str(tiny_llama), dtype="float32", device="cpu")
     llm.tokenizer.chat_template = RAISING_TEMPLATE
@@ -200,8 +200,8 @@ def test_submit_refuses_a_model_that_is_not_served(redis_url, tmp_path, monkeypa
 MEMORY_PROBE = """
 import json, resource, sys
 from pathlib import Path
-from contract.settings import Settings
-from producer.validation import input_lines, validate_lines
+from sluice.contract.settings import Settings
+from sluice.producer.validation import input_lines, validate_lines
 path = Path(sys.argv[1])
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 checked = validate_lines(input_lines(str(path), Settings()), Settings())

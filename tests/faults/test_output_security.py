@@ -12,14 +12,14 @@ from redis import Redis
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from contract.batch import BatchStore
-from contract.jobs import shard_job_id
-from contract.schemas import Batch, BatchStatus, Request
-from contract.storage import FileStorage, OutputNotAllowed, check_output_url, open_storage
-from producer.client import Client
+from sluice.contract.batch import BatchStore
+from sluice.contract.jobs import shard_job_id
+from sluice.contract.schemas import Batch, BatchStatus, Request
+from sluice.contract.storage import FileStorage, OutputNotAllowed, check_output_url, open_storage
+from sluice.producer.client import Client
 from tests.test_webhooks import ROOT
-from worker.finalize import finalize_batch
-from worker.shards import ShardRun
+from sluice.worker.finalize import finalize_batch
+from sluice.worker.shards import ShardRun
 
 ROOTS = ["file:///srv/out", "s3://results/sluice", "s3://team-*"]
 

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from producer import BatchStatus, Client
+from sluice.producer import BatchStatus, Client
 from tests.faults.conftest import assert_exactly_once, request, spawn, wait_until
 from tests.services import stop_worker
 
@@ -118,7 +118,7 @@ def test_full_disk_while_running_then_freed(tiny_llama, redis_url, tmp_path):
 
     client = Client(redis_url)
     batch = client.submit_batch([request(i) for i in range(9)], output=(tmp_path / "out").as_uri(), shard_size=3)
-    cmd = [sys.executable, "-m", "worker", "--model", str(tiny_llama), "--dtype", "float32", "--device", "cpu"]
+    cmd = [sys.executable, "-m", "sluice.worker", "--model", str(tiny_llama), "--dtype", "float32", "--device", "cpu"]
     worker = subprocess.Popen(cmd, env=worker_env(redis_url, **FAST), stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL, preexec_fn=limit_file_size(0))
     try:
@@ -152,7 +152,7 @@ def test_full_disk_for_good_fails_the_batch(tiny_llama, redis_url, tmp_path, mon
     client = Client(redis_url)
     batch = client.submit_batch([request(i) for i in range(4)], output=(tmp_path / "out").as_uri(), shard_size=2)
     env = worker_env(redis_url, **{**FAST, "SLUICE_SHARD_RETRIES": "1", "SLUICE_FINALIZE_RETRIES": "1"})
-    cmd = [sys.executable, "-m", "worker", "--model", str(tiny_llama), "--dtype", "float32", "--device", "cpu"]
+    cmd = [sys.executable, "-m", "sluice.worker", "--model", str(tiny_llama), "--dtype", "float32", "--device", "cpu"]
     worker = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               preexec_fn=limit_file_size(0))
     try:

@@ -16,9 +16,9 @@ import pytest
 from redis import Redis
 from urllib3.util import parse_url
 
-from contract.events import delivery_log, notify
-from contract.schemas import Batch, BatchStatus
-from contract.signing import (
+from sluice.contract.events import delivery_log, notify
+from sluice.contract.schemas import Batch, BatchStatus
+from sluice.contract.signing import (
     Target,
     UnsafeWebhookURL,
     WebhookSettings,
@@ -27,7 +27,7 @@ from contract.signing import (
     resolve_target,
 )
 from tests.services import free_port, wait_for_port
-from worker.webhooks import _post, attempt, run
+from sluice.worker.webhooks import _post, attempt, run
 
 SECRET = generate_secret()
 SSRF_FORMS = [

@@ -9,12 +9,12 @@ import redis
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
-from engine import LLM, RequestRejected, SamplingParams
-from producer import BatchStatus, Client
-from producer.shards import queue_for
+from sluice.engine import LLM, RequestRejected, SamplingParams
+from sluice.producer import BatchStatus, Client
+from sluice.producer.shards import queue_for
 from tests.faults.conftest import assert_exactly_once, request, spawn, wait_until
 from tests.services import stop_worker
-from worker.worker import EngineWorker
+from sluice.worker.worker import EngineWorker
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ def test_worker_runs_only_sluice_job_functions(llm, redis_url, tmp_path):
 
 
 def test_a_request_that_breaks_the_engine_fails_alone(llm, redis_url, tmp_path, monkeypatch):
-    monkeypatch.setattr("worker.worker.faults", lambda: __import__("worker.faults").faults.Faults(step_error="POISON"))
+    monkeypatch.setattr("sluice.worker.worker.faults", lambda: __import__("sluice.worker.faults").worker.faults.Faults(step_error="POISON"))
     client = Client(redis_url)
     lines = [request(i) for i in range(11)] + [request(11, prompt="POISON pill")]
     batch = client.submit_batch(lines, output=tmp_path.as_uri(), shard_size=4)
