@@ -19,9 +19,9 @@ from sluice.engine import LLM, SamplingParams
 from sluice.engine.models import loader
 from sluice.engine.models.loader import CheckpointReader, load_model
 from sluice.engine.tokenizer import load_tokenizer
-from tests.checkpoints import make_checkpoint
 from sluice.worker.metrics import warm_up
 from sluice.worker.prefetch import model_argument, prefetch, read_through, weight_files
+from tests.checkpoints import make_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "models" / "sluice-tiny"

@@ -17,9 +17,9 @@ from sluice.contract.jobs import shard_job_id
 from sluice.contract.schemas import Batch, BatchStatus, Request
 from sluice.contract.storage import FileStorage, OutputNotAllowed, check_output_url, open_storage
 from sluice.producer.client import Client
-from tests.test_webhooks import ROOT
 from sluice.worker.finalize import finalize_batch
 from sluice.worker.shards import ShardRun
+from tests.test_webhooks import ROOT
 
 ROOTS = ["file:///srv/out", "s3://results/sluice", "s3://team-*"]
 
