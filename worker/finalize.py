@@ -17,10 +17,11 @@ from sluice.contract.events import notify
 from sluice.contract.jobs import shard_job_id
 from sluice.contract.schemas import Batch, BatchStatus, LineError, OutputRecord, Request, RequestCounts
 from sluice.contract.settings import get_settings
-from sluice.contract.storage import Storage, object_lines, open_output
+from sluice.contract.storage import OutputNotAllowed, Storage, object_lines, open_output
 from sluice.worker.faults import faults
 from sluice.worker.responses import ABORT_CODES, error_record
 from sluice.worker.shards import shard_key
+from sluice.worker.terminal import OUTPUT_NOT_ALLOWED, fail_batch
 
 MISSING = {JobStatus.CANCELED: "batch_cancelled", JobStatus.FAILED: "shard_failed"}
 
@@ -145,8 +146,12 @@ def finalize(connection: redis.Redis, batch_id: str) -> dict[str, int]:
             if batch is None or batch.done:
                 return {}
     faults().before_finalize()
-    storage = open_output(batch.output_url, get_settings().output_root_urls())
-    output_file, error_file, merged = write_outputs(storage, connection, batch)
+    try:
+        storage = open_output(batch.output_url, get_settings().output_root_urls())
+        output_file, error_file, merged = write_outputs(storage, connection, batch)
+    except (OutputNotAllowed, PermissionError) as exc:  # permanent: no retry, no reaper loop
+        fail_batch(connection, batch_id, OUTPUT_NOT_ALLOWED, f"the batch's output could not be written: {exc}")
+        return {}
 
     def close(b: Batch) -> None:
         b.output_file, b.error_file = output_file, error_file
