@@ -8,12 +8,13 @@ from dataclasses import dataclass
 
 import redis
 from rq import Queue, Worker
+from rq.job import Job, JobStatus
 from rq.registry import FailedJobRegistry, StartedJobRegistry
 from rq.serializers import JSONSerializer
 
 from sluice.contract.batch import INDEX, batch_key
-from sluice.contract.jobs import QUEUES
-from sluice.contract.schemas import BatchStatus
+from sluice.contract.jobs import MODELS, QUEUES, shard_job_id
+from sluice.contract.schemas import Batch, BatchStatus
 
 
 @dataclass
@@ -47,6 +48,29 @@ def queues(connection: redis.Redis) -> list[QueueState]:
         failed = FailedJobRegistry(name, connection=connection)
         out.append(QueueState(name, queue.count, started.count, failed.count))
     return out
+
+
+def project_queues(connection: redis.Redis, batches: list[Batch]) -> list[QueueState]:
+    """Per queue, the shards of these (one project's) batches that wait, run or failed: no other tenant's."""
+    counts = {name: QueueState(name, 0, 0, 0) for name in QUEUES}
+    ids = [shard_job_id(b.id, n) for b in batches if not b.done for n in range(b.num_shards)]
+    for start in range(0, len(ids), 500):
+        for job in Job.fetch_many(ids[start : start + 500], connection=connection, serializer=JSONSerializer):
+            state = counts.get(job.origin) if job is not None else None
+            status = job.get_status(refresh=False) if state is not None else None
+            if status in (JobStatus.QUEUED, JobStatus.SCHEDULED, JobStatus.DEFERRED):
+                state.queued += 1
+            elif status == JobStatus.STARTED:
+                state.started += 1
+            elif status == JobStatus.FAILED:
+                state.failed += 1
+    return list(counts.values())
+
+
+def capacity(connection: redis.Redis) -> tuple[int, list[str]]:
+    """How many workers are live and the models they announced (nothing about what they run)."""
+    models = sorted(m.decode() for m in connection.hkeys(MODELS))
+    return Worker.count(connection=connection), models
 
 
 def workers(connection: redis.Redis) -> list[WorkerState]:
