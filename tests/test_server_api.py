@@ -323,3 +323,32 @@ def test_every_route_through_the_openai_package_answers_its_types(stack):
     with pytest.raises(openai.NotFoundError) as missing:
         raw.files.retrieve(upload.id)
     assert set(missing.value.body) >= {"message", "type", "code"}
+
+
+def test_request_counts_move_while_a_shard_runs_and_never_double_count(stack):
+    """One shard of four requests of very different lengths: completed moves (1, 2, 3) before the shard is saved;
+    a request recorded again (a retried shard) or moved from failed to completed counts once."""
+    from redis import Redis
+
+    from sluice.contract.batch import BatchStore, shards_key
+
+    client = stack.openai(stack.key("progress"))
+    lines = [completion(i, max_tokens=n, ignore_eos=True) for i, n in enumerate((2, 60, 130, 240))]
+    batch = client.batches.create(input_file_id=client.files.create(file=jsonl(lines), purpose="batch").id,
+                                  endpoint="/v1/completions", completion_window="24h")  # fmt: skip
+    connection = Redis.from_url(stack.redis_url)
+    seen = set()
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        counts = client.batches.retrieve(batch.id).request_counts
+        if not connection.hlen(shards_key(batch.id)):  # the shard is not saved yet
+            seen.add(counts.completed)
+        if counts.completed == 4:
+            break
+        time.sleep(0.1)
+    assert len({1, 2, 3} & seen) >= 2, f"completed seen while the shard ran: {sorted(seen)}"
+    assert wait_status(client, batch.id, {"completed"}).request_counts.completed == 4
+    store = BatchStore(connection)
+    store.record_progress("batch_x", ["a", "b"], ["c"])
+    store.record_progress("batch_x", ["a", "c"], [])  # the shard ran again; c now succeeded
+    assert store.live_counts("batch_x") == (3, 0)

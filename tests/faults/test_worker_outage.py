@@ -16,7 +16,7 @@ def test_one_log_line_per_redis_outage(tiny_llama, aof_redis, tmp_path):
     first = client.submit_batch([request(i, 4) for i in range(3)], output=tmp_path.as_uri(), shard_size=3)
     worker = spawn(tiny_llama, aof_redis.url, log)
     try:
-        wait_until(lambda: client.get(first.id).done, 180, "a first batch (the worker is up)")
+        wait_until(lambda: client.get(first.id).done, 600, "a first batch (the worker is up)")
         before = len(log.read_text().splitlines())
         aof_redis.kill()
         time.sleep(20)
