@@ -12,7 +12,7 @@ from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
-from sluice.contract.batch import BatchStore, TransitionError
+from sluice.contract.batch import BatchStore, TransitionError, progress_key
 from sluice.contract.events import notify
 from sluice.contract.jobs import shard_job_id
 from sluice.contract.schemas import Batch, BatchStatus, LineError, OutputRecord, Request, RequestCounts
@@ -122,6 +122,17 @@ def write_outputs(storage: Storage, connection: redis.Redis, batch: Batch) -> tu
     return output_file, error_file, merged
 
 
+def write_or_fail(connection: redis.Redis, batch: Batch) -> tuple[str, str | None, Merged] | None:
+    """write_outputs, or None when this worker may not write the output: the batch is then failed for good
+    (no retry, no reaper loop)."""
+    try:
+        storage = open_output(batch.output_url, get_settings().output_root_urls())
+        return write_outputs(storage, connection, batch)
+    except (OutputNotAllowed, PermissionError) as exc:
+        fail_batch(connection, batch.id, OUTPUT_NOT_ALLOWED, f"the batch's output could not be written: {exc}")
+        return None
+
+
 def final_status(batch: Batch, merged: Merged) -> BatchStatus:
     """cancelled when cancelling; failed when a shard was lost, or when shards failed for good and no request
     completed; expired when a request expired; else completed."""
@@ -176,12 +187,10 @@ def finalize(connection: redis.Redis, batch_id: str) -> dict[str, int]:
             if batch is None or batch.done:
                 return {}
     faults().before_finalize()
-    try:
-        storage = open_output(batch.output_url, get_settings().output_root_urls())
-        output_file, error_file, merged = write_outputs(storage, connection, batch)
-    except (OutputNotAllowed, PermissionError) as exc:  # permanent: no retry, no reaper loop
-        fail_batch(connection, batch_id, OUTPUT_NOT_ALLOWED, f"the batch's output could not be written: {exc}")
+    written = write_or_fail(connection, batch)
+    if written is None:
         return {}
+    output_file, error_file, merged = written
 
     def close(b: Batch) -> None:
         b.output_file, b.error_file = output_file, error_file
@@ -197,6 +206,7 @@ def finalize(connection: redis.Redis, batch_id: str) -> dict[str, int]:
         if batch is None or batch.done:
             return {}
         raise
+    connection.delete(progress_key(batch_id, "completed"), progress_key(batch_id, "failed"))  # counts are final
     if batch.webhook:
         single = (
             merged.first.model_dump(mode="json")
