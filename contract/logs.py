@@ -59,6 +59,11 @@ class PlainFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         return redact(super().format(record))
 
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 (logging's name)
+        """The message with control characters escaped: one record, one line, nothing raw (a NUL, ESC)."""
+        record.message = "".join(c if c.isprintable() else repr(c)[1:-1] for c in record.message)
+        return super().formatMessage(record)
+
 
 def configure(log_format: str = "text", level: str = "INFO") -> None:
     """Route every logger (rq, uvicorn, ours) to stderr in the chosen format."""
