@@ -60,6 +60,8 @@ def test_a_login_from_a_foreign_origin_gets_no_cookie(server):
         answer = login(server, secret, **headers)
         assert answer.status_code == 403 and "set-cookie" not in answer.headers, headers
     assert login(server, secret, **own(server)).status_code == 303
+    behind_proxy = login(server, secret, Origin="https://sluice.example.com", **{"X-Forwarded-Host": "sluice.example.com"})
+    assert behind_proxy.status_code == 303 and "sluice_session=" in behind_proxy.headers["set-cookie"]
 
 
 def test_the_cookie_is_a_random_session_id_never_the_key(server):

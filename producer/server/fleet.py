@@ -8,13 +8,15 @@ from dataclasses import dataclass
 
 import redis
 from rq import Queue, Worker
-from rq.job import Job, JobStatus
+from rq.job import Job
 from rq.registry import FailedJobRegistry, StartedJobRegistry
 from rq.serializers import JSONSerializer
 
 from sluice.contract.batch import INDEX, batch_key
 from sluice.contract.jobs import MODELS, QUEUES, shard_job_id
 from sluice.contract.schemas import Batch, BatchStatus
+
+JOB_PREFIX = Job.redis_job_namespace_prefix  # rq's hash of a job: fields origin (its queue) and status
 
 
 @dataclass
@@ -50,20 +52,21 @@ def queues(connection: redis.Redis) -> list[QueueState]:
     return out
 
 
-def project_queues(connection: redis.Redis, batches: list[Batch]) -> list[QueueState]:
-    """Per queue, the shards of these (one project's) batches that wait, run or failed: no other tenant's."""
+def project_queues(connection: redis.Redis, batches: list[Batch], chunk: int = 500) -> list[QueueState]:
+    """Per queue, the shards of these (one project's) batches that wait, run or failed: no other tenant's.
+    Reads only each job's status and queue fields, never its arguments (the prompts)."""
     counts = {name: QueueState(name, 0, 0, 0) for name in QUEUES}
     ids = [shard_job_id(b.id, n) for b in batches if not b.done for n in range(b.num_shards)]
-    for start in range(0, len(ids), 500):
-        for job in Job.fetch_many(ids[start : start + 500], connection=connection, serializer=JSONSerializer):
-            state = counts.get(job.origin) if job is not None else None
-            status = job.get_status(refresh=False) if state is not None else None
-            if status in (JobStatus.QUEUED, JobStatus.SCHEDULED, JobStatus.DEFERRED):
-                state.queued += 1
-            elif status == JobStatus.STARTED:
-                state.started += 1
-            elif status == JobStatus.FAILED:
-                state.failed += 1
+    column = {"queued": "queued", "scheduled": "queued", "deferred": "queued", "started": "started", "failed": "failed"}
+    for start in range(0, len(ids), chunk):
+        with connection.pipeline(transaction=False) as pipe:
+            for job_id in ids[start : start + chunk]:
+                pipe.hmget(JOB_PREFIX + job_id, "origin", "status")
+            for origin, status in pipe.execute():
+                state = counts.get((origin or b"").decode())
+                field = column.get((status or b"").decode())
+                if state is not None and field is not None:
+                    setattr(state, field, getattr(state, field) + 1)
     return list(counts.values())
 
 

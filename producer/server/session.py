@@ -52,11 +52,14 @@ class Sessions:
 
 def same_origin(request: Request) -> bool:
     """Whether a state-changing request comes from a page of this server (Origin, else Referer, must name
-    this host; a request naming neither is refused)."""
+    this host, as Host or a proxy's X-Forwarded-Host says; a request naming neither is refused). A browser
+    lets no page set these headers for another site, so a forged form cannot pass."""
     origin = request.headers.get("origin") or request.headers.get("referer")
     if not origin or origin == "null":
         return False
-    return urlsplit(origin).netloc.lower() == (request.headers.get("host") or "").lower()
+    hosts = {h.strip().lower() for h in (request.headers.get("x-forwarded-host") or "").split(",") if h.strip()}
+    hosts.add((request.headers.get("host") or "").lower())
+    return urlsplit(origin).netloc.lower() in hosts - {""}
 
 
 def cross_site(request: Request) -> bool:
