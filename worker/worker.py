@@ -233,6 +233,8 @@ class EngineWorker(JobsWorker):
     def _complete(self, job_id: str, run: ShardRun) -> None:
         """Save the shard's output and mark its job finished (or failed, for rq to retry with backoff)."""
         try:
+            if run.unreported:  # the live counts hold every request of a saved shard
+                run.report_progress(self.store)
             summary = run.save(self.connection)
         except REDIS_ERRORS:
             raise
