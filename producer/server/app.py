@@ -8,11 +8,12 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 
+from sluice.contract.logs import escape_control
 from sluice.contract.settings import Settings, get_settings
 from sluice.producer.client import Client
 from sluice.producer.server import batches, dashboard, files, metrics, models
 from sluice.producer.server.context import Context, ServerLimits
-from sluice.producer.server.errors import REDIS_DOWN, error_response, escape, install
+from sluice.producer.server.errors import REDIS_DOWN, error_response, install
 from sluice.producer.server.keys import KeyStore
 from sluice.producer.server.session import security_headers
 
@@ -43,8 +44,8 @@ async def access_log(request: Request, call_next):
     response = await call_next(request)
     ms = (time.perf_counter() - start) * 1000
     extra = {"project": getattr(request.state, "project", None), "status": response.status_code}
-    path = escape(request.url.path)  # a NUL or newline in a path must not reach the log raw
-    log.info("%s %s %d %.1f ms", escape(request.method), path, response.status_code, ms, extra=extra)
+    path = escape_control(request.url.path)  # a NUL or newline in a path must not reach the log raw
+    log.info("%s %s %d %.1f ms", escape_control(request.method), path, response.status_code, ms, extra=extra)
     return response
 
 

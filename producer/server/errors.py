@@ -10,6 +10,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from sluice.contract.logs import escape_control
+
 TYPES = {
     400: "invalid_request_error",
     401: "invalid_request_error",
@@ -52,11 +54,6 @@ def error_response(
     return JSONResponse({"error": body}, status_code=status, headers=headers)
 
 
-def escape(text: str) -> str:
-    """text safe for one log line: control characters (NUL, newlines, ESC...) written as escapes."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
-
-
 def not_found(kind: str, object_id: str, param: str | None = None) -> APIError:
     """404 for an id that does not exist or belongs to another project (the two look the same)."""
     return APIError(404, f"No {kind} found with id '{object_id}'.", param=param, code="not_found")
@@ -88,5 +85,5 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.error("unhandled %s on %s", type(exc).__name__, escape(request.url.path), exc_info=exc)
+        log.error("unhandled %s on %s", type(exc).__name__, escape_control(request.url.path), exc_info=exc)
         return error_response(500, "The server had an error while processing your request.", code="server_error")
