@@ -40,6 +40,10 @@ def shards_key(batch_id: str) -> str:
     return PREFIX + batch_id + ":shards"
 
 
+def progress_key(batch_id: str, outcome: str) -> str:
+    return PREFIX + batch_id + ":" + outcome
+
+
 def cancel_flag_key(batch_id: str) -> str:
     return PREFIX + batch_id + ":cancel"
 
@@ -66,6 +70,8 @@ class BatchStore:
         batch = Batch.model_validate_json(raw)
         if not batch.done and batch.status != S.validating:
             completed, failed = self.shard_counts(batch_id)
+            live_completed, live_failed = self.live_counts(batch_id)
+            completed, failed = max(completed, live_completed), max(failed, live_failed)
             batch.request_counts = RequestCounts(
                 total=batch.request_counts.total, completed=completed, failed=failed
             )
@@ -113,6 +119,25 @@ class BatchStore:
         """Record a finished shard's counts and token usage (idempotent: a re-run shard overwrites its entry)."""
         entry = [completed, failed, input_tokens, output_tokens]
         self.connection.hset(shards_key(batch_id), str(shard), json.dumps(entry))
+
+    def record_progress(self, batch_id: str, completed: list[str], failed: list[str], ttl: int = 7 * 86400) -> None:
+        """Count finished requests by custom_id as they finish (a re-run request moves, never counts twice)."""
+        ok, bad = progress_key(batch_id, "completed"), progress_key(batch_id, "failed")
+        with self.connection.pipeline(transaction=True) as pipe:
+            for ids, into, out in ((completed, ok, bad), (failed, bad, ok)):
+                if ids:
+                    pipe.sadd(into, *ids)
+                    pipe.srem(out, *ids)
+                    pipe.expire(into, ttl)
+            pipe.execute()
+
+    def live_counts(self, batch_id: str) -> tuple[int, int]:
+        """Completed and failed requests counted as they finished (see record_progress)."""
+        with self.connection.pipeline(transaction=False) as pipe:
+            pipe.scard(progress_key(batch_id, "completed"))
+            pipe.scard(progress_key(batch_id, "failed"))
+            completed, failed = pipe.execute()
+        return completed, failed
 
     def _shard_totals(self, batch_id: str) -> list[int]:
         """[completed, failed, input tokens, output tokens] summed over the shards finished so far (entries

@@ -18,6 +18,11 @@ SECRETS = [
 FIELDS = ("batch_id", "shard", "job_id", "project", "status", "worker")
 
 
+def escape_control(text: str) -> str:
+    """text safe for one log line: control characters (NUL, newlines, ESC...) written as escapes."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def redact(text: str) -> str:
     """text with URL passwords, API keys, webhook secrets and bearer tokens masked."""
     for pattern, replacement in SECRETS:
@@ -58,6 +63,11 @@ class PlainFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         return redact(super().format(record))
+
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 (logging's name)
+        """The message with control characters escaped: one record, one line, nothing raw (a NUL, ESC)."""
+        record.message = escape_control(record.message)
+        return super().formatMessage(record)
 
 
 def configure(log_format: str = "text", level: str = "INFO") -> None:

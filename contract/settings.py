@@ -4,8 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def default_output_url(data_home: str | None = None) -> str:
+    """The user's data folder, the same for every process whatever its working directory:
+    $XDG_DATA_HOME/sluice/results, else ~/.local/share/sluice/results."""
+    data = data_home or str(Path.home() / ".local" / "share")
+    return (Path(data).expanduser().resolve() / "sluice" / "results").as_uri()
 
 
 class Settings(BaseSettings):
@@ -14,7 +21,8 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SLUICE_", extra="ignore")
 
     redis_url: str = "redis://127.0.0.1:6379/0"
-    output_url: str = Field(default_factory=lambda: Path("results").resolve().as_uri())
+    xdg_data_home: str | None = Field(None, validation_alias="XDG_DATA_HOME")
+    output_url: str = ""
     webhook_url: str | None = None
     webhook_secret: SecretStr | None = None
     webhook_allow: str = ""
@@ -45,6 +53,16 @@ class Settings(BaseSettings):
     model: str | None = None
     served_models: str = ""
     output_roots: str = ""
+    cookie_secure: bool = False
+    operator_token: SecretStr | None = None
+
+    @model_validator(mode="after")
+    def _default_output_url(self) -> Settings:
+        """SLUICE_OUTPUT_URL unset: the user's data folder (not counted as set, see output_url_if_set)."""
+        if not self.output_url:
+            self.output_url = default_output_url(self.xdg_data_home)
+            self.__pydantic_fields_set__.discard("output_url")
+        return self
 
     def served_model_names(self) -> list[str]:
         """Model names requests may ask for (SLUICE_SERVED_MODELS, else SLUICE_MODEL's folder name)."""
@@ -52,7 +70,8 @@ class Settings(BaseSettings):
         return names or ([Path(self.model).name] if self.model else [])
 
     def output_root_urls(self) -> list[str]:
-        """Where batches may write (SLUICE_OUTPUT_ROOTS, comma-separated; else only SLUICE_OUTPUT_URL)."""
+        """Where batches may write, fleet-wide: SLUICE_OUTPUT_ROOTS (comma-separated), else SLUICE_OUTPUT_URL
+        (default: the user's data folder, never the working directory, so a server and its workers agree)."""
         roots = [r.strip() for r in self.output_roots.split(",") if r.strip()]
         return roots or [self.output_url]
 

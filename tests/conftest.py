@@ -20,6 +20,8 @@ TEST_OUTPUT_ROOTS = [
     "s3://*",
 ]
 os.environ.setdefault("SLUICE_OUTPUT_ROOTS", ",".join(TEST_OUTPUT_ROOTS))
+# the default output location ($XDG_DATA_HOME/sluice/results) inside the temp roots, never the user's ~/.local
+os.environ.setdefault("XDG_DATA_HOME", tempfile.mkdtemp(prefix="sluice-test-data-"))
 
 
 @pytest.fixture(scope="session")

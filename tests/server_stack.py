@@ -46,15 +46,18 @@ class Stack:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=secret or "unset", max_retries=0, timeout=60)
 
 
-def start_server(redis_url: str, tmp: Path, *args: str) -> tuple[subprocess.Popen, str]:
+def start_server(
+    redis_url: str, tmp: Path, *args: str, cwd: Path | None = None, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen, str]:
     """`sluice serve` on a free port, logging to tmp/server.log; returns the process and its base URL."""
     port = free_port()
-    env = worker_env(
-        redis_url, SLUICE_OUTPUT_URL=tmp.as_uri(), SLUICE_SHARD_SIZE="4", SLUICE_WEBHOOK_ALLOW="127.0.0.1"
-    )
+    if env is None:
+        env = worker_env(
+            redis_url, SLUICE_OUTPUT_URL=tmp.as_uri(), SLUICE_SHARD_SIZE="4", SLUICE_WEBHOOK_ALLOW="127.0.0.1"
+        )
     cmd = [str(SLUICE), "serve", "--port", str(port), *args]
     with open(tmp / "server.log", "ab") as log:
-        process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=cwd)
     url = f"http://127.0.0.1:{port}"
     wait_http(url + "/healthz", 60, process)
     return process, url

@@ -276,3 +276,79 @@ def test_logs_are_json_with_ids_and_without_keys(stack):
     assert any("ready in" in r["message"] for r in records["worker.log"])
     for secret in stack.secrets:
         assert all(secret not in text for text in lines.values())
+
+
+def typed(raw, model):
+    """The raw body of an SDK call validated (strictly, by pydantic) against the SDK's own type."""
+    body = json.loads(raw.text)
+    return model.model_validate(body)
+
+
+def typed_list(raw, model, paged: bool = True) -> list:
+    body = json.loads(raw.text)
+    assert body["object"] == "list", body
+    if paged:  # cursor pages (files, batches); the models list has none
+        assert isinstance(body["has_more"], bool) and body["first_id"] == (body["data"][0]["id"] if body["data"] else None)
+    return [model.model_validate(item) for item in body["data"]]
+
+
+def test_every_route_through_the_openai_package_answers_its_types(stack):
+    """files create/list/retrieve/content/delete, batches create/retrieve/list/cancel, models: each body
+    validated against the openai package's pydantic types (the SDK itself only constructs them)."""
+    from openai.types import Batch, FileDeleted, FileObject, Model
+
+    raw = stack.openai(stack.key("typed")).with_raw_response
+    lines = [completion(i, max_tokens=64, ignore_eos=True) for i in range(12)]
+    upload = typed(raw.files.create(file=jsonl(lines), purpose="batch"), FileObject)
+    assert upload.purpose == "batch" and upload.status == "processed"
+    assert typed(raw.files.retrieve(upload.id), FileObject) == upload
+    assert [f.id for f in typed_list(raw.files.list(purpose="batch", limit=5, order="asc"), FileObject)] == [upload.id]
+    assert raw.files.content(upload.id).text.splitlines() == [json.dumps(line) for line in lines]
+    batch = typed(raw.batches.create(input_file_id=upload.id, endpoint="/v1/completions",
+                                     completion_window="24h", metadata={"k": "v"}), Batch)  # fmt: skip
+    assert batch.status in ("validating", "in_progress") and batch.metadata == {"k": "v"}
+    assert typed(raw.batches.retrieve(batch.id), Batch).id == batch.id
+    assert [b.id for b in typed_list(raw.batches.list(limit=3), Batch)] == [batch.id]
+    cancelled = typed(raw.batches.cancel(batch.id), Batch)
+    assert cancelled.status in ("cancelling", "cancelled") and cancelled.cancelling_at is not None
+    done = wait_status(stack.openai(raw._client.api_key), batch.id, {"cancelled"}, timeout=120)
+    done = typed(raw.batches.retrieve(done.id), Batch)
+    assert done.request_counts.total == 12 and done.request_counts.completed + done.request_counts.failed == 12
+    for file_id in filter(None, (done.output_file_id, done.error_file_id)):
+        assert typed(raw.files.retrieve(file_id), FileObject).purpose == "batch_output"
+    models = typed_list(raw.models.list(), Model, paged=False)
+    assert "sluice-tiny" in [m.id for m in models]
+    deleted = typed(raw.files.delete(upload.id), FileDeleted)
+    assert deleted.deleted and deleted.id == upload.id
+    with pytest.raises(openai.NotFoundError) as missing:
+        raw.files.retrieve(upload.id)
+    assert set(missing.value.body) >= {"message", "type", "code"}
+
+
+def test_request_counts_move_while_a_shard_runs_and_never_double_count(stack):
+    """One shard of four requests of very different lengths: completed moves (1, 2, 3) before the shard is saved;
+    a request recorded again (a retried shard) or moved from failed to completed counts once."""
+    from redis import Redis
+
+    from sluice.contract.batch import BatchStore, shards_key
+
+    client = stack.openai(stack.key("progress"))
+    lines = [completion(i, max_tokens=n, ignore_eos=True) for i, n in enumerate((2, 60, 130, 240))]
+    batch = client.batches.create(input_file_id=client.files.create(file=jsonl(lines), purpose="batch").id,
+                                  endpoint="/v1/completions", completion_window="24h")  # fmt: skip
+    connection = Redis.from_url(stack.redis_url)
+    seen = set()
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        counts = client.batches.retrieve(batch.id).request_counts
+        if not connection.hlen(shards_key(batch.id)):  # the shard is not saved yet
+            seen.add(counts.completed)
+        if counts.completed == 4:
+            break
+        time.sleep(0.1)
+    assert len({1, 2, 3} & seen) >= 2, f"completed seen while the shard ran: {sorted(seen)}"
+    assert wait_status(client, batch.id, {"completed"}).request_counts.completed == 4
+    store = BatchStore(connection)
+    store.record_progress("batch_x", ["a", "b"], ["c"])
+    store.record_progress("batch_x", ["a", "c"], [])  # the shard ran again; c now succeeded
+    assert store.live_counts("batch_x") == (3, 0)

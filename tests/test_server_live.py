@@ -98,7 +98,9 @@ def test_dashboard_shows_live_progress(stack, browser, tmp_path):
     )
     assert partial["status"] == partial["shown"] == "in_progress"
     assert 0 < partial["completed"] < 24 and partial["width"] == f"{partial['percent']}%"
-    assert browser.find_elements(By.CSS_SELECTOR, "#workers .worker-state"), "the fleet lists the live worker"
+    assert browser.find_element(By.CSS_SELECTOR, "#workers .live-workers").text == "1", "the fleet's size"
+    running = browser.find_element(By.CSS_SELECTOR, "#queues tr[data-queue=default]").text.split()
+    assert int(running[1]) + int(running[2]) > 0, "the project's own shards wait or run in its queue"
     browser.save_screenshot(str(tmp_path / "dashboard-running.png"))
     done = WebDriverWait(browser, 180, 0.3).until(
         lambda d: (s := row_state(d, batch.id)) and s["status"] == "completed" and s
@@ -110,7 +112,15 @@ def test_dashboard_shows_live_progress(stack, browser, tmp_path):
     assert sorted(json.loads(line)["custom_id"] for line in fetched.splitlines()) == sorted(
         f"r{i}" for i in range(24)
     )
-    assert requests.get(link).status_code == 401, "output links need the key too"
+    assert requests.get(link).status_code == 401, "output links need the session too"
+    cookie = browser.get_cookie("sluice_session")
+    assert cookie["httpOnly"] and cookie["sameSite"] == "Strict" and secret not in cookie["value"]
+    assert requests.get(link, cookies={"sluice_session": cookie["value"]}).status_code == 200
+    api_link = link.replace("/dashboard/files/", "/v1/files/")
+    assert requests.get(api_link, cookies={"sluice_session": cookie["value"]}).status_code == 401, "API: header only"
+    browser.find_element(By.ID, "logout").click()
+    wait.until(lambda d: d.find_elements(By.ID, "key"))
+    assert requests.get(link, cookies={"sluice_session": cookie["value"]}).status_code == 401, "logout ends it"
 
 
 def test_metrics_and_health_change_as_a_batch_runs(stack):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from sluice.contract.logs import JsonFormatter, redact
+from sluice.contract.logs import JsonFormatter, PlainFormatter, redact
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,6 +32,14 @@ def test_json_log_lines_carry_ids_and_hide_secrets():
     text = redact(f"redis://:hunter2@redis:6379/0 key {secret} whsec_abcDEF123 Authorization: Bearer tok123")
     assert "hunter2" not in text and secret not in text and "abcDEF123" not in text and "tok123" not in text
     assert "redis://:***@redis:6379/0" in text
+
+
+def test_plain_log_lines_escape_control_characters():
+    """A hostile custom_id or path cannot forge a log line or write a NUL or a terminal escape."""
+    line = PlainFormatter().format(record("request %s failed", "a\nforged ERROR line\x00\x1b[31m"))
+    assert "\n" not in line and "\x00" not in line and "\x1b" not in line
+    assert line.endswith("request a\\nforged ERROR line\\x00\\x1b[31m failed")
+    assert "\n" in json.loads(JsonFormatter().format(record("request %s", "a\nb")))["message"]  # JSON escapes
 
 
 def test_probes_point_at_the_health_endpoints():

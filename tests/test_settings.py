@@ -62,3 +62,24 @@ def test_webhook_settings_come_from_settings(monkeypatch):
     webhook = WebhookSettings.from_env()
     assert (webhook.webhook_timeout, webhook.webhook_allow) == (3.5, "127.0.0.1")
     assert WebhookSettings().webhook_timeout == 10.0
+
+
+def test_the_default_output_url_does_not_depend_on_the_working_directory(tmp_path, monkeypatch):
+    from sluice.contract.settings import Settings, output_url_if_set
+
+    monkeypatch.delenv("SLUICE_OUTPUT_URL", raising=False)
+    monkeypatch.delenv("SLUICE_OUTPUT_ROOTS", raising=False)
+    monkeypatch.delenv("XDG_DATA_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    urls = set()
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        monkeypatch.chdir(tmp_path / folder)
+        urls.add(Settings().output_url)
+        assert Settings().output_root_urls() == [Settings().output_url]
+    assert urls == {(tmp_path / "home" / ".local" / "share" / "sluice" / "results").as_uri()}
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    assert Settings().output_url == (tmp_path / "data" / "sluice" / "results").as_uri()
+    assert output_url_if_set() is None
+    monkeypatch.setenv("SLUICE_OUTPUT_URL", "s3://bucket/out")
+    assert Settings().output_url == output_url_if_set() == "s3://bucket/out"

@@ -6,6 +6,8 @@ import logging
 import threading
 from collections.abc import Callable
 
+from sluice.worker.outage import OUTAGE, REDIS_ERRORS
+
 log = logging.getLogger(__name__)
 MAX_BACKOFF_S = 30.0
 
@@ -19,6 +21,8 @@ def supervised(name: str, target: Callable[[threading.Event], None], stop: threa
             try:
                 target(stop)
                 return
+            except REDIS_ERRORS as exc:
+                OUTAGE.failed(f"background {name}", exc)
             except Exception:
                 log.exception("background %s failed; restarting in %.0f s", name, backoff)
                 stop.wait(backoff)

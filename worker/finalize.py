@@ -12,15 +12,16 @@ from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
-from sluice.contract.batch import BatchStore, TransitionError
+from sluice.contract.batch import BatchStore, TransitionError, progress_key
 from sluice.contract.events import notify
 from sluice.contract.jobs import shard_job_id
 from sluice.contract.schemas import Batch, BatchStatus, LineError, OutputRecord, Request, RequestCounts
 from sluice.contract.settings import get_settings
-from sluice.contract.storage import Storage, object_lines, open_output
+from sluice.contract.storage import OutputNotAllowed, Storage, object_lines, open_output
 from sluice.worker.faults import faults
 from sluice.worker.responses import ABORT_CODES, error_record
 from sluice.worker.shards import shard_key
+from sluice.worker.terminal import OUTPUT_NOT_ALLOWED, fail_batch
 
 MISSING = {JobStatus.CANCELED: "batch_cancelled", JobStatus.FAILED: "shard_failed"}
 
@@ -30,7 +31,12 @@ class ShardLost(LookupError):
 
 
 def shard_records(
-    storage: Storage, connection: redis.Redis, batch_id: str, shard: int, expired: bool = False
+    storage: Storage,
+    connection: redis.Redis,
+    batch_id: str,
+    shard: int,
+    expired: bool = False,
+    failed_shards: list[int] | None = None,
 ) -> Iterator[OutputRecord]:
     """The records a shard wrote, read a line at a time, or, when it wrote none (dropped, failed), an error per
     request; ShardLost when neither its output nor its job exists."""
@@ -46,6 +52,8 @@ def shard_records(
     code = MISSING.get(job.get_status(), "shard_missing")
     if code == "batch_cancelled" and expired:
         code = "batch_expired"
+    if code == "shard_failed" and failed_shards is not None:
+        failed_shards.append(shard)
     message = ABORT_CODES.get(code) or f"shard {shard} produced no output ({job.get_status()})"
     for request in job.args[2]:
         yield error_record(Request.model_validate(request).custom_id, code, message)
@@ -57,8 +65,9 @@ class Merged:
 
     completed: int = 0
     failed: int = 0
-    expired: bool = False
+    expired: int = 0
     lost: list[int] = field(default_factory=list)
+    failed_shards: list[int] = field(default_factory=list)
     first: OutputRecord | None = None
 
     def add(self, record: OutputRecord) -> None:
@@ -67,7 +76,7 @@ class Merged:
             self.completed += 1
         else:
             self.failed += 1
-            self.expired = self.expired or record.error.code == "batch_expired"
+            self.expired += record.error.code == "batch_expired"
         if self.first is None:
             self.first = record
 
@@ -80,7 +89,7 @@ def merge(storage: Storage, connection: redis.Redis, batch: Batch, merged: Merge
     expired = is_expired(batch)
     for shard in range(batch.num_shards):
         try:
-            for record in shard_records(storage, connection, batch.id, shard, expired):
+            for record in shard_records(storage, connection, batch.id, shard, expired, merged.failed_shards):
                 if record.custom_id not in seen:
                     seen.add(record.custom_id)
                     merged.add(record)
@@ -113,15 +122,48 @@ def write_outputs(storage: Storage, connection: redis.Redis, batch: Batch) -> tu
     return output_file, error_file, merged
 
 
+def write_or_fail(connection: redis.Redis, batch: Batch) -> tuple[str, str | None, Merged] | None:
+    """write_outputs, or None when this worker may not write the output: the batch is then failed for good
+    (no retry, no reaper loop)."""
+    try:
+        storage = open_output(batch.output_url, get_settings().output_root_urls())
+        return write_outputs(storage, connection, batch)
+    except (OutputNotAllowed, PermissionError) as exc:
+        fail_batch(connection, batch.id, OUTPUT_NOT_ALLOWED, f"the batch's output could not be written: {exc}")
+        return None
+
+
 def final_status(batch: Batch, merged: Merged) -> BatchStatus:
-    """cancelled when cancelling; failed when a shard was lost; expired when a request expired; else completed."""
+    """cancelled when cancelling; failed when a shard was lost, or when shards failed for good and no request
+    completed; expired when a request expired; else completed."""
     if batch.status == BatchStatus.cancelling:
         return BatchStatus.cancelled
-    if merged.lost:
+    if merged.lost or (merged.failed_shards and not merged.completed):
         return BatchStatus.failed
     if merged.expired:
         return BatchStatus.expired
     return BatchStatus.completed
+
+
+def batch_errors(batch: Batch, merged: Merged) -> list[LineError]:
+    """Why a batch did not run all its requests, as batch-level errors (the error file has the per-request ones)."""
+    errors = []
+    if merged.lost:
+        message = f"shards {merged.lost} were never enqueued (the submit stopped part way); their requests are in neither file"
+        errors.append(LineError(code="shards_lost", message=message))
+    if merged.failed_shards:
+        message = (
+            f"shards {merged.failed_shards} failed on every attempt (see the workers' logs); their requests are in "
+            "the error file with code shard_failed"
+        )
+        errors.append(LineError(code="shard_failed", message=message))
+    if merged.expired:
+        message = (
+            f"the completion window ({batch.completion_window}) ended before {merged.expired} requests ran; they are "
+            "in the error file with code batch_expired"
+        )
+        errors.append(LineError(code="batch_expired", message=message))
+    return errors
 
 
 def finalize_batch(batch_id: str) -> dict[str, int]:
@@ -145,20 +187,17 @@ def finalize(connection: redis.Redis, batch_id: str) -> dict[str, int]:
             if batch is None or batch.done:
                 return {}
     faults().before_finalize()
-    storage = open_output(batch.output_url, get_settings().output_root_urls())
-    output_file, error_file, merged = write_outputs(storage, connection, batch)
+    written = write_or_fail(connection, batch)
+    if written is None:
+        return {}
+    output_file, error_file, merged = written
 
     def close(b: Batch) -> None:
         b.output_file, b.error_file = output_file, error_file
         total = b.request_counts.total
         failed = total - merged.completed if merged.lost else merged.failed
         b.request_counts = RequestCounts(total=total, completed=merged.completed, failed=failed)
-        if merged.lost:
-            message = (
-                f"shards {merged.lost} were never enqueued (the submit stopped part way); "
-                "their requests are in neither file"
-            )
-            b.errors = [*b.errors, LineError(code="shards_lost", message=message)]
+        b.errors = [*b.errors, *batch_errors(b, merged)]
 
     try:
         batch = store.transition(batch_id, final_status(store.get(batch_id) or batch, merged), close)
@@ -167,6 +206,7 @@ def finalize(connection: redis.Redis, batch_id: str) -> dict[str, int]:
         if batch is None or batch.done:
             return {}
         raise
+    connection.delete(progress_key(batch_id, "completed"), progress_key(batch_id, "failed"))  # counts are final
     if batch.webhook:
         single = (
             merged.first.model_dump(mode="json")

@@ -23,13 +23,13 @@ from collections.abc import Iterator
 import redis
 import typer
 
-from sluice.contract.batch import INDEX, BatchStore, TransitionError, batch_key
-from sluice.contract.events import notify
+from sluice.contract.batch import INDEX, BatchStore, batch_key
 from sluice.contract.jobs import QUEUES, finalize_job_id, shard_job_id
-from sluice.contract.schemas import Batch, BatchStatus, LineError, RequestCounts
+from sluice.contract.schemas import Batch, BatchStatus
 from sluice.contract.settings import Settings, get_settings
 from sluice.worker import rq_jobs
 from sluice.worker.finalize import finalize
+from sluice.worker.terminal import fail_batch
 
 log = logging.getLogger(__name__)
 LOCK = "sluice:reaper:lock"
@@ -119,21 +119,7 @@ class Reaper:
 
     def fail(self, batch_id: str, code: str, message: str) -> None:
         """End the batch as failed (cancelled when it was being cancelled), the reason in its errors."""
-
-        def record(b: Batch) -> None:
-            b.errors = [*b.errors, LineError(code=code, message=message)]
-            b.request_counts = RequestCounts(total=b.request_counts.total, failed=b.request_counts.total)
-
-        batch = self.store.get(batch_id)
-        if batch is None or batch.done:
-            return
-        status = BatchStatus.cancelled if batch.status == BatchStatus.cancelling else BatchStatus.failed
-        try:
-            batch = self.store.transition(batch_id, status, record)
-        except TransitionError:
-            return
-        if batch.webhook:
-            notify(self.connection, batch)
+        fail_batch(self.connection, batch_id, code, message)
 
 
 reaper_app = typer.Typer(help="The reaper: drives stuck batches to a terminal status.")

@@ -153,6 +153,15 @@ class JobsWorker(SimpleWorker):
             self._finalize_failure(held.job, held.queue, held.execution, exc_info or sys.exc_info())
             del self.held[job_id]
 
+    def fail_for_good(self, job_id: str, exc: Exception) -> None:
+        """Record the held job as failed with no retry (a permanent, per-batch error)."""
+        with self._lock:
+            self.held[job_id].job.retries_left = None
+            try:
+                raise exc
+            except type(exc):
+                self.fail(job_id, sys.exc_info())
+
     def hand_back(self, job_id: str) -> None:
         """Put the held job back at the front of its queue, unrun (a graceful stop; no retry used)."""
         with self._lock:

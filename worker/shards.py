@@ -17,6 +17,7 @@ from sluice.contract.settings import get_settings
 from sluice.contract.storage import open_output
 from sluice.worker.faults import faults
 from sluice.worker.responses import ABORT_CODES, error_record, output_record
+from sluice.worker.terminal import OUTPUT_NOT_ALLOWED, fail_batch, output_problem
 
 
 def shard_key(batch_id: str, shard: int) -> str:
@@ -33,6 +34,12 @@ def stop_reason(store: BatchStore, batch_id: str) -> str | None:
     if batch.expires_at is not None and time.time() > batch.expires_at:
         return "batch_expired"
     return None
+
+
+def output_refusal(store: BatchStore, batch_id: str) -> str | None:
+    """Why this worker may not write the batch's output (checked before any of its requests runs), or None."""
+    batch = store.get(batch_id)
+    return None if batch is None else output_problem(batch.output_url, get_settings().output_root_urls())
 
 
 class ModelNotServed(ValueError):
@@ -77,6 +84,7 @@ class ShardRun:
     records: dict[str, OutputRecord] = field(default_factory=dict)
     pending: dict[str, Request] = field(default_factory=dict)
     abort_code: str | None = None
+    unreported: list[str] = field(default_factory=list)
 
     @classmethod
     def from_args(cls, job_id: str, args: tuple | list) -> ShardRun:
@@ -126,6 +134,13 @@ class ShardRun:
         """Record a finished engine request."""
         request = self.pending.pop(out.request_id)
         self.records[request.custom_id] = output_record(request, out, model, self.abort_code)
+        self.unreported.append(request.custom_id)
+
+    def report_progress(self, store: BatchStore) -> None:
+        """Count the requests finished since the last report in the batch's live progress."""
+        ids, self.unreported = self.unreported, []
+        completed = [i for i in ids if self.records[i].error is None]
+        store.record_progress(self.batch_id, completed, [i for i in ids if self.records[i].error is not None])
 
     def abort(self, llm: Any, code: str) -> None:
         """Abort the running requests; their records come with the next engine steps."""
@@ -189,6 +204,10 @@ def run_shard(batch_id: str, shard: int, requests: list[dict[str, Any]]) -> dict
     connection = job.connection if job else redis.Redis.from_url(get_settings().redis_url)
     run = ShardRun.from_args(job.id if job else f"{batch_id}-shard-{shard}", (batch_id, shard, requests))
     reason = stop_reason(BatchStore(connection), batch_id)
+    refusal = None if reason else output_refusal(BatchStore(connection), batch_id)
+    if refusal:  # permanent for the batch: end it now rather than run requests whose output cannot be kept
+        fail_batch(connection, batch_id, OUTPUT_NOT_ALLOWED, refusal)
+        return {"completed": 0, "failed": 0}
     if reason:
         run.fail_all(reason, ABORT_CODES[reason])
         return run.save(connection)

@@ -27,6 +27,7 @@ from sluice.contract.signing import (
     resolve_target,
     sign_headers,
 )
+from sluice.worker.outage import OUTAGE, REDIS_ERRORS
 
 log = logging.getLogger(__name__)
 
@@ -174,9 +175,13 @@ def run(
         while not stop.is_set():
             try:
                 due = claim_due(connection, concurrency, lease_s)
+                OUTAGE.recovered()
                 list(pool.map(lambda event_id: attempt(connection, event_id, settings), due))
                 if burst and not connection.zcard(DUE_KEY):
                     return
+            except REDIS_ERRORS as exc:  # one line per outage (worker/outage.py), not one per poll
+                OUTAGE.failed("webhook delivery", exc)
+                due = []
             except Exception as exc:
                 log.error("webhook delivery: %s; carrying on", redact(f"{type(exc).__name__}: {exc}"))
                 due = []

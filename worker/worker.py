@@ -17,15 +17,19 @@ from sluice.contract.batch import BatchStore
 from sluice.contract.jobs import RUN_SHARD
 from sluice.contract.schemas import Request
 from sluice.contract.settings import get_settings
+from sluice.contract.storage import OutputNotAllowed
 from sluice.worker.background import every, supervised
 from sluice.worker.faults import faults
 from sluice.worker.metrics import shard_finished
+from sluice.worker.outage import OUTAGE, RqOutageFilter
 from sluice.worker.responses import ABORT_CODES
 from sluice.worker.rq_jobs import REDIS_ERRORS, JobsWorker
-from sluice.worker.shards import ShardRun, model_name, stop_reason
+from sluice.worker.shards import ShardRun, model_name, output_refusal, stop_reason
+from sluice.worker.terminal import OUTPUT_NOT_ALLOWED, fail_batch
 
 CANCEL_POLL_S = 0.5
 CLAIM_POLL_S = 0.05
+PROGRESS_S = 1.0
 MAX_REDIS_WAIT_S = 30.0
 
 
@@ -57,11 +61,12 @@ class EngineWorker(JobsWorker):
         self.stop_deadline: float | None = None
         self.faults = faults()
         self._fresh_ids = itertools.count(1)
-        self._last_cancel_check = self._last_claim = 0.0
+        self._last_cancel_check = self._last_claim = self._last_progress = 0.0
 
     def work(self, burst: bool = False, logging_level: str = "INFO", **_: Any) -> bool:  # type: ignore[override]
         """Claim, step, complete; until stopped (or, with burst, until the queues are empty)."""
         self.bootstrap(logging_level)
+        self.log.addFilter(RqOutageFilter())
         signal.signal(signal.SIGTERM, self.request_stop)
         signal.signal(signal.SIGINT, self.request_stop)
         stop = threading.Event()
@@ -101,10 +106,11 @@ class EngineWorker(JobsWorker):
             try:
                 state = self._iterate(burst)
                 wait = 1.0
+                OUTAGE.recovered()
             except REDIS_ERRORS as exc:
                 if self.stop_deadline is not None and (not self.runs or time.monotonic() > self.stop_deadline):
                     return worked
-                self.log.warning("Worker %s: Redis unavailable (%s); retry in %.0f s, model kept", self.name, exc, wait)
+                OUTAGE.failed(f"worker {self.name}", exc)
                 time.sleep(wait)
                 wait = min(wait * 2, MAX_REDIS_WAIT_S)
                 continue
@@ -176,6 +182,10 @@ class EngineWorker(JobsWorker):
         try:
             run = ShardRun.from_args(job.id, job.args)
             reason = stop_reason(self.store, run.batch_id)
+            refusal = None if reason else output_refusal(self.store, run.batch_id)
+            if refusal:
+                self._refuse_output(job.id, run.batch_id, OutputNotAllowed(refusal))
+                return
             if reason:
                 run.fail_all(reason, ABORT_CODES[reason])
             else:
@@ -197,7 +207,17 @@ class EngineWorker(JobsWorker):
             self._collect(self.llm.engine.step())
         except Exception as exc:
             self._isolate(exc)
+        self._report_progress()
         self._save_done()
+
+    def _report_progress(self) -> None:
+        """Every PROGRESS_S, the requests finished since: the batches' counts move while their shards run."""
+        clock = time.monotonic()
+        if clock - self._last_progress >= PROGRESS_S:
+            self._last_progress = clock
+            for run in self.runs.values():
+                if run.unreported:
+                    run.report_progress(self.store)
 
     def _collect(self, outputs: list[Any]) -> None:
         for out in outputs:
@@ -213,9 +233,16 @@ class EngineWorker(JobsWorker):
     def _complete(self, job_id: str, run: ShardRun) -> None:
         """Save the shard's output and mark its job finished (or failed, for rq to retry with backoff)."""
         try:
+            if run.unreported:  # the live counts hold every request of a saved shard
+                run.report_progress(self.store)
             summary = run.save(self.connection)
         except REDIS_ERRORS:
             raise
+        except (OutputNotAllowed, PermissionError) as exc:
+            del self.runs[job_id]
+            self._refuse_output(job_id, run.batch_id, exc)
+            shard_finished("failed")
+            return
         except Exception:
             self.log.exception("Worker %s: saving %s failed", self.name, job_id)
             self.fail(job_id, sys.exc_info())
@@ -225,6 +252,12 @@ class EngineWorker(JobsWorker):
         self.finish(job_id, summary)
         del self.runs[job_id]
         shard_finished("completed")
+
+    def _refuse_output(self, job_id: str, batch_id: str, exc: Exception) -> None:
+        """The batch's output cannot be written here: the batch fails at once and the job is not retried."""
+        self.log.warning("Worker %s: batch %s failed, %s refused: %s", self.name, batch_id, job_id, exc)
+        fail_batch(self.connection, batch_id, OUTPUT_NOT_ALLOWED, str(exc))
+        self.fail_for_good(job_id, exc)
 
     def _abort_stopped_batches(self) -> None:
         batch_ids = sorted({r.batch_id for r in self.runs.values() if r.abort_code is None})

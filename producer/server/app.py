@@ -8,12 +8,14 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 
+from sluice.contract.logs import escape_control
 from sluice.contract.settings import Settings, get_settings
 from sluice.producer.client import Client
 from sluice.producer.server import batches, dashboard, files, metrics, models
 from sluice.producer.server.context import Context, ServerLimits
-from sluice.producer.server.errors import install
+from sluice.producer.server.errors import REDIS_DOWN, error_response, install
 from sluice.producer.server.keys import KeyStore
+from sluice.producer.server.session import security_headers
 
 log = logging.getLogger("sluice.server")
 
@@ -27,6 +29,7 @@ def create_app(settings: Settings | None = None, limits: ServerLimits | None = N
     install(app)
     for module in (files, batches, models, dashboard):
         app.include_router(module.router)
+    app.middleware("http")(security_headers)
     app.middleware("http")(access_log)
     app.state.metrics_registry = metrics.registry_for(client.connection)
     app.add_api_route("/metrics", metrics.metrics, methods=["GET"], include_in_schema=False)
@@ -41,7 +44,8 @@ async def access_log(request: Request, call_next):
     response = await call_next(request)
     ms = (time.perf_counter() - start) * 1000
     extra = {"project": getattr(request.state, "project", None), "status": response.status_code}
-    log.info("%s %s %d %.1f ms", request.method, request.url.path, response.status_code, ms, extra=extra)
+    path = escape_control(request.url.path)  # a NUL or newline in a path must not reach the log raw
+    log.info("%s %s %d %.1f ms", escape_control(request.method), path, response.status_code, ms, extra=extra)
     return response
 
 
@@ -54,6 +58,6 @@ def readyz(request: Request) -> Response:
     """Readiness: Redis answers."""
     try:
         request.app.state.context.connection.ping()
-    except Exception as exc:  # any Redis failure means not ready
-        return PlainTextResponse(f"redis unavailable: {type(exc).__name__}", status_code=503)
+    except Exception:  # any Redis failure means not ready
+        return error_response(503, REDIS_DOWN, code="service_unavailable", headers={"Retry-After": "5"})
     return PlainTextResponse("ready")

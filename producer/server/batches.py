@@ -12,7 +12,7 @@ from starlette.concurrency import run_in_threadpool
 
 from sluice.contract.batch import TransitionError
 from sluice.contract.schemas import Batch
-from sluice.contract.storage import split_url
+from sluice.contract.storage import OutputNotAllowed, split_url
 from sluice.producer.client import BatchNotFound, check_metadata, window_seconds
 from sluice.producer.server.context import ApiKey, Context, api_key, context
 from sluice.producer.server.errors import APIError, not_found
@@ -184,14 +184,17 @@ class BatchApi:
                 400, str(exc), param="metadata" if "metadata" in str(exc) else "completion_window"
             ) from None
         webhook = self.ctx.keys.settings(key.project).webhook_url
-        batch = self.ctx.client.submit_batch(
-            source.url,
-            priority=body.priority,
-            metadata=metadata,
-            completion_window=body.completion_window,
-            webhook=webhook,
-            shard_size=self.ctx.settings.shard_size,
-        )
+        try:
+            batch = self.ctx.client.submit_batch(
+                source.url,
+                priority=body.priority,
+                metadata=metadata,
+                completion_window=body.completion_window,
+                webhook=webhook,
+                shard_size=self.ctx.settings.shard_size,
+            )
+        except OutputNotAllowed as exc:  # the server's own SLUICE_OUTPUT_URL is outside SLUICE_OUTPUT_ROOTS
+            raise APIError(500, f"the server is misconfigured: {exc}", code="output_not_allowed") from None
         owner = Owner(project=key.project, endpoint=body.endpoint, input_file_id=source.id)
         self.own(batch, owner)
         return self.public(batch, owner)

@@ -10,9 +10,7 @@ from sluice.contract.settings import Settings
 from sluice.producer.client import Client
 from sluice.producer.server.errors import APIError
 from sluice.producer.server.keys import ApiKey, KeyStore
-
-COOKIE = "sluice_key"
-
+from sluice.producer.server.session import COOKIE, Sessions, cross_site
 
 @dataclass
 class ServerLimits:
@@ -41,11 +39,11 @@ def context(request: Request) -> Context:
 
 
 def presented_secret(request: Request) -> str | None:
-    """The key from `Authorization: Bearer`, else from the dashboard's cookie."""
+    """The key from `Authorization: Bearer` (the API takes no cookie: the dashboard's cookie is a session id)."""
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     if scheme.lower() == "bearer" and token.strip():
         return token.strip()
-    return request.cookies.get(COOKIE) or None
+    return None
 
 
 def api_key(request: Request) -> ApiKey:
@@ -61,4 +59,24 @@ def api_key(request: Request) -> ApiKey:
     if key is None:
         raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
     request.state.project = key.project
+    return key
+
+
+def session_key(request: Request) -> ApiKey | None:
+    """The key behind the dashboard's session cookie, None without a live session or when another site
+    started the request."""
+    if cross_site(request):
+        return None
+    ctx = context(request)
+    key = Sessions(ctx.connection, ctx.keys).lookup(request.cookies.get(COOKIE))
+    if key is not None:
+        request.state.project = key.project
+    return key
+
+
+def dashboard_key(request: Request) -> ApiKey:
+    """session_key for the dashboard's own routes; 401 without a session."""
+    key = session_key(request)
+    if key is None:
+        raise APIError(401, "Sign in at / first (no dashboard session).", code="no_session")
     return key

@@ -2,19 +2,28 @@
 
 from __future__ import annotations
 
+import logging
+
+import redis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
+
+from sluice.contract.logs import escape_control
 
 TYPES = {
     400: "invalid_request_error",
     401: "invalid_request_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    403: "invalid_request_error",
     413: "invalid_request_error",
     500: "server_error",
+    503: "server_error",
 }
+REDIS_DOWN = "The queue store (Redis) is unreachable; retry in a few seconds."
+log = logging.getLogger("sluice.server")
 
 
 class APIError(Exception):
@@ -29,7 +38,11 @@ class APIError(Exception):
 
 
 def error_response(
-    status: int, message: str, param: str | None = None, code: str | None = None
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
 ) -> JSONResponse:
     """A JSON response with OpenAI's error object."""
     body = {
@@ -38,7 +51,7 @@ def error_response(
         "param": param,
         "code": code,
     }
-    return JSONResponse({"error": body}, status_code=status)
+    return JSONResponse({"error": body}, status_code=status, headers=headers)
 
 
 def not_found(kind: str, object_id: str, param: str | None = None) -> APIError:
@@ -63,3 +76,14 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException) -> JSONResponse:
         return error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(redis.ConnectionError)
+    @app.exception_handler(redis.TimeoutError)
+    async def _redis_down(request: Request, exc: Exception) -> JSONResponse:
+        log.warning("redis unavailable: %s", type(exc).__name__)
+        return error_response(503, REDIS_DOWN, code="service_unavailable", headers={"Retry-After": "5"})
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.error("unhandled %s on %s", type(exc).__name__, escape_control(request.url.path), exc_info=exc)
+        return error_response(500, "The server had an error while processing your request.", code="server_error")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Iterator
@@ -66,6 +67,11 @@ class FileStore:
             raise not_found("file", file_id)
         return record
 
+    def with_purpose(self, ids: list[str], purpose: str) -> list[str]:
+        """Those of ids whose file has this purpose, in the same order."""
+        raws = self.connection.mget([FILE + i for i in ids]) if ids else []
+        return [i for i, raw in zip(ids, raws, strict=True) if raw and json.loads(raw)["purpose"] == purpose]
+
     def delete(self, record: FileRecord) -> None:
         with self.connection.pipeline() as pipe:
             pipe.delete(FILE + record.id)
@@ -129,13 +135,14 @@ def list_files(
     key: ApiKey = Depends(api_key),
     after: str | None = None,
     limit: int = Query(20),
+    order: str = Query("desc"),
     purpose: str | None = None,
 ) -> dict:
-    """The project's files, newest first, with cursor pagination."""
+    """The project's files (newest first, or oldest with order=asc), filtered by purpose, then paged."""
     store = FileStore(context(request).connection)
-    ids, has_more = page_ids(store.connection, INDEX + key.project, after, limit)
-    records = [store.get(key.project, i).public() for i in ids]
-    return list_body([r for r in records if purpose in (None, r["purpose"])], has_more)
+    keep = None if purpose is None else lambda ids: store.with_purpose(ids, purpose)
+    ids, has_more = page_ids(store.connection, INDEX + key.project, after, limit, order, keep)
+    return list_body([store.get(key.project, i).public() for i in ids], has_more)
 
 
 @router.get("/v1/files/{file_id}")

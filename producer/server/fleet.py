@@ -8,12 +8,15 @@ from dataclasses import dataclass
 
 import redis
 from rq import Queue, Worker
+from rq.job import Job
 from rq.registry import FailedJobRegistry, StartedJobRegistry
 from rq.serializers import JSONSerializer
 
 from sluice.contract.batch import INDEX, batch_key
-from sluice.contract.jobs import QUEUES
-from sluice.contract.schemas import BatchStatus
+from sluice.contract.jobs import MODELS, QUEUES, shard_job_id
+from sluice.contract.schemas import Batch, BatchStatus
+
+JOB_PREFIX = Job.redis_job_namespace_prefix  # rq's hash of a job: fields origin (its queue) and status
 
 
 @dataclass
@@ -47,6 +50,30 @@ def queues(connection: redis.Redis) -> list[QueueState]:
         failed = FailedJobRegistry(name, connection=connection)
         out.append(QueueState(name, queue.count, started.count, failed.count))
     return out
+
+
+def project_queues(connection: redis.Redis, batches: list[Batch], chunk: int = 500) -> list[QueueState]:
+    """Per queue, the shards of these (one project's) batches that wait, run or failed: no other tenant's.
+    Reads only each job's status and queue fields, never its arguments (the prompts)."""
+    counts = {name: QueueState(name, 0, 0, 0) for name in QUEUES}
+    ids = [shard_job_id(b.id, n) for b in batches if not b.done for n in range(b.num_shards)]
+    column = {"queued": "queued", "scheduled": "queued", "deferred": "queued", "started": "started", "failed": "failed"}
+    for start in range(0, len(ids), chunk):
+        with connection.pipeline(transaction=False) as pipe:
+            for job_id in ids[start : start + chunk]:
+                pipe.hmget(JOB_PREFIX + job_id, "origin", "status")
+            for origin, status in pipe.execute():
+                state = counts.get((origin or b"").decode())
+                field = column.get((status or b"").decode())
+                if state is not None and field is not None:
+                    setattr(state, field, getattr(state, field) + 1)
+    return list(counts.values())
+
+
+def capacity(connection: redis.Redis) -> tuple[int, list[str]]:
+    """How many workers are live and the models they announced (nothing about what they run)."""
+    models = sorted(m.decode() for m in connection.hkeys(MODELS))
+    return Worker.count(connection=connection), models
 
 
 def workers(connection: redis.Redis) -> list[WorkerState]:

@@ -69,6 +69,11 @@ class KeyStore:
         raw = self.connection.hget(KEYS, key_id) if key_id is not None else None
         return ApiKey.model_validate_json(raw) if raw is not None else None
 
+    def get(self, key_id: str) -> ApiKey | None:
+        """The live key with this id, None when unknown or revoked."""
+        raw = self.connection.hget(KEYS, key_id)
+        return ApiKey.model_validate_json(raw) if raw is not None else None
+
     def list(self, project: str | None = None) -> list[ApiKey]:
         """Live keys, oldest first, optionally of one project."""
         keys = [ApiKey.model_validate_json(v) for v in self.connection.hvals(KEYS)]

@@ -1,7 +1,8 @@
-"""The server's /metrics: queue depths and registries per queue, live workers, batches by status (read at scrape)."""
+"""The server's /metrics (fleet totals, never per project): queue depths and registries per queue, live workers, batches by status (read at scrape)."""
 
 from __future__ import annotations
 
+import hmac
 from collections.abc import Iterator
 
 import redis
@@ -12,6 +13,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from sluice.producer.server import fleet
+from sluice.producer.server.errors import APIError
 
 
 class FleetCollector(Collector):
@@ -48,6 +50,12 @@ def registry_for(connection: redis.Redis) -> CollectorRegistry:
 
 
 def metrics(request: Request) -> Response:
-    """Prometheus text exposition of the fleet."""
+    """Prometheus text exposition of the fleet: totals only, no project names; with SLUICE_OPERATOR_TOKEN set,
+    only for `Authorization: Bearer <token>`."""
+    token = request.app.state.context.settings.operator_token
+    if token is not None:
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip(), token.get_secret_value()):
+            raise APIError(401, "/metrics needs the operator token (SLUICE_OPERATOR_TOKEN).", code="invalid_token")
     registry = request.app.state.metrics_registry
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

@@ -73,8 +73,10 @@ def test_the_worker_refuses_to_write_outside_its_roots(redis_url, tmp_path, monk
     run.fail_all("batch_cancelled", "x")
     with pytest.raises(OutputNotAllowed):
         run.save(connection)
-    with pytest.raises(OutputNotAllowed):
-        finalize_batch("batch_forged")
+    assert finalize_batch("batch_forged") == {}  # a permanent error of the batch: no raise, so no retry loop
+    batch = store.get("batch_forged")
+    assert batch.status == BatchStatus.failed and [e.code for e in batch.errors] == ["output_not_allowed"]
+    assert evil.as_uri() in batch.errors[0].message and (tmp_path / "allowed").as_uri() in batch.errors[0].message
     assert not evil.exists()
 
 

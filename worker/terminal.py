@@ -1,0 +1,59 @@
+"""Ending a batch for good from the worker side: `failed` (or `cancelled` while cancelling), the reason in its errors."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import redis
+
+from sluice.contract.batch import BatchStore, TransitionError, progress_key
+from sluice.contract.events import notify
+from sluice.contract.jobs import finalize_job_id, shard_job_id
+from sluice.contract.schemas import Batch, BatchStatus, LineError, RequestCounts
+from sluice.contract.storage import OutputNotAllowed, check_output_url, open_storage
+from sluice.worker.rq_jobs import drop_waiting
+
+log = logging.getLogger(__name__)
+OUTPUT_NOT_ALLOWED = "output_not_allowed"
+
+
+def fail_batch(connection: redis.Redis, batch_id: str, code: str, message: str) -> Batch | None:
+    """End the batch as failed (cancelled when it was being cancelled) with the reason in `errors`; its
+    queued shards are dropped and running ones aborted. None when it was already done."""
+
+    def record(b: Batch) -> None:
+        b.errors = [*b.errors, LineError(code=code, message=message)]
+        b.request_counts = RequestCounts(total=b.request_counts.total, failed=b.request_counts.total)
+
+    store = BatchStore(connection)
+    batch = store.get(batch_id)
+    if batch is None or batch.done:
+        return None
+    status = BatchStatus.cancelled if batch.status == BatchStatus.cancelling else BatchStatus.failed
+    try:
+        batch = store.transition(batch_id, status, record)
+    except TransitionError:
+        return None
+    store.request_cancel(batch_id)  # workers abort whatever of it still runs
+    connection.delete(progress_key(batch_id, "completed"), progress_key(batch_id, "failed"))
+    drop_waiting(connection, finalize_job_id(batch_id), [shard_job_id(batch_id, n) for n in range(batch.num_shards)])
+    log.warning("batch %s %s: %s: %s", batch_id, batch.status.value, code, message)
+    if batch.webhook:
+        notify(connection, batch)
+    return batch
+
+
+def output_problem(url: str, roots: list[str]) -> str | None:
+    """Why this process may not write a batch's output at url (outside roots, not writable), or None."""
+    try:
+        storage = open_storage(check_output_url(url, roots))
+    except (OutputNotAllowed, ValueError) as exc:
+        return f"this worker may not write the batch's output: {exc}"
+    root = getattr(storage, "root", None)
+    if root is None:  # s3: only an upload can tell
+        return None
+    existing = next((p for p in (root, *root.parents) if p.exists()), root)
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        return f"this worker may not write the batch's output {url!r}: {existing} is not a writable folder"
+    return None
