@@ -101,10 +101,18 @@ def _torch_version() -> str:
     return torch.__version__
 
 
+def object_tier(tier: str, source: str) -> str:
+    """The tier whose object serves `tier` for `source`: itself, except `amx` where no source it includes has AMX
+    code (then the avx512_bf16 object, the same code without the tile flags: one build fewer per kernel)."""
+    if tier == "amx" and not any("__AMX" in (CSRC / f).read_text() for f in _sources(source)):
+        return "avx512_bf16"
+    return tier
+
+
 def build_name(name: str, source: str, tier: str | None = None) -> str:
-    """The extension's module name and cache folder: `name`, the tier, and a hash of the sources it includes,
-    the flags, the compiler, torch and Python (not the checkout's path: one cache serves every install)."""
-    tier = cpu_isa.tier() if tier is None else tier
+    """The extension's module name and cache folder: `name`, the tier of its object, and a hash of the sources it
+    includes, the flags, the compiler, torch and Python (not the checkout's path: one cache serves every install)."""
+    tier = object_tier(cpu_isa.tier() if tier is None else tier, source)
     key = b"".join(f.encode() + b"\0" + (CSRC / f).read_bytes() for f in _sources(source))
     key += "\0".join([*cflags(tier), _compiler_identity(), _torch_version(), sys.version]).encode()
     return f"{name}_{tier}_{hashlib.sha256(key).hexdigest()[:16]}"
@@ -162,7 +170,7 @@ def _build(versioned: str, source: str, tier: str, final: Path):
 
 def build(name: str, source: str, tier: str | None = None):
     """The extension `name` from csrc/`source` for `tier` (default: the chosen one), built once per cache."""
-    tier = cpu_isa.tier() if tier is None else tier
+    tier = object_tier(cpu_isa.tier() if tier is None else tier, source)
     versioned = build_name(name, source, tier)
     path = cache_root() / versioned / f"{versioned}.so"
     if path.exists():

@@ -74,12 +74,17 @@ def test_each_tier_compiles_with_its_own_explicit_flags():
 
 
 def test_the_cache_key_differs_per_tier_and_lives_in_the_user_cache(tmp_path, monkeypatch):
+    """One object per tier, except amx, which takes the avx512_bf16 object while no source has AMX code."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     paths = {t: cpp_build.library_path("sluice_rms_norm_cpu", "rms_norm.cpp", t) for t in cpu_isa.TIERS}
-    assert len(set(paths.values())) == len(cpu_isa.TIERS)
-    assert all(p.is_relative_to(tmp_path / "sluice" / "kernels") and t in p.name for t, p in paths.items())
+    assert len(set(paths.values())) == len(cpu_isa.TIERS) - 1 and paths["amx"] == paths["avx512_bf16"]
+    assert all(p.is_relative_to(tmp_path / "sluice" / "kernels") for p in paths.values())
+    assert all(f"_{t}_" in paths[t].name for t in ("avx2", "avx512", "avx512_bf16"))
     monkeypatch.setenv("CXX", "a-compiler-that-is-not-there")
     assert cpp_build.library_path("sluice_rms_norm_cpu", "rms_norm.cpp", "avx2") != paths["avx2"]
+    (tmp_path / "amx.cpp").write_text("// uses __AMX_TILE__ intrinsics\n")
+    monkeypatch.setattr(cpp_build, "CSRC", tmp_path)
+    assert cpp_build.object_tier("amx", "amx.cpp") == "amx"
 
 
 def test_build_name_follows_the_local_files_a_source_includes(tmp_path, monkeypatch):
@@ -154,7 +159,8 @@ def test_doctor_prints_the_tier_flags_kernels_and_versions(tier_env):
     info = json.loads(runner.invoke(app, ["doctor", "--json"]).output)
     assert info["tier"] == cpu_isa.cap(host, "avx2") and info["tier_cap"] == "avx2"
     assert set(info["cpu_flags"]) <= cpu_isa.cpu_flags() and info["kernel_cache"] == str(cpp_build.cache_root())
-    assert all(f"_{info['tier']}_" in Path(k["path"]).name for k in info["kernels"])
+    assert all(f"_{cpp_build.object_tier(info['tier'], k['source'])}_" in Path(k["path"]).name
+               for k in info["kernels"])
 
 
 def test_doctor_build_compiles_every_kernel_for_the_tier(tier_env):
