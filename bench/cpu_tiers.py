@@ -1,0 +1,84 @@
+"""Our CPU kernels on one ISA tier against the torch op they replace, in one process, alternated.
+
+SLUICE_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python bench/cpu_tiers.py [--rows 1,4,16,32]
+
+Times the bench model's 48 decoder linears (bf16 weights, out of cache as in a decode step) through our bf16 GEMV
+against F.linear (oneDNN), and the int8 weight-only GEMV at one row against torch's `_weight_int8pack_mm`, each
+pair alternated `--rounds` times (best of each): ratios on a noisy shared host are only meaningful within a run.
+The table names the tier the kernels were built for and torch's own CPU capability.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+from sluice.kernels import cpu_isa, int8_weights
+from sluice.kernels import linear as linear_kernels
+
+LINEARS = [(1280, 768), (768, 768), (4096, 768), (768, 2048)] * 12  # qkv, o, gate_up, down of 12 layers
+
+
+def _best(fn, rounds: int) -> float:
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def bf16_rows(rows: int, rounds: int) -> tuple[float, float]:
+    """ms for the 48 linears at `rows` rows: F.linear, ours."""
+    weights = [torch.randn(n, k).to(torch.bfloat16) for n, k in LINEARS]
+    xs = {k: torch.randn(rows, k).to(torch.bfloat16) for _, k in LINEARS}
+    gemv = linear_kernels._gemv()
+    theirs = lambda: [F.linear(xs[w.shape[1]], w) for w in weights]  # noqa: E731
+    ours = lambda: [gemv.bf16_gemv(xs[w.shape[1]], w, None) for w in weights]  # noqa: E731
+    times = {"torch": float("inf"), "ours": float("inf")}
+    with torch.inference_mode():
+        for _ in range(rounds):  # alternate: the host's load hits both alike
+            times["torch"] = min(times["torch"], _best(theirs, 1))
+            times["ours"] = min(times["ours"], _best(ours, 1))
+    return times["torch"] * 1e3, times["ours"] * 1e3
+
+
+def int8_one_row(rounds: int) -> tuple[float, float]:
+    """ms for the 48 int8 weight-only linears at one bf16 row: torch's int8pack GEMV, ours."""
+    qs = [torch.randint(-127, 128, (n, k), dtype=torch.int8) for n, k in LINEARS]
+    scales = [torch.rand(n).to(torch.bfloat16) for n, _ in LINEARS]
+    xs = {k: torch.randn(1, k).to(torch.bfloat16) for _, k in LINEARS}
+    gemv = int8_weights._gemv_kernel(scales[0])
+    theirs = lambda: [torch.ops.aten._weight_int8pack_mm(xs[q.shape[1]], q, s) for q, s in zip(qs, scales, strict=True)]  # noqa: E731
+    ours = lambda: [gemv.int8_gemv(xs[q.shape[1]], q, s) for q, s in zip(qs, scales, strict=True)]  # noqa: E731
+    times = {"torch": float("inf"), "ours": float("inf")}
+    with torch.inference_mode():
+        for _ in range(rounds):
+            times["torch"] = min(times["torch"], _best(theirs, 1))
+            times["ours"] = min(times["ours"], _best(ours, 1))
+    return times["torch"] * 1e3, times["ours"] * 1e3
+
+
+def main() -> None:
+    """Print the markdown table."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="1,4,16,32")
+    parser.add_argument("--rounds", type=int, default=20)
+    args = parser.parse_args()
+    if linear_kernels._gemv() is None:
+        raise SystemExit(f"no bf16 GEMV on tier {cpu_isa.tier()}")
+    print(f"tier {cpu_isa.tier()} (GEMV built for {linear_kernels._gemv().TIER}), torch CPU capability "
+          f"{torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads\n")
+    print("| op | rows | torch ms | ours ms | ours × |\n|---|---|---|---|---|")
+    for rows in (int(r) for r in args.rows.split(",")):
+        theirs, ours = bf16_rows(rows, args.rounds)
+        print(f"| bf16 linear (F.linear) | {rows} | {theirs:.2f} | {ours:.2f} | {theirs / ours:.2f} |")
+    theirs, ours = int8_one_row(args.rounds)
+    print(f"| int8 weight-only (_weight_int8pack_mm) | 1 | {theirs:.2f} | {ours:.2f} | {theirs / ours:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
