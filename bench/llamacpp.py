@@ -2,8 +2,10 @@
 
 python bench/llamacpp.py [--batches 1,8,32,64] [--rounds 2] [--modes bf16,int8,int4] [--prompt 128] [--gen 128]
 
-Builds llama.cpp once from the llama-cpp-python sdist (its vendored source, AMX off: its AMX path crashes on
-our VMs) into ~/.cache/sluice-llamacpp, converts the ~125M benchmark model to GGUF bf16/q8_0/q4_0 with the
+Builds llama.cpp once per ISA tier from the llama-cpp-python sdist (its vendored source, GGML_NATIVE=OFF plus the
+flags of the tier our kernels run, kernels.cpu_isa, so both sides use the same instructions; AMX off: its AMX path
+crashes on our VMs) into ~/.cache/sluice-llamacpp/build-<tier>; for an AVX2 comparison on any host run it with
+SLUICE_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2. It converts the ~125M benchmark model to GGUF bf16/q8_0/q4_0 with the
 vendored convert_hf_to_gguf.py and llama-quantize, then runs llama.cpp and `Engine` back to back at each
 batch size of each mode, every round, on B sequences x 128 random prompt tokens, 128 generated tokens. Both report decode tok/s only
 (B * 128 / time of the generation steps); each cell is the best of the rounds.
@@ -24,15 +26,37 @@ import torch
 from common import base_parser, bench_model, record, table
 
 from sluice.engine import LLM, SamplingParams
+from sluice.kernels import cpu_isa
 
 CACHE = Path(os.environ.get("SLUICE_LLAMACPP_CACHE", Path.home() / ".cache" / "sluice-llamacpp"))
 TARGETS = ("llama-batched-bench", "llama-quantize")
-CMAKE_FLAGS = [  # everything this CPU has except AMX; no network, no server, static binaries
-    "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
-    "-DGGML_F16C=ON", "-DGGML_BMI2=ON", "-DGGML_AVX512=ON", "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=ON",
-    "-DGGML_AVX512_VBMI=ON", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF",
-    "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DBUILD_SHARED_LIBS=OFF",
+CMAKE_BASE = [  # no network, no server, static binaries; ISA flags per tier (TIER_CMAKE), never GGML_NATIVE
+    "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF",
+    "-DGGML_AMX_BF16=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF",
+    "-DBUILD_SHARED_LIBS=OFF",
 ]
+AVX2_CMAKE = ["-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_BMI2=ON",
+              "-DGGML_AVX512=OFF", "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF", "-DGGML_AVX512_VBMI=OFF",
+              "-DGGML_AVX_VNNI=OFF"]
+TIER_CMAKE = {  # llama.cpp built for the same ISA tier as our kernels (kernels.cpu_isa); AMX stays off (its AMX
+    # path crashes on our VMs), so the amx tier's llama.cpp is the avx512_bf16 build
+    "avx2": AVX2_CMAKE,
+    "avx512": [*AVX2_CMAKE[:5], "-DGGML_AVX512=ON", "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=OFF",
+               "-DGGML_AVX512_VBMI=OFF", "-DGGML_AVX_VNNI=OFF"],
+    "avx512_bf16": [*AVX2_CMAKE[:5], "-DGGML_AVX512=ON", "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=ON",
+                    "-DGGML_AVX512_VBMI=ON", "-DGGML_AVX_VNNI=OFF"],
+}
+TIER_CMAKE["amx"] = TIER_CMAKE["avx512_bf16"]
+
+
+def cmake_flags(tier: str) -> list[str]:
+    """llama.cpp's CMake flags for an ISA tier (the avx512 tier's VNNI only where the CPU has it)."""
+    flags = [*CMAKE_BASE, *TIER_CMAKE[tier]]
+    if tier == "avx512" and "avx512_vnni" not in cpu_isa.cpu_flags():
+        flags = [f.replace("GGML_AVX512_VNNI=ON", "GGML_AVX512_VNNI=OFF") for f in flags]
+    return flags
+
+
 # (our quantization= value, llama.cpp GGUF type) per mode
 MODES = {"bf16": (None, "bf16"), "int8": ("int8_weight_only", "q8_0"), "int4": ("int4_weight_only", "q4_0")}
 PROMPT, GEN = 128, 128  # defaults; --prompt / --gen override them
@@ -56,13 +80,15 @@ def source_dir() -> Path:
     return sorted(CACHE.glob("llama_cpp_python-*/vendor/llama.cpp"))[-1]
 
 
-def build() -> Path:
-    """The build folder holding bin/llama-batched-bench and bin/llama-quantize (built when missing)."""
-    out = CACHE / "build"
+def build(tier: str | None = None) -> Path:
+    """The build folder for `tier` (default: the chosen one, SLUICE_CPU_ISA capping it) holding
+    bin/llama-batched-bench and bin/llama-quantize (built when missing)."""
+    tier = cpu_isa.tier() if tier is None else tier
+    out = CACHE / f"build-{tier}"
     if all((out / "bin" / t).is_file() for t in TARGETS):
         return out
     src = source_dir()
-    sh(["cmake", "-S", str(src), "-B", str(out), *CMAKE_FLAGS])
+    sh(["cmake", "-S", str(src), "-B", str(out), *cmake_flags(tier)])
     sh(["cmake", "--build", str(out), "--target", *TARGETS, "-j", str(os.cpu_count() or 2)])
     return out
 
@@ -185,8 +211,9 @@ def report(best, modes, batches, args) -> str:
     note = (f"\n\nDecode tok/s (B x {GEN} generated tokens / generation time, prefill of B x {PROMPT} random tokens "
             f"excluded), {args.threads} threads, best of {args.rounds} rounds (llama.cpp and ours back to back at each B), random ~125M Llama "
             "(hidden 768, 12 layers, 12/4 heads, inter 2048, vocab 32000) from the same safetensors. llama.cpp: "
-            "`llama-batched-bench` from the llama-cpp-python sdist's vendored source, AVX-512 (VNNI, BF16) "
-            "build without AMX. Sluice modes: " + ", ".join(f"{m} = quantization={MODES[m][0]!r}" for m in modes)
+            f"`llama-batched-bench` from the llama-cpp-python sdist's vendored source, built for the {cpu_isa.tier()} "
+            f"tier as our kernels are (GGML_NATIVE=OFF, AMX off; torch's CPU capability "
+            f"{torch.backends.cpu.get_cpu_capability()}). Sluice modes: " + ", ".join(f"{m} = quantization={MODES[m][0]!r}" for m in modes)
             + ".")
     return table(headers, rows) + note
 

@@ -1,4 +1,4 @@
-"""The `sluice` command line: batch commands, the worker, cron pipelines, webhook delivery, quantize."""
+"""The `sluice` command line: batch commands, the worker, cron pipelines, webhook delivery, quantize, doctor."""
 
 from __future__ import annotations
 
@@ -42,6 +42,10 @@ if not WORKER_ONLY:
     app.add_typer(reaper_app, name="reaper")
     app.command("serve")(serve)
     app.add_typer(keys_app, name="keys")
+if not WORKER_ONLY:  # cheap to import: torch loads when it runs
+    from sluice.cli.doctor import doctor
+
+    app.command("doctor")(doctor)
 if wanted("worker"):
     from sluice.worker.cli import worker
 

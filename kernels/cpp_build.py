@@ -1,23 +1,43 @@
-"""Build the C++ CPU kernels in csrc/ on first use; a missing toolchain or a compile error means torch fallbacks."""
+"""Build the C++ CPU kernels in csrc/ once per ISA tier into a per-user cache; no toolchain or a compile error
+means torch fallbacks.
+
+Each extension is one shared object per tier (kernels.cpu_isa), compiled with that tier's explicit flags (never
+-march=native) from the installed package's csrc/, under a key of its sources, the tier's flags, the compiler
+(path, size, mtime), torch and Python: a cache on a shared volume or baked into an image never hands an older CPU
+an instruction it lacks, and never a library built for another torch. Builds happen in a temporary folder under
+an flock and are published by one rename, so N workers starting together build once and never load a
+half-written library; a cached library is loaded directly, without running the compiler or ninja.
+"""
 
 from __future__ import annotations
 
 import fcntl
 import functools
 import hashlib
+import importlib.util
+import json
 import logging
 import os
 import re
+import shutil
+import subprocess
+import sys
+import tempfile
 from contextlib import contextmanager
 from pathlib import Path
+
+from sluice.kernels import cpu_isa
 
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
-          "-fno-trapping-math", "-fopenmp"]
+BASE_CFLAGS = ["-O3", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
+               "-fopenmp"]
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
-_built: dict[str, object | None] = {}
+EXTENSIONS = {"paged_attention.cpp": "sluice_paged_attention_cpu", "elementwise.cpp": "sluice_elementwise_cpu",
+              "quant_linear.cpp": "sluice_quant_linear_cpu", "bf16_gemv.cpp": "sluice_bf16_gemv_cpu",
+              "rms_norm.cpp": "sluice_rms_norm_cpu", "decode_stack.cpp": "sluice_decode_stack_cpu"}
+_built: dict[tuple[str, str], object | None] = {}
 
 
 @functools.cache
@@ -27,23 +47,41 @@ def enabled() -> bool:
     return os.environ.get("SLUICE_CPU_KERNEL", "1") != "0"
 
 
-@contextmanager
-def _build_lock(name: str):
-    """An exclusive flock on the extension's build folder, released by the OS even if its holder is killed.
+def cache_root() -> Path:
+    """The per-user kernel cache: $XDG_CACHE_HOME/sluice/kernels (~/.cache/sluice/kernels by default)."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "sluice" / "kernels"
 
-    torch's own lock is a file that a build killed midway (a SIGKILLed worker) leaves behind, and every later
-    load then waits on it forever; under our flock no build is running, so such a file is stale and goes.
-    """
-    from torch.utils.cpp_extension import _get_build_directory
 
-    folder = Path(_get_build_directory(name, verbose=False))
-    with open(folder / "sluice-build.lock", "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        (folder / "lock").unlink(missing_ok=True)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+def cflags(tier: str) -> list[str]:
+    """Every compiler flag of an extension built for `tier`."""
+    return BASE_CFLAGS + cpu_isa.compile_flags(tier)
+
+
+def compiler() -> str | None:
+    """The C++ compiler torch's build would use ($CXX, else c++), resolved on PATH; None when there is none."""
+    found = shutil.which(os.environ.get("CXX", "c++"))
+    return None if found is None else os.path.realpath(found)
+
+
+def _compiler_identity() -> str:
+    """The compiler's path, size and mtime (a new compiler version changes them) without running it."""
+    path = compiler()
+    if path is None:
+        return "none"
+    st = os.stat(path)
+    return f"{path}:{st.st_size}:{st.st_mtime_ns}"
+
+
+def compiler_version() -> str:
+    """The compiler's first `--version` line (runs it: for the build record and `sluice doctor` only)."""
+    path = compiler()
+    if path is None:
+        return "none"
+    try:
+        return subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout.splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return "unknown"
 
 
 def _sources(source: str) -> list[str]:
@@ -57,31 +95,100 @@ def _sources(source: str) -> list[str]:
     return found
 
 
-def build_name(name: str, source: str) -> str:
-    """The extension's name on disk: `name` and a hash of its source and the local files it includes, flags and
-    folder (ninja rebuilds when a source's path changes, so two checkouts sharing one build folder would rebuild
-    over each other)."""
-    key = b"".join((CSRC / f).read_bytes() for f in _sources(source))
-    key += " ".join(CFLAGS).encode() + str(CSRC.resolve()).encode()
-    digest = hashlib.sha256(key).hexdigest()[:12]
-    return f"{name}_{digest}"
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
 
 
-def load(name: str, source: str):
-    """The extension `name` built from csrc/`source` (cached per process), or None when it cannot be built.
+def object_tier(tier: str, source: str) -> str:
+    """The tier whose object serves `tier` for `source`: itself, except `amx` where no source it includes has AMX
+    code (then the avx512_bf16 object, the same code without the tile flags: one build fewer per kernel)."""
+    if tier == "amx" and not any("__AMX" in (CSRC / f).read_text() for f in _sources(source)):
+        return "avx512_bf16"
+    return tier
 
-    The build folder is named after the source's hash as well, so checkouts with different sources (or an
-    upgrade under running workers) each keep their own build instead of rebuilding over one another.
-    """
-    if name not in _built:
+
+def build_name(name: str, source: str, tier: str | None = None) -> str:
+    """The extension's module name and cache folder: `name`, the tier of its object, and a hash of the sources it
+    includes, the flags, the compiler, torch and Python (not the checkout's path: one cache serves every install)."""
+    tier = object_tier(cpu_isa.tier() if tier is None else tier, source)
+    key = b"".join(f.encode() + b"\0" + (CSRC / f).read_bytes() for f in _sources(source))
+    key += "\0".join([*cflags(tier), _compiler_identity(), _torch_version(), sys.version]).encode()
+    return f"{name}_{tier}_{hashlib.sha256(key).hexdigest()[:16]}"
+
+
+def library_path(name: str, source: str, tier: str | None = None) -> Path:
+    """Where the built extension lives (present or not)."""
+    versioned = build_name(name, source, tier)
+    return cache_root() / versioned / f"{versioned}.so"
+
+
+def _import(module: str, path: Path):
+    """Import the extension `module` from its shared object `path` (no compiler, no ninja)."""
+    if module in sys.modules:
+        return sys.modules[module]
+    spec = importlib.util.spec_from_file_location(module, path)
+    ext = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ext)
+    sys.modules[module] = ext
+    return ext
+
+
+@contextmanager
+def _build_lock(root: Path, versioned: str):
+    """An exclusive flock per extension, released by the OS even if its holder is killed."""
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f"{versioned}.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
         try:
-            from torch.utils.cpp_extension import load as build
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
-            versioned = build_name(name, source)
-            with _build_lock(versioned):
-                _built[name] = build(name=versioned, sources=[str(CSRC / source)], extra_cflags=CFLAGS,
-                                     extra_ldflags=["-fopenmp"], verbose=False)
+
+def _build(versioned: str, source: str, tier: str, final: Path):
+    """Compile into a fresh temporary folder, record how, and publish it as `final` by one rename."""
+    from torch.utils.cpp_extension import load as torch_load
+
+    for stale in final.parent.glob(f"{versioned}.tmp*"):  # a build killed midway: nobody else holds the lock
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{versioned}.tmp", dir=final.parent))
+    try:
+        ext = torch_load(name=versioned, sources=[str(CSRC / source)], extra_cflags=cflags(tier),
+                         extra_ldflags=["-fopenmp"], build_directory=str(tmp), verbose=False)
+        record = {"tier": tier, "flags": cflags(tier), "compiler": compiler(), "compiler_version": compiler_version(),
+                  "torch": _torch_version(), "sources": _sources(source)}
+        (tmp / "build.json").write_text(json.dumps(record, indent=1))
+        os.rename(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    sys.modules[versioned] = ext
+    return ext
+
+
+def build(name: str, source: str, tier: str | None = None):
+    """The extension `name` from csrc/`source` for `tier` (default: the chosen one), built once per cache."""
+    tier = object_tier(cpu_isa.tier() if tier is None else tier, source)
+    versioned = build_name(name, source, tier)
+    path = cache_root() / versioned / f"{versioned}.so"
+    if path.exists():
+        return _import(versioned, path)
+    with _build_lock(cache_root(), versioned):
+        if path.exists():  # another process built it while we waited
+            return _import(versioned, path)
+        return _build(versioned, source, tier, path.parent)
+
+
+def load(name: str, source: str, tier: str | None = None):
+    """The extension `name` built from csrc/`source` for `tier` (cached per process), or None when it cannot be
+    built (no compiler, a compile error: the caller falls back to torch)."""
+    key = (name, cpu_isa.tier() if tier is None else tier)
+    if key not in _built:
+        try:
+            _built[key] = build(name, source, key[1])
         except Exception as exc:  # toolchain missing, compiler error: fall back to torch
-            log.warning("CPU kernel %s unavailable, using torch: %s", name, exc)
-            _built[name] = None
-    return _built[name]
+            log.warning("CPU kernel %s (%s) unavailable, using torch: %s", name, key[1], exc)
+            _built[key] = None
+    return _built[key]

@@ -28,7 +28,7 @@ def _ext():
 
 
 def available() -> bool:
-    """True when the stack is enabled (SLUICE_CPU_KERNEL != 0), built, and the CPU has avx512_bf16 (its GEMV)."""
+    """True when the stack is enabled (SLUICE_CPU_KERNEL != 0) and built for a tier with a bf16 GEMV (avx2 and up)."""
     return _ext() is not None
 
 

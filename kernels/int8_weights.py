@@ -16,10 +16,13 @@ and other devices dequantize the weight and use the ordinary matmul.
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import torch.nn.functional as F
 
-from sluice.kernels import cpp_build
+from sluice.kernels import cpp_build, cpu_isa
 from sluice.kernels.device_path import triton_on
 
 MAX_GEMV_ROWS = 4  # fp32/fp16 rows, torch's GEMV: measured on CPU (rows 1-16, five shapes), it wins at 2-4 rows
@@ -101,8 +104,21 @@ def dynamic_int8_mm(rows: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
         xq, row_scale = fused.quantize_rows(rows)
         return fused.int8_rescale(fused.int8_mm(xq, qweight, comp), row_scale, scales, bias)
     xq, row_scale = quantize_rows(rows)
-    y = torch._int_mm(xq, qweight.t()).float().mul_(row_scale).mul_(scales.float()).to(rows.dtype)
+    acc = torch._int_mm(xq, qweight.t()) if int_mm_exact() else xq.double() @ qweight.double().t()
+    y = acc.float().mul_(row_scale).mul_(scales.float()).to(rows.dtype)
     return y if bias is None else y + bias
+
+
+@functools.cache
+def int_mm_exact() -> bool:
+    """Whether torch._int_mm sums exactly here: oneDNN's int8 product without VNNI saturates int16 pair sums, so
+    on CPUs without AVX512-VNNI / AVX-VNNI, or with ONEDNN_MAX_CPU_ISA below them, the torch path sums in fp64
+    (exact for int8 products) instead."""
+    flags = cpu_isa.cpu_flags()
+    limit = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
+    return ("avx512_vnni" in flags or "avx_vnni" in flags) and (limit in ("", "ALL", "DEFAULT") or "VNNI" in limit
+                                                                  or "BF16" in limit or "AMX" in limit
+                                                                  or "AVX10" in limit)
 
 
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,

@@ -1,7 +1,8 @@
 """Unquantized linears: on CPU a bf16 GEMV of ours for a few rows (csrc/bf16_gemv.cpp), F.linear elsewhere.
 
 At the row counts of decode (one to a few tokens per step) a linear only streams its weight, and oneDNN's bf16
-matmul reads it at about half the memory bandwidth that a plain AVX512-BF16 pass reaches; up to `MAX_GEMV_ROWS`
+matmul reads it at about half the memory bandwidth that a plain AVX512-BF16 pass reaches (on the avx2 tier oneDNN
+has no bf16 instructions at all: ours widens bf16 by a shift and sums by FMA); up to `MAX_GEMV_ROWS`
 rows, and up to 64 while the rows are small enough to stay in L2 (`gemv_serves`), ours serves; past that, and on
 any other device or dtype, F.linear.
 Sums are fp32 in a different order than oneDNN's, then rounded to bf16 as it does.
@@ -34,7 +35,8 @@ def _gemv():
 
 
 def gemv_available() -> bool:
-    """True when the C++ bf16 GEMV is enabled (SLUICE_CPU_KERNEL != 0), built, and the CPU has avx512_bf16."""
+    """True when the C++ bf16 GEMV is enabled (SLUICE_CPU_KERNEL != 0) and built for a tier that has one (avx2 and
+    up: kernels.cpu_isa)."""
     return _gemv() is not None
 
 

@@ -35,6 +35,7 @@ PIPELINES_KEY = "sluice:cron:pipelines"
 CRON_QUEUE = "sluice-cron"
 LOCK_TTL_MS = 10_000
 DEFAULT_SETTLE_S = 10.0
+STOP_POLL_S = 0.1  # how often a sleeping scheduler looks for a stop request
 
 _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
@@ -241,6 +242,7 @@ class PipelineScheduler(CronScheduler):
         super().__init__(connection, **kwargs)
         self.client, self.poll_s = client, poll_s
         self._definitions: dict[str, CronPipeline] = {}
+        self._stopping = False
 
     def _cron_job(self, pipeline: CronPipeline) -> CronJob:
         job = CronJob(CRON_QUEUE, func=tick_job, args=(pipeline.name,), name=f"sluice-cron:{pipeline.name}",
@@ -265,6 +267,8 @@ class PipelineScheduler(CronScheduler):
         self.sync()
         due = [job for job in self._cron_jobs if job.should_run()]
         for job in due:
+            if self._stopping:  # the rest wait for the next scheduler
+                break
             job.set_enqueue_time(now())
             try:
                 tick(self.connection, self._definitions[job.args[0]], self.client)
@@ -276,6 +280,36 @@ class PipelineScheduler(CronScheduler):
 
     def calculate_sleep_interval(self) -> float:
         return min(super().calculate_sleep_interval(), self.poll_s)
+
+    def _request_stop(self, signum, frame) -> None:
+        """SIGTERM/SIGINT: stop after the tick in flight (a flag, not an exception raised inside boto3 or redis
+        code that may swallow it); a second signal interrupts the tick."""
+        if self._stopping:
+            raise StopRequested()
+        log.info("cron scheduler %s: stop requested (signal %s)", self.name, signum)
+        self._stopping = True
+
+    def _sleep(self, seconds: float) -> None:
+        """Sleep up to `seconds`, waking within STOP_POLL_S of a stop request."""
+        deadline = time.monotonic() + seconds
+        while not self._stopping and (left := deadline - time.monotonic()) > 0:
+            time.sleep(min(left, STOP_POLL_S))
+
+    def start(self) -> None:
+        """Tick due pipelines until SIGTERM/SIGINT, then leave rq's scheduler registry (idle: within
+        STOP_POLL_S of the signal)."""
+        self._install_signal_handlers()
+        self.register_birth()
+        try:
+            while not self._stopping:
+                if self.enqueue_jobs():
+                    self.save()
+                self.heartbeat()
+                self._sleep(self.calculate_sleep_interval())
+        except (KeyboardInterrupt, StopRequested):
+            log.info("cron scheduler %s: interrupted", self.name)
+        finally:
+            self.register_death()
 
 
 cron_app = typer.Typer(help="Cron pipelines: batches from new objects in a bucket or folder, on a schedule.")

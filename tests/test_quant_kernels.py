@@ -11,10 +11,13 @@ import torch
 import sluice.kernels.int4_weights as int4
 import sluice.kernels.int8_weights as int8
 from sluice.engine import LLM, SamplingParams
+from sluice.kernels import cpu_isa
+from tests.tiers import tier_fixture
 
 ROWS = (1, 7, 8, 64, 65)
 TILE_KERNEL = int4.cpu_layout() is not None
 needs_kernel = pytest.mark.skipif(not TILE_KERNEL, reason="no C++ toolchain (or unknown int4pack layout)")
+cpu_tier = tier_fixture(autouse=False)
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -196,6 +199,42 @@ def test_our_int8_gemv_serves_bf16_rows_and_rounds_as_torchs(monkeypatch):
         x = torch.randn(3, k, dtype=torch.bfloat16)
         want = (x.double() @ qweight.double().T) * scales.double()
         assert rel_err(ext.int8_gemv(x, qweight, scales), want) < 4e-3
+
+
+@pytest.mark.skipif(int8._fused() is None, reason="no C++ toolchain")
+def test_int8_mm_is_the_exact_int32_product_on_every_tier(cpu_tier):
+    """int8 x int8 -> int32 through `int8_mm` equals the int32 reference on every tier, extreme codes included:
+    VNNI where the tier has it, else ours (int8_mm_avx2.h), never oneDNN's saturating non-VNNI product; and the
+    dynamic int8 linear built on it is within int8 rounding of the dequantized weight."""
+    fused = int8._fused()
+    assert fused.VNNI == ("-mavx512vnni" in cpu_isa.compile_flags(cpu_tier))
+    g = torch.Generator().manual_seed(1)
+    for m in (1, 3, 4, 5, 40, 65, 130):
+        for n, k in ((1, 1), (5, 63), (37, 64), (203, 768), (9, 2048)):
+            x = torch.randint(-128, 128, (m, k), dtype=torch.int8, generator=g)
+            w = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+            assert torch.equal(fused.int8_mm(x, w), x.int() @ w.int().T), (m, n, k)
+    x, w = torch.full((3, 300), -128, dtype=torch.int8), torch.full((11, 300), 127, dtype=torch.int8)
+    assert torch.equal(fused.int8_mm(x, w), torch.full((3, 11), -128 * 127 * 300, dtype=torch.int32))
+    qweight, scales = torch.randint(-127, 128, (96, 256), dtype=torch.int8, generator=g), torch.rand(96) / 50
+    for m in (2, 8, 70):
+        rows = torch.randn(m, 256, generator=g).to(torch.bfloat16)
+        want = rows.double() @ (qweight.double() * scales.double()[:, None]).T
+        assert rel_err(int8.int8_linear(rows, qweight, scales.to(torch.bfloat16)), want) < 2e-2, m
+
+
+def test_the_torch_int8_path_is_exact_where_onednn_saturates(monkeypatch):
+    """Without our kernels the dynamic int8 product is torch._int_mm only where oneDNN sums exactly (VNNI), else
+    fp64: within int8 rounding of the dequantized weight on any host (ONEDNN_MAX_CPU_ISA=AVX2 included)."""
+    monkeypatch.setattr(int8, "_fused", lambda: None)
+    g = torch.Generator().manual_seed(2)
+    qweight, scales = torch.randint(-127, 128, (200, 384), dtype=torch.int8, generator=g), torch.rand(200) / 50
+    rows = torch.randn(5, 384, generator=g).to(torch.bfloat16)
+    want = rows.double() @ (qweight.double() * scales.double()[:, None]).T
+    assert rel_err(int8.dynamic_int8_mm(rows, qweight, scales.to(torch.bfloat16)), want) < 2e-2
+    xq = torch.randint(-128, 128, (7, 384), dtype=torch.int8, generator=g)
+    if int8.int_mm_exact():
+        assert torch.equal(torch._int_mm(xq, qweight.t()), xq.int() @ qweight.int().T)
 
 
 @pytest.mark.skipif(int8._fused() is None or not int8._fused().VNNI, reason="no C++ toolchain or no avx512_vnni")

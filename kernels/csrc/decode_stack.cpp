@@ -122,8 +122,9 @@ class DecodeStack {
 using Bias = std::optional<torch::Tensor>;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.attr("SUPPORTED") = supported();  // the GEMV's avx512_bf16: without it the stack has no kernel to call
-  py::class_<StackLinear>(m, "Linear");
+  m.attr("SUPPORTED") = supported();  // the GEMV's tier (avx2 or avx512_bf16): without it the stack has no kernel
+  // module_local: each tier's object registers its own types, so a process (a test) may load several tiers
+  py::class_<StackLinear>(m, "Linear", py::module_local());
   m.def("bf16_linear", [](torch::Tensor weight, Bias bias) {
     const int64_t n = weight.size(0);
     return StackLinear{StackLinear::kBf16, std::move(weight), std::nullopt, std::move(bias), n, 0, 0};
@@ -146,7 +147,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, "an int8 weight-only linear: the int8 GEMV to gemv_rows rows, the dynamic int8 matmul above (comp: "
      "int8_vnni_comp(qweight))", py::arg("qweight"), py::arg("scales"), py::arg("bias"), py::arg("gemv_rows"),
         py::arg("comp") = py::none());
-  py::class_<DecodeStack>(m, "DecodeStack")
+  py::class_<DecodeStack>(m, "DecodeStack", py::module_local())
       .def(py::init<const std::vector<LayerSpec>&, int64_t, int64_t, int64_t, double, double>(), py::arg("layers"),
            py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("scale"))
       .def("run", &DecodeStack::run, "the decoder stack over one decode step: (x, delta)",

@@ -29,9 +29,16 @@
 #include <immintrin.h>
 #include "avx512_reduce.h"
 #define SLUICE_AVX512_VNNI 1
+#elif defined(__AVX2__)
+#include <immintrin.h>
+#define SLUICE_INT8_MM_AVX2 1  // no VNNI: our exact int16 product instead of oneDNN's saturating one
 #endif
 
 namespace {
+
+#ifdef SLUICE_INT8_MM_AVX2
+#include "int8_mm_avx2.h"
+#endif
 
 struct Int4Layout {
   const uint8_t* packed;
@@ -783,12 +790,21 @@ torch::Tensor int8_mm_vnni(const torch::Tensor& x, const torch::Tensor& w,
 // 1.1-2x at 1-64 rows; above, a GEMM's blocking (oneDNN) wins.
 constexpr int64_t kVnniMaxRows = 64;
 
-// torch._int_mm(x, w.t()) (int32 [M, N]): ours where it is faster, else torch's; the result is the same.
+// x · wᵀ in int32 [M, N], exact: ours (VNNI) where it is faster, else torch._int_mm; without VNNI always ours
+// (int8_mm_avx2.h: oneDNN's product saturates there).
 // comp: int8_vnni_comp(w) where the caller keeps it (our kernel's; torch's does not need it).
 torch::Tensor int8_mm(const torch::Tensor& x, const torch::Tensor& w,
                       const c10::optional<torch::Tensor>& comp = c10::nullopt) {
   if (vnni_supported() && x.size(0) <= kVnniMaxRows && x.is_contiguous() && w.is_contiguous() && x.device().is_cpu())
     return int8_mm_vnni(x, w, comp);
+#ifdef SLUICE_INT8_MM_AVX2
+  if (x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && x.scalar_type() == at::kChar &&
+      w.scalar_type() == at::kChar && x.is_contiguous() && w.is_contiguous() && x.device().is_cpu()) {
+    auto y = torch::empty({x.size(0), w.size(0)}, x.options().dtype(torch::kInt32));
+    int8_mm_avx2(x.data_ptr<int8_t>(), x.size(0), w.data_ptr<int8_t>(), x.size(1), w.size(0), y.data_ptr<int32_t>());
+    return y;
+  }
+#endif
   return at::_int_mm(x, w.t());
 }
 

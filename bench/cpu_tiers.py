@@ -1,0 +1,121 @@
+"""Our CPU kernels on one ISA tier against the torch op they replace, in one process, alternated.
+
+SLUICE_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python bench/cpu_tiers.py [--rows 1,4,16,32]
+    [--engine 1,8] [--gen 32]
+
+Times the bench model's 48 decoder linears (bf16 weights, out of cache as in a decode step) through our bf16 GEMV
+against F.linear (oneDNN), and the int8 weight-only GEMV at one row against torch's `_weight_int8pack_mm`, each
+pair alternated `--rounds` times (best of each): ratios on a noisy shared host are only meaningful within a run.
+The table names the tier the kernels were built for and torch's own CPU capability. `--engine B,...` adds the
+engine's bf16 decode tok/s on the ~125M bench model (bench/llamacpp.py's measure: B x 128 prompt tokens, `--gen`
+generated), our kernels against `SLUICE_CPU_KERNEL=0` (the torch fallbacks), alternated each round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+from sluice.kernels import cpp_build, cpu_isa, int8_weights
+from sluice.kernels import linear as linear_kernels
+
+LINEARS = [(1280, 768), (768, 768), (4096, 768), (768, 2048)] * 12  # qkv, o, gate_up, down of 12 layers
+
+
+def _best(fn, rounds: int) -> float:
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def bf16_rows(rows: int, rounds: int) -> tuple[float, float]:
+    """ms for the 48 linears at `rows` rows: F.linear, ours."""
+    weights = [torch.randn(n, k).to(torch.bfloat16) for n, k in LINEARS]
+    xs = {k: torch.randn(rows, k).to(torch.bfloat16) for _, k in LINEARS}
+    gemv = linear_kernels._gemv()
+    theirs = lambda: [F.linear(xs[w.shape[1]], w) for w in weights]  # noqa: E731
+    ours = lambda: [gemv.bf16_gemv(xs[w.shape[1]], w, None) for w in weights]  # noqa: E731
+    times = {"torch": float("inf"), "ours": float("inf")}
+    with torch.inference_mode():
+        for _ in range(rounds):  # alternate: the host's load hits both alike
+            times["torch"] = min(times["torch"], _best(theirs, 1))
+            times["ours"] = min(times["ours"], _best(ours, 1))
+    return times["torch"] * 1e3, times["ours"] * 1e3
+
+
+def int8_one_row(rounds: int) -> tuple[float, float]:
+    """ms for the 48 int8 weight-only linears at one bf16 row: torch's int8pack GEMV, ours."""
+    qs = [torch.randint(-127, 128, (n, k), dtype=torch.int8) for n, k in LINEARS]
+    scales = [torch.rand(n).to(torch.bfloat16) for n, _ in LINEARS]
+    xs = {k: torch.randn(1, k).to(torch.bfloat16) for _, k in LINEARS}
+    gemv = int8_weights._gemv_kernel(scales[0])
+    theirs = lambda: [torch.ops.aten._weight_int8pack_mm(xs[q.shape[1]], q, s) for q, s in zip(qs, scales, strict=True)]  # noqa: E731
+    ours = lambda: [gemv.int8_gemv(xs[q.shape[1]], q, s) for q, s in zip(qs, scales, strict=True)]  # noqa: E731
+    times = {"torch": float("inf"), "ours": float("inf")}
+    with torch.inference_mode():
+        for _ in range(rounds):
+            times["torch"] = min(times["torch"], _best(theirs, 1))
+            times["ours"] = min(times["ours"], _best(ours, 1))
+    return times["torch"] * 1e3, times["ours"] * 1e3
+
+
+def _kernels(on: bool) -> None:
+    os.environ["SLUICE_CPU_KERNEL"] = "1" if on else "0"
+    cpp_build.enabled.cache_clear()
+
+
+def engine_decode(batches: list[int], rounds: int, gen: int) -> list[tuple[int, float, float]]:
+    """(B, torch-fallback tok/s, ours tok/s) per batch size: best of `rounds`, the two engines alternated."""
+    import llamacpp
+    from common import bench_model
+
+    llamacpp._set_shape(128, gen)
+    engines = {}
+    for on in (False, True):
+        _kernels(on)
+        engines[on] = llamacpp.load(bench_model(), "bf16", batches)
+    rows = []
+    for b in batches:
+        best = {False: 0.0, True: 0.0}
+        for r in range(rounds):
+            for on in (False, True):
+                _kernels(on)
+                best[on] = max(best[on], llamacpp.sluice(engines[on], b, seed=r))
+        rows.append((b, best[False], best[True]))
+    _kernels(True)
+    return rows
+
+
+def main() -> None:
+    """Print the markdown table."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="1,4,16,32")
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--engine", default="", help="batch sizes for the engine's decode tok/s, e.g. 1,8")
+    parser.add_argument("--gen", type=int, default=32)
+    args = parser.parse_args()
+    if linear_kernels._gemv() is None:
+        raise SystemExit(f"no bf16 GEMV on tier {cpu_isa.tier()}")
+    print(f"tier {cpu_isa.tier()} (GEMV built for {linear_kernels._gemv().TIER}), torch CPU capability "
+          f"{torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads\n")
+    print("| op | rows | torch ms | ours ms | ours × |\n|---|---|---|---|---|")
+    for rows in (int(r) for r in args.rows.split(",")):
+        theirs, ours = bf16_rows(rows, args.rounds)
+        print(f"| bf16 linear (F.linear) | {rows} | {theirs:.2f} | {ours:.2f} | {theirs / ours:.2f} |")
+    theirs, ours = int8_one_row(args.rounds)
+    print(f"| int8 weight-only (_weight_int8pack_mm) | 1 | {theirs:.2f} | {ours:.2f} | {theirs / ours:.2f} |")
+    if args.engine:
+        print("\n| B | bf16 decode tok/s, SLUICE_CPU_KERNEL=0 | ours | ours × |\n|---|---|---|---|")
+        for b, off, on in engine_decode([int(b) for b in args.engine.split(",")], max(2, args.rounds // 5), args.gen):
+            print(f"| {b} | {off:.1f} | {on:.1f} | {on / off:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

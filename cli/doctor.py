@@ -1,0 +1,91 @@
+"""`sluice doctor`: what a user pastes into a bug report (CPU flags and tier, C++ kernels, versions, device);
+`--build` compiles every CPU kernel for the chosen tier ahead of time (an image build, a fleet's first start)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import platform
+
+import typer
+
+# the host flags worth a line in a report: the ones the tiers are chosen from, and a few that tell CPUs apart
+REPORTED_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "bmi2", "avx_vnni", "avx512f", "avx512bw", "avx512vl",
+                  "avx512dq", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _cpu_model() -> str:
+    from pathlib import Path
+
+    info = Path("/proc/cpuinfo")
+    lines = info.read_text(errors="replace").splitlines() if info.exists() else []
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")),
+                platform.processor() or platform.machine())
+
+
+def _device() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return f"cuda: {torch.cuda.get_device_name(0)} (x{torch.cuda.device_count()})"
+    return f"cpu: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+
+
+def kernel_report(build: bool = False) -> list[dict[str, object]]:
+    """Per CPU kernel: name, whether its library is built for the chosen tier, and where (built now with `build`)."""
+    from sluice.kernels import cpp_build
+
+    rows = []
+    for source, name in sorted(cpp_build.EXTENSIONS.items()):
+        path = cpp_build.library_path(name, source)
+        if build and not path.exists():
+            cpp_build.load(name, source)
+        rows.append({"kernel": name, "source": source, "built": path.exists(), "path": str(path)})
+    return rows
+
+
+def report(build: bool = False) -> dict[str, object]:
+    """Everything `sluice doctor` prints, as a dict."""
+    import torch
+
+    from sluice.kernels import cpp_build, cpu_isa
+
+    flags = cpu_isa.cpu_flags()
+    return {
+        "python": platform.python_version(), "platform": platform.platform(),
+        "cpu": _cpu_model(), "cpu_flags": [f for f in REPORTED_FLAGS if f in flags],
+        "host_tier": cpu_isa.host_tier(), "tier": cpu_isa.tier(), "tier_cap": cpu_isa.cap_setting(),
+        "tier_flags": cpu_isa.compile_flags(cpu_isa.tier()),
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_kernels_enabled": cpp_build.enabled(), "compiler": cpp_build.compiler(),
+        "compiler_version": cpp_build.compiler_version(), "kernel_cache": str(cpp_build.cache_root()),
+        "kernels": kernel_report(build and cpp_build.enabled()),
+        "torch": torch.__version__, "transformers": _version("transformers"), "sluice": _version("sluice"),
+        "device": _device(),
+    }
+
+
+def doctor(
+    build: bool = typer.Option(False, "--build", help="compile every CPU kernel for the chosen tier now"),
+    as_json: bool = typer.Option(False, "--json", help="print the report as JSON"),
+) -> None:
+    """Print the host's CPU flags, the kernel tier chosen, the C++ kernels' state and the versions in use."""
+    info = report(build)
+    if as_json:
+        typer.echo(json.dumps(info, indent=1))
+        return
+    for key, value in info.items():
+        if key == "kernels":
+            continue
+        typer.echo(f"{key}: {' '.join(value) if isinstance(value, list) else value}")
+    for row in info["kernels"]:
+        typer.echo(f"kernel {row['kernel']}: {'built' if row['built'] else 'not built'} {row['path']}")
+    if build and not all(row["built"] for row in info["kernels"]) and info["cpu_kernels_enabled"]:
+        raise typer.Exit(1)

@@ -1,0 +1,131 @@
+"""The CPU instruction-set tier the C++ kernels are built for, chosen once per process from the CPU's flags.
+
+Tiers, each a superset of the one before: `avx2` (AVX2 + FMA + F16C + BMI2), `avx512` (F/BW/VL/DQ, VNNI where the
+CPU has it), `avx512_bf16` (plus AVX512-BF16 and VNNI), `amx` (plus AMX tile/bf16/int8). A host without AVX2
+(or not x86) gets `generic`: the kernels build without ISA flags and serve their scalar / at::vec paths.
+`SLUICE_CPU_ISA=avx2|avx512|avx512_bf16|amx` caps the tier (read here: kernels/ may not import the settings), so
+a capped process never runs an instruction above it, whatever its CPU has. Every Python condition that picks a
+tier-specific path asks `tier()` / `at_least()`, never the CPU directly.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+from pathlib import Path
+
+TIERS = ("avx2", "avx512", "avx512_bf16", "amx")
+GENERIC = "generic"
+ENV = "SLUICE_CPU_ISA"
+# /proc/cpuinfo flags each tier needs, on top of the tier before it
+REQUIRED = {
+    "avx2": ("avx2", "fma", "f16c", "bmi2"),
+    "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq"),
+    "avx512_bf16": ("avx512_bf16", "avx512_vnni"),
+    "amx": ("amx_tile", "amx_bf16", "amx_int8"),
+}
+# the compiler flags each tier adds to the one before it (explicit: never -march=native)
+TIER_FLAGS = {
+    "avx2": ("-mavx2", "-mfma", "-mf16c", "-mbmi", "-mbmi2", "-mlzcnt", "-mpopcnt"),
+    "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512cd"),
+    "avx512_bf16": ("-mavx512bf16", "-mavx512vnni"),
+    "amx": ("-mamx-tile", "-mamx-bf16", "-mamx-int8"),
+}
+# optional features a tier uses where the CPU has them: (cpu flag, compiler flag, lowest tier that may use it).
+# The avx2 tier takes none, so it is the same object on every host (and an AVX-512 host's run of it is a Zen 2's).
+OPTIONAL = (("avx512_vnni", "-mavx512vnni", "avx512"),)
+
+
+def cpu_flags() -> frozenset[str]:
+    """The host CPU's feature flags (/proc/cpuinfo; torch's cpuinfo where that file is missing)."""
+    return _cpu_flags()
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    info = Path("/proc/cpuinfo")
+    if info.exists():
+        for line in info.read_text(errors="replace").splitlines():
+            if line.startswith(("flags", "Features")):
+                return frozenset(line.split(":", 1)[1].split())
+    return _torch_flags()
+
+
+def _torch_flags() -> frozenset[str]:
+    """Flags as torch's cpuinfo reports them (macOS/Windows): AVX2 and AVX-512 families only."""
+    import torch
+
+    cpu = torch.backends.cpu.get_cpu_capability().lower()  # honours ATEN_CPU_CAPABILITY: a cap, never a raise
+    flags = set(REQUIRED["avx2"]) if cpu in ("avx2", "avx512") else set()
+    if cpu == "avx512":
+        flags |= set(REQUIRED["avx512"])
+    return frozenset(flags)
+
+
+def host_tier(flags: frozenset[str] | None = None) -> str:
+    """The highest tier whose flags the CPU has (`generic` when it lacks AVX2 or is not x86)."""
+    if flags is None:
+        if platform.machine().lower() not in ("x86_64", "amd64", "i686", "x86"):
+            return GENERIC
+        flags = cpu_flags()
+    best = GENERIC
+    for name in TIERS:
+        if not all(f in flags for f in REQUIRED[name]):
+            break
+        best = name
+    return best
+
+
+def cap(host: str, limit: str | None) -> str:
+    """`host` held to at most `limit` (a tier name; None or empty: no cap); ValueError on an unknown name."""
+    if not limit:
+        return host
+    if limit not in TIERS:
+        raise ValueError(f"{ENV}={limit!r}: expected one of {', '.join(TIERS)}")
+    if host == GENERIC:
+        return GENERIC
+    return TIERS[min(TIERS.index(host), TIERS.index(limit))]
+
+
+def cap_setting() -> str | None:
+    """SLUICE_CPU_ISA as set (lower case), or None."""
+    return os.environ.get(ENV, "").strip().lower() or None
+
+
+@functools.cache
+def tier() -> str:
+    """The tier this process builds and runs its kernels for: the host's, capped by SLUICE_CPU_ISA (read once;
+    `reset()` after changing it)."""
+    return cap(host_tier(), cap_setting())
+
+
+def reset() -> None:
+    """Forget the chosen tier (and the flags read), so the next `tier()` reads SLUICE_CPU_ISA again."""
+    tier.cache_clear()
+    _cpu_flags.cache_clear()
+
+
+def at_least(name: str, chosen: str | None = None) -> bool:
+    """Whether the chosen tier (or `chosen`) includes tier `name`."""
+    chosen = tier() if chosen is None else chosen
+    return chosen != GENERIC and TIERS.index(chosen) >= TIERS.index(name)
+
+
+def runnable_tiers() -> list[str]:
+    """Every tier this process may execute (the host's, to the SLUICE_CPU_ISA cap), lowest first."""
+    best = tier()
+    return [] if best == GENERIC else list(TIERS[: TIERS.index(best) + 1])
+
+
+def compile_flags(name: str, flags: frozenset[str] | None = None) -> list[str]:
+    """The compiler's ISA flags for tier `name` on a CPU with `flags`: the tier's own, plus the optional
+    features (VNNI) the CPU has and the tier may use."""
+    if name == GENERIC:
+        return []
+    flags = cpu_flags() if flags is None else flags
+    out: list[str] = []
+    for t in TIERS[: TIERS.index(name) + 1]:
+        out += TIER_FLAGS[t]
+    out += [cc for cpu, cc, lowest in OPTIONAL if cpu in flags and at_least(lowest, name) and cc not in out]
+    return out
