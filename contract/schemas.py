@@ -5,7 +5,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -21,11 +21,54 @@ StopText = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 
 
+class JsonSchemaFormat(BaseModel):
+    """The json_schema member of response_format."""
+
+    name: str = Field(max_length=64)
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
 class ResponseFormat(BaseModel):
-    """OpenAI's response_format: accepted for compatibility, not enforced (see docs/reliability.md)."""
+    """OpenAI's response_format: the output is constrained to JSON (any object, or the schema given)."""
+
+    model_config = ConfigDict(extra="forbid")
 
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+    json_schema: JsonSchemaFormat | None = None
+
+    def structured(self) -> dict[str, Any] | None:
+        """The engine's structured_outputs for this format (None for plain text)."""
+        if self.type == "json_object":
+            return {"json": True}
+        if self.type == "json_schema":
+            if self.json_schema is None:
+                raise ValueError("response_format of type json_schema needs json_schema")
+            return {"json": self.json_schema.schema_ or {}}
+        return None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs extra body field: exactly one of json, regex, choice, grammar."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | bool | None = Field(None, alias="json")
+    regex: str | None = Field(None, max_length=10_000)
+    choice: list[str] | None = Field(None, min_length=1, max_length=1000)
+    grammar: str | None = Field(None, max_length=100_000)
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputs:
+        given = [n for n in ("json_", "regex", "choice", "grammar") if getattr(self, n) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs needs exactly one of json, regex, choice, grammar")
+        return self
+
+    def structured(self) -> dict[str, Any]:
+        """The engine's structured_outputs keyword arguments."""
+        return {"json" if k == "json_" else k: v for k, v in self.model_dump().items() if v not in (None, False)}
 
 
 class SamplingBody(BaseModel):
@@ -46,8 +89,11 @@ class SamplingBody(BaseModel):
     user: str | None = Field(None, max_length=256)
     presence_penalty: Finite = Field(0.0, ge=-2, le=2)
     frequency_penalty: Finite = Field(0.0, ge=-2, le=2)
+    repetition_penalty: Finite = Field(1.0, gt=0, le=10)
+    min_tokens: int = Field(0, ge=0, le=MAX_TOKENS)
     logit_bias: dict[str, Annotated[Finite, Field(ge=-100, le=100)]] | None = Field(None, max_length=300)
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
     service_tier: str | None = Field(None, max_length=64)
     store: bool | None = None
     metadata: dict[str, str] | None = Field(None, max_length=16)
@@ -67,6 +113,24 @@ class SamplingBody(BaseModel):
             raise ValueError("logit_bias keys must be token ids (decimal digits)")
         return v
 
+    @model_validator(mode="after")
+    def _one_structure(self) -> SamplingBody:
+        if self.structured_outputs is not None and self.response_format is not None \
+                and self.response_format.type != "text":
+            raise ValueError("give response_format or structured_outputs, not both")
+        if self.response_format is not None:
+            self.response_format.structured()
+        limit = self.max_new_tokens()
+        if limit is not None and self.min_tokens > limit:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({limit})")
+        return self
+
+    def structured(self) -> dict[str, Any] | None:
+        """The engine's structured_outputs (from response_format or the structured_outputs extra field)."""
+        if self.structured_outputs is not None:
+            return self.structured_outputs.structured()
+        return self.response_format.structured() if self.response_format is not None else None
+
     def sampling_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for engine.SamplingParams."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -80,6 +144,12 @@ class SamplingBody(BaseModel):
             stop=stop,
             ignore_eos=self.ignore_eos,
             logprobs=self.num_logprobs(),
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+            min_tokens=self.min_tokens,
+            structured_outputs=self.structured(),
         )
 
     def max_new_tokens(self) -> int | None:

@@ -8,6 +8,7 @@ import torch
 
 from sluice.engine.block_manager import BlockManager
 from sluice.engine.config import EngineConfig
+from sluice.engine.logits_processors import LogitsProcessors
 from sluice.engine.model_runner import ModelRunner, StepLogits
 from sluice.engine.models.loader import load_model
 from sluice.engine.outputs import RequestOutput
@@ -18,6 +19,7 @@ from sluice.engine.sampler import device_tensor, sample, top_logprobs
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.scheduler import Scheduler
 from sluice.engine.spec_decode import DraftProposer, NgramProposer, Proposer, load_draft
+from sluice.engine.token_bytes import TokenBytes
 from sluice.engine.tokenizer import load_tokenizer
 from sluice.engine.verification import SpecStats, verify
 
@@ -34,6 +36,7 @@ class Engine:
         r = ResolvedConfig.resolve(config)
         self.tokenizer = load_tokenizer(config.tokenizer or config.model, None if config.tokenizer else r.hf_config)
         r = self.resolved = r.with_eos(self.tokenizer.eos_token_id)
+        self.token_bytes = TokenBytes(self.tokenizer)
         self.model_config, self.device, self.dtype, self.kv_dtype = r.model, r.device, r.dtype, r.kv_dtype
         self.max_model_len, self.eos_token_ids = r.max_model_len, r.eos_token_ids
         hook = linear_hook(config, self.device, self.dtype, r.hf_config)
@@ -49,6 +52,7 @@ class Engine:
         if not config.enforce_eager:
             self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         self.generator = torch.Generator().manual_seed(config.seed)
+        self.processors = LogitsProcessors(self.model_config.vocab_size, self.device, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._aborted: list[Request] = []
         self.counters = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0, "computed_tokens": 0}
@@ -106,6 +110,10 @@ class Engine:
             raise RequestRejected(f"prompt token ids must be in [0, {vocab})")
         if params.top_k > vocab:
             raise RequestRejected(f"top_k ({params.top_k}) must be <= the vocabulary size ({vocab}); 0 disables it")
+        named = [*(params.logit_bias or {}), *params.stop_token_ids]
+        if named and max(named) >= vocab:
+            raise RequestRejected(f"token id {max(named)} in logit_bias/stop_token_ids is outside the vocabulary "
+                                  f"[0, {vocab})")
         if params.seed is not None and not -(2**63) <= params.seed < 2**64:
             raise RequestRejected(f"seed ({params.seed}) must fit in 64 bits")
         need = n + (params.max_tokens or 1)
@@ -184,7 +192,8 @@ class Engine:
         """Verify each listed request's proposals, append what is emitted, roll back the rejected slots."""
         finished: list[Request] = []
         step_logits = [rows.logits[rows.row_start[i]: rows.row_start[i] + rows.num_rows[i]] for i in index]
-        emitted_all = verify([reqs[i] for i in index], step_logits, self.generator)
+        emitted_all = verify([reqs[i] for i in index], self._processed_verify_rows(reqs, index, step_logits),
+                             self.generator)
         for i, logits, emitted in zip(index, step_logits, emitted_all, strict=True):
             req = reqs[i]
             accepted = len(emitted) - 1
@@ -198,6 +207,16 @@ class Engine:
                 self.block_manager.trim(req, req.num_tokens)
         return finished
 
+    def _processed_verify_rows(self, reqs: list[Request], index: list[int],
+                               step_logits: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The verify rows with logits processing applied, each row seeing the proposals before it."""
+        if not any(reqs[i].params.processed for i in index):
+            return step_logits
+        row_reqs = [reqs[i] for i, lg in zip(index, step_logits, strict=True) for _ in range(lg.shape[0])]
+        ahead = [j for lg in step_logits for j in range(lg.shape[0])]
+        processed = self.processors.apply(torch.cat(step_logits), row_reqs, ahead)
+        return list(processed.split([lg.shape[0] for lg in step_logits]))
+
     def _sample_plain(self, reqs: list[Request], rows: StepLogits, ready: list[int]) -> list[Request]:
         idx = [rows.row_start[i] + rows.num_rows[i] - 1 for i in ready]
         if idx == list(range(idx[0], idx[0] + len(idx))):  # every row samples (decode): a view, no index copy
@@ -205,7 +224,7 @@ class Engine:
         else:
             logits = rows.logits[device_tensor(idx, torch.long, rows.logits.device)]
         sreqs = [reqs[i] for i in ready]
-        tokens = sample(logits, sreqs, self.generator)
+        tokens = sample(self.processors.apply(logits, sreqs), sreqs, self.generator)
         lps = self._logprobs(logits, tokens, sreqs)
         finished = []
         for j, (req, tok) in enumerate(zip(sreqs, tokens.tolist(), strict=True)):
@@ -266,6 +285,7 @@ class Engine:
 
     def _output(self, req: Request) -> RequestOutput:
         self.requests.pop(req.request_id, None)
+        self.processors.release(req)
         if self.proposer is not None:
             self.proposer.release(req)
         if req.metrics.finish_time is None:
@@ -285,8 +305,15 @@ class Engine:
             metrics=req.metrics,
             error=req.error,
             logprobs=req.logprobs,
+            token_bytes=self._token_bytes(req),
             prompt_logits=prompt_logits,
         )
+
+    def _token_bytes(self, req: Request) -> dict[int, bytes] | None:
+        """Bytes of the output tokens and of every token named in their logprobs, when logprobs were asked."""
+        if req.logprobs is None:
+            return None
+        return self.token_bytes.many([*req.output_token_ids, *(t for step in req.logprobs for t in step)])
 
     def stats(self) -> dict:
         """KV blocks used/total, prefix-cache hit rate, queue sizes, token counters."""

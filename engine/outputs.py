@@ -46,6 +46,7 @@ class RequestOutput:
     metrics: RequestMetrics
     error: str | None = None
     logprobs: list[dict[int, float]] | None = None
+    token_bytes: dict[int, bytes] | None = field(default=None, repr=False)
     finished: bool = True
     prompt_logits: object | None = field(default=None, repr=False)
 

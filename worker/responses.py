@@ -28,10 +28,53 @@ def usage(out: Any) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def logprobs_list(out: Any) -> list[dict[str, float]] | None:
+MIN_LOGPROB = -9999.0  # what OpenAI reports for a token of probability 0 (JSON has no -inf)
+
+
+def token_text(raw: bytes) -> str:
+    """A token as OpenAI writes it: its UTF-8 text, or `bytes:\\xNN...` when the bytes are not whole characters."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def _top(step: dict[int, float], n: int) -> list[tuple[int, float]]:
+    """The n most likely tokens of one step (the engine adds the chosen token when it is not among them)."""
+    return sorted(step.items(), key=lambda kv: -kv[1])[:n]
+
+
+def _entry(token: int, logprob: float, raw: dict[int, bytes]) -> dict[str, Any]:
+    return {"token": token_text(raw[token]), "logprob": max(logprob, MIN_LOGPROB), "bytes": list(raw[token])}
+
+
+def chat_logprobs(out: Any, n: int) -> dict[str, Any] | None:
+    """OpenAI's chat `logprobs`: {content: [{token, logprob, bytes, top_logprobs: [...]}], refusal}."""
     if out.logprobs is None:
         return None
-    return [{str(tok): lp for tok, lp in step.items()} for step in out.logprobs]
+    raw = out.token_bytes
+    content = [
+        _entry(tok, step[tok], raw) | {"top_logprobs": [_entry(t, lp, raw) for t, lp in _top(step, n)]}
+        for tok, step in zip(out.token_ids, out.logprobs, strict=False)
+    ]
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(out: Any, n: int) -> dict[str, Any] | None:
+    """OpenAI's legacy completions `logprobs`: {tokens, token_logprobs, top_logprobs, text_offset}."""
+    if out.logprobs is None:
+        return None
+    raw, steps = out.token_bytes, list(zip(out.token_ids, out.logprobs, strict=False))
+    tokens = [token_text(raw[tok]) for tok, _ in steps]
+    offsets = [0]
+    for text in tokens[:-1]:
+        offsets.append(offsets[-1] + len(text))
+    return {
+        "tokens": tokens,
+        "token_logprobs": [max(step[tok], MIN_LOGPROB) for tok, step in steps],
+        "top_logprobs": [{token_text(raw[t]): max(lp, MIN_LOGPROB) for t, lp in _top(step, n)} for _, step in steps],
+        "text_offset": offsets[: len(tokens)],
+    }
 
 
 def response_body(request: Request, out: Any, model: str) -> dict[str, Any]:
@@ -43,13 +86,13 @@ def response_body(request: Request, out: Any, model: str) -> dict[str, Any]:
             "message": {"role": "assistant", "content": out.text},
             "finish_reason": out.finish_reason,
         }
-        choice["logprobs"] = logprobs_list(out)
+        choice["logprobs"] = chat_logprobs(out, request.body.get("top_logprobs") or 0)
         kind, prefix = "chat.completion", "chatcmpl"
     else:
         choice = {
             "index": 0,
             "text": out.text,
-            "logprobs": logprobs_list(out),
+            "logprobs": completion_logprobs(out, request.body.get("logprobs") or 0),
             "finish_reason": out.finish_reason,
         }
         kind, prefix = "text_completion", "cmpl"
