@@ -19,6 +19,7 @@ from sluice.engine.sampler import device_tensor, sample, top_logprobs
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.scheduler import Scheduler
 from sluice.engine.spec_decode import DraftProposer, NgramProposer, Proposer, load_draft
+from sluice.engine.structured import GrammarError, StructuredOutputs
 from sluice.engine.token_bytes import TokenBytes
 from sluice.engine.tokenizer import load_tokenizer
 from sluice.engine.verification import SpecStats, verify
@@ -98,8 +99,20 @@ class Engine:
         ids = self.encode(prompt)
         self._validate(ids, params)
         req = Request(request_id, ids, params)
+        if params.structured_outputs is not None:
+            try:
+                req.grammar = self._structured().matcher(params.structured_outputs)
+            except GrammarError as exc:
+                raise RequestRejected(str(exc)) from exc
         self.requests[request_id] = req
         self.scheduler.add(req)
+
+    def _structured(self) -> StructuredOutputs:
+        """The grammar engine, started on the first structured request."""
+        if self.processors.structured is None:
+            self.processors.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size,
+                                                           sorted(self.eos_token_ids))
+        return self.processors.structured
 
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
         n, limit = len(ids), self.max_model_len
@@ -249,6 +262,8 @@ class Engine:
             req.metrics.first_token_time = now
         for i, tok in enumerate(tokens):
             req.output_token_ids.append(tok)
+            if req.grammar is not None and not req.grammar.is_terminated():
+                req.grammar.accept_token(tok)
             self.counters["generated_tokens"] += 1
             if req.logprobs is not None and logprobs is not None:
                 n = req.params.logprobs
@@ -266,6 +281,8 @@ class Engine:
         if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
             return "stop"
         if p.stop and self._hit_stop_string(req):
+            return "stop"
+        if req.grammar is not None and req.grammar.is_terminated():
             return "stop"
         if p.max_tokens is not None and len(req.output_token_ids) >= p.max_tokens:
             return "length"

@@ -1,4 +1,5 @@
-"""Logits processing before sampling: min_tokens, logit_bias, presence/frequency/repetition penalties.
+"""Logits processing before sampling: min_tokens, logit_bias, presence/frequency/repetition penalties, then the
+grammar mask of structured outputs.
 
 Each is one batched tensor op over the rows that need it. Per-request output-token counts live on the device
 and are brought up to date, once per step, by one scatter of the tokens each request emitted since its last
@@ -12,6 +13,7 @@ import torch
 
 from sluice.engine.request import Request
 from sluice.engine.sampler import device_tensor
+from sluice.engine.structured import StructuredOutputs
 
 
 class TokenCounts:
@@ -78,6 +80,7 @@ class LogitsProcessors:
         self.vocab, self.device = vocab, device
         self.eos_token_ids = sorted(eos_token_ids)
         self.counts = TokenCounts(vocab, device)
+        self.structured: StructuredOutputs | None = None
 
     def apply(self, logits: torch.Tensor, reqs: list[Request], ahead: list[int] | None = None) -> torch.Tensor:
         """Processed float32 logits (a copy) for rows of `reqs`; `ahead[i]`: proposals before row i."""
@@ -85,10 +88,11 @@ class LogitsProcessors:
         if not rows:
             return logits
         out = logits.to(torch.float32, copy=True)
-        ahead = ahead or [0] * len(reqs)
-        self._min_tokens(out, reqs, ahead, rows)
+        self._min_tokens(out, reqs, ahead or [0] * len(reqs), rows)
         self._logit_bias(out, reqs, rows)
-        self._penalties(out, reqs, ahead, [i for i in rows if reqs[i].params.penalized])
+        self._penalties(out, reqs, ahead or [0] * len(reqs), [i for i in rows if reqs[i].params.penalized])
+        if self.structured is not None:
+            self.structured.apply(out, reqs, ahead)
         return out
 
     def release(self, req: Request) -> None:
