@@ -24,6 +24,8 @@ TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 class JsonSchemaFormat(BaseModel):
     """The json_schema member of response_format."""
 
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
     name: str = Field(max_length=64)
     schema_: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = None
@@ -52,7 +54,7 @@ class ResponseFormat(BaseModel):
 class StructuredOutputs(BaseModel):
     """vLLM's structured_outputs extra body field: exactly one of json, regex, choice, grammar."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     json_: dict[str, Any] | bool | None = Field(None, alias="json")
     regex: str | None = Field(None, max_length=10_000)

@@ -1,0 +1,129 @@
+"""OpenAI's request fields through the batch doors: Client + worker and the HTTP Batch API (official openai
+package); every response body validated against the openai package's types; unsupported fields named."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import jsonschema
+import pytest
+import redis
+
+from sluice.contract.settings import Settings
+from sluice.engine import LLM, SamplingParams
+from sluice.producer import BatchStatus, Client
+from sluice.producer.validation import validate_lines
+from sluice.worker.worker import EngineWorker
+from tests.openai_types import openai_body
+from tests.server_stack import jsonl, wait_status
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "models" / "sluice-tiny"
+SCHEMA = {"type": "object", "properties": {"mood": {"enum": ["merry", "sad", "wrathful"]}}, "required": ["mood"],
+          "additionalProperties": False}
+KING = 1000  # a token id forced by logit_bias
+
+
+def line(custom_id: str, url: str, **body) -> dict:
+    if url == "chat":
+        body = {"messages": [{"role": "user", "content": "Speak, friend."}], "temperature": 0, **body}
+        return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body}
+    body = {"prompt": "KING HENRY:\nWhat say you?\n", "temperature": 0, **body}
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/completions", "body": body}
+
+
+def lines() -> list[dict]:
+    schema_format = {"type": "json_schema", "json_schema": {"name": "mood", "schema": SCHEMA, "strict": True}}
+    bad_format = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array", "uniqueItems": True}}}
+    return [
+        line("chat-logprobs", "chat", logprobs=True, top_logprobs=2, max_tokens=6, ignore_eos=True),
+        line("completion-logprobs", "completion", logprobs=3, max_tokens=6, ignore_eos=True),
+        line("schema", "chat", response_format=schema_format, max_tokens=24),
+        line("bias", "completion", logit_bias={str(KING): 100}, max_tokens=5),
+        line("penalties", "completion", presence_penalty=1.5, frequency_penalty=1.0, repetition_penalty=1.2,
+             ignore_eos=True, max_tokens=12),
+        line("regex", "completion", structured_outputs={"regex": "(Aye|Nay), my lord!"}, max_tokens=12),
+        line("bad-schema", "chat", response_format=bad_format),
+    ]
+
+
+def check_records(bodies: dict[str, dict], errors: dict[str, dict], llm_tokenizer) -> None:
+    """What every door must give for lines(): OpenAI-typed bodies, the constraints honoured, errors named."""
+    parsed = {cid: openai_body(body) for cid, body in bodies.items()}
+    chat = parsed["chat-logprobs"].choices[0]
+    assert "".join(e.token for e in chat.logprobs.content) == chat.message.content
+    assert all(len(e.top_logprobs) == 2 and bytes(e.bytes).decode() == e.token for e in chat.logprobs.content)
+    done = parsed["completion-logprobs"].choices[0]
+    assert "".join(done.logprobs.tokens) == done.text and len(done.logprobs.token_logprobs) == 6
+    assert done.logprobs.text_offset == sorted(done.logprobs.text_offset) and len(done.logprobs.top_logprobs[0]) <= 3
+    schema = parsed["schema"].choices[0]
+    assert schema.finish_reason == "stop"
+    jsonschema.validate(json.loads(schema.message.content), SCHEMA)
+    assert parsed["bias"].choices[0].text == llm_tokenizer.decode([KING]) * 5
+    assert re.fullmatch("(Aye|Nay), my lord!", parsed["regex"].choices[0].text)
+    assert list(errors) == ["bad-schema"] and errors["bad-schema"]["code"] == "request_rejected"
+    assert "uniqueItems" in errors["bad-schema"]["message"]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(str(TINY), dtype="float32", device="cpu", max_num_seqs=16)
+
+
+def test_fields_through_client_and_worker_match_the_offline_api(llm, redis_url, tmp_path):
+    client = Client(redis_url)
+    batch = client.submit_batch(lines(), output=tmp_path.as_uri(), shard_size=4)
+    EngineWorker(["high", "default", "low"], llm, redis.Redis.from_url(redis_url), heartbeat_ttl=5).work(
+        burst=True, logging_level="WARNING")
+    assert client.get(batch.id).status == BatchStatus.completed
+    bodies = {r.custom_id: r.response.body for r in client.results(batch.id)}
+    errors = {r.custom_id: r.error.model_dump() for r in client.results(batch.id, errors=True)}
+    check_records(bodies, errors, llm.tokenizer)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, presence_penalty=1.5,
+                            frequency_penalty=1.0, repetition_penalty=1.2)
+    offline = llm.generate("KING HENRY:\nWhat say you?\n", params, progress=False)[0]
+    assert bodies["penalties"]["choices"][0]["text"] == offline.text
+
+
+def test_fields_through_the_http_batch_api(stack, llm):
+    client = stack.openai(stack.key("fields"))
+    bodies: dict[str, dict] = {}
+    errors: dict[str, dict] = {}
+    for endpoint in ("/v1/chat/completions", "/v1/completions"):
+        uploaded = client.files.create(file=jsonl([x for x in lines() if x["url"] == endpoint]), purpose="batch")
+        batch = client.batches.create(input_file_id=uploaded.id, endpoint=endpoint, completion_window="24h")
+        done = wait_status(client, batch.id, {"completed", "failed", "cancelled", "expired"})
+        assert done.status == "completed", done
+        records = [json.loads(x) for x in client.files.content(done.output_file_id).text.splitlines()]
+        if done.error_file_id:
+            records += [json.loads(x) for x in client.files.content(done.error_file_id).text.splitlines()]
+        bodies |= {r["custom_id"]: r["response"]["body"] for r in records if r["response"]}
+        errors |= {r["custom_id"]: r["error"] for r in records if r["error"]}
+    check_records(bodies, errors, llm.tokenizer)
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "body.tools"),
+    ({"tool_choice": "auto"}, "body.tool_choice"),
+    ({"n": 2}, "body.n"),
+    ({"best_of": 3}, "body.best_of"),
+    ({"echo": True}, "body.echo"),
+    ({"stream": True}, "body.stream"),
+    ({"parallel_tool_calls": True}, "body.parallel_tool_calls"),
+    ({"response_format": {"type": "json_schema"}}, "body"),
+    ({"response_format": {"type": "xml"}}, "body.response_format.type"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "body.structured_outputs"),
+    ({"min_tokens": 50, "max_tokens": 10}, "body"),
+    ({"logit_bias": {"12": 101}}, "body.logit_bias.12"),
+])
+def test_unsupported_or_bad_fields_are_per_line_errors_naming_them(body, param):
+    url = "completion" if "best_of" in body or "echo" in body else "chat"
+    raw = [json.dumps(line("ok", url)).encode(), json.dumps(line("bad", url, **body)).encode()]
+    checked = validate_lines(raw, Settings())
+    assert [r.custom_id for r in checked.requests] == ["ok"]
+    (error,) = checked.errors
+    assert error.line == 2 and error.param == param, error
+    named = param.split(".")[1] if "." in param else next(iter(body))
+    assert named in error.message or "response_format" in error.message or "min_tokens" in error.message
