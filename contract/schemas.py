@@ -15,6 +15,7 @@ Priority = Literal["high", "default", "low"]
 MAX_TOP_K = 1_000_000
 MAX_STOP_CHARS = 1024
 MAX_TOKENS = 1_000_000
+MAX_N = 128
 Finite = Annotated[float, Field(allow_inf_nan=False)]
 Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]
 StopText = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
@@ -86,7 +87,7 @@ class SamplingBody(BaseModel):
     seed: Seed | None = None
     stop: StopText | list[StopText] | None = None
     ignore_eos: bool = False
-    n: Literal[1] = 1
+    n: int = Field(1, ge=1, le=MAX_N)
     stream: Literal[False] = False
     user: str | None = Field(None, max_length=256)
     presence_penalty: Finite = Field(0.0, ge=-2, le=2)
@@ -122,6 +123,9 @@ class SamplingBody(BaseModel):
             raise ValueError("give response_format or structured_outputs, not both")
         if self.response_format is not None:
             self.response_format.structured()
+        best_of = getattr(self, "best_of", None)
+        if best_of is not None and best_of < self.n:
+            raise ValueError(f"best_of ({best_of}) must be >= n ({self.n})")
         limit = self.max_new_tokens()
         if limit is not None and self.min_tokens > limit:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({limit})")
@@ -152,6 +156,8 @@ class SamplingBody(BaseModel):
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
             min_tokens=self.min_tokens,
             structured_outputs=self.structured(),
+            n=self.n,
+            best_of=getattr(self, "best_of", None),
         )
 
     def max_new_tokens(self) -> int | None:
@@ -167,7 +173,7 @@ class CompletionBody(SamplingBody):
     prompt: str | list[TokenId]
     max_tokens: int = Field(16, ge=1, le=MAX_TOKENS)
     logprobs: int | None = Field(None, ge=0, le=20)
-    best_of: Literal[1] | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
     echo: Literal[False] = False
     suffix: None = None
 

@@ -8,6 +8,7 @@ import torch
 
 from sluice.engine.block_manager import BlockManager
 from sluice.engine.config import EngineConfig
+from sluice.engine.groups import SequenceGroup
 from sluice.engine.logits_processors import LogitsProcessors
 from sluice.engine.model_runner import ModelRunner, StepLogits
 from sluice.engine.models.loader import load_model
@@ -55,6 +56,8 @@ class Engine:
         self.generator = torch.Generator().manual_seed(config.seed)
         self.processors = LogitsProcessors(self.model_config.vocab_size, self.device, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
+        self.groups: dict[str, SequenceGroup] = {}
+        self._group_of: dict[str, SequenceGroup] = {}
         self._aborted: list[Request] = []
         self.counters = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0, "computed_tokens": 0}
         self.spec_stats = SpecStats()
@@ -94,18 +97,28 @@ class Engine:
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
         """Queue a request; raise RequestRejected if it can never run."""
         params = params or SamplingParams()
-        if request_id in self.requests:
+        if request_id in self.requests or request_id in self.groups:
             raise RequestRejected(f"duplicate request id {request_id!r}")
         ids = self.encode(prompt)
         self._validate(ids, params)
-        req = Request(request_id, ids, params)
-        if params.structured_outputs is not None:
+        if params.n == 1 and (params.best_of or 1) == 1:
+            self._add(Request(request_id, ids, params))
+            return
+        group = SequenceGroup.fan_out(request_id, ids, params)
+        for seq in group.sequences:
+            self._add(seq, schedule=seq is group.sequences[0])
+            self._group_of[seq.request_id] = group
+        self.groups[request_id] = group
+
+    def _add(self, req: Request, schedule: bool = True) -> None:
+        if req.params.structured_outputs is not None:
             try:
-                req.grammar = self._structured().matcher(params.structured_outputs)
+                req.grammar = self._structured().matcher(req.params.structured_outputs)
             except GrammarError as exc:
                 raise RequestRejected(str(exc)) from exc
-        self.requests[request_id] = req
-        self.scheduler.add(req)
+        self.requests[req.request_id] = req
+        if schedule:
+            self.scheduler.add(req)
 
     def _structured(self) -> StructuredOutputs:
         """The grammar engine, started on the first structured request."""
@@ -140,6 +153,12 @@ class Engine:
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its partial output comes back from the next step()."""
+        group = self.groups.get(request_id)
+        if group is not None:
+            group.followers = []
+            for seq in group.sequences:
+                self.abort(seq.request_id)
+            return
         req = self.requests.get(request_id)
         if req is None or req.is_finished:
             return
@@ -166,11 +185,32 @@ class Engine:
                 req.num_computed_tokens += n
                 self.counters["computed_tokens"] += n
             done += self._process(batch.requests, step_logits)
+            self._start_followers()
             self.counters["steps"] += 1
             for arena in self._unsettled:
                 arena.settle()
             self._unsettled = []
-        return [self._output(r) for r in done]
+        return self._merge([self._output(r) for r in done])
+
+    def _start_followers(self) -> None:
+        """Queue (first in line) the other sequences of groups whose leader has computed the prompt."""
+        for group in self.groups.values():
+            if group.followers and group.leader_ready():
+                for seq in reversed(group.followers):
+                    self.scheduler.waiting.appendleft(seq)
+                group.followers = []
+
+    def _merge(self, outs: list[RequestOutput]) -> list[RequestOutput]:
+        """Outputs of single requests as they are; a group's sequences as one output once all are done."""
+        merged = []
+        for out in outs:
+            group = self._group_of.pop(out.request_id, None)
+            if group is None:
+                merged.append(out)
+            elif (whole := group.finish(out)) is not None:
+                self.groups.pop(group.request_id, None)
+                merged.append(whole)
+        return merged
 
     def _drop_unscheduled_speculation(self, batch) -> None:
         """Speculative tokens that did not fit this step's budget are dropped, not chunked."""
@@ -312,7 +352,9 @@ class Engine:
         if text is None:
             text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True).rstrip("\ufffd")
         prompt_logits = torch.cat(req.prompt_logits) if req.prompt_logits else None
-        self.counters["prompt_tokens"] += len(req.prompt_token_ids)
+        group = self._group_of.get(req.request_id)
+        if group is None or req is group.sequences[0]:
+            self.counters["prompt_tokens"] += len(req.prompt_token_ids)
         return RequestOutput(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,

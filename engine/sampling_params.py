@@ -50,6 +50,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     min_tokens: int = 0
     structured_outputs: StructuredOutputsParams | None = None
+    n: int = 1
+    best_of: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -79,6 +81,8 @@ class SamplingParams:
             ("repetition_penalty", 0 < self.repetition_penalty <= 10, "must be in (0, 10]"),
             ("logit_bias", all(t >= 0 and math.isfinite(v) and -100 <= v <= 100 for t, v in bias.items()),
              "must map token ids (>= 0) to values in [-100, 100]"),
+            ("n", 1 <= self.n <= 128, "must be in [1, 128]"),
+            ("best_of", self.best_of is None or self.n <= self.best_of <= 128, "must be in [n, 128]"),
             ("min_tokens", self.min_tokens >= 0 and (self.max_tokens is None or self.min_tokens <= self.max_tokens),
              "must be in [0, max_tokens]"),
         ]

@@ -46,6 +46,8 @@ def lines() -> list[dict]:
              ignore_eos=True, max_tokens=12),
         line("regex", "completion", structured_outputs={"regex": "(Aye|Nay), my lord!"}, max_tokens=12),
         line("bad-schema", "chat", response_format=bad_format),
+        line("n3", "completion", n=3, temperature=1.0, seed=5, max_tokens=5, ignore_eos=True),
+        line("n2-chat", "chat", n=2, temperature=1.0, seed=5, max_tokens=4, ignore_eos=True, logprobs=True),
     ]
 
 
@@ -63,6 +65,11 @@ def check_records(bodies: dict[str, dict], errors: dict[str, dict], llm_tokenize
     jsonschema.validate(json.loads(schema.message.content), SCHEMA)
     assert parsed["bias"].choices[0].text == llm_tokenizer.decode([KING]) * 5
     assert re.fullmatch("(Aye|Nay), my lord!", parsed["regex"].choices[0].text)
+    for cid, n in (("n3", 3), ("n2-chat", 2)):
+        body = parsed[cid]
+        assert [c.index for c in body.choices] == list(range(n))
+        assert body.usage.completion_tokens == sum(len(c.logprobs.content) if c.logprobs else 5 for c in body.choices)
+        assert body.usage.prompt_tokens == parsed["bias" if cid == "n3" else "schema"].usage.prompt_tokens
     assert list(errors) == ["bad-schema"] and errors["bad-schema"]["code"] == "request_rejected"
     assert "uniqueItems" in errors["bad-schema"]["message"]
 
@@ -107,8 +114,8 @@ def test_fields_through_the_http_batch_api(stack, llm):
 @pytest.mark.parametrize(("body", "param"), [
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "body.tools"),
     ({"tool_choice": "auto"}, "body.tool_choice"),
-    ({"n": 2}, "body.n"),
-    ({"best_of": 3}, "body.best_of"),
+    ({"n": 200}, "body.n"),
+    ({"best_of": 1, "n": 2}, "body"),
     ({"echo": True}, "body.echo"),
     ({"stream": True}, "body.stream"),
     ({"parallel_tool_calls": True}, "body.parallel_tool_calls"),

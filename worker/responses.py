@@ -24,7 +24,9 @@ def error_record(custom_id: str, code: str, message: str) -> OutputRecord:
 
 
 def usage(out: Any) -> dict[str, int]:
-    prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
+    """Token usage; with n > 1 the prompt counts once and the completion tokens of every choice add up."""
+    prompt = len(out.prompt_token_ids)
+    completion = sum(len(s.token_ids) for s in (out.samples or [out]))
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
@@ -77,31 +79,31 @@ def completion_logprobs(out: Any, n: int) -> dict[str, Any] | None:
     }
 
 
-def response_body(request: Request, out: Any, model: str) -> dict[str, Any]:
-    """The OpenAI completion or chat.completion object for one finished request."""
-    created, model = int(time.time()), request.body.get("model") or model
+def _choice(request: Request, out: Any, index: int) -> dict[str, Any]:
     if request.url == CHAT:
-        choice = {
-            "index": 0,
+        return {
+            "index": index,
             "message": {"role": "assistant", "content": out.text},
             "finish_reason": out.finish_reason,
+            "logprobs": chat_logprobs(out, request.body.get("top_logprobs") or 0),
         }
-        choice["logprobs"] = chat_logprobs(out, request.body.get("top_logprobs") or 0)
-        kind, prefix = "chat.completion", "chatcmpl"
-    else:
-        choice = {
-            "index": 0,
-            "text": out.text,
-            "logprobs": completion_logprobs(out, request.body.get("logprobs") or 0),
-            "finish_reason": out.finish_reason,
-        }
-        kind, prefix = "text_completion", "cmpl"
+    return {
+        "index": index,
+        "text": out.text,
+        "logprobs": completion_logprobs(out, request.body.get("logprobs") or 0),
+        "finish_reason": out.finish_reason,
+    }
+
+
+def response_body(request: Request, out: Any, model: str) -> dict[str, Any]:
+    """The OpenAI completion or chat.completion object for one finished request (n choices when n > 1)."""
+    kind, prefix = ("chat.completion", "chatcmpl") if request.url == CHAT else ("text_completion", "cmpl")
     return {
         "id": f"{prefix}-{uuid.uuid4().hex}",
         "object": kind,
-        "created": created,
-        "model": model,
-        "choices": [choice],
+        "created": int(time.time()),
+        "model": request.body.get("model") or model,
+        "choices": [_choice(request, s, i) for i, s in enumerate(out.samples or [out])],
         "usage": usage(out),
     }
 
