@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from sluice.contract.tools import NamedToolChoice, Tool, ToolChoice, named_tool, tool_constraint
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -202,20 +205,67 @@ class ContentPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    """The function of a tool call in an earlier assistant message."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    arguments: str
+
+
+class MessageToolCall(BaseModel):
+    """A tool call in an earlier assistant message."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class Message(BaseModel):
     """One chat message."""
 
     model_config = ConfigDict(extra="forbid")
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _content_or_calls(self) -> Message:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (only an assistant message with tool_calls may omit it)")
+        return self
 
     def text(self) -> str:
         """The message content as plain text."""
-        if isinstance(self.content, str):
-            return self.content
+        if isinstance(self.content, str) or self.content is None:
+            return self.content or ""
         return "".join(part.text for part in self.content)
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as a chat template reads it (tool calls and tool results included)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+def _json_or_text(raw: str) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw
 
 
 class ChatBody(SamplingBody):
@@ -226,6 +276,36 @@ class ChatBody(SamplingBody):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Tool] | None = Field(None, min_length=1, max_length=128)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    @model_validator(mode="after")
+    def _tools(self) -> ChatBody:
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            named_tool(self.tools or [], self.tool_choice)
+        if self.tool_constraint() is not None and (self.structured_outputs or self.response_format):
+            raise ValueError("a forced tool_choice cannot be combined with response_format or structured_outputs")
+        return self
+
+    def chosen_tools(self) -> ToolChoice:
+        """tool_choice as OpenAI defaults it: auto when tools are given, none otherwise."""
+        return self.tool_choice or ("auto" if self.tools else "none")
+
+    def tool_constraint(self) -> dict[str, Any] | None:
+        """structured_outputs a forced tool_choice implies."""
+        return tool_constraint(self.tools, self.chosen_tools()) if self.tools else None
+
+    def structured(self) -> dict[str, Any] | None:
+        return self.tool_constraint() or super().structured()
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template reads them (none when tool_choice is none)."""
+        if not self.tools or self.chosen_tools() == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -233,9 +313,9 @@ class ChatBody(SamplingBody):
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def plain_messages(self) -> list[dict[str, str]]:
-        """Messages as {role, content} dicts for a chat template."""
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def plain_messages(self) -> list[dict[str, Any]]:
+        """Messages as dicts for a chat template ({role, content}, plus tool calls and results)."""
+        return [m.for_template() for m in self.messages]
 
 
 BODIES: dict[str, type[SamplingBody]] = {COMPLETIONS: CompletionBody, CHAT: ChatBody}

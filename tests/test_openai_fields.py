@@ -24,6 +24,18 @@ TINY = ROOT / "models" / "sluice-tiny"
 SCHEMA = {"type": "object", "properties": {"mood": {"enum": ["merry", "sad", "wrathful"]}}, "required": ["mood"],
           "additionalProperties": False}
 KING = 1000  # a token id forced by logit_bias
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Verona", "Padua"]}}, "required": ["city"],
+    "additionalProperties": False}}}
+MOOD = {"type": "function", "function": {"name": "set_mood", "parameters": {
+    "type": "object", "properties": {"mood": {"enum": ["merry", "sad"]}}, "required": ["mood"],
+    "additionalProperties": False}}}
+HISTORY = [
+    {"role": "user", "content": "Weather in Verona?"},
+    {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+        "name": "get_weather", "arguments": '{"city": "Verona"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "Rain."},
+]
 
 
 def line(custom_id: str, url: str, **body) -> dict:
@@ -46,6 +58,10 @@ def lines() -> list[dict]:
              ignore_eos=True, max_tokens=12),
         line("regex", "completion", structured_outputs={"regex": "(Aye|Nay), my lord!"}, max_tokens=12),
         line("bad-schema", "chat", response_format=bad_format),
+        line("tool-named", "chat", tools=[WEATHER, MOOD], max_tokens=40,
+             tool_choice={"type": "function", "function": {"name": "get_weather"}}),
+        line("tool-required", "chat", tools=[WEATHER, MOOD], tool_choice="required", max_tokens=96),
+        line("tool-auto", "chat", tools=[WEATHER], max_tokens=6, messages=HISTORY),
         line("n3", "completion", n=3, temperature=1.0, seed=5, max_tokens=5, ignore_eos=True),
         line("n2-chat", "chat", n=2, temperature=1.0, seed=5, max_tokens=4, ignore_eos=True, logprobs=True),
     ]
@@ -70,6 +86,15 @@ def check_records(bodies: dict[str, dict], errors: dict[str, dict], llm_tokenize
         assert [c.index for c in body.choices] == list(range(n))
         assert body.usage.completion_tokens == sum(len(c.logprobs.content) if c.logprobs else 5 for c in body.choices)
         assert body.usage.prompt_tokens == parsed["bias" if cid == "n3" else "schema"].usage.prompt_tokens
+    named, required = parsed["tool-named"].choices[0], parsed["tool-required"].choices[0]
+    for choice in (named, required):
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        (call,) = choice.message.tool_calls
+        tool = next(t for t in (WEATHER, MOOD) if t["function"]["name"] == call.function.name)
+        jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+    assert named.message.tool_calls[0].function.name == "get_weather"
+    auto = parsed["tool-auto"].choices[0]
+    assert auto.message.tool_calls is None and auto.message.content and auto.finish_reason == "length"
     assert list(errors) == ["bad-schema"] and errors["bad-schema"]["code"] == "request_rejected"
     assert "uniqueItems" in errors["bad-schema"]["message"]
 
@@ -112,13 +137,15 @@ def test_fields_through_the_http_batch_api(stack, llm):
 
 
 @pytest.mark.parametrize(("body", "param"), [
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "body.tools"),
-    ({"tool_choice": "auto"}, "body.tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f g"}}]}, "body.tools.0.function.name"),
+    ({"tool_choice": "required"}, "body"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "body"),
+    ({"functions": [{"name": "f"}]}, "body.functions"),
+    ({"audio": {"voice": "alloy"}}, "body.audio"),
     ({"n": 200}, "body.n"),
     ({"best_of": 1, "n": 2}, "body"),
     ({"echo": True}, "body.echo"),
     ({"stream": True}, "body.stream"),
-    ({"parallel_tool_calls": True}, "body.parallel_tool_calls"),
     ({"response_format": {"type": "json_schema"}}, "body"),
     ({"response_format": {"type": "xml"}}, "body.response_format.type"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "body.structured_outputs"),
@@ -133,4 +160,19 @@ def test_unsupported_or_bad_fields_are_per_line_errors_naming_them(body, param):
     (error,) = checked.errors
     assert error.line == 2 and error.param == param, error
     named = param.split(".")[1] if "." in param else next(iter(body))
-    assert named in error.message or "response_format" in error.message or "min_tokens" in error.message
+    assert named in error.message or any(k in error.message for k in ("response_format", "min_tokens", "tool"))
+
+
+def test_tool_calls_are_parsed_in_hermes_and_llama_formats():
+    from sluice.contract.tools import Tool, parse_tool_calls
+
+    tools = [Tool.model_validate(WEATHER)]
+    content, calls = parse_tool_calls(
+        'Let me look. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Verona"}}\n</tool_call>', tools, "auto")
+    assert content == "Let me look." and calls[0]["function"] == {"name": "get_weather",
+                                                                  "arguments": '{"city": "Verona"}'}
+    content, calls = parse_tool_calls('{"name": "get_weather", "parameters": {"city": "Padua"}}', tools, "auto")
+    assert content is None and json.loads(calls[0]["function"]["arguments"]) == {"city": "Padua"}
+    assert parse_tool_calls('{"name": "other", "parameters": {}}', tools, "auto") == (
+        '{"name": "other", "parameters": {}}', [])
+    assert parse_tool_calls("<tool_call>{}</tool_call>", tools, "none") == ("<tool_call>{}</tool_call>", [])

@@ -7,6 +7,7 @@ import uuid
 from typing import Any
 
 from sluice.contract.schemas import CHAT, ErrorInfo, OutputRecord, Request, Response
+from sluice.contract.tools import parse_tool_calls
 
 ABORT_CODES = {
     "batch_cancelled": "the batch was cancelled",
@@ -79,12 +80,25 @@ def completion_logprobs(out: Any, n: int) -> dict[str, Any] | None:
     }
 
 
+def _message(request: Request, out: Any) -> tuple[dict[str, Any], str | None]:
+    """The assistant message (tool calls parsed when the request offered tools) and its finish_reason."""
+    if not request.body.get("tools"):
+        return {"role": "assistant", "content": out.text}, out.finish_reason
+    body = request.parsed_body()
+    content, calls = parse_tool_calls(out.text, body.tools, body.chosen_tools())
+    if not calls:
+        return {"role": "assistant", "content": content}, out.finish_reason
+    reason = "tool_calls" if out.finish_reason == "stop" else out.finish_reason
+    return {"role": "assistant", "content": content, "tool_calls": calls}, reason
+
+
 def _choice(request: Request, out: Any, index: int) -> dict[str, Any]:
     if request.url == CHAT:
+        message, reason = _message(request, out)
         return {
             "index": index,
-            "message": {"role": "assistant", "content": out.text},
-            "finish_reason": out.finish_reason,
+            "message": message,
+            "finish_reason": reason,
             "logprobs": chat_logprobs(out, request.body.get("top_logprobs") or 0),
         }
     return {
