@@ -9,15 +9,13 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from bench.schemas import SCHEMAS  # noqa: E402
+from common import ROOT, record
+from schemas import SCHEMAS
 
 
 def allowed(mask_row: torch.Tensor, vocab: int) -> list[int]:
@@ -78,6 +76,7 @@ def run_llguidance(tokenizer, vocab: int, batch: int, steps: int) -> tuple[float
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--no-record", action="store_true", help="do not write docs/benchmarks.md")
     ap.add_argument("--model", default=str(ROOT / "models" / "sluice-tiny"))
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--steps", type=int, default=48)
@@ -90,13 +89,10 @@ def main() -> None:
     for name, fn in [("xgrammar", run_xgrammar), ("llguidance", run_llguidance)]:
         compile_s, row_s, filled = fn(tokenizer, vocab, args.batch, args.steps)
         rows.append(f"| {name} | {compile_s * 1e3:.1f} | {row_s * 1e6:.0f} | {filled} |")
-    table = "\n".join([
-        f"Grammar engines, {Path(args.model).name} (vocab {vocab}), batch {args.batch}, {args.steps} steps, "
-        f"{len(SCHEMAS)} schemas (`python bench/grammar_engines.py`):", "",
-        "| engine | compile ms / schema | mask µs / row (batched fill) | rows filled |", "|---|---|---|---|", *rows])
-    print(table)
-    with open(ROOT / "docs" / "benchmarks.md", "a") as f:
-        f.write("\n" + table + "\n")
+    table = "\n".join(["| engine | compile ms / schema | mask µs / row (batched fill) | rows filled |",
+                       "|---|---|---|---|", *rows])
+    record(f"Grammar engines: xgrammar vs llguidance ({Path(args.model).name}, vocab {vocab}, batch {args.batch}, "
+           f"{len(SCHEMAS)} schemas)", table)
 
 
 if __name__ == "__main__":

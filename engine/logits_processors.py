@@ -104,7 +104,7 @@ class LogitsProcessors:
 
     def _min_tokens(self, out: torch.Tensor, reqs: list[Request], ahead: list[int], rows: list[int]) -> None:
         pairs = [(i, t) for i in rows if len(reqs[i].output_token_ids) + ahead[i] < reqs[i].params.min_tokens
-                 for t in self._stop_ids(reqs[i])]
+                 and reqs[i].grammar is None for t in self._stop_ids(reqs[i])]  # a grammar decides its own end
         if pairs:
             r, t = zip(*pairs, strict=True)
             out.index_put_((self._index(list(r)), self._index(list(t))), torch.tensor(float("-inf"), device=out.device))
