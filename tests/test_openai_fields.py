@@ -176,3 +176,16 @@ def test_tool_calls_are_parsed_in_hermes_and_llama_formats():
     assert parse_tool_calls('{"name": "other", "parameters": {}}', tools, "auto") == (
         '{"name": "other", "parameters": {}}', [])
     assert parse_tool_calls("<tool_call>{}</tool_call>", tools, "none") == ("<tool_call>{}</tool_call>", [])
+
+
+def test_tools_reach_the_chat_template(llm):
+    """Offline door: LLM.chat(tools=...) renders the tools through the model's template (when it reads them)."""
+    template = llm.tokenizer.chat_template
+    llm.tokenizer.chat_template = ("{% for t in tools or [] %}TOOL {{ t['function']['name'] }}\n{% endfor %}"
+                                   "{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
+    try:
+        messages = [{"role": "user", "content": "Weather?"}]
+        with_tools = llm.tokenizer.decode(llm.encode_chat(messages, [WEATHER]))
+        assert "TOOL get_weather" in with_tools and "TOOL" not in llm.tokenizer.decode(llm.encode_chat(messages))
+    finally:
+        llm.tokenizer.chat_template = template
