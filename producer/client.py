@@ -15,7 +15,15 @@ from tqdm.auto import tqdm
 from sluice.contract.batch import BatchStore, TransitionError, new_batch_id
 from sluice.contract.events import notify
 from sluice.contract.jobs import QUEUES
-from sluice.contract.schemas import CHAT, COMPLETIONS, Batch, BatchStatus, LineError, OutputRecord, RequestCounts
+from sluice.contract.schemas import (
+    CHAT,
+    COMPLETIONS,
+    Batch,
+    BatchStatus,
+    LineError,
+    OutputRecord,
+    RequestCounts,
+)
 from sluice.contract.settings import Settings, get_settings
 from sluice.contract.signing import check_url
 from sluice.contract.storage import check_output_url, read_url

@@ -15,10 +15,10 @@ from sluice.contract.jobs import finalize_job_id, shard_job_id
 from sluice.contract.settings import Settings
 from sluice.contract.storage import open_storage
 from sluice.producer import BatchStatus, Client
-from tests.faults.conftest import assert_exactly_once, request
 from sluice.worker.finalize import finalize
 from sluice.worker.reaper import Reaper
 from sluice.worker.shards import shard_key
+from tests.faults.conftest import assert_exactly_once, request
 
 
 def shard_file(ids: list[str], text_bytes: int, fail: set[str] = frozenset()) -> bytes:
