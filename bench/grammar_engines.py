@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from common import ROOT, record
 from schemas import SCHEMAS
 
