@@ -123,8 +123,10 @@ class Engine:
     def _structured(self) -> StructuredOutputs:
         """The grammar engine, started on the first structured request."""
         if self.processors.structured is None:
+            # On CPU the forward owns the cores: xgrammar's fill threads would compete with it; one suffices.
+            threads = 1 if self.device.type == "cpu" else "auto"
             self.processors.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size,
-                                                           sorted(self.eos_token_ids))
+                                                           sorted(self.eos_token_ids), threads)
         return self.processors.structured
 
     def _validate(self, ids: list[int], params: SamplingParams) -> None:

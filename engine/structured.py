@@ -52,13 +52,13 @@ def check_schema(schema: Any, path: str = "schema") -> None:
 class StructuredOutputs:
     """Compiled grammars (cached per constraint), matchers and the batch bitmask for one engine's vocabulary."""
 
-    def __init__(self, tokenizer: Any, vocab: int, stop_token_ids: list[int]) -> None:
+    def __init__(self, tokenizer: Any, vocab: int, stop_token_ids: list[int], fill_threads: int | str = "auto") -> None:
         import xgrammar as xgr  # the grammar engine's native library is loaded on the first structured request
 
         self.xgr, self.vocab = xgr, vocab
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab, stop_token_ids=stop_token_ids)
         self.compiler = xgr.GrammarCompiler(info, cache_enabled=True)
-        self.batcher = xgr.BatchGrammarMatcher()
+        self.batcher = xgr.BatchGrammarMatcher(max_threads=fill_threads)
         self.cache: dict[str, Any] = {}
         self.bitmask = xgr.allocate_token_bitmask(1, vocab)
 
