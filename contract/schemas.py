@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from sluice.contract.tools import NamedToolChoice, Tool, ToolChoice, named_tool, tool_constraint
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -15,17 +18,63 @@ Priority = Literal["high", "default", "low"]
 MAX_TOP_K = 1_000_000
 MAX_STOP_CHARS = 1024
 MAX_TOKENS = 1_000_000
+MAX_N = 128
 Finite = Annotated[float, Field(allow_inf_nan=False)]
 Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]
 StopText = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 
 
+class JsonSchemaFormat(BaseModel):
+    """The json_schema member of response_format."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str = Field(max_length=64)
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
 class ResponseFormat(BaseModel):
-    """OpenAI's response_format: accepted for compatibility, not enforced (see docs/reliability.md)."""
+    """OpenAI's response_format: the output is constrained to JSON (any object, or the schema given)."""
+
+    model_config = ConfigDict(extra="forbid")
 
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+    json_schema: JsonSchemaFormat | None = None
+
+    def structured(self) -> dict[str, Any] | None:
+        """The engine's structured_outputs for this format (None for plain text)."""
+        if self.type == "json_object":
+            return {"json": True}
+        if self.type == "json_schema":
+            if self.json_schema is None:
+                raise ValueError("response_format of type json_schema needs json_schema")
+            return {"json": self.json_schema.schema_ or {}}
+        return None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs extra body field: exactly one of json, regex, choice, grammar."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    json_: dict[str, Any] | bool | None = Field(None, alias="json")
+    regex: str | None = Field(None, max_length=10_000)
+    choice: list[str] | None = Field(None, min_length=1, max_length=1000)
+    grammar: str | None = Field(None, max_length=100_000)
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputs:
+        given = [n for n in ("json_", "regex", "choice", "grammar") if getattr(self, n) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs needs exactly one of json, regex, choice, grammar")
+        return self
+
+    def structured(self) -> dict[str, Any]:
+        """The engine's structured_outputs keyword arguments."""
+        return {"json" if k == "json_" else k: v for k, v in self.model_dump().items() if v not in (None, False)}
 
 
 class SamplingBody(BaseModel):
@@ -41,13 +90,16 @@ class SamplingBody(BaseModel):
     seed: Seed | None = None
     stop: StopText | list[StopText] | None = None
     ignore_eos: bool = False
-    n: Literal[1] = 1
+    n: int = Field(1, ge=1, le=MAX_N)
     stream: Literal[False] = False
     user: str | None = Field(None, max_length=256)
     presence_penalty: Finite = Field(0.0, ge=-2, le=2)
     frequency_penalty: Finite = Field(0.0, ge=-2, le=2)
+    repetition_penalty: Finite = Field(1.0, gt=0, le=10)
+    min_tokens: int = Field(0, ge=0, le=MAX_TOKENS)
     logit_bias: dict[str, Annotated[Finite, Field(ge=-100, le=100)]] | None = Field(None, max_length=300)
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
     service_tier: str | None = Field(None, max_length=64)
     store: bool | None = None
     metadata: dict[str, str] | None = Field(None, max_length=16)
@@ -67,6 +119,27 @@ class SamplingBody(BaseModel):
             raise ValueError("logit_bias keys must be token ids (decimal digits)")
         return v
 
+    @model_validator(mode="after")
+    def _one_structure(self) -> SamplingBody:
+        if self.structured_outputs is not None and self.response_format is not None \
+                and self.response_format.type != "text":
+            raise ValueError("give response_format or structured_outputs, not both")
+        if self.response_format is not None:
+            self.response_format.structured()
+        best_of = getattr(self, "best_of", None)
+        if best_of is not None and best_of < self.n:
+            raise ValueError(f"best_of ({best_of}) must be >= n ({self.n})")
+        limit = self.max_new_tokens()
+        if limit is not None and self.min_tokens > limit:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({limit})")
+        return self
+
+    def structured(self) -> dict[str, Any] | None:
+        """The engine's structured_outputs (from response_format or the structured_outputs extra field)."""
+        if self.structured_outputs is not None:
+            return self.structured_outputs.structured()
+        return self.response_format.structured() if self.response_format is not None else None
+
     def sampling_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for engine.SamplingParams."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -80,6 +153,14 @@ class SamplingBody(BaseModel):
             stop=stop,
             ignore_eos=self.ignore_eos,
             logprobs=self.num_logprobs(),
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+            min_tokens=self.min_tokens,
+            structured_outputs=self.structured(),
+            n=self.n,
+            best_of=getattr(self, "best_of", None),
         )
 
     def max_new_tokens(self) -> int | None:
@@ -95,7 +176,7 @@ class CompletionBody(SamplingBody):
     prompt: str | list[TokenId]
     max_tokens: int = Field(16, ge=1, le=MAX_TOKENS)
     logprobs: int | None = Field(None, ge=0, le=20)
-    best_of: Literal[1] | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
     echo: Literal[False] = False
     suffix: None = None
 
@@ -124,20 +205,67 @@ class ContentPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    """The function of a tool call in an earlier assistant message."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    arguments: str
+
+
+class MessageToolCall(BaseModel):
+    """A tool call in an earlier assistant message."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class Message(BaseModel):
     """One chat message."""
 
     model_config = ConfigDict(extra="forbid")
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _content_or_calls(self) -> Message:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (only an assistant message with tool_calls may omit it)")
+        return self
 
     def text(self) -> str:
         """The message content as plain text."""
-        if isinstance(self.content, str):
-            return self.content
+        if isinstance(self.content, str) or self.content is None:
+            return self.content or ""
         return "".join(part.text for part in self.content)
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as a chat template reads it (tool calls and tool results included)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+def _json_or_text(raw: str) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw
 
 
 class ChatBody(SamplingBody):
@@ -148,6 +276,36 @@ class ChatBody(SamplingBody):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Tool] | None = Field(None, min_length=1, max_length=128)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    @model_validator(mode="after")
+    def _tools(self) -> ChatBody:
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            named_tool(self.tools or [], self.tool_choice)
+        if self.tool_constraint() is not None and (self.structured_outputs or self.response_format):
+            raise ValueError("a forced tool_choice cannot be combined with response_format or structured_outputs")
+        return self
+
+    def chosen_tools(self) -> ToolChoice:
+        """tool_choice as OpenAI defaults it: auto when tools are given, none otherwise."""
+        return self.tool_choice or ("auto" if self.tools else "none")
+
+    def tool_constraint(self) -> dict[str, Any] | None:
+        """structured_outputs a forced tool_choice implies."""
+        return tool_constraint(self.tools, self.chosen_tools()) if self.tools else None
+
+    def structured(self) -> dict[str, Any] | None:
+        return self.tool_constraint() or super().structured()
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template reads them (none when tool_choice is none)."""
+        if not self.tools or self.chosen_tools() == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -155,9 +313,9 @@ class ChatBody(SamplingBody):
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def plain_messages(self) -> list[dict[str, str]]:
-        """Messages as {role, content} dicts for a chat template."""
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def plain_messages(self) -> list[dict[str, Any]]:
+        """Messages as dicts for a chat template ({role, content}, plus tool calls and results)."""
+        return [m.for_template() for m in self.messages]
 
 
 BODIES: dict[str, type[SamplingBody]] = {COMPLETIONS: CompletionBody, CHAT: ChatBody}

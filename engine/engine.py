@@ -8,6 +8,8 @@ import torch
 
 from sluice.engine.block_manager import BlockManager
 from sluice.engine.config import EngineConfig
+from sluice.engine.groups import SequenceGroup
+from sluice.engine.logits_processors import LogitsProcessors
 from sluice.engine.model_runner import ModelRunner, StepLogits
 from sluice.engine.models.loader import load_model
 from sluice.engine.outputs import RequestOutput
@@ -18,6 +20,8 @@ from sluice.engine.sampler import device_tensor, sample, top_logprobs
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.scheduler import Scheduler
 from sluice.engine.spec_decode import DraftProposer, NgramProposer, Proposer, load_draft
+from sluice.engine.structured import GrammarError, StructuredOutputs
+from sluice.engine.token_bytes import TokenBytes
 from sluice.engine.tokenizer import load_tokenizer
 from sluice.engine.verification import SpecStats, verify
 
@@ -34,6 +38,7 @@ class Engine:
         r = ResolvedConfig.resolve(config)
         self.tokenizer = load_tokenizer(config.tokenizer or config.model, None if config.tokenizer else r.hf_config)
         r = self.resolved = r.with_eos(self.tokenizer.eos_token_id)
+        self.token_bytes = TokenBytes(self.tokenizer)
         self.model_config, self.device, self.dtype, self.kv_dtype = r.model, r.device, r.dtype, r.kv_dtype
         self.max_model_len, self.eos_token_ids = r.max_model_len, r.eos_token_ids
         hook = linear_hook(config, self.device, self.dtype, r.hf_config)
@@ -49,7 +54,10 @@ class Engine:
         if not config.enforce_eager:
             self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         self.generator = torch.Generator().manual_seed(config.seed)
+        self.processors = LogitsProcessors(self.model_config.vocab_size, self.device, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
+        self.groups: dict[str, SequenceGroup] = {}
+        self._group_of: dict[str, SequenceGroup] = {}
         self._aborted: list[Request] = []
         self.counters = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0, "computed_tokens": 0}
         self.spec_stats = SpecStats()
@@ -89,13 +97,37 @@ class Engine:
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
         """Queue a request; raise RequestRejected if it can never run."""
         params = params or SamplingParams()
-        if request_id in self.requests:
+        if request_id in self.requests or request_id in self.groups:
             raise RequestRejected(f"duplicate request id {request_id!r}")
         ids = self.encode(prompt)
         self._validate(ids, params)
-        req = Request(request_id, ids, params)
-        self.requests[request_id] = req
-        self.scheduler.add(req)
+        if params.n == 1 and (params.best_of or 1) == 1:
+            self._add(Request(request_id, ids, params))
+            return
+        group = SequenceGroup.fan_out(request_id, ids, params)
+        for seq in group.sequences:
+            self._add(seq, schedule=seq is group.sequences[0])
+            self._group_of[seq.request_id] = group
+        self.groups[request_id] = group
+
+    def _add(self, req: Request, schedule: bool = True) -> None:
+        if req.params.structured_outputs is not None:
+            try:
+                req.grammar = self._structured().matcher(req.params.structured_outputs)
+            except GrammarError as exc:
+                raise RequestRejected(str(exc)) from exc
+        self.requests[req.request_id] = req
+        if schedule:
+            self.scheduler.add(req)
+
+    def _structured(self) -> StructuredOutputs:
+        """The grammar engine, started on the first structured request."""
+        if self.processors.structured is None:
+            # On CPU the forward owns the cores: xgrammar's fill threads would compete with it; one suffices.
+            threads = 1 if self.device.type == "cpu" else "auto"
+            self.processors.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size,
+                                                           sorted(self.eos_token_ids), threads)
+        return self.processors.structured
 
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
         n, limit = len(ids), self.max_model_len
@@ -106,6 +138,10 @@ class Engine:
             raise RequestRejected(f"prompt token ids must be in [0, {vocab})")
         if params.top_k > vocab:
             raise RequestRejected(f"top_k ({params.top_k}) must be <= the vocabulary size ({vocab}); 0 disables it")
+        named = [*(params.logit_bias or {}), *params.stop_token_ids]
+        if named and max(named) >= vocab:
+            raise RequestRejected(f"token id {max(named)} in logit_bias/stop_token_ids is outside the vocabulary "
+                                  f"[0, {vocab})")
         if params.seed is not None and not -(2**63) <= params.seed < 2**64:
             raise RequestRejected(f"seed ({params.seed}) must fit in 64 bits")
         need = n + (params.max_tokens or 1)
@@ -119,6 +155,12 @@ class Engine:
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its partial output comes back from the next step()."""
+        group = self.groups.get(request_id)
+        if group is not None:
+            group.followers = []
+            for seq in group.sequences:
+                self.abort(seq.request_id)
+            return
         req = self.requests.get(request_id)
         if req is None or req.is_finished:
             return
@@ -145,11 +187,32 @@ class Engine:
                 req.num_computed_tokens += n
                 self.counters["computed_tokens"] += n
             done += self._process(batch.requests, step_logits)
+            self._start_followers()
             self.counters["steps"] += 1
             for arena in self._unsettled:
                 arena.settle()
             self._unsettled = []
-        return [self._output(r) for r in done]
+        return self._merge([self._output(r) for r in done])
+
+    def _start_followers(self) -> None:
+        """Queue (first in line) the other sequences of groups whose leader has computed the prompt."""
+        for group in self.groups.values():
+            if group.followers and group.leader_ready():
+                for seq in reversed(group.followers):
+                    self.scheduler.waiting.appendleft(seq)
+                group.followers = []
+
+    def _merge(self, outs: list[RequestOutput]) -> list[RequestOutput]:
+        """Outputs of single requests as they are; a group's sequences as one output once all are done."""
+        merged = []
+        for out in outs:
+            group = self._group_of.pop(out.request_id, None)
+            if group is None:
+                merged.append(out)
+            elif (whole := group.finish(out)) is not None:
+                self.groups.pop(group.request_id, None)
+                merged.append(whole)
+        return merged
 
     def _drop_unscheduled_speculation(self, batch) -> None:
         """Speculative tokens that did not fit this step's budget are dropped, not chunked."""
@@ -184,7 +247,8 @@ class Engine:
         """Verify each listed request's proposals, append what is emitted, roll back the rejected slots."""
         finished: list[Request] = []
         step_logits = [rows.logits[rows.row_start[i]: rows.row_start[i] + rows.num_rows[i]] for i in index]
-        emitted_all = verify([reqs[i] for i in index], step_logits, self.generator)
+        emitted_all = verify([reqs[i] for i in index], self._processed_verify_rows(reqs, index, step_logits),
+                             self.generator)
         for i, logits, emitted in zip(index, step_logits, emitted_all, strict=True):
             req = reqs[i]
             accepted = len(emitted) - 1
@@ -198,6 +262,16 @@ class Engine:
                 self.block_manager.trim(req, req.num_tokens)
         return finished
 
+    def _processed_verify_rows(self, reqs: list[Request], index: list[int],
+                               step_logits: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The verify rows with logits processing applied, each row seeing the proposals before it."""
+        if not any(reqs[i].params.processed for i in index):
+            return step_logits
+        row_reqs = [reqs[i] for i, lg in zip(index, step_logits, strict=True) for _ in range(lg.shape[0])]
+        ahead = [j for lg in step_logits for j in range(lg.shape[0])]
+        processed = self.processors.apply(torch.cat(step_logits), row_reqs, ahead)
+        return list(processed.split([lg.shape[0] for lg in step_logits]))
+
     def _sample_plain(self, reqs: list[Request], rows: StepLogits, ready: list[int]) -> list[Request]:
         idx = [rows.row_start[i] + rows.num_rows[i] - 1 for i in ready]
         if idx == list(range(idx[0], idx[0] + len(idx))):  # every row samples (decode): a view, no index copy
@@ -205,7 +279,7 @@ class Engine:
         else:
             logits = rows.logits[device_tensor(idx, torch.long, rows.logits.device)]
         sreqs = [reqs[i] for i in ready]
-        tokens = sample(logits, sreqs, self.generator)
+        tokens = sample(self.processors.apply(logits, sreqs), sreqs, self.generator)
         lps = self._logprobs(logits, tokens, sreqs)
         finished = []
         for j, (req, tok) in enumerate(zip(sreqs, tokens.tolist(), strict=True)):
@@ -230,6 +304,8 @@ class Engine:
             req.metrics.first_token_time = now
         for i, tok in enumerate(tokens):
             req.output_token_ids.append(tok)
+            if req.grammar is not None and not req.grammar.is_terminated():
+                req.grammar.accept_token(tok)
             self.counters["generated_tokens"] += 1
             if req.logprobs is not None and logprobs is not None:
                 n = req.params.logprobs
@@ -247,6 +323,8 @@ class Engine:
         if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
             return "stop"
         if p.stop and self._hit_stop_string(req):
+            return "stop"
+        if req.grammar is not None and req.grammar.is_terminated():
             return "stop"
         if p.max_tokens is not None and len(req.output_token_ids) >= p.max_tokens:
             return "length"
@@ -266,6 +344,7 @@ class Engine:
 
     def _output(self, req: Request) -> RequestOutput:
         self.requests.pop(req.request_id, None)
+        self.processors.release(req)
         if self.proposer is not None:
             self.proposer.release(req)
         if req.metrics.finish_time is None:
@@ -275,7 +354,9 @@ class Engine:
         if text is None:
             text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True).rstrip("\ufffd")
         prompt_logits = torch.cat(req.prompt_logits) if req.prompt_logits else None
-        self.counters["prompt_tokens"] += len(req.prompt_token_ids)
+        group = self._group_of.get(req.request_id)
+        if group is None or req is group.sequences[0]:
+            self.counters["prompt_tokens"] += len(req.prompt_token_ids)
         return RequestOutput(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
@@ -285,8 +366,15 @@ class Engine:
             metrics=req.metrics,
             error=req.error,
             logprobs=req.logprobs,
+            token_bytes=self._token_bytes(req),
             prompt_logits=prompt_logits,
         )
+
+    def _token_bytes(self, req: Request) -> dict[int, bytes] | None:
+        """Bytes of the output tokens and of every token named in their logprobs, when logprobs were asked."""
+        if req.logprobs is None:
+            return None
+        return self.token_bytes.many([*req.output_token_ids, *(t for step in req.logprobs for t in step)])
 
     def stats(self) -> dict:
         """KV blocks used/total, prefix-cache hit rate, queue sizes, token counters."""

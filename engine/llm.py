@@ -24,9 +24,10 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._counter = 0
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of a conversation through the tokenizer's chat template, ready for the reply."""
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids of a conversation (and the tools offered) through the tokenizer's chat template, ready for
+        the reply."""
+        ids = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)
@@ -65,11 +66,12 @@ class LLM:
         messages_list: Sequence[list[dict[str, str]]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         progress: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Generate the assistant reply for each conversation."""
+        """Generate the assistant reply for each conversation (`tools` go to the chat template)."""
         if messages_list and isinstance(messages_list[0], dict):
             messages_list = [messages_list]  # type: ignore[list-item]
-        return self.generate([self.encode_chat(m) for m in messages_list], params, progress)
+        return self.generate([self.encode_chat(m, tools) for m in messages_list], params, progress)
 
     def score(self, prompts: Sequence[Prompt], progress: bool = False) -> list[Any]:
         """Logits [len, vocab] at every prompt position, computed through the paged engine."""

@@ -46,8 +46,10 @@ class RequestOutput:
     metrics: RequestMetrics
     error: str | None = None
     logprobs: list[dict[int, float]] | None = None
+    token_bytes: dict[int, bytes] | None = field(default=None, repr=False)
     finished: bool = True
     prompt_logits: object | None = field(default=None, repr=False)
+    samples: list[RequestOutput] | None = None  # n > 1: the n sequences (the fields above are samples[0]'s)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from enum import Enum, auto
+from typing import Any
 
 import torch
 
@@ -24,7 +25,7 @@ class Request:
         "request_id", "prompt_token_ids", "output_token_ids", "params", "status", "num_computed_tokens",
         "block_table", "num_cached_tokens", "metrics", "finish_reason", "generator", "logprobs",
         "stop_text_len", "text", "spec_token_ids", "want_prompt_logits", "prompt_logits", "error",
-        "draft_state",
+        "draft_state", "grammar",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -49,6 +50,7 @@ class Request:
         self.prompt_logits: list[torch.Tensor] = []
         self.error: str | None = None
         self.draft_state: object | None = None
+        self.grammar: Any = None
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -169,7 +169,7 @@ def _check_line(raw: bytes, number: int, settings: Settings, out: Validated) -> 
         )
         out.add_error(LineError(code="model_not_found", line=number, param="body.model", message=message))
         return None
-    return Request(custom_id=line.custom_id, url=line.url, body=body.model_dump(exclude_defaults=True))
+    return Request(custom_id=line.custom_id, url=line.url, body=body.model_dump(exclude_defaults=True, by_alias=True))
 
 
 def _depth(data: Any) -> int:

@@ -7,6 +7,7 @@ import uuid
 from typing import Any
 
 from sluice.contract.schemas import CHAT, ErrorInfo, OutputRecord, Request, Response
+from sluice.contract.tools import parse_tool_calls
 
 ABORT_CODES = {
     "batch_cancelled": "the batch was cancelled",
@@ -24,41 +25,99 @@ def error_record(custom_id: str, code: str, message: str) -> OutputRecord:
 
 
 def usage(out: Any) -> dict[str, int]:
-    prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
+    """Token usage; with n > 1 the prompt counts once and the completion tokens of every choice add up."""
+    prompt = len(out.prompt_token_ids)
+    completion = sum(len(s.token_ids) for s in (out.samples or [out]))
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def logprobs_list(out: Any) -> list[dict[str, float]] | None:
+MIN_LOGPROB = -9999.0  # what OpenAI reports for a token of probability 0 (JSON has no -inf)
+
+
+def token_text(raw: bytes) -> str:
+    """A token as OpenAI writes it: its UTF-8 text, or `bytes:\\xNN...` when the bytes are not whole characters."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def _top(step: dict[int, float], n: int) -> list[tuple[int, float]]:
+    """The n most likely tokens of one step (the engine adds the chosen token when it is not among them)."""
+    return sorted(step.items(), key=lambda kv: -kv[1])[:n]
+
+
+def _entry(token: int, logprob: float, raw: dict[int, bytes]) -> dict[str, Any]:
+    return {"token": token_text(raw[token]), "logprob": max(logprob, MIN_LOGPROB), "bytes": list(raw[token])}
+
+
+def chat_logprobs(out: Any, n: int) -> dict[str, Any] | None:
+    """OpenAI's chat `logprobs`: {content: [{token, logprob, bytes, top_logprobs: [...]}], refusal}."""
     if out.logprobs is None:
         return None
-    return [{str(tok): lp for tok, lp in step.items()} for step in out.logprobs]
+    raw = out.token_bytes
+    content = [
+        _entry(tok, step[tok], raw) | {"top_logprobs": [_entry(t, lp, raw) for t, lp in _top(step, n)]}
+        for tok, step in zip(out.token_ids, out.logprobs, strict=False)
+    ]
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(out: Any, n: int) -> dict[str, Any] | None:
+    """OpenAI's legacy completions `logprobs`: {tokens, token_logprobs, top_logprobs, text_offset}."""
+    if out.logprobs is None:
+        return None
+    raw, steps = out.token_bytes, list(zip(out.token_ids, out.logprobs, strict=False))
+    tokens = [token_text(raw[tok]) for tok, _ in steps]
+    offsets = [0]
+    for text in tokens[:-1]:
+        offsets.append(offsets[-1] + len(text))
+    return {
+        "tokens": tokens,
+        "token_logprobs": [max(step[tok], MIN_LOGPROB) for tok, step in steps],
+        "top_logprobs": [{token_text(raw[t]): max(lp, MIN_LOGPROB) for t, lp in _top(step, n)} for _, step in steps],
+        "text_offset": offsets[: len(tokens)],
+    }
+
+
+def _message(request: Request, out: Any) -> tuple[dict[str, Any], str | None]:
+    """The assistant message (tool calls parsed when the request offered tools) and its finish_reason."""
+    if not request.body.get("tools"):
+        return {"role": "assistant", "content": out.text}, out.finish_reason
+    body = request.parsed_body()
+    content, calls = parse_tool_calls(out.text, body.tools, body.chosen_tools())
+    if not calls:
+        return {"role": "assistant", "content": content}, out.finish_reason
+    reason = "tool_calls" if out.finish_reason == "stop" else out.finish_reason
+    return {"role": "assistant", "content": content, "tool_calls": calls}, reason
+
+
+def _choice(request: Request, out: Any, index: int) -> dict[str, Any]:
+    if request.url == CHAT:
+        message, reason = _message(request, out)
+        return {
+            "index": index,
+            "message": message,
+            "finish_reason": reason,
+            "logprobs": chat_logprobs(out, request.body.get("top_logprobs") or 0),
+        }
+    return {
+        "index": index,
+        "text": out.text,
+        "logprobs": completion_logprobs(out, request.body.get("logprobs") or 0),
+        "finish_reason": out.finish_reason,
+    }
 
 
 def response_body(request: Request, out: Any, model: str) -> dict[str, Any]:
-    """The OpenAI completion or chat.completion object for one finished request."""
-    created, model = int(time.time()), request.body.get("model") or model
-    if request.url == CHAT:
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": out.text},
-            "finish_reason": out.finish_reason,
-        }
-        choice["logprobs"] = logprobs_list(out)
-        kind, prefix = "chat.completion", "chatcmpl"
-    else:
-        choice = {
-            "index": 0,
-            "text": out.text,
-            "logprobs": logprobs_list(out),
-            "finish_reason": out.finish_reason,
-        }
-        kind, prefix = "text_completion", "cmpl"
+    """The OpenAI completion or chat.completion object for one finished request (n choices when n > 1)."""
+    kind, prefix = ("chat.completion", "chatcmpl") if request.url == CHAT else ("text_completion", "cmpl")
     return {
         "id": f"{prefix}-{uuid.uuid4().hex}",
         "object": kind,
-        "created": created,
-        "model": model,
-        "choices": [choice],
+        "created": int(time.time()),
+        "model": request.body.get("model") or model,
+        "choices": [_choice(request, s, i) for i, s in enumerate(out.samples or [out])],
         "usage": usage(out),
     }
 

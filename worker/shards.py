@@ -65,7 +65,7 @@ def prepare(llm: Any, request: Request, served: set[str]) -> tuple[Any, Any]:
     if not isinstance(body, ChatBody):
         return body.prompt, SamplingParams(**body.sampling_kwargs())
     try:
-        prompt = llm.encode_chat(body.plain_messages())
+        prompt = llm.encode_chat(body.plain_messages(), body.template_tools())
     except Exception as exc:
         raise ChatTemplateError(
             f"the model's chat template failed on these messages: {type(exc).__name__}: {exc}"

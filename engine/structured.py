@@ -1,0 +1,131 @@
+"""Structured outputs: JSON (any object or a schema), regex, a choice of strings or an EBNF grammar, enforced by
+xgrammar. Grammars are compiled once per distinct constraint and cached for the engine's life (so across
+requests, shards and jobs in a worker); each request has its own matcher, advanced by the tokens it emits.
+A step's masks are one token bitmask for every row, filled on the host (for plain rows in one batched call,
+while a CUDA forward is still running) and applied to the logits in one op."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+
+from sluice.engine.request import Request
+from sluice.engine.sampling_params import StructuredOutputsParams
+
+SCHEMA_KEYWORDS = frozenset({
+    "type", "properties", "required", "additionalProperties", "items", "prefixItems", "minItems", "maxItems",
+    "enum", "const", "anyOf", "allOf", "$ref", "$defs", "definitions", "minimum", "maximum", "exclusiveMinimum",
+    "exclusiveMaximum", "multipleOf", "minLength", "maxLength", "pattern", "format", "minProperties",
+    "maxProperties", "patternProperties", "propertyNames", "title", "description", "default", "examples",
+    "$schema", "$id", "$comment",
+})  # fmt: skip
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+SCHEMA_LISTS = ("prefixItems", "anyOf", "allOf")
+SCHEMA_VALUES = ("items", "additionalProperties", "propertyNames")
+
+
+class GrammarError(ValueError):
+    """A constraint the grammar engine cannot enforce (the message names the keyword or the reason)."""
+
+
+def check_schema(schema: Any, path: str = "schema") -> None:
+    """Refuse, by name, any JSON schema keyword that xgrammar would not enforce (it ignores some silently)."""
+    if isinstance(schema, bool):
+        return
+    if not isinstance(schema, dict):
+        raise GrammarError(f"{path} must be a JSON schema object")
+    for key, value in schema.items():
+        if key not in SCHEMA_KEYWORDS:
+            raise GrammarError(f"unsupported JSON schema keyword {key!r} at {path}")
+        if key in SCHEMA_MAPS and isinstance(value, dict):
+            for name, sub in value.items():
+                check_schema(sub, f"{path}.{key}.{name}")
+        elif key in SCHEMA_LISTS and isinstance(value, list):
+            for i, sub in enumerate(value):
+                check_schema(sub, f"{path}.{key}[{i}]")
+        elif key in SCHEMA_VALUES:
+            check_schema(value, f"{path}.{key}")
+
+
+class StructuredOutputs:
+    """Compiled grammars (cached per constraint), matchers and the batch bitmask for one engine's vocabulary."""
+
+    def __init__(self, tokenizer: Any, vocab: int, stop_token_ids: list[int], fill_threads: int | str = "auto") -> None:
+        import xgrammar as xgr  # the grammar engine's native library is loaded on the first structured request
+
+        self.xgr, self.vocab = xgr, vocab
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab, stop_token_ids=stop_token_ids)
+        self.compiler = xgr.GrammarCompiler(info, cache_enabled=True)
+        self.batcher = xgr.BatchGrammarMatcher(max_threads=fill_threads)
+        self.cache: dict[str, Any] = {}
+        self.bitmask = xgr.allocate_token_bitmask(1, vocab)
+
+    def matcher(self, so: StructuredOutputsParams) -> Any:
+        """A fresh matcher for the constraint; GrammarError if it cannot be compiled."""
+        key = json.dumps([so.kind, getattr(so, so.kind)], sort_keys=True)
+        compiled = self.cache.get(key)
+        if compiled is None:
+            compiled = self.cache[key] = self._compile(so)
+        return self.xgr.GrammarMatcher(compiled)
+
+    def _compile(self, so: StructuredOutputsParams) -> Any:
+        try:
+            if so.json is True or (isinstance(so.json, dict) and not so.json):
+                return self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+            if so.json is not None:
+                schema = json.loads(so.json) if isinstance(so.json, str) else so.json
+                check_schema(schema)
+                return self.compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
+            if so.regex is not None:
+                return self.compiler.compile_regex(so.regex)
+            if so.choice is not None:
+                return self.compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in so.choice))
+            return self.compiler.compile_grammar(so.grammar)
+        except GrammarError:
+            raise
+        except Exception as exc:  # xgrammar raises RuntimeError/ValueError with the converter's reason
+            reason = str(exc).splitlines()[-1].split(": ", 1)[-1] if str(exc) else type(exc).__name__
+            raise GrammarError(f"cannot compile structured_outputs.{so.kind}: {reason}") from exc
+
+    def apply(self, logits: torch.Tensor, reqs: list[Request], ahead: list[int] | None) -> None:
+        """Mask (in place) every row of a constrained request to the tokens its grammar allows next."""
+        rows = [i for i, r in enumerate(reqs) if r.grammar is not None and not r.grammar.is_terminated()]
+        if not rows:
+            return
+        bitmask = self._bitmask(len(reqs))
+        if ahead is None or not any(ahead[i] for i in rows):
+            self.batcher.batch_fill_next_token_bitmask([reqs[i].grammar for i in rows], bitmask, rows)
+        else:
+            rows = self._fill_verify_rows(reqs, ahead, rows, bitmask)
+        if rows:
+            self.xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
+                                                 vocab_size=self.vocab, indices=rows)
+
+    def _bitmask(self, n: int) -> torch.Tensor:
+        if self.bitmask.shape[0] < n:
+            self.bitmask = self.xgr.allocate_token_bitmask(n, self.vocab)
+        self.xgr.reset_token_bitmask(self.bitmask)
+        return self.bitmask[:n]
+
+    def _fill_verify_rows(self, reqs: list[Request], ahead: list[int], rows: list[int],
+                          bitmask: torch.Tensor) -> list[int]:
+        """Speculative rows: row j of a request is masked after its first j proposals, then they are rolled
+        back; rows after a proposal the grammar refuses stay unmasked (verification rejects there anyway)."""
+        advanced: dict[int, int] = {}
+        filled = []
+        for i in rows:
+            req = reqs[i]
+            m, j = req.grammar, ahead[i]
+            if j > 0:
+                if advanced.get(id(req), 0) != j - 1 or not m.accept_token(req.spec_token_ids[j - 1]):
+                    continue
+                advanced[id(req)] = j
+            if not m.is_terminated():
+                m.fill_next_token_bitmask(bitmask, i)
+                filled.append(i)
+        for req in {id(reqs[i]): reqs[i] for i in rows}.values():
+            if advanced.get(id(req)):
+                req.grammar.rollback(advanced[id(req)])
+        return filled

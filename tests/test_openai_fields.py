@@ -1,0 +1,191 @@
+"""OpenAI's request fields through the batch doors: Client + worker and the HTTP Batch API (official openai
+package); every response body validated against the openai package's types; unsupported fields named."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import jsonschema
+import pytest
+import redis
+
+from sluice.contract.settings import Settings
+from sluice.engine import LLM, SamplingParams
+from sluice.producer import BatchStatus, Client
+from sluice.producer.validation import validate_lines
+from sluice.worker.worker import EngineWorker
+from tests.openai_types import openai_body
+from tests.server_stack import jsonl, wait_status
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "models" / "sluice-tiny"
+SCHEMA = {"type": "object", "properties": {"mood": {"enum": ["merry", "sad", "wrathful"]}}, "required": ["mood"],
+          "additionalProperties": False}
+KING = 1000  # a token id forced by logit_bias
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Verona", "Padua"]}}, "required": ["city"],
+    "additionalProperties": False}}}
+MOOD = {"type": "function", "function": {"name": "set_mood", "parameters": {
+    "type": "object", "properties": {"mood": {"enum": ["merry", "sad"]}}, "required": ["mood"],
+    "additionalProperties": False}}}
+HISTORY = [
+    {"role": "user", "content": "Weather in Verona?"},
+    {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+        "name": "get_weather", "arguments": '{"city": "Verona"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "Rain."},
+]
+
+
+def line(custom_id: str, url: str, **body) -> dict:
+    if url == "chat":
+        body = {"messages": [{"role": "user", "content": "Speak, friend."}], "temperature": 0, **body}
+        return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body}
+    body = {"prompt": "KING HENRY:\nWhat say you?\n", "temperature": 0, **body}
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/completions", "body": body}
+
+
+def lines() -> list[dict]:
+    schema_format = {"type": "json_schema", "json_schema": {"name": "mood", "schema": SCHEMA, "strict": True}}
+    bad_format = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array", "uniqueItems": True}}}
+    return [
+        line("chat-logprobs", "chat", logprobs=True, top_logprobs=2, max_tokens=6, ignore_eos=True),
+        line("completion-logprobs", "completion", logprobs=3, max_tokens=6, ignore_eos=True),
+        line("schema", "chat", response_format=schema_format, max_tokens=24),
+        line("bias", "completion", logit_bias={str(KING): 100}, max_tokens=5),
+        line("penalties", "completion", presence_penalty=1.5, frequency_penalty=1.0, repetition_penalty=1.2,
+             ignore_eos=True, max_tokens=12),
+        line("regex", "completion", structured_outputs={"regex": "(Aye|Nay), my lord!"}, max_tokens=12),
+        line("bad-schema", "chat", response_format=bad_format),
+        line("tool-named", "chat", tools=[WEATHER, MOOD], max_tokens=40,
+             tool_choice={"type": "function", "function": {"name": "get_weather"}}),
+        line("tool-required", "chat", tools=[WEATHER, MOOD], tool_choice="required", max_tokens=96),
+        line("tool-auto", "chat", tools=[WEATHER], max_tokens=6, messages=HISTORY),
+        line("n3", "completion", n=3, temperature=1.0, seed=5, max_tokens=5, ignore_eos=True),
+        line("n2-chat", "chat", n=2, temperature=1.0, seed=5, max_tokens=4, ignore_eos=True, logprobs=True),
+    ]
+
+
+def check_records(bodies: dict[str, dict], errors: dict[str, dict], llm_tokenizer) -> None:
+    """What every door must give for lines(): OpenAI-typed bodies, the constraints honoured, errors named."""
+    parsed = {cid: openai_body(body) for cid, body in bodies.items()}
+    chat = parsed["chat-logprobs"].choices[0]
+    assert "".join(e.token for e in chat.logprobs.content) == chat.message.content
+    assert all(len(e.top_logprobs) == 2 and bytes(e.bytes).decode() == e.token for e in chat.logprobs.content)
+    done = parsed["completion-logprobs"].choices[0]
+    assert "".join(done.logprobs.tokens) == done.text and len(done.logprobs.token_logprobs) == 6
+    assert done.logprobs.text_offset == sorted(done.logprobs.text_offset) and len(done.logprobs.top_logprobs[0]) <= 3
+    schema = parsed["schema"].choices[0]
+    assert schema.finish_reason == "stop"
+    jsonschema.validate(json.loads(schema.message.content), SCHEMA)
+    assert parsed["bias"].choices[0].text == llm_tokenizer.decode([KING]) * 5
+    assert re.fullmatch("(Aye|Nay), my lord!", parsed["regex"].choices[0].text)
+    for cid, n in (("n3", 3), ("n2-chat", 2)):
+        body = parsed[cid]
+        assert [c.index for c in body.choices] == list(range(n))
+        assert body.usage.completion_tokens == sum(len(c.logprobs.content) if c.logprobs else 5 for c in body.choices)
+        assert body.usage.prompt_tokens == parsed["bias" if cid == "n3" else "schema"].usage.prompt_tokens
+    named, required = parsed["tool-named"].choices[0], parsed["tool-required"].choices[0]
+    for choice in (named, required):
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        (call,) = choice.message.tool_calls
+        tool = next(t for t in (WEATHER, MOOD) if t["function"]["name"] == call.function.name)
+        jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+    assert named.message.tool_calls[0].function.name == "get_weather"
+    auto = parsed["tool-auto"].choices[0]
+    assert auto.message.tool_calls is None and auto.message.content and auto.finish_reason == "length"
+    assert list(errors) == ["bad-schema"] and errors["bad-schema"]["code"] == "request_rejected"
+    assert "uniqueItems" in errors["bad-schema"]["message"]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(str(TINY), dtype="float32", device="cpu", max_num_seqs=16)
+
+
+def test_fields_through_client_and_worker_match_the_offline_api(llm, redis_url, tmp_path):
+    client = Client(redis_url)
+    batch = client.submit_batch(lines(), output=tmp_path.as_uri(), shard_size=4)
+    EngineWorker(["high", "default", "low"], llm, redis.Redis.from_url(redis_url), heartbeat_ttl=5).work(
+        burst=True, logging_level="WARNING")
+    assert client.get(batch.id).status == BatchStatus.completed
+    bodies = {r.custom_id: r.response.body for r in client.results(batch.id)}
+    errors = {r.custom_id: r.error.model_dump() for r in client.results(batch.id, errors=True)}
+    check_records(bodies, errors, llm.tokenizer)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, presence_penalty=1.5,
+                            frequency_penalty=1.0, repetition_penalty=1.2)
+    offline = llm.generate("KING HENRY:\nWhat say you?\n", params, progress=False)[0]
+    assert bodies["penalties"]["choices"][0]["text"] == offline.text
+
+
+def test_fields_through_the_http_batch_api(stack, llm):
+    client = stack.openai(stack.key("fields"))
+    bodies: dict[str, dict] = {}
+    errors: dict[str, dict] = {}
+    for endpoint in ("/v1/chat/completions", "/v1/completions"):
+        uploaded = client.files.create(file=jsonl([x for x in lines() if x["url"] == endpoint]), purpose="batch")
+        batch = client.batches.create(input_file_id=uploaded.id, endpoint=endpoint, completion_window="24h")
+        done = wait_status(client, batch.id, {"completed", "failed", "cancelled", "expired"})
+        assert done.status == "completed", done
+        records = [json.loads(x) for x in client.files.content(done.output_file_id).text.splitlines()]
+        if done.error_file_id:
+            records += [json.loads(x) for x in client.files.content(done.error_file_id).text.splitlines()]
+        bodies |= {r["custom_id"]: r["response"]["body"] for r in records if r["response"]}
+        errors |= {r["custom_id"]: r["error"] for r in records if r["error"]}
+    check_records(bodies, errors, llm.tokenizer)
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"tools": [{"type": "function", "function": {"name": "f g"}}]}, "body.tools.0.function.name"),
+    ({"tool_choice": "required"}, "body"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "body"),
+    ({"functions": [{"name": "f"}]}, "body.functions"),
+    ({"audio": {"voice": "alloy"}}, "body.audio"),
+    ({"n": 200}, "body.n"),
+    ({"best_of": 1, "n": 2}, "body"),
+    ({"echo": True}, "body.echo"),
+    ({"stream": True}, "body.stream"),
+    ({"response_format": {"type": "json_schema"}}, "body"),
+    ({"response_format": {"type": "xml"}}, "body.response_format.type"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "body.structured_outputs"),
+    ({"min_tokens": 50, "max_tokens": 10}, "body"),
+    ({"logit_bias": {"12": 101}}, "body.logit_bias.12"),
+])
+def test_unsupported_or_bad_fields_are_per_line_errors_naming_them(body, param):
+    url = "completion" if "best_of" in body or "echo" in body else "chat"
+    raw = [json.dumps(line("ok", url)).encode(), json.dumps(line("bad", url, **body)).encode()]
+    checked = validate_lines(raw, Settings())
+    assert [r.custom_id for r in checked.requests] == ["ok"]
+    (error,) = checked.errors
+    assert error.line == 2 and error.param == param, error
+    named = param.split(".")[1] if "." in param else next(iter(body))
+    assert named in error.message or any(k in error.message for k in ("response_format", "min_tokens", "tool"))
+
+
+def test_tool_calls_are_parsed_in_hermes_and_llama_formats():
+    from sluice.contract.tools import Tool, parse_tool_calls
+
+    tools = [Tool.model_validate(WEATHER)]
+    content, calls = parse_tool_calls(
+        'Let me look. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Verona"}}\n</tool_call>', tools, "auto")
+    assert content == "Let me look." and calls[0]["function"] == {"name": "get_weather",
+                                                                  "arguments": '{"city": "Verona"}'}
+    content, calls = parse_tool_calls('{"name": "get_weather", "parameters": {"city": "Padua"}}', tools, "auto")
+    assert content is None and json.loads(calls[0]["function"]["arguments"]) == {"city": "Padua"}
+    assert parse_tool_calls('{"name": "other", "parameters": {}}', tools, "auto") == (
+        '{"name": "other", "parameters": {}}', [])
+    assert parse_tool_calls("<tool_call>{}</tool_call>", tools, "none") == ("<tool_call>{}</tool_call>", [])
+
+
+def test_tools_reach_the_chat_template(llm):
+    """Offline door: LLM.chat(tools=...) renders the tools through the model's template (when it reads them)."""
+    template = llm.tokenizer.chat_template
+    llm.tokenizer.chat_template = ("{% for t in tools or [] %}TOOL {{ t['function']['name'] }}\n{% endfor %}"
+                                   "{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
+    try:
+        messages = [{"role": "user", "content": "Weather?"}]
+        with_tools = llm.tokenizer.decode(llm.encode_chat(messages, [WEATHER]))
+        assert "TOOL get_weather" in with_tools and "TOOL" not in llm.tokenizer.decode(llm.encode_chat(messages))
+    finally:
+        llm.tokenizer.chat_template = template
