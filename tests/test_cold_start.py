@@ -13,15 +13,15 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from transformers import AutoTokenizer
-
 from sluice.engine import LLM, SamplingParams
 from sluice.engine.models import loader
 from sluice.engine.models.loader import CheckpointReader, load_model
 from sluice.engine.tokenizer import load_tokenizer
-from tests.checkpoints import make_checkpoint
 from sluice.worker.metrics import warm_up
 from sluice.worker.prefetch import model_argument, prefetch, read_through, weight_files
+from transformers import AutoTokenizer
+
+from tests.checkpoints import make_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "models" / "sluice-tiny"
@@ -102,7 +102,7 @@ def test_engine_start_imports_neither_the_compiler_nor_the_model_config():
     """Loading and running the bundled model pulls in neither torch._dynamo (meta-device init kernels used to)
     nor transformers' llama config module (AutoTokenizer used to): each costs a second of every worker start."""
     code = (
-        "import sys; from engine import LLM, SamplingParams\n"
+        "import sys; from sluice.engine import LLM, SamplingParams\n"
         f"llm = LLM({str(TINY)!r}, dtype='float32', device='cpu', max_model_len=64, max_num_seqs=2)\n"
         "out = llm.generate(['O Romeo'], SamplingParams(max_tokens=4, temperature=0), progress=False)\n"
         "assert len(out[0].token_ids) == 4\n"
@@ -272,10 +272,10 @@ def test_bitsandbytes_loads_without_the_compiler_and_still_quantizes():
     wraps import dynamo at their first call otherwise: ~1.5 s)."""
     code = (
         "import sys, torch; real = torch.compile\n"
-        "from engine.quantization.linears import _bnb\n"
+        "from sluice.engine.quantization.linears import _bnb\n"
         "bnb = _bnb(); assert torch.compile is real and hasattr(bnb, 'functional')\n"
         "print('torch._dynamo' in sys.modules)\n"
-        "from engine import LLM, SamplingParams\n"
+        "from sluice.engine import LLM, SamplingParams\n"
         f"llm = LLM({str(TINY)!r}, dtype='bfloat16', device='cpu', max_model_len=64, max_num_seqs=2, "
         "quantization='int8')\n"
         "out = llm.generate(['O Romeo'], SamplingParams(max_tokens=4, temperature=0), progress=False)\n"
@@ -292,7 +292,7 @@ def test_dynamo_disable_wraps_once_dynamo_is_imported():
     own disable (called as torch's wrap calls it) once dynamo is imported."""
     code = (
         "import sys, torch\n"
-        "from engine.quantization.linears import _dynamo_on_first_trace\n"
+        "from sluice.engine.quantization.linears import _dynamo_on_first_trace\n"
         "real = torch._disable_dynamo\n"
         "with _dynamo_on_first_trace():\n"
         "    kernel = torch._disable_dynamo(lambda x: x + 1)\n"
@@ -315,7 +315,7 @@ def test_dynamo_disable_wraps_once_dynamo_is_imported():
 def test_process_start_time_is_when_the_process_started():
     """The time-to-ready gauge's origin lies between the parent's clock just before it started a child and just
     after the child answered (btime-based stamps put it ~1 s early on this VM: whole seconds, drifting)."""
-    code = "from worker.metrics import process_start_time; print(repr(process_start_time()))"
+    code = "from sluice.worker.metrics import process_start_time; print(repr(process_start_time()))"
     before = time.time()
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     after = time.time()

@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-
 from sluice.kernels import cpp_build, cpu_attention, int4_weights, int8_linear, int8_weights, rms_norm
 from sluice.kernels import linear as linear_kernels
 from sluice.kernels.attention import build_metadata, paged_attention
@@ -159,7 +158,7 @@ def test_a_build_killed_midway_does_not_hang_later_loads():
     script = (
         "from pathlib import Path\n"
         "from torch.utils.cpp_extension import _get_build_directory\n"
-        "from kernels import cpp_build\n"
+        "from sluice.kernels import cpp_build\n"
         "assert cpp_build.load('sluice_rms_norm_cpu', 'rms_norm.cpp') is not None\n"
         "cpp_build._built.clear()\n"
         "name = cpp_build.build_name('sluice_rms_norm_cpu', 'rms_norm.cpp')\n"

@@ -6,10 +6,9 @@ replace."""
 from __future__ import annotations
 
 import pytest
-import torch
-
 import sluice.kernels.int4_weights as int4
 import sluice.kernels.int8_weights as int8
+import torch
 from sluice.engine import LLM, SamplingParams
 
 ROWS = (1, 7, 8, 64, 65)
@@ -319,7 +318,7 @@ def test_nf4_and_fp4_quantization_while_loading_gives_bitsandbytes_own_bits():
 
     code = (
         "import torch\n"
-        "from engine.quantization import linears\n"
+        "from sluice.engine.quantization import linears\n"
         "F = linears._bnb().functional\n"
         "torch.manual_seed(0)\n"
         "cases = []\n"
@@ -337,7 +336,7 @@ def test_nf4_and_fp4_quantization_while_loading_gives_bitsandbytes_own_bits():
         "    return torch.equal(a[0], b[0]) and x.keys() == y.keys() and all(\n"
         "        torch.equal(x[k], y[k]) if torch.is_tensor(x[k]) else x[k] == y[k] for k in x)\n"
         "print(sum(same(a, b) for a, b in zip(want, got)), len(cases))\n"
-        "from engine import LLM, SamplingParams\n"
+        "from sluice.engine import LLM, SamplingParams\n"
         "linears._QUANTIZE_4BIT[0]._destroy(); linears._QUANTIZE_4BIT.clear()\n"
         "llm = LLM('models/sluice-tiny', dtype='bfloat16', device='cpu', max_model_len=64, max_num_seqs=2, "
         "quantization='int4')\n"

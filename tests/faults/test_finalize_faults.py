@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
-
 from sluice.contract.batch import TransitionError
 from sluice.contract.jobs import finalize_job_id
 from sluice.contract.storage import open_storage
 from sluice.producer import BatchStatus, Client
+
 from tests.faults.conftest import FAST, assert_exactly_once, request, spawn, wait_until
 from tests.services import stop_worker, worker_env
 
@@ -30,7 +30,7 @@ IDS = [f"r{i}" for i in range(4)]
 
 def start_reaper(redis_url: str, log: Path, **env: str) -> subprocess.Popen:
     """`sluice reaper run` as its own process, one pass a second."""
-    cmd = [sys.executable, "-c", "from cli.main import app; app()", "reaper", "run", "--interval", "1"]
+    cmd = [sys.executable, "-c", "from sluice.cli.main import app; app()", "reaper", "run", "--interval", "1"]
     with open(log, "ab") as out:
         return subprocess.Popen(
             cmd, env=worker_env(redis_url, **{**FAST, **env}), stdout=out, stderr=subprocess.STDOUT
@@ -150,7 +150,7 @@ def test_submit_killed_while_validating_is_failed_by_the_reaper(redis_url, tmp_p
     SLUICE_VALIDATING_TIMEOUT the reaper ends it `failed`, naming why, with nothing enqueued."""
     client = Client(redis_url)
     code = (
-        "import sys; from producer import Client; "
+        "import sys; from sluice.producer import Client; "
         f"Client({redis_url!r}).submit_batch((line for line in sys.stdin.buffer), output={tmp_path.as_uri()!r})"
     )
     producer = subprocess.Popen(

@@ -11,15 +11,15 @@ import pytest
 from redis import Redis
 from rq.job import Job
 from rq.serializers import JSONSerializer
-
 from sluice.contract.batch import BatchStore
 from sluice.contract.jobs import shard_job_id
 from sluice.contract.schemas import Batch, BatchStatus, Request
 from sluice.contract.storage import FileStorage, OutputNotAllowed, check_output_url, open_storage
 from sluice.producer.client import Client
-from tests.test_webhooks import ROOT
 from sluice.worker.finalize import finalize_batch
 from sluice.worker.shards import ShardRun
+
+from tests.test_webhooks import ROOT
 
 ROOTS = ["file:///srv/out", "s3://results/sluice", "s3://team-*"]
 
@@ -80,7 +80,7 @@ def test_the_worker_refuses_to_write_outside_its_roots(redis_url, tmp_path, monk
 
 def test_the_storage_root_guard_holds_under_python_O(tmp_path):
     code = (
-        "import sys; from contract.storage import FileStorage; from pathlib import Path\n"
+        "import sys; from sluice.contract.storage import FileStorage; from pathlib import Path\n"
         "try:\n    FileStorage(Path(sys.argv[1])).put('../escaped', b'x')\n"
         "except ValueError as e:\n    print('refused', e)\n"
     )
