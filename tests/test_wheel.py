@@ -4,6 +4,7 @@ Face's `kernels` in a fresh venv it generates on the C++ path, built from the in
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -63,7 +64,8 @@ def wheel(tmp_path_factory) -> Path:
     for name in SOURCES:
         copy = shutil.copytree if (ROOT / name).is_dir() else shutil.copy2
         copy(ROOT / name, src / name, **({"ignore": ignore} if (ROOT / name).is_dir() else {}))
-    _run(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", out, src)
+    offline = ["--no-build-isolation"] if importlib.util.find_spec("setuptools") else []  # 3.12+ venvs lack it
+    _run(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", *offline, "-w", out, src)
     (built,) = out.glob("sluice-*.whl")
     return built
 
