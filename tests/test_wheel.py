@@ -26,10 +26,10 @@ SOURCES = ("pyproject.toml", "README.md", "sluice", "engine", "kernels", "contra
 PYTHON = Path(getattr(sys, "_base_executable", sys.executable))
 
 CHILD = """
-import importlib.util, json, sys
+import importlib, importlib.util, json, sys
 from importlib.metadata import version
 from pathlib import Path
-import kernels as hub_kernels
+hub_kernels = importlib.import_module("kernels")  # Hugging Face's distribution, not ours
 import sluice.kernels
 from sluice.kernels import cpp_build
 from sluice import LLM, SamplingParams
