@@ -1,12 +1,17 @@
-PY ?= python3.11
+# Any Python 3 from 3.11 on: python3.11 where the host has it (torch's CPU wheel lies on disk for it), else python3.
+PY ?= $(shell command -v python3.11 >/dev/null 2>&1 && echo python3.11 || echo python3)
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The repository's folders install as sluice.*; the working directory on sys.path would put its kernels/ folder
+# in place of Hugging Face's `kernels` distribution, which transformers imports.
+export PYTHONSAFEPATH := 1
 
 .PHONY: demo test install bench lint clean
 
 $(STAMP): pyproject.toml
-	@command -v $(PY) >/dev/null 2>&1 || { echo "python3.11 not found"; exit 1; }
+	@$(PY) -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || { \
+		echo "Sluice needs Python >= 3.11; '$(PY)' is $$($(PY) --version 2>&1 || echo missing). Run: make PY=python3.12"; exit 1; }
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0

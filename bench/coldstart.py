@@ -1,72 +1,78 @@
-"""Worker cold start: process start → ready to claim (model loaded and warmed), against the raw read time of
-its weight files, page cache dropped before each; bf16 (default loading, and every tensor mapped), a
-pre-quantized int8 checkpoint, and int8 and int4 (NF4) quantized while loading.
+"""Worker cold start, in one run: bare `import torch`, a raw read of each checkpoint's weight files, and a worker's
+process start → ready → first token for the bundled model, a ~1 GB bf16 checkpoint and its int8 and int4
+pre-quantized versions, every start in the same page-cache state as the read it is set against.
 
-python bench/coldstart.py [--hidden 2048 --layers 12] [--rounds 2] [--variants bf16,bf16-mmap,...] [--no-record]
-(--hidden 4096 --layers 32: a 7B-class checkpoint, 11.5 GB)
+python bench/coldstart.py [--hidden 2048 --layers 12] [--rounds 3] [--cold] [--no-record]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import re
-import shlex
 import subprocess
 import sys
 import tempfile
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
-import requests
 import torch
-from common import ROOT, table
-from pipeline import start_redis
-
-from tests.services import free_port, start_worker, stop_worker
+from common import ROOT, record, table
 
 CHUNK = 16 * 1024 * 1024
-VARIANTS = ("bf16", "bf16-4k", "bf16-mmap", "bf16-copy", "int8-prequantized", "int8-while-loading", "int4-while-loading")
-EXT = {
-    "TORCH_EXTENSIONS_DIR": str(Path(tempfile.gettempdir()) / "sluice-coldstart-ext")
-}  # built once, unshared
 TINY = ROOT / "models" / "sluice-tiny"
-SECTION = "Cold start (worker time to ready vs raw weight read)"  # + the checkpoint's shape
+SECTION = "Cold start (process start → ready → first token, against import torch and the raw read)"
+# The worker's own start: its imports (sluice.worker.cli), its engine on its defaults, its one-step warm-up;
+# ready is where it would start claiming. Start is the kernel's record of the process start.
+START = """
+import os, time
+def started():
+    ticks = int(open(f"/proc/{os.getpid()}/stat").read().rsplit(")", 1)[1].split()[19])
+    return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"))
+"""
+TORCH = START + "import torch\nprint(time.time() - started())\n"
+WORKER = START + """import json, sys
+import sluice.worker.cli
+from sluice.engine import LLM, SamplingParams
+from sluice.worker.metrics import warm_up
+llm = LLM(sys.argv[1], dtype="bfloat16", device="cpu")
+warm_up(llm)
+ready = time.time()
+out = llm.generate(["O Romeo, Romeo"], SamplingParams(max_tokens=1, temperature=0), progress=False)
+first = time.time()
+assert len(out[0].token_ids) == 1
+print(json.dumps({"ready": ready - started(), "first": first - ready, "transformers": "transformers" in sys.modules}))
+"""
 NOTES = """
 
-Time to ready is the worker's own `sluice_time_to_ready_seconds` (process start → model loaded, warmed by
-one request, ready to claim), best of the rounds; the raw read (best of every read of that checkpoint, one
-before each of its workers) reads every weight file once after
-`posix_fadvise(DONTNEED)` (the VM's host may still cache it, so this is a lower bound on a disk read). The
-sluice-tiny row is the fixed cost every worker pays whatever its model (Python, torch and transformers
-imports, tokenizer, KV allocation; bitsandbytes models add its import); CPU attention kernels are built once
-beforehand, as a worker image should ship them. Workers run on their default settings (256 sequences, the model's full context:
-the CPU KV pool's 4 GiB cap, mapped but not touched). `bf16` loads as a worker does by default
-(`--weight-loading auto`: from 4 GiB of weights every tensor stored as used is the file's own page-cache pages;
-below that every tensor is read into private memory, an arena that becomes huge pages after the warm-up);
-`bf16, 4 KB pages` passes `--no-huge-pages`; `bf16, mapped` passes `--weight-loading mmap` (every tensor
-mapped); `bf16, copied` passes `--weight-loading copy` (every tensor read: what `auto` does below 4 GiB, so
-the two rows differ by the host's noise). The last column is the size-dependent part against the raw read."""
+Each column is the best of the rounds, rounds interleaved. `import torch` is a bare `python -c "import torch"`
+(process start → imported); raw read reads every weight file once (16 MB reads); ready is a worker's start
+(its imports, `LLM(...)` on the worker's defaults, its one-step warm-up: where it starts claiming) measured from
+the process start; first token is one more one-token request after ready. `ready / target` sets ready against
+`import torch` for the bundled model and against `import torch` + raw read for the others (target: 1.25x).
+The page cache is warm (each file read once before) unless `--cold`, which drops each file before both the
+raw read and the start. Kernels are built beforehand (one unmeasured start). A shared 2-core VM: compare
+ratios within one run."""
 
 
 def weight_files(model: Path) -> list[Path]:
+    """The checkpoint's safetensors files."""
     return sorted(model.glob("*.safetensors"))
 
 
-def evict(files: list[Path]) -> None:
-    """Drop the files from the page cache, so that the next read comes from disk."""
+def set_cache(files: list[Path], cold: bool) -> None:
+    """Drop the files from the page cache (cold), or read them once so that they are in it (warm)."""
     for path in files:
-        fd = os.open(path, os.O_RDONLY)
-        try:
+        if cold:
+            fd = os.open(path, os.O_RDONLY)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
             os.close(fd)
+        else:
+            raw_read([path])
 
 
 def raw_read(files: list[Path]) -> float:
-    """Seconds to read every byte of files once, cold."""
-    evict(files)
+    """Seconds to read every byte of files once."""
     buffer = bytearray(CHUNK)
     start = time.perf_counter()
     for path in files:
@@ -77,135 +83,84 @@ def raw_read(files: list[Path]) -> float:
 
 
 def checkpoint(hidden: int, layers: int) -> Path:
-    """A random bf16 Llama of the given width and depth, in 2 GB shards like real checkpoints (cached)."""
+    """A random bf16 Llama of the given width and depth (cached in tmp)."""
     from tests.checkpoints import make_checkpoint
 
     path = Path(tempfile.gettempdir()) / f"sluice-coldstart-{hidden}x{layers}"
     if not (path / "config.json").is_file():
-        make_checkpoint(
-            path,
-            "llama",
-            dtype=torch.bfloat16,
-            hidden_size=hidden,
-            num_hidden_layers=layers,
-            intermediate_size=hidden * 11 // 4,
-            num_attention_heads=hidden // 128,
-            num_key_value_heads=max(1, hidden // 512),
-            max_shard_size="2GB",
-        )
+        make_checkpoint(path, "llama", dtype=torch.bfloat16, hidden_size=hidden, num_hidden_layers=layers,
+                        intermediate_size=hidden * 11 // 4, num_attention_heads=hidden // 128,
+                        num_key_value_heads=max(1, hidden // 512), max_shard_size="2GB")
     return path
 
 
-def prequantized(src: Path) -> Path:
-    """`sluice quantize SRC DST --quantization int8` (cached)."""
-    dst = src.with_name(src.name + "-int8")
+def prequantized(src: Path, mode: str) -> Path:
+    """`sluice quantize SRC DST --quantization MODE` (cached)."""
+    dst = src.with_name(f"{src.name}-{mode}")
     if not (dst / "config.json").is_file():
         sluice = Path(sys.executable).parent / "sluice"
-        subprocess.run([str(sluice), "quantize", str(src), str(dst), "--quantization", "int8"], check=True)
+        subprocess.run([str(sluice), "quantize", str(src), str(dst), "--quantization", mode], check=True)
     return dst
 
 
-def time_to_ready(model: Path, redis_url: str, log: Path, *args: str) -> float:
-    """Start a worker with a cold page cache; its own process-start → ready gauge once /readyz answers."""
-    evict(weight_files(model))
-    port = free_port()
-    worker = start_worker(
-        model,
-        redis_url,
-        log,
-        "--metrics-port",
-        str(port),
-        *args,
-        dtype="bfloat16",
-        device="cpu",
-        **EXT,
-    )
-    try:
-        deadline = time.monotonic() + 900
-        while time.monotonic() < deadline:
-            if worker.poll() is not None:
-                raise RuntimeError(f"worker exited with {worker.returncode}; see {log}")
-            try:
-                if requests.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            time.sleep(0.05)
-        text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
-        return float(re.search(r"^sluice_time_to_ready_seconds (\S+)$", text, re.M).group(1))
-    finally:
-        stop_worker(worker)
+def child(code: str, *args: str) -> str:
+    """Run code in a fresh interpreter outside the checkout; its last line of output."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    out = subprocess.run([sys.executable, "-c", code, *args], cwd=tempfile.gettempdir(), env=env,
+                         capture_output=True, text=True, timeout=2400)
+    if out.returncode:
+        raise RuntimeError(out.stderr[-3000:])
+    return out.stdout.strip().splitlines()[-1]
 
 
-def write_section(title: str, body: str) -> None:
-    """Replace this benchmark's section `title` of docs/benchmarks.md (or add it)."""
-    cmd = "python " + " ".join(shlex.quote(a) for a in sys.argv)
-    stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
-    section = f"## {title}\n\n`{cmd}` ({stamp})\n\n{body}\n"
-    print(section)
-    if "--no-record" in sys.argv:
-        return
-    doc = ROOT / "docs" / "benchmarks.md"
-    text = doc.read_text()
-    pattern = re.compile(rf"^## {re.escape(title)}\n.*?(?=^## |\Z)", re.S | re.M)
-    doc.write_text(
-        pattern.sub(section + "\n", text) if pattern.search(text) else text.rstrip("\n") + "\n\n" + section
-    )
+def measure(variants: list[tuple[str, Path]], rounds: int, cold: bool) -> dict[str, dict[str, float]]:
+    """Best of the rounds of import torch (key 'torch') and, per variant, raw read, ready and first token."""
+    best: dict[str, dict[str, float]] = {"torch": {"ready": float("inf")}}
+    for name, _ in variants:
+        best[name] = {"read": float("inf"), "ready": float("inf"), "first": float("inf")}
+    child(WORKER, str(TINY))  # builds the CPU kernels, unmeasured
+    for _ in range(rounds):
+        best["torch"]["ready"] = min(best["torch"]["ready"], float(child(TORCH)))
+        for name, model in variants:
+            files = weight_files(model)
+            set_cache(files, cold)
+            read = raw_read(files)
+            set_cache(files, cold)
+            got = json.loads(child(WORKER, str(model)))
+            row = best[name]
+            row["read"], row["ready"], row["first"] = min(row["read"], read), min(row["ready"], got["ready"]), \
+                min(row["first"], got["first"])
+            row["transformers"] = got["transformers"]
+            print(f"{name}: read {read:.2f} s, ready {got['ready']:.2f} s, first token +{got['first']:.3f} s",
+                  flush=True)
+    return best
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--layers", type=int, default=12)
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"Some of {', '.join(VARIANTS)}.")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--cold", action="store_true", help="Drop the page cache before each read and start.")
     p.add_argument("--no-record", action="store_true")
     args = p.parse_args()
     bf16 = checkpoint(args.hidden, args.layers)
-    wanted = args.variants.split(",")
-    int8 = prequantized(bf16) if "int8-prequantized" in wanted else None
-    every = {
-        "bf16": ("bf16", bf16, ()),
-        "bf16-4k": ("bf16, 4 KB pages", bf16, ("--no-huge-pages",)),
-        "bf16-mmap": ("bf16, mapped", bf16, ("--weight-loading", "mmap")),
-        "bf16-copy": ("bf16, copied", bf16, ("--weight-loading", "copy")),
-        "int8-prequantized": ("int8, pre-quantized", int8, ()),
-        "int8-while-loading": ("int8, quantized while loading", bf16, ("--quantization", "int8")),
-        "int4-while-loading": ("int4 (NF4), quantized while loading", bf16, ("--quantization", "int4")),
-    }
-    variants = [("sluice-tiny (fixed overhead)", TINY, ())] + [every[v] for v in wanted]
-    ready_s = {name: float("inf") for name, _, _ in variants}
-    read_s = {model: float("inf") for _, model, _ in variants}  # per checkpoint: variants of one share its reads
-    with tempfile.TemporaryDirectory() as tmp:
-        redis_proc, redis_url = start_redis(Path(tmp))
-        try:
-            time_to_ready(
-                TINY, redis_url, Path(tmp) / "worker.log"
-            )  # builds the CPU kernels once, unmeasured
-            for _ in range(args.rounds):  # interleaved rounds, best of each
-                for name, model, extra in variants:
-                    read = raw_read(weight_files(model))
-                    ready = time_to_ready(model, redis_url, Path(tmp) / "worker.log", *extra)
-                    read_s[model], ready_s[name] = min(read_s[model], read), min(ready_s[name], ready)
-                    print(f"{name}: raw read {read:.2f} s, time to ready {ready:.2f} s", flush=True)
-        finally:
-            redis_proc.terminate()
-    rows, fixed = [], ready_s[variants[0][0]]
-    for name, model, _ in variants:
+    variants = [("sluice-tiny (bundled)", TINY), ("bf16", bf16), ("int8, pre-quantized", prequantized(bf16, "int8")),
+                ("int4 (NF4), pre-quantized", prequantized(bf16, "int4"))]
+    best = measure(variants, args.rounds, args.cold)
+    torch_s = best["torch"]["ready"]
+    rows = [["import torch", "-", "-", f"{torch_s:.2f}", "-", "-", "-"]]
+    for name, model in variants:
+        b = best[name]
         size = sum(f.stat().st_size for f in weight_files(model)) / 1e9
-        read, ready = read_s[model], ready_s[name]
-        marginal = f"{(ready - fixed) / read:.2f}x" if model != TINY else "-"
-        rows.append([name, f"{size:.2f}", f"{read:.2f}", f"{ready:.2f}", f"{ready / read:.2f}x", marginal])
-    headers = [
-        "checkpoint",
-        "weights GB",
-        "raw cold read s",
-        "time to ready s",
-        "ready / read",
-        "(ready - tiny) / read",
-    ]
-    body = table(headers, rows) + NOTES
-    write_section(f"{SECTION}, hidden {args.hidden} x {args.layers} layers", body)
+        target = torch_s + (0.0 if model == TINY else b["read"])
+        rows.append([name, f"{size:.2f}", f"{b['read']:.2f}", f"{b['ready']:.2f}", f"{b['ready'] / target:.2f}x",
+                     f"{b['first']:.3f}", "yes" if b["transformers"] else "no"])
+    headers = ["checkpoint", "weights GB", "raw read s", "start → ready s", "ready / target",
+               "ready → first token s", "transformers imported"]
+    cache = "cold" if args.cold else "warm"
+    record(f"{SECTION}, page cache {cache}, hidden {args.hidden} x {args.layers} layers",
+                  table(headers, rows) + NOTES)
 
 
 if __name__ == "__main__":

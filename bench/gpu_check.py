@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT))
 
 from sluice.engine import LLM, SamplingParams  # noqa: E402
 

@@ -8,8 +8,6 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
-from transformers import AutoTokenizer
-
 from sluice.engine.block_manager import BlockManager
 from sluice.engine.config import EngineConfig, SpeculativeConfig
 from sluice.engine.model_runner import ModelRunner
@@ -19,6 +17,7 @@ from sluice.engine.quantization import linear_hook
 from sluice.engine.request import Request
 from sluice.engine.sampler import DRAFT_STREAM, draw, sample_probs
 from sluice.engine.scheduler import ScheduledBatch
+from sluice.engine.tokenizer import load_tokenizer
 from sluice.kernels.elementwise import argmax
 
 
@@ -159,18 +158,18 @@ def load_draft(cfg: SpeculativeConfig, engine_config: EngineConfig, target: Mode
     assert cfg.model is not None
     hf_config = read_config(cfg.model)
     draft = ModelConfig.from_hf(hf_config)
-    _check_vocab(draft, target, target_vocab, cfg.model)
+    _check_vocab(draft, target, target_vocab, cfg.model, hf_config)
     config = replace(engine_config, model=cfg.model, quantization=cfg.quantization, speculative=None)
     return load_model(cfg.model, dtype, device, max_model_len, linear_hook(config, device, dtype, hf_config), draft,
                       engine_config.weight_loading, engine_config.huge_pages)
 
 
-def _check_vocab(draft: ModelConfig, target: ModelConfig, target_vocab: dict, path: str) -> None:
+def _check_vocab(draft: ModelConfig, target: ModelConfig, target_vocab: dict, path: str, hf_config: dict) -> None:
     if draft.vocab_size != target.vocab_size:
         raise ValueError(f"draft model {path} has vocab_size {draft.vocab_size}, the target has "
                          f"{target.vocab_size}: a draft must share the target's tokenizer")
     try:
-        draft_vocab = AutoTokenizer.from_pretrained(path).get_vocab()
+        draft_vocab = load_tokenizer(path, hf_config).get_vocab()
     except (OSError, ValueError):
         return
     if draft_vocab != target_vocab:

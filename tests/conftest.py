@@ -1,16 +1,24 @@
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from pathlib import Path
 
-import pytest
-import torch
+# The repository's folders are installed as sluice.*; on sys.path ahead of site-packages, its kernels/ folder
+# would shadow Hugging Face's `kernels` distribution, which transformers imports. Keep the root last, for
+# `tests` only, and start every child process without the working directory on its path.
+REPO_ROOT = str(Path(__file__).resolve().parent.parent)
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != REPO_ROOT] + [REPO_ROOT]
+os.environ["PYTHONSAFEPATH"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():  # before anything imports triton: its own library must load interpreted too
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tests.checkpoints import make_checkpoint
+from tests.checkpoints import make_checkpoint  # noqa: E402
 
 torch.set_num_threads(max(1, torch.get_num_threads()))
 TEST_OUTPUT_ROOTS = [

@@ -3,6 +3,7 @@ the way to ready, the tokenizer AutoTokenizer would pick, and the weights prefet
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from transformers import AutoTokenizer
 from sluice.engine import LLM, SamplingParams
 from sluice.engine.models import loader
 from sluice.engine.models.loader import CheckpointReader, load_model
-from sluice.engine.tokenizer import load_tokenizer
+from sluice.engine.tokenizer import Tokenizer, load_tokenizer
 from sluice.worker.metrics import warm_up
 from sluice.worker.prefetch import model_argument, prefetch, read_through, weight_files
 from tests.checkpoints import make_checkpoint
@@ -85,29 +86,63 @@ def test_a_missing_tensor_is_named(tmp_path, sharded):
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
-def test_tokenizer_is_the_one_autotokenizer_loads(tmp_path, arch):
+def test_tokenizer_does_what_autotokenizer_does(tmp_path, arch):
+    """Ids, EOS, decoding (special tokens kept or skipped), the vocabulary and the chat template (as text and as
+    ids) equal AutoTokenizer's; llama and mistral folders are read without transformers, the rest through it."""
     path = make_checkpoint(tmp_path / arch, arch)
     ours, auto = load_tokenizer(path), AutoTokenizer.from_pretrained(path)
-    text = "to be or not to be, that is the question."
-    chat = [{"role": "user", "content": "hello world"}]
-    assert type(ours) is type(auto)
-    assert ours.encode(text) == auto.encode(text) and ours.eos_token_id == auto.eos_token_id
-    assert ours.decode(auto.encode(text)) == auto.decode(auto.encode(text))
-    assert ours.apply_chat_template(chat, add_generation_prompt=True) == auto.apply_chat_template(
-        chat, add_generation_prompt=True
-    )
+    text = "to be or not to be, that is the question. don't ( ) ! ?"
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world"}]
+    ids = auto.encode(text) + [auto.eos_token_id]
+    assert isinstance(ours, Tokenizer) == (arch in ("llama", "mistral"))
+    assert ours.encode(text) == auto.encode(text)
+    assert ours(text, add_special_tokens=False)["input_ids"] == auto(text, add_special_tokens=False)["input_ids"]
+    assert [ours.bos_token_id, ours.eos_token_id, ours.pad_token_id] == [auto.bos_token_id, auto.eos_token_id,
+                                                                        auto.pad_token_id]
+    for skip in (True, False):
+        assert ours.decode(ids, skip_special_tokens=skip) == auto.decode(ids, skip_special_tokens=skip)
+    assert ours.get_vocab() == auto.get_vocab()
+    for tokenize in (True, False):
+        want = auto.apply_chat_template(chat, add_generation_prompt=True, tokenize=tokenize)
+        got = ours.apply_chat_template(chat, add_generation_prompt=True, tokenize=tokenize)
+        assert _ids(got) == _ids(want)
 
 
-def test_engine_start_imports_neither_the_compiler_nor_the_model_config():
-    """Loading and running the bundled model pulls in neither torch._dynamo (meta-device init kernels used to)
-    nor transformers' llama config module (AutoTokenizer used to): each costs a second of every worker start."""
+def _ids(rendered):
+    """apply_chat_template's answer as text or a list of ids (transformers 5 gives a BatchEncoding)."""
+    return list(rendered["input_ids"]) if hasattr(rendered, "keys") else rendered
+
+
+def test_a_folder_transformers_would_rewrite_goes_through_autotokenizer(tmp_path):
+    """A chat template kept in tokenizer_config.json is used; add_bos_token (which makes transformers rewrite the
+    post-processor) or a tokenizer class of the model's own sends the folder to AutoTokenizer."""
+    path = make_checkpoint(tmp_path / "llama", "llama")
+    config_file = path / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    template = (path / "chat_template.jinja").read_text()
+    (path / "chat_template.jinja").unlink()
+    config_file.write_text(json.dumps(config | {"chat_template": template}))
+    chat = [{"role": "user", "content": "hello"}]
+    ours = load_tokenizer(path)
+    assert isinstance(ours, Tokenizer)
+    assert ours.apply_chat_template(chat, tokenize=False) == AutoTokenizer.from_pretrained(path).apply_chat_template(
+        chat, tokenize=False)
+    for extra in ({"add_bos_token": True}, {"tokenizer_class": "LlamaTokenizer"}):
+        config_file.write_text(json.dumps(config | extra))
+        assert not isinstance(load_tokenizer(path), Tokenizer)
+
+
+def test_engine_start_imports_neither_transformers_nor_the_compiler():
+    """Loading and running the bundled model (a native one) pulls in neither transformers (the tokenizer and
+    config.json are read by the engine) nor torch._dynamo (meta-device init kernels used to): each costs
+    a second or more of every worker start."""
     code = (
         "import sys; from sluice.engine import LLM, SamplingParams\n"
         f"llm = LLM({str(TINY)!r}, dtype='float32', device='cpu', max_model_len=64, max_num_seqs=2)\n"
         "out = llm.generate(['O Romeo'], SamplingParams(max_tokens=4, temperature=0), progress=False)\n"
         "assert len(out[0].token_ids) == 4\n"
-        "print(sorted(m for m in ('torch._dynamo', 'transformers.models.llama.configuration_llama') "
-        "if m in sys.modules))\n"
+        "assert llm.encode_chat([{'role': 'user', 'content': 'hi'}])\n"
+        "print(sorted(m for m in ('torch._dynamo', 'transformers') if m in sys.modules))\n"
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr

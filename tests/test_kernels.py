@@ -7,7 +7,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sluice.kernels import cpp_build, cpu_attention, cpu_isa, int4_weights, int8_linear, int8_weights, rms_norm
+from sluice.kernels import (
+    cpp_build,
+    cpu_attention,
+    cpu_isa,
+    int4_weights,
+    int8_linear,
+    int8_weights,
+    rms_norm,
+)
 from sluice.kernels import linear as linear_kernels
 from sluice.kernels.attention import build_metadata, paged_attention
 from tests.tiers import tier_fixture

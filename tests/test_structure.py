@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -149,3 +150,16 @@ def test_no_module_imports_a_bare_folder_name():
         if name.split(".")[0] in PACKAGES
     )
     assert bare == []
+
+
+def test_tests_and_benchmarks_import_no_bare_folder_name_even_in_child_code():
+    """Tests and benchmarks, including the code strings they hand to child processes, import our code as `sluice.`
+    (a bare `kernels` would be Hugging Face's distribution, and the other bare names nothing)."""
+    pattern = re.compile(rf"(?:^\s*|[\"';] *)(?:from|import) ({'|'.join(PACKAGES)})\b", re.M)
+    found = [
+        f"{path.relative_to(ROOT)}: {match.group(0).strip()}"
+        for folder in ("tests", "bench", "examples")
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        for match in pattern.finditer(path.read_text())
+    ]
+    assert found == []

@@ -1,0 +1,86 @@
+"""Resident memory of quantized modes against bf16 on the ~125M Llama (bf16 embeddings), after the warm-up step
+and after a 40-prompt batch, next to what the weights' bytes alone would give.
+
+python bench/quant_memory.py [--modes bf16,int8,int4] [--requests 40] [--no-record]
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from common import bench_model, record, table, workload
+
+MODES = {"bf16": {}, "int8": {"quantization": "int8"}, "int4": {"quantization": "int4"},
+         "int8-weight-only": {"quantization": "int8_weight_only"}}
+KV_GB = 0.5
+NOTES = """
+
+Resident is what the engine adds to the process's VmRSS (weights, KV pages touched, scratch; the imports
+before `LLM(...)` are subtracted), each mode in its own process, after `LLM(...)` and the worker's one-step
+warm-up, then after a batch of prompts (32-512 tokens, 16-64 new tokens each, greedy). `weights' share` is the
+mode's weight bytes (parameters, buffers and quantization state) over bf16's. The target is resident within 5%
+of that share."""
+
+
+def rss_bytes() -> int:
+    """VmRSS of this process."""
+    line = next(x for x in open("/proc/self/status") if x.startswith("VmRSS"))
+    return int(line.split()[1]) * 1024
+
+
+def measure(mode: str, requests: int) -> dict:
+    """One mode in this process: weight bytes, resident after warm-up and after the batch."""
+    from quantization import weight_bytes
+    from sluice.engine import LLM, SamplingParams
+    from sluice.worker.metrics import warm_up
+
+    path, base = bench_model(), rss_bytes()  # the process before the engine: Python, torch, bitsandbytes
+    llm = LLM(str(path), dtype="bfloat16", device="cpu", kv_cache_memory_gb=KV_GB, **MODES[mode])
+    warm_up(llm)
+    out = {"mode": mode, "weights": weight_bytes(llm.engine.model)[0], "ready": rss_bytes() - base}
+    reqs = workload(requests, out_range=(16, 64))
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for _, m in reqs]
+    llm.generate([p for p, _ in reqs], params, progress=False)
+    out["batch"] = rss_bytes() - base
+    return out
+
+
+def report(results: list[dict]) -> str:
+    """The table: resident and ratios against bf16, against the weights' share."""
+    base = next(r for r in results if r["mode"] == "bf16")
+    rows = []
+    for r in results:
+        row = [r["mode"], f"{r['weights'] / 2**20:.0f}"]
+        for when in ("ready", "batch"):
+            share = r["weights"] / base["weights"]
+            row += [f"{r[when] / 2**20:.0f}", f"{r[when] / base[when]:.3f}x", f"{share:.3f}x"]
+        rows.append(row)
+    headers = ["mode", "weights MiB", "resident after warm-up MiB", "vs bf16", "weights' share",
+               "resident after batch MiB", "vs bf16", "weights' share"]
+    return table(headers, rows) + NOTES
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--worker"]:
+        print(json.dumps(measure(sys.argv[2], int(sys.argv[3]))))
+        return
+    modes = "bf16,int8,int4"
+    requests = 40
+    args = sys.argv[1:]
+    if "--modes" in args:
+        modes = args[args.index("--modes") + 1]
+    if "--requests" in args:
+        requests = int(args[args.index("--requests") + 1])
+    results = []
+    for mode in modes.split(","):
+        cmd = [sys.executable, __file__, "--worker", mode, str(requests)]
+        res = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        results.append(json.loads(res.stdout.strip().splitlines()[-1]))
+        print(results[-1], flush=True)
+    record(f"Quantized resident memory, 125M Llama, {requests}-prompt batch", report(results))
+
+
+if __name__ == "__main__":
+    main()
