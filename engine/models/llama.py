@@ -9,16 +9,12 @@ import torch
 from torch import nn
 
 from sluice import kernels
+from sluice.engine.models.paths import GENERIC, NATIVE_ARCHITECTURES, model_path_for
 from sluice.engine.models.rope import RotaryEmbedding, rope_parameters
 from sluice.kernels import decode_stack
 from sluice.kernels.linear import Linear, linear
 
-ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
+ARCHITECTURES = NATIVE_ARCHITECTURES
 
 
 @dataclass(slots=True)
@@ -42,17 +38,23 @@ class ModelConfig:
     sliding_window: int | None
     eos_token_ids: list[int]
     torch_dtype: str | None
+    path: str = "native"  # paths.NATIVE: this module's forward; paths.GENERIC: transformers' modules (generic.py)
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
-        """Read an HF config dict; refuse architectures we do not implement, by name."""
+        """Read an HF config dict: a native architecture's, else the generic path's (generic.py); refuse what
+        neither serves, naming the architecture or feature."""
         archs = cfg.get("architectures") or []
-        arch = next((a for a in archs if a in ARCHITECTURES), None)
-        if arch is None:
-            raise ValueError(
-                f"unsupported architecture {archs or cfg.get('model_type')!r}; "
-                f"supported: {', '.join(ARCHITECTURES)}"
-            )
+        try:
+            path, _ = model_path_for(cfg)
+        except ValueError as e:
+            raise ValueError(f"unsupported architecture {archs or cfg.get('model_type')!r}: {e}; natively "
+                             f"supported: {', '.join(ARCHITECTURES)}") from None
+        if path == GENERIC:
+            from sluice.engine.models.generic import generic_model_config
+
+            return generic_model_config(cfg)
+        arch = next(a for a in archs if a in ARCHITECTURES)
         family = ARCHITECTURES[arch]
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
