@@ -68,6 +68,9 @@ GENERIC_OVERRIDES = {
     "olmo2": dict(),
     "granite": dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=4.0),
     "gpt_neox": dict(num_key_value_heads=None, rotary_pct=0.5),
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                      shared_expert_intermediate_size=64, use_sliding_window=False),
+    "starcoder2": dict(sliding_window=20),
 }
 
 

@@ -1,4 +1,5 @@
-"""The generic path (transformers' modules over our paged KV cache) against transformers itself, per architecture."""
+"""Architectures beyond the dense native four against transformers: the generic path (transformers' modules
+over our paged KV cache) and the native MoE forward."""
 
 from __future__ import annotations
 
@@ -7,12 +8,15 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from sluice.engine import LLM, SamplingParams
-from sluice.engine.models import GENERIC, NATIVE, ModelConfig, model_path_for
+from sluice.engine.models import GENERIC, NATIVE, LlamaModel, ModelConfig, model_path_for
 from sluice.engine.models.generic import GenericModel
 from sluice.engine.models.loader import read_config
 from tests.test_engine import random_prompts
 
-GENERIC_ARCHS = ["gemma2", "gemma3_text", "phi3", "mixtral", "qwen3_moe", "olmo2", "granite", "gpt_neox"]
+# The architectures beyond the dense native four, and the path each takes (Mixtral and Qwen3-MoE: native MoE).
+ARCH_PATHS = {"gemma2": GENERIC, "gemma3_text": GENERIC, "phi3": GENERIC, "olmo2": GENERIC, "granite": GENERIC,
+              "gpt_neox": GENERIC, "qwen2_moe": GENERIC, "starcoder2": GENERIC, "mixtral": NATIVE,
+              "qwen3_moe": NATIVE}
 GREEDY = SamplingParams(max_tokens=24, temperature=0)
 BLOCK = 16
 
@@ -33,7 +37,7 @@ def block_bytes(path) -> int:
     return BLOCK * 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4  # fp32
 
 
-@pytest.fixture(scope="module", params=GENERIC_ARCHS)
+@pytest.fixture(scope="module", params=list(ARCH_PATHS))
 def generic_case(request, checkpoint_factory):
     path = checkpoint_factory(request.param)
     prompts = random_prompts(8)
@@ -42,10 +46,11 @@ def generic_case(request, checkpoint_factory):
 
 def test_greedy_matches_transformers_with_chunks_and_preemption(generic_case):
     arch, path, prompts, ref = generic_case
-    assert model_path_for(read_config(path))[0] == GENERIC
+    assert model_path_for(read_config(path))[0] == ARCH_PATHS[arch]
     llm = LLM(path, dtype="float32", device="cpu", block_size=BLOCK, max_num_batched_tokens=32,
               kv_cache_memory_gb=16 * block_bytes(path) / 1024**3)
-    assert isinstance(llm.engine.model, GenericModel) and llm.engine.num_blocks == 16
+    model_class = GenericModel if ARCH_PATHS[arch] == GENERIC else LlamaModel
+    assert isinstance(llm.engine.model, model_class) and llm.engine.num_blocks == 16
     outs = llm.generate(prompts, GREEDY, progress=False)
     assert [o.token_ids for o in outs] == ref
     stats = llm.stats()
@@ -135,3 +140,32 @@ def test_length_dependent_rope_is_capped_at_its_original_context(checkpoint_fact
             "original_max_position_embeddings": 256}
     c = ModelConfig.from_hf({**cfg, "rope_parameters": rope, "original_max_position_embeddings": 256})
     assert c.path == GENERIC and c.max_position_embeddings == 256
+
+
+@pytest.mark.parametrize(("method", "linear"), [("int8_weight_only", "Int8WeightOnlyLinear"), ("int8", "Linear8bitLt")])
+def test_native_moe_quantizes_every_expert_and_keeps_the_router(method, linear, checkpoint_factory):
+    path = checkpoint_factory("qwen3_moe")
+    prompts = random_prompts(3, 20, 60)
+    ref = LLM(path, dtype="bfloat16", device="cpu").score(prompts)
+    llm = LLM(path, dtype="bfloat16", device="cpu", quantization=method)
+    for layer in llm.engine.model.layers:
+        assert {type(p).__name__ for e in layer.mlp.experts for p in e.children()} == {linear}
+        assert type(layer.mlp.gate).__name__ == "Router"
+    got = llm.score(prompts)
+    # bound: the error measured on this random checkpoint plus a margin (docs/benchmarks.md)
+    errors = [((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(got, ref, strict=True)]
+    assert 0 < max(errors) < 0.03
+
+
+def test_moe_groups_tokens_by_expert_exactly_as_transformers(checkpoint_factory):
+    path = checkpoint_factory("mixtral")
+    hf = hf_model(path).model.layers[1].mlp
+    ours = LLM(path, dtype="float32", device="cpu").engine.model.layers[1].block_sparse_moe
+    x = torch.randn(300, 64, generator=torch.Generator().manual_seed(0))
+    calls = []
+    for e in ours.experts:  # every expert runs once per step on all of its tokens
+        e.register_forward_hook(lambda m, args, out: calls.append(args[0].shape[0]))
+    with torch.inference_mode():
+        got, want = ours(x), hf(x[None])[0]
+    assert (got - want).abs().max().item() < 1e-5
+    assert len(calls) <= len(ours.experts) and sum(calls) == 300 * ours.top_k

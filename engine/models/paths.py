@@ -13,6 +13,8 @@ NATIVE_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 NATIVE_ROPE = ("default", "linear", "llama3")
 
@@ -26,13 +28,14 @@ def model_path_for(cfg: dict[str, Any]) -> tuple[str, str]:
     """(NATIVE or GENERIC, why) for a config.json dict; ValueError naming the feature where neither path serves it."""
     arch = native_architecture(cfg)
     rope = rope_parameters(cfg)["rope_type"]
-    if arch is not None and rope in NATIVE_ROPE:
-        return NATIVE, f"{arch} runs on the native Llama-family forward (fused kernels, decode stack)"
+    act = cfg.get("hidden_act", "silu")
+    if arch is not None and rope in NATIVE_ROPE and act == "silu":
+        return NATIVE, f"{arch} runs on the native Llama-family forward (fused kernels, decode stack, native MoE)"
     from sluice.engine.models.generic import check_generic
 
     name = check_generic(cfg)
     if arch is not None:
-        return GENERIC, f"{arch} with rope_type {rope!r}, which the native forward lacks: transformers' modules " \
-                        f"on the paged KV cache"
+        return GENERIC, f"{arch} with rope_type {rope!r} / hidden_act {act!r}, which the native forward lacks " \
+                        f"(it has {', '.join(NATIVE_ROPE)} / silu): transformers' modules on the paged KV cache"
     return GENERIC, f"{name} is not a native architecture ({', '.join(NATIVE_ARCHITECTURES)}): transformers' " \
                     f"modules on the paged KV cache"
