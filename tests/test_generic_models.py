@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from sluice.engine import LLM, SamplingParams
-from sluice.engine.models import GENERIC, NATIVE, LlamaModel, ModelConfig, model_path_for
+from sluice.engine.models import GENERIC, NATIVE, LlamaModel, ModelConfig, forced_generic, model_path_for
 from sluice.engine.models.generic import GenericModel
 from sluice.engine.models.loader import read_config
 from tests.test_engine import random_prompts
@@ -169,3 +169,15 @@ def test_moe_groups_tokens_by_expert_exactly_as_transformers(checkpoint_factory)
         got, want = ours(x), hf(x[None])[0]
     assert (got - want).abs().max().item() < 1e-5
     assert len(calls) <= len(ours.experts) and sum(calls) == 300 * ours.top_k
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_generic_path_on_a_native_architecture_matches_transformers(arch, checkpoint_factory):
+    path = checkpoint_factory(arch)
+    prompts = random_prompts(6)
+    with forced_generic():
+        assert model_path_for(read_config(path)) == (GENERIC, f"{read_config(path)['architectures'][0]}: "
+                                                               f"generic path forced")
+        llm = LLM(path, dtype="float32", device="cpu", max_num_batched_tokens=32)
+    assert isinstance(llm.engine.model, GenericModel)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY, progress=False)] == hf_greedy(path, prompts)

@@ -1,4 +1,4 @@
 from sluice.engine.models.llama import ARCHITECTURES, LlamaModel, ModelConfig
-from sluice.engine.models.paths import GENERIC, NATIVE, model_path_for
+from sluice.engine.models.paths import GENERIC, NATIVE, forced_generic, model_path_for
 
-__all__ = ["ARCHITECTURES", "GENERIC", "NATIVE", "LlamaModel", "ModelConfig", "model_path_for"]
+__all__ = ["ARCHITECTURES", "GENERIC", "NATIVE", "LlamaModel", "ModelConfig", "forced_generic", "model_path_for"]

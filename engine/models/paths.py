@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from sluice.engine.models.rope import rope_parameters
@@ -17,6 +19,17 @@ NATIVE_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 NATIVE_ROPE = ("default", "linear", "llama3")
+_forced: list[bool] = []  # forced_generic() nesting
+
+
+@contextmanager
+def forced_generic() -> Iterator[None]:
+    """Within it, models load on the generic path even where the native one serves them (parity tests, bench)."""
+    _forced.append(True)
+    try:
+        yield
+    finally:
+        _forced.pop()
 
 
 def native_architecture(cfg: dict[str, Any]) -> str | None:
@@ -29,11 +42,13 @@ def model_path_for(cfg: dict[str, Any]) -> tuple[str, str]:
     arch = native_architecture(cfg)
     rope = rope_parameters(cfg)["rope_type"]
     act = cfg.get("hidden_act", "silu")
-    if arch is not None and rope in NATIVE_ROPE and act == "silu":
+    if arch is not None and rope in NATIVE_ROPE and act == "silu" and not _forced:
         return NATIVE, f"{arch} runs on the native Llama-family forward (fused kernels, decode stack, native MoE)"
     from sluice.engine.models.generic import check_generic
 
     name = check_generic(cfg)
+    if arch is not None and _forced:
+        return GENERIC, f"{arch}: generic path forced"
     if arch is not None:
         return GENERIC, f"{arch} with rope_type {rope!r} / hidden_act {act!r}, which the native forward lacks " \
                         f"(it has {', '.join(NATIVE_ROPE)} / silu): transformers' modules on the paged KV cache"
