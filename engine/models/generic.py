@@ -11,6 +11,8 @@ soft-capping run in a masked attention of our own; what neither serves is refuse
 from __future__ import annotations
 
 import contextvars
+import functools
+import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,9 +20,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from sluice import kernels
 from sluice.engine.models.llama import ModelConfig
 from sluice.engine.models.rope import rope_parameters
 from sluice.kernels.flat_metadata import FlatMetadata
+from sluice.kernels.linear import Linear
 
 ATTN_IMPL = "sluice_paged"
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -245,6 +249,35 @@ class GenericModel(nn.Module):
         return out.logits[0]
 
 
+@functools.cache
+def _llama_norm_source() -> str:
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    return inspect.getsource(LlamaRMSNorm.forward)
+
+
+def _rms_norm_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """LlamaRMSNorm.forward through our kernel (one fused pass on CPU, the same rounding)."""
+    return kernels.add_rms_norm(x.reshape(-1, x.shape[-1]), None, self.weight, self.variance_epsilon)[1].view(x.shape)
+
+
+def use_our_kernels(model: nn.Module) -> nn.Module:
+    """Run the model's plain linears through kernels.linear (our bf16 GEMV at decode row counts) and every norm
+    whose forward is LlamaRMSNorm's own source through kernels.add_rms_norm: the same results, as the native
+    forward gets them; anything else stays transformers' own."""
+    for mod in model.modules():
+        if type(mod) is nn.Linear:
+            mod.__class__ = Linear
+        elif type(mod).__name__.endswith("RMSNorm") and hasattr(mod, "variance_epsilon"):
+            try:
+                same = inspect.getsource(type(mod).forward) == _llama_norm_source()
+            except (OSError, TypeError):
+                same = False
+            if same:
+                mod.forward = _rms_norm_forward.__get__(mod)
+    return model
+
+
 def load_generic(path: str | Path, dtype: torch.dtype, device: torch.device, config: ModelConfig,
                  linear_hook=None) -> GenericModel:
     """transformers' model for the checkpoint, its attention ours, on `device` in `dtype`."""
@@ -255,4 +288,4 @@ def load_generic(path: str | Path, dtype: torch.dtype, device: torch.device, con
                          f"quantization (native architectures do)")
     register()
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=ATTN_IMPL)
-    return GenericModel(hf.to(device).eval(), config).eval()
+    return GenericModel(use_our_kernels(hf.to(device).eval()), config).eval()
