@@ -9,6 +9,7 @@ Ratios are taken within the run; the machine is shared, so absolute tok/s move b
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
 import time
@@ -79,24 +80,36 @@ def hf_tps(path: Path, batch: int, length: int, tokens: int) -> float:
     return batch * tokens / secs
 
 
+def alternated(systems, repeats: int) -> list[float]:
+    """Each system's median tok/s over `repeats` rounds, the systems alternated within every round."""
+    runs = [[] for _ in systems]
+    for _ in range(repeats):
+        for out, run in zip(runs, systems, strict=True):
+            out.append(run())
+    return [statistics.median(r) for r in runs]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--tokens", type=int, default=64)
-    p.add_argument("--archs", default=",".join(ARCHS))
+    p.add_argument("--archs", default=",".join(ARCHS), help="per-architecture table ('' skips it)")
+    p.add_argument("--repeats", type=int, default=3, help="alternated runs of each headline system (median)")
     p.add_argument("--root", type=Path, default=Path(tempfile.gettempdir()) / "sluice-bench-archs")
     a = p.parse_args()
     llama = checkpoint("llama", a.root)
-    native, generic = (engine_tps(llama, a.batch, a.prompt, a.tokens, g) for g in (False, True))
-    hf = hf_tps(llama, a.batch, a.prompt, a.tokens)
+    native, generic, hf = alternated([lambda: engine_tps(llama, a.batch, a.prompt, a.tokens),
+                                      lambda: engine_tps(llama, a.batch, a.prompt, a.tokens, True),
+                                      lambda: hf_tps(llama, a.batch, a.prompt, a.tokens)], a.repeats)
     print(f"llama batch {a.batch}: native {native:.0f} tok/s, generic {generic:.0f} ({generic / native:.2f}x native),"
           f" HF static generate {hf:.0f} (generic {generic / hf:.2f}x, native {native / hf:.2f}x)")
     moe = checkpoint("qwen3_moe", a.root)
-    ours, ref = engine_tps(moe, a.batch, a.prompt, a.tokens), hf_tps(moe, a.batch, a.prompt, a.tokens)
+    ours, ref = alternated([lambda: engine_tps(moe, a.batch, a.prompt, a.tokens),
+                            lambda: hf_tps(moe, a.batch, a.prompt, a.tokens)], a.repeats)
     print(f"qwen3_moe batch {a.batch}: native MoE {ours:.0f} tok/s, HF static generate {ref:.0f} ({ours / ref:.2f}x)")
     print("| architecture | path | tok/s batch 1 | tok/s batch 32 | HF generate batch 32 |\n|---|---|---|---|---|")
-    for arch in a.archs.split(","):
+    for arch in filter(None, a.archs.split(",")):
         path = checkpoint(arch, a.root)
         one, many = (engine_tps(path, b, a.prompt, a.tokens) for b in (1, a.batch))
         print(f"| {arch} | {model_path_for(read_config(path))[0]} | {one:.0f} | {many:.0f} | "
