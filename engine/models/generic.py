@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from sluice import kernels
-from sluice.engine.models.llama import ModelConfig
 from sluice.engine.models.rope import rope_parameters
 from sluice.kernels.flat_metadata import FlatMetadata
 from sluice.kernels.linear import Linear
@@ -91,8 +90,9 @@ def _rope_list(text) -> list[dict[str, Any]]:
     return [rope_parameters(text.to_dict())]
 
 
-def generic_model_config(cfg: dict[str, Any]) -> ModelConfig:
-    """Our ModelConfig (what the KV pool, scheduler and sampler need) for a checkpoint on the generic path."""
+def generic_config_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The fields of our ModelConfig (what the KV pool, scheduler and sampler need) for a checkpoint on the generic
+    path (models.llama builds it: this module does not import it)."""
     check_generic(cfg)
     text = _hf_config(cfg).get_text_config()
     heads = text.num_attention_heads
@@ -103,7 +103,7 @@ def generic_model_config(cfg: dict[str, Any]) -> ModelConfig:
         if rope.get("rope_type") in LENGTH_CAPPED_ROPE:
             max_pos = min(max_pos, int(rope.get("original_max_position_embeddings") or max_pos))
     eos = cfg.get("eos_token_id", getattr(text, "eos_token_id", None))
-    return ModelConfig(
+    return dict(
         architecture=(cfg.get("architectures") or [type(text).__name__])[0],
         vocab_size=text.vocab_size, hidden_size=text.hidden_size,
         intermediate_size=getattr(text, "intermediate_size", None) or 0, num_layers=text.num_hidden_layers,
@@ -221,7 +221,7 @@ class GenericModel(nn.Module):
 
     cuda_graphs = False  # transformers' modules are not known to be capturable
 
-    def __init__(self, hf_model: nn.Module, config: ModelConfig) -> None:
+    def __init__(self, hf_model: nn.Module, config) -> None:
         super().__init__()
         self.hf, self.config = hf_model, config
         text = hf_model.config.get_text_config()
@@ -278,7 +278,7 @@ def use_our_kernels(model: nn.Module) -> nn.Module:
     return model
 
 
-def load_generic(path: str | Path, dtype: torch.dtype, device: torch.device, config: ModelConfig,
+def load_generic(path: str | Path, dtype: torch.dtype, device: torch.device, config,
                  linear_hook=None) -> GenericModel:
     """transformers' model for the checkpoint, its attention ours, on `device` in `dtype`."""
     from transformers import AutoModelForCausalLM

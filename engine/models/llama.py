@@ -57,9 +57,9 @@ class ModelConfig:
             raise ValueError(f"unsupported architecture {archs or cfg.get('model_type')!r}: {e}; natively "
                              f"supported: {', '.join(ARCHITECTURES)}") from None
         if path == GENERIC:
-            from sluice.engine.models.generic import generic_model_config
+            from sluice.engine.models.generic import generic_config_fields
 
-            return generic_model_config(cfg)
+            return cls(**generic_config_fields(cfg))
         arch = next(a for a in archs if a in ARCHITECTURES)
         family = ARCHITECTURES[arch]
         heads = cfg["num_attention_heads"]
