@@ -38,7 +38,8 @@ class ModelRunner:
         c = model.config
         self.model, self.block_size, self.device = model, block_size, device
         factory = cache_factory or self._plain_cache
-        self.flat = kernels.flat_layout(device)
+        # the flat layout on every device where the model asks for it (the generic path's windowed layers)
+        self.flat = kernels.flat_layout(device) or getattr(model, "needs_flat_metadata", False)
         self.fused = not self.flat and cache_factory is None and kernels.fused_attention(device, model.embed_tokens.weight.dtype,
                                                                        kv_dtype)
         self.kv_caches = [factory(num_blocks, block_size, c, kv_dtype, device) for _ in range(c.num_layers)]
@@ -60,7 +61,7 @@ class ModelRunner:
     @torch.inference_mode()
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Replay pure-decode steps from CUDA graphs (CUDA device path only; CPU never captures)."""
-        if self.device.type == "cuda" and self.flat:
+        if self.device.type == "cuda" and self.flat and getattr(self.model, "cuda_graphs", True):
             from sluice.engine.cuda_graphs import DecodeGraphs
 
             try:

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     GenerationConfig,
     LlamaConfig,
@@ -53,6 +54,26 @@ ARCHS = {
 }
 
 
+# Small settings of the architectures the generic path serves: windows and soft-caps that short prompts reach,
+# few experts, non-default multipliers.
+LAYERS_2X2 = ["sliding_attention", "full_attention"] * 2
+GENERIC_OVERRIDES = {
+    "gemma2": dict(head_dim=16, sliding_window=16, query_pre_attn_scalar=16, attn_logit_softcapping=20.0,
+                   final_logit_softcapping=10.0, layer_types=LAYERS_2X2),
+    "gemma3_text": dict(head_dim=16, sliding_window=16, query_pre_attn_scalar=16, layer_types=LAYERS_2X2),
+    "phi3": dict(sliding_window=24),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, head_dim=16,
+                      use_sliding_window=False, norm_topk_prob=True),
+    "olmo2": dict(),
+    "granite": dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=4.0),
+    "gpt_neox": dict(num_key_value_heads=None, rotary_pct=0.5),
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                      shared_expert_intermediate_size=64, use_sliding_window=False),
+    "starcoder2": dict(sliding_window=20),
+}
+
+
 def tiny_config(arch: str = "llama", vocab_size: int = 512, **overrides):
     """A small config of the given architecture (4 layers, GQA 4:2 heads)."""
     kw = dict(
@@ -74,7 +95,10 @@ def tiny_config(arch: str = "llama", vocab_size: int = 512, **overrides):
         kw["head_dim"] = 16
     if arch == "mistral":
         kw["sliding_window"] = None
+    kw.update(GENERIC_OVERRIDES.get(arch, {}))
     kw.update(overrides)
+    if arch not in ARCHS:  # any other model_type transformers knows, with its defaults (the generic path)
+        return AutoConfig.for_model(arch, **kw)
     return ARCHS[arch](**kw)
 
 

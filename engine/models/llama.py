@@ -9,16 +9,13 @@ import torch
 from torch import nn
 
 from sluice import kernels
+from sluice.engine.models.moe import MOE_LAYOUTS, SparseMoe
+from sluice.engine.models.paths import GENERIC, NATIVE_ARCHITECTURES, model_path_for
 from sluice.engine.models.rope import RotaryEmbedding, rope_parameters
 from sluice.kernels import decode_stack
 from sluice.kernels.linear import Linear, linear
 
-ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
+ARCHITECTURES = NATIVE_ARCHITECTURES
 
 
 @dataclass(slots=True)
@@ -42,21 +39,32 @@ class ModelConfig:
     sliding_window: int | None
     eos_token_ids: list[int]
     torch_dtype: str | None
+    path: str = "native"  # paths.NATIVE: this module's forward; paths.GENERIC: transformers' modules (generic.py)
+    num_experts: int = 0  # sparse MoE (moe.py): experts per MoE layer, 0 for a dense model
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    moe_layers: tuple[int, ...] = ()  # the layers whose MLP is the sparse MoE block
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
-        """Read an HF config dict; refuse architectures we do not implement, by name."""
+        """Read an HF config dict: a native architecture's, else the generic path's (generic.py); refuse what
+        neither serves, naming the architecture or feature."""
         archs = cfg.get("architectures") or []
-        arch = next((a for a in archs if a in ARCHITECTURES), None)
-        if arch is None:
-            raise ValueError(
-                f"unsupported architecture {archs or cfg.get('model_type')!r}; "
-                f"supported: {', '.join(ARCHITECTURES)}"
-            )
+        try:
+            path, _ = model_path_for(cfg)
+        except ValueError as e:
+            raise ValueError(f"unsupported architecture {archs or cfg.get('model_type')!r}: {e}; natively "
+                             f"supported: {', '.join(ARCHITECTURES)}") from None
+        if path == GENERIC:
+            from sluice.engine.models.generic import generic_config_fields
+
+            return cls(**generic_config_fields(cfg))
+        arch = next(a for a in archs if a in ARCHITECTURES)
         family = ARCHITECTURES[arch]
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
-        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", family == "mistral") else None
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", family in ("mistral", "mixtral")) else None
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -70,12 +78,29 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3_moe"),
             rope=rope_parameters(cfg),
             sliding_window=window,
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+            **_moe_fields(family, cfg),
         )
+
+
+def _moe_fields(family: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The MoE settings of a Mixtral or Qwen3-MoE config (none for a dense family)."""
+    layers, n = cfg["num_hidden_layers"], cfg.get("num_local_experts") or cfg.get("num_experts") or 0
+    if family == "mixtral":
+        return dict(num_experts=n, num_experts_per_tok=cfg["num_experts_per_tok"],
+                    moe_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True,
+                    moe_layers=tuple(range(layers)))
+    if family == "qwen3_moe":
+        step, dense = cfg.get("decoder_sparse_step", 1), set(cfg.get("mlp_only_layers") or [])
+        return dict(num_experts=n, num_experts_per_tok=cfg["num_experts_per_tok"],
+                    moe_intermediate_size=cfg["moe_intermediate_size"],
+                    norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                    moe_layers=tuple(i for i in range(layers) if n > 0 and i not in dense and (i + 1) % step == 0))
+    return {}
 
 
 class RMSNorm(nn.Module):
@@ -135,24 +160,31 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: ModelConfig) -> None:
+    def __init__(self, c: ModelConfig, index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = Attention(c)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = MLP(c)
+        self.mlp_name = "mlp"
+        if index in c.moe_layers:  # under the checkpoint's own name (Mixtral: block_sparse_moe)
+            family = ARCHITECTURES[c.architecture]
+            self.mlp_name = MOE_LAYOUTS[family][0]
+            setattr(self, self.mlp_name, SparseMoe(c.hidden_size, c.moe_intermediate_size, c.num_experts,
+                                                   c.num_experts_per_tok, c.norm_topk_prob, family))
+        else:
+            self.mlp = MLP(c)
 
     def forward(self, x, delta, cos_sin, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream x + delta through this layer: (stream after attention, MLP output to add)."""
         x, h = self.input_layernorm.add(x, delta)
         x, h = self.post_attention_layernorm.add(x, self.self_attn(h, cos_sin, kv_cache, meta))
-        return x, self.mlp(h)
+        return x, getattr(self, self.mlp_name)(h)
 
     def stack_layer(self, cache) -> list | None:
         """This layer in kernels.decode_stack's order, or None where the stack cannot stand in for it: qk norm, a
         linear it has no kernel for (bitsandbytes), a cache other than LayerKVCache (int8)."""
-        a, m = self.self_attn, self.mlp
-        if a.q_norm is not None or type(cache) is not LayerKVCache:
+        a, m = self.self_attn, getattr(self, self.mlp_name)
+        if a.q_norm is not None or type(cache) is not LayerKVCache or not isinstance(m, MLP):
             return None
         qkv, o, gate_up, down = (stack_linear(p) for p in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj))
         if None in (qkv, o, gate_up, down):
@@ -187,7 +219,8 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.config = c
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_layers))
+        self.cuda_graphs = not c.moe_layers  # expert grouping reads its counts on the host
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = None if c.tie_word_embeddings else Linear(c.hidden_size, c.vocab_size, bias=False)
         self.rope = RotaryEmbedding(c.head_dim, max_positions, c.rope)

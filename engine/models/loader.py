@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from sluice.engine.models.llama import LlamaModel, ModelConfig
+from sluice.engine.models.paths import GENERIC
 from sluice.engine.models.rope import RotaryEmbedding
 from sluice.engine.weight_memory import WeightArena
 
@@ -305,6 +306,10 @@ def load_model(
     if weight_loading not in WEIGHT_LOADING:
         raise ValueError(f"weight_loading must be one of {', '.join(WEIGHT_LOADING)}, got {weight_loading!r}")
     config = config or ModelConfig.from_hf(read_config(path))
+    if config.path == GENERIC:  # transformers' own modules with our attention (models.generic)
+        from sluice.engine.models.generic import load_generic
+
+        return load_generic(path, dtype, device, config, linear_hook)
     reader = CheckpointReader(path)
     mode = weight_loading if linear_hook is None else "copy"
     if mode == "auto":

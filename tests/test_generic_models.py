@@ -1,0 +1,183 @@
+"""Architectures beyond the dense native four against transformers: the generic path (transformers' modules
+over our paged KV cache) and the native MoE forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from sluice.engine import LLM, SamplingParams
+from sluice.engine.models import GENERIC, NATIVE, LlamaModel, ModelConfig, forced_generic, model_path_for
+from sluice.engine.models.generic import GenericModel
+from sluice.engine.models.loader import read_config
+from tests.test_engine import random_prompts
+
+# The architectures beyond the dense native four, and the path each takes (Mixtral and Qwen3-MoE: native MoE).
+ARCH_PATHS = {"gemma2": GENERIC, "gemma3_text": GENERIC, "phi3": GENERIC, "olmo2": GENERIC, "granite": GENERIC,
+              "gpt_neox": GENERIC, "qwen2_moe": GENERIC, "starcoder2": GENERIC, "mixtral": NATIVE,
+              "qwen3_moe": NATIVE}
+GREEDY = SamplingParams(max_tokens=24, temperature=0)
+BLOCK = 16
+
+
+def hf_model(path):
+    """The reference: transformers' eager attention (the one that honors windows and soft-caps exactly)."""
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+
+
+def hf_greedy(path, prompts, max_new_tokens=24) -> list[list[int]]:
+    model = hf_model(path)
+    return [model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False)[0, len(p):].tolist()
+            for p in prompts]
+
+
+def block_bytes(path) -> int:
+    c = ModelConfig.from_hf(read_config(path))
+    return BLOCK * 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4  # fp32
+
+
+@pytest.fixture(scope="module", params=list(ARCH_PATHS))
+def generic_case(request, checkpoint_factory):
+    path = checkpoint_factory(request.param)
+    prompts = random_prompts(8)
+    return request.param, path, prompts, hf_greedy(path, prompts)
+
+
+def test_greedy_matches_transformers_with_chunks_and_preemption(generic_case):
+    arch, path, prompts, ref = generic_case
+    assert model_path_for(read_config(path))[0] == ARCH_PATHS[arch]
+    llm = LLM(path, dtype="float32", device="cpu", block_size=BLOCK, max_num_batched_tokens=32,
+              kv_cache_memory_gb=16 * block_bytes(path) / 1024**3)
+    model_class = GenericModel if ARCH_PATHS[arch] == GENERIC else LlamaModel
+    assert isinstance(llm.engine.model, model_class) and llm.engine.num_blocks == 16
+    outs = llm.generate(prompts, GREEDY, progress=False)
+    assert [o.token_ids for o in outs] == ref
+    stats = llm.stats()
+    assert stats["num_preemptions"] > 0
+    assert stats["steps"] > sum(len(p) for p in prompts) // 32
+
+
+def test_prompt_logits_match_transformers(generic_case):
+    _, path, prompts, _ = generic_case
+    model = hf_model(path)
+    llm = LLM(path, dtype="float32", device="cpu", max_num_batched_tokens=48)
+    for p, logits in zip(prompts[:4], llm.score(prompts[:4]), strict=True):
+        want = model(torch.tensor([p])).logits[0]
+        assert logits.shape == want.shape
+        assert (logits - want).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "olmo2"])
+def test_prefix_cache_hits_match(arch, checkpoint_factory):
+    path = checkpoint_factory(arch)
+    system = random_prompts(1, 70, 71, seed=7)[0]
+    shared = [system + p[:20] for p in random_prompts(5)]
+    llm = LLM(path, dtype="float32", device="cpu", max_num_seqs=2)
+    ref = hf_greedy(path, shared, max_new_tokens=8)  # transformers stops at EOS too: compare up to it
+    outs = llm.generate(shared, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), progress=False)
+    assert [o.token_ids[: len(r)] for o, r in zip(outs, ref, strict=True)] == ref
+    assert sum(o.metrics.num_cached_tokens for o in outs) >= 3 * 64
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "olmo2"])
+def test_int8_kv_cache_close_to_transformers(arch, checkpoint_factory):
+    path = checkpoint_factory(arch)
+    prompts = random_prompts(4, 20, 80)
+    model = hf_model(path)
+    llm = LLM(path, dtype="float32", device="cpu", kv_cache_dtype="int8", max_num_batched_tokens=32)
+    for p, logits in zip(prompts, llm.score(prompts), strict=True):
+        want = model(torch.tensor([p])).logits[0]
+        err = (logits - want).norm() / want.norm()
+        assert 0 < err < 0.05
+
+
+def test_speculative_decoding_with_generic_target_and_draft(checkpoint_factory):
+    target = checkpoint_factory("olmo2")
+    draft = checkpoint_factory("olmo2", seed=5, num_hidden_layers=1)
+    prompts = [p * 3 for p in random_prompts(4, 10, 30, seed=3)]
+    ref = hf_greedy(target, prompts)
+    for spec in ({"method": "ngram", "num_speculative_tokens": 3},
+                 {"method": "draft", "model": str(draft), "num_speculative_tokens": 3}):
+        llm = LLM(target, dtype="float32", device="cpu", speculative={"disable_by_batch_size": 64, **spec})
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY, progress=False)] == ref
+        assert llm.stats()["spec_proposed"] > 0
+
+
+def test_bitsandbytes_on_the_generic_path_is_refused_by_name(checkpoint_factory):
+    with pytest.raises(ValueError, match="generic path.*bitsandbytes"):
+        LLM(checkpoint_factory("olmo2"), dtype="float32", device="cpu", quantization="int8")
+
+
+def test_model_path_for_says_which_path_and_why(checkpoint_factory):
+    llama = read_config(checkpoint_factory("llama"))
+    assert model_path_for(llama)[0] == NATIVE
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 256}
+    path, why = model_path_for({**llama, "rope_parameters": yarn})
+    assert path == GENERIC and "yarn" in why
+    path, why = model_path_for(read_config(checkpoint_factory("gemma2")))
+    assert path == GENERIC and "Gemma2ForCausalLM" in why
+
+
+@pytest.mark.parametrize(("cfg", "feature"), [
+    ({"model_type": "llama", "architectures": ["LlamaForCausalLM"], "auto_map": {"AutoModel": "x.Y"},
+      "rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "trust_remote_code"),
+    ({"model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"]}, "linear_attention"),
+    ({"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"]}, "latent attention"),
+    ({"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"]}, "attention sinks"),
+    ({"model_type": "llama", "architectures": ["GPT2LMHeadModel"]}, "GPT2LMHeadModel"),
+])
+def test_unservable_models_are_refused_naming_the_feature(cfg, feature):
+    with pytest.raises(ValueError, match=feature):
+        model_path_for(cfg)
+    with pytest.raises(ValueError, match=f"{feature}.*natively supported: LlamaForCausalLM"):
+        ModelConfig.from_hf(cfg)
+
+
+def test_length_dependent_rope_is_capped_at_its_original_context(checkpoint_factory):
+    cfg = read_config(checkpoint_factory("phi3"))
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [4.0] * 8,
+            "original_max_position_embeddings": 256}
+    c = ModelConfig.from_hf({**cfg, "rope_parameters": rope, "original_max_position_embeddings": 256})
+    assert c.path == GENERIC and c.max_position_embeddings == 256
+
+
+@pytest.mark.parametrize(("method", "linear"), [("int8_weight_only", "Int8WeightOnlyLinear"), ("int8", "Linear8bitLt")])
+def test_native_moe_quantizes_every_expert_and_keeps_the_router(method, linear, checkpoint_factory):
+    path = checkpoint_factory("qwen3_moe")
+    prompts = random_prompts(3, 20, 60)
+    ref = LLM(path, dtype="bfloat16", device="cpu").score(prompts)
+    llm = LLM(path, dtype="bfloat16", device="cpu", quantization=method)
+    for layer in llm.engine.model.layers:
+        assert {type(p).__name__ for e in layer.mlp.experts for p in e.children()} == {linear}
+        assert type(layer.mlp.gate).__name__ == "Router"
+    got = llm.score(prompts)
+    # bound: the error measured on this random checkpoint plus a margin (docs/benchmarks.md)
+    errors = [((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(got, ref, strict=True)]
+    assert 0 < max(errors) < 0.03
+
+
+def test_moe_groups_tokens_by_expert_exactly_as_transformers(checkpoint_factory):
+    path = checkpoint_factory("mixtral")
+    hf = hf_model(path).model.layers[1].mlp
+    ours = LLM(path, dtype="float32", device="cpu").engine.model.layers[1].block_sparse_moe
+    x = torch.randn(300, 64, generator=torch.Generator().manual_seed(0))
+    calls = []
+    for e in ours.experts:  # every expert runs once per step on all of its tokens
+        e.register_forward_hook(lambda m, args, out: calls.append(args[0].shape[0]))
+    with torch.inference_mode():
+        got, want = ours(x), hf(x[None])[0]
+    assert (got - want).abs().max().item() < 1e-5
+    assert len(calls) <= len(ours.experts) and sum(calls) == 300 * ours.top_k
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_generic_path_on_a_native_architecture_matches_transformers(arch, checkpoint_factory):
+    path = checkpoint_factory(arch)
+    prompts = random_prompts(6)
+    with forced_generic():
+        assert model_path_for(read_config(path)) == (GENERIC, f"{read_config(path)['architectures'][0]}: "
+                                                               f"generic path forced")
+        llm = LLM(path, dtype="float32", device="cpu", max_num_batched_tokens=32)
+    assert isinstance(llm.engine.model, GenericModel)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY, progress=False)] == hf_greedy(path, prompts)
