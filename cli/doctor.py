@@ -51,7 +51,19 @@ def kernel_report(build: bool = False) -> list[dict[str, object]]:
     return rows
 
 
-def report(build: bool = False) -> dict[str, object]:
+def model_report(model: str) -> dict[str, str]:
+    """Which engine path a checkpoint folder takes (native or generic) and why, or why it is refused."""
+    from sluice.engine.models import model_path_for
+    from sluice.engine.models.loader import read_config
+
+    try:
+        path, reason = model_path_for(read_config(model))
+    except (ValueError, FileNotFoundError) as exc:
+        return {"model": model, "model_path": "refused", "model_reason": str(exc)}
+    return {"model": model, "model_path": path, "model_reason": reason}
+
+
+def report(build: bool = False, model: str | None = None) -> dict[str, object]:
     """Everything `sluice doctor` prints, as a dict."""
     import torch
 
@@ -68,16 +80,17 @@ def report(build: bool = False) -> dict[str, object]:
         "compiler_version": cpp_build.compiler_version(), "kernel_cache": str(cpp_build.cache_root()),
         "kernels": kernel_report(build and cpp_build.enabled()),
         "torch": torch.__version__, "transformers": _version("transformers"), "sluice": _version("sluice"),
-        "device": _device(),
+        "device": _device(), **(model_report(model) if model else {}),
     }
 
 
 def doctor(
     build: bool = typer.Option(False, "--build", help="compile every CPU kernel for the chosen tier now"),
     as_json: bool = typer.Option(False, "--json", help="print the report as JSON"),
+    model: str = typer.Option(None, "--model", help="a checkpoint folder: which engine path it takes and why"),
 ) -> None:
     """Print the host's CPU flags, the kernel tier chosen, the C++ kernels' state and the versions in use."""
-    info = report(build)
+    info = report(build, model)
     if as_json:
         typer.echo(json.dumps(info, indent=1))
         return

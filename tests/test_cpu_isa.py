@@ -171,3 +171,21 @@ def test_doctor_build_compiles_every_kernel_for_the_tier(tier_env):
     kernels = json.loads(result.output)["kernels"]
     assert len(kernels) == len(cpp_build.EXTENSIONS) and all(k["built"] for k in kernels)
     assert all(Path(k["path"]).exists() for k in kernels)
+
+
+def test_doctor_says_which_path_a_model_takes_and_why(tmp_path):
+    """A native architecture is native, another known one generic, a refused one refused, each with its reason."""
+    from tests.checkpoints import make_checkpoint
+
+    runner = CliRunner()
+
+    def path_of(folder):
+        info = json.loads(runner.invoke(app, ["doctor", "--json", "--model", str(folder)]).output)
+        return info["model_path"], info["model_reason"]
+
+    native = path_of(make_checkpoint(tmp_path / "llama", "llama"))
+    generic = path_of(make_checkpoint(tmp_path / "gemma2", "gemma2"))
+    missing = path_of(tmp_path / "nothing")
+    assert native[0] == "native" and "llama" in native[1].lower()
+    assert generic[0] == "generic" and "gemma2" in generic[1].lower()
+    assert missing[0] == "refused" and "config.json" in missing[1]
