@@ -69,7 +69,7 @@ def test_sigterm_hands_in_flight_shards_back(tiny_llama, redis_url, tmp_path):
 
 
 def test_sigterm_stops_an_idle_worker_at_once(tiny_llama, redis_url, tmp_path):
-    """After its work an idle worker leaves on SIGTERM in seconds, not after rq's 60 s command-channel read."""
+    """After its work an idle worker leaves within 2 s of SIGTERM, not after rq's 60 s command-channel read."""
     client = Client(redis_url)
     batch = client.submit_batch([long_request(i, 8) for i in range(4)], output=tmp_path.as_uri(), shard_size=2)
     log = tmp_path / "worker.log"
@@ -77,11 +77,13 @@ def test_sigterm_stops_an_idle_worker_at_once(tiny_llama, redis_url, tmp_path):
     try:
         assert client.wait(batch.id, timeout=120, progress=False).status == BatchStatus.completed
         time.sleep(1.5)  # idle in its dequeue wait
+        started = time.monotonic()
         worker.terminate()
         code = worker.wait(15)
+        took = time.monotonic() - started
     finally:
         stop_worker(worker)
-    assert code == 0
+    assert code == 0 and took < 2, took
     text = log.read_text()
     assert "stop requested" in text and "dropped unreadable job" not in text
     assert Worker.all(connection=client.connection) == []

@@ -28,7 +28,7 @@ from sluice.contract.jobs import FINALIZE, RUN_SHARD
 
 ALLOWED_FUNCTIONS = frozenset({RUN_SHARD, FINALIZE})
 RETRY_POLL_S = 1.0
-PUBSUB_POLL_S = 1.0  # how long the command-channel thread blocks per read; its stop waits this long
+PUBSUB_POLL_S = 0.25  # how long the command-channel thread blocks per read; its stop waits this long
 REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
 
 
