@@ -6,6 +6,7 @@ import time
 
 import torch
 
+from sluice.engine import heap
 from sluice.engine.block_manager import BlockManager
 from sluice.engine.config import EngineConfig
 from sluice.engine.groups import SequenceGroup
@@ -18,7 +19,7 @@ from sluice.engine.request import Request
 from sluice.engine.resolved import ResolvedConfig
 from sluice.engine.sampler import device_tensor, sample, top_logprobs
 from sluice.engine.sampling_params import SamplingParams
-from sluice.engine.scheduler import Scheduler
+from sluice.engine.scheduler import ScheduledBatch, Scheduler
 from sluice.engine.spec_decode import DraftProposer, NgramProposer, Proposer, load_draft
 from sluice.engine.structured import GrammarError, StructuredOutputs
 from sluice.engine.token_bytes import TokenBytes
@@ -182,17 +183,24 @@ class Engine:
         if self.proposer is not None:
             self._drop_unscheduled_speculation(batch)
         if batch.requests:
-            step_logits = self.runner.run(batch)
-            for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):
-                req.num_computed_tokens += n
-                self.counters["computed_tokens"] += n
-            done += self._process(batch.requests, step_logits)
-            self._start_followers()
-            self.counters["steps"] += 1
-            for arena in self._unsettled:
-                arena.settle()
-            self._unsettled = []
+            done += self._run(batch)
+            if self.device.type == "cpu" and not self.has_unfinished():
+                heap.trim()  # drained: the step's temporaries are gone, their pages go back to the OS
         return self._merge([self._output(r) for r in done])
+
+    def _run(self, batch: ScheduledBatch) -> list[Request]:
+        """Run the model over a scheduled batch; the requests it finished."""
+        step_logits = self.runner.run(batch)
+        for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):
+            req.num_computed_tokens += n
+            self.counters["computed_tokens"] += n
+        done = self._process(batch.requests, step_logits)
+        self._start_followers()
+        self.counters["steps"] += 1
+        for arena in self._unsettled:
+            arena.settle()
+        self._unsettled = []
+        return done
 
     def _start_followers(self) -> None:
         """Queue (first in line) the other sequences of groups whose leader has computed the prompt."""
