@@ -49,6 +49,17 @@ def check_schema(schema: Any, path: str = "schema") -> None:
             check_schema(value, f"{path}.{key}")
 
 
+def _transformers_tokenizer(tokenizer: Any) -> Any:
+    """The tokenizer as the transformers class xgrammar reads a vocabulary from: the engine's own tokenizer (a
+    native model's, without transformers) wraps the same `tokenizers` object, so it is wrapped here, on the first
+    structured request only."""
+    from transformers import PreTrainedTokenizerFast
+
+    if isinstance(tokenizer, PreTrainedTokenizerFast):
+        return tokenizer
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend_tokenizer)
+
+
 class StructuredOutputs:
     """Compiled grammars (cached per constraint), matchers and the batch bitmask for one engine's vocabulary."""
 
@@ -56,7 +67,8 @@ class StructuredOutputs:
         import xgrammar as xgr  # the grammar engine's native library is loaded on the first structured request
 
         self.xgr, self.vocab = xgr, vocab
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab, stop_token_ids=stop_token_ids)
+        info = xgr.TokenizerInfo.from_huggingface(_transformers_tokenizer(tokenizer), vocab_size=vocab,
+                                                  stop_token_ids=stop_token_ids)
         self.compiler = xgr.GrammarCompiler(info, cache_enabled=True)
         self.batcher = xgr.BatchGrammarMatcher(max_threads=fill_threads)
         self.cache: dict[str, Any] = {}

@@ -85,6 +85,21 @@ class Tokenizer:
         """Every token, added ones included, to its id."""
         return self.backend.get_vocab(with_added_tokens=True)
 
+    @property
+    def backend_tokenizer(self) -> Any:
+        """The `tokenizers` object, under transformers' name for it."""
+        return self.backend
+
+    def convert_ids_to_tokens(self, ids: int | list[int]) -> str | None | list[str | None]:
+        """The vocabulary piece of each id (None for an id outside the vocabulary), as transformers answers."""
+        return self.backend.id_to_token(ids) if isinstance(ids, int) else [self.backend.id_to_token(i) for i in ids]
+
+    def convert_tokens_to_ids(self, tokens: str | list[str]) -> int | None | list[int | None]:
+        """The id of each vocabulary piece (None for an unknown one)."""
+        if isinstance(tokens, str):
+            return self.backend.token_to_id(tokens)
+        return [self.backend.token_to_id(t) for t in tokens]
+
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False,
                             tokenize: bool = True, **kwargs: Any) -> str | list[int]:
         """The conversation through the folder's chat template: its text, or its token ids when tokenize=True."""
