@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import os
 import tempfile
@@ -56,6 +57,12 @@ class ObjectWriter:
         self.discard()
 
 
+WRITE_PROBE = ".sluice-write-check"
+# S3 error codes no retry can mend: the output location is wrong or this process may not write it
+PERMANENT_S3_ERRORS = {"AccessDenied", "AllAccessDisabled", "NoSuchBucket", "InvalidAccessKeyId",
+                       "SignatureDoesNotMatch", "InvalidBucketName", "AccountProblem"}
+
+
 class KeyOutsideRoot(ValueError):
     """A key that would resolve outside its storage root."""
 
@@ -101,6 +108,10 @@ class Storage(Protocol):
         """Keys under prefix, sorted."""
         ...
 
+    def check_writable(self) -> None:
+        """PermissionError naming the reason when this process can never write here (a transient failure is not)."""
+        ...
+
 
 class FileStorage:
     """Objects as files under a local directory; writes go through a temp file and an atomic rename."""
@@ -114,6 +125,12 @@ class FileStorage:
         if not path.is_relative_to(self.root.resolve()):
             raise KeyOutsideRoot(f"key escapes the storage root {self.url}: {key!r}")
         return path
+
+    def check_writable(self) -> None:
+        """PermissionError unless the root, or the nearest folder above it that exists, is a writable folder."""
+        existing = next((p for p in (self.root, *self.root.parents) if p.exists()), self.root)
+        if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+            raise PermissionError(f"{existing} is not a writable folder")
 
     def writer(self, key: str) -> ObjectWriter:
         """A temp file next to the object's path, renamed onto it (atomically) by commit()."""
@@ -181,6 +198,22 @@ class S3Storage:
     def put_file(self, key: str, path: Path) -> str:
         self.client.upload_file(str(path), self.bucket, self._key(key), Config=transfer_config())
         return f"s3://{self.bucket}/{self._key(key)}"
+
+    def check_writable(self) -> None:
+        """PermissionError when a probe object cannot be written for good (no such bucket, access denied, bad
+        credentials); the probe is removed again where deleting is allowed."""
+        from botocore.exceptions import ClientError
+
+        key = self._key(WRITE_PROBE)
+        try:
+            self.client.put_object(Bucket=self.bucket, Key=key, Body=b"")
+        except ClientError as exc:
+            code = exc.response.get("Error", {}).get("Code", "")
+            if code in PERMANENT_S3_ERRORS:
+                raise PermissionError(f"s3://{self.bucket}/{key}: {code}") from None
+            raise
+        with contextlib.suppress(ClientError):
+            self.client.delete_object(Bucket=self.bucket, Key=key)
 
     def writer(self, key: str) -> ObjectWriter:
         """A local temp file, uploaded by commit() (multipart when large) and then removed."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from sluice.contract.storage import FileStorage, MiB, S3Storage, open_storage, read_url
@@ -85,3 +87,26 @@ def test_file_storage_streams_writes_through_a_temp_file(tmp_path):
 def test_s3_storage_streams_writes_through_a_local_temp_file(s3_bucket, tmp_path, monkeypatch):
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     exercise_writer(open_storage(f"s3://{s3_bucket}/streamed"), tmp_path)
+
+
+def test_an_output_no_retry_can_write_is_told_from_one_that_can(s3_bucket, tmp_path):
+    """A missing bucket or a read-only folder is a PermissionError naming why; a writable bucket keeps no probe."""
+    from sluice.worker.terminal import output_problem
+
+    S3Storage(s3_bucket, "out").check_writable()
+    assert S3Storage(s3_bucket).keys() == []
+    with pytest.raises(PermissionError, match="NoSuchBucket"):
+        S3Storage(f"{s3_bucket}-missing", "out").check_writable()
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    FileStorage(tmp_path / "free" / "out").check_writable()
+    if os.geteuid() != 0:  # root writes anywhere
+        with pytest.raises(PermissionError, match="not a writable folder"):
+            FileStorage(locked / "out").check_writable()
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(PermissionError, match="not a writable folder"):
+        FileStorage(blocker / "out").check_writable()
+    missing = f"s3://{s3_bucket}-missing/out"
+    assert "NoSuchBucket" in output_problem(missing, [f"s3://{s3_bucket}-missing"])
+    assert output_problem(f"s3://{s3_bucket}/out", [f"s3://{s3_bucket}"]) is None

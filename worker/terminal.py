@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 
 import redis
 
@@ -50,10 +49,10 @@ def output_problem(url: str, roots: list[str]) -> str | None:
         storage = open_storage(check_output_url(url, roots))
     except (OutputNotAllowed, ValueError) as exc:
         return f"this worker may not write the batch's output: {exc}"
-    root = getattr(storage, "root", None)
-    if root is None:  # s3: only an upload can tell
-        return None
-    existing = next((p for p in (root, *root.parents) if p.exists()), root)
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        return f"this worker may not write the batch's output {url!r}: {existing} is not a writable folder"
+    try:
+        storage.check_writable()
+    except PermissionError as exc:
+        return f"this worker may not write the batch's output {url!r}: {exc}"
+    except Exception:  # transient (network, throttling): the shard's own writes retry as usual
+        log.warning("could not check the batch's output %s; running the shard", url, exc_info=True)
     return None
