@@ -33,6 +33,7 @@ def rss_bytes() -> int:
 def measure(mode: str, requests: int) -> dict:
     """One mode in this process: weight bytes, resident after warm-up and after the batch."""
     from quantization import weight_bytes
+
     from sluice.engine import LLM, SamplingParams
     from sluice.worker.metrics import warm_up
 

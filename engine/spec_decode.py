@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
+
 from sluice.engine.block_manager import BlockManager
 from sluice.engine.config import EngineConfig, SpeculativeConfig
 from sluice.engine.model_runner import ModelRunner

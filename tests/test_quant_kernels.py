@@ -6,9 +6,10 @@ replace."""
 from __future__ import annotations
 
 import pytest
+import torch
+
 import sluice.kernels.int4_weights as int4
 import sluice.kernels.int8_weights as int8
-import torch
 from sluice.engine import LLM, SamplingParams
 from sluice.kernels import cpu_isa
 from tests.tiers import tier_fixture

@@ -12,6 +12,7 @@ from sluice.producer.server.errors import APIError
 from sluice.producer.server.keys import ApiKey, KeyStore
 from sluice.producer.server.session import COOKIE, Sessions, cross_site
 
+
 @dataclass
 class ServerLimits:
     """Upload limits (OpenAI's defaults: 200 MB and 50,000 requests per batch file)."""

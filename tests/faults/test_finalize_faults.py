@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
+
 from sluice.contract.batch import TransitionError
 from sluice.contract.jobs import finalize_job_id
 from sluice.contract.storage import open_storage
 from sluice.producer import BatchStatus, Client
-
 from tests.faults.conftest import FAST, assert_exactly_once, request, spawn, wait_until
 from tests.services import stop_worker, worker_env
 

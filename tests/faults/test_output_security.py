@@ -11,6 +11,7 @@ import pytest
 from redis import Redis
 from rq.job import Job
 from rq.serializers import JSONSerializer
+
 from sluice.contract.batch import BatchStore
 from sluice.contract.jobs import shard_job_id
 from sluice.contract.schemas import Batch, BatchStatus, Request
@@ -18,8 +19,6 @@ from sluice.contract.storage import FileStorage, OutputNotAllowed, check_output_
 from sluice.producer.client import Client
 from sluice.worker.finalize import finalize_batch
 from sluice.worker.shards import ShardRun
-from tests.test_webhooks import ROOT
-
 from tests.test_webhooks import ROOT
 
 ROOTS = ["file:///srv/out", "s3://results/sluice", "s3://team-*"]
