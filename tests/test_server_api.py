@@ -68,8 +68,8 @@ def test_usage_grows_with_finished_shards_while_in_progress(stack):
     assert seen.status == "completed", seen
     assert running, "never saw the batch in progress with finished shards"
     for partial in running:  # request_counts move per request (live), usage per finished shard
-        assert partial.usage.output_tokens % 32 == 0 and partial.usage.output_tokens < 32 * 64
-        assert 0 < partial.usage.input_tokens < seen.usage.input_tokens
+        assert partial.usage.output_tokens % 32 == 0 and partial.usage.output_tokens <= 32 * 64
+        assert 0 < partial.usage.input_tokens <= seen.usage.input_tokens
         assert partial.usage.total_tokens == partial.usage.input_tokens + partial.usage.output_tokens
     assert seen.usage.output_tokens == 32 * 64
 
