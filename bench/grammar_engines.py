@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 from common import ROOT, record
-from schemas import SCHEMAS
+from grammar_schemas import SCHEMAS
 
 
 def allowed(mask_row: torch.Tensor, vocab: int) -> list[int]:

@@ -30,7 +30,7 @@ def sluice() -> None:
 # The worker loads none of the other commands' modules (the server's FastAPI, boto3, cron): its start-up is the
 # time to ready of every new GPU. These two import torch (seconds): loaded only for their own command or the list.
 if not WORKER_ONLY:
-    from sluice.cli.batches import batches_app
+    from sluice.cli.batch_commands import batches_app
     from sluice.cli.server import keys_app, serve
     from sluice.producer.cron import cron_app
     from sluice.worker.reaper import reaper_app

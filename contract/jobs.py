@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 QUEUES = ("high", "default", "low")
-RUN_SHARD = "sluice.worker.shards.run_shard"
+RUN_SHARD = "sluice.worker.shard_run.run_shard"
 FINALIZE = "sluice.worker.finalize.finalize_batch"
 MODELS = "sluice:models"  # hash: model name -> unix time a worker last became ready with it
 

@@ -27,7 +27,7 @@ from sluice.contract.schemas import (
 from sluice.contract.settings import Settings, get_settings
 from sluice.contract.signing import check_url
 from sluice.contract.storage import check_output_url, read_url
-from sluice.producer import shards
+from sluice.producer import sharding
 from sluice.producer.validation import Input, input_lines, validate_lines
 
 WINDOW = re.compile(r"^(\d+)([smhd])$")
@@ -145,7 +145,7 @@ class Client:
             return self._fail(batch.id, [LineError(code="input_unreadable", message=message)], 0)
         if checked.errors:
             return self._fail(batch.id, checked.errors, checked.num_lines)
-        chunks = shards.split(checked.requests, shard_size, checked.sizes, self.settings.max_shard_bytes)
+        chunks = sharding.split(checked.requests, shard_size, checked.sizes, self.settings.max_shard_bytes)
 
         def start(b: Batch) -> None:
             b.request_counts = RequestCounts(total=len(checked.requests))
@@ -153,7 +153,7 @@ class Client:
 
         try:
             self.batches.transition(batch.id, BatchStatus.in_progress, start)
-            shards.enqueue(self.connection, batch, chunks, self.settings)
+            sharding.enqueue(self.connection, batch, chunks, self.settings)
         except Exception as exc:
             message = f"{type(exc).__name__}: {exc}"
             return self._fail(
@@ -219,7 +219,7 @@ class Client:
         self.batches.transition(batch_id, BatchStatus.cancelling)
         self.batches.request_cancel(batch_id)
         if batch.num_shards:
-            shards.drop_queued(self.connection, batch_id, batch.num_shards)
+            sharding.drop_queued(self.connection, batch_id, batch.num_shards)
         return self.get(batch_id)
 
     def results(self, batch_id: str, errors: bool = False) -> Iterator[OutputRecord]:

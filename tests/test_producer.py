@@ -16,7 +16,7 @@ from sluice.contract.jobs import finalize_job_id, shard_job_id
 from sluice.contract.settings import Settings
 from sluice.producer import BatchStatus, Client
 from sluice.producer.client import window_seconds
-from sluice.producer.shards import queue_for
+from sluice.producer.sharding import queue_for
 from sluice.producer.validation import validate_lines
 from sluice.worker.finalize import finalize_batch
 
@@ -92,7 +92,7 @@ def test_submit_enqueues_json_shards_and_a_finalize_job_depending_on_them(redis_
     assert queue.job_ids == [shard_job_id(batch.id, n) for n in range(3)]
     data = client.connection.hget(Job.key_for(shard_job_id(batch.id, 2)), "data")
     func, _, args, _ = json.loads(zlib.decompress(data))
-    assert func == "sluice.worker.shards.run_shard" and [r["custom_id"] for r in args[2]] == ["r8", "r9"]
+    assert func == "sluice.worker.shard_run.run_shard" and [r["custom_id"] for r in args[2]] == ["r8", "r9"]
     finalize = Job.fetch(finalize_job_id(batch.id), connection=client.connection, serializer=JSONSerializer)
     assert finalize.get_status() == JobStatus.DEFERRED
     assert set(finalize._dependency_ids) == set(queue.job_ids)

@@ -114,7 +114,7 @@ def test_graph_is_read():
              "sluice.cli.main"}
     assert names <= set(graph)
     assert "sluice.contract.batch" in graph["sluice.worker.worker"]
-    assert "sluice.producer.client" in graph["sluice.cli.batches"]
+    assert "sluice.producer.client" in graph["sluice.cli.batch_commands"]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
@@ -163,3 +163,27 @@ def test_tests_and_benchmarks_import_no_bare_folder_name_even_in_child_code():
         for match in pattern.finditer(path.read_text())
     ]
     assert found == []
+
+
+# pytest's own file name, one per test folder by design.
+SHARED_BASENAMES = {"__init__.py", "conftest.py"}
+
+
+def shared_basenames(paths: list[Path]) -> dict[str, list[str]]:
+    """Basename → the files that carry it, for every basename held by more than one file (bar SHARED_BASENAMES)."""
+    holders: dict[str, list[str]] = {}
+    for path in paths:
+        if path.name not in SHARED_BASENAMES:
+            holders.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    return {name: files for name, files in holders.items() if len(files) > 1}
+
+
+def test_no_two_files_share_a_name():
+    """One file name per concept: `shards.py` in two folders reads as one module in a traceback or a grep."""
+    folders = (*PACKAGES, "bench", "tests", "examples", "models", "sluice")
+    paths = sorted(p for folder in folders for p in (ROOT / folder).rglob("*.py"))
+    assert len(paths) > 100
+    assert shared_basenames([ROOT / "a/x.py", ROOT / "b/x.py", ROOT / "c/conftest.py", ROOT / "d/conftest.py"]) == {
+        "x.py": ["a/x.py", "b/x.py"]
+    }
+    assert shared_basenames(paths) == {}

@@ -15,7 +15,7 @@ from rq.serializers import JSONSerializer
 from sluice.contract.jobs import finalize_job_id, shard_job_id
 from sluice.engine import LLM, SamplingParams
 from sluice.producer import BatchStatus, Client
-from sluice.producer.shards import queue_for
+from sluice.producer.sharding import queue_for
 from sluice.worker.worker import EngineWorker
 
 

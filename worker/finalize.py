@@ -20,7 +20,7 @@ from sluice.contract.settings import get_settings
 from sluice.contract.storage import OutputNotAllowed, Storage, object_lines, open_output
 from sluice.worker.faults import faults
 from sluice.worker.responses import ABORT_CODES, error_record
-from sluice.worker.shards import shard_key
+from sluice.worker.shard_run import shard_key
 from sluice.worker.terminal import OUTPUT_NOT_ALLOWED, fail_batch
 
 MISSING = {JobStatus.CANCELED: "batch_cancelled", JobStatus.FAILED: "shard_failed"}

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make
 
 from sluice.contract.jobs import MODELS
 from sluice.engine import SamplingParams
-from sluice.worker.shards import model_name
+from sluice.worker.shard_run import model_name
 
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 

@@ -24,7 +24,7 @@ from sluice.worker.metrics import shard_finished
 from sluice.worker.outage import OUTAGE, RqOutageFilter
 from sluice.worker.responses import ABORT_CODES
 from sluice.worker.rq_jobs import REDIS_ERRORS, JobsWorker
-from sluice.worker.shards import ShardRun, model_name, output_refusal, stop_reason
+from sluice.worker.shard_run import ShardRun, model_name, output_refusal, stop_reason
 from sluice.worker.terminal import OUTPUT_NOT_ALLOWED, fail_batch
 
 CANCEL_POLL_S = 0.5

@@ -11,7 +11,7 @@ from fastapi.responses import PlainTextResponse, Response
 from sluice.contract.logs import escape_control
 from sluice.contract.settings import Settings, get_settings
 from sluice.producer.client import Client
-from sluice.producer.server import batches, dashboard, files, metrics, models
+from sluice.producer.server import batches, dashboard, files, fleet_metrics, models
 from sluice.producer.server.context import Context, ServerLimits
 from sluice.producer.server.errors import REDIS_DOWN, error_response, install
 from sluice.producer.server.keys import KeyStore
@@ -31,8 +31,8 @@ def create_app(settings: Settings | None = None, limits: ServerLimits | None = N
         app.include_router(module.router)
     app.middleware("http")(security_headers)
     app.middleware("http")(access_log)
-    app.state.metrics_registry = metrics.registry_for(client.connection)
-    app.add_api_route("/metrics", metrics.metrics, methods=["GET"], include_in_schema=False)
+    app.state.metrics_registry = fleet_metrics.registry_for(client.connection)
+    app.add_api_route("/metrics", fleet_metrics.metrics, methods=["GET"], include_in_schema=False)
     app.add_api_route("/healthz", healthz, methods=["GET"], include_in_schema=False)
     app.add_api_route("/readyz", readyz, methods=["GET"], include_in_schema=False)
     return app

@@ -17,7 +17,7 @@ from sluice.contract.storage import open_storage
 from sluice.producer import BatchStatus, Client
 from sluice.worker.finalize import finalize
 from sluice.worker.reaper import Reaper
-from sluice.worker.shards import shard_key
+from sluice.worker.shard_run import shard_key
 from tests.faults.conftest import assert_exactly_once, request
 
 

@@ -154,7 +154,7 @@ RAISING_TEMPLATE = (
 
 def test_a_raising_chat_template_or_unknown_model_fails_only_that_request(tiny_llama):
     from sluice.engine import LLM
-    from sluice.worker.shards import ShardRun, model_name
+    from sluice.worker.shard_run import ShardRun, model_name
 
     llm = LLM(str(tiny_llama), dtype="float32", device="cpu")
     llm.tokenizer.chat_template = RAISING_TEMPLATE

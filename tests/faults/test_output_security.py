@@ -18,7 +18,7 @@ from sluice.contract.schemas import Batch, BatchStatus, Request
 from sluice.contract.storage import FileStorage, OutputNotAllowed, check_output_url, open_storage
 from sluice.producer.client import Client
 from sluice.worker.finalize import finalize_batch
-from sluice.worker.shards import ShardRun
+from sluice.worker.shard_run import ShardRun
 from tests.test_webhooks import ROOT
 
 ROOTS = ["file:///srv/out", "s3://results/sluice", "s3://team-*"]

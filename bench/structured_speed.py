@@ -1,6 +1,6 @@
 """Decode throughput with structured outputs vs the same prompts unconstrained, both in one run.
 
-python bench/structured.py [--batch 32] [--max-tokens 64] [--rounds 2] [--model models/sluice-tiny]
+python bench/structured_speed.py [--batch 32] [--max-tokens 64] [--rounds 2] [--model models/sluice-tiny]
 Each request is constrained to a JSON schema whose one string property is free text, so constrained requests
 decode about as long as unconstrained ones; rounds alternate unconstrained and constrained."""
 

@@ -1,6 +1,6 @@
 """CPU decode attention over the paged KV cache: our kernel against torch's (gather the blocks, then SDPA).
 
-python bench/attention.py [--batches 8,64] [--contexts 192,1024] [--layers 12]
+python bench/attention_speed.py [--batches 8,64] [--contexts 192,1024] [--layers 12]
 
 One query token per sequence (a decode step), the bench model's heads (12 query, 4 kv, head dim 64), each of
 `--layers` layers with its own pool so that the step's keys and values stream from memory as in the engine;
