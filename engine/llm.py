@@ -84,6 +84,32 @@ class LLM:
             ids.append(rid)
         return [out.prompt_logits for out in self._drain(ids, progress)]
 
+    # The serving surface: what a worker loop drives (one continuous batch, requests added and aborted by id).
+    @property
+    def max_num_seqs(self) -> int:
+        """How many requests may run at once."""
+        return self.config.max_num_seqs
+
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None) -> None:
+        """Queue a request under request_id; raise RequestRejected if it can never run."""
+        self.engine.add_request(request_id, prompt, params)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine iteration; the outputs of the requests that finished in it."""
+        return self.engine.step()
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; its partial output comes back from the next step()."""
+        self.engine.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        """Whether any request is still waiting, running or has an abort to report."""
+        return self.engine.has_unfinished()
+
+    def num_unfinished(self) -> int:
+        """Requests waiting or running."""
+        return self.engine.num_unfinished()
+
     def stats(self) -> dict[str, Any]:
         """KV cache use, prefix-cache hit rate, queue sizes and token counters."""
         return self.engine.stats()

@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 from sluice.contract.batch import BatchStore, TransitionError, new_batch_id
 from sluice.contract.events import notify
 from sluice.contract.jobs import QUEUES
+from sluice.contract.queues import drop_unclaimed
 from sluice.contract.schemas import (
     CHAT,
     COMPLETIONS,
@@ -219,7 +220,7 @@ class Client:
         self.batches.transition(batch_id, BatchStatus.cancelling)
         self.batches.request_cancel(batch_id)
         if batch.num_shards:
-            sharding.drop_queued(self.connection, batch_id, batch.num_shards)
+            drop_unclaimed(self.connection, batch_id, batch.num_shards)
         return self.get(batch_id)
 
     def results(self, batch_id: str, errors: bool = False) -> Iterator[OutputRecord]:

@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import re
+import signal
 import time
 import uuid
 from datetime import UTC, datetime
@@ -23,6 +24,7 @@ from rq.cron import CronJob, CronScheduler
 from rq.exceptions import StopRequested
 from rq.utils import now
 
+from sluice.contract.rq_adapter import set_cron_jobs
 from sluice.contract.schemas import Priority
 from sluice.contract.settings import default_redis_url, get_settings, output_url_if_set
 from sluice.contract.signing import check_url, parse_duration
@@ -255,17 +257,15 @@ class PipelineScheduler(CronScheduler):
     def sync(self) -> None:
         """Pick up added, changed and removed pipelines."""
         definitions = {p.name: p for p in list_pipelines(self.connection)}
-        jobs = {job.args[0]: job for job in self._cron_jobs}
-        self._cron_jobs = [
-            jobs[name] if self._definitions.get(name) == p else self._cron_job(p)
-            for name, p in definitions.items()
-        ]
+        jobs = {job.args[0]: job for job in self.get_jobs()}
+        fresh = [jobs[name] if self._definitions.get(name) == p else self._cron_job(p) for name, p in definitions.items()]
+        set_cron_jobs(self, fresh)
         self._definitions = definitions
 
     def enqueue_jobs(self) -> list[CronJob]:
         """Run the ticks that are due (instead of enqueueing them) and return their cron jobs."""
         self.sync()
-        due = [job for job in self._cron_jobs if job.should_run()]
+        due = [job for job in self.get_jobs() if job.should_run()]
         for job in due:
             if self._stopping:  # the rest wait for the next scheduler
                 break
@@ -281,7 +281,7 @@ class PipelineScheduler(CronScheduler):
     def calculate_sleep_interval(self) -> float:
         return min(super().calculate_sleep_interval(), self.poll_s)
 
-    def _request_stop(self, signum, frame) -> None:
+    def request_stop(self, signum: int, frame: Any) -> None:
         """SIGTERM/SIGINT: stop after the tick in flight (a flag, not an exception raised inside boto3 or redis
         code that may swallow it); a second signal interrupts the tick."""
         if self._stopping:
@@ -298,7 +298,8 @@ class PipelineScheduler(CronScheduler):
     def start(self) -> None:
         """Tick due pipelines until SIGTERM/SIGINT, then leave rq's scheduler registry (idle: within
         STOP_POLL_S of the signal)."""
-        self._install_signal_handlers()
+        signal.signal(signal.SIGINT, self.request_stop)
+        signal.signal(signal.SIGTERM, self.request_stop)
         self.register_birth()
         try:
             while not self._stopping:

@@ -6,16 +6,15 @@ from collections.abc import Sequence
 
 import redis
 from rq import Queue, Retry
-from rq.job import Dependency, Job, JobStatus
-from rq.serializers import JSONSerializer
+from rq.job import Dependency
 
 from sluice.contract.jobs import FINALIZE, RUN_SHARD, finalize_job_id, shard_job_id
+from sluice.contract.queues import queue_for
 from sluice.contract.schemas import Batch, Request
 from sluice.contract.settings import Settings
 from sluice.producer.validation import Requests
 
 PIPELINE_BYTES = 2 * 1024 * 1024
-DROPPABLE = (JobStatus.QUEUED, JobStatus.DEFERRED, JobStatus.SCHEDULED)
 
 
 def split(
@@ -42,11 +41,6 @@ def split(
 def retry_policy(retries: int, settings: Settings) -> Retry | None:
     """rq retries with backoff (SLUICE_RETRY_BACKOFF seconds, the last one repeated)."""
     return Retry(max=retries, interval=list(settings.retry_backoff)) if retries else None
-
-
-def queue_for(connection: redis.Redis, name: str) -> Queue:
-    """An rq queue that (de)serializes jobs as JSON, never pickle."""
-    return Queue(name, connection=connection, serializer=JSONSerializer)
 
 
 def _payload(chunk: Sequence[Request]) -> list[dict]:
@@ -96,16 +90,3 @@ def enqueue(
         retry=retry_policy(settings.finalize_retries, settings),
     )
     return len(chunks)
-
-
-def drop_queued(connection: redis.Redis, batch_id: str, num_shards: int) -> int:
-    """Cancel the batch's shards that no worker has claimed; the finalize job stops waiting for them."""
-    finalize = Job.fetch(finalize_job_id(batch_id), connection=connection, serializer=JSONSerializer)
-    dropped = 0
-    for n in range(num_shards):
-        job = Job.fetch(shard_job_id(batch_id, n), connection=connection, serializer=JSONSerializer)
-        if job.get_status() in DROPPABLE:
-            connection.srem(finalize.dependencies_key, job.id)
-            job.cancel(enqueue_dependents=True)
-            dropped += 1
-    return dropped

@@ -13,10 +13,10 @@ from rq.serializers import JSONSerializer
 
 from sluice.contract.batch import TransitionError
 from sluice.contract.jobs import finalize_job_id, shard_job_id
+from sluice.contract.queues import queue_for
 from sluice.contract.settings import Settings
 from sluice.producer import BatchStatus, Client
 from sluice.producer.client import window_seconds
-from sluice.producer.sharding import queue_for
 from sluice.producer.validation import validate_lines
 from sluice.worker.finalize import finalize_batch
 

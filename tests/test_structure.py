@@ -187,3 +187,21 @@ def test_no_two_files_share_a_name():
         "x.py": ["a/x.py", "b/x.py"]
     }
     assert shared_basenames(paths) == {}
+
+
+def engine_reaches(source: str) -> list[str]:
+    """Every `<x>.engine` attribute read in source: a reach past `LLM`'s public surface into the engine."""
+    return [ast.unparse(node) for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Attribute)
+            and node.attr == "engine"]  # fmt: skip
+
+
+def test_the_worker_drives_the_engine_only_through_llm():
+    """worker/ calls LLM.add_request/step/abort/has_unfinished/num_unfinished, never `llm.engine.*`."""
+    assert engine_reaches("llm.engine.step()\nself.llm.engine.abort(r)\nllm.step()") == ["llm.engine", "self.llm.engine"]
+    found = {str(p.relative_to(ROOT)): engine_reaches(p.read_text()) for p in sorted((ROOT / "worker").rglob("*.py"))}
+    assert len(found) > 10
+    assert {path: reaches for path, reaches in found.items() if reaches} == {}
+    from sluice.engine import LLM
+
+    surface = ("add_request", "step", "abort", "has_unfinished", "num_unfinished", "stats", "max_num_seqs")
+    assert all(getattr(LLM, name).__doc__ for name in surface)

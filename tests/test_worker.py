@@ -13,9 +13,9 @@ from rq.registry import FinishedJobRegistry, StartedJobRegistry
 from rq.serializers import JSONSerializer
 
 from sluice.contract.jobs import finalize_job_id, shard_job_id
+from sluice.contract.queues import queue_for
 from sluice.engine import LLM, SamplingParams
 from sluice.producer import BatchStatus, Client
-from sluice.producer.sharding import queue_for
 from sluice.worker.worker import EngineWorker
 
 

@@ -8,7 +8,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from socketserver import ThreadingMixIn
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
@@ -16,6 +16,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make
 from sluice.contract.jobs import MODELS
 from sluice.engine import SamplingParams
 from sluice.worker.shard_run import model_name
+
+if TYPE_CHECKING:
+    from sluice.engine import LLM
 
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -62,9 +65,9 @@ class WorkerMetrics:
         self._seen = {"prompt_tokens": 0, "generated_tokens": 0}
         self.is_ready = False
 
-    def instrument(self, engine: Any) -> None:
-        """Time every engine.step and count its finished requests and tokens (no change to the worker loop)."""
-        step = engine.step
+    def instrument(self, llm: LLM) -> None:
+        """Time every llm.step and count its finished requests and tokens (no change to the worker loop)."""
+        step = llm.step
 
         def measured_step() -> list:
             start = time.perf_counter()
@@ -72,15 +75,15 @@ class WorkerMetrics:
             self.step_seconds.observe(time.perf_counter() - start)
             for out in outs:
                 self.requests.labels("error" if out.error else (out.finish_reason or "unknown")).inc()
-            self.sample(engine)
+            self.sample(llm)
             return outs
 
-        engine.step = measured_step
-        self.sample(engine)
+        llm.step = measured_step  # type: ignore[method-assign]
+        self.sample(llm)
 
-    def sample(self, engine: Any) -> None:
-        """Refresh the engine gauges and token counters from engine.stats()."""
-        stats = engine.stats()
+    def sample(self, llm: LLM) -> None:
+        """Refresh the engine gauges and token counters from llm.stats()."""
+        stats = llm.stats()
         self.kv_usage.set(stats["kv_blocks_used"] / max(1, stats["kv_blocks_total"]))
         self.running.set(stats["num_running"])
         self.waiting.set(stats["num_waiting"])
@@ -111,13 +114,13 @@ def shard_finished(outcome: str) -> None:
     METRICS.shard_finished(outcome)
 
 
-def warm_up(llm: Any) -> int:
+def warm_up(llm: LLM) -> int:
     """One engine step over a one-token prompt (the shape of a decode step): proves the model runs end to end
     and pays the kernels' lazy set-up before the first claim; returns the steps it took (1)."""
-    llm.engine.add_request("warmup", [1], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    llm.add_request("warmup", [1], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
     steps = 0
-    while llm.engine.has_unfinished():
-        llm.engine.step()
+    while llm.has_unfinished():
+        llm.step()
         steps += 1
     return steps
 
@@ -175,11 +178,11 @@ def start_metrics(port: int | None, model: str) -> WorkerMetrics:
     return METRICS
 
 
-def become_ready(metrics: WorkerMetrics, llm: Any, connection: Any, warm: bool = True) -> float:
+def become_ready(metrics: WorkerMetrics, llm: LLM, connection: Any, warm: bool = True) -> float:
     """Warm the engine up, instrument it, announce its model and mark the worker ready; returns time to ready."""
     if warm:
         warm_up(llm)
-    metrics.instrument(llm.engine)
+    metrics.instrument(llm)
     announce(connection, model_name(llm))
     seconds = metrics.ready()
     logging.getLogger("sluice.worker").info(

@@ -25,6 +25,7 @@ import typer
 
 from sluice.contract.batch import INDEX, BatchStore, batch_key
 from sluice.contract.jobs import QUEUES, finalize_job_id, shard_job_id
+from sluice.contract.queues import drop_unclaimed, fetch, status
 from sluice.contract.schemas import Batch, BatchStatus
 from sluice.contract.settings import Settings, get_settings
 from sluice.worker import rq_jobs
@@ -86,15 +87,15 @@ class Reaper:
         shard_ids = [shard_job_id(batch.id, n) for n in range(batch.num_shards)]
         if batch.status == BatchStatus.in_progress and batch.expires_at is not None and now > batch.expires_at:
             if self.seen(batch.id, "expired"):
-                report["shards_expired"] += rq_jobs.drop_waiting(self.connection, finalize_job_id(batch.id), shard_ids)
-        shards = rq_jobs.fetch(self.connection, shard_ids)
+                report["shards_expired"] += drop_unclaimed(self.connection, batch.id, batch.num_shards)
+        shards = fetch(self.connection, shard_ids)
         for job in shards:
             if job is not None and rq_jobs.lost(self.connection, job) and self.seen(job.id, "lost"):
                 rq_jobs.requeue(self.connection, job)
                 report["shards_requeued"] += 1
-        final = rq_jobs.fetch(self.connection, [finalize_job_id(batch.id)])[0]
-        ended = all(rq_jobs.status(j) in ENDED for j in shards)
-        if ended and rq_jobs.status(final) != "started" and self.seen(batch.id, "unfinalized"):
+        final = fetch(self.connection, [finalize_job_id(batch.id)])[0]
+        ended = all(status(j) in ENDED for j in shards)
+        if ended and status(final) != "started" and self.seen(batch.id, "unfinalized"):
             self.finalize(batch, final, report)
 
     def finalize(self, batch: Batch, final: object, report: Counter) -> None:
@@ -105,7 +106,7 @@ class Reaper:
             raise
         except Exception as exc:
             log.warning("reaper: finalizing %s failed: %s", batch.id, exc)
-            if rq_jobs.status(final) in ENDED:
+            if status(final) in ENDED:
                 self.fail(batch.id, "finalize_failed", f"the batch could not be finalized: {exc}")
                 report["finalize_failed"] += 1
 

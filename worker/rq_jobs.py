@@ -1,7 +1,8 @@
 """The worker's whole coupling to rq (3.x): claim jobs, keep their heartbeats, finish, fail, hand back, wait.
 
 An rq `SimpleWorker` that holds many jobs at once (the engine loop in `worker.py` drives it). Only this
-module touches rq's worker internals; the rest of the worker sees jobs, queues and a few verbs.
+module drives rq's worker; the private steps it needs go through `contract/rq_adapter.py`, and the rest of
+the worker sees jobs, queues and a few verbs.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from rq.timeouts import JobTimeoutException
 from rq.utils import now
 
 from sluice.contract.jobs import FINALIZE, RUN_SHARD
+from sluice.contract.queues import queue_for, status
+from sluice.contract.rq_adapter import fail_job, finish_job, pubsub_error_handler
 
 ALLOWED_FUNCTIONS = frozenset({RUN_SHARD, FINALIZE})
 RETRY_POLL_S = 1.0
@@ -66,7 +69,7 @@ class JobsWorker(SimpleWorker):
         self.pubsub = self.connection.pubsub()
         self.pubsub.subscribe(**{self.pubsub_channel_name: self.handle_payload})
         self.pubsub_thread = self.pubsub.run_in_thread(
-            sleep_time=PUBSUB_POLL_S, daemon=True, exception_handler=self._pubsub_exception_handler
+            sleep_time=PUBSUB_POLL_S, daemon=True, exception_handler=pubsub_error_handler(self)
         )
 
     def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
@@ -143,14 +146,14 @@ class JobsWorker(SimpleWorker):
         """Record the held job as finished (dependents enqueued); on a Redis error it stays held."""
         with self._lock:
             held = self.held[job_id]
-            self._finalize_success(held.job, held.queue, held.execution, result)
+            finish_job(self, held.job, held.queue, held.execution, result)
             del self.held[job_id]
 
     def fail(self, job_id: str, exc_info: Any = None) -> None:
         """Record the held job as failed: rq retries it after its backoff while it has retries left."""
         with self._lock:
             held = self.held[job_id]
-            self._finalize_failure(held.job, held.queue, held.execution, exc_info or sys.exc_info())
+            fail_job(self, held.job, held.queue, held.execution, exc_info or sys.exc_info())
             del self.held[job_id]
 
     def fail_for_good(self, job_id: str, exc: Exception) -> None:
@@ -222,20 +225,10 @@ class JobsWorker(SimpleWorker):
             pass
 
 
-def fetch(connection: redis.Redis, job_ids: list[str]) -> list[Job | None]:
-    """The jobs with these ids (None for those gone), read with the JSON serializer."""
-    return Job.fetch_many(job_ids, connection=connection, serializer=JSONSerializer)
-
-
-def status(job: Job | None) -> str | None:
-    """rq's status of a fetched job as a plain string ('queued', 'started', 'finished', ...)."""
-    return None if job is None else str(job.get_status(refresh=False).value)
-
-
 def lost(connection: redis.Redis, job: Job) -> bool:
     """A job marked queued that sits in no queue, or started that no worker's execution holds (dequeued by
     a worker that then died): nothing would ever run it again."""
-    queue = Queue(job.origin, connection=connection, serializer=JSONSerializer)
+    queue = queue_for(connection, job.origin)
     state = status(job)
     if state == "queued":
         return connection.lpos(queue.key, job.id) is None and connection.lpos(queue.intermediate_queue_key, job.id) is None
@@ -254,18 +247,4 @@ def clean_abandoned(connection: redis.Redis, queue_names: Iterable[str]) -> None
 
 def requeue(connection: redis.Redis, job: Job) -> None:
     """Put a lost job back at the front of its queue."""
-    Queue(job.origin, connection=connection, serializer=JSONSerializer).enqueue_job(job, at_front=True)
-
-
-def drop_waiting(connection: redis.Redis, finalize_id: str, job_ids: list[str]) -> int:
-    """Cancel the jobs no worker has claimed yet; the finalize job (if the submit got to enqueue it) stops
-    waiting for them."""
-    [finalize] = fetch(connection, [finalize_id])
-    dropped = 0
-    for job in fetch(connection, job_ids):
-        if job is not None and status(job) in ("queued", "deferred", "scheduled"):
-            if finalize is not None:
-                connection.srem(finalize.dependencies_key, job.id)
-            job.cancel(enqueue_dependents=True)
-            dropped += 1
-    return dropped
+    queue_for(connection, job.origin).enqueue_job(job, at_front=True)

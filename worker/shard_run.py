@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 from pydantic import ValidationError
@@ -18,6 +18,9 @@ from sluice.contract.storage import open_output
 from sluice.worker.faults import faults
 from sluice.worker.responses import ABORT_CODES, error_record, output_record
 from sluice.worker.terminal import OUTPUT_NOT_ALLOWED, fail_batch, output_problem
+
+if TYPE_CHECKING:
+    from sluice.engine import LLM
 
 
 def shard_key(batch_id: str, shard: int) -> str:
@@ -50,12 +53,12 @@ class ChatTemplateError(ValueError):
     """A conversation the model's chat template refused or failed to render."""
 
 
-def served_models(llm: Any) -> set[str]:
+def served_models(llm: LLM) -> set[str]:
     """Names requests may give as `model`: the checkpoint folder's name plus SLUICE_SERVED_MODELS."""
     return {model_name(llm), *get_settings().served_model_names()}
 
 
-def prepare(llm: Any, request: Request, served: set[str]) -> tuple[Any, Any]:
+def prepare(llm: LLM, request: Request, served: set[str]) -> tuple[Any, Any]:
     """The prompt (a chat rendered through the model's template) and sampling parameters of a request."""
     from sluice.engine import SamplingParams
 
@@ -96,19 +99,19 @@ class ShardRun:
     def done(self) -> bool:
         return not self.pending
 
-    def start(self, llm: Any, key: str | None = None) -> None:
+    def start(self, llm: LLM, key: str | None = None) -> None:
         """Add every request to the engine as `{key}/{i}` (key: the rq execution; default the job id)."""
         served = served_models(llm)
         for i, request in enumerate(self.requests):
             self.add(llm, f"{key or self.job_id}/{i}", request, served)
 
-    def add(self, llm: Any, rid: str, request: Request, served: set[str] | None = None) -> None:
+    def add(self, llm: LLM, rid: str, request: Request, served: set[str] | None = None) -> None:
         """Add one request to the engine as rid; one it cannot run (or even render) becomes an error record."""
         from sluice.engine import RequestRejected  # torch: see shared_llm
 
         try:
             prompt, params = prepare(llm, request, served or served_models(llm))
-            llm.engine.add_request(rid, prompt, params)
+            llm.add_request(rid, prompt, params)
         except RequestRejected as exc:
             self.fail(request, "request_rejected", str(exc))
         except ModelNotServed as exc:
@@ -142,11 +145,11 @@ class ShardRun:
         completed = [i for i in ids if self.records[i].error is None]
         store.record_progress(self.batch_id, completed, [i for i in ids if self.records[i].error is not None])
 
-    def abort(self, llm: Any, code: str) -> None:
+    def abort(self, llm: LLM, code: str) -> None:
         """Abort the running requests; their records come with the next engine steps."""
         self.abort_code = code
         for rid in self.pending:
-            llm.engine.abort(rid)
+            llm.abort(rid)
 
     def counts(self) -> tuple[int, int]:
         failed = sum(1 for r in self.records.values() if r.error is not None)
@@ -176,7 +179,7 @@ def records_jsonl(records: Any) -> bytes:
     return b"".join(r.model_dump_json().encode() + b"\n" for r in records)
 
 
-def model_name(llm: Any) -> str:
+def model_name(llm: LLM) -> str:
     """The name reported in response bodies: the checkpoint folder's name."""
     return Path(str(llm.config.model)).name
 
@@ -214,6 +217,6 @@ def run_shard(batch_id: str, shard: int, requests: list[dict[str, Any]]) -> dict
     llm = shared_llm()
     run.start(llm)
     while not run.done:
-        for out in llm.engine.step():
+        for out in llm.step():
             run.finish(out, model_name(llm))
     return run.save(connection)

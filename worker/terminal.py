@@ -8,10 +8,9 @@ import redis
 
 from sluice.contract.batch import BatchStore, TransitionError, progress_key
 from sluice.contract.events import notify
-from sluice.contract.jobs import finalize_job_id, shard_job_id
+from sluice.contract.queues import drop_unclaimed
 from sluice.contract.schemas import Batch, BatchStatus, LineError, RequestCounts
 from sluice.contract.storage import OutputNotAllowed, check_output_url, open_storage
-from sluice.worker.rq_jobs import drop_waiting
 
 log = logging.getLogger(__name__)
 OUTPUT_NOT_ALLOWED = "output_not_allowed"
@@ -36,7 +35,7 @@ def fail_batch(connection: redis.Redis, batch_id: str, code: str, message: str) 
         return None
     store.request_cancel(batch_id)  # workers abort whatever of it still runs
     connection.delete(progress_key(batch_id, "completed"), progress_key(batch_id, "failed"))
-    drop_waiting(connection, finalize_job_id(batch_id), [shard_job_id(batch_id, n) for n in range(batch.num_shards)])
+    drop_unclaimed(connection, batch_id, batch.num_shards)
     log.warning("batch %s %s: %s: %s", batch_id, batch.status.value, code, message)
     if batch.webhook:
         notify(connection, batch)

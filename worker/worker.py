@@ -7,7 +7,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rq.exceptions import StopRequested
 from rq.job import Job
@@ -15,6 +15,7 @@ from rq.queue import Queue
 
 from sluice.contract.batch import BatchStore
 from sluice.contract.jobs import RUN_SHARD
+from sluice.contract.rq_adapter import request_worker_stop
 from sluice.contract.schemas import Request
 from sluice.contract.settings import get_settings
 from sluice.contract.storage import OutputNotAllowed
@@ -26,6 +27,9 @@ from sluice.worker.responses import ABORT_CODES
 from sluice.worker.rq_jobs import REDIS_ERRORS, JobsWorker
 from sluice.worker.shard_run import ShardRun, model_name, output_refusal, stop_reason
 from sluice.worker.terminal import OUTPUT_NOT_ALLOWED, fail_batch
+
+if TYPE_CHECKING:
+    from sluice.engine import LLM
 
 CANCEL_POLL_S = 0.5
 CLAIM_POLL_S = 0.05
@@ -43,7 +47,7 @@ class EngineWorker(JobsWorker):
     def __init__(
         self,
         queues: list[str],
-        llm: Any,
+        llm: LLM,
         connection: Any,
         heartbeat_ttl: int = 30,
         grace: float = 60.0,
@@ -95,7 +99,7 @@ class EngineWorker(JobsWorker):
     def request_stop(self, signum: int, frame: Any) -> None:
         """SIGTERM/SIGINT: stop claiming, finish in-flight shards within the grace period; twice: hand back now."""
         self.log.info("Worker %s: stop requested (signal %s), %d shard(s) in flight", self.name, signum, len(self.runs))
-        self._stop_requested = True
+        request_worker_stop(self)
         self.stop_deadline = time.monotonic() + self.grace if self.stop_deadline is None else time.monotonic()
         if self.idle and not self.runs:
             raise StopRequested()
@@ -151,7 +155,7 @@ class EngineWorker(JobsWorker):
             self._abort_stopped_batches()
 
     def _has_room(self) -> bool:
-        return self.llm.engine.num_unfinished() < self.llm.config.max_num_seqs
+        return self.llm.num_unfinished() < self.llm.max_num_seqs
 
     def _claim(self) -> bool:
         """Take jobs from the queues (in priority order) while the engine has room; polls at most every 50 ms."""
@@ -204,7 +208,7 @@ class EngineWorker(JobsWorker):
     def _step(self) -> None:
         try:
             self._injected_step_fault()
-            self._collect(self.llm.engine.step())
+            self._collect(self.llm.step())
         except Exception as exc:
             self._isolate(exc)
         self._report_progress()
@@ -270,7 +274,7 @@ class EngineWorker(JobsWorker):
 
     def _abort_pending(self, run: ShardRun | None) -> None:
         for rid in list(run.pending if run is not None else ()):
-            self.llm.engine.abort(rid)
+            self.llm.abort(rid)
             self.owner.pop(rid, None)
 
     def _drop_run(self, job_id: str) -> None:
@@ -290,9 +294,9 @@ class EngineWorker(JobsWorker):
 
     def _flush_engine(self) -> None:
         for _ in range(3):
-            if not self.llm.engine.has_unfinished():
+            if not self.llm.has_unfinished():
                 return
-            self.llm.engine.step()
+            self.llm.step()
         raise EngineBroken("the engine still has requests after aborting them all")
 
     def _injected_step_fault(self) -> None:
@@ -329,9 +333,9 @@ class EngineWorker(JobsWorker):
             run.add(self.llm, new, request)
             if new in run.pending:
                 self.owner[new] = job_id
-        while self.llm.engine.has_unfinished():
+        while self.llm.has_unfinished():
             self._injected_step_fault()
-            self._collect(self.llm.engine.step())
+            self._collect(self.llm.step())
 
     def _fail_request(self, job_id: str, request: Request, err: Exception) -> None:
         run = self.runs[job_id]
@@ -348,7 +352,7 @@ class EngineWorker(JobsWorker):
     def _reset_engine(self) -> None:
         """Abort everything in flight and drain the engine; the runs keep those requests pending."""
         for rid in list(self.owner):
-            self.llm.engine.abort(rid)
+            self.llm.abort(rid)
             del self.owner[rid]
         try:
             self._flush_engine()

@@ -9,9 +9,9 @@ import redis
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
+from sluice.contract.queues import queue_for
 from sluice.engine import LLM, RequestRejected, SamplingParams
 from sluice.producer import BatchStatus, Client
-from sluice.producer.sharding import queue_for
 from sluice.worker.worker import EngineWorker
 from tests.faults.conftest import assert_exactly_once, request, spawn, wait_until
 from tests.services import stop_worker

@@ -1,0 +1,42 @@
+"""The batch's rq queues and jobs as both sides see them: JSON-serialized queues, fetching jobs, cancelling the
+shards no worker has claimed (a producer's cancel, a worker's fail or expiry)."""
+
+from __future__ import annotations
+
+import redis
+from rq import Queue
+from rq.job import Job
+from rq.serializers import JSONSerializer
+
+from sluice.contract.jobs import finalize_job_id, shard_job_id
+
+UNCLAIMED = ("queued", "deferred", "scheduled")
+
+
+def queue_for(connection: redis.Redis, name: str) -> Queue:
+    """An rq queue that (de)serializes jobs as JSON, never pickle."""
+    return Queue(name, connection=connection, serializer=JSONSerializer)
+
+
+def fetch(connection: redis.Redis, job_ids: list[str]) -> list[Job | None]:
+    """The jobs with these ids (None for those gone), read with the JSON serializer."""
+    return Job.fetch_many(job_ids, connection=connection, serializer=JSONSerializer)
+
+
+def status(job: Job | None) -> str | None:
+    """rq's status of a fetched job as a plain string ('queued', 'started', 'finished', ...)."""
+    return None if job is None else str(job.get_status(refresh=False).value)
+
+
+def drop_unclaimed(connection: redis.Redis, batch_id: str, num_shards: int) -> int:
+    """Cancel the batch's shards no worker has claimed yet and return how many; the finalize job (if the submit
+    got to enqueue it) stops waiting for them."""
+    [finalize] = fetch(connection, [finalize_job_id(batch_id)])
+    dropped = 0
+    for job in fetch(connection, [shard_job_id(batch_id, n) for n in range(num_shards)]):
+        if job is not None and status(job) in UNCLAIMED:
+            if finalize is not None:
+                connection.srem(finalize.dependencies_key, job.id)
+            job.cancel(enqueue_dependents=True)
+            dropped += 1
+    return dropped
