@@ -104,6 +104,14 @@ class Storage(Protocol):
         """Size in bytes of the object under key, None if absent."""
         ...
 
+    def chunks(self, key: str, size: int = COPY_CHUNK) -> Iterator[bytes]:
+        """The object under key as successive pieces of at most size bytes, never all in memory."""
+        ...
+
+    def delete(self, key: str) -> None:
+        """Remove the object under key; nothing to do when it is absent."""
+        ...
+
     def keys(self, prefix: str = "") -> list[str]:
         """Keys under prefix, sorted."""
         ...
@@ -159,6 +167,12 @@ class FileStorage:
 
     def get(self, key: str) -> bytes:
         return self._path(key).read_bytes()
+
+    def chunks(self, key: str, size: int = COPY_CHUNK) -> Iterator[bytes]:
+        return read_chunks(self.open(key), size)
+
+    def delete(self, key: str) -> None:
+        self._path(key).unlink(missing_ok=True)
 
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()
@@ -228,6 +242,12 @@ class S3Storage:
             return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"]
         except self.client.exceptions.NoSuchKey as exc:
             raise FileNotFoundError(f"s3://{self.bucket}/{self._key(key)}") from exc
+
+    def chunks(self, key: str, size: int = COPY_CHUNK) -> Iterator[bytes]:
+        return read_chunks(self.open(key), size)
+
+    def delete(self, key: str) -> None:
+        self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
 
     def exists(self, key: str) -> bool:
         return self.size(key) is not None
@@ -326,6 +346,13 @@ def url_lines(url: str, max_bytes: int, max_line: int) -> Iterator[bytes]:
     storage, key = _sized(url, max_bytes)
     with storage.open(key) as stream:
         yield from iter_lines(stream, max_line)
+
+
+def read_chunks(stream: BinaryIO, size: int) -> Iterator[bytes]:
+    """A stream's bytes in pieces of at most size bytes; the stream is closed at the end (or when dropped)."""
+    with stream:
+        while chunk := stream.read(size):
+            yield chunk
 
 
 def iter_lines(stream: BinaryIO, max_line: int | None = None, chunk: int = MiB) -> Iterator[bytes]:

@@ -22,6 +22,29 @@ def exercise(storage) -> None:
     assert read_url(url) == b"second\n"
     with pytest.raises(FileNotFoundError):
         storage.get("b2/missing.jsonl")
+    exercise_streams_and_delete(storage)
+
+
+def exercise_streams_and_delete(storage) -> None:
+    """chunks, open, writer and delete: the rest of the Storage interface, the same on every implementation."""
+    body = bytes(range(256)) * 41  # 10496 bytes: two whole chunks of 4096 and a short one
+    storage.put("b3/input.jsonl", body)
+    pieces = list(storage.chunks("b3/input.jsonl", 4096))
+    assert b"".join(pieces) == body and len(pieces) == 3 and all(len(p) <= 4096 for p in pieces)
+    with storage.open("b3/input.jsonl") as stream:
+        assert stream.read(5) == body[:5]
+    with pytest.raises(FileNotFoundError):
+        list(storage.chunks("b3/missing.jsonl"))
+    with storage.writer("b3/streamed.jsonl") as out:
+        out.write(b"a\n")
+        out.write(b"b\n")
+        assert not storage.exists("b3/streamed.jsonl"), "nothing visible before commit"
+        out.commit()
+    assert storage.get("b3/streamed.jsonl") == b"a\nb\n"
+    storage.delete("b3/input.jsonl")
+    storage.delete("b3/input.jsonl")  # absent: nothing to do
+    assert not storage.exists("b3/input.jsonl") and storage.keys("b3/") == ["b3/streamed.jsonl"]
+    assert storage.exists("b1/shards/0.jsonl"), "delete removes only its key"
 
 
 def test_file_storage_overwrites_and_lists(tmp_path):

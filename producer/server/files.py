@@ -14,7 +14,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
-from sluice.contract.storage import S3Storage, open_storage, split_url
+from sluice.contract.storage import open_storage, split_url
 from sluice.producer.server.context import ApiKey, Context, api_key, context
 from sluice.producer.server.errors import APIError, not_found
 from sluice.producer.server.pagination import list_body, page_ids
@@ -82,13 +82,7 @@ class FileStore:
 def iter_object(url: str) -> Iterator[bytes]:
     """The bytes of a stored object in chunks, never all in memory."""
     storage, key = split_url(url)
-    if isinstance(storage, S3Storage):
-        body = storage.client.get_object(Bucket=storage.bucket, Key=key)["Body"]
-        yield from body.iter_chunks(CHUNK)
-        return
-    with (storage.root / key).open("rb") as f:
-        while chunk := f.read(CHUNK):
-            yield chunk
+    yield from storage.chunks(key, CHUNK)
 
 
 @router.post("/v1/files")
@@ -166,8 +160,5 @@ def delete_file(file_id: str, request: Request, key: ApiKey = Depends(api_key)) 
     store.delete(record)
     if record.purpose == "batch":
         storage, path = split_url(record.url)
-        if not isinstance(storage, S3Storage):
-            (storage.root / path).unlink(missing_ok=True)
-        else:
-            storage.client.delete_object(Bucket=storage.bucket, Key=path)
+        storage.delete(path)
     return {"id": file_id, "object": "file", "deleted": True}
