@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import shutil
@@ -121,11 +122,23 @@ def hang(conn: socket.socket) -> None:
     time.sleep(8)
 
 
-def huge_body(conn: socket.socket) -> None:
-    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % (300 * 2**20))
-    chunk = b"\0" * 2**20
-    for _ in range(300):
-        conn.sendall(chunk)
+HUGE_BODY = 300 * 2**20
+
+
+def huge_body(tally: dict, conn: socket.socket) -> None:
+    """Send HUGE_BODY bytes, counting in tally["sent"] what the client took before hanging up; then close
+    cleanly (our side shut, the request drained), so a client that reads it all gets all of it, not a reset."""
+    try:
+        conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % HUGE_BODY)
+        chunk = b"\0" * 2**20
+        for _ in range(HUGE_BODY // len(chunk)):
+            conn.sendall(chunk)
+            tally["sent"] += len(chunk)
+        conn.shutdown(socket.SHUT_WR)
+        while conn.recv(65536):
+            pass
+    finally:
+        tally["done"].set()
 
 
 def ok(conn: socket.socket) -> None:
@@ -160,8 +173,10 @@ def test_slow_receivers_get_a_total_deadline(server, behave):
 
 def test_a_huge_response_body_is_not_buffered(server):
     """The peak of what Python allocated during the call (tracemalloc: this call's own buffers, not the
-    process's lifetime peak) stays far below the 300 MiB the server sends."""
-    s = server(huge_body)
+    process's lifetime peak) stays far below the 300 MiB the server sends, and the client hangs up after
+    max_bytes: the server gets to send no more than what the sockets' buffers hold."""
+    tally = {"sent": 0, "done": threading.Event()}
+    s = server(functools.partial(huge_body, tally))
     started = time.monotonic()
     tracemalloc.start()
     try:
@@ -171,6 +186,8 @@ def test_a_huge_response_body_is_not_buffered(server):
         tracemalloc.stop()
     assert (status, error) == (200, None)
     assert time.monotonic() - started < 5 and peak_mib < 8, peak_mib
+    assert tally["done"].wait(10), "the server saw the client hang up"
+    assert tally["sent"] < HUGE_BODY // 4, tally["sent"]
 
 
 def test_the_connection_goes_to_the_checked_address_without_a_second_lookup(server):
