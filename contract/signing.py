@@ -39,9 +39,14 @@ class WebhookSettings(BaseModel):
     webhook_max_response_bytes: int = Field(Settings.model_fields["webhook_max_response_bytes"].default, ge=0)
 
     @classmethod
+    def of(cls, settings: Settings) -> WebhookSettings:
+        """The webhook fields of settings (a process reads Settings once at start and passes them here)."""
+        return cls(**settings.model_dump(include=set(cls.model_fields)))
+
+    @classmethod
     def from_env(cls) -> WebhookSettings:
-        """The webhook fields of the current Settings (the one reader of the environment)."""
-        return cls(**get_settings().model_dump(include=set(cls.model_fields)))
+        """The webhook fields of the current Settings, for callers not handed any (library use, tests)."""
+        return cls.of(get_settings())
 
 
 class WebhookVerificationError(ValueError):

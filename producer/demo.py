@@ -59,9 +59,8 @@ def stop(proc: subprocess.Popen, grace: float = 15.0) -> None:
 
 
 @contextlib.contextmanager
-def local_redis() -> Iterator[str]:
-    """The URL of a Redis: SLUICE_REDIS_URL's if it answers, else a fresh redis-server on a free port."""
-    url = get_settings().redis_url
+def local_redis(url: str) -> Iterator[str]:
+    """The URL of a Redis: url (SLUICE_REDIS_URL's) if it answers, else a fresh redis-server on a free port."""
     if reachable(url):
         console.print(f"[dim]using the Redis at {url}[/]")
         yield url
@@ -89,11 +88,11 @@ def local_redis() -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def worker(url: str, log: Path, output_roots: str) -> Iterator[subprocess.Popen]:
-    """One burst worker process on the bundled model allowed to write under output_roots, its output in log."""
+def worker(url: str, log: Path, output_roots: str, model: Path) -> Iterator[subprocess.Popen]:
+    """One burst worker process on model allowed to write under output_roots, its output in log."""
     cmd = ["env", f"SLUICE_OUTPUT_ROOTS={output_roots}", sys.executable, "-m", "sluice.worker", "--redis-url", url]
     cmd += ["--queues", "high,default,low"]
-    cmd += ["--model", str(get_settings().demo_model), "--device", "cpu", "--dtype", "float32", "--burst"]
+    cmd += ["--model", str(model), "--device", "cpu", "--dtype", "float32", "--burst"]
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
         console.print(f"[dim]started worker (pid {proc.pid}), log in {log}[/]")
@@ -180,19 +179,19 @@ def prompt_texts() -> dict[str, str]:
 
 
 def main() -> int:
-    results = get_settings().demo_results.resolve()
-    results.mkdir(parents=True, exist_ok=True)
     settings = get_settings()
+    results = settings.demo_results.resolve()
+    results.mkdir(parents=True, exist_ok=True)
     roots = ",".join([*settings.output_root_urls(), results.as_uri()])
     console.rule("[bold]Sluice demo")
-    with local_redis() as url:
+    with local_redis(settings.redis_url) as url:
         client = Client(url, settings.model_copy(update={"output_roots": roots}))
         start = time.monotonic()
         batch = client.submit_batch(input=str(PROMPTS), output=results.as_uri(), metadata={"source": "demo"})
         if batch.status == BatchStatus.failed:
             raise SystemExit(f"batch failed validation: {batch.errors}")
         console.print(f"submitted {batch.request_counts.total} requests as batch [bold]{batch.id}[/]")
-        with worker(url, results / "demo-worker.log", roots) as proc:
+        with worker(url, results / "demo-worker.log", roots, settings.demo_model) as proc:
             batch = wait(client, batch, proc, results / "demo-worker.log")
         wall = time.monotonic() - start
         records = list(client.results(batch.id))

@@ -205,3 +205,48 @@ def test_the_worker_drives_the_engine_only_through_llm():
 
     surface = ("add_request", "step", "abort", "has_unfinished", "num_unfinished", "stats", "max_num_seqs")
     assert all(getattr(LLM, name).__doc__ for name in surface)
+
+
+# Where Settings may be read (`get_settings()`): process and job entry points, which pass them down, and the
+# fallbacks of objects a library user or a test builds without handing any.
+SETTINGS_READERS = {
+    ("contract/signing.py", "from_env"),
+    ("contract/storage.py", "s3_client"),  # boto3-style: the S3 addressing style, read where a client is made
+    ("producer/client.py", "__init__"),
+    ("producer/cron.py", "tick_job"),  # rq job entry points (a stock rq worker calls them by name)
+    ("worker/finalize.py", "finalize_batch"),
+    ("worker/shard_run.py", "run_shard"),
+    ("producer/demo.py", "main"),
+    ("producer/server/app.py", "create_app"),
+    ("worker/cli.py", "start"),
+    ("worker/faults.py", "faults"),  # cached: once per process
+    ("worker/reaper.py", "run_command"),
+    ("worker/worker.py", "__init__"),
+    ("cli/server.py", "key_store"),
+    ("cli/server.py", "serve"),
+}
+
+
+def environment_reads(path: Path) -> Iterator[tuple[str, str]]:
+    """(function, what) for each `get_settings()` call and each os.environ / os.getenv use in the file."""
+    for function in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        for node in ast.walk(function):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "get_settings":
+                yield function.name, "get_settings()"
+            if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "putenv"):
+                yield function.name, f"os.{node.attr}"
+
+
+def test_settings_are_read_at_entry_points_and_the_environment_only_by_settings():
+    found = {
+        (str(path.relative_to(ROOT)), function, what)
+        for package in ("contract", "producer", "worker", "cli")
+        for path in sorted((ROOT / package).rglob("*.py"))
+        if path.name != "settings.py" or package != "contract"
+        for function, what in environment_reads(path)
+    }
+    assert ("worker/cli.py", "start", "get_settings()") in found
+    assert {(f, fn) for f, fn, what in found if what == "get_settings()"} <= SETTINGS_READERS
+    assert {(f, fn, what) for f, fn, what in found if what != "get_settings()"} == set()

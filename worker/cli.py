@@ -15,6 +15,7 @@ import typer
 from sluice.contract.jobs import QUEUES
 from sluice.contract.logs import configure as configure_logging
 from sluice.contract.settings import get_settings
+from sluice.contract.signing import WebhookSettings
 from sluice.engine import LLM
 from sluice.worker import engine_flags
 from sluice.worker import webhooks as delivery
@@ -63,10 +64,11 @@ def start(
     connection = redis.Redis.from_url(redis_url or settings.redis_url)
     become_ready(metrics, llm, connection)
     ttl = heartbeat_ttl or settings.heartbeat_ttl
-    w = EngineWorker(queues.split(","), llm, connection, heartbeat_ttl=ttl, grace=grace, name=name)
+    w = EngineWorker(queues.split(","), llm, connection, heartbeat_ttl=ttl, grace=grace, name=name, settings=settings)
     stop = threading.Event()
     if webhooks:
-        supervised("webhooks", lambda stop: delivery.run(connection, stop=stop), stop)
+        hooks = WebhookSettings.of(settings)
+        supervised("webhooks", lambda stop: delivery.run(connection, settings=hooks, stop=stop), stop)
     try:
         w.work(burst=burst)
     finally:

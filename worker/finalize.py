@@ -122,11 +122,11 @@ def write_outputs(storage: Storage, connection: redis.Redis, batch: Batch) -> tu
     return output_file, error_file, merged
 
 
-def write_or_fail(connection: redis.Redis, batch: Batch) -> tuple[str, str | None, Merged] | None:
-    """write_outputs, or None when this worker may not write the output: the batch is then failed for good
-    (no retry, no reaper loop)."""
+def write_or_fail(connection: redis.Redis, batch: Batch, roots: list[str]) -> tuple[str, str | None, Merged] | None:
+    """write_outputs, or None when this worker may not write the output (outside roots, not writable): the batch
+    is then failed for good (no retry, no reaper loop)."""
     try:
-        storage = open_output(batch.output_url, get_settings().output_root_urls())
+        storage = open_output(batch.output_url, roots)
         return write_outputs(storage, connection, batch)
     except (OutputNotAllowed, PermissionError) as exc:
         fail_batch(connection, batch.id, OUTPUT_NOT_ALLOWED, f"the batch's output could not be written: {exc}")
@@ -167,14 +167,16 @@ def batch_errors(batch: Batch, merged: Merged) -> list[LineError]:
 
 
 def finalize_batch(batch_id: str) -> dict[str, int]:
-    """The rq job run once all shards ended (retried with backoff when it raises)."""
-    job = get_current_job()
-    return finalize(job.connection if job else redis.Redis.from_url(get_settings().redis_url), batch_id)
+    """The rq job run once all shards ended (retried with backoff when it raises); the job's entry point, it
+    reads Settings once."""
+    settings, job = get_settings(), get_current_job()
+    connection = job.connection if job else redis.Redis.from_url(settings.redis_url)
+    return finalize(connection, batch_id, settings.output_root_urls())
 
 
-def finalize(connection: redis.Redis, batch_id: str) -> dict[str, int]:
+def finalize(connection: redis.Redis, batch_id: str, roots: list[str]) -> dict[str, int]:
     """Merged files, counts, final status, then the webhook; a no-op for a batch already done (or ended by
-    someone else meanwhile: a second finalize, the reaper)."""
+    someone else meanwhile: a second finalize, the reaper). The output must lie inside roots."""
     store = BatchStore(connection)
     batch = store.get(batch_id)
     if batch is None or batch.done:
@@ -187,7 +189,7 @@ def finalize(connection: redis.Redis, batch_id: str) -> dict[str, int]:
             if batch is None or batch.done:
                 return {}
     faults().before_finalize()
-    written = write_or_fail(connection, batch)
+    written = write_or_fail(connection, batch, roots)
     if written is None:
         return {}
     output_file, error_file, merged = written

@@ -42,9 +42,9 @@ PAGE = 500
 class Reaper:
     """One pass at a time over the unfinished batches (see the module docstring)."""
 
-    def __init__(self, connection: redis.Redis, settings: Settings | None = None) -> None:
+    def __init__(self, connection: redis.Redis, settings: Settings) -> None:
         self.connection = connection
-        self.settings = settings or get_settings()
+        self.settings = settings
         self.interval = self.settings.reaper_interval
         self.store = BatchStore(connection)
         self.name = uuid.uuid4().hex
@@ -100,7 +100,7 @@ class Reaper:
 
     def finalize(self, batch: Batch, final: object, report: Counter) -> None:
         try:
-            finalize(self.connection, batch.id)
+            finalize(self.connection, batch.id, self.settings.output_root_urls())
             report["finalized"] += 1
         except (redis.ConnectionError, redis.TimeoutError):
             raise

@@ -13,7 +13,7 @@ from rq import get_current_job
 
 from sluice.contract.batch import BatchStore
 from sluice.contract.schemas import ChatBody, OutputRecord, Request
-from sluice.contract.settings import get_settings
+from sluice.contract.settings import Settings, get_settings
 from sluice.contract.storage import open_output
 from sluice.worker.faults import faults
 from sluice.worker.responses import ABORT_CODES, error_record, output_record
@@ -39,10 +39,11 @@ def stop_reason(store: BatchStore, batch_id: str) -> str | None:
     return None
 
 
-def output_refusal(store: BatchStore, batch_id: str) -> str | None:
-    """Why this worker may not write the batch's output (checked before any of its requests runs), or None."""
+def output_refusal(store: BatchStore, batch_id: str, roots: list[str]) -> str | None:
+    """Why this worker may not write the batch's output under roots (checked before any of its requests runs),
+    or None."""
     batch = store.get(batch_id)
-    return None if batch is None else output_problem(batch.output_url, get_settings().output_root_urls())
+    return None if batch is None else output_problem(batch.output_url, roots)
 
 
 class ModelNotServed(ValueError):
@@ -53,9 +54,9 @@ class ChatTemplateError(ValueError):
     """A conversation the model's chat template refused or failed to render."""
 
 
-def served_models(llm: LLM) -> set[str]:
+def served_models(llm: LLM, settings: Settings) -> set[str]:
     """Names requests may give as `model`: the checkpoint folder's name plus SLUICE_SERVED_MODELS."""
-    return {model_name(llm), *get_settings().served_model_names()}
+    return {model_name(llm), *settings.served_model_names()}
 
 
 def prepare(llm: LLM, request: Request, served: set[str]) -> tuple[Any, Any]:
@@ -99,18 +100,18 @@ class ShardRun:
     def done(self) -> bool:
         return not self.pending
 
-    def start(self, llm: LLM, key: str | None = None) -> None:
-        """Add every request to the engine as `{key}/{i}` (key: the rq execution; default the job id)."""
-        served = served_models(llm)
+    def start(self, llm: LLM, served: set[str], key: str | None = None) -> None:
+        """Add every request to the engine as `{key}/{i}` (key: the rq execution; default the job id); served:
+        the model names it answers to (served_models)."""
         for i, request in enumerate(self.requests):
             self.add(llm, f"{key or self.job_id}/{i}", request, served)
 
-    def add(self, llm: LLM, rid: str, request: Request, served: set[str] | None = None) -> None:
+    def add(self, llm: LLM, rid: str, request: Request, served: set[str]) -> None:
         """Add one request to the engine as rid; one it cannot run (or even render) becomes an error record."""
         from sluice.engine import RequestRejected  # torch: see shared_llm
 
         try:
-            prompt, params = prepare(llm, request, served or served_models(llm))
+            prompt, params = prepare(llm, request, served)
             llm.add_request(rid, prompt, params)
         except RequestRejected as exc:
             self.fail(request, "request_rejected", str(exc))
@@ -160,14 +161,15 @@ class ShardRun:
         usages = [r.response.body.get("usage") or {} for r in self.records.values() if r.response is not None]
         return sum(u.get("prompt_tokens", 0) for u in usages), sum(u.get("completion_tokens", 0) for u in usages)
 
-    def save(self, connection: redis.Redis) -> dict[str, int]:
-        """Write shards/{n}.jsonl (overwriting a previous run's) and record the shard's counts."""
+    def save(self, connection: redis.Redis, roots: list[str]) -> dict[str, int]:
+        """Write shards/{n}.jsonl (overwriting a previous run's; refused outside roots) and record the shard's
+        counts."""
         assert self.done and len(self.records) == len(self.requests), "a shard is saved only when complete"
         store = BatchStore(connection)
         batch = store.get(self.batch_id)
         faults().before_save()
         if batch is not None:
-            storage = open_output(batch.output_url, get_settings().output_root_urls())
+            storage = open_output(batch.output_url, roots)
             ordered = [self.records[r.custom_id] for r in self.requests]
             storage.put(shard_key(self.batch_id, self.shard), records_jsonl(ordered))
         completed, failed = self.counts()
@@ -187,13 +189,12 @@ def model_name(llm: LLM) -> str:
 _LLM: Any = None
 
 
-def shared_llm() -> Any:
+def shared_llm(settings: Settings) -> Any:
     """The process's engine for stock rq workers, loaded once from SLUICE_MODEL (and SLUICE_DTYPE/DEVICE)."""
     global _LLM
     if _LLM is None:
         from sluice.engine import LLM  # torch: imported when a shard first runs, not by every CLI command
 
-        settings = get_settings()
         if not settings.model:
             raise RuntimeError("set SLUICE_MODEL to run shards in a stock rq worker (or use `sluice worker`)")
         chosen = {"dtype": settings.dtype, "device": settings.device}
@@ -202,21 +203,23 @@ def shared_llm() -> Any:
 
 
 def run_shard(batch_id: str, shard: int, requests: list[dict[str, Any]]) -> dict[str, int]:
-    """The rq job of one shard, runnable by a stock rq worker: generate every request, save the shard."""
-    job = get_current_job()
-    connection = job.connection if job else redis.Redis.from_url(get_settings().redis_url)
+    """The rq job of one shard, runnable by a stock rq worker: generate every request, save the shard (the
+    job's entry point: it reads Settings once, for everything below)."""
+    settings, job = get_settings(), get_current_job()
+    connection = job.connection if job else redis.Redis.from_url(settings.redis_url)
+    roots = settings.output_root_urls()
     run = ShardRun.from_args(job.id if job else f"{batch_id}-shard-{shard}", (batch_id, shard, requests))
     reason = stop_reason(BatchStore(connection), batch_id)
-    refusal = None if reason else output_refusal(BatchStore(connection), batch_id)
+    refusal = None if reason else output_refusal(BatchStore(connection), batch_id, roots)
     if refusal:  # permanent for the batch: end it now rather than run requests whose output cannot be kept
         fail_batch(connection, batch_id, OUTPUT_NOT_ALLOWED, refusal)
         return {"completed": 0, "failed": 0}
     if reason:
         run.fail_all(reason, ABORT_CODES[reason])
-        return run.save(connection)
-    llm = shared_llm()
-    run.start(llm)
+        return run.save(connection, roots)
+    llm = shared_llm(settings)
+    run.start(llm, served_models(llm, settings))
     while not run.done:
         for out in llm.step():
             run.finish(out, model_name(llm))
-    return run.save(connection)
+    return run.save(connection, roots)

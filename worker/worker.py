@@ -17,7 +17,7 @@ from sluice.contract.batch import BatchStore
 from sluice.contract.jobs import RUN_SHARD
 from sluice.contract.rq_adapter import request_worker_stop
 from sluice.contract.schemas import Request
-from sluice.contract.settings import get_settings
+from sluice.contract.settings import Settings, get_settings
 from sluice.contract.storage import OutputNotAllowed
 from sluice.worker.background import every, supervised
 from sluice.worker.faults import faults
@@ -25,7 +25,7 @@ from sluice.worker.metrics import shard_finished
 from sluice.worker.outage import OUTAGE, RqOutageFilter
 from sluice.worker.responses import ABORT_CODES
 from sluice.worker.rq_jobs import REDIS_ERRORS, JobsWorker
-from sluice.worker.shard_run import ShardRun, model_name, output_refusal, stop_reason
+from sluice.worker.shard_run import ShardRun, model_name, output_refusal, served_models, stop_reason
 from sluice.worker.terminal import OUTPUT_NOT_ALLOWED, fail_batch
 
 if TYPE_CHECKING:
@@ -52,11 +52,15 @@ class EngineWorker(JobsWorker):
         heartbeat_ttl: int = 30,
         grace: float = 60.0,
         reaper: bool = True,
+        settings: Settings | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(queues, connection, heartbeat_ttl, **kwargs)
+        self.settings = settings or get_settings()  # `sluice worker` passes the Settings it read at start
+        self.roots = self.settings.output_root_urls()
         self.llm = llm
         self.model = model_name(llm)
+        self.served = served_models(llm, self.settings)
         self.grace = grace
         self.reaper = reaper
         self.store = BatchStore(connection)
@@ -93,7 +97,7 @@ class EngineWorker(JobsWorker):
         if self.reaper:
             from sluice.worker.reaper import Reaper
 
-            reaper = Reaper(self.connection, get_settings())
+            reaper = Reaper(self.connection, self.settings)
             supervised("reaper", every(reaper.interval, reaper.run_once), stop)
 
     def request_stop(self, signum: int, frame: Any) -> None:
@@ -186,14 +190,14 @@ class EngineWorker(JobsWorker):
         try:
             run = ShardRun.from_args(job.id, job.args)
             reason = stop_reason(self.store, run.batch_id)
-            refusal = None if reason else output_refusal(self.store, run.batch_id)
+            refusal = None if reason else output_refusal(self.store, run.batch_id, self.roots)
             if refusal:
                 self._refuse_output(job.id, run.batch_id, OutputNotAllowed(refusal))
                 return
             if reason:
                 run.fail_all(reason, ABORT_CODES[reason])
             else:
-                run.start(self.llm, key=execution.id)
+                run.start(self.llm, self.served, key=execution.id)
         except REDIS_ERRORS:
             self._abort_pending(run)
             self.forget(job.id)
@@ -239,7 +243,7 @@ class EngineWorker(JobsWorker):
         try:
             if run.unreported:  # the live counts hold every request of a saved shard
                 run.report_progress(self.store)
-            summary = run.save(self.connection)
+            summary = run.save(self.connection, self.roots)
         except REDIS_ERRORS:
             raise
         except (OutputNotAllowed, PermissionError) as exc:
@@ -330,7 +334,7 @@ class EngineWorker(JobsWorker):
             new = f"{base}~{next(self._fresh_ids)}"
             run.pending.pop(old)
             self.owner.pop(old, None)
-            run.add(self.llm, new, request)
+            run.add(self.llm, new, request, self.served)
             if new in run.pending:
                 self.owner[new] = job_id
         while self.llm.has_unfinished():

@@ -153,8 +153,9 @@ RAISING_TEMPLATE = (
 
 
 def test_a_raising_chat_template_or_unknown_model_fails_only_that_request(tiny_llama):
+    from sluice.contract.settings import Settings
     from sluice.engine import LLM
-    from sluice.worker.shard_run import ShardRun, model_name
+    from sluice.worker.shard_run import ShardRun, model_name, served_models
 
     llm = LLM(str(tiny_llama), dtype="float32", device="cpu")
     llm.tokenizer.chat_template = RAISING_TEMPLATE
@@ -175,7 +176,7 @@ def test_a_raising_chat_template_or_unknown_model_fails_only_that_request(tiny_l
         },
     ]
     run = ShardRun.from_args("batch_t-shard-0", ("batch_t", 0, lines))
-    run.start(llm)
+    run.start(llm, served_models(llm, Settings()))
     while not run.done:
         for out in llm.engine.step():
             run.finish(out, name)

@@ -15,6 +15,7 @@ from rq.serializers import JSONSerializer
 from sluice.contract.batch import BatchStore
 from sluice.contract.jobs import shard_job_id
 from sluice.contract.schemas import Batch, BatchStatus, Request
+from sluice.contract.settings import Settings
 from sluice.contract.storage import FileStorage, OutputNotAllowed, check_output_url, open_storage
 from sluice.producer.client import Client
 from sluice.worker.finalize import finalize_batch
@@ -72,7 +73,7 @@ def test_the_worker_refuses_to_write_outside_its_roots(redis_url, tmp_path, monk
                                                                         body={"prompt": "x"})])  # fmt: skip
     run.fail_all("batch_cancelled", "x")
     with pytest.raises(OutputNotAllowed):
-        run.save(connection)
+        run.save(connection, Settings().output_root_urls())
     assert finalize_batch("batch_forged") == {}  # a permanent error of the batch: no raise, so no retry loop
     batch = store.get("batch_forged")
     assert batch.status == BatchStatus.failed and [e.code for e in batch.errors] == ["output_not_allowed"]
