@@ -6,7 +6,7 @@ import json
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from sluice.contract.tools import NamedToolChoice, Tool, ToolChoice, named_tool, tool_constraint
 
@@ -333,15 +333,39 @@ class InputLine(BaseModel):
 
 
 class Request(BaseModel):
-    """A validated request as carried by a shard job."""
+    """The one request type across layers: made once at the edge from a line the producer validated
+    (`from_line`), carried as compact JSON in its shard job, rebuilt by the worker with `trusted` (not validated
+    again); its typed body is built at most once per process (`parsed_body`)."""
 
     custom_id: str
     url: str
     body: dict[str, Any]
+    _typed: SamplingBody | None = PrivateAttr(None)
+
+    @classmethod
+    def from_line(cls, line: InputLine, body: SamplingBody) -> Request:
+        """The request of a validated input line and its validated body (defaults left out of the JSON)."""
+        request = cls.model_construct(custom_id=line.custom_id, url=line.url,
+                                      body=body.model_dump(exclude_defaults=True, by_alias=True))  # fmt: skip
+        request._typed = body
+        return request
+
+    @classmethod
+    def trusted(cls, data: dict[str, Any]) -> Request:
+        """A request from a shard job's JSON, which the producer validated: constructed, not validated again."""
+        return cls.model_construct(custom_id=data["custom_id"], url=data["url"], body=data["body"])
+
+    def __eq__(self, other: object) -> bool:
+        """Equal when the fields are (whether the typed body was built yet does not count)."""
+        if not isinstance(other, Request):
+            return NotImplemented
+        return (self.custom_id, self.url, self.body) == (other.custom_id, other.url, other.body)
 
     def parsed_body(self) -> SamplingBody:
-        """The body as its typed model."""
-        return BODIES[self.url].model_validate(self.body)
+        """The body as its typed model (nested models need a validation to build), built once and kept."""
+        if self._typed is None:
+            self._typed = BODIES[self.url].model_validate(self.body)
+        return self._typed
 
 
 class ErrorInfo(BaseModel):

@@ -40,7 +40,7 @@ class Requests(Sequence[Request]):
     def __getitem__(self, i: int | slice) -> Request | Requests:
         if isinstance(i, slice):
             return Requests(self.items[i])
-        return Request.model_validate_json(self.items[i])
+        return Request.trusted(json.loads(self.items[i]))
 
     @property
     def nbytes(self) -> int:
@@ -169,7 +169,7 @@ def _check_line(raw: bytes, number: int, settings: Settings, out: Validated) -> 
         )
         out.add_error(LineError(code="model_not_found", line=number, param="body.model", message=message))
         return None
-    return Request(custom_id=line.custom_id, url=line.url, body=body.model_dump(exclude_defaults=True, by_alias=True))
+    return Request.from_line(line, body)
 
 
 def _depth(data: Any) -> int:

@@ -56,7 +56,7 @@ def shard_records(
         failed_shards.append(shard)
     message = ABORT_CODES.get(code) or f"shard {shard} produced no output ({job.get_status()})"
     for request in job.args[2]:
-        yield error_record(Request.model_validate(request).custom_id, code, message)
+        yield error_record(Request.trusted(request).custom_id, code, message)
 
 
 @dataclass

@@ -94,7 +94,7 @@ class ShardRun:
     def from_args(cls, job_id: str, args: tuple | list) -> ShardRun:
         """A run for the args of a `run_shard(batch_id, shard, requests)` job."""
         batch_id, shard, requests = args
-        return cls(job_id, batch_id, int(shard), [Request.model_validate(r) for r in requests])
+        return cls(job_id, batch_id, int(shard), [Request.trusted(r) for r in requests])
 
     @property
     def done(self) -> bool:

@@ -1,0 +1,73 @@
+"""One request type from the batch line to the engine: validated at the edge, carried as JSON in its shard job,
+rebuilt by the worker without validating it again; its typed body built once there."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+from sluice.contract.schemas import ChatBody, CompletionBody, Request
+from sluice.contract.settings import Settings
+from sluice.producer.sharding import _payload
+from sluice.producer.validation import validate_lines
+from sluice.worker.shard_run import ShardRun, prepare
+
+LINES = [
+    {"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": {"prompt": "hi", "max_tokens": 3}},
+    {"custom_id": "t", "method": "POST", "url": "/v1/chat/completions",
+     "body": {"messages": [{"role": "user", "content": "hi"}], "temperature": 0}},
+]  # fmt: skip
+
+
+class CountingValidator:
+    """A model's pydantic validator that counts every validation (model_validate, _json, the constructor)."""
+
+    def __init__(self, name: str, inner, counts: Counter) -> None:
+        self.name, self.inner, self.counts = name, inner, counts
+
+    def __getattr__(self, attr: str):
+        method = getattr(self.inner, attr)
+        if not attr.startswith("validate_"):
+            return method
+
+        def counted(*args, **kwargs):
+            self.counts[self.name] += 1
+            return method(*args, **kwargs)
+
+        return counted
+
+
+def count_validations(monkeypatch) -> Counter:
+    """Validations of Request and of the typed bodies, by model name."""
+    counts: Counter = Counter()
+    for model in (Request, CompletionBody, ChatBody):
+        validator = CountingValidator(model.__name__, model.__pydantic_validator__, counts)
+        monkeypatch.setattr(model, "__pydantic_validator__", validator)
+    return counts
+
+
+def test_a_request_is_validated_at_the_edge_and_rebuilt_without_validation(monkeypatch):
+    counts = count_validations(monkeypatch)
+    checked = validate_lines([json.dumps(line).encode() for line in LINES], Settings())
+    assert checked.errors == [] and counts == {"CompletionBody": 1, "ChatBody": 1}
+    carried = json.loads(json.dumps(_payload(checked.requests)))  # what the shard job holds in Redis
+    assert counts == {"CompletionBody": 1, "ChatBody": 1}, "splitting and serializing validate nothing"
+    run = ShardRun.from_args("b-shard-0", ("b", 0, carried))
+    assert [r.custom_id for r in run.requests] == ["c", "t"] and counts["CompletionBody"] == 1
+    completion = run.requests[0]
+    prompt, params = prepare(None, completion, served=set())
+    assert prompt == "hi" and params.max_tokens == 3
+    assert completion.parsed_body() is completion.parsed_body()
+    assert counts == {"CompletionBody": 2, "ChatBody": 1}, "the worker builds the typed body once, and keeps it"
+
+
+def test_a_forged_body_fails_only_its_own_request_in_the_worker():
+    """trusted() does not validate, so a body no producer let through (a job forged in Redis) is caught when the
+    worker builds the typed body: an invalid_request record for that request alone."""
+    good = {"custom_id": "ok", "url": "/v1/completions", "body": {"prompt": "x"}}
+    forged = {"custom_id": "bad", "url": "/v1/completions", "body": {"prompt": "x", "temperature": 7}}
+    run = ShardRun.from_args("b-shard-0", ("b", 0, [good, forged]))
+    assert run.requests[1] == Request(custom_id="bad", url="/v1/completions", body=forged["body"])
+    run.add(None, "b/1", run.requests[1], served=set())
+    assert run.records["bad"].error.code == "invalid_request" and "temperature" in run.records["bad"].error.message
+    assert "ok" not in run.records and not run.pending
