@@ -61,6 +61,21 @@ def theirs(q, layer, tables, ctx, out):
     out.copy_(y[:, :, 0])
 
 
+def timed_passes(layers: list, tables: torch.Tensor, batch: int, ctx: int, passes: int) -> tuple[dict, dict]:
+    """Each attention's outputs and its per-pass times in ms over every layer, the two interleaved per pass."""
+    q = torch.randn(batch, H, D, dtype=torch.bfloat16)
+    outs = {fn: torch.empty_like(q) for fn in (ours, theirs)}
+    ms: dict = {fn: [] for fn in outs}
+    for i in range(passes + 1):
+        for fn, out in outs.items():
+            t = time.perf_counter()
+            for layer in layers:
+                fn(q, layer, tables, ctx, out)
+            if i:  # the first pass warms up
+                ms[fn].append((time.perf_counter() - t) * 1e3)
+    return outs, ms
+
+
 def main() -> None:
     p = base_parser(__doc__)
     p.add_argument("--batches", default="8,64")
@@ -75,16 +90,7 @@ def main() -> None:
         for batch in (int(b) for b in args.batches.split(",")):
             for ctx in (int(c) for c in args.contexts.split(",")):
                 layers, tables = pools(batch, ctx, args.layers, cache == "int8")
-                q = torch.randn(batch, H, D, dtype=torch.bfloat16)
-                outs = {fn: torch.empty_like(q) for fn in (ours, theirs)}
-                ms: dict = {fn: [] for fn in outs}
-                for i in range(args.passes + 1):
-                    for fn, out in outs.items():
-                        t = time.perf_counter()
-                        for layer in layers:
-                            fn(q, layer, tables, ctx, out)
-                        if i:  # the first pass warms up
-                            ms[fn].append((time.perf_counter() - t) * 1e3)
+                outs, ms = timed_passes(layers, tables, batch, ctx, args.passes)
                 err = (outs[ours].float() - outs[theirs].float()).abs().max().item()
                 mine, ref = statistics.median(ms[ours]), statistics.median(ms[theirs])
                 kv = sum(t.numel() * t.element_size() for layer in layers for t in layer if t is not None)

@@ -258,7 +258,8 @@ class PipelineScheduler(CronScheduler):
         """Pick up added, changed and removed pipelines."""
         definitions = {p.name: p for p in list_pipelines(self.connection)}
         jobs = {job.args[0]: job for job in self.get_jobs()}
-        fresh = [jobs[name] if self._definitions.get(name) == p else self._cron_job(p) for name, p in definitions.items()]
+        known = self._definitions
+        fresh = [jobs[name] if known.get(name) == p else self._cron_job(p) for name, p in definitions.items()]
         set_cron_jobs(self, fresh)
         self._definitions = definitions
 

@@ -76,17 +76,20 @@ def enqueue(
                 queue.enqueue_many(pending, pipeline=pipe)
                 pipe.execute()
             pending, pending_bytes = [], 0
+    enqueue_finalize(queue, batch, len(chunks), settings)
+    return len(chunks)
+
+
+def enqueue_finalize(queue: Queue, batch: Batch, num_shards: int, settings: Settings) -> None:
+    """The batch's finalize job, run once every shard job has ended (failed ones included)."""
     queue.enqueue_call(
         FINALIZE,
         args=(batch.id,),
         job_id=finalize_job_id(batch.id),
         description=f"finalize {batch.id}",
-        depends_on=Dependency(
-            jobs=[shard_job_id(batch.id, n) for n in range(len(chunks))], allow_failure=True
-        ),
+        depends_on=Dependency(jobs=[shard_job_id(batch.id, n) for n in range(num_shards)], allow_failure=True),
         timeout=settings.shard_timeout,
         result_ttl=settings.result_ttl,
         failure_ttl=settings.failure_ttl,
         retry=retry_policy(settings.finalize_retries, settings),
     )
-    return len(chunks)

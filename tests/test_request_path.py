@@ -69,5 +69,6 @@ def test_a_forged_body_fails_only_its_own_request_in_the_worker():
     run = ShardRun.from_args("b-shard-0", ("b", 0, [good, forged]))
     assert run.requests[1] == Request(custom_id="bad", url="/v1/completions", body=forged["body"])
     run.add(None, "b/1", run.requests[1], served=set())
-    assert run.records["bad"].error.code == "invalid_request" and "temperature" in run.records["bad"].error.message
+    error = run.records["bad"].error
+    assert error.code == "invalid_request" and "temperature" in error.message
     assert "ok" not in run.records and not run.pending

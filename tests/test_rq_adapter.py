@@ -101,7 +101,8 @@ def test_request_worker_stop_ends_rq_s_suspension_wait(redis_url):
 
 
 def test_pubsub_error_handler_waits_out_connection_errors_and_raises_the_rest(redis_url):
-    handler = rq_adapter.pubsub_error_handler(SimpleWorker(["default"], connection=redis.Redis.from_url(redis_url)))
+    worker = SimpleWorker(["default"], connection=redis.Redis.from_url(redis_url))
+    handler = rq_adapter.pubsub_error_handler(worker)
     handler(redis.ConnectionError("down"), None, None)  # returns: the thread retries
     try:
         raise KeyError("bad payload")

@@ -183,9 +183,8 @@ def test_no_two_files_share_a_name():
     folders = (*PACKAGES, "bench", "tests", "examples", "models", "sluice")
     paths = sorted(p for folder in folders for p in (ROOT / folder).rglob("*.py"))
     assert len(paths) > 100
-    assert shared_basenames([ROOT / "a/x.py", ROOT / "b/x.py", ROOT / "c/conftest.py", ROOT / "d/conftest.py"]) == {
-        "x.py": ["a/x.py", "b/x.py"]
-    }
+    sample = [ROOT / "a/x.py", ROOT / "b/x.py", ROOT / "c/conftest.py", ROOT / "d/conftest.py"]
+    assert shared_basenames(sample) == {"x.py": ["a/x.py", "b/x.py"]}
     assert shared_basenames(paths) == {}
 
 
@@ -197,8 +196,10 @@ def engine_reaches(source: str) -> list[str]:
 
 def test_the_worker_drives_the_engine_only_through_llm():
     """worker/ calls LLM.add_request/step/abort/has_unfinished/num_unfinished, never `llm.engine.*`."""
-    assert engine_reaches("llm.engine.step()\nself.llm.engine.abort(r)\nllm.step()") == ["llm.engine", "self.llm.engine"]
-    found = {str(p.relative_to(ROOT)): engine_reaches(p.read_text()) for p in sorted((ROOT / "worker").rglob("*.py"))}
+    sample = "llm.engine.step()\nself.llm.engine.abort(r)\nllm.step()"
+    assert engine_reaches(sample) == ["llm.engine", "self.llm.engine"]
+    files = sorted((ROOT / "worker").rglob("*.py"))
+    found = {str(p.relative_to(ROOT)): engine_reaches(p.read_text()) for p in files}
     assert len(found) > 10
     assert {path: reaches for path, reaches in found.items() if reaches} == {}
     from sluice.engine import LLM

@@ -55,6 +55,20 @@ def fetch(client: Client, job_id: str) -> Job:
     return Job.fetch(job_id, connection=client.connection, serializer=JSONSerializer)
 
 
+def generated_alone(llm) -> dict[str, str]:
+    """What LLM.generate / LLM.chat give for the 24 completions and 4 chats of the test below, by custom_id."""
+    params = SamplingParams(max_tokens=6, temperature=0)
+    prompts = [f"the quick brown fox {i}" for i in range(24)]
+    want = {f"c{i}": o.text for i, o in enumerate(llm.generate(prompts, params, progress=False))}
+    chats = llm.chat(
+        [[{"role": "user", "content": f"to be or not {i}"}] for i in range(4)],
+        SamplingParams(max_tokens=5, temperature=0),
+        progress=False,
+    )
+    want.update({f"chat{i}": o.text for i, o in enumerate(chats)})
+    return want
+
+
 def test_shards_share_the_engine_finish_through_rq_and_match_generate(llm, redis_url, tmp_path):
     client = Client(redis_url)
     lines = [completion(i) for i in range(24)] + [chat(i) for i in range(4)]
@@ -80,21 +94,7 @@ def test_shards_share_the_engine_finish_through_rq_and_match_generate(llm, redis
         "all shards ran in one continuous batch"
     )
 
-    got = texts(client, batch.id)
-    params = SamplingParams(max_tokens=6, temperature=0)
-    want = {
-        f"c{i}": o.text
-        for i, o in enumerate(
-            llm.generate([f"the quick brown fox {i}" for i in range(24)], params, progress=False)
-        )
-    }
-    chats = llm.chat(
-        [[{"role": "user", "content": f"to be or not {i}"}] for i in range(4)],
-        SamplingParams(max_tokens=5, temperature=0),
-        progress=False,
-    )
-    want.update({f"chat{i}": o.text for i, o in enumerate(chats)})
-    assert got == want
+    assert texts(client, batch.id) == generated_alone(llm)
     errors = list(client.results(batch.id, errors=True))
     assert [(e.custom_id, e.error.code) for e in errors] == [("c99", "request_rejected")]
     assert "max_model_len" in errors[0].error.message

@@ -23,35 +23,27 @@ from sluice.worker.background import supervised
 from sluice.worker.metrics import become_ready, start_metrics
 from sluice.worker.worker import EngineWorker
 
+MODEL_HELP = f"{engine_flags.field_help('model')} Default: $SLUICE_MODEL."
+TTL_HELP = "Seconds before a silent worker's shards count as abandoned (default: $SLUICE_HEARTBEAT_TTL or 30)."
+GRACE_HELP = "Seconds to finish in-flight shards after SIGTERM before handing back."
+METRICS_HELP = "Serve Prometheus /metrics, /healthz and /readyz (ready once loaded and warmed) here."
+REDIS_HELP = "Redis URL (default: $SLUICE_REDIS_URL or redis://127.0.0.1:6379/0)"
+
 
 def start(
     engine_args: dict[str, Any],
-    model: str | None = typer.Option(
-        None,
-        "--model",
-        help=f"{engine_flags.field_help('model')} Default: $SLUICE_MODEL.",
-        show_default=False,
-    ),
+    model: str | None = typer.Option(None, "--model", help=MODEL_HELP, show_default=False),
     queues: str = typer.Option(",".join(QUEUES), help="Queues in priority order."),
     burst: bool = typer.Option(False, "--burst", help="Exit once the queues are empty."),
-    heartbeat_ttl: int | None = typer.Option(
-        None,
-        help="Seconds before a silent worker's shards count as abandoned (default: $SLUICE_HEARTBEAT_TTL or 30).",
-    ),
-    grace: float = typer.Option(
-        60.0, help="Seconds to finish in-flight shards after SIGTERM before handing back."
-    ),
+    heartbeat_ttl: int | None = typer.Option(None, help=TTL_HELP),
+    grace: float = typer.Option(60.0, help=GRACE_HELP),
     name: str | None = typer.Option(None, help="Worker name (default: rq's)."),
     webhooks: bool = typer.Option(
         True, "--webhooks/--no-webhooks", help="Also deliver webhook events from a background thread."
     ),
-    metrics_port: int | None = typer.Option(
-        None, help="Serve Prometheus /metrics, /healthz and /readyz (ready once loaded and warmed) here."
-    ),
+    metrics_port: int | None = typer.Option(None, help=METRICS_HELP),
     log_format: str = typer.Option("text", help="text or json (one object per line, with batch/job ids)."),
-    redis_url: str | None = typer.Option(
-        None, "--redis-url", help="Redis URL (default: $SLUICE_REDIS_URL or redis://127.0.0.1:6379/0)"
-    ),
+    redis_url: str | None = typer.Option(None, "--redis-url", help=REDIS_HELP),
 ) -> None:
     """Run a GPU worker: one engine kept full with shards from the queues."""
     settings = get_settings()
@@ -64,7 +56,9 @@ def start(
     connection = redis.Redis.from_url(redis_url or settings.redis_url)
     become_ready(metrics, llm, connection)
     ttl = heartbeat_ttl or settings.heartbeat_ttl
-    w = EngineWorker(queues.split(","), llm, connection, heartbeat_ttl=ttl, grace=grace, name=name, settings=settings)
+    w = EngineWorker(
+        queues.split(","), llm, connection, heartbeat_ttl=ttl, grace=grace, name=name, settings=settings
+    )
     stop = threading.Event()
     if webhooks:
         hooks = WebhookSettings.of(settings)

@@ -122,7 +122,9 @@ def write_outputs(storage: Storage, connection: redis.Redis, batch: Batch) -> tu
     return output_file, error_file, merged
 
 
-def write_or_fail(connection: redis.Redis, batch: Batch, roots: list[str]) -> tuple[str, str | None, Merged] | None:
+def write_or_fail(
+    connection: redis.Redis, batch: Batch, roots: list[str]
+) -> tuple[str, str | None, Merged] | None:
     """write_outputs, or None when this worker may not write the output (outside roots, not writable): the batch
     is then failed for good (no retry, no reaper loop)."""
     try:
@@ -209,11 +211,13 @@ def finalize(connection: redis.Redis, batch_id: str, roots: list[str]) -> dict[s
             return {}
         raise
     connection.delete(progress_key(batch_id, "completed"), progress_key(batch_id, "failed"))  # counts are final
-    if batch.webhook:
-        single = (
-            merged.first.model_dump(mode="json")
-            if merged.first and merged.completed + merged.failed == 1
-            else None
-        )
-        notify(connection, batch, result=single)
+    announce(connection, batch, merged)
     return batch.request_counts.model_dump()
+
+
+def announce(connection: redis.Redis, batch: Batch, merged: Merged) -> None:
+    """The batch's webhook event, if it asked for one, with the record of a batch of one request."""
+    if batch.webhook:
+        one = merged.first is not None and merged.completed + merged.failed == 1
+        single = merged.first.model_dump(mode="json") if one else None
+        notify(connection, batch, result=single)
