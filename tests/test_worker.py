@@ -12,7 +12,7 @@ from rq.job import Job, JobStatus
 from rq.registry import FinishedJobRegistry, StartedJobRegistry
 from rq.serializers import JSONSerializer
 
-from sluice.contract.jobs import finalize_job_id, shard_job_id
+from sluice.contract.jobs import RUN_SHARD_BEFORE_RENAME, finalize_job_id, shard_job_id
 from sluice.contract.queues import queue_for
 from sluice.engine import LLM, SamplingParams
 from sluice.producer import BatchStatus, Client
@@ -105,6 +105,22 @@ def test_shards_share_the_engine_finish_through_rq_and_match_generate(llm, redis
         usage["completion_tokens"] <= 5
         and usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
     )
+
+
+def test_a_shard_job_queued_under_the_function_name_before_the_rename_still_runs(llm, redis_url, tmp_path):
+    """A shard enqueued by a producer before worker/shards.py became worker/shard_run.py (its job still names
+    sluice.worker.shards.run_shard) runs and the batch completes, instead of being refused as a foreign job."""
+    client = Client(redis_url)
+    batch = client.submit_batch([completion(1), completion(2)], output=tmp_path.as_uri(), shard_size=1)
+    queue = queue_for(client.connection, "default")
+    old = fetch(client, shard_job_id(batch.id, 1))
+    queue.remove(old)
+    queue.enqueue_call(RUN_SHARD_BEFORE_RENAME, args=old.args, job_id=old.id, timeout=old.timeout)
+    assert fetch(client, old.id).func_name == RUN_SHARD_BEFORE_RENAME
+    run_worker(llm, redis_url)
+    done = client.get(batch.id)
+    assert done.status == BatchStatus.completed and done.request_counts.completed == 2
+    assert fetch(client, old.id).get_status() == JobStatus.FINISHED
 
 
 def test_high_priority_shards_are_claimed_first(tiny_llama, redis_url, tmp_path):

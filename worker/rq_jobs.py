@@ -25,11 +25,11 @@ from rq.serializers import JSONSerializer
 from rq.timeouts import JobTimeoutException
 from rq.utils import now
 
-from sluice.contract.jobs import FINALIZE, RUN_SHARD
+from sluice.contract.jobs import FINALIZE, SHARD_FUNCTIONS
 from sluice.contract.queues import queue_for, status
 from sluice.contract.rq_adapter import fail_job, finish_job, pubsub_error_handler
 
-ALLOWED_FUNCTIONS = frozenset({RUN_SHARD, FINALIZE})
+ALLOWED_FUNCTIONS = SHARD_FUNCTIONS | {FINALIZE}
 RETRY_POLL_S = 1.0
 PUBSUB_POLL_S = 0.25  # how long the command-channel thread blocks per read; its stop waits this long
 REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)

@@ -14,7 +14,7 @@ from rq.job import Job
 from rq.queue import Queue
 
 from sluice.contract.batch import BatchStore
-from sluice.contract.jobs import RUN_SHARD
+from sluice.contract.jobs import SHARD_FUNCTIONS
 from sluice.contract.rq_adapter import request_worker_stop
 from sluice.contract.schemas import Request
 from sluice.contract.settings import Settings, get_settings
@@ -180,7 +180,7 @@ class EngineWorker(JobsWorker):
         if not self.allowed(job):
             self.refuse(job, queue)
             return
-        if job.func_name != RUN_SHARD:
+        if job.func_name not in SHARD_FUNCTIONS:
             self.run_inline(job, queue)
             return
         execution = self.claim(job, queue)
