@@ -9,7 +9,7 @@ from rq import Queue, Retry
 from rq.job import Dependency
 
 from sluice.contract.jobs import FINALIZE, RUN_SHARD, finalize_job_id, shard_job_id
-from sluice.contract.queues import queue_for
+from sluice.contract.queues import RawJSON, queue_for
 from sluice.contract.schemas import Batch, Request
 from sluice.contract.settings import Settings
 from sluice.producer.validation import Requests
@@ -43,8 +43,9 @@ def retry_policy(retries: int, settings: Settings) -> Retry | None:
     return Retry(max=retries, interval=list(settings.retry_backoff)) if retries else None
 
 
-def _payload(chunk: Sequence[Request]) -> list[dict]:
-    return chunk.dicts() if isinstance(chunk, Requests) else [r.model_dump() for r in chunk]
+def _payload(chunk: Sequence[Request]) -> RawJSON | list[dict]:
+    """What a shard job carries: the validated requests' own JSON, as it is (a list of dicts for other input)."""
+    return RawJSON(chunk.items) if isinstance(chunk, Requests) else [r.model_dump() for r in chunk]
 
 
 def enqueue(

@@ -47,10 +47,6 @@ class Requests(Sequence[Request]):
         """Bytes of JSON held."""
         return sum(len(item) for item in self.items)
 
-    def dicts(self) -> list[dict[str, Any]]:
-        """The requests as plain dicts (what a shard job carries)."""
-        return [json.loads(item) for item in self.items]
-
 
 @dataclass
 class Validated:

@@ -93,6 +93,8 @@ def test_submit_enqueues_json_shards_and_a_finalize_job_depending_on_them(redis_
     data = client.connection.hget(Job.key_for(shard_job_id(batch.id, 2)), "data")
     func, _, args, _ = json.loads(zlib.decompress(data))
     assert func == "sluice.worker.shard_run.run_shard" and [r["custom_id"] for r in args[2]] == ["r8", "r9"]
+    compact = [json.dumps(r, separators=(",", ":")).encode() for r in args[2]]
+    assert b"[" + b",".join(compact) + b"]" in zlib.decompress(data), "the requests' own JSON, not dumped again"
     finalize = Job.fetch(finalize_job_id(batch.id), connection=client.connection, serializer=JSONSerializer)
     assert finalize.get_status() == JobStatus.DEFERRED
     assert set(finalize._dependency_ids) == set(queue.job_ids)

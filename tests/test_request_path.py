@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 
+from sluice.contract.queues import RawJSONSerializer
 from sluice.contract.schemas import ChatBody, CompletionBody, Request
 from sluice.contract.settings import Settings
 from sluice.producer.sharding import _payload
@@ -50,7 +51,7 @@ def test_a_request_is_validated_at_the_edge_and_rebuilt_without_validation(monke
     counts = count_validations(monkeypatch)
     checked = validate_lines([json.dumps(line).encode() for line in LINES], Settings())
     assert checked.errors == [] and counts == {"CompletionBody": 1, "ChatBody": 1}
-    carried = json.loads(json.dumps(_payload(checked.requests)))  # what the shard job holds in Redis
+    carried = json.loads(RawJSONSerializer.dumps(_payload(checked.requests)))  # what the shard job holds in Redis
     assert counts == {"CompletionBody": 1, "ChatBody": 1}, "splitting and serializing validate nothing"
     run = ShardRun.from_args("b-shard-0", ("b", 0, carried))
     assert [r.custom_id for r in run.requests] == ["c", "t"] and counts["CompletionBody"] == 1
