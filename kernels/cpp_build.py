@@ -42,8 +42,8 @@ _built: dict[tuple[str, str], object | None] = {}
 
 @functools.cache
 def enabled() -> bool:
-    """False when SLUICE_CPU_KERNEL=0 asks for the torch implementations (read once: the kernels ask ~100 times a
-    decode step, and an environment lookup is ~1.5 us; `enabled.cache_clear()` after changing it)."""
+    """False when SLUICE_CPU_KERNEL=0 asks for the torch implementations (read once: the kernels ask many times a
+    decode step; `enabled.cache_clear()` after changing it)."""
     return os.environ.get("SLUICE_CPU_KERNEL", "1") != "0"
 
 

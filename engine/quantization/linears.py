@@ -36,7 +36,7 @@ def _bnb():
 @contextmanager
 def _compile_on_first_call() -> Iterator[None]:
     """torch.compile that compiles at the first call, for bitsandbytes' import: it wraps its default-backend
-    ops in torch.compile there, which imports dynamo and inductor (~3 s of every quantized worker's start) for
+    ops in torch.compile there, which imports dynamo and inductor (seconds of every quantized worker's start: docs/benchmarks.md) for
     ops compiled only when first called anyway, if ever (the CPU backend serves them); nothing else changes."""
     real = torch.compile
 
@@ -64,7 +64,7 @@ def _compile_on_first_call() -> Iterator[None]:
 def _dynamo_on_first_trace() -> Iterator[None]:
     """torch._disable_dynamo that imports dynamo only once something has: bitsandbytes registers its CPU kernels
     through torch.library.register_kernel, which wraps each in torch._disable_dynamo, whose first call imports
-    torch._dynamo (~1.5 s of every bitsandbytes worker's start, at its first quantized matmul). Nothing can be
+    torch._dynamo (a share of every bitsandbytes worker's start, at its first quantized matmul). Nothing can be
     tracing while dynamo is not imported, so until then the kernel is called as it is; after, dynamo's own
     disable wraps it, as torch's would have."""
     real = torch._disable_dynamo
@@ -137,8 +137,8 @@ def int4_linear(spec: QuantSpec, packed: torch.Tensor, quant_state, bias, dtype)
 def pack_4bit_for_cpu(model: nn.Module) -> int:
     """Put every bitsandbytes 4-bit linear of a CPU model in the layout bitsandbytes' CPU kernel reads, which its
     first forward makes otherwise (`_convert_weight_packed_for_cpu`: every code widened to int32, transposed and
-    packed again, 40-60 ms a 5632 x 2048 weight, ~1.6 s of a 1 GB model's warm-up): the same bytes by uint8 ops
-    on the packed ones (7-11 ms), where a probe shows this bitsandbytes' own result; returns the linears packed."""
+    packed again, a large share of a model's warm-up): the same bytes by uint8 ops on the packed ones (faster:
+    docs/benchmarks.md), where a probe shows this bitsandbytes' own result; returns the linears packed."""
     if "bitsandbytes" not in sys.modules or not _cpu_packing_matches_bnb():
         return 0
     done, linear4bit = 0, _bnb().nn.Linear4bit
@@ -262,7 +262,7 @@ WEIGHT_ONLY_LINEARS = {WEIGHT_ONLY: Int8WeightOnlyLinear, INT4_WEIGHT_ONLY: Int4
 def quantized_linear(spec: QuantSpec, weight: torch.Tensor, bias: torch.Tensor | None, dtype) -> nn.Module:
     """Quantize one weight [out, in] (already on its device) into the spec's bitsandbytes linear."""
     F = _bnb().functional
-    if spec.method == "int8":  # bitsandbytes' own quantization, or the same bits in one pass on CPU (~39x faster)
+    if spec.method == "int8":  # bitsandbytes' own quantization, or the same bits in one pass on CPU
         ours = int8_weights.bnb_int8_rows(weight) if weight.device.type == "cpu" and _rows_match_bnb() else None
         cb, scb = ours or F.int8_vectorwise_quant(weight.to(torch.float16))[:2]
         return int8_linear(spec, cb, scb, bias, dtype)
@@ -276,7 +276,7 @@ def quantized_linear(spec: QuantSpec, weight: torch.Tensor, bias: torch.Tensor |
 @functools.cache
 def _rows_match_bnb() -> bool:
     """Whether our one-pass int8 row quantization gives this bitsandbytes' own bits, checked once per process on
-    a probe weight of 131k values (ties at x.5 included: ~2 in 10k); another bitsandbytes version that quantizes
+    a probe weight with ties at x.5 among its values; another bitsandbytes version that quantizes
     otherwise gets its own op."""
     w = (torch.randn(64, 2048, generator=torch.Generator().manual_seed(0)) * 3).to(torch.bfloat16)
     ours = int8_weights.bnb_int8_rows(w)
@@ -291,7 +291,7 @@ _QUANTIZE_4BIT: list = []  # the torch.library registration of our CPU bitsandby
 
 def _serve_4bit_quantize() -> bool:
     """Serve bitsandbytes::quantize_4bit on CPU by one C++ pass over the blocks (`bnb_4bit_blocks`, 16 values
-    a step: 8 vs 214 ms for its torch ops on a 5632 x 2048 weight) where a probe shows the installed
+    a step, in place of its torch ops: docs/benchmarks.md) where a probe shows the installed
     bitsandbytes' own bits for NF4 and FP4 (a zero block and a short last block included); F.quantize_4bit and
     its QuantState are bitsandbytes' own either way. Registered once per process; False where it is not."""
     if _QUANTIZE_4BIT:
