@@ -101,6 +101,12 @@ class EngineConfig:
                                        "into private memory).")
     huge_pages: bool = _opt(True, "CPU: private weights in one arena collapsed into transparent huge pages "
                                   "after loading (faster decode steps where they stream weights: docs/benchmarks.md).")
+    cpu_kernel: bool | None = _opt(None, "CPU: our C++ kernels; off runs torch's implementations (default: "
+                                         "SLUICE_CPU_KERNEL, on).")
+    cpu_isa: str | None = _opt(None, "CPU: cap on the ISA tier the C++ kernels are built for: avx2, avx512, "
+                                     "avx512_bf16 or amx (default: SLUICE_CPU_ISA, else the host's).")
+    device_path: bool | None = _opt(None, "FlatMetadata steps (Triton on CUDA) forced on or off on any device "
+                                          "(default: SLUICE_DEVICE_PATH, else on where CUDA has triton).")
     extra: dict[str, Any] = field(default_factory=dict, metadata={"help": "Free-form settings the engine ignores."})
     speculative_config: SpeculativeConfig | None = field(init=False, default=None, repr=False, compare=False)
 

@@ -17,12 +17,11 @@ and other devices dequantize the weight and use the ordinary matmul.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
 
-from sluice.kernels import cpp_build, cpu_isa
+from sluice.kernels import cpp_build, cpu_isa, options
 from sluice.kernels.device_path import triton_on
 
 MAX_GEMV_ROWS = 4  # fp32/fp16 rows, torch's GEMV: measured on CPU (rows 1-16, five shapes), it wins at 2-4 rows
@@ -114,7 +113,7 @@ def int_mm_exact() -> bool:
     on CPUs without AVX512-VNNI / AVX-VNNI, or with ONEDNN_MAX_CPU_ISA below them, the torch path sums in fp64
     (exact for int8 products) instead."""
     flags = cpu_isa.cpu_flags()
-    limit = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
+    limit = options.current().onednn_max_cpu_isa
     return ("avx512_vnni" in flags or "avx_vnni" in flags) and (limit in ("", "ALL", "DEFAULT") or "VNNI" in limit
                                                                   or "BF16" in limit or "AMX" in limit
                                                                   or "AVX10" in limit)

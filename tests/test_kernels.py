@@ -224,10 +224,9 @@ def test_model_linears_run_the_gemv_at_decode_rows(monkeypatch, cpu_tier):
 def test_every_cpu_kernel_builds_where_a_compiler_exists(source, cpu_tier):
     """A kernel that fails to compile or link falls back to torch at run time (and its tests skip), so the build
     itself is checked: with a C++ compiler present, every csrc/ source must load."""
-    import os
     import shutil
 
-    if not cpp_build.enabled() or shutil.which(os.environ.get("CXX", "c++")) is None:
+    if not cpp_build.enabled() or shutil.which(cpp_build.options.current().cxx) is None:
         pytest.skip("SLUICE_CPU_KERNEL=0 or no C++ compiler: the torch paths serve")
     assert source in cpp_build.EXTENSIONS, f"csrc/{source} is not named in cpp_build.EXTENSIONS: add it"
     assert cpp_build.load(cpp_build.EXTENSIONS[source], source) is not None, f"csrc/{source} did not build (see the warning)"
