@@ -8,7 +8,7 @@ matmul a linear runs) stay inside the kernel modules, which the plan's `gemv` na
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -31,11 +31,14 @@ class StepPlan:
     fused_attention: bool  # short queries (decode, verify) on the fused C++ attention (plain or int8 cache)
     gemv: bool  # bf16 linears at decode rows on the C++ GEMV (kernels.linear decides the rows)
     decode_stack: bool = False  # this step's layers as one C++ call (kernels.decode_stack)
+    # this plan with decode_stack set, made once by `plan` where a stack can serve (a step only picks it)
+    stacked: StepPlan | None = field(default=None, repr=False, compare=False)
 
     def for_step(self, ids: torch.Tensor, meta) -> StepPlan:
         """This plan for one step of token ids [T] over metadata `meta` (built with `fused_attention`)."""
-        stack = self.gemv and self.fused_attention and decode_stack.step_fits(ids, self.dtype, meta)
-        return self if stack == self.decode_stack else replace(self, decode_stack=stack)
+        if self.stacked is not None and decode_stack.step_fits(ids, self.dtype, meta):
+            return self.stacked
+        return self
 
 
 def plan(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, flat_model: bool = False) -> StepPlan:
@@ -46,13 +49,15 @@ def plan(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, flat_m
     same_or_int8 = kv_dtype == dtype or kv_dtype == torch.int8
     fused = cpu and not flat and same_or_int8 and cpu_kernel_available()
     gemv = cpu and dtype == torch.bfloat16 and gemv_available()
-    return StepPlan(cpu_isa.tier() if cpu else device.type, dtype, kv_dtype, flat, triton_on(device), fused, gemv)
+    fields = (cpu_isa.tier() if cpu else device.type, dtype, kv_dtype, flat, triton_on(device), fused, gemv)
+    return StepPlan(*fields, stacked=StepPlan(*fields, decode_stack=True) if fused and gemv else None)
 
 
 def plan_of_step(ids: torch.Tensor, dtype: torch.dtype, kv_dtype: torch.dtype, meta) -> StepPlan:
     """The plan of a step whose metadata was built without one (a model called directly: tests, CUDA graphs):
     fused attention as `meta` has it."""
     base = plan(ids.device, dtype, kv_dtype, flat_model=not isinstance(meta, AttentionMetadata))
-    fused = base.fused_attention and getattr(meta, "fused_short", None) is not None
-    return replace(base, fused_attention=fused).for_step(ids, meta)
+    if base.fused_attention and getattr(meta, "fused_short", None) is None:
+        base = replace(base, fused_attention=False, stacked=None)
+    return base.for_step(ids, meta)
 
