@@ -20,7 +20,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from sluice.kernels import cpp_build, cpu_isa, int8_weights
+from sluice.kernels import cpu_isa, int8_weights, options
 from sluice.kernels import linear as linear_kernels
 
 LINEARS = [(1280, 768), (768, 768), (4096, 768), (768, 2048)] * 12  # qkv, o, gate_up, down of 12 layers
@@ -68,7 +68,7 @@ def int8_one_row(rounds: int) -> tuple[float, float]:
 
 def _kernels(on: bool) -> None:
     os.environ["SLUICE_CPU_KERNEL"] = "1" if on else "0"
-    cpp_build.enabled.cache_clear()
+    options.reset()
 
 
 def engine_decode(batches: list[int], rounds: int, gen: int) -> list[tuple[int, float, float]]:

@@ -112,7 +112,7 @@ def load_only(path, kw: dict) -> dict:
 def measure(mode: str, num_requests: int, ppl_windows: int) -> dict:
     """One mode in this process: load (time, peak RSS), bytes, throughput, perplexity."""
     from sluice.engine import LLM, SamplingParams
-    from sluice.engine.model_runner import kv_bytes_per_token
+    from sluice.engine.kv_cache import bytes_per_token
 
     kw = MODES[mode]
     path = bench_model()
@@ -120,7 +120,7 @@ def measure(mode: str, num_requests: int, ppl_windows: int) -> dict:
     llm = LLM(str(path), dtype="bfloat16", device="cpu", kv_cache_memory_gb=KV_GB, **kw)
     e = llm.engine
     out["kv_token_bytes"] = e.kv_block_bytes // e.config.block_size
-    out["kv_bf16_token_bytes"] = kv_bytes_per_token(e.model_config, torch.bfloat16)
+    out["kv_bf16_token_bytes"] = bytes_per_token(e.model_config, torch.bfloat16)
     out["kv_blocks"] = e.num_blocks
     reqs = workload(num_requests)
     llm.generate([p for p, _ in reqs[:2]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),

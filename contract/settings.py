@@ -32,6 +32,9 @@ class Settings(BaseSettings):
     s3_addressing_style: str = "path"
     dtype: str | None = None
     device: str | None = None
+    cpu_kernel: bool | None = None  # the engine's kernel options (EngineConfig.cpu_kernel, cpu_isa, device_path)
+    cpu_isa: str | None = None
+    device_path: bool | None = None
     demo_model: Path = Path(__file__).resolve().parents[1] / "models" / "sluice-tiny"
     demo_results: Path = Path("results")
     max_line_bytes: int = Field(1_000_000, gt=0)

@@ -18,9 +18,9 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 KV_CACHE_DTYPES = ("auto", "int8", *DTYPES)
 
 METHODS = ("draft", "ngram")
-# Measured on CPU with the bundled pair (docs/benchmarks.md, speculative decoding): the bf16 and int8 drafts
-# gain >= 1.16x up to 8 running requests and 0.89-1.08x beyond, where a larger target's compute-bound step
-# would lose; n-gram lookup costs nothing to propose but verifying still grows with the batch.
+# Measured on CPU with the bundled pair (docs/benchmarks.md, "Speculative decoding"): the drafts gain up to this
+# many running requests and not beyond, where a larger target's compute-bound step would lose; n-gram lookup
+# costs nothing to propose but verifying still grows with the batch.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 
 
@@ -100,7 +100,13 @@ class EngineConfig:
                                        "copy-on-write; below that, copy), mmap (at any size), copy (each read "
                                        "into private memory).")
     huge_pages: bool = _opt(True, "CPU: private weights in one arena collapsed into transparent huge pages "
-                                  "after loading (decode steps 1.1-1.25x faster where they stream weights).")
+                                  "after loading (faster decode steps where they stream weights: docs/benchmarks.md).")
+    cpu_kernel: bool | None = _opt(None, "CPU: our C++ kernels; off runs torch's implementations (default: "
+                                         "SLUICE_CPU_KERNEL, on).")
+    cpu_isa: str | None = _opt(None, "CPU: cap on the ISA tier the C++ kernels are built for: avx2, avx512, "
+                                     "avx512_bf16 or amx (default: SLUICE_CPU_ISA, else the host's).")
+    device_path: bool | None = _opt(None, "FlatMetadata steps (Triton on CUDA) forced on or off on any device "
+                                          "(default: SLUICE_DEVICE_PATH, else on where CUDA has triton).")
     extra: dict[str, Any] = field(default_factory=dict, metadata={"help": "Free-form settings the engine ignores."})
     speculative_config: SpeculativeConfig | None = field(init=False, default=None, repr=False, compare=False)
 

@@ -10,11 +10,12 @@ from sluice.engine import heap
 from sluice.engine.block_manager import BlockManager
 from sluice.engine.config import EngineConfig
 from sluice.engine.groups import SequenceGroup
+from sluice.engine.kv_cache import bytes_per_token, pool_blocks
 from sluice.engine.logits_processors import LogitsProcessors
 from sluice.engine.model_runner import ModelRunner, StepLogits
 from sluice.engine.models.loader import load_model
 from sluice.engine.outputs import RequestOutput
-from sluice.engine.quantization import int8_kv_cache, linear_hook, pack_4bit_for_cpu
+from sluice.engine.quantization import linear_hook, pack_4bit_for_cpu
 from sluice.engine.request import Request
 from sluice.engine.resolved import ResolvedConfig
 from sluice.engine.sampler import device_tensor, sample, top_logprobs
@@ -25,6 +26,7 @@ from sluice.engine.structured import GrammarError, StructuredOutputs
 from sluice.engine.token_bytes import TokenBytes
 from sluice.engine.tokenizer import load_tokenizer
 from sluice.engine.verification import SpecStats, verify
+from sluice.kernels import options
 
 
 class RequestRejected(ValueError):
@@ -36,6 +38,7 @@ class Engine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        options.configure(cpu_kernel=config.cpu_kernel, cpu_isa=config.cpu_isa, device_path=config.device_path)
         r = ResolvedConfig.resolve(config)
         self.tokenizer = load_tokenizer(config.tokenizer or config.model, None if config.tokenizer else r.hf_config)
         r = self.resolved = r.with_eos(self.tokenizer.eos_token_id)
@@ -45,13 +48,11 @@ class Engine:
         hook = linear_hook(config, self.device, self.dtype, r.hf_config)
         self.model = load_model(config.model, self.dtype, self.device, self.max_model_len, hook, r.model,
                                 config.weight_loading, config.huge_pages)
-        num_blocks = r.num_kv_blocks(config)
-        self.kv_block_bytes = r.kv_token_bytes() * config.block_size
-        cache_factory = int8_kv_cache(self.dtype) if self.kv_dtype == torch.int8 else None
+        num_blocks = pool_blocks(config, r.model, r.kv_dtype, r.device, r.max_model_len)
+        self.kv_block_bytes = bytes_per_token(r.model, self.kv_dtype) * config.block_size
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
-        self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.kv_dtype, self.device,
-                                  cache_factory)
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.kv_dtype, self.device)
         if not config.enforce_eager:
             self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         self.generator = torch.Generator().manual_seed(config.seed)

@@ -8,10 +8,11 @@ from dataclasses import dataclass
 import torch
 
 from sluice import kernels
-from sluice.engine.kv_memory import kv_zeros
-from sluice.engine.models.llama import LayerKVCache, LlamaModel, ModelConfig
+from sluice.engine import kv_cache
+from sluice.engine.models.llama import LlamaModel
 from sluice.engine.request import Request
 from sluice.engine.scheduler import ScheduledBatch
+from sluice.kernels import dispatch
 from sluice.kernels.flat_metadata import StepBuffers
 
 
@@ -25,24 +26,17 @@ class StepLogits:
     first_pos: list[int]
 
 
-def kv_bytes_per_token(c: ModelConfig, dtype: torch.dtype) -> int:
-    """Bytes one token's keys and values take across all layers."""
-    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * torch.empty((), dtype=dtype).element_size()
-
-
 class ModelRunner:
-    """Owns the model and the KV pool; turns a ScheduledBatch into logits."""
+    """Runs the model over the KV pool (engine.kv_cache's layer caches); turns a ScheduledBatch into logits."""
 
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
-                 device: torch.device, cache_factory=None) -> None:
+                 device: torch.device) -> None:
         c = model.config
         self.model, self.block_size, self.device = model, block_size, device
-        factory = cache_factory or self._plain_cache
+        dtype = model.embed_tokens.weight.dtype
         # the flat layout on every device where the model asks for it (the generic path's windowed layers)
-        self.flat = kernels.flat_layout(device) or getattr(model, "needs_flat_metadata", False)
-        self.fused = not self.flat and cache_factory is None and kernels.fused_attention(device, model.embed_tokens.weight.dtype,
-                                                                       kv_dtype)
-        self.kv_caches = [factory(num_blocks, block_size, c, kv_dtype, device) for _ in range(c.num_layers)]
+        self.plan = dispatch.plan(device, dtype, kv_dtype, getattr(model, "needs_flat_metadata", False))
+        self.kv_caches = kv_cache.layer_caches(c, num_blocks, block_size, kv_dtype, dtype, device, self.plan.flat)
         self.graphs = None
         self.buffers: StepBuffers | None = None
 
@@ -61,7 +55,7 @@ class ModelRunner:
     @torch.inference_mode()
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Replay pure-decode steps from CUDA graphs (CUDA device path only; CPU never captures)."""
-        if self.device.type == "cuda" and self.flat and getattr(self.model, "cuda_graphs", True):
+        if self.device.type == "cuda" and self.plan.flat and getattr(self.model, "cuda_graphs", True):
             from sluice.engine.cuda_graphs import DecodeGraphs
 
             try:
@@ -69,11 +63,6 @@ class ModelRunner:
                                            -(-max_model_len // self.block_size) + 1, self.device)
             except RuntimeError as e:  # a layer that cannot be captured (e.g. some bitsandbytes kernels)
                 warnings.warn(f"decode steps run eagerly: CUDA graph capture failed ({e})", stacklevel=2)
-
-    @staticmethod
-    def _plain_cache(num_blocks, block_size, c: ModelConfig, dtype, device) -> LayerKVCache:
-        shape = (c.num_kv_heads, num_blocks, block_size, c.head_dim)
-        return LayerKVCache(kv_zeros(shape, dtype, device), kv_zeros(shape, dtype, device))
 
     def _rows(self, req: Request, start: int, n: int) -> tuple[int, int]:
         """First position and count of the positions whose logits this step must return."""
@@ -98,29 +87,34 @@ class ModelRunner:
             ids += req.tokens_slice(start, start + n)
             pos = range(start, start + n)
             positions += pos
-            bt = req.block_table
-            slots += [bt[p // bs] * bs + p % bs for p in pos]
+            slots += kv_cache.slots(req.block_table, pos, bs)
             context_lens.append(start + n)
             first, count = self._rows(req, start, n)
             rows.row_start.append(len(logit_idx))
             rows.num_rows.append(count)
             rows.first_pos.append(first)
             logit_idx += range(offset + first - start, offset + first - start + count)
-        dev = self.device
         tables = [r.block_table for r in batch.requests]
         if self.graphs is not None and self.graphs.fits(batch.num_new_tokens):
             rows.logits = self.graphs.run(ids, positions, slots, context_lens, tables)
             return rows
-        if self.flat:
+        if self.plan.flat:
             buffers = self._step_buffers(len(ids), len(tables), max(len(t) for t in tables))
             inputs = buffers.load(ids, positions, slots, logit_idx, batch.num_new_tokens, context_lens, tables,
                                   self.model.config.num_kv_heads)
-            rows.logits = self.model(*inputs[:2], self.kv_caches, *inputs[2:])
+            rows.logits = self.model(*inputs[:2], self.kv_caches, *inputs[2:], plan=self.plan)
             return rows
+        rows.logits = self._run_paged(ids, positions, slots, logit_idx, batch.num_new_tokens, context_lens, tables)
+        return rows
+
+    def _run_paged(self, ids, positions, slots, logit_idx, query_lens, context_lens, tables) -> torch.Tensor:
+        """Logits of a step over AttentionMetadata, built as the step plan asks (the fused kernel's arguments)."""
+        dev = self.device
         # ids, positions and slots in one host-to-tensor copy; no logits index where every row is wanted (decode)
         flat = torch.tensor([ids, positions, slots], dtype=torch.long, device=dev)
-        meta = kernels.build_metadata(batch.num_new_tokens, context_lens, tables, flat[2], bs, dev, fused=self.fused)
+        meta = kernels.build_metadata(query_lens, context_lens, tables, flat[2], self.block_size, dev,
+                                      fused=self.plan.fused_attention)
         every_row = len(logit_idx) == len(ids) and logit_idx == list(range(len(ids)))
-        rows.logits = self.model(flat[0], flat[1], self.kv_caches, meta,
-                                 None if every_row else torch.tensor(logit_idx, dtype=torch.long, device=dev))
-        return rows
+        return self.model(flat[0], flat[1], self.kv_caches, meta,
+                          None if every_row else torch.tensor(logit_idx, dtype=torch.long, device=dev),
+                          plan=self.plan.for_step(flat[0], meta))

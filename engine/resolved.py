@@ -10,12 +10,8 @@ from typing import Any
 import torch
 
 from sluice.engine.config import DTYPES, EngineConfig
-from sluice.engine.model_runner import kv_bytes_per_token
 from sluice.engine.models.llama import ModelConfig
 from sluice.engine.models.loader import read_config
-from sluice.engine.quantization import kv_token_bytes
-
-CPU_KV_DEFAULT_GB = 4.0
 
 
 def resolve_device(name: str) -> torch.device:
@@ -65,29 +61,6 @@ class ResolvedConfig:
     def with_eos(self, eos_token_id: int | None) -> ResolvedConfig:
         """The same, with the tokenizer's EOS id among the EOS ids."""
         return self if eos_token_id is None else replace(self, eos_token_ids=self.eos_token_ids | {eos_token_id})
-
-    def kv_token_bytes(self) -> int:
-        """Bytes one token's keys and values take across all layers in the KV cache."""
-        if self.kv_dtype == torch.int8:
-            return kv_token_bytes(self.model)
-        return kv_bytes_per_token(self.model, self.kv_dtype)
-
-    def num_kv_blocks(self, config: EngineConfig) -> int:
-        """Blocks in the KV pool: the configured budget, else what is free on the GPU (after the weights load)
-        or enough for max_num_seqs full-length sequences on CPU, capped at 4 GiB."""
-        per_token = self.kv_token_bytes()
-        per_block = per_token * config.block_size
-        if config.kv_cache_memory_gb is not None:
-            budget = int(config.kv_cache_memory_gb * 1024**3)
-        elif self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = int(max(free - total * (1 - config.gpu_memory_utilization), 0))
-        else:
-            budget = int(min(per_token * config.max_num_seqs * self.max_model_len, CPU_KV_DEFAULT_GB * 1024**3))
-        num_blocks = budget // per_block
-        if num_blocks < 2:
-            raise ValueError(f"KV cache budget of {budget} bytes holds fewer than 2 blocks of {per_block} bytes")
-        return int(num_blocks)
 
 
 def _max_model_len(config: EngineConfig, c: ModelConfig) -> int:

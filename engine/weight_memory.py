@@ -1,13 +1,12 @@
 """CPU weights in one arena of transparent huge pages.
 
 A decode step streams every weight once. In 4 KB pages that is a TLB miss every 64 cache lines and a stop of the
-hardware prefetchers at every page edge; in 2 MB pages the bf16 GEMV over the bench model's 200 MB of linears ran
-1.20x faster here, and the engine's decode step at batch 1 1.12-1.27x (bf16), 1.18x (int4), 1.25x (int8), at
-batch 8 1.08x (bf16); compute-bound steps (batch 64) are unchanged. So on CPU the loader reads the weights it
+hardware prefetchers at every page edge; in 2 MB pages the GEMVs and the memory-bound decode steps run faster
+(docs/benchmarks.md, "Decode step, weights in huge pages vs 4 KB pages"); compute-bound steps are unchanged. So on CPU the loader reads the weights it
 keeps straight into one arena (`empty`), copies in what is made later, the quantized linears (`adopt`), and
 `settle` then turns the arena into huge pages in a background thread: MADV_COLLAPSE (Linux 6.1+) copies each
-2 MB while the engine already runs (0.1-0.5 s a GB here; at fault time, with `defrag=madvise`, the same pages
-would cost the load 2-5x its 4 KB faults). MADV_HUGEPAGE is set too, so khugepaged collapses the arena over time
+2 MB while the engine already runs (at fault time, with `defrag=madvise`, the same pages would cost the load
+several times its 4 KB faults). MADV_HUGEPAGE is set too, so khugepaged collapses the arena over time
 where MADV_COLLAPSE is missing. Page-cache maps of the checkpoint (weight_loading=mmap) stay 4 KB pages: a file
 map collapses only on kernels built with READ_ONLY_THP_FOR_FS.
 """

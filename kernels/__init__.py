@@ -9,13 +9,12 @@ FlatMetadata, no host syncs inside the forward).
 
 from sluice.kernels.attention import AttentionMetadata, build_metadata, gather_kv, paged_attention, write_kv
 from sluice.kernels.device_path import flat_layout
-from sluice.kernels.dispatch import fused_attention
 from sluice.kernels.elementwise import rope_qk, silu_mul
 from sluice.kernels.flat_metadata import FlatMetadata, build_flat_metadata
 from sluice.kernels.int8_weights import int8_linear
 from sluice.kernels.rms_norm import add_rms_norm
 
 __all__ = ["AttentionMetadata", "FlatMetadata", "add_rms_norm", "build_flat_metadata", "build_metadata",
-           "flat_layout", "fused_attention", "gather_kv", "int8_linear", "paged_attention", "rope_qk", "silu_mul",
+           "flat_layout", "gather_kv", "int8_linear", "paged_attention", "rope_qk", "silu_mul",
            "write_kv"]
 

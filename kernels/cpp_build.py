@@ -26,7 +26,7 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
-from sluice.kernels import cpu_isa
+from sluice.kernels import cpu_isa, options
 
 log = logging.getLogger(__name__)
 
@@ -42,14 +42,17 @@ _built: dict[tuple[str, str], object | None] = {}
 
 @functools.cache
 def enabled() -> bool:
-    """False when SLUICE_CPU_KERNEL=0 asks for the torch implementations (read once: the kernels ask ~100 times a
-    decode step, and an environment lookup is ~1.5 us; `enabled.cache_clear()` after changing it)."""
-    return os.environ.get("SLUICE_CPU_KERNEL", "1") != "0"
+    """False when SLUICE_CPU_KERNEL=0 (kernels.options) asks for the torch implementations (cached: the kernels ask
+    many times a decode step; `options.reset()` after changing it)."""
+    return options.current().cpu_kernel
+
+
+options.on_change(enabled.cache_clear)
 
 
 def cache_root() -> Path:
     """The per-user kernel cache: $XDG_CACHE_HOME/sluice/kernels (~/.cache/sluice/kernels by default)."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    base = options.current().cache_home or str(Path.home() / ".cache")
     return Path(base) / "sluice" / "kernels"
 
 
@@ -60,7 +63,7 @@ def cflags(tier: str) -> list[str]:
 
 def compiler() -> str | None:
     """The C++ compiler torch's build would use ($CXX, else c++), resolved on PATH; None when there is none."""
-    found = shutil.which(os.environ.get("CXX", "c++"))
+    found = shutil.which(options.current().cxx)
     return None if found is None else os.path.realpath(found)
 
 

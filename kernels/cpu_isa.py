@@ -11,13 +11,14 @@ tier-specific path asks `tier()` / `at_least()`, never the CPU directly.
 from __future__ import annotations
 
 import functools
-import os
 import platform
 from pathlib import Path
 
+from sluice.kernels import options
+
 TIERS = ("avx2", "avx512", "avx512_bf16", "amx")
 GENERIC = "generic"
-ENV = "SLUICE_CPU_ISA"
+ENV = options.CPU_ISA
 # /proc/cpuinfo flags each tier needs, on top of the tier before it
 REQUIRED = {
     "avx2": ("avx2", "fma", "f16c", "bmi2"),
@@ -89,8 +90,8 @@ def cap(host: str, limit: str | None) -> str:
 
 
 def cap_setting() -> str | None:
-    """SLUICE_CPU_ISA as set (lower case), or None."""
-    return os.environ.get(ENV, "").strip().lower() or None
+    """SLUICE_CPU_ISA as set (lower case, kernels.options), or None."""
+    return options.current().cpu_isa
 
 
 @functools.cache
@@ -101,9 +102,18 @@ def tier() -> str:
 
 
 def reset() -> None:
-    """Forget the chosen tier (and the flags read), so the next `tier()` reads SLUICE_CPU_ISA again."""
+    """Forget the options and the chosen tier (and the flags read), so the next `tier()` reads SLUICE_CPU_ISA
+    again."""
+    options.reset()
+
+
+def forget_tier() -> None:
+    """Forget the chosen tier and the flags read (kernels.options, when the options change)."""
     tier.cache_clear()
     _cpu_flags.cache_clear()
+
+
+options.on_change(forget_tier)
 
 
 def at_least(name: str, chosen: str | None = None) -> bool:

@@ -1,8 +1,7 @@
 """A CPU decode step's whole decoder stack in one C++ call (csrc/decode_stack.cpp, built on first use).
 
-At a few tokens a layer's ~10 kernel calls from Python (module __call__, each kernel's checks, views) cost
-~0.1 ms a layer, 1.1-1.4 ms of a 125M model's bf16 decode step at batch 1 and 8 (measured on a loaded 2-core
-CPU). The stack makes the same calls in the same order from C++, so its results are bitwise the layers'. It
+At a few tokens a layer's kernel calls from Python (module __call__, each kernel's checks, views) are a large
+share of a small model's bf16 decode step (docs/benchmarks.md, "Where a CPU decode step goes"). The stack makes the same calls in the same order from C++, so its results are bitwise the layers'. It
 serves bf16 steps of 1 to MAX_STACK_TOKENS tokens whose sequences all have short queries (decode, speculative
 verify) on the fused attention kernel; anything else runs the Python layers. Its linears are bf16 ones and the
 weight-only quantized ones, each running the op its Python module would at the step's row count (decided when

@@ -7,10 +7,10 @@ CUDA with triton takes this path by default (`flat_layout`); SLUICE_DEVICE_PATH=
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
+from sluice.kernels import options
 from sluice.kernels.flat_attention import flat_attention, store_slots
 from sluice.kernels.flat_metadata import FlatMetadata
 from sluice.kernels.int8_heads import quantize_heads
@@ -19,9 +19,9 @@ from sluice.kernels.triton import available as triton_available
 
 def flat_layout(device: torch.device) -> bool:
     """Whether steps on `device` use FlatMetadata (Triton kernels on CUDA)."""
-    forced = os.environ.get("SLUICE_DEVICE_PATH")
-    if forced in ("0", "1"):
-        return forced == "1"
+    forced = options.current().device_path
+    if forced is not None:
+        return forced
     return triton_on(device)
 
 

@@ -68,7 +68,7 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """Index of each row's first maximum (the first NaN where a row has one) of x [rows, n]: x.max(-1).indices,
-    by one C++ pass per row on CPU (torch's reduction reads a bf16 vocabulary row at ~1 GB/s)."""
+    by one C++ pass per row on CPU (torch's reduction reads a bf16 vocabulary row slowly)."""
     if _fused(x) and x.dim() == 2 and x.shape[1] > 0 and x.is_contiguous():
         return _ext().argmax_rows(x)
     return x.max(-1).indices

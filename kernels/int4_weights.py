@@ -5,10 +5,10 @@ layouts (`Int4Weight.layout`):
 - "vnni", bf16 on a CPU with AVX512-VNNI (csrc/quant_linear.cpp): our layout, each row's codes in memory order,
   two per byte so that one 64-byte load unpacks into four whole groups, scales/zeros per row [out, 2, groups].
   Up to `MAX_VNNI_ROWS` rows the activations are quantized to int8 per group of 32 (absmax, as llama.cpp's
-  q8_0 against q4_0) and multiplied by `vpdpbusd` (`int4_vnni_mm`): 1.4-2x torch's int4pack GEMV, which
-  multiplies in fp32. Past that (large batches, prefill) each block of weight rows is requantized to int8 per
+  q8_0 against q4_0) and multiplied by `vpdpbusd` (`int4_vnni_mm`): faster than torch's int4pack GEMV,
+  which multiplies in fp32 (docs/benchmarks.md). Past that (large batches, prefill) each block of weight rows is requantized to int8 per
   row and multiplied with the activations quantized per row by the int8 VNNI kernel (`int4_vnni_int8_mm`, as
-  the dynamic int8 path): 1.3-1.6x dequantizing to bf16 for oneDNN at 24-512 rows.
+  the dynamic int8 path), faster than dequantizing to bf16 for oneDNN at those rows.
 - "int4pack", other CPU dtypes (or no VNNI kernel): torch's `_convert_weight_to_int4pack_for_cpu` layout. Up to
   `MAX_INT4PACK_ROWS` rows `_weight_int4pack_mm_for_cpu` runs, past that the C++ tile kernel dequantizes each
   tile of output rows once, to the activations' dtype, and multiplies it with oneDNN.
@@ -28,8 +28,8 @@ from sluice.kernels import cpp_build
 GROUP = 32
 OUT_MULTIPLE = 16  # the CPU packer's requirement on out_features: other sizes are padded with zero rows
 MAX_INT4PACK_ROWS = 16  # measured (bf16, 2 threads, hidden 768 shapes): int4pack wins to 16 rows, the tiles from 32
-# measured over a 125M model's 49 linears (2 threads): the W4A8 product is 1.4-2x int4pack at 1-16 rows and ties
-# the requantized int8 product at 16, which wins from 24 rows (and errs ~2x more: x and weights per row)
+# measured (docs/benchmarks.md, "int4 by VNNI"): the W4A8 product beats int4pack up to here and ties the
+# requantized int8 product, which wins above (and errs more: x and weights per row)
 MAX_VNNI_ROWS = 16
 CHUNK = 128  # our VNNI layout pads in_features to a multiple of this (code 0, scale and zero 0: adds nothing)
 TILE_BYTES = 4 << 20  # dequantized scratch per tile: fewer, larger at::mm calls beat L2-sized tiles here

@@ -1,13 +1,13 @@
 """Weight-only int8 matmul: int8 weights with one scale per output row, activations in the model dtype.
 
 For a few rows (decode, a draft model's proposals) a GEMV reads half the bytes of a bf16 matmul: for one bf16
-row on CPUs without AVX512-VNNI ours (csrc/bf16_gemv.cpp, weight rows in memory order: ~2x torch's), for up to
+row on CPUs without AVX512-VNNI ours (csrc/bf16_gemv.cpp, weight rows in memory order), for up to
 four fp32/fp16 rows torch's CPU int8 GEMV, whose cost grows linearly with the row count and which mis-computes
 unless in_features % 16 == 0 (so neither serves such shapes: one rule for both). Other rows of bf16/fp16
 activations on CPU (bf16 from one row where VNNI serves) are quantized on the fly (int8, one absmax scale per
 row) and multiplied in int32: up to 64 rows by our AVX512-VNNI kernel (csrc/quant_linear.cpp `int8_mm`, with the
-linear's per-row comp kept beside its weight: 1.1-1.4x the version that computed it per call, which was already
-1.1-2x oneDNN's, whose weight reorder on every call costs as much as the product at a few rows), above by
+linear's per-row comp kept beside its weight, faster than oneDNN's, whose weight reorder on every call costs as
+much as the product at a few rows: docs/benchmarks.md), above by
 `torch._int_mm` (oneDNN), the same exact int32 sums either way; the quantization and the rescale epilogue (bias
 included) are one C++ pass each (csrc/quant_linear.cpp) where it builds, rounding exactly as the torch ops they
 replace. On CUDA with triton the W8A16 kernel (kernels/triton/w8a16.py) serves; fp32 activations, odd shapes
@@ -17,17 +17,16 @@ and other devices dequantize the weight and use the ordinary matmul.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
 
-from sluice.kernels import cpp_build, cpu_isa
+from sluice.kernels import cpp_build, cpu_isa, options
 from sluice.kernels.device_path import triton_on
 
 MAX_GEMV_ROWS = 4  # fp32/fp16 rows, torch's GEMV: measured on CPU (rows 1-16, five shapes), it wins at 2-4 rows
-# bf16 rows, ours: where our VNNI int8 product serves, none (over a 125M model's 49 linears at one row, the
-# dynamic int8 matmul with the linear's kept comp, weight rows in memory order, is 1.22-1.24x this GEMV); on other
+# bf16 rows, ours: where our VNNI int8 product serves, none (at one row the dynamic int8 matmul with the linear's
+# kept comp, weight rows in memory order, beats this GEMV: docs/benchmarks.md); on other
 # CPUs one row (it keeps the activations unquantized; oneDNN's int8 matmul is slower there)
 BF16_GEMV_ROWS = 1
 GEMV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -53,8 +52,7 @@ def _use_gemv(rows: torch.Tensor, qweight: torch.Tensor) -> bool:
 
 
 def _gemv_kernel(scales: torch.Tensor):
-    """Our int8 GEMV (csrc/bf16_gemv.cpp: the bf16 GEMV's memory-order pass, ~2x torch's at one row, par at
-    four) for bf16 activations and scales, or None (then torch's serves)."""
+    """Our int8 GEMV (csrc/bf16_gemv.cpp: the bf16 GEMV's memory-order pass, faster than torch's at one row) for bf16 activations and scales, or None (then torch's serves)."""
     from sluice.kernels.linear import _gemv
 
     return _gemv() if scales.dtype is torch.bfloat16 else None
@@ -115,7 +113,7 @@ def int_mm_exact() -> bool:
     on CPUs without AVX512-VNNI / AVX-VNNI, or with ONEDNN_MAX_CPU_ISA below them, the torch path sums in fp64
     (exact for int8 products) instead."""
     flags = cpu_isa.cpu_flags()
-    limit = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
+    limit = options.current().onednn_max_cpu_isa
     return ("avx512_vnni" in flags or "avx_vnni" in flags) and (limit in ("", "ALL", "DEFAULT") or "VNNI" in limit
                                                                   or "BF16" in limit or "AMX" in limit
                                                                   or "AVX10" in limit)

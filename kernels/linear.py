@@ -1,7 +1,7 @@
 """Unquantized linears: on CPU a bf16 GEMV of ours for a few rows (csrc/bf16_gemv.cpp), F.linear elsewhere.
 
 At the row counts of decode (one to a few tokens per step) a linear only streams its weight, and oneDNN's bf16
-matmul reads it at about half the memory bandwidth that a plain AVX512-BF16 pass reaches (on the avx2 tier oneDNN
+matmul reads it well below the memory bandwidth that a plain AVX512-BF16 pass reaches (on the avx2 tier oneDNN
 has no bf16 instructions at all: ours widens bf16 by a shift and sums by FMA); up to `MAX_GEMV_ROWS`
 rows, and up to 64 while the rows are small enough to stay in L2 (`gemv_serves`), ours serves; past that, and on
 any other device or dtype, F.linear.
@@ -16,10 +16,9 @@ from torch import nn
 
 from sluice.kernels import cpp_build
 
-# Measured on CPU against oneDNN's bf16 matmul, weights streamed from memory: 1.4-2.8x at 1-4 rows, and since the
-# GEMV reads weights in memory order past 8 rows, over the bench model's 49 linears 1.34/1.24/1.10/1.05x at
-# 24/32/48/64 rows, on 7B shapes (4096x4096, 4096x11008, 22016x4096) 1.13-1.16x at 24, 1.08-1.10x at 32, but
-# 0.96-1.05x at 48 and 0.90-1.01x at 64, where its x rows (re-read for every 4 weight rows) outgrow L2.
+# Measured on CPU against oneDNN's bf16 matmul, weights streamed from memory (docs/benchmarks.md, "GEMVs in
+# memory order"): ours wins up to MAX_GEMV_ROWS on every shape, and beyond only while its x rows (re-read for
+# every 4 weight rows) stay in L2.
 MAX_GEMV_ROWS = 32
 MAX_GEMV_X = 64 * 2048  # past MAX_GEMV_ROWS, up to 64 rows while rows x in_features is at most this (256 KB)
 
@@ -42,7 +41,7 @@ def gemv_available() -> bool:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] · weight [out, in]ᵀ (+ bias), as F.linear. (Checks ordered cheapest-first and the extension
-    resolved once: this runs ~50 times a decode step.)"""
+    resolved once: this runs for every linear of a decode step.)"""
     rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     if (gemv_serves(rows.shape[0], rows.shape[1]) and rows.dtype is torch.bfloat16 and weight.dtype is torch.bfloat16
             and rows.device.type == "cpu" and (bias is None or bias.dtype is torch.bfloat16)

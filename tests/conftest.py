@@ -18,6 +18,7 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():  # before anything imports triton: its own library must load interpreted too
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from sluice.kernels import options as kernel_options  # noqa: E402
 from tests.checkpoints import make_checkpoint  # noqa: E402
 
 torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -30,6 +31,16 @@ TEST_OUTPUT_ROOTS = [
 os.environ.setdefault("SLUICE_OUTPUT_ROOTS", ",".join(TEST_OUTPUT_ROOTS))
 # the default output location ($XDG_DATA_HOME/sluice/results) inside the temp roots, never the user's ~/.local
 os.environ.setdefault("XDG_DATA_HOME", tempfile.mkdtemp(prefix="sluice-test-data-"))
+
+
+@pytest.fixture(autouse=True)
+def _kernel_options_follow_the_environment():
+    """kernels.options reads the environment once; a test that changed it (and called `options.reset()`) leaves
+    options the restored environment no longer sets: read it again. Autouse without monkeypatch, so this runs
+    after monkeypatch has restored the environment."""
+    yield
+    if kernel_options.current() != kernel_options.KernelOptions.from_env():
+        kernel_options.reset()
 
 
 @pytest.fixture(scope="session")

@@ -226,7 +226,7 @@ def _mapped_files(t: torch.Tensor) -> set[str]:
 
 
 def _logits(model) -> torch.Tensor:
-    from sluice.engine.models.llama import LayerKVCache
+    from sluice.engine.kv_cache import LayerKVCache
     from sluice.kernels import build_metadata
 
     c = model.config

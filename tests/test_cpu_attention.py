@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from sluice.engine import LLM, SamplingParams
-from sluice.engine.quantization import kv_cache as int8_cache
-from sluice.engine.quantization.kv_cache import StepBlocks, int8_kv_cache
-from sluice.kernels import cpp_build, cpu_attention
+from sluice.engine import kv_cache as int8_cache
+from sluice.engine.kv_cache import StepBlocks, layer_caches
+from sluice.kernels import cpu_attention, options
 from sluice.kernels.attention import build_metadata
 from sluice.kernels.int8_heads import quantize_heads
 from tests.tiers import tier_fixture
@@ -114,10 +114,10 @@ def test_int8_cache_read_by_the_kernel_matches_dequantize_then_attend(dtype, chu
     assert got.dtype == dtype and (got.double() - want).abs().max().item() < TOL[dtype] * 3
 
 
-def test_int8_layer_cache_reads_only_long_sequences_blocks_into_a_copy(monkeypatch):
-    """A step mixing decode, verify and a prefill chunk: same output with the kernel as without it, and the
-    dequantized copy holds only the prefill chunk's blocks."""
-    c = SimpleNamespace(num_kv_heads=2, head_dim=D)  # all the cache factory reads of a ModelConfig
+def test_int8_layer_cache_reads_only_long_sequences_blocks_into_a_copy():
+    """A step mixing decode, verify and a prefill chunk: same output with the kernel (metadata built for it, as the
+    step plan asks) as without it, and the dequantized copy holds only the prefill chunk's blocks."""
+    c = SimpleNamespace(num_kv_heads=2, head_dim=D, num_layers=1)  # all layer_caches reads of a ModelConfig
     query_lens, context_lens = [1, 5, 40, 1], [30, 70, 90, 1]
     tables = layout(context_lens)
     slots = torch.tensor([t[p // BS] * BS + p % BS for q, n, t in zip(query_lens, context_lens, tables, strict=True)
@@ -127,15 +127,14 @@ def test_int8_layer_cache_reads_only_long_sequences_blocks_into_a_copy(monkeypat
     torch.manual_seed(0)
     outs = []
     for fused in (True, False):
-        monkeypatch.setattr(int8_cache, "fused_int8_attention", lambda device, on=fused: on)
-        cache = int8_kv_cache(torch.float32)(NB, BS, c, torch.int8, torch.device("cpu"))
+        cache = layer_caches(c, NB, BS, torch.int8, torch.float32, torch.device("cpu"))[0]
         torch.manual_seed(1)
         cache.write(torch.randn(len(past), 2, D), torch.randn(len(past), 2, D), past)
         k, v, q = torch.randn(len(slots), 2, D), torch.randn(len(slots), 2, D), torch.randn(len(slots), 6, D)
         cache.write(k, v, slots)
-        meta = build_metadata(query_lens, context_lens, tables, slots, BS, torch.device("cpu"))
+        meta = build_metadata(query_lens, context_lens, tables, slots, BS, torch.device("cpu"), fused=fused)
         outs.append(cache.attend(q, k, v, meta, D**-0.5))
-        used, _, args = cache.step.of(meta, NB, q.device)
+        used, _, args = cache.step.of(meta, NB)
         assert (args is not None) == fused
         if fused:
             assert sorted(used.tolist()) == sorted(tables[2]), "the copy holds only the prefill chunk's blocks"
@@ -175,8 +174,8 @@ def test_engine_argmax_with_int8_kv_is_unchanged_by_the_kernel_teacher_forced(ch
     fused = fused_llm.score(sequences)
     assert calls, "the chunked prefill read the int8 cache through the kernel"
     monkeypatch.setenv("SLUICE_CPU_KERNEL", "0")
-    cpp_build.enabled.cache_clear()
-    request.addfinalizer(cpp_build.enabled.cache_clear)  # read again once the environment is restored
+    options.reset()
+    request.addfinalizer(options.reset)  # read again once the environment is restored
     calls.clear()
     plain = LLM(ckpt, **kw).score(sequences)
     assert not calls, "SLUICE_CPU_KERNEL=0 keeps the torch path"

@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from sluice.cli.main import app
-from sluice.kernels import cpp_build, cpu_isa
+from sluice.kernels import cpp_build, cpu_isa, options
 
 AVX2 = frozenset({"sse4_2", "avx", "avx2", "fma", "f16c", "bmi2"})  # Zen 2
 SKYLAKE = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}
@@ -76,11 +76,13 @@ def test_each_tier_compiles_with_its_own_explicit_flags():
 def test_the_cache_key_differs_per_tier_and_lives_in_the_user_cache(tmp_path, monkeypatch):
     """One object per tier, except amx, which takes the avx512_bf16 object while no source has AMX code."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    options.reset()
     paths = {t: cpp_build.library_path("sluice_rms_norm_cpu", "rms_norm.cpp", t) for t in cpu_isa.TIERS}
     assert len(set(paths.values())) == len(cpu_isa.TIERS) - 1 and paths["amx"] == paths["avx512_bf16"]
     assert all(p.is_relative_to(tmp_path / "sluice" / "kernels") for p in paths.values())
     assert all(f"_{t}_" in paths[t].name for t in ("avx2", "avx512", "avx512_bf16"))
     monkeypatch.setenv("CXX", "a-compiler-that-is-not-there")
+    options.reset()
     assert cpp_build.library_path("sluice_rms_norm_cpu", "rms_norm.cpp", "avx2") != paths["avx2"]
     (tmp_path / "amx.cpp").write_text("// uses __AMX_TILE__ intrinsics\n")
     monkeypatch.setattr(cpp_build, "CSRC", tmp_path)
@@ -139,6 +141,7 @@ def test_a_cached_library_loads_without_the_compiler(tmp_path, monkeypatch):
     (tmp_path / "tiny.cpp").write_text(TINY)
     monkeypatch.setattr(cpp_build, "CSRC", tmp_path)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    options.reset()
     assert cpp_build.load("sluice_tiny2", "tiny.cpp", "avx2").ANSWER == 42
     versioned = cpp_build.build_name("sluice_tiny2", "tiny.cpp", "avx2")
     del sys.modules[versioned]

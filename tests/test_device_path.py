@@ -12,7 +12,7 @@ from sluice.engine import LLM, SamplingParams
 from sluice.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from sluice.engine.model_runner import ModelRunner
 from sluice.engine.models.loader import load_model
-from sluice.engine.quantization import int8_kv_cache
+from sluice.kernels import options
 
 FORBIDDEN = ("nonzero", "_local_scalar_dense", "unique", "masked_select", "item", "boolean index")
 INDEX_OPS = ("aten.index.Tensor", "aten.index_put_.default", "aten.index_put.default")
@@ -41,12 +41,12 @@ class OpRecorder(TorchDispatchMode):
 @pytest.fixture
 def device_path(monkeypatch):
     monkeypatch.setenv("SLUICE_DEVICE_PATH", "1")
+    options.reset()
 
 
 def runner(path, kv: str) -> ModelRunner:
     model = load_model(path, torch.float32, torch.device("cpu"), 512)
-    factory = int8_kv_cache(torch.float32) if kv == "int8" else None
-    r = ModelRunner(model, NUM_BLOCKS, BS, torch.int8 if kv == "int8" else torch.float32, torch.device("cpu"), factory)
+    r = ModelRunner(model, NUM_BLOCKS, BS, torch.int8 if kv == "int8" else torch.float32, torch.device("cpu"))
     g = torch.Generator().manual_seed(0)
     for cache in r.kv_caches:
         for name in ("k", "v"):
@@ -86,6 +86,7 @@ def test_padded_decode_forward_makes_no_host_syncs(tiny_llama, device_path, kv):
 
 def test_recorder_sees_the_syncs_of_the_bucketed_path(tiny_llama, monkeypatch):
     monkeypatch.setenv("SLUICE_DEVICE_PATH", "0")
+    options.reset()
     r = runner(tiny_llama, "plain")  # the bucketed torch groups (the CPU kernels since read int8 KV themselves)
     ids, pos, slots, ctx, tables = decode_batch(3, seed=1)
     meta = kernels.build_metadata([1] * 3, ctx, tables, torch.tensor(slots), BS, torch.device("cpu"))
@@ -133,11 +134,13 @@ def test_engine_on_the_device_path_matches_the_default_path(tiny_llama, monkeypa
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     kw = dict(dtype="float32", device="cpu", max_num_batched_tokens=40, max_num_seqs=8, **extra)
     monkeypatch.setenv("SLUICE_DEVICE_PATH", "0")
+    options.reset()
     want = [o.token_ids for o in LLM(tiny_llama, **kw).generate(prompts, params, progress=False)]
     monkeypatch.setenv("SLUICE_DEVICE_PATH", "1")
+    options.reset()
     llm = LLM(tiny_llama, **kw)
     r = llm.engine.runner
-    assert r.flat and r.graphs is None
+    assert r.plan.flat and r.graphs is None
     r.graphs = DecodeGraphs(r.model, r.kv_caches, 8, 16, torch.device("cpu"), capture=False)
     sizes = []
     load = r.graphs.load

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sluice.kernels import cpp_build, elementwise
+from sluice.kernels import cpp_build, elementwise, options
 from sluice.kernels.elementwise import apply_rope
 from tests.tiers import tier_fixture
 
@@ -74,8 +74,8 @@ def test_kernels_off_takes_the_torch_path(monkeypatch, request):
     cos, sin = torch.randn(3, 1, 16, dtype=torch.bfloat16), torch.randn(3, 1, 16, dtype=torch.bfloat16)
     fused = elementwise.rope_qk(qkv, cos, sin, 2, 1)
     monkeypatch.setenv("SLUICE_CPU_KERNEL", "0")
-    cpp_build.enabled.cache_clear()
-    request.addfinalizer(cpp_build.enabled.cache_clear)  # read again once the environment is restored
+    options.reset()
+    request.addfinalizer(options.reset)  # read again once the environment is restored
     assert not cpp_build.enabled()
     plain = elementwise.rope_qk(qkv, cos, sin, 2, 1)
     assert not plain[0].is_contiguous()  # views of the torch rotation, not the kernel's output

@@ -91,8 +91,24 @@ def test_fused_cpu_kernel_matches_reference(dtype, tol, cpu_tier):
     assert (fused.float() - plain.float()).abs().max().item() < tol
 
 
+def int8_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor,
+                   quantize_x: bool = False) -> torch.Tensor:
+    """The int8 linear in float64: x times the dequantized weight (codes times row scales), plus bias; with
+    `quantize_x`, x first rounded to int8 codes per row (scale: the row's absmax / 127), as the dynamic path does."""
+    xd = x.double()
+    if quantize_x:
+        step = x.float().abs().amax(-1, keepdim=True) / 127
+        xd = (x.float() / step).round().double() * step.double()
+    return xd @ (qweight.double() * scales.double()[:, None]).T + bias.double()
+
+
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_int8_linear_matches_dequantized_weights_on_every_path(dtype, tol, monkeypatch, cpu_tier):
+    """Every path of int8_linear against the float64 dequantized product, each row count on the path the tier
+    implies: fp32 rows up to 4 on torch's GEMV (K % 16 == 0 only); bf16 rows on the dynamic int8 matmul from one
+    row where the tier has AVX512-VNNI (and our kernels build), else one row on our GEMV. bf16 bound per element:
+    two bf16 roundings (2^-8 relative each: the product, then its sum with the bias) of the reference with x as
+    the path sees it (its int8 codes on the dynamic path), plus fp32 sums."""
     gemv_rows, int_mm_rows = [], []
     real, real_dynamic = torch._weight_int8pack_mm, int8_weights.dynamic_int8_mm
     monkeypatch.setattr(torch, "_weight_int8pack_mm", lambda x, w, s: gemv_rows.append(x.shape[0]) or real(x, w, s))
@@ -103,6 +119,8 @@ def test_int8_linear_matches_dequantized_weights_on_every_path(dtype, tol, monke
         spy = type("Spy", (), {"int8_gemv": staticmethod(lambda x, w, s: gemv_rows.append(x.shape[0])
                                                            or ours.int8_gemv(x, w, s))})()
         monkeypatch.setattr(int8_weights, "_gemv_kernel", lambda scales: spy if scales.dtype is torch.bfloat16 else None)
+    vnni = cpp_build.enabled() and "-mavx512vnni" in cpu_isa.compile_flags(cpu_tier)
+    gemv = [1, 3] if dtype == torch.float32 else [] if vnni else [1]  # the GEMV's row counts at K = 384
     torch.manual_seed(0)
     for k in (384, 100):  # 100: not a multiple of 16, which torch's GEMV mis-computes, so it must not be used
         qweight = torch.randint(-127, 128, (200, k), dtype=torch.int8)
@@ -110,14 +128,17 @@ def test_int8_linear_matches_dequantized_weights_on_every_path(dtype, tol, monke
         for m in (1, 3, 5, 40):
             x = torch.randn(1, m, k).to(dtype)
             got = int8_linear(x, qweight, scales, bias)
-            want = x.double() @ (qweight.double() * scales.double()[:, None]).T + bias.double()
             assert got.shape == (1, m, 200) and got.dtype == dtype
+            want = int8_reference(x, qweight, scales, bias)
             assert ((got.double() - want).norm() / want.norm()).item() < tol
-    want = [m for m in (1, 3, 5, 40) if m <= int8_weights.gemv_rows(dtype)]
-    assert gemv_rows == want, "the int8 GEMV serves few rows, and only when in_features % 16 == 0"
-    assert want or (dtype is torch.bfloat16 and int8_weights.vnni_from_one_row()), "bf16: none where VNNI serves"
+            if dtype is torch.bfloat16:
+                seen = int8_reference(x, qweight, scales, bias, quantize_x=m not in gemv or k % 16 != 0)
+                bound = (seen.abs() + bias.double().abs()) * 2**-7 + 1e-4
+                assert ((got.double() - seen).abs() <= bound).all(), (k, m)
+    assert dtype == torch.float32 or int8_weights.vnni_from_one_row() == vnni, "bf16 takes VNNI where the tier has it"
+    assert gemv_rows == gemv, "the int8 GEMV serves few rows, and only when in_features % 16 == 0"
     dynamic = [] if dtype == torch.float32 else [m for k in (384, 100) for m in (1, 3, 5, 40)
-                                                 if m > int8_weights.gemv_rows(dtype) or k % 16]
+                                                 if m not in gemv or k % 16]
     assert int_mm_rows == dynamic, "bf16 rows past the GEMV run the dynamic int8 matmul; fp32 stays exact"
 
 
@@ -198,9 +219,8 @@ def test_model_linears_run_the_gemv_at_decode_rows(monkeypatch, cpu_tier):
     in_features <= MAX_GEMV_X); F.linear above."""
     calls = []
     ext = linear_kernels._gemv()
-    if ext is None:
-        assert not gemv_tier() or not cpp_build.enabled()
-        return
+    serves = gemv_tier() and cpp_build.enabled()  # a tier with a GEMV: it must have built and must serve
+    assert (ext is not None) == serves, "the GEMV builds exactly where the tier has one"
 
     class Spy:
         def bf16_gemv(self, x, w, b):
@@ -209,7 +229,7 @@ def test_model_linears_run_the_gemv_at_decode_rows(monkeypatch, cpu_tier):
 
         SUPPORTED = True
 
-    monkeypatch.setattr(linear_kernels, "_gemv", Spy)
+    monkeypatch.setattr(linear_kernels, "_gemv", lambda: None if ext is None else Spy())
     small = linear_kernels.Linear(64, 48, bias=True).to(torch.bfloat16)
     wide = linear_kernels.Linear(4096, 8, bias=False).to(torch.bfloat16)  # 33 x 4096 rows > MAX_GEMV_X
     with torch.inference_mode():
@@ -217,17 +237,16 @@ def test_model_linears_run_the_gemv_at_decode_rows(monkeypatch, cpu_tier):
             small(torch.randn(rows, 64, dtype=torch.bfloat16))
         for rows in (32, 33):
             wide(torch.randn(rows, 4096, dtype=torch.bfloat16))
-    assert calls == [1, 16, 17, 32, 33, 64, 32]
+    assert calls == ([1, 16, 17, 32, 33, 64, 32] if serves else []), "GEMV at decode rows, F.linear above"
 
 
 @pytest.mark.parametrize("source", sorted(p.name for p in cpp_build.CSRC.glob("*.cpp")))
 def test_every_cpu_kernel_builds_where_a_compiler_exists(source, cpu_tier):
     """A kernel that fails to compile or link falls back to torch at run time (and its tests skip), so the build
     itself is checked: with a C++ compiler present, every csrc/ source must load."""
-    import os
     import shutil
 
-    if not cpp_build.enabled() or shutil.which(os.environ.get("CXX", "c++")) is None:
+    if not cpp_build.enabled() or shutil.which(cpp_build.options.current().cxx) is None:
         pytest.skip("SLUICE_CPU_KERNEL=0 or no C++ compiler: the torch paths serve")
     assert source in cpp_build.EXTENSIONS, f"csrc/{source} is not named in cpp_build.EXTENSIONS: add it"
     assert cpp_build.load(cpp_build.EXTENSIONS[source], source) is not None, f"csrc/{source} did not build (see the warning)"

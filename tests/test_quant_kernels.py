@@ -347,43 +347,37 @@ def test_int8_quantization_while_loading_gives_bitsandbytes_own_bits(dtype, monk
         linears._rows_match_bnb.cache_clear()
 
 
-def test_nf4_and_fp4_quantization_while_loading_gives_bitsandbytes_own_bits():
-    """bitsandbytes::quantize_4bit served on CPU by our one-pass blocks gives F.quantize_4bit's own codes and
-    QuantState (NF4 and FP4, double quantization or not, a zero block, a short last block, an odd count), and
-    an int4 model quantized while loading registers it and generates (a fresh process: the registration is
-    process-wide)."""
-    import subprocess
-    import sys
+def test_nf4_and_fp4_quantization_while_loading_gives_bitsandbytes_own_bits(monkeypatch):
+    """Our one-pass CPU 4-bit quantization (linears.cpu_quantize_4bit) gives F.quantize_4bit's own codes and
+    QuantState (NF4 and FP4, double quantization or not, a zero block, a short last block, an odd count); an int4
+    model quantized while loading runs it and generates, and bitsandbytes' own op is left as it is (no
+    registration of ours)."""
+    from sluice.engine.quantization import linears
+
+    F = linears._bnb().functional
+    theirs_op = torch.ops.bitsandbytes.quantize_4bit.default
+    torch.manual_seed(0)
+    cases = []
+    for shape in ((640, 2048), (33, 77), (7, 9), (3, 64)):
+        w = (torch.randn(*shape) * 2).to(torch.bfloat16)
+        w.view(-1)[:70] = 0
+        cases += [(w, kind, double) for kind in ("nf4", "fp4") for double in (False, True)]
+    want = [F.quantize_4bit(w, blocksize=64, quant_type=k, compress_statistics=d) for w, k, d in cases]
+    got = [linears.cpu_quantize_4bit(w, k, d) for w, k, d in cases]
+
+    def same(a, b) -> bool:
+        x, y = a[1].as_dict(packed=True), b[1].as_dict(packed=True)
+        return torch.equal(a[0], b[0]) and x.keys() == y.keys() and all(
+            torch.equal(x[k], y[k]) if torch.is_tensor(x[k]) else x[k] == y[k] for k in x)
+
+    assert len(cases) == 16 and [same(a, b) for a, b in zip(want, got, strict=True)] == [True] * 16
+    assert linears._cpu_4bit_matches_bnb()
+    calls, real = [], linears.cpu_quantize_4bit
+    monkeypatch.setattr(linears, "cpu_quantize_4bit", lambda *a: calls.append(a[1]) or real(*a))
     from pathlib import Path
 
-    code = (
-        "import torch\n"
-        "from sluice.engine.quantization import linears\n"
-        "F = linears._bnb().functional\n"
-        "torch.manual_seed(0)\n"
-        "cases = []\n"
-        "for shape in ((640, 2048), (33, 77), (7, 9), (3, 64)):\n"
-        "    w = (torch.randn(*shape) * 2).to(torch.bfloat16)\n"
-        "    w.view(-1)[:70] = 0\n"
-        "    for kind in ('nf4', 'fp4'):\n"
-        "        for double in (False, True):\n"
-        "            cases.append((w, kind, double))\n"
-        "want = [F.quantize_4bit(w, blocksize=64, quant_type=k, compress_statistics=d) for w, k, d in cases]\n"
-        "assert linears._serve_4bit_quantize()\n"
-        "got = [F.quantize_4bit(w, blocksize=64, quant_type=k, compress_statistics=d) for w, k, d in cases]\n"
-        "def same(a, b):\n"
-        "    x, y = a[1].as_dict(packed=True), b[1].as_dict(packed=True)\n"
-        "    return torch.equal(a[0], b[0]) and x.keys() == y.keys() and all(\n"
-        "        torch.equal(x[k], y[k]) if torch.is_tensor(x[k]) else x[k] == y[k] for k in x)\n"
-        "print(sum(same(a, b) for a, b in zip(want, got)), len(cases))\n"
-        "from sluice.engine import LLM, SamplingParams\n"
-        "linears._QUANTIZE_4BIT[0]._destroy(); linears._QUANTIZE_4BIT.clear()\n"
-        "llm = LLM('models/sluice-tiny', dtype='bfloat16', device='cpu', max_model_len=64, max_num_seqs=2, "
-        "quantization='int4')\n"
-        "out = llm.generate(['O Romeo'], SamplingParams(max_tokens=4, temperature=0), progress=False)\n"
-        "print(linears._QUANTIZE_4BIT[0] is not None, len(out[0].token_ids))\n"
-    )
-    root = Path(__file__).resolve().parent.parent
-    result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.split() == ["16", "16", "True", "4"]
+    llm = LLM(Path(__file__).resolve().parent.parent / "models/sluice-tiny", dtype="bfloat16", device="cpu", max_model_len=64, max_num_seqs=2,
+              quantization="int4")
+    out = llm.generate(["O Romeo"], SamplingParams(max_tokens=4, temperature=0), progress=False)
+    assert calls and set(calls) == {"nf4"} and len(out[0].token_ids) == 4
+    assert torch.ops.bitsandbytes.quantize_4bit.default is theirs_op

@@ -12,9 +12,10 @@ import torch
 
 from sluice.cli.quantize import quantize
 from sluice.engine import LLM, SamplingParams
+from sluice.engine.kv_cache import bytes_per_token
 from sluice.engine.models.llama import ModelConfig
 from sluice.engine.models.loader import read_config
-from sluice.engine.quantization import FusedLinear, kv_token_bytes
+from sluice.engine.quantization import FusedLinear
 from sluice.engine.quantization import linears as qlinears
 from sluice.engine.quantization.linears import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 
@@ -204,7 +205,7 @@ def test_int8_kv_cache_close_to_fp32_and_holds_twice_the_tokens(ckpt):
     assert same >= 0.8 * len(PROMPTS) * params.max_tokens
     c = ModelConfig.from_hf(read_config(ckpt))
     bf16 = LLM(ckpt, **{**kw, "dtype": "bfloat16"})
-    assert kv_token_bytes(c) == 2 * c.num_layers * c.num_kv_heads * (c.head_dim + 2)
+    assert bytes_per_token(c, torch.int8) == 2 * c.num_layers * c.num_kv_heads * (c.head_dim + 2)
     assert 1.9 <= int8.engine.num_blocks / bf16.engine.num_blocks <= 2.0
 
 

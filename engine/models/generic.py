@@ -234,8 +234,9 @@ class GenericModel(nn.Module):
     def embed_tokens(self) -> nn.Module:
         return self.hf.get_input_embeddings()
 
-    def forward(self, input_ids, positions, kv_caches, meta, logits_indices) -> torch.Tensor:
-        """Logits [len(logits_indices), vocab] for the selected flat positions (None: every position, in order)."""
+    def forward(self, input_ids, positions, kv_caches, meta, logits_indices, plan=None) -> torch.Tensor:
+        """Logits [len(logits_indices), vocab] for the selected flat positions (None: every position, in order);
+        `plan` (kernels.dispatch.StepPlan) is unused: transformers' modules run as they are."""
         step = Step(kv_caches, meta, self.windows)
         token = _STEP.set(step)
         try:

@@ -9,10 +9,11 @@ import torch
 from torch import nn
 
 from sluice import kernels
+from sluice.engine.kv_cache import LayerKVCache
 from sluice.engine.models.moe import MOE_LAYOUTS, SparseMoe
 from sluice.engine.models.paths import GENERIC, NATIVE_ARCHITECTURES, model_path_for
 from sluice.engine.models.rope import RotaryEmbedding, rope_parameters
-from sluice.kernels import decode_stack
+from sluice.kernels import decode_stack, dispatch
 from sluice.kernels.linear import Linear, linear
 
 ARCHITECTURES = NATIVE_ARCHITECTURES
@@ -227,10 +228,13 @@ class LlamaModel(nn.Module):
         self._stack_caches: list | None = None  # the KV pool `_stack` was built over
         self._stack: decode_stack.DecodeStack | None = None
 
-    def forward(self, input_ids, positions, kv_caches, meta, logits_indices) -> torch.Tensor:
-        """Logits [len(logits_indices), vocab] for the selected flat positions (None: every position, in order)."""
+    def forward(self, input_ids, positions, kv_caches, meta, logits_indices,
+                plan: dispatch.StepPlan | None = None) -> torch.Tensor:
+        """Logits [len(logits_indices), vocab] for the selected flat positions (None: every position, in order);
+        `plan`: the step's (kernels.dispatch), derived from `meta` where not given."""
         dtype = self.embed_tokens.weight.dtype
-        stack = self._decode_stack(kv_caches) if decode_stack.step_fits(input_ids, dtype, meta) else None
+        plan = plan or dispatch.plan_of_step(input_ids, dtype, kv_caches[0].k.dtype, meta)
+        stack = self._decode_stack(kv_caches) if plan.decode_stack else None
         if stack is not None and stack.has_head and logits_indices is None:
             return stack.logits(input_ids, positions, self.rope.tables(dtype), meta)
         x, delta = self.embed_tokens(input_ids), None
@@ -261,17 +265,3 @@ class LlamaModel(nn.Module):
                 layers, a.num_heads, a.num_kv_heads, a.head_dim, self.config.rms_norm_eps, a.scale, head)
         return self._stack
 
-
-class LayerKVCache:
-    """One layer's slice of the paged KV pool: writes this step's keys/values, attends over the rest."""
-
-    __slots__ = ("k", "v")
-
-    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k, self.v = k, v
-
-    def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        kernels.write_kv(self.k, self.v, k, v, slot_mapping)
-
-    def attend(self, q, k, v, meta, scale) -> torch.Tensor:
-        return kernels.paged_attention(q, k, v, self.k, self.v, meta, scale)

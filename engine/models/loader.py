@@ -91,8 +91,8 @@ def read_header(file: Path) -> dict[str, TensorEntry]:
 WEIGHT_LOADING = ("auto", "mmap", "copy")  # mapped from MAP_ALL_BYTES, else read / mapped where the dtype matches / read
 # From this size auto maps the checkpoint: copying it would take seconds and twice the memory, and the page cache
 # is shared by every worker on the host. Below it auto reads every tensor into the huge-page arena
-# (engine.weight_memory: decode steps 1.1-1.25x faster than over 4 KB pages, page-cache maps included), on cache
-# lines (rows off a cache line read up to 1.6x slower while they fit the caches).
+# (engine.weight_memory: faster decode steps than over 4 KB pages, page-cache maps included), on cache lines
+# (rows off a cache line read slower while they fit the caches; docs/benchmarks.md).
 MAP_ALL_BYTES = 4 << 30
 PARALLEL_CHUNK = 4 << 20  # tensors above this are read by several threads, a span each
 READERS = min(8, os.cpu_count() or 1)
@@ -115,7 +115,7 @@ def _pread_span(fd: int, view: memoryview, offset: int) -> None:
 def _pread_into(fd: int, out: torch.Tensor, offset: int) -> None:
     """Fill the contiguous CPU tensor `out` with the bytes at `offset` of the open file `fd`; a large tensor in
     parallel spans, one per reader thread (the page faults of fresh memory and the copies out of the page cache
-    then run on every core: 1.5-3x one thread on this VM)."""
+    then run on every core, faster than one thread)."""
     view = memoryview(out.reshape(-1).view(torch.uint8).numpy()).cast("B")
     if len(view) <= PARALLEL_CHUNK or READERS == 1:
         _pread_span(fd, view, offset)

@@ -1,4 +1,5 @@
-"""Quantization: bitsandbytes int8/int4 linears (quantized while loading, or read pre-quantized) and int8 KV."""
+"""Quantization of weights: bitsandbytes int8/int4 linears (quantized while loading, or read pre-quantized) and
+weight-only int8/int4 linears. The int8 KV cache is engine.kv_cache's."""
 
 from __future__ import annotations
 
@@ -8,12 +9,10 @@ from sluice.engine.models.llama import ModelConfig
 from sluice.engine.models.loader import CheckpointReader, LinearHook, read_config
 from sluice.engine.quantization.checkpoint import save_quantized
 from sluice.engine.quantization.device_check import check_device
-from sluice.engine.quantization.kv_cache import int8_kv_cache, kv_token_bytes
 from sluice.engine.quantization.linears import FusedLinear, Quantizer, pack_4bit_for_cpu
 from sluice.engine.quantization.spec import QuantSpec, check_shapes, resolve_spec
 
-__all__ = ["FusedLinear", "QuantSpec", "int8_kv_cache", "kv_token_bytes", "linear_hook", "pack_4bit_for_cpu",
-           "save_quantized"]
+__all__ = ["FusedLinear", "QuantSpec", "linear_hook", "pack_4bit_for_cpu", "save_quantized"]
 
 
 def linear_hook(config, device: torch.device, dtype: torch.dtype, hf_config: dict | None = None) -> LinearHook | None:

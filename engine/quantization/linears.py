@@ -36,7 +36,7 @@ def _bnb():
 @contextmanager
 def _compile_on_first_call() -> Iterator[None]:
     """torch.compile that compiles at the first call, for bitsandbytes' import: it wraps its default-backend
-    ops in torch.compile there, which imports dynamo and inductor (~3 s of every quantized worker's start) for
+    ops in torch.compile there, which imports dynamo and inductor (seconds of every quantized worker's start: docs/benchmarks.md) for
     ops compiled only when first called anyway, if ever (the CPU backend serves them); nothing else changes."""
     real = torch.compile
 
@@ -64,7 +64,7 @@ def _compile_on_first_call() -> Iterator[None]:
 def _dynamo_on_first_trace() -> Iterator[None]:
     """torch._disable_dynamo that imports dynamo only once something has: bitsandbytes registers its CPU kernels
     through torch.library.register_kernel, which wraps each in torch._disable_dynamo, whose first call imports
-    torch._dynamo (~1.5 s of every bitsandbytes worker's start, at its first quantized matmul). Nothing can be
+    torch._dynamo (a share of every bitsandbytes worker's start, at its first quantized matmul). Nothing can be
     tracing while dynamo is not imported, so until then the kernel is called as it is; after, dynamo's own
     disable wraps it, as torch's would have."""
     real = torch._disable_dynamo
@@ -137,8 +137,8 @@ def int4_linear(spec: QuantSpec, packed: torch.Tensor, quant_state, bias, dtype)
 def pack_4bit_for_cpu(model: nn.Module) -> int:
     """Put every bitsandbytes 4-bit linear of a CPU model in the layout bitsandbytes' CPU kernel reads, which its
     first forward makes otherwise (`_convert_weight_packed_for_cpu`: every code widened to int32, transposed and
-    packed again, 40-60 ms a 5632 x 2048 weight, ~1.6 s of a 1 GB model's warm-up): the same bytes by uint8 ops
-    on the packed ones (7-11 ms), where a probe shows this bitsandbytes' own result; returns the linears packed."""
+    packed again, a large share of a model's warm-up): the same bytes by uint8 ops on the packed ones (faster:
+    docs/benchmarks.md), where a probe shows this bitsandbytes' own result; returns the linears packed."""
     if "bitsandbytes" not in sys.modules or not _cpu_packing_matches_bnb():
         return 0
     done, linear4bit = 0, _bnb().nn.Linear4bit
@@ -262,21 +262,23 @@ WEIGHT_ONLY_LINEARS = {WEIGHT_ONLY: Int8WeightOnlyLinear, INT4_WEIGHT_ONLY: Int4
 def quantized_linear(spec: QuantSpec, weight: torch.Tensor, bias: torch.Tensor | None, dtype) -> nn.Module:
     """Quantize one weight [out, in] (already on its device) into the spec's bitsandbytes linear."""
     F = _bnb().functional
-    if spec.method == "int8":  # bitsandbytes' own quantization, or the same bits in one pass on CPU (~39x faster)
+    if spec.method == "int8":  # bitsandbytes' own quantization, or the same bits in one pass on CPU
         ours = int8_weights.bnb_int8_rows(weight) if weight.device.type == "cpu" and _rows_match_bnb() else None
         cb, scb = ours or F.int8_vectorwise_quant(weight.to(torch.float16))[:2]
         return int8_linear(spec, cb, scb, bias, dtype)
-    if weight.device.type == "cpu":
-        _serve_4bit_quantize()
-    packed, state = F.quantize_4bit(weight.to(dtype).contiguous(), blocksize=BLOCKSIZE,
-                                    compress_statistics=spec.double_quant, quant_type=spec.quant_type)
+    w = weight.to(dtype).contiguous()
+    if w.device.type == "cpu" and _cpu_4bit_matches_bnb():
+        packed, state = cpu_quantize_4bit(w, spec.quant_type, spec.double_quant)
+    else:
+        packed, state = F.quantize_4bit(w, blocksize=BLOCKSIZE, compress_statistics=spec.double_quant,
+                                        quant_type=spec.quant_type)
     return int4_linear(spec, packed, state, bias, dtype)
 
 
 @functools.cache
 def _rows_match_bnb() -> bool:
     """Whether our one-pass int8 row quantization gives this bitsandbytes' own bits, checked once per process on
-    a probe weight of 131k values (ties at x.5 included: ~2 in 10k); another bitsandbytes version that quantizes
+    a probe weight with ties at x.5 among its values; another bitsandbytes version that quantizes
     otherwise gets its own op."""
     w = (torch.randn(64, 2048, generator=torch.Generator().manual_seed(0)) * 3).to(torch.bfloat16)
     ours = int8_weights.bnb_int8_rows(w)
@@ -286,49 +288,54 @@ def _rows_match_bnb() -> bool:
     return torch.equal(ours[0], want[0]) and torch.equal(ours[1], want[1])
 
 
-_QUANTIZE_4BIT: list = []  # the torch.library registration of our CPU bitsandbytes::quantize_4bit, once made
-
-
-def _serve_4bit_quantize() -> bool:
-    """Serve bitsandbytes::quantize_4bit on CPU by one C++ pass over the blocks (`bnb_4bit_blocks`, 16 values
-    a step: 8 vs 214 ms for its torch ops on a 5632 x 2048 weight) where a probe shows the installed
-    bitsandbytes' own bits for NF4 and FP4 (a zero block and a short last block included); F.quantize_4bit and
-    its QuantState are bitsandbytes' own either way. Registered once per process; False where it is not."""
-    if _QUANTIZE_4BIT:
-        return _QUANTIZE_4BIT[0] is not None
-    blocks = int4_weights.bnb_4bit_kernel()
+@functools.cache
+def _cpu_4bit_tables() -> dict[str, tuple] | None:
+    """bitsandbytes' NF4/FP4 rounding bounds (and FP4's code order) for our C++ blocks pass, or None where either
+    is missing (then bitsandbytes' own op quantizes)."""
     try:
         from bitsandbytes.backends.default.ops import _get_4bit_quantize_bounds
     except ImportError:
-        blocks = None
-    if blocks is None:
-        _QUANTIZE_4BIT.append(None)
-        return False
+        return None
+    if int4_weights.bnb_4bit_kernel() is None:
+        return None
     tables = {}
     for kind in ("nf4", "fp4"):
         bounds, order = _get_4bit_quantize_bounds(kind, torch.device("cpu"))
         tables[kind] = (bounds.float().contiguous(), None if kind == "nf4" else order.contiguous())
+    return tables
 
-    def kernel(A: torch.Tensor, blocksize: int, quant_type: str, quant_storage: torch.dtype):
-        bounds, order = tables[quant_type]
-        packed, absmax = blocks(A.contiguous(), blocksize, bounds, order)
-        if quant_storage != torch.uint8:
-            return packed.view(quant_storage).unsqueeze(1), absmax
-        return packed.unsqueeze(1), absmax
 
-    g = torch.Generator().manual_seed(0)
-    probe = (torch.randn(64 * 2048 + 37, generator=g) * 2).to(torch.bfloat16)
-    probe[:70] = 0
-    theirs = torch.ops.bitsandbytes.quantize_4bit.default
-    same = all(torch.equal(a, b) for kind in tables
-               for a, b in zip(kernel(probe, BLOCKSIZE, kind, torch.uint8), theirs(probe, BLOCKSIZE, kind, torch.uint8),
-                               strict=True))
-    if not same:
-        _QUANTIZE_4BIT.append(None)
+def cpu_quantize_4bit(w: torch.Tensor, quant_type: str, nested: bool) -> tuple[torch.Tensor, object]:
+    """F.quantize_4bit of a contiguous CPU weight (blocks of BLOCKSIZE, uint8 storage) with its blocks quantized by
+    one C++ pass (`bnb_4bit_blocks`, 16 values a step) in place of bitsandbytes' torch ops; the QuantState is
+    bitsandbytes' own, built as F.quantize_4bit builds it. Use where `_cpu_4bit_matches_bnb`."""
+    F = _bnb().functional
+    bounds, order = _cpu_4bit_tables()[quant_type]
+    packed, absmax = int4_weights.bnb_4bit_kernel()(w, BLOCKSIZE, bounds, order)
+    kw = dict(shape=w.shape, dtype=w.dtype, blocksize=BLOCKSIZE, code=F.get_4bit_type(quant_type, device=w.device),
+              quant_type=quant_type)
+    if not nested:
+        return packed.unsqueeze(1), F.QuantState(absmax=absmax, **kw)
+    offset = absmax.mean()
+    qabsmax, state2 = F.quantize_blockwise(absmax - offset, blocksize=256)
+    return packed.unsqueeze(1), F.QuantState(absmax=qabsmax, offset=offset, state2=state2, **kw)
+
+
+@functools.cache
+def _cpu_4bit_matches_bnb() -> bool:
+    """Whether `cpu_quantize_4bit` gives the installed bitsandbytes' own codes and QuantState for NF4 and FP4, nested
+    or not (a zero block and a short last block included), checked once per process; another version that
+    quantizes otherwise keeps its own op."""
+    if _cpu_4bit_tables() is None:
         return False
-    lib = torch.library.Library("bitsandbytes", "IMPL")
-    lib.impl("quantize_4bit", kernel, "CPU")
-    _QUANTIZE_4BIT.append(lib)
+    F = _bnb().functional
+    probe = (torch.randn(64 * 2048 + 37, generator=torch.Generator().manual_seed(0)) * 2).to(torch.bfloat16)
+    probe[:70] = 0
+    for kind, nested in itertools.product(("nf4", "fp4"), (False, True)):
+        ours = cpu_quantize_4bit(probe, kind, nested)
+        theirs = F.quantize_4bit(probe, blocksize=BLOCKSIZE, compress_statistics=nested, quant_type=kind)
+        if not torch.equal(ours[0], theirs[0]) or not _same_state(ours[1], theirs[1]):
+            return False
     return True
 
 

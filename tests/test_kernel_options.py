@@ -1,0 +1,64 @@
+"""kernels.options: the environment below the contract layer read in one place, once, and overridden by the
+engine's config (the worker's Settings passed down)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+from sluice.contract.settings import Settings
+from sluice.engine import LLM
+from sluice.kernels import cpp_build, cpu_isa, device_path, options
+from sluice.kernels.options import KernelOptions
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_options_parse_the_environment():
+    env = {"SLUICE_CPU_KERNEL": "0", "SLUICE_CPU_ISA": " AVX2 ", "SLUICE_DEVICE_PATH": "1", "XDG_CACHE_HOME": "/c",
+           "CXX": "clang++", "ONEDNN_MAX_CPU_ISA": "avx2"}
+    assert KernelOptions.from_env(env) == KernelOptions(False, "avx2", True, "/c", "clang++", "AVX2")
+    assert KernelOptions.from_env({}) == KernelOptions()
+    assert KernelOptions.from_env({"SLUICE_DEVICE_PATH": "0"}).device_path is False
+    assert KernelOptions.from_env({"SLUICE_DEVICE_PATH": "yes"}).device_path is None
+
+
+def test_no_engine_or_kernel_module_reads_the_environment_but_options():
+    """os.environ / os.getenv appear in kernels/options.py only, across engine/ and kernels/."""
+    readers = []
+    for path in sorted([*ROOT.glob("engine/**/*.py"), *ROOT.glob("kernels/**/*.py")]):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv") and \
+                    isinstance(node.value, ast.Name) and node.value.id == "os":
+                readers.append(str(path.relative_to(ROOT)))
+    assert sorted(set(readers)) == ["kernels/options.py"]
+
+
+def test_the_engine_config_overrides_the_environment_and_the_kernels_follow(tiny_llama, monkeypatch):
+    """LLM(cpu_kernel=False, device_path=True) turns the C++ kernels off and the flat layout on for this process,
+    whatever the environment says; cached derivations (the enabled flag, the tier) are forgotten."""
+    monkeypatch.delenv("SLUICE_CPU_KERNEL", raising=False)
+    monkeypatch.delenv("SLUICE_DEVICE_PATH", raising=False)
+    options.reset()
+    try:
+        assert cpp_build.enabled() and not device_path.flat_layout(torch.device("cpu"))
+        llm = LLM(tiny_llama, dtype="float32", device="cpu", cpu_kernel=False, device_path=True)
+        assert not cpp_build.enabled() and options.current().device_path is True
+        assert llm.engine.runner.plan.flat and not llm.engine.runner.plan.fused_attention
+        options.configure(cpu_isa="avx2")
+        assert cpu_isa.tier() in ("avx2", cpu_isa.GENERIC)
+    finally:
+        options.reset()
+    assert cpp_build.enabled()
+
+
+@pytest.mark.parametrize(("name", "field", "value", "want"), [("SLUICE_CPU_KERNEL", "cpu_kernel", "0", False),
+                                                              ("SLUICE_CPU_ISA", "cpu_isa", "avx2", "avx2"),
+                                                              ("SLUICE_DEVICE_PATH", "device_path", "1", True)])
+def test_settings_carry_the_kernel_options(monkeypatch, name, field, value, want):
+    """The worker's Settings read the same variables, for it to pass into EngineConfig explicitly."""
+    monkeypatch.setenv(name, value)
+    assert getattr(Settings(), field) == want
