@@ -33,11 +33,16 @@
 #include <immintrin.h>
 #define SLUICE_INT8_MM_AVX2 1  // no VNNI: our exact int16 product instead of oneDNN's saturating one
 #endif
+#if defined(SLUICE_AVX512_VNNI) || defined(SLUICE_INT8_MM_AVX2)
+#define SLUICE_W4A8 1  // the int8 x int4 product: w4_quantize_row and w4_rows from the tier's file
+#endif
 
 namespace {
 
+#include "w4a8.h"
 #ifdef SLUICE_INT8_MM_AVX2
 #include "int8_mm_avx2.h"
+#include "w4a8_avx2.h"
 #endif
 
 struct Int4Layout {
@@ -156,15 +161,7 @@ torch::Tensor int4_codes(torch::Tensor packed, int64_t K, int64_t n_padded, int6
 }
 
 #ifdef SLUICE_AVX512_VNNI
-// bf16 <-> fp32 (loads: avx512_reduce.h's sluice_load_bf16); the rounding is c10::BFloat16's (nearest even; the
-// values here are never NaN).
-inline float sluice_bf16_to_float(uint16_t h) {
-  const uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
+// fp32 -> bf16 bits; the rounding is c10::BFloat16's (nearest even; the values here are never NaN).
 inline __m512i sluice_round_bf16(__m512 v) {  // the bf16 bits in the low half of each lane
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
@@ -562,39 +559,11 @@ void vnni_mm(const int8_t* x, int64_t M, const int8_t* w, int64_t K, int64_t N, 
 #endif
 
 #ifdef SLUICE_AVX512_VNNI
-// ---- int4 weights x int8 activations (W4A8) by VNNI --------------------------------------------------------
-// Our int4 layout (kernels/int4_weights.py `pack`, layout "vnni"): K padded to Kp, a multiple of 128, with
-// code 0 and scale/zero 0 (adds nothing). Row n's codes are Kp / 2 bytes, 64 per chunk of 128 columns; in chunk
-// c byte 16 g + j (g < 4) holds column 128 c + 32 g + j in its low nibble and 128 c + 32 g + 16 + j in its high,
-// so after `vpdpbusd` on the low and the high nibbles int32 lanes 4 g .. 4 g + 3 sum group 4 c + g only. Scales
-// and zeros are bf16 [N, 2, Kp / 32] (w = (q - 8) * s + z per group of 32), in the kernel's order (`w4_pos`):
-// per block of four chunks (16 groups) position 4 g + c holds group 4 c + g of the block, the order in which a
-// four-way transpose-add of the block's four int32 dot products leaves the 16 group sums; chunks past the last
-// whole block keep group order. Activations are quantized per group of 32 (x ~ d a, absmax / 127, as llama.cpp's
-// q8_0): sum_k w x = sum_g s_g d_g (sum q a - 8 sum a) + z_g sum x. (The - 8 sum a keeps the error that of the
-// centred codes q - 8: summing q a alone would weigh the activations' rounding by q, ~2.7x the error.)
-constexpr int64_t kW4Chunk = 128, kW4Group = 32;
-
-// Position of group g among a row's scales when the first `block_chunks` chunks form whole blocks of four.
-inline int64_t w4_pos(int64_t g, int64_t block_chunks) {
-  const int64_t c = g / 4;
-  return c < block_chunks ? (c / 4) * 16 + (g % 4) * 4 + c % 4 : g;
-}
-
-struct W4Acts {  // one activation row, quantized and laid out for the kernel (in a per-thread scratch)
-  int8_t* a;   // [Kp]: per chunk 64 bytes of low halves, then 64 of high halves
-  float* d;    // [Kp / 128 * 16]: block b: d in the scales' order at 64 b; a chunk c after the blocks: 16 c + l
-               // holds d of group 4 c + l / 4
-  float* sum;  // [Kp / 32]: sum of the group's x (exact fp32, not the quantized values), the scales' order
-  float* off;  // [Kp / 32]: - 8 d sum a, the codes' offset against the quantized values, the scales' order
-};
-
 // x row [K] (bf16 bits) -> the quantized activations (groups past K: a = 0, d = 0, sum = 0).
-inline void w4_quantize_row(const uint16_t* x, int64_t K, int64_t Kp, int8_t* a, float* d, float* sum, float* off) {
-  std::memset(a, 0, Kp);
-  std::memset(d, 0, Kp / 8 * sizeof(float));
-  std::memset(sum, 0, Kp / 32 * sizeof(float));
-  std::memset(off, 0, Kp / 32 * sizeof(float));
+inline void w4_quantize_row(const uint16_t* x, int64_t K, int64_t Kp, const W4Acts& r) {
+  w4_clear_row(r, Kp);
+  int8_t* a = r.a;
+  float *d = r.d, *sum = r.sum, *off = r.off;
   const int64_t block_chunks = Kp / kW4Chunk / 4 * 4;
   for (int64_t g = 0; g < K / kW4Group; ++g) {
     const int64_t pos = w4_pos(g, block_chunks);
@@ -610,8 +579,7 @@ inline void w4_quantize_row(const uint16_t* x, int64_t K, int64_t Kp, int8_t* a,
       _mm_storeu_si128(reinterpret_cast<__m128i*>(at + 64), _mm512_cvtepi32_epi8(qhi));
       off[pos] = -8.f * dg * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi)));
     }
-    if (c < block_chunks) d[(c / 4) * 64 + pos % 16] = dg;
-    else for (int t = 0; t < 4; ++t) d[c * 16 + 4 * j + t] = dg;
+    w4_store_d(d, g, pos, block_chunks, dg);
     sum[pos] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
   }
 }
@@ -707,8 +675,6 @@ inline void w4_tile(const W4Acts* acts, int64_t Kp, const uint8_t* q, const uint
   }
 }
 
-constexpr int64_t kW4Block = 32;  // output rows per parallel task (a multiple of every W)
-
 // Output rows [n0, n1) of y [M, N]: tiles of 4 weight rows x 4 activation rows (8 or 16 weight rows at one or two
 // activation rows measured no faster), the last N % 4 rows one at a time.
 void w4_rows(const W4Acts* acts, int64_t M, int64_t Kp, const uint8_t* q, const uint16_t* sz,
@@ -733,6 +699,14 @@ void w4_rows(const W4Acts* acts, int64_t M, int64_t Kp, const uint8_t* q, const 
       w4_tile<1, 1>(acts + m, Kp, q + n * row, sz + n * 2 * Gp, bias != nullptr ? bias + n : nullptr, y + m * N + n, N);
 }
 #endif
+
+bool w4a8_supported() {  // int4_vnni_mm: AVX512-VNNI or AVX2
+#ifdef SLUICE_W4A8
+  return true;
+#else
+  return false;
+#endif
+}
 
 bool vnni_supported() {
 #ifdef SLUICE_AVX512_VNNI
@@ -811,8 +785,8 @@ torch::Tensor int8_mm(const torch::Tensor& x, const torch::Tensor& w,
 // The arguments of both int4 VNNI-layout products: x contiguous CPU bf16 [M, K], packed uint8 [N, Kp / 2] with
 // Kp the next multiple of 128 from K, scales_zeros bf16 [N, 2, Kp / 32].
 void check_w4_args(const char* name, const torch::Tensor& x, const torch::Tensor& packed,
-                   const torch::Tensor& scales_zeros) {
-  TORCH_CHECK(vnni_supported(), name, ": built without avx512_vnni");
+                   const torch::Tensor& scales_zeros, bool supported) {
+  TORCH_CHECK(supported, name, ": not built for this tier");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.device().is_cpu(), name,
               ": x must be a contiguous CPU bf16 [M, K]");
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous(), name,
@@ -829,25 +803,14 @@ void check_w4_args(const char* name, const torch::Tensor& x, const torch::Tensor
 // `vpdpbusd`, scales in fp32, one rounding to bf16 (bias added in fp32 before it).
 torch::Tensor int4_vnni_mm(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales_zeros,
                            const c10::optional<torch::Tensor>& bias) {
-  check_w4_args("int4_vnni_mm", x, packed, scales_zeros);
+  check_w4_args("int4_vnni_mm", x, packed, scales_zeros, w4a8_supported());
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0), Kp = packed.size(1) * 2;
   auto y = torch::empty({M, N}, x.options());
-#ifdef SLUICE_AVX512_VNNI
-  // the quantized activations in a scratch kept per thread (no allocation per call: a decode step makes ~50)
-  const int64_t Gp = Kp / 32, per_row = Kp + (Kp / 8 + 2 * Gp) * static_cast<int64_t>(sizeof(float));
-  static thread_local std::vector<float> scratch;  // floats: 4-byte aligned for every part
-  static thread_local std::vector<W4Acts> acts;
-  if (scratch.size() * sizeof(float) < static_cast<size_t>(M * per_row)) scratch.resize(M * per_row / sizeof(float) + 1);
-  acts.resize(M);
-  for (int64_t m = 0; m < M; ++m) {
-    char* base = reinterpret_cast<char*>(scratch.data()) + m * per_row;
-    float* f = reinterpret_cast<float*>(base + Kp);
-    acts[m] = W4Acts{reinterpret_cast<int8_t*>(base), f, f + Kp / 8, f + Kp / 8 + Gp};
-  }
+#ifdef SLUICE_W4A8
+  W4Acts* ap = w4_scratch(M, Kp);
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  W4Acts* ap = acts.data();
   at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {  // inline (no threads) up to 16 rows
-    for (int64_t m = b; m < e; ++m) w4_quantize_row(xp + m * K, K, Kp, ap[m].a, ap[m].d, ap[m].sum, ap[m].off);
+    for (int64_t m = b; m < e; ++m) w4_quantize_row(xp + m * K, K, Kp, ap[m]);
   });
   torch::Tensor b = bias.has_value() ? bias->contiguous().to(at::kBFloat16) : torch::Tensor();
   TORCH_CHECK(!b.defined() || b.numel() == N, "int4_vnni_mm: bias must have N values");
@@ -924,7 +887,7 @@ void w4_requant_rows(const uint8_t* q, const uint16_t* sz, int64_t K, int64_t Kp
 // measured over a 125M model's linears, 1.3-1.6x dequantizing to bf16 for oneDNN at 24-512 rows.
 torch::Tensor int4_vnni_int8_mm(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales_zeros,
                                 const c10::optional<torch::Tensor>& bias) {
-  check_w4_args("int4_vnni_int8_mm", x, packed, scales_zeros);
+  check_w4_args("int4_vnni_int8_mm", x, packed, scales_zeros, vnni_supported());
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0), Kp = packed.size(1) * 2;
   auto y = torch::empty({M, N}, x.options());
 #ifdef SLUICE_AVX512_VNNI
@@ -976,6 +939,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bnb_int8_rows", &bnb_int8_rows, "weight rows as bitsandbytes' int8_vectorwise_quant gives an fp16 copy (CPU)");
   m.def("int8_rescale", &int8_rescale, "int32 matmul result times row and column scales, plus bias (CPU)");
   m.attr("VNNI") = vnni_supported();
+  m.attr("W4A8") = w4a8_supported();
   m.attr("VNNI_MAX_ROWS") = kVnniMaxRows;
   m.def("int8_mm", &int8_mm, "torch._int_mm(x, w.t()) for int8 x [M, K], w [N, K]: ours (VNNI) to VNNI_MAX_ROWS",
         py::arg("x"), py::arg("w"), py::arg("comp") = py::none());
