@@ -6,7 +6,7 @@
 // group. A block of four chunks leaves its 16 group sums in the order unpacklo/unpackhi of the block's scales puts
 // them (position 4 g + c holds group 4 c + g), so the per-group s x d multiply is two FMAs per block. The group
 // offsets (- 8 d sum a) and zeros (z sum x) are added per row at the end. Included by quant_linear.cpp inside its
-// namespace, after w4a8.h.
+// namespace (through quant_linear_avx2.h), after w4a8.h.
 
 inline float sluice_hsum8_ps(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -116,14 +116,9 @@ void w4_rows(const W4Acts* acts, int64_t M, int64_t Kp, const uint8_t* q, const 
       const uint8_t* qn = q + n * row;
       const uint16_t* sn = sz + n * 2 * Gp;
       const float b = bias != nullptr ? static_cast<float>(bias[n]) : 0.f;
-      int64_t m = m0;
-      for (; m + 4 <= m1; m += 4) w4_row_avx2<4>(acts + m, Kp, qn, sn, b, y + m * N + n, N);
-      switch (m1 - m) {
-        case 1: w4_row_avx2<1>(acts + m, Kp, qn, sn, b, y + m * N + n, N); break;
-        case 2: w4_row_avx2<2>(acts + m, Kp, qn, sn, b, y + m * N + n, N); break;
-        case 3: w4_row_avx2<3>(acts + m, Kp, qn, sn, b, y + m * N + n, N); break;
-        default: break;
-      }
+      sluice_row_tiles<4>(m0, m1, [&](auto r, int64_t m) {
+        w4_row_avx2<decltype(r)::value>(acts + m, Kp, qn, sn, b, y + m * N + n, N);
+      });
     }
   }
 }
