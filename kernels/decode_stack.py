@@ -64,7 +64,8 @@ def int4_linear(w: int4_weights.Int4Weight, bias: torch.Tensor | None):
     if ext is None:
         return None
     if w.layout == "vnni":
-        if int4_weights.vnni_kernel() is None or MAX_STACK_TOKENS > int4_weights.MAX_VNNI_ROWS or not _plain_bf16(bias):
+        kernel = int4_weights.vnni_kernel()
+        if kernel is None or MAX_STACK_TOKENS > int4_weights.w4a8_max_rows(kernel) or not _plain_bf16(bias):
             return None
         return ext.int4_vnni_linear(w.packed, w.scales_zeros, bias)
     if w.layout != "int4pack" or any(int4_weights._use_tiles(r) for r in _row_counts(w.in_features)):

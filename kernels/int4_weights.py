@@ -2,7 +2,8 @@
 
 A weight w [out, in] is stored as codes q in 0..15 with w ~= (q - 8) * scale + zero per group, in one of three
 layouts (`Int4Weight.layout`):
-- "vnni", bf16 on a CPU with AVX512-VNNI (csrc/quant_linear.cpp): our layout, each row's codes in memory order,
+- "vnni", bf16 on the avx2 tier and up (csrc/quant_linear.cpp; w4a8_avx512.h with AVX512-VNNI, w4a8_avx2.h
+  without: `vpmaddubsw`, every row count): our layout, each row's codes in memory order,
   two per byte so that one 64-byte load unpacks into four whole groups, scales/zeros per row [out, 2, groups].
   Up to `MAX_VNNI_ROWS` rows the activations are quantized to int8 per group of 32 (absmax, as llama.cpp's
   q8_0 against q4_0) and multiplied by `vpdpbusd` (`int4_vnni_mm`): faster than torch's int4pack GEMV,
@@ -142,9 +143,16 @@ def _tile_kernel():
 
 
 def vnni_kernel():
-    """The C++ kernels when they have the int8 x int4 VNNI product (csrc/quant_linear.cpp), else None."""
+    """The C++ kernels when they have the int8 x int4 product on our layout (csrc/quant_linear.cpp: AVX512-VNNI,
+    or AVX2 on the avx2 tier and AVX-512 CPUs without VNNI), else None."""
     kernel = _tile_kernel()
-    return kernel if kernel is not None and kernel.VNNI else None
+    return kernel if kernel is not None and kernel.W4A8 else None
+
+
+def w4a8_max_rows(kernel) -> int | float:
+    """The most rows `int4_vnni_mm` takes: MAX_VNNI_ROWS with VNNI (the requantized int8 product above), every
+    row count without it (no int8 VNNI product to requantize for)."""
+    return MAX_VNNI_ROWS if kernel.VNNI else float("inf")
 
 
 def bnb_4bit_kernel():
@@ -174,7 +182,7 @@ def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None
     """x [..., in] times the 4-bit weight (x's dtype), plus bias."""
     rows = x.reshape(-1, x.shape[-1])
     if w.layout == "vnni" and x.dtype is torch.bfloat16 and (kernel := _tile_kernel()) is not None:
-        mm = kernel.int4_vnni_mm if rows.shape[0] <= MAX_VNNI_ROWS else kernel.int4_vnni_int8_mm
+        mm = kernel.int4_vnni_mm if rows.shape[0] <= w4a8_max_rows(kernel) else kernel.int4_vnni_int8_mm
         y = mm(rows.contiguous(), w.packed, w.scales_zeros, bias)
         return y.view(*x.shape[:-1], w.out_features)
     if w.layout == "int4pack" and _use_tiles(rows):

@@ -74,8 +74,6 @@ def test_int4_rows_past_the_threshold_take_the_tiles_and_agree_with_int4pack(mon
     assert tiles == [limit + 1, 64], "int4pack up to MAX_INT4PACK_ROWS rows, the tiles above"
 
 
-VNNI = int4.vnni_kernel() is not None
-needs_vnni = pytest.mark.skipif(not VNNI, reason="no C++ toolchain or no avx512_vnni")
 
 
 def w4a8_reference(x: torch.Tensor, w: int4.Int4Weight) -> torch.Tensor:
@@ -91,8 +89,9 @@ def w4a8_reference(x: torch.Tensor, w: int4.Int4Weight) -> torch.Tensor:
     return (dots * sz[..., 0].t()).sum(-1) + xg.double().sum(-1) @ sz[..., 1]
 
 
-@needs_vnni
-def test_bf16_int4_weights_take_our_vnni_layout_and_keep_every_code():
+@needs_kernel
+def test_bf16_int4_weights_take_our_vnni_layout_and_keep_every_code(cpu_tier):
+    """Every x86 tier has the int8 x int4 product (AVX512-VNNI or AVX2), so bf16 weights take its layout."""
     torch.manual_seed(0)
     assert int4.layout_for(torch.device("cpu"), torch.bfloat16) == "vnni"
     assert int4.layout_for(torch.device("cpu"), torch.float32) == "int4pack", "fp32 and fp16 stay on torch's"
@@ -105,28 +104,31 @@ def test_bf16_int4_weights_take_our_vnni_layout_and_keep_every_code():
         assert torch.equal(int4.dequantize(packed, torch.float64), int4.dequantize(plain, torch.float64))
 
 
-@needs_vnni
+@needs_kernel
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_our_int8_x_int4_product_is_the_w4a8_sum_and_close_to_the_dequantized_weight(monkeypatch, with_bias):
-    """Every tile shape (4 weight rows x 1-4 x rows, N tails), K tails (padded chunks, partial blocks of four
-    chunks) and an all-zero group: the W4A8 kernel computes the W4A8 sum to fp32 rounding (then one bf16
-    rounding), within 1% of the unquantized activations' product; int4_linear runs it to MAX_VNNI_ROWS rows and the
-    product requantized to int8 per row above (within 2%; a spy)."""
+def test_our_int8_x_int4_product_is_the_w4a8_sum_and_close_to_the_dequantized_weight(monkeypatch, with_bias,
+                                                                                       cpu_tier):
+    """On every tier, every tile shape (4 weight rows x 1-4 x rows, N tails), K tails (padded chunks, partial
+    blocks of four chunks) and an all-zero group: the W4A8 kernel computes the W4A8 sum to fp32 rounding (then one
+    bf16 rounding), within 1% of the unquantized activations' product; int4_linear runs it to MAX_VNNI_ROWS rows
+    and the product requantized to int8 per row above (within 2%; a spy) where the tier has VNNI, at every row
+    count without it (w4a8_avx2.h)."""
     torch.manual_seed(0)
     kernel, calls = int4.vnni_kernel(), []
+    assert kernel is not None and kernel.VNNI == ("-mavx512vnni" in cpu_isa.compile_flags(cpu_tier))
     spy = type("Spy", (), {
-        "VNNI": True,
+        "VNNI": kernel.VNNI, "W4A8": True,
         "int4_vnni_mm": staticmethod(lambda x, *a: calls.append(("mm", x.shape[0])) or kernel.int4_vnni_mm(x, *a)),
         "int4_vnni_int8_mm": staticmethod(
             lambda x, *a: calls.append(("int8", x.shape[0])) or kernel.int4_vnni_int8_mm(x, *a))})
     monkeypatch.setattr(int4, "_tile_kernel", lambda: spy)
-    limit, expected = int4.MAX_VNNI_ROWS, []
+    limit, expected = int4.w4a8_max_rows(kernel), []
     for n, k in ((90, 128), (333, 96), (64, 768), (37, 160), (5, 2048), (6, 1536)):
         w = int4.pack(torch.randn(n, k), torch.bfloat16)
         bias = torch.randn(n).bfloat16() if with_bias else None
         b64 = bias.double() if with_bias else 0
         deq = int4.dequantize(w, torch.float64)
-        for m in (1, 2, 3, 4, 5, 7, limit, limit + 1, 40):
+        for m in (1, 2, 3, 4, 5, 7, 16, 17, 40):
             x = torch.randn(m, k).bfloat16()
             x[0, :32] = 0  # a group of zeros: scale 0, nothing added
             got = int4.int4_linear(x, w, bias).double()
@@ -175,8 +177,8 @@ def test_int8_linear_matches_the_dequantized_weight_at_every_row_count(dtype, to
 
 
 @pytest.mark.skipif(int8._gemv_kernel(torch.ones(1, dtype=torch.bfloat16)) is None,
-                    reason="no C++ toolchain or no avx512_bf16")
-def test_our_int8_gemv_serves_bf16_rows_and_rounds_as_torchs(monkeypatch):
+                    reason="no C++ toolchain (or not x86)")
+def test_our_int8_gemv_serves_bf16_rows_and_rounds_as_torchs(monkeypatch, cpu_tier):
     """bf16 rows up to BF16_GEMV_ROWS run our int8 GEMV (a spy) where VNNI does not serve, within the error of
     torch's own GEMV against the float64 product at every row count and K tail (it sums in fp32, scales after,
     rounds once, as torch does)."""
@@ -237,29 +239,35 @@ def test_the_torch_int8_path_is_exact_where_onednn_saturates(monkeypatch):
         assert torch.equal(torch._int_mm(xq, qweight.t()), xq.int() @ qweight.int().T)
 
 
-@pytest.mark.skipif(int8._fused() is None or not int8._fused().VNNI, reason="no C++ toolchain or no avx512_vnni")
-def test_our_vnni_int8_matmul_is_exactly_torchs_int_mm_and_serves_the_dynamic_rows(monkeypatch):
-    """int8 x int8 -> int32 by our VNNI kernel equals torch._int_mm bit for bit at every tile shape (1-8 weight
-    rows x 1-4 x rows, N and K tails, extreme codes), with a kept comp too (one row: weight rows in memory order),
-    and the dynamic int8 path runs it for bf16 rows from one to VNNI_MAX_ROWS."""
+@pytest.mark.skipif(int8._fused() is None, reason="no C++ toolchain")
+def test_our_int8_matmul_is_exact_at_every_tile_and_serves_the_dynamic_rows(monkeypatch, cpu_tier):
+    """int8 x int8 -> int32 by our kernel (VNNI where the tier has it, int8_mm_avx2.h without) equals the int32
+    product at every tile shape (1-8 weight rows x 1-4 x rows, N and K tails, extreme codes), with a kept comp too
+    (one row: weight rows in memory order), and the dynamic int8 path runs it with the linear's comp for bf16 rows
+    from one row (VNNI) or past the GEMV's rows (without) to VNNI_MAX_ROWS and above."""
     torch.manual_seed(0)
     fused = int8._fused()
+    ours = fused.int8_mm_vnni if fused.VNNI else fused.int8_mm
     for m in (1, 2, 3, 4, 5, 7, 9, 16, 33, 64):
         for n, k in ((1, 1), (5, 63), (37, 64), (64, 130), (203, 768), (9, 2048)):
             x = torch.randint(-128, 128, (m, k), dtype=torch.int8)
             w = torch.randint(-128, 128, (n, k), dtype=torch.int8)
             want = x.int() @ w.int().T
-            assert torch.equal(fused.int8_mm_vnni(x, w), want), (m, n, k)
+            assert torch.equal(ours(x, w), want), (m, n, k)
             assert torch.equal(fused.int8_mm(x, w), want), (m, n, k)
     x, w = torch.full((3, 300), -128, dtype=torch.int8), torch.full((11, 300), -128, dtype=torch.int8)
-    assert torch.equal(fused.int8_mm_vnni(x, w), torch.full((3, 11), 128 * 128 * 300, dtype=torch.int32))
+    assert torch.equal(ours(x, w), torch.full((3, 11), 128 * 128 * 300, dtype=torch.int32))
     for n, k in ((1, 1), (5, 63), (37, 64), (203, 768), (70, 2048), (9, 300)):  # the comp a linear keeps
         w = torch.randint(-128, 128, (n, k), dtype=torch.int8)
         comp = fused.int8_vnni_comp(w)
         assert torch.equal(comp, 128 * w.int().sum(1)), (n, k)
         for m in (1, 2, 5):
             x = torch.randint(-128, 128, (m, k), dtype=torch.int8)
-            assert torch.equal(fused.int8_mm_vnni(x, w, comp), x.int() @ w.int().T), (m, n, k)
+            assert torch.equal(fused.int8_mm(x, w, comp), x.int() @ w.int().T), (m, n, k)
+    _dynamic_rows_take_our_int8_mm(monkeypatch, fused)
+
+
+def _dynamic_rows_take_our_int8_mm(monkeypatch, fused) -> None:
     calls, real = [], fused.int8_mm
     spy = type("Spy", (), {"quantize_rows": staticmethod(fused.quantize_rows), "int8_rescale": staticmethod(fused.int8_rescale),
                            "int8_mm": staticmethod(lambda x, w, comp: calls.append((x.shape[0], comp is not None))
@@ -268,13 +276,15 @@ def test_our_vnni_int8_matmul_is_exactly_torchs_int_mm_and_serves_the_dynamic_ro
     monkeypatch.setattr(int8, "_fused", lambda: spy)
     qweight, scales = torch.randint(-127, 128, (96, 256), dtype=torch.int8), (torch.rand(96) / 50).to(torch.bfloat16)
     comp = int8.vnni_comp(qweight)
-    for m in (1, 8, fused.VNNI_MAX_ROWS, fused.VNNI_MAX_ROWS + 1):
+    first = int8.gemv_rows(torch.bfloat16) + 1
+    assert first == (1 if fused.VNNI else int8.BF16_GEMV_ROWS + 1)
+    for m in (first, 8, fused.VNNI_MAX_ROWS, fused.VNNI_MAX_ROWS + 1):
         rows = torch.randn(m, 256, dtype=torch.bfloat16)
         xq, row_scale = int8.quantize_rows(rows)
-        want = (torch._int_mm(xq, qweight.t()).float() * row_scale * scales.float()).to(torch.bfloat16)
+        want = ((xq.int() @ qweight.int().T).float() * row_scale * scales.float()).to(torch.bfloat16)
         assert torch.equal(int8.int8_linear(rows, qweight, scales, None, comp), want), m
-    assert calls == [(1, True), (8, True), (fused.VNNI_MAX_ROWS, True), (fused.VNNI_MAX_ROWS + 1, True)], \
-        "bf16 rows from one on, with the linear's comp"
+    assert calls == [(first, True), (8, True), (fused.VNNI_MAX_ROWS, True), (fused.VNNI_MAX_ROWS + 1, True)], \
+        "bf16 rows past the GEMV's, with the linear's comp"
 
 
 DIMS = dict(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1)

@@ -18,6 +18,7 @@
 #include <ATen/Parallel.h>
 #include <cstring>
 #include <vector>
+#include "row_tiles.h"
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #include "avx512_reduce.h"
@@ -54,39 +55,38 @@ inline void block_rows(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t
                        float* sums) {
   int64_t r = 0;
   for (; r + R <= rows; r += R) {
-    int64_t m = 0;
-    for (; m + 4 <= M; m += 4) tile<4, R>(x + m * ldx, ldx, w + r * K, K, sums + m * kBlock + r, kBlock);
-    switch (M - m) {
-      case 1: tile<1, R>(x + m * ldx, ldx, w + r * K, K, sums + m * kBlock + r, kBlock); break;
-      case 2: tile<2, R>(x + m * ldx, ldx, w + r * K, K, sums + m * kBlock + r, kBlock); break;
-      case 3: tile<3, R>(x + m * ldx, ldx, w + r * K, K, sums + m * kBlock + r, kBlock); break;
-      default: break;
-    }
+    sluice_row_tiles<4>(0, M, [&](auto t, int64_t m) {
+      tile<decltype(t)::value, R>(x + m * ldx, ldx, w + r * K, K, sums + m * kBlock + r, kBlock);
+    });
   }
   for (; r < rows; ++r)
     for (int64_t m = 0; m < M; ++m) tile<1, 1>(x + m * ldx, ldx, w + r * K, K, sums + m * kBlock + r, kBlock);
 }
 
-void gemv(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* w, int64_t K, int64_t N, const uint16_t* bias,
-          uint16_t* y) {
+// Blocks of kBlock output rows across the threads: f(n0, rows, sums), sums a task's scratch [M, kBlock].
+template <typename F>
+void for_row_blocks(int64_t M, int64_t N, F&& f) {
   at::parallel_for(0, (N + kBlock - 1) / kBlock, 1, [&](int64_t b0, int64_t b1) {
     std::vector<float> buffer(M * kBlock);
-    float* sums = buffer.data();
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n0 = b * kBlock, rows = std::min(kBlock, N - n0);
-      const uint16_t* wb = w + n0 * K;
-      if (M <= 12 || kWideR == 1) {  // weight rows one by one, in memory order: a single stream the prefetcher runs ahead of
-        block_rows<1>(x, ldx, M, wb, K, rows, sums);
-      } else {  // 4 weight rows against 4 x rows (16 accumulators): each weight line serves more x rows
-        touch(wb, rows * K);
-        block_rows<kWideR>(x, ldx, M, wb, K, rows, sums);
-      }
-      for (int64_t m = 0; m < M; ++m) {
-        for (int64_t i = 0; i < rows; ++i) {
-          float v = sums[m * kBlock + i];
-          if (bias) v += bf16_to_float(bias[n0 + i]);
-          y[m * N + n0 + i] = c10::BFloat16(v).x;  // round to nearest even
-        }
+    for (int64_t b = b0; b < b1; ++b) f(b * kBlock, std::min(kBlock, N - b * kBlock), buffer.data());
+  });
+}
+
+void gemv(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* w, int64_t K, int64_t N, const uint16_t* bias,
+          uint16_t* y) {
+  for_row_blocks(M, N, [&](int64_t n0, int64_t rows, float* sums) {
+    const uint16_t* wb = w + n0 * K;
+    if (M <= 12 || kWideR == 1) {  // weight rows one by one, in memory order: a single stream the prefetcher runs ahead of
+      block_rows<1>(x, ldx, M, wb, K, rows, sums);
+    } else {  // 4 weight rows against 4 x rows (16 accumulators): each weight line serves more x rows
+      touch(wb, rows * K);
+      block_rows<kWideR>(x, ldx, M, wb, K, rows, sums);
+    }
+    for (int64_t m = 0; m < M; ++m) {
+      for (int64_t i = 0; i < rows; ++i) {
+        float v = sums[m * kBlock + i];
+        if (bias) v += bf16_to_float(bias[n0 + i]);
+        y[m * N + n0 + i] = c10::BFloat16(v).x;  // round to nearest even
       }
     }
   });
@@ -94,26 +94,16 @@ void gemv(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* w, int64_t 
 
 void int8_gemv(const float* xf, int64_t M, const int8_t* w, int64_t K, int64_t N, const uint16_t* scale,
                uint16_t* y) {
-  at::parallel_for(0, (N + kBlock - 1) / kBlock, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<float> buffer(M * kBlock);
-    float* sums = buffer.data();
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n0 = b * kBlock, rows = std::min(kBlock, N - n0);
-      for (int64_t r = 0; r < rows; ++r) {
-        const int8_t* wr = w + (n0 + r) * K;
-        int64_t m = 0;
-        for (; m + 4 <= M; m += 4) int8_tile<4>(xf + m * K, K, wr, sums + m * kBlock + r, kBlock);
-        switch (M - m) {
-          case 1: int8_tile<1>(xf + m * K, K, wr, sums + m * kBlock + r, kBlock); break;
-          case 2: int8_tile<2>(xf + m * K, K, wr, sums + m * kBlock + r, kBlock); break;
-          case 3: int8_tile<3>(xf + m * K, K, wr, sums + m * kBlock + r, kBlock); break;
-          default: break;
-        }
-      }
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t i = 0; i < rows; ++i)
-          y[m * N + n0 + i] = c10::BFloat16(sums[m * kBlock + i] * bf16_to_float(scale[n0 + i])).x;
+  for_row_blocks(M, N, [&](int64_t n0, int64_t rows, float* sums) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const int8_t* wr = w + (n0 + r) * K;
+      sluice_row_tiles<4>(0, M, [&](auto t, int64_t m) {
+        int8_tile<decltype(t)::value>(xf + m * K, K, wr, sums + m * kBlock + r, kBlock);
+      });
     }
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t i = 0; i < rows; ++i)
+        y[m * N + n0 + i] = c10::BFloat16(sums[m * kBlock + i] * bf16_to_float(scale[n0 + i])).x;
   });
 }
 

@@ -3,7 +3,7 @@
 // pair's sum fits: 2 x 128 x 128). oneDNN's int8 GEMM there (torch._int_mm) goes through `vpmaddubsw`, whose int16
 // pair sums saturate, so it is not used on these tiers. x is widened to int16 once; each thread takes blocks of
 // 64 weight rows, each weight row (read once, in memory order) against x rows four at a time; a K tail under 16
-// is summed in scalar. Included by quant_linear.cpp inside its namespace.
+// is summed in scalar. Included by quant_linear_avx2.h inside quant_linear.cpp's namespace.
 
 inline int32_t sluice_hsum8_epi32(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -39,14 +39,9 @@ void int8_mm_avx2(const int8_t* x, int64_t M, const int8_t* w, int64_t K, int64_
   at::parallel_for(0, (N + kRows - 1) / kRows, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t n = b0 * kRows; n < std::min(N, b1 * kRows); ++n) {
       const int8_t* wr = w + n * K;
-      int64_t m = 0;
-      for (; m + 4 <= M; m += 4) int8_row_tile<4>(xs + m * K, K, wr, y + m * N + n, N);
-      switch (M - m) {
-        case 1: int8_row_tile<1>(xs + m * K, K, wr, y + m * N + n, N); break;
-        case 2: int8_row_tile<2>(xs + m * K, K, wr, y + m * N + n, N); break;
-        case 3: int8_row_tile<3>(xs + m * K, K, wr, y + m * N + n, N); break;
-        default: break;
-      }
+      sluice_row_tiles<4>(0, M, [&](auto r, int64_t m) {
+        int8_row_tile<decltype(r)::value>(xs + m * K, K, wr, y + m * N + n, N);
+      });
     }
   });
 }

@@ -1,0 +1,33 @@
+// What quant_linear.cpp asks of a tier without AVX512-VNNI (quant_linear_avx2.h, quant_linear_generic.h): the
+// scalar paths serve (every `*_tier` hook declines), and the VNNI-only products refuse (their Python callers ask
+// `VNNI` first). Included inside quant_linear.cpp's namespace.
+
+constexpr bool kTierVnni = false;
+
+template <typename T>
+inline bool dequant_block64_tier(const Int4Layout&, int64_t, int64_t, int64_t, const float*, const float*, T*) {
+  return false;
+}
+inline bool quantize_rows_tier(const torch::Tensor&, int8_t*, float*) { return false; }
+inline bool bnb_int8_rows_tier(const torch::Tensor&, int8_t*, float*, int64_t) { return false; }
+template <typename T>
+inline int64_t bnb_4bit_codes_tier(const T*, int64_t, float, const float*, const uint8_t*, uint8_t*) { return 0; }
+inline bool int8_rescale_tier(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                              torch::Tensor&) {
+  return false;
+}
+
+inline int32_t weight_comp(const int8_t* w, int64_t K) {  // 128 x the row's sum (int8_vnni_comp)
+  int32_t s = 0;
+  for (int64_t k = 0; k < K; ++k) s += w[k];
+  return 128 * s;
+}
+
+inline void vnni_mm(const int8_t*, int64_t, const int8_t*, int64_t, int64_t, int32_t*, const int32_t*) {
+  TORCH_CHECK(false, "built without avx512_vnni");
+}
+
+inline void w4_int8_mm(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                       const c10::optional<torch::Tensor>&, torch::Tensor&) {
+  TORCH_CHECK(false, "built without avx512_vnni");
+}
