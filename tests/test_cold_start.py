@@ -172,10 +172,11 @@ def test_prefetch_reads_the_index_files_within_budget(sharded, tmp_path):
     assert prefetch(str(tmp_path / "missing")) is None and prefetch("org/hub-model") is None and prefetch(None) is None
 
 
-def test_warm_up_is_one_step_that_generates_a_token():
+def test_warm_up_runs_a_prefill_and_a_decode_step():
     llm = LLM(str(TINY), dtype="float32", device="cpu", max_model_len=64, max_num_seqs=2)
-    assert warm_up(llm) == 1
-    assert not llm.engine.has_unfinished() and llm.engine.counters["generated_tokens"] == 1
+    assert warm_up(llm) == 2
+    assert not llm.engine.has_unfinished() and llm.engine.counters["generated_tokens"] == 4
+    assert llm.engine.counters["prompt_tokens"] == 9
 
 
 def _rss() -> int:
