@@ -59,6 +59,9 @@ def measure(mode: str, requests: int) -> dict:
     llm = LLM(str(path), dtype="bfloat16", device="cpu", kv_cache_memory_gb=KV_GB, **MODES[mode])
     out = {"mode": mode, "weights": weight_bytes(llm.engine.model)[0], "load": rss_bytes() - base}
     warm_up(llm)
+    arena = getattr(llm.engine.model, "weight_arena", None)
+    if arena is not None:
+        arena.settled.wait(60)  # the huge-page collapse the first step starts: measure its steady state
     out["ready"] = rss_bytes() - base
     reqs = workload(requests, out_range=(16, 64))
     params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for _, m in reqs]
