@@ -143,10 +143,13 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--cold", action="store_true", help="Drop the page cache before each read and start.")
     p.add_argument("--no-record", action="store_true")
+    p.add_argument("--variants", default="tiny,bf16,int8,int4", help="Which starts to measure (comma-separated).")
     args = p.parse_args()
     bf16 = checkpoint(args.hidden, args.layers)
-    variants = [("sluice-tiny (bundled)", TINY), ("bf16", bf16), ("int8, pre-quantized", prequantized(bf16, "int8")),
-                ("int4 (NF4), pre-quantized", prequantized(bf16, "int4"))]
+    every = {"tiny": ("sluice-tiny (bundled)", lambda: TINY), "bf16": ("bf16", lambda: bf16),
+             "int8": ("int8, pre-quantized", lambda: prequantized(bf16, "int8")),
+             "int4": ("int4 (NF4), pre-quantized", lambda: prequantized(bf16, "int4"))}
+    variants = [(every[k][0], every[k][1]()) for k in args.variants.split(",")]
     best = measure(variants, args.rounds, args.cold)
     torch_s = best["torch"]["ready"]
     rows = [["import torch", "-", "-", f"{torch_s:.2f}", "-", "-", "-"]]

@@ -19,9 +19,11 @@ NOTES = """
 
 Resident is what the engine adds to the process's VmRSS (weights, KV pages touched, scratch; the imports
 before `LLM(...)` are subtracted), each mode in its own process, after `LLM(...)` and the worker's one-step
-warm-up, then after a batch of prompts (32-512 tokens, 16-64 new tokens each, greedy). `weights' share` is the
-mode's weight bytes (parameters, buffers and quantization state) over bf16's. The target is resident within 5%
-of that share."""
+warm-up, then after a batch of prompts (32-512 tokens, 16-64 new tokens each, greedy); bitsandbytes is imported
+before the base in every mode. `weights' share` is the mode's weight bytes (parameters, buffers and quantization
+state) over bf16's. `KV pages` is what the KV pool's maps hold resident after the batch (the pages its tokens
+touched, kept for the prefix cache: the same bytes in every mode, a bf16 KV cache), `less KV pages` the rest.
+The target is resident within 5% of the weights' share."""
 
 
 def rss_bytes() -> int:
@@ -30,8 +32,24 @@ def rss_bytes() -> int:
     return int(line.split()[1]) * 1024
 
 
+def kv_bytes(llm) -> int:
+    """Resident bytes of the KV pool's memory maps (the pages the batch's tokens touched)."""
+    starts = {t.data_ptr() for c in llm.engine.runner.kv_caches for t in (getattr(c, "k", None), getattr(c, "v", None))
+              if t is not None}
+    total, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = any(lo <= p < hi for p in starts)
+        elif inside and head == "Rss:":
+            total += int(line.split()[1]) * 1024
+    return total
+
+
 def measure(mode: str, requests: int) -> dict:
-    """One mode in this process: weight bytes, resident after warm-up and after the batch."""
+    """One mode in this process: weight bytes, resident after load, after warm-up and after the batch."""
+    import bitsandbytes  # noqa: F401  (in every mode before the base: a library's import is not the engine's)
     from quantization import weight_bytes
 
     from sluice.engine import LLM, SamplingParams
@@ -39,27 +57,31 @@ def measure(mode: str, requests: int) -> dict:
 
     path, base = bench_model(), rss_bytes()  # the process before the engine: Python, torch, bitsandbytes
     llm = LLM(str(path), dtype="bfloat16", device="cpu", kv_cache_memory_gb=KV_GB, **MODES[mode])
+    out = {"mode": mode, "weights": weight_bytes(llm.engine.model)[0], "load": rss_bytes() - base}
     warm_up(llm)
-    out = {"mode": mode, "weights": weight_bytes(llm.engine.model)[0], "ready": rss_bytes() - base}
+    arena = getattr(llm.engine.model, "weight_arena", None)
+    if arena is not None:
+        arena.settled.wait(60)  # the huge-page collapse the first step starts: measure its steady state
+    out["ready"] = rss_bytes() - base
     reqs = workload(requests, out_range=(16, 64))
     params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for _, m in reqs]
     llm.generate([p for p, _ in reqs], params, progress=False)
-    out["batch"] = rss_bytes() - base
+    out["batch"], out["kv"] = rss_bytes() - base, kv_bytes(llm)
+    out["batch_no_kv"] = out["batch"] - out["kv"]
     return out
 
 
 def report(results: list[dict]) -> str:
-    """The table: resident and ratios against bf16, against the weights' share."""
+    """The table: resident and ratios against bf16, next to the weights' share."""
     base = next(r for r in results if r["mode"] == "bf16")
     rows = []
     for r in results:
-        row = [r["mode"], f"{r['weights'] / 2**20:.0f}"]
-        for when in ("ready", "batch"):
-            share = r["weights"] / base["weights"]
-            row += [f"{r[when] / 2**20:.0f}", f"{r[when] / base[when]:.3f}x", f"{share:.3f}x"]
-        rows.append(row)
-    headers = ["mode", "weights MiB", "resident after warm-up MiB", "vs bf16", "weights' share",
-               "resident after batch MiB", "vs bf16", "weights' share"]
+        row = [r["mode"], f"{r['weights'] / 2**20:.0f}", f"{r['weights'] / base['weights']:.3f}x"]
+        for when in ("load", "ready", "batch", "batch_no_kv"):
+            row += [f"{r[when] / 2**20:.0f}", f"{r[when] / base[when]:.3f}x"]
+        rows.append(row + [f"{r['kv'] / 2**20:.0f}"])
+    headers = ["mode", "weights MiB", "weights' share", "after load MiB", "vs bf16", "after warm-up MiB",
+               "vs bf16", "after batch MiB", "vs bf16", "after batch less KV pages MiB", "vs bf16", "KV pages MiB"]
     return table(headers, rows) + NOTES
 
 

@@ -149,6 +149,24 @@ def test_engine_start_imports_neither_transformers_nor_the_compiler():
     assert result.stdout.strip().splitlines()[-1] == "[]"
 
 
+def test_worker_start_path_imports_no_framework_it_does_not_serve_with():
+    """A worker's start up to ready (`python -m sluice.worker`'s imports, the engine on the bundled model, its
+    warm-up) imports none of transformers, rich, torch._dynamo / torch._inductor, bitsandbytes (bf16) or
+    jinja2 (no chat request yet): each was, or would be, a fixed cost of every scale-up."""
+    code = (
+        "import sys, typer, sluice.worker.cli\n"
+        "from sluice.engine import LLM\n"
+        "from sluice.worker.metrics import warm_up\n"
+        f"llm = LLM({str(TINY)!r}, dtype='bfloat16', device='cpu')\n"
+        "warm_up(llm)\n"
+        "heavy = ('transformers', 'rich', 'torch._dynamo', 'torch._inductor', 'bitsandbytes', 'jinja2')\n"
+        "print(sorted(m for m in heavy if m in sys.modules))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
 def test_model_argument_from_command_line_or_environment(monkeypatch):
     monkeypatch.setenv("SLUICE_MODEL", "/models/settings")
     assert model_argument(["--burst"]) == "/models/settings"  # through Settings, the environment's one reader
@@ -172,10 +190,11 @@ def test_prefetch_reads_the_index_files_within_budget(sharded, tmp_path):
     assert prefetch(str(tmp_path / "missing")) is None and prefetch("org/hub-model") is None and prefetch(None) is None
 
 
-def test_warm_up_is_one_step_that_generates_a_token():
+def test_warm_up_runs_a_prefill_and_a_decode_step():
     llm = LLM(str(TINY), dtype="float32", device="cpu", max_model_len=64, max_num_seqs=2)
-    assert warm_up(llm) == 1
-    assert not llm.engine.has_unfinished() and llm.engine.counters["generated_tokens"] == 1
+    assert warm_up(llm) == 2
+    assert not llm.engine.has_unfinished() and llm.engine.counters["generated_tokens"] == 4
+    assert llm.engine.counters["prompt_tokens"] == 9
 
 
 def _rss() -> int:

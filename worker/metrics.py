@@ -115,9 +115,11 @@ def shard_finished(outcome: str) -> None:
 
 
 def warm_up(llm: LLM) -> int:
-    """One engine step over a one-token prompt (the shape of a decode step): proves the model runs end to end
-    and pays the kernels' lazy set-up before the first claim; returns the steps it took (1)."""
-    llm.add_request("warmup", [1], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    """A prefill step (a one-token and an eight-token prompt) and a decode step: proves the model runs end to end
+    and pays the kernels' lazy set-up on both paths before the first claim; returns the steps it took (2)."""
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    llm.add_request("warmup", [1], params)
+    llm.add_request("warmup-prefill", [1] * 8, params)
     steps = 0
     while llm.has_unfinished():
         llm.step()
