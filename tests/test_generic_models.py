@@ -11,8 +11,10 @@ from sluice.engine import LLM, SamplingParams
 from sluice.engine.models import GENERIC, NATIVE, LlamaModel, ModelConfig, forced_generic, model_path_for
 from sluice.engine.models.generic import GenericModel
 from sluice.engine.models.loader import read_config
+from sluice.kernels import moe as moe_kernel
 from sluice.kernels.linear import Linear
 from tests.test_engine import random_prompts
+from tests.tiers import tier_fixture
 
 # The architectures beyond the dense native four, and the path each takes (Mixtral and Qwen3-MoE: native MoE).
 ARCH_PATHS = {"gemma2": GENERIC, "gemma3_text": GENERIC, "phi3": GENERIC, "olmo2": GENERIC, "granite": GENERIC,
@@ -20,6 +22,7 @@ ARCH_PATHS = {"gemma2": GENERIC, "gemma3_text": GENERIC, "phi3": GENERIC, "olmo2
               "qwen3_moe": NATIVE}
 GREEDY = SamplingParams(max_tokens=24, temperature=0)
 BLOCK = 16
+cpu_tier = tier_fixture(autouse=False)  # the MoE kernel test runs on every CPU tier this host can execute
 
 
 def hf_model(path):
@@ -249,3 +252,35 @@ def test_int4_experts_off_the_block_width_are_zero_padded(method, bound, checkpo
     assert 0 < max(errors) < bound
     outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), progress=False)
     assert all(len(o.token_ids) == 6 for o in outs)
+
+
+@pytest.mark.parametrize(("dtype", "bound"), [(torch.float32, 1e-5), (torch.bfloat16, 4e-3)])
+def test_moe_kernel_matches_fp64_on_every_tier(cpu_tier, dtype, bound):
+    g = torch.Generator().manual_seed(0)
+    hidden, inner, n_experts, k, tokens = 96, 48, 5, 2, 9  # widths off every vector size: the loops' tails too
+    gate, up, down = ([torch.randn(*s, generator=g) * 0.2 for _ in range(n_experts)]
+                      for s in ((inner, hidden), (inner, hidden), (hidden, inner)))
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    ids = torch.stack([torch.randperm(n_experts, generator=g)[:k] for _ in range(tokens)])
+    ids[3] = ids[0]  # experts with several tokens, and (5 experts, 18 pairs) possibly one with none
+    weights = torch.rand(tokens, k, generator=g)
+    weights_in = [[w.to(dtype) for w in ws] for ws in (gate, up, down)]
+    held = moe_kernel.experts(*weights_in)
+    assert held is not None, f"csrc/moe.cpp did not build for {cpu_tier}"
+    got = held.forward(x, ids, weights)
+    want = moe_kernel.moe_reference(x, ids, weights, *weights_in)
+    assert got.dtype == dtype and got.shape == want.shape
+    assert ((got.double() - want).norm() / want.norm()).item() < bound
+
+
+def test_native_moe_runs_its_experts_in_one_cpp_call_in_bf16(checkpoint_factory):
+    llm = LLM(checkpoint_factory("qwen3_moe"), dtype="bfloat16", device="cpu")
+    prompts = random_prompts(3, 20, 60)
+    got = llm.score(prompts)
+    blocks = [layer.mlp for layer in llm.engine.model.layers]
+    assert all(b.cpp_experts for b in blocks), "bf16 experts on CPU did not take the C++ kernel"
+    for b in blocks:
+        b.cpp_experts = False  # the torch grouping, which rounds each expert's output to bf16
+    want = llm.score(prompts)
+    errors = [((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(got, want, strict=True)]
+    assert max(errors) < 0.02
