@@ -107,7 +107,7 @@ struct Experts {
 };
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  py::class_<Experts>(m, "Experts")
+  py::class_<Experts>(m, "Experts", py::module_local())  // one registration per tier's module in a process
       .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>>(),
            py::arg("gate"), py::arg("up"), py::arg("down"))
       .def("forward", &Experts::forward, "x [T, hidden], ids [T, k], weights [T, k] -> [T, hidden]",
