@@ -34,7 +34,8 @@ MOE = dict(moe_intermediate_size=256, num_experts=8, num_local_experts=8, num_ex
 PER_ARCH = {"gemma2": dict(head_dim=64, query_pre_attn_scalar=64, sliding_window=64),
             "gemma3_text": dict(head_dim=64, query_pre_attn_scalar=64, sliding_window=64),
             "qwen3": dict(head_dim=64), "qwen3_moe": dict(head_dim=64, **MOE), "mixtral": MOE,
-            "qwen2_moe": dict(MOE, shared_expert_intermediate_size=512)}
+            "qwen2_moe": dict(MOE, shared_expert_intermediate_size=512),
+            "gpt_neox": dict(num_key_value_heads=None)}  # no GQA: a stray key count would size the KV pool wrong
 
 
 def timed(fn):
