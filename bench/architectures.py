@@ -1,7 +1,7 @@
 """Decode throughput per architecture: the generic path (transformers' modules on our paged KV) vs the native
 forward on the same Llama, native MoE, and both against HF static batched generate(), in one run (bf16, CPU).
 
-python bench/architectures.py [--batch 32] [--prompt 64] [--tokens 64] [--archs llama,gemma2,...]
+python bench/architectures.py [--batch 32] [--prompt 64] [--tokens 64] [--headlines llama,moe] [--archs llama,...]
 
 Ratios are taken within the run; the machine is shared, so absolute tok/s move between runs.
 """
@@ -34,7 +34,8 @@ MOE = dict(moe_intermediate_size=256, num_experts=8, num_local_experts=8, num_ex
 PER_ARCH = {"gemma2": dict(head_dim=64, query_pre_attn_scalar=64, sliding_window=64),
             "gemma3_text": dict(head_dim=64, query_pre_attn_scalar=64, sliding_window=64),
             "qwen3": dict(head_dim=64), "qwen3_moe": dict(head_dim=64, **MOE), "mixtral": MOE,
-            "qwen2_moe": dict(MOE, shared_expert_intermediate_size=512)}
+            "qwen2_moe": dict(MOE, shared_expert_intermediate_size=512),
+            "gpt_neox": dict(num_key_value_heads=None)}  # no GQA: a stray key count would size the KV pool wrong
 
 
 def timed(fn):
@@ -56,13 +57,18 @@ def prompts(batch: int, length: int) -> list[list[int]]:
     return torch.randint(4, 400, (batch, length), generator=g).tolist()
 
 
-def engine_tps(path: Path, batch: int, length: int, tokens: int, generic: bool = False) -> float:
-    """Output tok/s of our engine on `batch` prompts, `tokens` each (warm-up excluded)."""
+def engine_tps(path: Path, batch: int, length: int, tokens: int, generic: bool = False, cpp_moe: bool = True) -> float:
+    """Output tok/s of our engine on `batch` prompts, `tokens` each (warm-up excluded); `cpp_moe=False`: the MoE
+    blocks' torch grouping instead of the C++ experts."""
     if generic:
         with forced_generic():
             llm = LLM(str(path), dtype="bfloat16", device="cpu")
     else:
         llm = LLM(str(path), dtype="bfloat16", device="cpu")
+    if not cpp_moe:
+        for block in llm.engine.model.modules():
+            if hasattr(block, "cpp_experts"):
+                block.cpp_experts = False
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
     llm.generate(prompts(2, length), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), progress=False)
     outs, secs = timed(lambda: llm.generate(prompts(batch, length), params, progress=False))
@@ -89,31 +95,52 @@ def alternated(systems, repeats: int) -> list[float]:
     return [statistics.median(r) for r in runs]
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--prompt", type=int, default=64)
-    p.add_argument("--tokens", type=int, default=64)
-    p.add_argument("--archs", default=",".join(ARCHS), help="per-architecture table ('' skips it)")
-    p.add_argument("--repeats", type=int, default=3, help="alternated runs of each headline system (median)")
-    p.add_argument("--root", type=Path, default=Path(tempfile.gettempdir()) / "sluice-bench-archs")
-    a = p.parse_args()
+def llama_headline(a) -> None:
+    """Generic vs native path on Llama and both vs HF generate, alternated."""
     llama = checkpoint("llama", a.root)
     native, generic, hf = alternated([lambda: engine_tps(llama, a.batch, a.prompt, a.tokens),
                                       lambda: engine_tps(llama, a.batch, a.prompt, a.tokens, True),
                                       lambda: hf_tps(llama, a.batch, a.prompt, a.tokens)], a.repeats)
     print(f"llama batch {a.batch}: native {native:.0f} tok/s, generic {generic:.0f} ({generic / native:.2f}x native),"
-          f" HF static generate {hf:.0f} (generic {generic / hf:.2f}x, native {native / hf:.2f}x)")
+          f" HF static generate {hf:.0f} (generic {generic / hf:.2f}x, native {native / hf:.2f}x)", flush=True)
+
+
+def moe_headline(a) -> None:
+    """Native MoE (C++ experts, then the torch grouping: SLUICE_CPU_KERNEL=0 semantics per block) vs HF generate."""
     moe = checkpoint("qwen3_moe", a.root)
-    ours, ref = alternated([lambda: engine_tps(moe, a.batch, a.prompt, a.tokens),
-                            lambda: hf_tps(moe, a.batch, a.prompt, a.tokens)], a.repeats)
-    print(f"qwen3_moe batch {a.batch}: native MoE {ours:.0f} tok/s, HF static generate {ref:.0f} ({ours / ref:.2f}x)")
+    ours, torch_moe, ref = alternated([lambda: engine_tps(moe, a.batch, a.prompt, a.tokens),
+                                       lambda: engine_tps(moe, a.batch, a.prompt, a.tokens, cpp_moe=False),
+                                       lambda: hf_tps(moe, a.batch, a.prompt, a.tokens)], a.repeats)
+    print(f"qwen3_moe batch {a.batch}: native MoE {ours:.0f} tok/s (torch grouping {torch_moe:.0f}: C++ experts "
+          f"{ours / torch_moe:.2f}x), HF static generate {ref:.0f} ({ours / ref:.2f}x)", flush=True)
+
+
+def table(a) -> None:
+    """The per-architecture rows (single measurements)."""
     print("| architecture | path | tok/s batch 1 | tok/s batch 32 | HF generate batch 32 |\n|---|---|---|---|---|")
     for arch in filter(None, a.archs.split(",")):
         path = checkpoint(arch, a.root)
         one, many = (engine_tps(path, b, a.prompt, a.tokens) for b in (1, a.batch))
         print(f"| {arch} | {model_path_for(read_config(path))[0]} | {one:.0f} | {many:.0f} | "
               f"{hf_tps(path, a.batch, a.prompt, a.tokens):.0f} |", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--prompt", type=int, default=64)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--headlines", default="llama,moe", help="which alternated headline comparisons to run")
+    p.add_argument("--archs", default=",".join(ARCHS), help="per-architecture table ('' skips it)")
+    p.add_argument("--repeats", type=int, default=3, help="alternated runs of each headline system (median)")
+    p.add_argument("--root", type=Path, default=Path(tempfile.gettempdir()) / "sluice-bench-archs")
+    a = p.parse_args()
+    heads = a.headlines.split(",")
+    if "llama" in heads:
+        llama_headline(a)
+    if "moe" in heads:
+        moe_headline(a)
+    table(a)
 
 
 if __name__ == "__main__":

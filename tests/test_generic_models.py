@@ -11,7 +11,10 @@ from sluice.engine import LLM, SamplingParams
 from sluice.engine.models import GENERIC, NATIVE, LlamaModel, ModelConfig, forced_generic, model_path_for
 from sluice.engine.models.generic import GenericModel
 from sluice.engine.models.loader import read_config
+from sluice.kernels import moe as moe_kernel
+from sluice.kernels.linear import Linear
 from tests.test_engine import random_prompts
+from tests.tiers import tier_fixture
 
 # The architectures beyond the dense native four, and the path each takes (Mixtral and Qwen3-MoE: native MoE).
 ARCH_PATHS = {"gemma2": GENERIC, "gemma3_text": GENERIC, "phi3": GENERIC, "olmo2": GENERIC, "granite": GENERIC,
@@ -19,6 +22,7 @@ ARCH_PATHS = {"gemma2": GENERIC, "gemma3_text": GENERIC, "phi3": GENERIC, "olmo2
               "qwen3_moe": NATIVE}
 GREEDY = SamplingParams(max_tokens=24, temperature=0)
 BLOCK = 16
+cpu_tier = tier_fixture(autouse=False)  # the MoE kernel test runs on every CPU tier this host can execute
 
 
 def hf_model(path):
@@ -104,11 +108,6 @@ def test_speculative_decoding_with_generic_target_and_draft(checkpoint_factory):
         assert llm.stats()["spec_proposed"] > 0
 
 
-def test_bitsandbytes_on_the_generic_path_is_refused_by_name(checkpoint_factory):
-    with pytest.raises(ValueError, match="generic path.*bitsandbytes"):
-        LLM(checkpoint_factory("olmo2"), dtype="float32", device="cpu", quantization="int8")
-
-
 def test_model_path_for_says_which_path_and_why(checkpoint_factory):
     llama = read_config(checkpoint_factory("llama"))
     assert model_path_for(llama)[0] == NATIVE
@@ -181,3 +180,107 @@ def test_generic_path_on_a_native_architecture_matches_transformers(arch, checkp
         llm = LLM(path, dtype="float32", device="cpu", max_num_batched_tokens=32)
     assert isinstance(llm.engine.model, GenericModel)
     assert [o.token_ids for o in llm.generate(prompts, GREEDY, progress=False)] == hf_greedy(path, prompts)
+
+
+QUANT_DIMS = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+QUANT_LINEARS = {"int8": "Linear8bitLt", "int4": "Linear4bit", "int8_weight_only": "Int8WeightOnlyLinear",
+                 "int4_weight_only": "Int4WeightOnlyLinear"}
+
+
+def quantized_linears(llm: LLM) -> list[torch.nn.Module]:
+    """The linears of a generic-path model's decoder layers, none of them left a plain nn.Linear."""
+    mods = [m for m in llm.engine.model.hf.model.layers.modules()]
+    assert not any(type(m) in (torch.nn.Linear, Linear) for m in mods), "a decoder linear was left unquantized"
+    return [m for m in mods if type(m).__name__ in QUANT_LINEARS.values()]
+
+
+@pytest.mark.parametrize("method", list(QUANT_LINEARS))
+def test_generic_path_quantizes_as_the_native_path_does(method, checkpoint_factory):
+    path = checkpoint_factory("llama", **QUANT_DIMS)
+    prompts = random_prompts(3, 20, 60)
+    native = LLM(path, dtype="bfloat16", device="cpu", quantization=method)
+    with forced_generic():
+        generic = LLM(path, dtype="bfloat16", device="cpu", quantization=method)
+    parts = quantized_linears(generic)
+    assert len(parts) == 7 * 4 and {type(p).__name__ for p in parts} == {QUANT_LINEARS[method]}
+    head = generic.engine.model.hf.lm_head
+    assert (type(head).__name__ == QUANT_LINEARS[method]) == method.endswith("weight_only")
+    # the same quantized weights through the same kernels: measured bit-identical on CPU; the bound leaves room for
+    # another kernel order elsewhere
+    errors = [((a.float() - b.float()).norm() / b.float().norm()).item()
+              for a, b in zip(generic.score(prompts), native.score(prompts), strict=True)]
+    assert max(errors) < 1e-3
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    got, want = (llm.generate(prompts, params, progress=False) for llm in (generic, native))
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
+# Logits relative error vs the unquantized generic model (bf16), measured on these random checkpoints (gemma2 /
+# phi3): int8 3.5% / 2.0%, nf4 34% / 20%, int8_weight_only 3.7% / 2.3%, int4_weight_only 27% / 21%, as the native
+# path's (tests/test_quantization.py); bounds: measured + ~35%.
+GENERIC_MAX_REL_ERR = {"int8": 0.05, "int4": 0.45, "int8_weight_only": 0.05, "int4_weight_only": 0.36}
+
+
+@pytest.mark.parametrize("method", list(GENERIC_MAX_REL_ERR))
+@pytest.mark.parametrize("arch", ["gemma2", "phi3"])
+def test_generic_architectures_quantize_close_to_their_bf16(arch, method, checkpoint_factory):
+    path = checkpoint_factory(arch, **QUANT_DIMS)
+    prompts = random_prompts(3, 20, 60)
+    ref = LLM(path, dtype="bfloat16", device="cpu").score(prompts)
+    llm = LLM(path, dtype="bfloat16", device="cpu", quantization=method)
+    assert {type(p).__name__ for p in quantized_linears(llm)} == {QUANT_LINEARS[method]}
+    errors = [((a.float() - b.float()).norm() / b.float().norm()).item()
+              for a, b in zip(llm.score(prompts), ref, strict=True)]
+    assert 0 < max(errors) < GENERIC_MAX_REL_ERR[method]
+
+
+@pytest.mark.parametrize(("method", "bound"), [("int4", 0.32), ("int4_weight_only", 0.23)])
+def test_int4_experts_off_the_block_width_are_zero_padded(method, bound, checkpoint_factory):
+    # bounds: measured (nf4 23%, int4_weight_only 17%) + ~35%
+    path = checkpoint_factory("qwen3_moe")  # expert width 48: not whole groups of 32 / blocks of 64 columns
+    assert read_config(path)["moe_intermediate_size"] % 32
+    prompts = random_prompts(3, 20, 60)
+    ref = LLM(path, dtype="bfloat16", device="cpu").score(prompts)
+    llm = LLM(path, dtype="bfloat16", device="cpu", quantization=method)
+    experts = [e for layer in llm.engine.model.layers for e in layer.mlp.experts]
+    assert all(e.down_proj.pad == 64 - 48 for e in experts)  # input columns to whole blocks / groups
+    if method == "int4":  # bitsandbytes' CPU kernel also packs rows in blocks of 32: gate/up cut back to 48
+        assert all(e.gate_proj.out_features == 48 and e.gate_proj.inner.out_features == 64 for e in experts)
+    errors = [((a.float() - b.float()).norm() / b.float().norm()).item()
+              for a, b in zip(llm.score(prompts), ref, strict=True)]
+    print(f"{method} experts of width 48: logits relative error vs bf16 {max(errors):.4f}")
+    assert 0 < max(errors) < bound
+    outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), progress=False)
+    assert all(len(o.token_ids) == 6 for o in outs)
+
+
+@pytest.mark.parametrize(("dtype", "bound"), [(torch.float32, 1e-5), (torch.bfloat16, 4e-3)])
+def test_moe_kernel_matches_fp64_on_every_tier(cpu_tier, dtype, bound):
+    g = torch.Generator().manual_seed(0)
+    hidden, inner, n_experts, k, tokens = 96, 48, 5, 2, 9  # widths off every vector size: the loops' tails too
+    gate, up, down = ([torch.randn(*s, generator=g) * 0.2 for _ in range(n_experts)]
+                      for s in ((inner, hidden), (inner, hidden), (hidden, inner)))
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    ids = torch.stack([torch.randperm(n_experts, generator=g)[:k] for _ in range(tokens)])
+    ids[3] = ids[0]  # experts with several tokens, and (5 experts, 18 pairs) possibly one with none
+    weights = torch.rand(tokens, k, generator=g)
+    weights_in = [[w.to(dtype) for w in ws] for ws in (gate, up, down)]
+    held = moe_kernel.experts(*weights_in)
+    assert held is not None, f"csrc/moe.cpp did not build for {cpu_tier}"
+    got = held.forward(x, ids, weights)
+    want = moe_kernel.moe_reference(x, ids, weights, *weights_in)
+    assert got.dtype == dtype and got.shape == want.shape
+    assert ((got.double() - want).norm() / want.norm()).item() < bound
+
+
+def test_native_moe_runs_its_experts_in_one_cpp_call_in_bf16(checkpoint_factory):
+    llm = LLM(checkpoint_factory("qwen3_moe"), dtype="bfloat16", device="cpu")
+    prompts = random_prompts(3, 20, 60)
+    got = llm.score(prompts)
+    blocks = [layer.mlp for layer in llm.engine.model.layers]
+    assert all(b.cpp_experts for b in blocks), "bf16 experts on CPU did not take the C++ kernel"
+    for b in blocks:
+        b.cpp_experts = False  # the torch grouping, which rounds each expert's output to bf16
+    want = llm.score(prompts)
+    errors = [((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(got, want, strict=True)]
+    assert max(errors) < 0.02

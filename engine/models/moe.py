@@ -1,5 +1,7 @@
 """Sparse mixture-of-experts MLP for the native forward (Mixtral, Qwen3-MoE): top-k routing, tokens grouped by
-expert (one sort, then one matmul per expert over all of its tokens), results scattered back in one index_add.
+expert (one sort, then one matmul per expert over all of its tokens), results scattered back in one index_add;
+on CPU in bf16 with unquantized experts, the grouping and the experts run in one C++ call (kernels.moe), which
+pays at decode (docs/benchmarks.md).
 
 Experts are kept as the checkpoint stores them (one linear per projection per expert, under the checkpoint's own
 names), so the loader reads them as any other linear and a quantization hook quantizes each expert; the router is
@@ -12,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sluice.kernels import moe as moe_kernel
 from sluice.kernels.linear import Linear
 
 # Per architecture: the MoE block's attribute name in a decoder layer, each expert's (gate, up, down) linear names,
@@ -53,6 +56,7 @@ class SparseMoe(nn.Module):
         self.gate = Router(num_experts, hidden)
         self.experts = nn.ModuleList(Expert(hidden, inner, names) for _ in range(num_experts))
         self.top_k, self.norm_topk = top_k, norm_topk
+        self.cpp_experts = None  # kernels.moe's holder of the expert weights once made (False: not for these)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights, expert ids), each [T, k], as transformers computes them (softmax in fp32)."""
@@ -65,6 +69,25 @@ class SparseMoe(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden]: each token's weighted sum over its top-k experts."""
         weights, ids = self.route(x)
+        kernel = self._kernel(x)
+        if kernel is not None:
+            return kernel.forward(x, ids, weights)
+        return self.grouped(x, weights, ids)
+
+    def _kernel(self, x: torch.Tensor):
+        """The C++ experts (kernels.moe: grouping and SwiGLU in one call, fp32 sums) for bf16 activations on CPU
+        over unquantized bf16 experts, made once; None elsewhere (quantized experts, other dtypes and devices)."""
+        if x.device.type != "cpu" or x.dtype is not torch.bfloat16 or torch.is_grad_enabled():
+            return None
+        if self.cpp_experts is None:
+            parts = [[getattr(e, n) for e in self.experts] for n in self.experts[0].names]
+            plain = all(type(p) is Linear and p.weight.dtype is torch.bfloat16 for ps in parts for p in ps)
+            held = moe_kernel.experts(*[[p.weight for p in ps] for ps in parts]) if plain else None
+            self.cpp_experts = held if held is not None else False
+        return self.cpp_experts or None
+
+    def grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The experts in torch: the (token, slot) pairs sorted by expert, one call per expert on its tokens."""
         flat = ids.reshape(-1)
         order = flat.argsort(stable=True)  # the (token, slot) pairs grouped by expert
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()

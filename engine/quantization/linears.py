@@ -9,6 +9,7 @@ import itertools
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
@@ -16,7 +17,7 @@ from torch import nn
 from sluice import kernels
 from sluice.engine.models.llama import LlamaModel, ModelConfig
 from sluice.engine.models.loader import CheckpointReader
-from sluice.engine.quantization.spec import BLOCKSIZE, INT4_WEIGHT_ONLY, WEIGHT_ONLY, QuantSpec
+from sluice.engine.quantization.spec import BLOCKSIZE, CPU_INT4_ROWS, INT4_WEIGHT_ONLY, WEIGHT_ONLY, QuantSpec
 from sluice.kernels import decode_stack, int4_weights, int8_weights
 
 QUIET = ("bitsandbytes.backends.cpu.ops", "bitsandbytes.autograd._functions")  # per-call cast notices
@@ -238,7 +239,10 @@ class Int4WeightOnlyLinear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         super().__init__()
-        w = int4_weights.pack(weight, dtype)
+        # an input width off the group (MoE experts' inner sizes): zero columns to a whole group, and the
+        # activations padded with zeros to match, so the padded columns add exactly nothing
+        self.pad = -weight.shape[1] % int4_weights.GROUP
+        w = int4_weights.pack(nn.functional.pad(weight, (0, self.pad)) if self.pad else weight, dtype)
         self.register_buffer("packed", w.packed)
         self.register_buffer("scales_zeros", w.scales_zeros)
         self.out_features, self.in_features, self.layout = w.out_features, w.in_features, w.layout
@@ -249,11 +253,13 @@ class Int4WeightOnlyLinear(nn.Module):
                                        self.layout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pad:
+            x = nn.functional.pad(x, (0, self.pad))
         return int4_weights.int4_linear(x, self.weight(), self.bias)
 
     def stack_linear(self):
         """This linear for kernels.decode_stack, or None where the stack would not run it as `forward` does."""
-        return decode_stack.int4_linear(self.weight(), self.bias)
+        return None if self.pad else decode_stack.int4_linear(self.weight(), self.bias)
 
 
 WEIGHT_ONLY_LINEARS = {WEIGHT_ONLY: Int8WeightOnlyLinear, INT4_WEIGHT_ONLY: Int4WeightOnlyLinear}
@@ -266,13 +272,35 @@ def quantized_linear(spec: QuantSpec, weight: torch.Tensor, bias: torch.Tensor |
         ours = int8_weights.bnb_int8_rows(weight) if weight.device.type == "cpu" and _rows_match_bnb() else None
         cb, scb = ours or F.int8_vectorwise_quant(weight.to(torch.float16))[:2]
         return int8_linear(spec, cb, scb, bias, dtype)
-    w = weight.to(dtype).contiguous()
+    n_out, n_in = weight.shape
+    pads = (-n_in % BLOCKSIZE, -n_out % CPU_INT4_ROWS) if weight.device.type == "cpu" else (0, 0)
+    if any(pads):  # bitsandbytes' CPU kernel packs whole blocks of 32 rows x 64 columns (MoE experts' widths vary)
+        weight = nn.functional.pad(weight, (0, pads[0], 0, pads[1]))
+        bias = None if bias is None else nn.functional.pad(bias, (0, pads[1]))
+    packed, state = _quantize_4bit(spec, weight.to(dtype).contiguous())
+    mod = int4_linear(spec, packed, state, bias, dtype)
+    return ZeroPadded(mod, pads[0], n_out) if any(pads) else mod
+
+
+def _quantize_4bit(spec: QuantSpec, w: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """bitsandbytes' 4-bit packing of w, through our CPU function where it gives bitsandbytes' exact bits."""
     if w.device.type == "cpu" and _cpu_4bit_matches_bnb():
-        packed, state = cpu_quantize_4bit(w, spec.quant_type, spec.double_quant)
-    else:
-        packed, state = F.quantize_4bit(w, blocksize=BLOCKSIZE, compress_statistics=spec.double_quant,
-                                        quant_type=spec.quant_type)
-    return int4_linear(spec, packed, state, bias, dtype)
+        return cpu_quantize_4bit(w, spec.quant_type, spec.double_quant)
+    F = _bnb().functional
+    return F.quantize_4bit(w, blocksize=BLOCKSIZE, compress_statistics=spec.double_quant, quant_type=spec.quant_type)
+
+
+class ZeroPadded(nn.Module):
+    """A linear whose weight was padded with zero columns and rows: the input padded with zeros to match (adds
+    exactly 0), the output cut back to `out_features`."""
+
+    def __init__(self, inner: nn.Module, pad: int, out_features: int) -> None:
+        super().__init__()
+        self.inner, self.pad, self.out_features = inner, pad, out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.inner(nn.functional.pad(x, (0, self.pad)) if self.pad else x)
+        return y if y.shape[-1] == self.out_features else y[..., : self.out_features]
 
 
 @functools.cache
