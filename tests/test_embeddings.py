@@ -1,17 +1,29 @@
-"""Embeddings: pooled prefill hidden states against transformers, in the engine's continuous batch (offline API)."""
+"""/v1/embeddings: pooled prefill hidden states against transformers, in the engine's continuous batch, through the
+offline API, batch files (Client + worker) and the HTTP Batch API."""
 
 from __future__ import annotations
 
+import base64
 import json
 import shutil
+import struct
 from pathlib import Path
 
 import pytest
+import redis
 import torch
 
+from sluice.contract.settings import Settings
 from sluice.engine import LLM, PoolingParams, SamplingParams
 from sluice.engine.pooling import PoolingError, PoolingRequest, pooler_for
+from sluice.producer import BatchStatus, Client
+from sluice.producer.validation import validate_lines
+from sluice.worker.worker import EngineWorker
+from tests.openai_types import openai_body
+from tests.server_stack import jsonl, wait_status
 
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "models" / "sluice-tiny"
 TEXTS = ["hello world", "the quick brown fox jumps over the lazy dog. " * 5, "to be or not to be"]
 
 
@@ -97,3 +109,82 @@ def test_embeddings_share_the_step_with_generation_and_keep_no_kv(tiny_llama):
     while engine.has_unfinished():
         rest |= {o.request_id: o.text for o in engine.step()}
     assert [rest["g0"], rest["g1"]] == alone
+
+
+def embedding_line(custom_id: str, **body) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/embeddings", "body": {"input": TEXTS[0], **body}}
+
+
+def embedding_lines(token_ids: list[int]) -> list[dict]:
+    return [
+        embedding_line("one"),
+        embedding_line("many", input=TEXTS),
+        embedding_line("ids", input=token_ids),
+        embedding_line("many-ids", input=[token_ids, token_ids[:3]]),
+        embedding_line("dims", dimensions=8),
+        embedding_line("b64", encoding_format="base64", input=TEXTS),
+        embedding_line("too-wide", dimensions=100_000),
+    ]
+
+
+def check_embeddings(bodies: dict[str, dict], errors: dict[str, dict], llm: LLM, tol: float) -> None:
+    """What every door must give for embedding_lines(): CreateEmbeddingResponse bodies equal to LLM.embed."""
+    want = {t: o.embedding for t, o in zip(TEXTS, llm.embed(TEXTS, progress=False), strict=True)}
+    parsed = {cid: openai_body(b) for cid, b in bodies.items() if cid != "b64"}
+    assert cosine(parsed["one"].data[0].embedding, torch.tensor(want[TEXTS[0]])) >= 1 - tol
+    many = parsed["many"]
+    assert [d.index for d in many.data] == [0, 1, 2] and many.usage.prompt_tokens == many.usage.total_tokens == sum(
+        len(llm.tokenizer.encode(t)) for t in TEXTS)
+    for d, text in zip(many.data, TEXTS, strict=True):
+        assert cosine(d.embedding, torch.tensor(want[text])) >= 1 - tol
+    assert cosine(parsed["ids"].data[0].embedding, torch.tensor(want[TEXTS[0]])) >= 1 - tol
+    assert len(parsed["many-ids"].data) == 2 and parsed["many-ids"].usage.prompt_tokens == len(
+        llm.tokenizer.encode(TEXTS[0])) + 3
+    assert len(parsed["dims"].data[0].embedding) == 8
+    decoded = [struct.unpack(f"<{len(want[TEXTS[0]])}f", base64.b64decode(d["embedding"]))
+               for d in bodies["b64"]["data"]]
+    close([list(v) for v in decoded], [d.embedding for d in many.data], 1e-6)
+    assert list(errors) == ["too-wide"] and "dimensions" in errors["too-wide"]["message"]
+
+
+def test_embedding_lines_are_validated_and_bad_ones_name_the_field():
+    raw = [json.dumps(x).encode() for x in (
+        embedding_line("ok", input=["a", "b"]), embedding_line("empty", input=[]),
+        embedding_line("format", encoding_format="hex"), embedding_line("extra", truncate=True))]
+    checked = validate_lines(raw, Settings())
+    assert [r.custom_id for r in checked.requests] == ["ok"]
+    assert [(e.line, e.param) for e in checked.errors] == [
+        (2, "body.input"), (3, "body.encoding_format"), (4, "body.truncate")]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return LLM(str(TINY), dtype="float32", device="cpu", max_num_seqs=16)
+
+
+def test_embeddings_through_client_and_worker_with_generation_in_the_batch(tiny, redis_url, tmp_path):
+    client = Client(redis_url)
+    completion = {"custom_id": "gen", "method": "POST", "url": "/v1/completions",
+                  "body": {"prompt": "KING HENRY:", "max_tokens": 4, "temperature": 0}}
+    ids = tiny.tokenizer.encode(TEXTS[0])
+    batch = client.submit_batch([*embedding_lines(ids), completion], output=tmp_path.as_uri(), shard_size=8)
+    EngineWorker(["high", "default", "low"], tiny, redis.Redis.from_url(redis_url), heartbeat_ttl=5).work(
+        burst=True, logging_level="WARNING")
+    assert client.get(batch.id).status == BatchStatus.completed
+    bodies = {r.custom_id: r.response.body for r in client.results(batch.id)}
+    errors = {r.custom_id: r.error.model_dump() for r in client.results(batch.id, errors=True)}
+    assert openai_body(bodies.pop("gen")).choices[0].finish_reason == "length"
+    check_embeddings(bodies, errors, tiny, 1e-5)
+
+
+def test_embeddings_through_the_http_batch_api(stack, tiny):
+    client = stack.openai(stack.key("embeddings"))
+    uploaded = client.files.create(file=jsonl(embedding_lines(tiny.tokenizer.encode(TEXTS[0]))), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h")
+    done = wait_status(client, batch.id, {"completed", "failed", "cancelled", "expired"})
+    assert done.status == "completed", done
+    records = [json.loads(x) for x in client.files.content(done.output_file_id).text.splitlines()]
+    records += [json.loads(x) for x in client.files.content(done.error_file_id).text.splitlines()]
+    bodies = {r["custom_id"]: r["response"]["body"] for r in records if r["response"]}
+    errors = {r["custom_id"]: r["error"] for r in records if r["error"]}
+    check_embeddings(bodies, errors, tiny, 1e-2)  # the server's worker runs the checkpoint's bf16
