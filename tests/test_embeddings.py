@@ -13,6 +13,7 @@ import pytest
 import redis
 import torch
 
+from sluice.cli.batches import response_text
 from sluice.contract.settings import Settings
 from sluice.engine import LLM, PoolingParams, SamplingParams
 from sluice.engine.pooling import PoolingError, PoolingRequest, pooler_for
@@ -174,6 +175,7 @@ def test_embeddings_through_client_and_worker_with_generation_in_the_batch(tiny,
     bodies = {r.custom_id: r.response.body for r in client.results(batch.id)}
     errors = {r.custom_id: r.error.model_dump() for r in client.results(batch.id, errors=True)}
     assert openai_body(bodies.pop("gen")).choices[0].finish_reason == "length"
+    assert response_text(bodies["many"]) == f"3 embedding(s) of {len(bodies['many']['data'][0]['embedding'])} values"
     check_embeddings(bodies, errors, tiny, 1e-5)
 
 
@@ -188,3 +190,29 @@ def test_embeddings_through_the_http_batch_api(stack, tiny):
     bodies = {r["custom_id"]: r["response"]["body"] for r in records if r["response"]}
     errors = {r["custom_id"]: r["error"] for r in records if r["error"]}
     check_embeddings(bodies, errors, tiny, 1e-2)  # the server's worker runs the checkpoint's bf16
+
+
+def test_fresh_prefills_in_padded_batches_match_one_attention_each():
+    from types import SimpleNamespace
+
+    import torch.nn.functional as F
+
+    from sluice.kernels.prefill import attend, plan
+
+    lens = [5, 17, 16, 3, 40, 9]
+    starts = [sum(lens[:i]) for i in range(len(lens))]
+    seqs = [SimpleNamespace(query_start=s, query_len=n, context_len=n) for s, n in zip(starts, lens, strict=True)]
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(sum(lens), h, 8, generator=gen) for h in (4, 2, 2))
+    out = torch.full_like(q, float("nan"))
+    batches, served = plan(seqs, q.device)
+    assert batches and len(served) > len(batches)  # some sequences share a call
+    for batch in batches:
+        attend(q, k, v, out, batch, 0.3)
+    for s, n, seq in zip(starts, lens, seqs, strict=True):
+        if id(seq) not in served:
+            continue
+        sl = slice(s, s + n)
+        want = F.scaled_dot_product_attention(*(x[sl].transpose(0, 1)[None] for x in (q, k, v)), is_causal=True,
+                                              scale=0.3, enable_gqa=True)[0].transpose(0, 1)
+        torch.testing.assert_close(out[sl], want, atol=1e-5, rtol=1e-5)
