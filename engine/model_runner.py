@@ -86,16 +86,14 @@ class ModelRunner:
         first = max(start, req.num_tokens - 1)
         return first, max(0, start + n - first)
 
-    @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> StepLogits:
-        """One forward pass over every scheduled request's new tokens."""
+    def _layout(self, batch: ScheduledBatch, rows: StepLogits) -> tuple[list[int], ...]:
+        """The flat step: (ids, positions, slots, context lens, logits index, pooled-hidden index); rows filled in."""
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         context_lens: list[int] = []
         logit_idx: list[int] = []
         hidden_idx: list[int] = []
-        rows = StepLogits(None, [], [], [])  # type: ignore[arg-type]
         bs = self.block_size
         for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):
             start = req.num_computed_tokens
@@ -112,6 +110,13 @@ class ModelRunner:
             rows.num_rows.append(count)
             rows.first_pos.append(first)
             wanted += range(offset + first - start, offset + first - start + count)
+        return ids, positions, slots, context_lens, logit_idx, hidden_idx
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> StepLogits:
+        """One forward pass over every scheduled request's new tokens."""
+        rows = StepLogits(None, [], [], [])  # type: ignore[arg-type]
+        ids, positions, slots, context_lens, logit_idx, hidden_idx = self._layout(batch, rows)
         dev = self.device
         tables = [r.block_table for r in batch.requests]
         if hidden_idx:
@@ -128,7 +133,7 @@ class ModelRunner:
             return rows
         # ids, positions and slots in one host-to-tensor copy; no logits index where every row is wanted (decode)
         flat = torch.tensor([ids, positions, slots], dtype=torch.long, device=dev)
-        meta = kernels.build_metadata(batch.num_new_tokens, context_lens, tables, flat[2], bs, dev, fused=self.fused)
+        meta = kernels.build_metadata(batch.num_new_tokens, context_lens, tables, flat[2], self.block_size, dev, fused=self.fused)
         every_row = len(logit_idx) == len(ids) and logit_idx == list(range(len(ids)))
         rows.logits = self.model(flat[0], flat[1], self.kv_caches, meta,
                                  None if every_row else torch.tensor(logit_idx, dtype=torch.long, device=dev))

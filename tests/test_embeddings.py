@@ -216,3 +216,22 @@ def test_fresh_prefills_in_padded_batches_match_one_attention_each():
         want = F.scaled_dot_product_attention(*(x[sl].transpose(0, 1)[None] for x in (q, k, v)), is_causal=True,
                                               scale=0.3, enable_gqa=True)[0].transpose(0, 1)
         torch.testing.assert_close(out[sl], want, atol=1e-5, rtol=1e-5)
+
+
+def test_embeddings_on_the_device_path_match_the_default_path(tiny_llama, monkeypatch):
+    """The flat layout (CUDA's path, Triton interpreted here): pooled rows and sampled rows from one forward."""
+    kw = dict(dtype="float32", device="cpu", max_num_batched_tokens=40, max_num_seqs=8)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    monkeypatch.setenv("SLUICE_DEVICE_PATH", "0")
+    base = LLM(str(tiny_llama), **kw)
+    want = base.embed(TEXTS, progress=False), base.generate(TEXTS[0], params, progress=False)[0].token_ids
+    monkeypatch.setenv("SLUICE_DEVICE_PATH", "1")
+    llm = LLM(str(tiny_llama), **kw)
+    assert llm.engine.runner.flat
+    llm.engine.add_request("g", TEXTS[0], params)
+    llm.engine.add_request("e", TEXTS, PoolingParams())
+    got = {}
+    while llm.engine.has_unfinished():
+        got |= {o.request_id: o for o in llm.engine.step()}
+    close([o.embedding for o in got["e"].items], [o.embedding for o in want[0]], 1e-4)
+    assert got["g"].token_ids == want[1]
