@@ -12,6 +12,7 @@ from sluice.contract.tools import NamedToolChoice, Tool, ToolChoice, named_tool,
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
+EMBEDDINGS = "/v1/embeddings"
 Priority = Literal["high", "default", "low"]
 
 
@@ -318,7 +319,34 @@ class ChatBody(SamplingBody):
         return [m.for_template() for m in self.messages]
 
 
-BODIES: dict[str, type[SamplingBody]] = {COMPLETIONS: CompletionBody, CHAT: ChatBody}
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on the inputs of one embeddings request
+
+
+class EmbeddingBody(BaseModel):
+    """Body of a POST /v1/embeddings request: one embedding per input, in order."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    input: str | list[str] | list[TokenId] | list[list[TokenId]]
+    model: str | None = Field(None, max_length=256)
+    dimensions: int | None = Field(None, ge=1)
+    encoding_format: Literal["float", "base64"] = "float"
+    user: str | None = Field(None, max_length=256)
+
+    @field_validator("input")
+    @classmethod
+    def _inputs(cls, v: Any) -> Any:
+        items = [v] if isinstance(v, str) or (v and isinstance(v[0], int)) else v
+        if not items or any(not item for item in items):
+            raise ValueError("input must not be empty, nor contain an empty string or list")
+        if len(items) > MAX_EMBEDDING_INPUTS:
+            raise ValueError(f"at most {MAX_EMBEDDING_INPUTS} inputs per request")
+        return v
+
+
+BODIES: dict[str, type[SamplingBody] | type[EmbeddingBody]] = {
+    COMPLETIONS: CompletionBody, CHAT: ChatBody, EMBEDDINGS: EmbeddingBody,
+}
 
 
 class InputLine(BaseModel):
@@ -328,7 +356,7 @@ class InputLine(BaseModel):
 
     custom_id: str = Field(min_length=1, max_length=512)
     method: Literal["POST"]
-    url: Literal["/v1/completions", "/v1/chat/completions"]
+    url: Literal["/v1/completions", "/v1/chat/completions", "/v1/embeddings"]
     body: dict[str, Any]
 
 
@@ -340,7 +368,7 @@ class Request(BaseModel):
     custom_id: str
     url: str
     body: dict[str, Any]
-    _typed: SamplingBody | None = PrivateAttr(None)
+    _typed: SamplingBody | EmbeddingBody | None = PrivateAttr(None)
 
     @classmethod
     def from_line(cls, line: InputLine, body: SamplingBody) -> Request:
@@ -361,7 +389,7 @@ class Request(BaseModel):
             return NotImplemented
         return (self.custom_id, self.url, self.body) == (other.custom_id, other.url, other.body)
 
-    def parsed_body(self) -> SamplingBody:
+    def parsed_body(self) -> SamplingBody | EmbeddingBody:
         """The body as its typed model (nested models need a validation to build), built once and kept."""
         if self._typed is None:
             self._typed = BODIES[self.url].model_validate(self.body)

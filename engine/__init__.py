@@ -3,7 +3,11 @@
 from sluice.engine.config import EngineConfig
 from sluice.engine.engine import Engine, RequestRejected
 from sluice.engine.llm import LLM
-from sluice.engine.outputs import RequestMetrics, RequestOutput
+from sluice.engine.outputs import EmbeddingOutput, RequestMetrics, RequestOutput
+from sluice.engine.pooling import PoolingParams
 from sluice.engine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "Engine", "EngineConfig", "RequestMetrics", "RequestOutput", "RequestRejected", "SamplingParams"]
+__all__ = [
+    "LLM", "EmbeddingOutput", "Engine", "EngineConfig", "PoolingParams", "RequestMetrics", "RequestOutput",
+    "RequestRejected", "SamplingParams",
+]

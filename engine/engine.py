@@ -14,7 +14,17 @@ from sluice.engine.kv_cache import bytes_per_token, pool_blocks
 from sluice.engine.logits_processors import LogitsProcessors
 from sluice.engine.model_runner import ModelRunner, StepLogits
 from sluice.engine.models.loader import load_model
-from sluice.engine.outputs import RequestOutput
+from sluice.engine.outputs import EmbeddingOutput, RequestOutput
+from sluice.engine.pooling import (
+    EmbeddingGroup,
+    PoolingError,
+    PoolingParams,
+    PoolingRequest,
+    check_input,
+    embedding_output,
+    pooler_for,
+    split_inputs,
+)
 from sluice.engine.quantization import linear_hook, pack_4bit_for_cpu
 from sluice.engine.request import Request
 from sluice.engine.resolved import ResolvedConfig
@@ -61,6 +71,7 @@ class Engine:
         self.groups: dict[str, SequenceGroup] = {}
         self._group_of: dict[str, SequenceGroup] = {}
         self._aborted: list[Request] = []
+        self._pooling: str | None = None
         self.counters = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0, "computed_tokens": 0}
         self.spec_stats = SpecStats()
         self.proposer = self._make_proposer()
@@ -97,11 +108,15 @@ class Engine:
             return self.tokenizer.encode(prompt)
         return [int(t) for t in prompt]
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
-        """Queue a request; raise RequestRejected if it can never run."""
+    def add_request(self, request_id: str, prompt: str | list[int] | list[str] | list[list[int]],
+                    params: SamplingParams | PoolingParams | None = None) -> None:
+        """Queue a request (PoolingParams: an embedding of each input); raise RequestRejected if it can never run."""
         params = params or SamplingParams()
         if request_id in self.requests or request_id in self.groups:
             raise RequestRejected(f"duplicate request id {request_id!r}")
+        if isinstance(params, PoolingParams):
+            self._add_embedding(request_id, prompt, params)
+            return
         ids = self.encode(prompt)
         self._validate(ids, params)
         if params.n == 1 and (params.best_of or 1) == 1:
@@ -112,6 +127,31 @@ class Engine:
             self._add(seq, schedule=seq is group.sequences[0])
             self._group_of[seq.request_id] = group
         self.groups[request_id] = group
+
+    def _add_embedding(self, request_id: str, inputs: object, params: PoolingParams) -> None:
+        """One PoolingRequest per input (several inputs come back merged into one EmbeddingOutput)."""
+        if not hasattr(self.model, "hidden_states"):
+            raise RequestRejected("embeddings need the native forward; this checkpoint takes the generic path")
+        try:
+            prompts = split_inputs(inputs)
+            self._pooling = self._pooling or pooler_for(self.config.model, self.resolved.hf_config)
+        except PoolingError as exc:
+            raise RequestRejected(str(exc)) from exc
+        seqs: list[Request] = []
+        capacity = self.num_blocks * self.config.block_size
+        for k, prompt in enumerate(prompts):
+            ids = self.encode(prompt)
+            problem = check_input(ids, self.model_config.vocab_size, self.max_model_len, capacity,
+                                  self.model_config.hidden_size, params)
+            if problem:
+                raise RequestRejected(problem if len(prompts) == 1 else f"input {k}: {problem}")
+            rid = request_id if len(prompts) == 1 else f"{request_id}#{k}"
+            seqs.append(PoolingRequest(rid, ids, params, self._pooling))
+        if len(seqs) > 1:
+            self.groups[request_id] = group = EmbeddingGroup(request_id, seqs)
+            self._group_of.update((seq.request_id, group) for seq in seqs)
+        for seq in seqs:
+            self._add(seq)
 
     def _add(self, req: Request, schedule: bool = True) -> None:
         if req.params.structured_outputs is not None:
@@ -239,18 +279,37 @@ class Engine:
 
     def _process(self, reqs: list[Request], rows: StepLogits) -> list[Request]:
         """Sample for requests whose last known token was computed; finish those that are done."""
+        pooled = [i for i, r in enumerate(reqs) if isinstance(r, PoolingRequest)]
         for req, start, count in zip(reqs, rows.row_start, rows.num_rows, strict=True):
-            if req.want_prompt_logits and count:
+            if req.want_prompt_logits and count and not isinstance(req, PoolingRequest):
                 req.prompt_logits.append(rows.logits[start:start + count].float().cpu())
-        ready = [i for i, r in enumerate(reqs) if r.num_computed_tokens >= r.num_tokens]
+        ready = [i for i, r in enumerate(reqs) if r.num_computed_tokens >= r.num_tokens and i not in pooled]
         plain = [i for i in ready if not reqs[i].spec_token_ids]
         speculated = [i for i in ready if reqs[i].spec_token_ids]
-        finished = self._verify(reqs, rows, speculated) if speculated else []
+        finished = self._pool(reqs, rows, pooled) if pooled else []
+        if speculated:
+            finished += self._verify(reqs, rows, speculated)
         if plain:
             finished += self._sample_plain(reqs, rows, plain)
         for req in reqs:
             if not req.is_finished:
                 self.block_manager.cache_full_blocks(req)
+        return finished
+
+    def _pool(self, reqs: list[Request], rows: StepLogits, index: list[int]) -> list[Request]:
+        """Pool embedding requests' hidden rows; finish those whose prompt is computed (no decode, KV freed now)."""
+        finished = []
+        for i in index:
+            req, start, count = reqs[i], rows.row_start[i], rows.num_rows[i]
+            assert isinstance(req, PoolingRequest)
+            if count:
+                assert rows.hidden is not None
+                req.accumulate(rows.hidden[start: start + count], rows.first_pos[i])
+            if req.num_computed_tokens >= req.num_tokens:
+                self.block_manager.cache_full_blocks(req)  # its full blocks stay in the prefix cache once freed
+                self.scheduler.finish(req, "stop")
+                req.metrics.first_token_time = req.metrics.finish_time = time.monotonic()
+                finished.append(req)
         return finished
 
     def _verify(self, reqs: list[Request], rows: StepLogits, index: list[int]) -> list[Request]:
@@ -352,7 +411,7 @@ class Engine:
             req.text = text[: min(hits)]
         return bool(hits)
 
-    def _output(self, req: Request) -> RequestOutput:
+    def _output(self, req: Request) -> RequestOutput | EmbeddingOutput:
         self.requests.pop(req.request_id, None)
         self.processors.release(req)
         if self.proposer is not None:
@@ -360,6 +419,9 @@ class Engine:
         if req.metrics.finish_time is None:
             req.metrics.finish_time = time.monotonic()
         req.metrics.num_cached_tokens = req.num_cached_tokens
+        if isinstance(req, PoolingRequest):
+            self.counters["prompt_tokens"] += len(req.prompt_token_ids)
+            return embedding_output(req)
         text = req.text
         if text is None:
             text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True).rstrip("\ufffd")

@@ -9,7 +9,8 @@ from tqdm.auto import tqdm
 
 from sluice.engine.config import EngineConfig
 from sluice.engine.engine import Engine
-from sluice.engine.outputs import RequestOutput
+from sluice.engine.outputs import EmbeddingOutput, RequestOutput
+from sluice.engine.pooling import PoolingParams, split_inputs
 from sluice.engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -52,8 +53,21 @@ class LLM:
             ids.append(rid)
         return self._drain(ids, progress)
 
-    def _drain(self, ids: list[str], progress: bool) -> list[RequestOutput]:
-        results: dict[str, RequestOutput] = {}
+    def embed(self, inputs: str | list[int] | Sequence[Prompt], dimensions: int | None = None,
+              params: PoolingParams | None = None, progress: bool = True) -> list[EmbeddingOutput]:
+        """One embedding per input (a string, token ids, or a list of either), in input order, pooled as the
+        checkpoint says (engine.pooling); `dimensions` truncates and renormalizes."""
+        params = params or PoolingParams(dimensions=dimensions)
+        ids = []
+        for prompt in split_inputs(inputs):
+            self._counter += 1
+            rid = f"embed-{self._counter}"
+            self.engine.add_request(rid, prompt, params)
+            ids.append(rid)
+        return self._drain(ids, progress)
+
+    def _drain(self, ids: list[str], progress: bool) -> list:
+        results: dict[str, RequestOutput | EmbeddingOutput] = {}
         with tqdm(total=len(ids), disable=not progress, desc="generate", unit="req") as bar:
             while self.engine.has_unfinished():
                 for out in self.engine.step():

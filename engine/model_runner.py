@@ -10,6 +10,7 @@ import torch
 from sluice import kernels
 from sluice.engine import kv_cache
 from sluice.engine.models.llama import LlamaModel
+from sluice.engine.pooling import PoolingRequest
 from sluice.engine.request import Request
 from sluice.engine.scheduler import ScheduledBatch
 from sluice.kernels import dispatch
@@ -24,6 +25,7 @@ class StepLogits:
     row_start: list[int]
     num_rows: list[int]
     first_pos: list[int]
+    hidden: torch.Tensor | None = None  # final hidden states of pooling requests' rows (their row_start's rows)
 
 
 class ModelRunner:
@@ -65,21 +67,22 @@ class ModelRunner:
                 warnings.warn(f"decode steps run eagerly: CUDA graph capture failed ({e})", stacklevel=2)
 
     def _rows(self, req: Request, start: int, n: int) -> tuple[int, int]:
-        """First position and count of the positions whose logits this step must return."""
+        """First position and count of the positions whose logits (pooling: hidden states) this step must return."""
+        if isinstance(req, PoolingRequest):
+            return req.pool_rows(start, n)
         if req.want_prompt_logits:
             return start, n
         first = max(start, req.num_tokens - 1)
         return first, max(0, start + n - first)
 
-    @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> StepLogits:
-        """One forward pass over every scheduled request's new tokens."""
+    def _layout(self, batch: ScheduledBatch, rows: StepLogits) -> tuple[list[int], ...]:
+        """The flat step: (ids, positions, slots, context lens, logits index, pooled-hidden index); rows filled in."""
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         context_lens: list[int] = []
         logit_idx: list[int] = []
-        rows = StepLogits(None, [], [], [])  # type: ignore[arg-type]
+        hidden_idx: list[int] = []
         bs = self.block_size
         for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):
             start = req.num_computed_tokens
@@ -90,11 +93,22 @@ class ModelRunner:
             slots += kv_cache.slots(req.block_table, pos, bs)
             context_lens.append(start + n)
             first, count = self._rows(req, start, n)
-            rows.row_start.append(len(logit_idx))
+            wanted = hidden_idx if isinstance(req, PoolingRequest) else logit_idx
+            rows.row_start.append(len(wanted))
             rows.num_rows.append(count)
             rows.first_pos.append(first)
-            logit_idx += range(offset + first - start, offset + first - start + count)
+            wanted += range(offset + first - start, offset + first - start + count)
+        return ids, positions, slots, context_lens, logit_idx, hidden_idx
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> StepLogits:
+        """One forward pass over every scheduled request's new tokens."""
+        rows = StepLogits(None, [], [], [])  # type: ignore[arg-type]
+        ids, positions, slots, context_lens, logit_idx, hidden_idx = self._layout(batch, rows)
         tables = [r.block_table for r in batch.requests]
+        if hidden_idx:
+            return self._run_pooled(rows, (ids, positions, slots, context_lens, tables), logit_idx, hidden_idx,
+                                    batch.num_new_tokens)
         if self.graphs is not None and self.graphs.fits(batch.num_new_tokens):
             rows.logits = self.graphs.run(ids, positions, slots, context_lens, tables)
             return rows
@@ -118,3 +132,26 @@ class ModelRunner:
         return self.model(flat[0], flat[1], self.kv_caches, meta,
                           None if every_row else torch.tensor(logit_idx, dtype=torch.long, device=dev),
                           plan=self.plan.for_step(flat[0], meta))
+
+    def _run_pooled(self, rows: StepLogits, step: tuple, logit_idx: list[int], hidden_idx: list[int],
+                    query_lens: list[int]) -> StepLogits:
+        """A step with pooling requests: final hidden states of both row sets, the LM head only over the sampled
+        ones (never a CUDA graph: those replay pure decode)."""
+        ids, positions, slots, context_lens, tables = step
+        wanted = logit_idx + hidden_idx
+        if self.plan.flat:
+            buffers = self._step_buffers(len(ids), len(tables), max(len(t) for t in tables))
+            inputs = buffers.load(ids, positions, slots, wanted, query_lens, context_lens, tables,
+                                  self.model.config.num_kv_heads)
+            hidden = self.model.hidden_states(*inputs[:2], self.kv_caches, *inputs[2:], plan=self.plan)
+        else:
+            flat = torch.tensor([ids, positions, slots], dtype=torch.long, device=self.device)
+            meta = kernels.build_metadata(query_lens, context_lens, tables, flat[2], self.block_size, self.device,
+                                          fused=self.plan.fused_attention)
+            hidden = self.model.hidden_states(flat[0], flat[1], self.kv_caches, meta,
+                                              torch.tensor(wanted, dtype=torch.long, device=self.device),
+                                              plan=self.plan.for_step(flat[0], meta))
+        rows.logits = (self.model.compute_logits(hidden[: len(logit_idx)]) if logit_idx
+                       else hidden.new_empty((0, self.model.config.vocab_size)))
+        rows.hidden = hidden[len(logit_idx):]
+        return rows

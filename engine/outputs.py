@@ -55,3 +55,22 @@ class RequestOutput:
     def num_prompt_tokens(self) -> int:
         """Prompt length in tokens."""
         return len(self.prompt_token_ids)
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    """The result of one embedding request: the pooled vector (None if it failed or was aborted)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    embedding: list[float] | None
+    finish_reason: str | None
+    metrics: RequestMetrics
+    error: str | None = None
+    finished: bool = True
+    items: list[EmbeddingOutput] | None = None  # several inputs: one output each, in order (the fields above: items[0])
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Input tokens over every input of the request."""
+        return sum(len(o.prompt_token_ids) for o in self.items or [self])

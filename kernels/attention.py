@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from sluice.kernels import device_path
+from sluice.kernels import device_path, prefill
 from sluice.kernels.cpu_attention import paged_attention_cpu
 from sluice.kernels.elementwise import store_kv
 from sluice.kernels.flat_metadata import FlatMetadata
@@ -44,6 +44,8 @@ class AttentionMetadata:
     short_groups: list[ShortGroup] = field(default_factory=list)
     fused_short: tuple[torch.Tensor, ...] | None = None  # (query starts, query lens, contexts, block tables)
     long_seqs: list[LongSeq] = field(default_factory=list)
+    padded_prefills: list[prefill.PaddedBatch] = field(default_factory=list)  # fresh long_seqs batched
+    batched_ids: set[int] = field(default_factory=set)  # ids of the long_seqs the padded batches serve
 
 
 def build_metadata(
@@ -76,6 +78,7 @@ def build_metadata(
         if q > MAX_SHORT_QUERY:
             bt = torch.tensor(block_tables[i][: -(-context_lens[i] // block_size)], dtype=torch.long)
             meta.long_seqs.append(LongSeq(starts[i], q, context_lens[i], bt.to(device)))
+    meta.padded_prefills, meta.batched_ids = prefill.plan(meta.long_seqs, device)
     return meta
 
 
@@ -162,7 +165,18 @@ def paged_attention(
     for g in meta.short_groups:
         o = short_query_attention(q[g.token_index], k_cache, v_cache, g, scale)
         out[g.token_index[g.valid]] = o[g.valid]
+    _long_attention(q, k, v, k_cache, v_cache, meta, scale, out)
+    return out
+
+
+def _long_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+    """Prefills and prefill chunks: fresh ones of similar lengths in padded batches (kernels.prefill), the rest
+    one SDPA each over its gathered context."""
+    for batch in meta.padded_prefills:
+        prefill.attend(q, k, v, out, batch, scale)
     for s in meta.long_seqs:
+        if id(s) in meta.batched_ids:
+            continue
         sl = slice(s.query_start, s.query_start + s.query_len)
         qs = q[sl].transpose(0, 1)[None]
         if s.context_len == s.query_len:
@@ -175,4 +189,3 @@ def paged_attention(
             mask = torch.arange(s.context_len, device=q.device)[None, :] <= qpos[:, None]
             o = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=mask, scale=scale, enable_gqa=True)
         out[sl] = o[0].transpose(0, 1)
-    return out

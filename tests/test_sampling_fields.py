@@ -126,3 +126,16 @@ def test_bad_values_are_named():
                          ({"repetition_penalty": 0}, "repetition_penalty"), ({"min_tokens": 20}, "min_tokens")]:
         with pytest.raises(ValueError, match=name):
             SamplingParams(**kwargs)
+
+
+def test_logprobs_are_the_models_raw_distribution_before_bias_and_penalties(llm):
+    """vLLM's default (logprobs_mode raw_logprobs): what the model gave, not what logit_bias/penalties sampled from."""
+    target = llm.tokenizer.encode(" king", add_special_tokens=False)[0]
+    params = SamplingParams(max_tokens=4, temperature=0, logit_bias={target: 100}, presence_penalty=2.0, logprobs=2)
+    out = llm.generate(PROMPTS[0], params, progress=False)[0]
+    assert out.token_ids == [target] * 4
+    raw = torch.log_softmax(llm.score([out.prompt_token_ids + out.token_ids[:-1]])[0].float(), -1)
+    first = len(out.prompt_token_ids) - 1
+    for i, step in enumerate(out.logprobs):
+        assert step[target] == pytest.approx(raw[first + i, target].item(), abs=1e-4)
+        assert step[target] < -0.1  # the biased distribution would give it ~0

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import base64
+import struct
 import time
 import uuid
 from typing import Any
 
-from sluice.contract.schemas import CHAT, ErrorInfo, OutputRecord, Request, Response
+from sluice.contract.schemas import CHAT, EMBEDDINGS, ErrorInfo, OutputRecord, Request, Response
 from sluice.contract.tools import parse_tool_calls
 
 ABORT_CODES = {
@@ -109,8 +111,27 @@ def _choice(request: Request, out: Any, index: int) -> dict[str, Any]:
     }
 
 
+def encode_embedding(vector: list[float], encoding_format: str) -> list[float] | str:
+    """An embedding as OpenAI sends it: floats, or base64 of little-endian float32."""
+    if encoding_format == "base64":
+        return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+    return vector
+
+
+def embedding_body(request: Request, out: Any, model: str) -> dict[str, Any]:
+    """OpenAI's CreateEmbeddingResponse for one finished embeddings request (one entry per input)."""
+    fmt = request.body.get("encoding_format") or "float"
+    data = [{"object": "embedding", "index": i, "embedding": encode_embedding(item.embedding, fmt)}
+            for i, item in enumerate(out.items or [out])]
+    tokens = out.num_prompt_tokens
+    return {"object": "list", "data": data, "model": request.body.get("model") or model,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
 def response_body(request: Request, out: Any, model: str) -> dict[str, Any]:
     """The OpenAI completion or chat.completion object for one finished request (n choices when n > 1)."""
+    if request.url == EMBEDDINGS:
+        return embedding_body(request, out, model)
     kind, prefix = ("chat.completion", "chatcmpl") if request.url == CHAT else ("text_completion", "cmpl")
     return {
         "id": f"{prefix}-{uuid.uuid4().hex}",
@@ -130,5 +151,5 @@ def output_record(request: Request, out: Any, model: str, abort_code: str | None
     if out.finish_reason == "error" or out.error:
         return error_record(request.custom_id, "engine_error", out.error or "the engine failed this request")
     body = response_body(request, out, model)
-    response = Response(status_code=200, request_id=body["id"], body=body)
+    response = Response(status_code=200, request_id=body.get("id") or f"req_{uuid.uuid4().hex}", body=body)
     return OutputRecord(id=record_id(), custom_id=request.custom_id, response=response)

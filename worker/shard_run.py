@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from rq import get_current_job
 
 from sluice.contract.batch import BatchStore
-from sluice.contract.schemas import ChatBody, OutputRecord, Request
+from sluice.contract.schemas import ChatBody, EmbeddingBody, OutputRecord, Request
 from sluice.contract.settings import Settings, get_settings
 from sluice.contract.storage import open_output
 from sluice.worker.faults import faults
@@ -60,12 +60,15 @@ def served_models(llm: LLM, settings: Settings) -> set[str]:
 
 
 def prepare(llm: LLM, request: Request, served: set[str]) -> tuple[Any, Any]:
-    """The prompt (a chat rendered through the model's template) and sampling parameters of a request."""
-    from sluice.engine import SamplingParams
+    """The prompt (a chat rendered through the model's template) and sampling parameters of a request (an
+    embeddings request: its inputs and pooling parameters)."""
+    from sluice.engine import PoolingParams, SamplingParams
 
     body = request.parsed_body()
     if body.model is not None and body.model not in served:
         raise ModelNotServed(f"model {body.model!r} is not served here (served: {', '.join(sorted(served))})")
+    if isinstance(body, EmbeddingBody):
+        return body.input, PoolingParams(dimensions=body.dimensions)
     if not isinstance(body, ChatBody):
         return body.prompt, SamplingParams(**body.sampling_kwargs())
     try:

@@ -237,6 +237,22 @@ class LlamaModel(nn.Module):
         stack = self._decode_stack(kv_caches) if plan.decode_stack else None
         if stack is not None and stack.has_head and logits_indices is None:
             return stack.logits(input_ids, positions, self.rope.tables(dtype), meta)
+        return self.compute_logits(self.hidden_states(input_ids, positions, kv_caches, meta, logits_indices, stack))
+
+    def compute_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The LM head over final hidden states."""
+        if self.lm_head is None:
+            return linear(x, self.embed_tokens.weight)
+        return self.lm_head(x)
+
+    def hidden_states(self, input_ids, positions, kv_caches, meta, indices, stack=False,
+                      plan: dispatch.StepPlan | None = None) -> torch.Tensor:
+        """Final-norm hidden states [len(indices), hidden] of the selected flat positions (None: every one);
+        `stack`: the decode stack `forward` already chose, else the step plan decides."""
+        if stack is False:
+            dtype = self.embed_tokens.weight.dtype
+            plan = plan or dispatch.plan_of_step(input_ids, dtype, kv_caches[0].k.dtype, meta)
+            stack = self._decode_stack(kv_caches) if plan.decode_stack else None
         x, delta = self.embed_tokens(input_ids), None
         cos_sin = self.rope.cos_sin(positions, x.dtype)
         if stack is not None:
@@ -244,12 +260,9 @@ class LlamaModel(nn.Module):
         else:
             for layer, cache in zip(self.layers, kv_caches, strict=True):
                 x, delta = layer(x, delta, cos_sin, cache, meta)
-        if logits_indices is not None:
-            x, delta = x[logits_indices], delta[logits_indices]
-        x = self.norm.add(x, delta)[1]
-        if self.lm_head is None:
-            return linear(x, self.embed_tokens.weight)
-        return self.lm_head(x)
+        if indices is not None:
+            x, delta = x[indices], delta[indices]
+        return self.norm.add(x, delta)[1]
 
     def _decode_stack(self, kv_caches) -> decode_stack.DecodeStack | None:
         """The layers as one C++ call over these caches (kernels.decode_stack), built once per KV pool; None where

@@ -9,8 +9,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sluice.contract.schemas import Request
+from sluice.contract.schemas import EmbeddingBody, Request
 from sluice.contract.settings import Settings
+from sluice.engine.pooling import PoolingParams, split_inputs
 from sluice.engine.sampling_params import SamplingParams
 from sluice.producer.validation import validate_lines
 
@@ -20,6 +21,7 @@ NAMES = [
     "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
     "seed", "stop", "n", "logprobs", "top_logprobs", "model", "user", "presence_penalty",
     "frequency_penalty", "logit_bias", "response_format", "ignore_eos", "stream", "best_of", "echo",
+    "input", "dimensions", "encoding_format",
 ]  # fmt: skip
 EXTREME_NUMBERS = [0, 1, -1, 2, 20, 21, 2**31, 2**63, -(2**63), 2**64, 10**30, 0.5, -0.0, 1e308,
                    math.nan, math.inf, -math.inf, 1e-320]  # fmt: skip
@@ -95,6 +97,9 @@ def check_outcome(batch: list[bytes]) -> None:
     for request in checked.requests:
         again = Request.model_validate_json(request.model_dump_json())
         body = again.parsed_body()
+        if isinstance(body, EmbeddingBody):
+            assert split_inputs(body.input) and PoolingParams(dimensions=body.dimensions)
+            continue
         engine_takes(SamplingParams(**body.sampling_kwargs()))
         assert all(math.isfinite(v) for v in body.model_dump().values() if isinstance(v, float))
 
