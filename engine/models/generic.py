@@ -279,32 +279,6 @@ def use_our_kernels(model: nn.Module) -> nn.Module:
     return model
 
 
-def quantize_linears(hf: nn.Module, hook, config) -> int:
-    """Swap every plain nn.Linear of a transformers model (already on its device) for our quantized linear of the
-    loader hook's spec (engine.quantization: bitsandbytes int8/int4, or our int8/int4 weight-only), the LM head
-    only where the method quantizes it (weight-only); widths off the 4-bit kernels' blocks are zero-padded there.
-    Returns how many it swapped."""
-    from sluice.engine.quantization.linears import WEIGHT_ONLY_LINEARS, quantized_linear, release_freed_memory
-
-    spec, dtype = hook.spec, hook.dtype
-    if getattr(hook, "prequantized", False):
-        raise ValueError(f"{config.architecture} runs on the generic path, which quantizes while loading: a "
-                         f"pre-quantized bitsandbytes checkpoint is not supported there (load the unquantized one "
-                         f"with quantization={spec.method!r})")
-    head = hf.get_output_embeddings()
-    chosen = [(name, mod) for name, mod in hf.named_modules()
-              if type(mod) is nn.Linear and (mod is not head or hook.quantizes_head)]
-    for name, mod in chosen:
-        if spec.method in WEIGHT_ONLY_LINEARS:
-            new = WEIGHT_ONLY_LINEARS[spec.method](mod.weight, mod.bias, dtype)
-        else:
-            new = quantized_linear(spec, mod.weight, mod.bias, dtype)
-        parent, _, attr = name.rpartition(".")
-        setattr(hf.get_submodule(parent), attr, new)
-        release_freed_memory()
-    return len(chosen)
-
-
 def load_generic(path: str | Path, dtype: torch.dtype, device: torch.device, config,
                  linear_hook=None) -> GenericModel:
     """transformers' model for the checkpoint, its attention ours, on `device` in `dtype`; `linear_hook` (the
@@ -314,5 +288,5 @@ def load_generic(path: str | Path, dtype: torch.dtype, device: torch.device, con
     register()
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=ATTN_IMPL).to(device).eval()
     if linear_hook is not None:
-        quantize_linears(hf, linear_hook, config)
+        linear_hook.quantize_module(hf, config.architecture)
     return GenericModel(use_our_kernels(hf), config).eval()

@@ -419,6 +419,27 @@ class Quantizer:
         """bitsandbytes leaves the LM head in full precision (as transformers does); weight-only methods do not."""
         return self.spec.method in WEIGHT_ONLY_LINEARS
 
+    def quantize_module(self, model: nn.Module, architecture: str) -> int:
+        """Swap every plain nn.Linear of a transformers model (already on its device: the generic path) for our
+        quantized linear of this spec, the LM head only where the method quantizes it (weight-only); widths off the
+        4-bit kernels' blocks are zero-padded there. Returns how many it swapped."""
+        if self.prequantized:
+            raise ValueError(f"{architecture} runs on the generic path, which quantizes while loading: a "
+                             f"pre-quantized bitsandbytes checkpoint is not supported there (load the unquantized "
+                             f"one with quantization={self.spec.method!r})")
+        head = model.get_output_embeddings()
+        chosen = [(name, mod) for name, mod in model.named_modules()
+                  if type(mod) is nn.Linear and (mod is not head or self.quantizes_head)]
+        for name, mod in chosen:
+            if self.spec.method in WEIGHT_ONLY_LINEARS:
+                new = WEIGHT_ONLY_LINEARS[self.spec.method](mod.weight, mod.bias, self.dtype)
+            else:
+                new = quantized_linear(self.spec, mod.weight, mod.bias, self.dtype)
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent), attr, new)
+            release_freed_memory()
+        return len(chosen)
+
     def __call__(self, prefix: str, linear: nn.Linear) -> nn.Module:
         release_freed_memory()
         if self.spec.method in WEIGHT_ONLY_LINEARS:
