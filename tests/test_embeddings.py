@@ -13,7 +13,7 @@ import pytest
 import redis
 import torch
 
-from sluice.cli.batches import response_text
+from sluice.cli.batch_commands import response_text
 from sluice.contract.settings import Settings
 from sluice.engine import LLM, PoolingParams, SamplingParams
 from sluice.engine.pooling import PoolingError, PoolingRequest, pooler_for

@@ -11,7 +11,7 @@ from sluice.engine import LLM, SamplingParams
 from sluice.engine.models import GENERIC, NATIVE, LlamaModel, ModelConfig, forced_generic, model_path_for
 from sluice.engine.models.generic import GenericModel
 from sluice.engine.models.loader import read_config
-from sluice.kernels import moe as moe_kernel
+from sluice.kernels import expert_kernel as moe_kernel
 from sluice.kernels.linear import Linear
 from tests.test_engine import random_prompts
 from tests.tiers import tier_fixture

@@ -1,6 +1,6 @@
 """Sparse mixture-of-experts MLP for the native forward (Mixtral, Qwen3-MoE): top-k routing, tokens grouped by
 expert (one sort, then one matmul per expert over all of its tokens), results scattered back in one index_add;
-on CPU in bf16 with unquantized experts, the grouping and the experts run in one C++ call (kernels.moe), which
+on CPU in bf16 with unquantized experts, the grouping and the experts run in one C++ call (kernels.expert_kernel), which
 pays at decode (docs/benchmarks.md).
 
 Experts are kept as the checkpoint stores them (one linear per projection per expert, under the checkpoint's own
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sluice.kernels import moe as moe_kernel
+from sluice.kernels import expert_kernel as moe_kernel
 from sluice.kernels.linear import Linear
 
 # Per architecture: the MoE block's attribute name in a decoder layer, each expert's (gate, up, down) linear names,
@@ -56,7 +56,7 @@ class SparseMoe(nn.Module):
         self.gate = Router(num_experts, hidden)
         self.experts = nn.ModuleList(Expert(hidden, inner, names) for _ in range(num_experts))
         self.top_k, self.norm_topk = top_k, norm_topk
-        self.cpp_experts = None  # kernels.moe's holder of the expert weights once made (False: not for these)
+        self.cpp_experts = None  # kernels.expert_kernel's holder of the expert weights once made (False: not for these)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights, expert ids), each [T, k], as transformers computes them (softmax in fp32)."""
@@ -75,7 +75,7 @@ class SparseMoe(nn.Module):
         return self.grouped(x, weights, ids)
 
     def _kernel(self, x: torch.Tensor):
-        """The C++ experts (kernels.moe: grouping and SwiGLU in one call, fp32 sums) for bf16 activations on CPU
+        """The C++ experts (kernels.expert_kernel: grouping and SwiGLU in one call, fp32 sums) for bf16 activations on CPU
         over unquantized bf16 experts, made once; None elsewhere (quantized experts, other dtypes and devices)."""
         if x.device.type != "cpu" or x.dtype is not torch.bfloat16 or torch.is_grad_enabled():
             return None
