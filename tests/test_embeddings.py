@@ -218,16 +218,14 @@ def test_fresh_prefills_in_padded_batches_match_one_attention_each():
         torch.testing.assert_close(out[sl], want, atol=1e-5, rtol=1e-5)
 
 
-def test_embeddings_on_the_device_path_match_the_default_path(tiny_llama, monkeypatch):
+def test_embeddings_on_the_device_path_match_the_default_path(tiny_llama):
     """The flat layout (CUDA's path, Triton interpreted here): pooled rows and sampled rows from one forward."""
     kw = dict(dtype="float32", device="cpu", max_num_batched_tokens=40, max_num_seqs=8)
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    monkeypatch.setenv("SLUICE_DEVICE_PATH", "0")
-    base = LLM(str(tiny_llama), **kw)
+    base = LLM(str(tiny_llama), device_path=False, **kw)
     want = base.embed(TEXTS, progress=False), base.generate(TEXTS[0], params, progress=False)[0].token_ids
-    monkeypatch.setenv("SLUICE_DEVICE_PATH", "1")
-    llm = LLM(str(tiny_llama), **kw)
-    assert llm.engine.runner.flat
+    llm = LLM(str(tiny_llama), device_path=True, **kw)
+    assert llm.engine.runner.plan.flat and not base.engine.runner.plan.flat
     llm.engine.add_request("g", TEXTS[0], params)
     llm.engine.add_request("e", TEXTS, PoolingParams())
     got = {}
