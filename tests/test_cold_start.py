@@ -142,11 +142,16 @@ def test_engine_start_imports_neither_transformers_nor_the_compiler():
         "out = llm.generate(['O Romeo'], SamplingParams(max_tokens=4, temperature=0), progress=False)\n"
         "assert len(out[0].token_ids) == 4\n"
         "assert llm.encode_chat([{'role': 'user', 'content': 'hi'}])\n"
-        "print(sorted(m for m in ('torch._dynamo', 'transformers') if m in sys.modules))\n"
     )
+    assert modules_imported_by(code, ("torch._dynamo", "transformers")) == []
+
+
+def modules_imported_by(code: str, modules: tuple[str, ...]) -> list[str]:
+    """Which of `modules` a fresh interpreter running `code` has imported by its end."""
+    code += f"import json; print(json.dumps(sorted(m for m in {list(modules)!r} if m in sys.modules)))\n"
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip().splitlines()[-1] == "[]"
+    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def test_worker_start_path_imports_no_framework_it_does_not_serve_with():
@@ -159,12 +164,9 @@ def test_worker_start_path_imports_no_framework_it_does_not_serve_with():
         "from sluice.worker.metrics import warm_up\n"
         f"llm = LLM({str(TINY)!r}, dtype='bfloat16', device='cpu')\n"
         "warm_up(llm)\n"
-        "heavy = ('transformers', 'rich', 'torch._dynamo', 'torch._inductor', 'bitsandbytes', 'jinja2')\n"
-        "print(sorted(m for m in heavy if m in sys.modules))\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip().splitlines()[-1] == "[]"
+    heavy = ("transformers", "rich", "torch._dynamo", "torch._inductor", "bitsandbytes", "jinja2")
+    assert modules_imported_by(code, heavy) == []
 
 
 def test_model_argument_from_command_line_or_environment(monkeypatch):
