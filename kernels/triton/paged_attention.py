@@ -25,6 +25,83 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 @triton.jit
+def _query_rows(q_ptr, query_start, query_len, seq_len, tile_seq, tile_q0, tile, kvh, stride_qt, stride_qh,
+                GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+                BLOCK_D: tl.constexpr):
+    """One tile's query rows (a block of one sequence's queries times the KV head's group) and their layout."""
+    b = tl.load(tile_seq + tile)
+    q0 = tl.load(tile_q0 + tile)
+    qs = tl.load(query_start + b)
+    ql = tl.load(query_len + b)
+    sl = tl.load(seq_len + b)
+    r = tl.arange(0, BLOCK_M)
+    qi = q0 + r // GROUP
+    head = kvh * GROUP + r % GROUP
+    rows = (r < BLOCK_Q * GROUP) & (qi < ql)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < HEAD_DIM
+    token = (qs + qi).to(tl.int64)
+    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=rows[:, None] & dmask[None, :], other=0.0)
+    kv_len = tl.maximum(sl - ql + tl.minimum(q0 + BLOCK_Q, ql), 0)
+    return q, b, token, head, rows, d, dmask, sl - ql + qi, kv_len
+
+
+@triton.jit
+def _kv_tile(k_cache, v_cache, k_scale, v_scale, block_tables, q, b, kvh, n0, end, d, dmask, stride_ch, stride_bt,
+             HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, INT8: tl.constexpr):
+    """Keys and values at positions [n0, n0 + BLOCK_N) below `end`, read through the block table in q's dtype."""
+    pos = n0 + tl.arange(0, BLOCK_N)
+    pmask = pos < end
+    blk = tl.load(block_tables + b.to(tl.int64) * stride_bt + pos // PAGE, mask=pmask, other=0).to(tl.int64)
+    slot = blk * PAGE + pos % PAGE
+    kv_off = kvh.to(tl.int64) * stride_ch + slot[:, None] * HEAD_DIM + d[None, :]
+    kv_mask = pmask[:, None] & dmask[None, :]
+    k = tl.load(k_cache + kv_off, mask=kv_mask, other=0.0)
+    v = tl.load(v_cache + kv_off, mask=kv_mask, other=0.0)
+    if INT8:
+        scale_off = kvh.to(tl.int64) * (stride_ch // HEAD_DIM) + slot
+        ks = tl.load(k_scale + scale_off, mask=pmask, other=0.0).to(tl.float32)
+        vs = tl.load(v_scale + scale_off, mask=pmask, other=0.0).to(tl.float32)
+        k = (k.to(tl.float32) * ks[:, None]).to(q.dtype)
+        v = (v.to(tl.float32) * vs[:, None]).to(q.dtype)
+    else:
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+    return k, v, pos, pmask
+
+
+@triton.jit
+def _softmax_step(q, k, v, pos, pmask, rows, qpos, scale, m_i, l_i, acc, PRECISION: tl.constexpr):
+    """One key tile's causal, masked update of the running max, sum and output accumulator (online softmax)."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    keep = rows[:, None] & pmask[None, :] & (pos[None, :] <= qpos[:, None])
+    s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _write_rows(out_ptr, mid_o, mid_lse, acc, m_i, l_i, token, head, rows, d, dmask, split, stride_ot, stride_oh,
+                num_heads, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """The tile's normalized output into `out`, or with several splits its partial output and log-sum-exp."""
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if NUM_SPLITS == 1:
+        dst = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=rows[:, None] & dmask[None, :])
+    else:
+        lse = tl.where(l_i > 0, m_i + tl.log(tl.maximum(l_i, 1e-30)), float("-inf"))
+        at = (token * num_heads + head) * NUM_SPLITS + split
+        tl.store(mid_o + at[:, None] * BLOCK_D + d[None, :], o, mask=rows[:, None] & (d[None, :] < BLOCK_D))
+        tl.store(mid_lse + at, lse, mask=rows)
+
+
+@triton.jit
 def _attention_kernel(
     q_ptr, k_cache, v_cache, k_scale, v_scale, out_ptr, mid_o, mid_lse,
     query_start, query_len, seq_len, block_tables, tile_seq, tile_q0,
@@ -36,24 +113,9 @@ def _attention_kernel(
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    b = tl.load(tile_seq + tile)
-    q0 = tl.load(tile_q0 + tile)
-    qs = tl.load(query_start + b)
-    ql = tl.load(query_len + b)
-    sl = tl.load(seq_len + b)
-
-    r = tl.arange(0, BLOCK_M)
-    qi = q0 + r // GROUP
-    head = kvh * GROUP + r % GROUP
-    rows = (r < BLOCK_Q * GROUP) & (qi < ql)
-    d = tl.arange(0, BLOCK_D)
-    dmask = d < HEAD_DIM
-    token = (qs + qi).to(tl.int64)
-    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=rows[:, None] & dmask[None, :], other=0.0)
-    qpos = sl - ql + qi
-
-    kv_len = tl.maximum(sl - ql + tl.minimum(q0 + BLOCK_Q, ql), 0)
+    q, b, token, head, rows, d, dmask, qpos, kv_len = _query_rows(
+        q_ptr, query_start, query_len, seq_len, tile_seq, tile_q0, tile, kvh, stride_qt, stride_qh,
+        GROUP, BLOCK_Q, BLOCK_M, HEAD_DIM, BLOCK_D)
     split_len = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, kv_len)
@@ -61,45 +123,12 @@ def _attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    head_off = kvh.to(tl.int64) * stride_ch
     for n0 in range(start, end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        pmask = pos < end
-        blk = tl.load(block_tables + b.to(tl.int64) * stride_bt + pos // PAGE, mask=pmask, other=0).to(tl.int64)
-        slot = blk * PAGE + pos % PAGE
-        kv_off = head_off + slot[:, None] * HEAD_DIM + d[None, :]
-        kv_mask = pmask[:, None] & dmask[None, :]
-        k = tl.load(k_cache + kv_off, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache + kv_off, mask=kv_mask, other=0.0)
-        if INT8:
-            scale_off = kvh.to(tl.int64) * (stride_ch // HEAD_DIM) + slot
-            ks = tl.load(k_scale + scale_off, mask=pmask, other=0.0).to(tl.float32)
-            vs = tl.load(v_scale + scale_off, mask=pmask, other=0.0).to(tl.float32)
-            k = (k.to(tl.float32) * ks[:, None]).to(q.dtype)
-            v = (v.to(tl.float32) * vs[:, None]).to(q.dtype)
-        else:
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        keep = rows[:, None] & pmask[None, :] & (pos[None, :] <= qpos[:, None])
-        s = tl.where(keep, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
-
-    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    if NUM_SPLITS == 1:
-        dst = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
-        tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=rows[:, None] & dmask[None, :])
-    else:
-        lse = tl.where(l_i > 0, m_i + tl.log(tl.maximum(l_i, 1e-30)), float("-inf"))
-        at = (token * num_heads + head) * NUM_SPLITS + split
-        tl.store(mid_o + at[:, None] * BLOCK_D + d[None, :], o, mask=rows[:, None] & (d[None, :] < BLOCK_D))
-        tl.store(mid_lse + at, lse, mask=rows)
+        k, v, pos, pmask = _kv_tile(k_cache, v_cache, k_scale, v_scale, block_tables, q, b, kvh, n0, end, d, dmask,
+                                    stride_ch, stride_bt, HEAD_DIM, PAGE, BLOCK_N, INT8)
+        m_i, l_i, acc = _softmax_step(q, k, v, pos, pmask, rows, qpos, scale, m_i, l_i, acc, PRECISION)
+    _write_rows(out_ptr, mid_o, mid_lse, acc, m_i, l_i, token, head, rows, d, dmask, split, stride_ot, stride_oh,
+                num_heads, BLOCK_D, NUM_SPLITS)
 
 
 @triton.jit
