@@ -111,15 +111,35 @@ class StepBuffers:
         """
         if self.copied is not None and not self.copied.query():
             self.copied.synchronize()
-        v, n, s = self.view, len(ids), len(query_lens)
+        n, s = len(ids), len(query_lens)
         if pad_to is not None:
             assert n == s and all(q == 1 for q in query_lens) and s <= pad_to <= self.max_seqs
             n = s = pad_to
         width = max((len(t) for t in block_tables), default=1) or 1
-        assert s <= self.max_seqs and width <= v["block_tables"].shape[1], "step larger than the buffers"
-        real = len(ids)
+        assert s <= self.max_seqs and width <= self.view["block_tables"].shape[1], "step larger than the buffers"
+        self._fill_tokens(ids, positions, slots, n)
+        self._fill_sequences(query_lens, context_lens, block_tables, s, n)
+        seq, q0, block_q = tiles(self.view["query_len"][:s].tolist())
+        nt = len(seq)
+        self.view["tile_seq"][:nt], self.view["tile_q0"][:nt] = seq, q0
+        rows = self._fill_logits_index(logits_index, n if pad_to is not None else None)
+        self._copy_to_device({"input_ids": n, "positions": n, "slot_mapping": n, "logits_index": rows,
+                              "token_seq": n, "query_start": s, "query_len": s, "seq_len": s, "tile_seq": nt,
+                              "tile_q0": nt, "block_tables": s})
+        longest = int(self.view["seq_len"][:s].max(initial=0))
+        splits = num_splits or default_splits(s, num_kv_heads, longest, block_q)
+        return self.views(n, s, nt, rows, None if pad_to else width, block_q, splits)
+
+    def _fill_tokens(self, ids: list[int], positions: list[int], slots: list[int], n: int) -> None:
+        """The per-token host buffers' first n entries: the real tokens, then padding (id 0, slot -1)."""
+        v, real = self.view, len(ids)
         v["input_ids"][:real], v["positions"][:real], v["slot_mapping"][:real] = ids, positions, slots
         v["input_ids"][real:n], v["positions"][real:n], v["slot_mapping"][real:n] = 0, 0, -1
+
+    def _fill_sequences(self, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
+                        s: int, n: int) -> None:
+        """The per-sequence host buffers' first s entries (padding sequences: query length 1, seq_len 0)."""
+        v = self.view
         v["query_len"][:s] = 1
         v["query_len"][: len(query_lens)] = query_lens
         v["seq_len"][:s] = 0
@@ -129,25 +149,22 @@ class StepBuffers:
         v["token_seq"][:n] = np.repeat(np.arange(s, dtype=np.int32), v["query_len"][:s])
         for row, table in enumerate(block_tables):
             v["block_tables"][row, : len(table)] = table
-        seq, q0, block_q = tiles(v["query_len"][:s].tolist())
-        nt = len(seq)
-        v["tile_seq"][:nt], v["tile_q0"][:nt] = seq, q0
-        rows = n if pad_to is not None else len(logits_index)
-        if pad_to is not None:
-            v["logits_index"][:n] = np.arange(n)
-        else:
-            v["logits_index"][:rows] = logits_index
-        counts = {"input_ids": n, "positions": n, "slot_mapping": n, "logits_index": rows, "token_seq": n,
-                  "query_start": s, "query_len": s, "seq_len": s, "tile_seq": nt, "tile_q0": nt,
-                  "block_tables": s}
-        d = self.dev
-        if d is not self.host:
-            for name, count in counts.items():
-                d[name][:count].copy_(self.host[name][:count], non_blocking=True)
-            self.copied.record()
-        longest = int(v["seq_len"][:s].max(initial=0))
-        splits = num_splits or default_splits(s, num_kv_heads, longest, block_q)
-        return self.views(n, s, nt, rows, None if pad_to else width, block_q, splits)
+
+    def _fill_logits_index(self, logits_index: list[int], padded: int | None) -> int:
+        """The logits index host buffer (every row of a padded step); returns its length."""
+        if padded is not None:
+            self.view["logits_index"][:padded] = np.arange(padded)
+            return padded
+        self.view["logits_index"][: len(logits_index)] = logits_index
+        return len(logits_index)
+
+    def _copy_to_device(self, counts: dict[str, int]) -> None:
+        """Non-blocking copies of each host buffer's first `counts[name]` entries, then the event recorded."""
+        if self.dev is self.host:
+            return
+        for name, count in counts.items():
+            self.dev[name][:count].copy_(self.host[name][:count], non_blocking=True)
+        self.copied.record()
 
     def views(self, tokens: int, seqs: int, num_tiles: int, rows: int, width: int | None, block_q: int,
               num_splits: int) -> tuple[torch.Tensor, torch.Tensor, FlatMetadata, torch.Tensor]:
