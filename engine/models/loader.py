@@ -311,11 +311,30 @@ def load_model(
 
         return load_generic(path, dtype, device, config, linear_hook)
     reader = CheckpointReader(path)
+    mode = _weight_mode(reader, weight_loading, linear_hook)
+    arena = _arena(reader, dtype) if device.type == "cpu" and mode == "copy" and huge_pages else None
+    model = build_model(config)
+    _read_weights(model, reader, dtype, device, linear_hook, mode, arena)
+    if getattr(linear_hook, "quantizes_head", False):
+        model.lm_head = linear_hook("lm_head", _head(model))
+    model.rope = RotaryEmbedding(config.head_dim, max_positions, config.rope).to(device)
+    if arena is not None:
+        arena.adopt(model)
+        model.weight_arena = arena  # for its owner to settle once it runs
+    return model.eval()
+
+
+def _weight_mode(reader: CheckpointReader, weight_loading: str, linear_hook: LinearHook | None) -> str:
+    """"mmap" or "copy": a linear hook always reads copies; "auto" maps checkpoints of MAP_ALL_BYTES or more."""
     mode = weight_loading if linear_hook is None else "copy"
     if mode == "auto":
         mode = "mmap" if sum(e.nbytes for e in reader.entries.values()) >= MAP_ALL_BYTES else "copy"
-    arena = _arena(reader, dtype) if device.type == "cpu" and mode == "copy" and huge_pages else None
-    model = build_model(config)
+    return mode
+
+
+def _read_weights(model: LlamaModel, reader: CheckpointReader, dtype: torch.dtype, device: torch.device,
+                  linear_hook: LinearHook | None, mode: str, arena: WeightArena | None) -> None:
+    """Every parameter of `model` read from the checkpoint in place of its placeholder (asserts none is left)."""
     placeholders = list(model.parameters())
     model.embed_tokens.weight = _read_param(reader, ["model.embed_tokens.weight"], dtype, device, mode, arena)
     model.norm.weight = _read_param(reader, ["model.norm.weight"], dtype, device, mode, arena)
@@ -326,13 +345,6 @@ def load_model(
         _load_layer(layer, reader, i, dtype, device, linear_hook, mode, arena)
     left = {id(p) for p in placeholders} & {id(p) for p in model.parameters()}
     assert not left, f"{len(left)} parameter(s) never read from the checkpoint"
-    if getattr(linear_hook, "quantizes_head", False):
-        model.lm_head = linear_hook("lm_head", _head(model))
-    model.rope = RotaryEmbedding(config.head_dim, max_positions, config.rope).to(device)
-    if arena is not None:
-        arena.adopt(model)
-        model.weight_arena = arena  # for its owner to settle once it runs
-    return model.eval()
 
 
 def _arena(reader: CheckpointReader, dtype: torch.dtype) -> WeightArena | None:
