@@ -86,7 +86,8 @@ def sampling(kind: str, max_tokens: int, n: int) -> list[SamplingParams]:
     return [SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)] * n
 
 
-def main() -> None:
+def parse_args():
+    """The benchmark's command line."""
     p = base_parser(__doc__)
     p.add_argument("--target")
     p.add_argument("--draft")
@@ -96,8 +97,11 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--dtype", default="bfloat16")
-    args = p.parse_args()
-    torch.set_num_threads(args.threads)
+    return p.parse_args()
+
+
+def target_and_draft(args) -> tuple[Path, Path]:
+    """--target/--draft, else the bundled pair, else the benchmark model; a truncated draft where none is given."""
     bundled = ROOT / "models" / "sluice-tiny"
     if args.target:
         target, draft = Path(args.target), Path(args.draft) if args.draft else None
@@ -105,36 +109,40 @@ def main() -> None:
         target, draft = bundled, ROOT / "models" / "sluice-tiny-draft"
     else:
         target, draft = bench_model(), None
-    draft = draft or truncated_draft(target, args.draft_layers)
-    sizes = [int(s) for s in args.batch_sizes.split(",")]
-    k = args.k
+    return target, draft or truncated_draft(target, args.draft_layers)
+
+
+def speculation_modes(draft: Path, k: int) -> dict[str, dict | None]:
+    """Each configuration compared, by its row label: its `speculative` argument."""
     drafted = {"method": "draft", "model": str(draft), "num_speculative_tokens": k}
-    modes = {
+    return {
         "none": None,
         "draft bf16": drafted | {"disable_by_batch_size": ALWAYS},
         "draft int8_weight_only": drafted | {"quantization": "int8_weight_only", "disable_by_batch_size": ALWAYS},
         "draft int8_weight_only, default threshold": drafted | {"quantization": "int8_weight_only"},
         "ngram": {"method": "ngram", "num_speculative_tokens": k, "disable_by_batch_size": ALWAYS},
     }
-    llms = {mode: LLM(str(target), dtype=args.dtype, device="cpu", speculative=spec) for mode, spec in modes.items()}
-    tok = llms["none"].tokenizer
-    text = text_prompts(tok, llms["none"].engine.model_config.vocab_size)
-    workloads = {"text": text, "copy": copy_prompts(text)}
-    cells = [(w, kind, b) for w in workloads for kind in ("greedy", "sampled") for b in sizes
-             if kind == "greedy" or (w == "text" and b == 1)]
-    for llm in llms.values():
-        llm.generate(text[:2], SamplingParams(max_tokens=8, temperature=0), progress=False)
+
+
+def fastest_rounds(llms: dict[str, LLM], workloads: dict[str, list[list[int]]], cells: list[tuple],
+                   rounds: int, max_tokens: int) -> dict[tuple, tuple]:
+    """Each (mode, workload, sampling, batch)'s fastest of `rounds` interleaved rounds (no draft on 'copy')."""
     best: dict[tuple, tuple] = {}
-    for _ in range(args.rounds):
+    for _ in range(rounds):
         for cell in cells:
             w, kind, b = cell
             for mode, llm in llms.items():
                 if mode.startswith("draft") and w == "copy":
                     continue
-                got = run_cell(llm, workloads[w], b, sampling(kind, args.max_tokens, b))
+                got = run_cell(llm, workloads[w], b, sampling(kind, max_tokens, b))
                 key = (mode, *cell)
                 if key not in best or got[0] < best[key][0]:
                     best[key] = got
+    return best
+
+
+def result_rows(modes: list[str], cells: list[tuple], best: dict[tuple, tuple]) -> list[list]:
+    """One table row per measured (mode, cell): speed, latency per token, speed-up over none, acceptance."""
     rows = []
     for mode in modes:
         for cell in cells:
@@ -147,16 +155,39 @@ def main() -> None:
             rows.append([mode, cell[0], cell[1], cell[2], tokens / seconds, seconds / steps * 1000,
                          (tokens / seconds) / (base_tokens / base_seconds),
                          spec["spec_accepted"] / prop if prop else float("nan")])
+    return rows
+
+
+def report(rows: list[list], target: Path, draft: Path, args) -> str:
+    """The recorded table and the paragraph saying how it was measured."""
     body = table(["speculation", "prompts", "sampling", "batch", "output tok/s", "ms per token (each sequence)",
                   "speed-up vs none", "acceptance"], rows)
-    body += (f"\n\nTarget `{target.name}`, draft `{draft.name}`, k={k}, {args.max_tokens} tokens per request "
-             f"(ignore_eos), {args.dtype} on CPU, best of {args.rounds} interleaved rounds. 'text': the demo's "
-             "completion prompts; 'copy': six of them joined, then the passage's first 16 tokens again; "
-             "'sampled': temperature 0.8, a seed per request. Batch 1 decodes four prompts one after another. "
-             "'default threshold' is the int8 draft as configured out of the box (disable_by_batch_size="
-             f"{DEFAULT_DISABLE_BY_BATCH_SIZE}): above it a step runs without speculation. The other rows "
-             "speculate at every batch size.")
-    record("Speculative decoding", body)
+    return body + (f"\n\nTarget `{target.name}`, draft `{draft.name}`, k={args.k}, {args.max_tokens} tokens per "
+                   f"request (ignore_eos), {args.dtype} on CPU, best of {args.rounds} interleaved rounds. 'text': the "
+                   "demo's completion prompts; 'copy': six of them joined, then the passage's first 16 tokens again; "
+                   "'sampled': temperature 0.8, a seed per request. Batch 1 decodes four prompts one after another. "
+                   "'default threshold' is the int8 draft as configured out of the box (disable_by_batch_size="
+                   f"{DEFAULT_DISABLE_BY_BATCH_SIZE}): above it a step runs without speculation. The other rows "
+                   "speculate at every batch size.")
+
+
+def main() -> None:
+    """Load every configuration once, time the interleaved rounds, record the table."""
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    target, draft = target_and_draft(args)
+    sizes = [int(s) for s in args.batch_sizes.split(",")]
+    modes = speculation_modes(draft, args.k)
+    llms = {mode: LLM(str(target), dtype=args.dtype, device="cpu", speculative=spec) for mode, spec in modes.items()}
+    tok = llms["none"].tokenizer
+    text = text_prompts(tok, llms["none"].engine.model_config.vocab_size)
+    workloads = {"text": text, "copy": copy_prompts(text)}
+    cells = [(w, kind, b) for w in workloads for kind in ("greedy", "sampled") for b in sizes
+             if kind == "greedy" or (w == "text" and b == 1)]
+    for llm in llms.values():
+        llm.generate(text[:2], SamplingParams(max_tokens=8, temperature=0), progress=False)
+    best = fastest_rounds(llms, workloads, cells, args.rounds, args.max_tokens)
+    record("Speculative decoding", report(result_rows(list(modes), cells, best), target, draft, args))
 
 
 if __name__ == "__main__":
