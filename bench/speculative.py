@@ -49,7 +49,7 @@ def text_prompts(tokenizer, vocab: int) -> list[list[int]]:
     lines = (ROOT / "examples" / "prompts.jsonl").read_text().splitlines()
     bodies = [json.loads(line)["body"] for line in lines]
     texts = [b["prompt"] for b in bodies if "prompt" in b]
-    if len(tokenizer) == vocab and texts:
+    if len(tokenizer.get_vocab()) == vocab and texts:
         return [tokenizer.encode(t) for t in texts]
     return [p for p, _ in workload(64, seed=2, prompt_range=(8, 32), vocab=vocab)]
 
