@@ -112,25 +112,33 @@ def enqueue_rate(n: int, redis_url: str, workdir: Path) -> tuple[float, int]:
     return dt, path.stat().st_size
 
 
-def main() -> None:
+def parse_args():
+    """The benchmark's command line."""
     p = base_parser(__doc__)
     p.add_argument("--enqueue-requests", type=int, default=100_000)
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--rounds", type=int, default=1, help="timed runs of each path; the best counts")
     p.add_argument("--small", action="store_true", help="tiny model and workload: a quick smoke run")
-    args = p.parse_args()
-    torch.set_num_threads(args.threads)
-    work = Path(tempfile.mkdtemp(prefix="sluice-bench-pipeline-"))
+    return p.parse_args()
+
+
+def model_and_workload(args, work: Path) -> tuple[Path, list, str]:
+    """The checkpoint (tiny with --small, else the ~125M one), its requests and their description."""
     if args.small:
         model = make_checkpoint(work / "tiny", "llama")
         vocab = json.loads((model / "config.json").read_text())["vocab_size"]
         reqs = workload(args.num_requests, prompt_range=(8, 64), out_range=(4, 32), vocab=vocab)
-        what = "tiny random Llama (4 layers, hidden 64)"
-    else:
-        model = bench_model()
-        reqs = workload(args.num_requests)
-        what = "random Llama ~125M, prompt U(32,512), max_tokens U(16,256)"
+        return model, reqs, "tiny random Llama (4 layers, hidden 64)"
+    return bench_model(), workload(args.num_requests), "random Llama ~125M, prompt U(32,512), max_tokens U(16,256)"
+
+
+def main() -> None:
+    """Time the pipeline end to end, the engine alone and the producer's enqueue rate; record the table."""
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    work = Path(tempfile.mkdtemp(prefix="sluice-bench-pipeline-"))
+    model, reqs, what = model_and_workload(args, work)
     redis_proc, redis_url = start_redis(work)
     try:
         e2e_tokens, e2e_dt = run_pipeline(model, reqs, args, redis_url, work / "results")

@@ -85,7 +85,8 @@ def run_hf_generate_batch(model, reqs):
     return sum(done.values()), time.perf_counter() - t
 
 
-def main() -> None:
+def parse_args():
+    """The benchmark's command line (--mixed fixes the request count and skips the slow HF baselines)."""
     p = base_parser(__doc__)
     p.add_argument("--hf-batch-size", type=int, default=32)
     p.add_argument("--sequential-requests", type=int, default=8,
@@ -96,15 +97,14 @@ def main() -> None:
     p.add_argument("--generate-batch-requests", type=int, default=None,
                    help="run HF generate_batch on the first N requests only (it is slow on CPU)")
     args = p.parse_args()
-    torch.set_num_threads(args.threads)
-    path = bench_model()
-    shape = MIXED if args.mixed else FULL
     if args.mixed:
         args.num_requests, args.skip_generate_batch, args.sequential_requests = 64, True, 0
-    reqs = workload(args.num_requests, prompt_range=shape[0], out_range=shape[1])
-    tokens, dt, info = run_engine(path, reqs)
-    rows = [["sluice engine", len(reqs), tokens, dt, tokens / dt]]
-    print(rows[-1], flush=True)
+    return args
+
+
+def hf_rows(path, reqs: list, args) -> list[list]:
+    """Rows of the Hugging Face baselines on `reqs`: static batching, generate_batch, one request at a time."""
+    rows = []
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     with torch.inference_mode():
         model.generate(torch.tensor([reqs[0][0][:8]]), generation_config=gen_config(2))
@@ -120,6 +120,20 @@ def main() -> None:
         if n_seq:
             t1, d1 = run_hf_sequential(model, reqs[:n_seq])
             rows.append(["HF generate() one request at a time", n_seq, t1, d1, t1 / d1])
+    return rows
+
+
+def main() -> None:
+    """Time the engine, then the HF baselines, on one workload and record the table."""
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    path = bench_model()
+    shape = MIXED if args.mixed else FULL
+    reqs = workload(args.num_requests, prompt_range=shape[0], out_range=shape[1])
+    tokens, dt, info = run_engine(path, reqs)
+    rows = [["sluice engine", len(reqs), tokens, dt, tokens / dt]]
+    print(rows[-1], flush=True)
+    rows += hf_rows(path, reqs, args)
     ours = tokens / dt
     body = table(["system", "requests", "output tokens", "seconds", "output tok/s", "sluice ×"],
                  [r + [ours / r[-1]] for r in rows])
