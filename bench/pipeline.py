@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import shutil
 import subprocess
 import tempfile
@@ -139,6 +140,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     work = Path(tempfile.mkdtemp(prefix="sluice-bench-pipeline-"))
     model, reqs, what = model_and_workload(args, work)
+    roots = os.environ.get("SLUICE_OUTPUT_ROOTS", "")  # the producer and worker allow output under `work` too
+    os.environ["SLUICE_OUTPUT_ROOTS"] = f"{roots},{work.as_uri()}" if roots else work.as_uri()
     redis_proc, redis_url = start_redis(work)
     try:
         e2e_tokens, e2e_dt = run_pipeline(model, reqs, args, redis_url, work / "results")
