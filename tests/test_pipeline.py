@@ -51,6 +51,39 @@ def wait_for_workers(client: Client, n: int, timeout: float = 120) -> None:
         time.sleep(0.1)
 
 
+def check_bad_batch_fails_at_submit(client: Client, path, output: str) -> None:
+    """A batch with broken lines fails at submit, naming each bad line, its error code and the bad field."""
+    bad_lines: list = make_requests(20, seed=1)
+    bad_lines[4] = "{oops"
+    bad_lines[9] = {**bad_lines[9], "url": "/v1/embeddings"}
+    bad_lines[14] = {**bad_lines[14], "body": {"prompt": "x", "max_tokens": 0}}
+    bad = client.submit_batch(write_jsonl(path, bad_lines), output=output)
+    assert bad.status == BatchStatus.failed
+    assert [(e.line, e.code) for e in bad.errors] == [
+        (5, "invalid_json"),
+        (10, "invalid_request"),
+        (15, "invalid_request"),
+    ]
+    assert bad.errors[2].param == "body.max_tokens"
+
+
+def shard_workers(client: Client, batch_id: str, shards: int) -> set[str]:
+    """The names of the workers that ran the batch's shards."""
+    return {
+        Job.fetch(shard_job_id(batch_id, n), connection=client.connection, serializer=JSONSerializer).worker_name
+        for n in range(shards)
+    }
+
+
+def check_same_text_as_the_engine(model, requests: list[dict], records: list[dict]) -> None:
+    """Each record's text is what LLM.generate gives for its prompt offline (greedy)."""
+    llm = LLM(str(model), dtype="float32", device="cpu", max_num_seqs=64)
+    params = [SamplingParams(max_tokens=r["body"]["max_tokens"], temperature=0) for r in requests]
+    want = llm.generate([r["body"]["prompt"] for r in requests], params, progress=False)
+    got = {r["custom_id"]: r["response"]["body"]["choices"][0]["text"] for r in records}
+    assert [got[r["custom_id"]] for r in requests] == [o.text for o in want]
+
+
 def test_thousand_requests_two_workers_into_s3(tiny_llama, redis_url, s3_server, s3_bucket, tmp_path):
     client = Client(redis_url)
     args = ("--max-num-seqs", "64")
@@ -60,18 +93,7 @@ def test_thousand_requests_two_workers_into_s3(tiny_llama, redis_url, s3_server,
     ]
     requests = make_requests(1000)
     output = f"s3://{s3_bucket}/results"
-    bad_lines: list = make_requests(20, seed=1)
-    bad_lines[4] = "{oops"
-    bad_lines[9] = {**bad_lines[9], "url": "/v1/embeddings"}
-    bad_lines[14] = {**bad_lines[14], "body": {"prompt": "x", "max_tokens": 0}}
-    bad = client.submit_batch(write_jsonl(tmp_path / "bad.jsonl", bad_lines), output=output)
-    assert bad.status == BatchStatus.failed
-    assert [(e.line, e.code) for e in bad.errors] == [
-        (5, "invalid_json"),
-        (10, "invalid_request"),
-        (15, "invalid_request"),
-    ]
-    assert bad.errors[2].param == "body.max_tokens"
+    check_bad_batch_fails_at_submit(client, tmp_path / "bad.jsonl", output)
     try:
         wait_for_workers(client, 2)
         good = client.submit_batch(
@@ -85,19 +107,26 @@ def test_thousand_requests_two_workers_into_s3(tiny_llama, redis_url, s3_server,
     assert done.output_file == f"{output}/{good.id}/output.jsonl"
     records = s3_jsonl(s3_server, done.output_file)
     assert sorted(r["custom_id"] for r in records) == sorted(r["custom_id"] for r in requests)
-    workers_used = {
-        Job.fetch(
-            shard_job_id(good.id, n), connection=client.connection, serializer=JSONSerializer
-        ).worker_name
-        for n in range(20)
-    }
-    assert workers_used == {"w0", "w1"}
+    assert shard_workers(client, good.id, 20) == {"w0", "w1"}
+    check_same_text_as_the_engine(tiny_llama, requests, records)
 
-    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", max_num_seqs=64)
-    params = [SamplingParams(max_tokens=r["body"]["max_tokens"], temperature=0) for r in requests]
-    want = llm.generate([r["body"]["prompt"] for r in requests], params, progress=False)
-    got = {r["custom_id"]: r["response"]["body"]["choices"][0]["text"] for r in records}
-    assert [got[r["custom_id"]] for r in requests] == [o.text for o in want]
+
+def started_shards_of(client: Client, worker_name: str) -> list[str]:
+    """Ids of the started jobs that `worker_name` runs."""
+    started = StartedJobRegistry("default", connection=client.connection)
+    return [
+        j
+        for j in started.get_job_ids()
+        if Job.fetch(j, connection=client.connection, serializer=JSONSerializer).worker_name == worker_name
+    ]
+
+
+def wait_until_running_shards(client: Client, batch_id: str, worker_name: str, timeout: float = 120) -> None:
+    """Until the batch has completed requests and `worker_name` runs some of its shards."""
+    deadline = time.monotonic() + timeout
+    while not (client.get(batch_id).request_counts.completed and started_shards_of(client, worker_name)):
+        assert time.monotonic() < deadline, f"{worker_name} never got going"
+        time.sleep(0.1)
 
 
 def test_sigkilled_worker_loses_nothing(tiny_llama, redis_url, tmp_path):
@@ -106,24 +135,12 @@ def test_sigkilled_worker_loses_nothing(tiny_llama, redis_url, tmp_path):
     batch = client.submit_batch(requests, output=tmp_path.as_uri(), shard_size=20)
     args = ("--max-num-seqs", "40", "--heartbeat-ttl", "3")
     victim = start_worker(tiny_llama, redis_url, tmp_path / "victim.log", *args, "--name", "victim")
-    started = StartedJobRegistry("default", connection=client.connection)
-
-    def victim_shards() -> list[str]:
-        return [
-            j
-            for j in started.get_job_ids()
-            if Job.fetch(j, connection=client.connection, serializer=JSONSerializer).worker_name == "victim"
-        ]
-
     survivor = None
     try:
-        deadline = time.monotonic() + 120
-        while not (client.get(batch.id).request_counts.completed and victim_shards()):
-            assert time.monotonic() < deadline, "victim never got going"
-            time.sleep(0.1)
+        wait_until_running_shards(client, batch.id, "victim")
         survivor = start_worker(tiny_llama, redis_url, tmp_path / "survivor.log", *args, "--name", "survivor")
         os.kill(victim.pid, signal.SIGSTOP)  # frozen first: no shard of its can finish between listing and kill
-        killed = victim_shards()
+        killed = started_shards_of(client, "victim")
         os.kill(victim.pid, signal.SIGKILL)
         victim.wait()
         done = client.wait(batch.id, timeout=240, progress=False)
