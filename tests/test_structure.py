@@ -1,9 +1,11 @@
-"""The import graph (read with ast, every import at any depth) has no cycles and its arrows point one way."""
+"""The import graph (read with ast, every import at any depth) has no cycles and its arrows point one way; functions
+stay short."""
 
 from __future__ import annotations
 
 import ast
 import re
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -251,3 +253,35 @@ def test_settings_are_read_at_entry_points_and_the_environment_only_by_settings(
     assert ("worker/cli.py", "start", "get_settings()") in found
     assert {(f, fn) for f, fn, what in found if what == "get_settings()"} <= SETTINGS_READERS
     assert {(f, fn, what) for f, fn, what in found if what != "get_settings()"} == set()
+
+
+MAX_FUNCTION_LINES = 40
+
+
+def long_functions(source: str, filename: str = "<source>") -> list[str]:
+    """'file:line name (n lines)' for every function, nested ones too, longer than MAX_FUNCTION_LINES, counted
+    from its `def` line to its last line (docstring included, decorators not)."""
+    found = []
+    for node in ast.walk(ast.parse(source, filename)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            lines = node.end_lineno - node.lineno + 1
+            if lines > MAX_FUNCTION_LINES:
+                found.append(f"{filename}:{node.lineno} {node.name} ({lines} lines)")
+    return found
+
+
+def test_the_function_length_count_sees_long_and_nested_functions():
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES - 1))
+    assert long_functions(f"@decorator\ndef fits():\n{body}") == []
+    assert long_functions(f"def long():\n{body}    return 0\n") == [f"<source>:1 long ({MAX_FUNCTION_LINES + 1} lines)"]
+    nested = "class C:\n    async def outer(self):\n        def inner():\n" + body.replace("    ", "            ")
+    assert [f.split()[1] for f in long_functions(nested + "            return 0\n")] == ["outer", "inner"]
+
+
+def test_functions_are_at_most_40_lines():
+    tracked = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True, check=True)
+    paths = [ROOT / name for name in tracked.stdout.split()]
+    assert len(paths) > 100, "git ls-files lists the tracked Python files"
+    offenders = [f for path in paths if path.is_file()
+                 for f in long_functions(path.read_text(), str(path.relative_to(ROOT)))]
+    assert not offenders, f"functions over {MAX_FUNCTION_LINES} lines: " + "; ".join(offenders)
