@@ -26,7 +26,7 @@ import torch
 from common import base_parser, bench_model, record, table
 
 from sluice.engine import LLM, SamplingParams
-from sluice.kernels import cpu_isa
+from sluice.kernels import cpp_build, cpu_isa
 
 CACHE = Path(os.environ.get("SLUICE_LLAMACPP_CACHE", Path.home() / ".cache" / "sluice-llamacpp"))
 TARGETS = ("llama-batched-bench", "llama-quantize")
@@ -120,8 +120,8 @@ def gguf(model: Path, kind: str, bin_dir: Path) -> Path:
     return out
 
 
-def llamacpp(bin_dir: Path, model: Path, batches: list[int], threads: int) -> dict[int, float]:
-    """llama-batched-bench's decode tok/s (S_TG) per batch size."""
+def llamacpp(bin_dir: Path, model: Path, batches: list[int], threads: int) -> dict[int, tuple[float, float]]:
+    """llama-batched-bench's (decode tok/s (S_TG), prefill tok/s (S_PP)) per batch size."""
     ctx = max(batches) * (PROMPT + GEN) + 64
     res = subprocess.run(
         [str(bin_dir / "llama-batched-bench"), "-m", str(model), "-c", str(ctx), "-b", "2048", "-ub", "512",
@@ -129,11 +129,12 @@ def llamacpp(bin_dir: Path, model: Path, batches: list[int], threads: int) -> di
          "-tb", str(threads), "--output-format", "jsonl"],
         check=True, capture_output=True, text=True)
     rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
-    return {r["pl"]: r["speed_tg"] for r in rows}
+    return {r["pl"]: (r["speed_tg"], r["speed_pp"]) for r in rows}
 
 
-def sluice(llm: LLM, batch: int, seed: int) -> float:
-    """Our decode tok/s: B random 128-token prompts, prefill first, then 128 timed generation steps."""
+def sluice(llm: LLM, batch: int, seed: int) -> tuple[float, float]:
+    """Our (decode tok/s, prefill tok/s): B random 128-token prompts, the prefill steps timed, then 128 timed
+    generation steps."""
     rng = random.Random(seed)
     engine = llm.engine
     params = SamplingParams(max_tokens=GEN + 1, temperature=0, ignore_eos=True)
@@ -142,13 +143,14 @@ def sluice(llm: LLM, batch: int, seed: int) -> float:
         rid = f"b{batch}-{seed}-{i}"
         engine.add_request(rid, [rng.randrange(4, 32000) for _ in range(PROMPT)], params)
         reqs.append(engine.requests[rid])
+    t0 = time.perf_counter()
     while any(not r.output_token_ids for r in reqs):
         engine.step()
     t = time.perf_counter()
     while engine.has_unfinished():
         engine.step()
     dt = time.perf_counter() - t
-    return sum(len(r.output_token_ids) - 1 for r in reqs) / dt
+    return sum(len(r.output_token_ids) - 1 for r in reqs) / dt, batch * PROMPT / (t - t0)
 
 
 def load(model: Path, mode: str, batches: list[int], **engine_args) -> LLM:
@@ -182,15 +184,23 @@ def main() -> None:
     bin_dir = build() / "bin"
     ggufs = {m: gguf(model, MODES[m][1], bin_dir) for m in modes}
     llms = {m: load(model, m, batches) for m in modes}
-    best: dict[tuple[str, str, int], float] = {}
+    best: dict[tuple[str, str, int], tuple[float, float]] = {}
     for r in range(args.rounds):
         for m in modes:
             for b in batches:  # llama.cpp and ours back to back at each shape: the host's load moves by the minute
                 for pl, tps in llamacpp(bin_dir, ggufs[m], [b], args.threads).items():
-                    best[("llama", m, pl)] = max(best.get(("llama", m, pl), 0.0), tps)
-                best[("sluice", m, b)] = max(best.get(("sluice", m, b), 0.0), sluice(llms[m], b, seed=r))
-            print(r, m, {k: round(v, 1) for k, v in best.items() if k[1] == m}, flush=True)
-    record("llama.cpp vs Sluice on CPU (decode tok/s)", report(best, modes, batches, args))
+                    keep_best(best, ("llama", m, pl), tps)
+                keep_best(best, ("sluice", m, b), sluice(llms[m], b, seed=r))
+            print(r, m, {k: v for k, v in best.items() if k[1] == m}, flush=True)
+    fallback = "" if cpp_build.enabled() else ", C++ kernels off"
+    record(f"llama.cpp vs Sluice on CPU, {cpu_isa.tier()} tier{fallback} (decode and prefill tok/s)",
+           report(best, modes, batches, args))
+
+
+def keep_best(best: dict, key: tuple, speeds: tuple[float, float]) -> None:
+    """Keep the best decode and the best prefill speed seen at `key`."""
+    old = best.get(key, (0.0, 0.0))
+    best[key] = (max(old[0], speeds[0]), max(old[1], speeds[1]))
 
 
 def report(best, modes, batches, args) -> str:
@@ -201,15 +211,17 @@ def report(best, modes, batches, args) -> str:
         headers += [f"Sluice {m} / Sluice bf16" for m in modes if m != "bf16"]
     rows = []
     for b in batches:
-        row: list = [b]
-        for m in modes:
-            ll, ours = best[("llama", m, b)], best[("sluice", m, b)]
-            row += [ll, ours, ours / ll]
-        if "bf16" in modes:
-            row += [best[("sluice", m, b)] / best[("sluice", "bf16", b)] for m in modes if m != "bf16"]
-        rows.append(row)
-    note = (f"\n\nDecode tok/s (B x {GEN} generated tokens / generation time, prefill of B x {PROMPT} random tokens "
-            f"excluded), {args.threads} threads, best of {args.rounds} rounds (llama.cpp and ours back to back at each B), random ~125M Llama "
+        for phase, label in ((0, b), (1, f"prefill {b}")):
+            row: list = [label]
+            for m in modes:
+                ll, ours = best[("llama", m, b)][phase], best[("sluice", m, b)][phase]
+                row += [ll, ours, ours / ll]
+            if "bf16" in modes:
+                bf16 = best[("sluice", "bf16", b)][phase]
+                row += [best[("sluice", m, b)][phase] / bf16 for m in modes if m != "bf16"]
+            rows.append(row)
+    note = (f"\n\nRows `B`: decode tok/s (B x {GEN} generated tokens / generation time); rows `prefill B`: prefill "
+            f"tok/s (B x {PROMPT} random prompt tokens / time to every sequence's first token; llama.cpp's S_PP), {args.threads} threads, best of {args.rounds} rounds (llama.cpp and ours back to back at each B), random ~125M Llama "
             "(hidden 768, 12 layers, 12/4 heads, inter 2048, vocab 32000) from the same safetensors. llama.cpp: "
             f"`llama-batched-bench` from the llama-cpp-python sdist's vendored source, built for the {cpu_isa.tier()} "
             f"tier as our kernels are (GGML_NATIVE=OFF, AMX off; torch's CPU capability "

@@ -183,12 +183,16 @@ def test_transformers_bitsandbytes_checkpoint_loads_and_matches(ckpt, tmp_path):
     hf.save_pretrained(tmp_path)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         (tmp_path / f).write_bytes((ckpt / f).read_bytes())
-    got = LLM(tmp_path, dtype="bfloat16", device="cpu").score(PROMPTS)
+    loaded = LLM(tmp_path, dtype="bfloat16", device="cpu")
+    got = loaded.score(PROMPTS)
     ours = LLM(ckpt, dtype="bfloat16", device="cpu", quantization="int4", double_quant=True).score(PROMPTS)
     assert all(torch.equal(a, b) for a, b in zip(got, ours, strict=True))
     with torch.no_grad():
         ref = hf(torch.tensor([PROMPTS[1]])).logits[0].float()
-    assert rel_err([got[1]], [ref]) < 1e-3
+    # alone, the prompt is attended as transformers attends it (one causal SDPA); in the batch, fresh prefills of
+    # similar length share one padded SDPA call (kernels/prefill.py), another bf16 rounding of the same sum
+    assert rel_err(loaded.score([PROMPTS[1]]), [ref]) < 1e-3
+    assert rel_err([got[1]], [ref]) < 1e-2
 
 
 def test_int8_kv_cache_close_to_fp32_and_holds_twice_the_tokens(ckpt):
