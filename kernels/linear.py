@@ -4,23 +4,28 @@ At the row counts of decode (one to a few tokens per step) a linear only streams
 matmul reads it well below the memory bandwidth that a plain AVX512-BF16 pass reaches (on the avx2 tier oneDNN
 has no bf16 instructions at all: ours widens bf16 by a shift and sums by FMA); up to `MAX_GEMV_ROWS`
 rows, and up to 64 while the rows are small enough to stay in L2 (`gemv_serves`), ours serves; past that, and on
-any other device or dtype, F.linear.
+any other device or dtype, F.linear. Where oneDNN has no bf16 instructions (CPUs without AVX512-BF16 / AMX, or
+ONEDNN_MAX_CPU_ISA below them) its bf16 matmul is far slower than its fp32 one, so the rows past our GEMV
+(prefill) are multiplied in fp32, the weight widened a bounded slice at a time (`widened_linear`).
 Sums are fp32 in a different order than oneDNN's, then rounded to bf16 as it does.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sluice.kernels import cpp_build
+from sluice.kernels import cpp_build, cpu_isa, options
 
 # Measured on CPU against oneDNN's bf16 matmul, weights streamed from memory (docs/benchmarks.md, "GEMVs in
 # memory order"): ours wins up to MAX_GEMV_ROWS on every shape, and beyond only while its x rows (re-read for
 # every 4 weight rows) stay in L2.
 MAX_GEMV_ROWS = 32
 MAX_GEMV_X = 64 * 2048  # past MAX_GEMV_ROWS, up to 64 rows while rows x in_features is at most this (256 KB)
+WIDEN_ELEMENTS = 1 << 22  # weight elements widened to fp32 at a time by `widened_linear` (16 MiB of fp32)
 
 
 def gemv_serves(rows: int, in_features: int) -> bool:
@@ -51,7 +56,33 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             bias = None if bias is None else bias.contiguous()
             y = ext.bf16_gemv(rows, weight, bias)
             return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])
+    if rows.dtype is torch.bfloat16 and rows.device.type == "cpu" and not onednn_bf16() and not torch.is_grad_enabled():
+        return widened_linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+@functools.cache
+def onednn_bf16() -> bool:
+    """Whether oneDNN multiplies bf16 with bf16 instructions here (AVX512-BF16 or AMX, not capped below them by
+    ONEDNN_MAX_CPU_ISA); without them its bf16 matmul converts in scalar-ish code."""
+    flags = cpu_isa.cpu_flags()
+    limit = options.current().onednn_max_cpu_isa
+    allowed = limit in ("", "ALL", "DEFAULT") or any(k in limit for k in ("BF16", "AMX", "AVX10"))
+    return ("avx512_bf16" in flags or "amx_bf16" in flags) and allowed
+
+
+def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear of bf16 x and weight summed in fp32 through oneDNN's fp32 matmul, the weight widened
+    WIDEN_ELEMENTS at a time (a bounded scratch whatever the layer's size), rounded to x's dtype."""
+    x32 = x.float()
+    step = max(1, WIDEN_ELEMENTS // weight.shape[1])
+    starts = range(0, weight.shape[0], step)
+    parts = [F.linear(x32, weight[i:i + step].float(), None if bias is None else bias[i:i + step].float())
+             for i in starts]
+    return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)).to(x.dtype)
+
+
+options.on_change(onednn_bf16.cache_clear)
 
 
 class Linear(nn.Linear):

@@ -261,3 +261,34 @@ def test_bf16_linear_keeps_leading_dimensions(cpu_tier):
         got = linear_kernels.linear(x, w)
         flat = linear_kernels.linear(x.reshape(6, 64), w)
     assert got.shape == (2, 3, 40) and torch.equal(got.reshape(6, 40), flat)
+
+
+def test_bf16_rows_past_the_gemv_sum_in_fp32_where_onednn_has_no_bf16(monkeypatch):
+    """With oneDNN capped below its bf16 instructions (ONEDNN_MAX_CPU_ISA=AVX2), prefill rows of a bf16 linear run
+    widened to fp32 (a bounded slice of the weight at a time): within one bf16 rounding of the fp64 product, the
+    same whatever the slice, and F.linear is not called on bf16 there; with bf16 allowed, F.linear serves."""
+    from sluice.kernels import options
+
+    torch.manual_seed(0)
+    x, w, b = torch.randn(100, 96).bfloat16(), torch.randn(200, 96).bfloat16(), torch.randn(200).bfloat16()
+    want = (x.double() @ w.double().t() + b.double())
+    bf16_calls = []
+    real = F.linear
+    monkeypatch.setattr(linear_kernels.F, "linear",
+                        lambda a, *r: bf16_calls.append(a.dtype) or real(a, *r))
+    options.use(options.current().merged(onednn_max_cpu_isa="AVX2"))
+    try:
+        with torch.inference_mode():
+            whole = linear_kernels.linear(x, w, b)
+            monkeypatch.setattr(linear_kernels, "WIDEN_ELEMENTS", 96 * 7)  # slices of 7 output rows
+            sliced = linear_kernels.linear(x, w, b)
+        assert torch.bfloat16 not in bf16_calls and bf16_calls
+        assert torch.equal(whole, sliced) and whole.dtype is torch.bfloat16
+        assert ((whole.double() - want).abs() <= want.abs() * 2**-8 + 1e-6).all()
+    finally:
+        options.reset()
+    if linear_kernels.onednn_bf16():  # this host's oneDNN, as the environment caps it
+        bf16_calls.clear()
+        with torch.inference_mode():
+            linear_kernels.linear(x, w, b)
+        assert bf16_calls == [torch.bfloat16]
