@@ -10,7 +10,8 @@ linear's per-row comp kept beside its weight, faster than oneDNN's, whose weight
 much as the product at a few rows: docs/benchmarks.md), above by
 `torch._int_mm` (oneDNN), the same exact int32 sums either way; the quantization and the rescale epilogue (bias
 included) are one C++ pass each (csrc/quant_linear.cpp) where it builds, rounding exactly as the torch ops they
-replace. On CUDA with triton the W8A16 kernel (kernels/triton/w8a16.py) serves; fp32 activations, odd shapes
+replace. Where oneDNN has no bf16 instructions (kernels.linear.onednn_bf16), prefill-sized bf16 inputs
+(WIDEN_MIN_ROWS and up) multiply the dequantized weight in fp32 instead, a bounded slice at a time. On CUDA with triton the W8A16 kernel (kernels/triton/w8a16.py) serves; fp32 activations, odd shapes
 and other devices dequantize the weight and use the ordinary matmul.
 """
 
@@ -22,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from sluice.kernels import cpp_build, cpu_isa, options
+from sluice.kernels import linear as linear_kernels
 from sluice.kernels.device_path import triton_on
 
 MAX_GEMV_ROWS = 4  # fp32/fp16 rows, torch's GEMV: measured on CPU (rows 1-16, five shapes), it wins at 2-4 rows
@@ -31,6 +33,9 @@ MAX_GEMV_ROWS = 4  # fp32/fp16 rows, torch's GEMV: measured on CPU (rows 1-16, f
 BF16_GEMV_ROWS = 1
 GEMV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 DYNAMIC_DTYPES = (torch.bfloat16, torch.float16)
+# bf16 rows from which, where oneDNN has no bf16 instructions, the dequantized weight is widened to fp32 for
+# oneDNN's fp32 matmul (kernels.linear.widened_linear) instead of the dynamic int8 product: prefill chunks
+WIDEN_MIN_ROWS = 128
 
 
 def gemv_rows(dtype: torch.dtype) -> int:
@@ -131,6 +136,8 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if _use_gemv(rows, qweight):
         ours = _gemv_kernel(scales) if rows.dtype is torch.bfloat16 else None
         y = (ours.int8_gemv if ours is not None else torch._weight_int8pack_mm)(rows.contiguous(), qweight, scales)
+    elif linear_kernels.widen_serves(rows, WIDEN_MIN_ROWS):
+        y, bias = linear_kernels.widened_linear(rows, qweight, bias, scales), None
     elif _use_dynamic(rows):
         y, bias = dynamic_int8_mm(rows.contiguous(), qweight, scales, bias, comp), None
     else:

@@ -56,7 +56,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             bias = None if bias is None else bias.contiguous()
             y = ext.bf16_gemv(rows, weight, bias)
             return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])
-    if rows.dtype is torch.bfloat16 and rows.device.type == "cpu" and not onednn_bf16() and not torch.is_grad_enabled():
+    if widen_serves(rows):
         return widened_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
@@ -71,15 +71,29 @@ def onednn_bf16() -> bool:
     return ("avx512_bf16" in flags or "amx_bf16" in flags) and allowed
 
 
-def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                   scales: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear of bf16 x and weight summed in fp32 through oneDNN's fp32 matmul, the weight widened
-    WIDEN_ELEMENTS at a time (a bounded scratch whatever the layer's size), rounded to x's dtype."""
+    WIDEN_ELEMENTS at a time (a bounded scratch whatever the layer's size), rounded to x's dtype; `scales`: one per
+    output row of an int8 weight, applied as it widens (the dequantized weight, W8A16)."""
     x32 = x.float()
     step = max(1, WIDEN_ELEMENTS // weight.shape[1])
     starts = range(0, weight.shape[0], step)
-    parts = [F.linear(x32, weight[i:i + step].float(), None if bias is None else bias[i:i + step].float())
+    parts = [F.linear(x32, _widened(weight, scales, i, step), None if bias is None else bias[i:i + step].float())
              for i in starts]
     return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)).to(x.dtype)
+
+
+def _widened(weight: torch.Tensor, scales: torch.Tensor | None, i: int, step: int) -> torch.Tensor:
+    w = weight[i:i + step].float()
+    return w if scales is None else w.mul_(scales[i:i + step, None].float())
+
+
+def widen_serves(rows: torch.Tensor, min_rows: int = 1) -> bool:
+    """Whether `rows` (at least min_rows of them) of bf16 on CPU go through `widened_linear`: oneDNN has no bf16
+    instructions here."""
+    return (rows.shape[0] >= min_rows and rows.dtype is torch.bfloat16 and rows.device.type == "cpu"
+            and not onednn_bf16() and not torch.is_grad_enabled())
 
 
 options.on_change(onednn_bf16.cache_clear)

@@ -413,3 +413,30 @@ def test_nf4_and_fp4_quantization_while_loading_gives_bitsandbytes_own_bits(monk
     out = llm.generate(["O Romeo"], SamplingParams(max_tokens=4, temperature=0), progress=False)
     assert calls and set(calls) == {"nf4"} and len(out[0].token_ids) == 4
     assert torch.ops.bitsandbytes.quantize_4bit.default is theirs_op
+
+
+def test_int8_prefill_rows_widen_the_dequantized_weight_where_onednn_has_no_bf16(monkeypatch):
+    """With oneDNN capped below its bf16 instructions, bf16 int8 rows from WIDEN_MIN_ROWS multiply the dequantized
+    weight in fp32 (W8A16, no dynamic int8 product): within one bf16 rounding of fp64 x · (q · scale) + bias, the same
+    for any slice of the weight; one row fewer keeps the dynamic int8 product."""
+    from sluice.kernels import linear as linear_kernels
+    from sluice.kernels import options
+
+    torch.manual_seed(0)
+    qweight, scales = torch.randint(-127, 128, (70, 256), dtype=torch.int8), (torch.rand(70) / 50).bfloat16()
+    bias, rows = torch.randn(70).bfloat16(), torch.randn(int8.WIDEN_MIN_ROWS, 256).bfloat16()
+    want = rows.double() @ (qweight.double() * scales.double()[:, None]).t() + bias.double()
+    dynamic, real = [], int8.dynamic_int8_mm
+    monkeypatch.setattr(int8, "dynamic_int8_mm", lambda x, *a: dynamic.append(x.shape[0]) or real(x, *a))
+    options.use(options.current().merged(onednn_max_cpu_isa="AVX2"))
+    try:
+        with torch.inference_mode():
+            got = int8.int8_linear(rows, qweight, scales, bias)
+            monkeypatch.setattr(linear_kernels, "WIDEN_ELEMENTS", 256 * 3)
+            sliced = int8.int8_linear(rows, qweight, scales, bias)
+            int8.int8_linear(rows[1:], qweight, scales, bias)
+    finally:
+        options.reset()
+    assert torch.equal(got, sliced) and got.dtype is torch.bfloat16
+    assert ((got.double() - want).abs() <= want.abs() * 2**-8 + 1e-5).all()
+    assert dynamic == [int8.WIDEN_MIN_ROWS - 1]
