@@ -285,3 +285,97 @@ def test_functions_are_at_most_40_lines():
     offenders = [f for path in paths if path.is_file()
                  for f in long_functions(path.read_text(), str(path.relative_to(ROOT)))]
     assert not offenders, f"functions over {MAX_FUNCTION_LINES} lines: " + "; ".join(offenders)
+
+
+def private_names(source: str) -> set[str]:
+    """The `_name`s (dunders aside) a source defines or reaches as attributes."""
+    found = {node.attr if isinstance(node, ast.Attribute) else node.name for node in ast.walk(ast.parse(source))
+             if isinstance(node, ast.Attribute | ast.FunctionDef | ast.AsyncFunctionDef)}  # fmt: skip
+    return {name for name in found if name.startswith("_") and not name.startswith("__")}
+
+
+def rq_bases(tree: ast.Module) -> dict[str, str]:
+    """Name → 'rq.module:Class' for every class the file imports from rq."""
+    return {alias.asname or alias.name: f"{node.module}:{alias.name}" for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "rq" for alias in node.names}  # fmt: skip
+
+
+def rq_class_privates(target: str) -> set[str]:
+    """The private names of an rq class and its rq ancestors (from their sources)."""
+    import importlib
+    import inspect
+
+    module, _, name = target.partition(":")
+    found = getattr(importlib.import_module(module), name, None)
+    if not isinstance(found, type):
+        return set()
+    ancestors = [c for c in found.__mro__ if c.__module__.split(".")[0] == "rq"]
+    return set().union(*(private_names(inspect.getsource(c)) for c in ancestors))
+
+
+def rq_reaches(sources: dict[str, str], steps: tuple[str, ...]) -> list[str]:
+    """'file:line what' wherever a source reaches an rq step of the adapter's, a private rq name on an object that
+    is not its own (`job._x`, `getattr(w, "_x")`), or, in a class built on an rq class, one of that class's
+    private names through `self` (or a `def` of one: an override)."""
+    import rq
+
+    everywhere = set().union(*(private_names(p.read_text()) for p in Path(rq.__file__).parent.rglob("*.py")))
+    trees = {file: ast.parse(source) for file, source in sources.items()}
+    classes: dict[str, set[str]] = {}  # class name → private names of its rq ancestry
+    for _ in range(3):  # our subclasses of our subclasses of rq's classes
+        for tree in trees.values():
+            imported = rq_bases(tree)
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ClassDef):
+                    names = [getattr(b, "id", None) for b in node.bases]
+                    inherited = [rq_class_privates(imported[n]) if n in imported else classes.get(n) for n in names]
+                    if any(i is not None for i in inherited):
+                        classes[node.name] = set().union(*(i for i in inherited if i is not None))
+    return [f"{file}:{line} {what}" for file, tree in trees.items()
+            for line, what in _rq_reaches_in(tree, classes, everywhere, steps)]  # fmt: skip
+
+
+def _rq_reaches_in(tree: ast.Module, classes: dict[str, set[str]], everywhere: set[str],
+                   steps: tuple[str, ...]) -> Iterator[tuple[int, str]]:
+    for klass in [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name in classes]:
+        for node in ast.walk(klass):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                name = node.name
+            else:
+                name = node.attr if isinstance(node, ast.Attribute) and getattr(node.value, "id", "") == "self" else ""
+            if name in classes[klass.name]:
+                yield node.lineno, f"{klass.name}: {name}"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and (node.attr in steps or node.attr in everywhere and
+                                                getattr(node.value, "id", None) not in ("self", "cls")):  # fmt: skip
+            yield node.lineno, ast.unparse(node)
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("getattr", "setattr", "hasattr"):
+            named = [a.value for a in node.args[1:2] if isinstance(a, ast.Constant)]
+            if named and (named[0] in steps or named[0] in everywhere):
+                yield node.lineno, ast.unparse(node)
+
+
+def test_the_rq_reach_check_sees_private_names_steps_and_overrides():
+    sample = {
+        "a.py": "from rq import SimpleWorker\nclass W(SimpleWorker):\n    def _install_signal_handlers(self): pass\n"
+                "    def go(self, job):\n        self._own = 1\n        self._stop_requested = True\n"
+                "        self.perform_job(job)\n        job._status\n        getattr(job, '_data')\n",
+        "b.py": "from a import W\nclass V(W):\n    def run(self):\n        return self._finalize_success\n",
+        "c.py": "class Plain:\n    def _stop_requested(self): return self._data\n",
+    }
+    found = [f.split(" ", 1)[1] for f in rq_reaches(sample, ("perform_job",))]
+    assert sorted(found) == sorted(["W: _install_signal_handlers", "W: _stop_requested", "self.perform_job",
+                                    "job._status", "getattr(job, '_data')", "V: _finalize_success"])
+
+
+def test_only_the_adapter_reaches_rq_internals():
+    """Outside contract/rq_adapter.py no module reaches rq's private names or the worker steps the adapter
+    wraps (rq_adapter.STEPS)."""
+    from sluice.contract.rq_adapter import STEPS
+
+    files = [p for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py"))]
+    sources = {str(p.relative_to(ROOT)): p.read_text() for p in files if p.name != "rq_adapter.py"}
+    assert "worker/rq_jobs.py" in sources and len(sources) > 100
+    assert rq_reaches(sources, STEPS) == []
+    adapter = (ROOT / "contract" / "rq_adapter.py").read_text()
+    assert len(rq_reaches({"contract/rq_adapter.py": adapter}, STEPS)) >= len(STEPS)
