@@ -213,17 +213,16 @@ def test_the_worker_drives_the_engine_only_through_llm():
 # Where Settings may be read (`get_settings()`): process and job entry points, which pass them down, and the
 # fallbacks of objects a library user or a test builds without handing any.
 SETTINGS_READERS = {
-    ("contract/signing.py", "from_env"),
-    ("contract/storage.py", "s3_client"),  # boto3-style: the S3 addressing style, read where a client is made
     ("producer/client.py", "__init__"),
     ("producer/cron.py", "tick_job"),  # rq job entry points (a stock rq worker calls them by name)
+    ("producer/cron.py", "add_command"),  # CLI commands
     ("worker/finalize.py", "finalize_batch"),
     ("worker/shard_run.py", "run_shard"),
     ("producer/demo.py", "main"),
     ("producer/server/app.py", "create_app"),
     ("worker/cli.py", "start"),
-    ("worker/faults.py", "faults"),  # cached: once per process
     ("worker/reaper.py", "run_command"),
+    ("worker/webhooks.py", "run_command"),
     ("worker/worker.py", "__init__"),
     ("cli/server.py", "key_store"),
     ("cli/server.py", "serve"),
@@ -242,15 +241,21 @@ def environment_reads(path: Path) -> Iterator[tuple[str, str]]:
                 yield function.name, f"os.{node.attr}"
 
 
+# The only files that read the environment: Settings, and below the contract the kernels' options.
+ENVIRONMENT_READERS = {"contract/settings.py", "kernels/options.py"}
+
+
 def test_settings_are_read_at_entry_points_and_the_environment_only_by_settings():
     found = {
         (str(path.relative_to(ROOT)), function, what)
-        for package in ("contract", "producer", "worker", "cli")
+        for package in PACKAGES
         for path in sorted((ROOT / package).rglob("*.py"))
-        if path.name != "settings.py" or package != "contract"
+        if str(path.relative_to(ROOT)) not in ENVIRONMENT_READERS
         for function, what in environment_reads(path)
     }
     assert ("worker/cli.py", "start", "get_settings()") in found
+    assert "environ" in {n.attr for n in ast.walk(ast.parse((ROOT / "kernels/options.py").read_text()))
+                                     if isinstance(n, ast.Attribute)}  # fmt: skip
     assert {(f, fn) for f, fn, what in found if what == "get_settings()"} <= SETTINGS_READERS
     assert {(f, fn, what) for f, fn, what in found if what != "get_settings()"} == set()
 
@@ -379,3 +384,34 @@ def test_only_the_adapter_reaches_rq_internals():
     assert rq_reaches(sources, STEPS) == []
     adapter = (ROOT / "contract" / "rq_adapter.py").read_text()
     assert len(rq_reaches({"contract/rq_adapter.py": adapter}, STEPS)) >= len(STEPS)
+
+
+S3_OPENERS = ("open_storage", "open_output", "split_url", "read_url", "url_lines", "S3Storage", "s3_client")
+
+
+def calls_without_s3_style(source: str) -> list[str]:
+    """Calls of the storage openers that pass no S3 addressing style (`s3_style=`, or every positional one)."""
+    import inspect
+
+    from sluice.contract import storage
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        name = getattr(node, "func", None) and (getattr(node.func, "id", None) or getattr(node.func, "attr", None))
+        if name in S3_OPENERS:
+            position = list(inspect.signature(getattr(storage, name)).parameters).index("s3_style")
+            if len(node.args) <= position and "s3_style" not in [k.arg for k in node.keywords]:
+                found.append(f"{node.lineno} {ast.unparse(node)}")
+    return found
+
+
+def test_every_storage_opened_outside_the_contract_gets_the_s3_style_from_settings():
+    """The S3 addressing style is Settings' (SLUICE_S3_ADDRESSING_STYLE), passed down: every call that opens a
+    storage outside contract/storage.py names one."""
+    sample = "open_storage(url)\nsplit_url(u, s3_style=s)\nread_url(u, None, s)\nS3Storage(b, 'p')\nfoo(u)\n"
+    assert [f.split(" ", 1)[1] for f in calls_without_s3_style(sample)] == ["open_storage(url)", "S3Storage(b, 'p')"]
+    files = [p for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py")) if p.name != "storage.py"]
+    found = {str(p.relative_to(ROOT)): calls_without_s3_style(p.read_text()) for p in files}
+    assert sum(map(len, found.values())) == 0, {k: v for k, v in found.items() if v}
+    assert len(files) > 100
+
