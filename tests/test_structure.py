@@ -346,6 +346,8 @@ def _rq_reaches_in(tree: ast.Module, classes: dict[str, set[str]], everywhere: s
         for node in ast.walk(klass):
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 name = node.name
+                if name in steps:  # an override of a step only the adapter may call
+                    yield node.lineno, f"{klass.name}: def {name}"
             else:
                 name = node.attr if isinstance(node, ast.Attribute) and getattr(node.value, "id", "") == "self" else ""
             if name in classes[klass.name]:
@@ -364,13 +366,15 @@ def test_the_rq_reach_check_sees_private_names_steps_and_overrides():
     sample = {
         "a.py": "from rq import SimpleWorker\nclass W(SimpleWorker):\n    def _install_signal_handlers(self): pass\n"
                 "    def go(self, job):\n        self._own = 1\n        self._stop_requested = True\n"
-                "        self.perform_job(job)\n        job._status\n        getattr(job, '_data')\n",
+                "        self.perform_job(job)\n        job._status\n        getattr(job, '_data')\n"
+                "    def perform_job(self, job): pass\n",
         "b.py": "from a import W\nclass V(W):\n    def run(self):\n        return self._finalize_success\n",
         "c.py": "class Plain:\n    def _stop_requested(self): return self._data\n",
     }
     found = [f.split(" ", 1)[1] for f in rq_reaches(sample, ("perform_job",))]
     assert sorted(found) == sorted(["W: _install_signal_handlers", "W: _stop_requested", "self.perform_job",
-                                    "job._status", "getattr(job, '_data')", "V: _finalize_success"])
+                                    "job._status", "getattr(job, '_data')", "V: _finalize_success",
+                                    "W: def perform_job"])
 
 
 def test_only_the_adapter_reaches_rq_internals():
