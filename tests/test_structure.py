@@ -226,6 +226,7 @@ SETTINGS_READERS = {
     ("worker/worker.py", "__init__"),
     ("cli/server.py", "key_store"),
     ("cli/server.py", "serve"),
+    ("cli/server.py", "webhook"),
 }
 
 
