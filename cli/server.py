@@ -104,7 +104,7 @@ def webhook(
     from sluice.producer.server.keys import ProjectSettings  # fastapi, as in key_store
 
     try:
-        checked = check_webhook(url)
+        checked = check_webhook(url, get_settings().webhook_allow)
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None

@@ -81,10 +81,10 @@ def notify(
     connection: Redis,
     batch: Any,
     result: dict | None = None,
-    settings: WebhookSettings | None = None,
+    *,
+    settings: WebhookSettings,
 ) -> str | None:
     """Queue the event for a batch's final status; return its event id (None if nothing to send)."""
-    settings = settings or WebhookSettings.from_env()
     status = as_text(getattr(_field(batch, "status"), "value", _field(batch, "status")))
     url = _field(batch, "webhook") or settings.webhook_url
     batch_id = as_text(_field(batch, "id"))

@@ -19,7 +19,7 @@ from standardwebhooks.webhooks import WebhookVerificationError as StandardWebhoo
 from urllib3.exceptions import LocationParseError
 from urllib3.util import Url, parse_url
 
-from sluice.contract.settings import Settings, get_settings
+from sluice.contract.settings import Settings
 
 SECRET_PREFIX = "whsec_"
 METADATA_HOSTS = {"metadata", "metadata.google.internal", "metadata.goog"}
@@ -29,7 +29,7 @@ _UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, None: 1}
 
 
 class WebhookSettings(BaseModel):
-    """Webhook configuration; `from_env()` takes it from Settings' SLUICE_WEBHOOK_* fields."""
+    """Webhook configuration; `of(settings)` takes it from Settings' SLUICE_WEBHOOK_* fields."""
 
     webhook_url: str | None = None
     webhook_secret: SecretStr | None = None
@@ -42,11 +42,6 @@ class WebhookSettings(BaseModel):
     def of(cls, settings: Settings) -> WebhookSettings:
         """The webhook fields of settings (a process reads Settings once at start and passes them here)."""
         return cls(**settings.model_dump(include=set(cls.model_fields)))
-
-    @classmethod
-    def from_env(cls) -> WebhookSettings:
-        """The webhook fields of the current Settings, for callers not handed any (library use, tests)."""
-        return cls.of(get_settings())
 
 
 class WebhookVerificationError(ValueError):
@@ -196,13 +191,12 @@ def _parse(url: str) -> Url:
     return parts
 
 
-def resolve_target(url: str, allow: str | None = None) -> Target:
+def resolve_target(url: str, allow: str) -> Target:
     """Parse url as the sender (urllib3) does and pick the address to connect to, refusing internal ones.
 
     Every address the host resolves to must be public (IPv4 inside IPv6 included) or allow-listed; the sender
     then connects to the returned address, so a second lookup cannot be rebound to another one.
     """
-    allow = WebhookSettings.from_env().webhook_allow if allow is None else allow
     parts = _parse(url)
     host = parts.host.strip("[]").lower().rstrip(".")
     port = parts.port or (443 if parts.scheme == "https" else 80)
@@ -223,8 +217,9 @@ def resolve_target(url: str, allow: str | None = None) -> Target:
     return Target(url, parts.scheme, host, port, parts.request_uri, str(addresses[0]))
 
 
-def check_url(url: str, allow: str | None = None) -> str:
-    """Return url if it is http(s) and every address it resolves to is public or allow-listed."""
+def check_url(url: str, allow: str) -> str:
+    """Return url if it is http(s) and every address it resolves to is public or allow-listed (allow:
+    Settings.webhook_allow, SLUICE_WEBHOOK_ALLOW)."""
     resolve_target(url, allow)
     return url
 

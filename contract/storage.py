@@ -12,10 +12,9 @@ from pathlib import Path
 from typing import BinaryIO, Protocol
 from urllib.parse import unquote, urlsplit
 
-from sluice.contract.settings import get_settings
-
 MiB = 1024 * 1024
 COPY_CHUNK = MiB
+S3_STYLE = "path"  # S3 addressing style where none is passed: Settings.s3_addressing_style's default
 
 
 class ObjectWriter:
@@ -196,11 +195,11 @@ class FileStorage:
 class S3Storage:
     """Objects in s3://bucket/prefix through boto3 (endpoint and credentials from boto3's own config)."""
 
-    def __init__(self, bucket: str, prefix: str = "") -> None:
+    def __init__(self, bucket: str, prefix: str = "", s3_style: str = S3_STYLE) -> None:
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self.url = f"s3://{bucket}/{self.prefix}".rstrip("/")
-        self.client = s3_client()
+        self.client = s3_client(s3_style)
 
     def _key(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
@@ -271,8 +270,9 @@ class S3Storage:
         return sorted(out)
 
 
-def s3_client():
-    """A boto3 S3 client with retries and backoff; AWS_ENDPOINT_URL(_S3) selects the server."""
+def s3_client(s3_style: str):
+    """A boto3 S3 client with retries and backoff, addressing buckets in s3_style (path, virtual or auto:
+    Settings.s3_addressing_style); AWS_ENDPOINT_URL(_S3) selects the server, through boto3's own config."""
     import boto3  # boto3 costs ~0.5 s to import: only when S3 is used
     from botocore.config import Config
 
@@ -280,7 +280,7 @@ def s3_client():
         retries={"max_attempts": 8, "mode": "standard"},
         connect_timeout=10,
         read_timeout=120,
-        s3={"addressing_style": get_settings().s3_addressing_style},
+        s3={"addressing_style": s3_style},
     )
     return boto3.client("s3", config=config)
 
@@ -304,29 +304,29 @@ def _local_path(url: str) -> Path:
     return Path(unquote(parts.path)).resolve()
 
 
-def open_storage(url: str) -> Storage:
-    """Storage for a file:// or s3:// URL (a bare path means a local folder)."""
+def open_storage(url: str, s3_style: str = S3_STYLE) -> Storage:
+    """Storage for a file:// or s3:// URL (a bare path means a local folder); S3 addressed in s3_style."""
     parts = urlsplit(url)
     if parts.scheme == "s3":
         if not parts.netloc:
             raise ValueError(f"s3 URL needs a bucket: {url!r}")
-        return S3Storage(parts.netloc, unquote(parts.path))
+        return S3Storage(parts.netloc, unquote(parts.path), s3_style)
     if parts.scheme in ("file", ""):
         return FileStorage(_local_path(url))
     raise ValueError(f"unsupported storage URL {url!r}: use file:///dir or s3://bucket/prefix")
 
 
-def split_url(url: str) -> tuple[Storage, str]:
+def split_url(url: str, s3_style: str = S3_STYLE) -> tuple[Storage, str]:
     """The storage holding an object URL and the object's key in it."""
     parts = urlsplit(url)
     if parts.scheme == "s3":
-        return S3Storage(parts.netloc), unquote(parts.path.lstrip("/"))
+        return S3Storage(parts.netloc, s3_style=s3_style), unquote(parts.path.lstrip("/"))
     path = _local_path(url)
     return FileStorage(path.parent), path.name
 
 
-def _sized(url: str, max_bytes: int | None) -> tuple[Storage, str]:
-    storage, key = split_url(url)
+def _sized(url: str, max_bytes: int | None, s3_style: str) -> tuple[Storage, str]:
+    storage, key = split_url(url, s3_style)
     size = storage.size(key)
     if size is None:
         raise FileNotFoundError(f"no such input: {url}")
@@ -335,15 +335,15 @@ def _sized(url: str, max_bytes: int | None) -> tuple[Storage, str]:
     return storage, key
 
 
-def read_url(url: str, max_bytes: int | None = None) -> bytes:
+def read_url(url: str, max_bytes: int | None = None, s3_style: str = S3_STYLE) -> bytes:
     """The bytes of a local path, file:// or s3:// object, refusing anything larger than max_bytes."""
-    storage, key = _sized(url, max_bytes)
+    storage, key = _sized(url, max_bytes, s3_style)
     return storage.get(key)
 
 
-def url_lines(url: str, max_bytes: int, max_line: int) -> Iterator[bytes]:
+def url_lines(url: str, max_bytes: int, max_line: int, s3_style: str = S3_STYLE) -> Iterator[bytes]:
     """The lines of an object read a chunk at a time (never whole); a line over max_line is cut to max_line + 1."""
-    storage, key = _sized(url, max_bytes)
+    storage, key = _sized(url, max_bytes, s3_style)
     with storage.open(key) as stream:
         yield from iter_lines(stream, max_line)
 
@@ -395,6 +395,6 @@ def check_output_url(url: str, roots: list[str]) -> str:
     return url
 
 
-def open_output(url: str, roots: list[str]) -> Storage:
+def open_output(url: str, roots: list[str], s3_style: str = S3_STYLE) -> Storage:
     """The storage of a batch's output location, refusing one outside the allowed roots."""
-    return open_storage(check_output_url(url, roots))
+    return open_storage(check_output_url(url, roots), s3_style)

@@ -26,7 +26,7 @@ from sluice.contract.schemas import (
     RequestCounts,
 )
 from sluice.contract.settings import Settings, get_settings
-from sluice.contract.signing import check_url
+from sluice.contract.signing import WebhookSettings, check_url
 from sluice.contract.storage import check_output_url, read_url
 from sluice.producer import sharding
 from sluice.producer.validation import Input, input_lines, validate_lines
@@ -61,9 +61,9 @@ def check_metadata(metadata: dict[str, str] | None) -> dict[str, str]:
     return metadata
 
 
-def check_webhook(url: str | None) -> str | None:
+def check_webhook(url: str | None, allow: str) -> str | None:
     """The webhook URL after the safety check (http(s), public or allow-listed addresses)."""
-    return check_url(url) if url else None
+    return check_url(url, allow) if url else None
 
 
 def single_line(prompt_or_messages: str | list, sampling: dict[str, Any]) -> dict[str, Any]:
@@ -125,7 +125,7 @@ class Client:
             priority=priority,
             completion_window=completion_window,
             metadata=check_metadata(metadata),
-            webhook=check_webhook(webhook or self.settings.webhook_url),
+            webhook=check_webhook(webhook or self.settings.webhook_url, self.settings.webhook_allow),
             idempotency_key=idempotency_key,
             created_at=time.time(),
         )
@@ -169,7 +169,7 @@ class Client:
 
         batch = self.batches.transition(batch_id, BatchStatus.failed, record)
         if batch.webhook:
-            notify(self.connection, batch)
+            notify(self.connection, batch, settings=WebhookSettings.of(self.settings))
         return batch
 
     def submit(
@@ -231,7 +231,7 @@ class Client:
         url = batch.error_file if errors else batch.output_file
         if url is None:
             return
-        for line in read_url(url).splitlines():
+        for line in read_url(url, s3_style=self.settings.s3_addressing_style).splitlines():
             yield OutputRecord.model_validate(json.loads(line))
 
     def list(self, limit: int = 20) -> list[Batch]:

@@ -139,10 +139,10 @@ def _literal_prefix(pattern: str) -> str:
     return re.split(r"[*?\[]", pattern, maxsplit=1)[0]
 
 
-def _list_s3(bucket: str, pattern: str) -> list[tuple[str, str]]:
+def _list_s3(bucket: str, pattern: str, s3_style: str) -> list[tuple[str, str]]:
     matcher = glob_regex(pattern)
     pages = (
-        s3_client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=_literal_prefix(pattern))
+        s3_client(s3_style).get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=_literal_prefix(pattern))
     )
     found = [obj for page in pages for obj in page.get("Contents", []) if matcher.match(obj["Key"])]
     return [(f"s3://{bucket}/{obj['Key']}", obj["ETag"].strip('"')) for obj in found]
@@ -155,7 +155,7 @@ def _list_files(pattern: str, settle: float) -> list[tuple[str, str]]:
     return [(f"file://{p}", f"{st.st_size}-{st.st_mtime_ns}") for p, st in settled]
 
 
-def list_objects(input_glob: str, settle: float = 0.0) -> list[tuple[str, str]]:
+def list_objects(input_glob: str, settle: float, s3_style: str) -> list[tuple[str, str]]:
     """(url, etag) of every object matching an s3:// or file:// glob, sorted by url.
 
     Local files show up only once unchanged (data and metadata) for `settle` seconds, so a file still
@@ -163,7 +163,7 @@ def list_objects(input_glob: str, settle: float = 0.0) -> list[tuple[str, str]]:
     """
     parts = urlsplit(input_glob)
     if parts.scheme == "s3":
-        return sorted(_list_s3(parts.netloc, parts.path.lstrip("/")))
+        return sorted(_list_s3(parts.netloc, parts.path.lstrip("/"), s3_style))
     if parts.scheme == "file":
         return _list_files(input_glob.removeprefix("file://"), settle)
     raise ValueError(f"input must be s3:// or file://, not {input_glob!r}")
@@ -202,7 +202,7 @@ def tick(connection: Redis, pipeline: CronPipeline, client: Any) -> list[str] | 
         return None
     submitted = []
     try:
-        for url, etag in list_objects(pipeline.input, pipeline.settle):
+        for url, etag in list_objects(pipeline.input, pipeline.settle, client.settings.s3_addressing_style):
             object_id = f"{url}#{etag}"
             if connection.hexists(seen_key(pipeline.name), object_id):
                 continue
@@ -343,7 +343,7 @@ def add_command(
     try:
         interval = parse_duration(every) if every else None
         pipeline = CronPipeline(name=name, input=input, output=output, schedule=schedule, every=interval,
-                                settle=parse_duration(settle), webhook=webhook and check_url(webhook),
+                                settle=parse_duration(settle), webhook=webhook and check_url(webhook, get_settings().webhook_allow),
                                 priority=priority)  # fmt: skip
     except (ValidationError, ValueError) as exc:
         raise typer.BadParameter(str(exc)) from None

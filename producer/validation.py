@@ -75,7 +75,8 @@ def input_lines(source: Input, settings: Settings) -> Iterator[bytes]:
     if isinstance(source, bytes):
         yield from source.splitlines()
     elif isinstance(source, str | Path):
-        yield from url_lines(str(source), settings.max_input_bytes, settings.max_line_bytes)
+        yield from url_lines(str(source), settings.max_input_bytes, settings.max_line_bytes,
+                             s3_style=settings.s3_addressing_style)
     else:
         for item in source:
             yield (

@@ -167,7 +167,8 @@ def test_webhook_is_checked_at_submit_and_notified_on_finalize(redis_url, tmp_pa
     client = Client(redis_url)
     with pytest.raises(ValueError, match="internal address"):
         client.submit_batch([line("a")], webhook="http://127.0.0.1:9/hook")
-    monkeypatch.setenv("SLUICE_WEBHOOK_ALLOW", "127.0.0.1")
+    monkeypatch.setenv("SLUICE_WEBHOOK_ALLOW", "127.0.0.1")  # read once, when a client is made
+    client = Client(redis_url)
     batch = client.submit_batch([line("a")], output=tmp_path.as_uri(), webhook="http://127.0.0.1:9/hook")
     assert batch.webhook == "http://127.0.0.1:9/hook"
     client.cancel(batch.id)

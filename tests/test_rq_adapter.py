@@ -120,3 +120,55 @@ def test_set_cron_jobs_replaces_what_the_scheduler_runs_and_saves(redis_url):
     assert [j.args for j in scheduler.get_jobs()] == [("new",)]
     saved = json.loads(scheduler.to_dict()["cron_jobs"])
     assert [json.loads(j["args"]) for j in saved] == [["new"]]
+
+
+def test_the_undocumented_steps_exist_with_the_signatures_the_adapter_calls():
+    """Every name in STEPS is still on rq's worker, queue or job, called as the adapter calls it."""
+    from rq.job import Job
+    from rq.queue import Queue
+
+    assert parameters(BaseWorker.prepare_execution) == ["self", "job"]
+    assert parameters(BaseWorker.prepare_job_execution) == ["self", "job", "remove_from_intermediate_queue"]
+    assert parameters(BaseWorker.cleanup_execution) == ["self", "job", "pipeline", "execution"]
+    assert {"exc_string", "execution"} <= set(parameters(BaseWorker.handle_job_failure))
+    assert parameters(BaseWorker.perform_job) == ["self", "job", "queue", "execution"]
+    assert parameters(BaseWorker.maintain_heartbeats) == ["self", "job", "execution"]
+    assert parameters(BaseWorker.dequeue_job_and_maintain_ttl) == ["self", "timeout", "max_idle_time"]
+    assert parameters(Queue.dequeue_any)[:3] == ["queues", "timeout", "connection"]
+    owners = (BaseWorker, Queue, Job)
+    assert all(any(hasattr(owner, name) for owner in owners) for name in rq_adapter.STEPS)
+    assert Job.redis_job_namespace_prefix == "rq:job:"
+
+
+def test_a_job_s_way_through_the_adapter_s_steps(redis_url):
+    """Queued: in its queue, read as (queue, queued); dequeued: still there (intermediate list) until started;
+    started: out of both lists, in the started registry until its execution ends; failed unrun with a message."""
+    connection = redis.Redis.from_url(redis_url)
+    job = queue_for(connection, "default").enqueue_call(FINALIZE, args=("batch_y",))
+    queue = queue_for(connection, "default")
+    worker = JobsWorker(["default"], connection)
+
+    def origin_and_status() -> list:
+        with connection.pipeline() as pipe:
+            rq_adapter.read_origin_and_status(pipe, job.id)
+            [fields] = pipe.execute()
+        return fields
+
+    assert rq_adapter.in_queue(connection, queue, job.id) and origin_and_status() == [b"default", b"queued"]
+    dequeued, _ = rq_adapter.dequeue_now(worker)
+    assert dequeued.id == job.id and rq_adapter.in_queue(connection, queue, job.id)
+    assert rq_adapter.dequeue_now(worker) is None
+    execution = rq_adapter.start_execution(worker, dequeued)
+    assert not rq_adapter.in_queue(connection, queue, job.id) and origin_and_status() == [b"default", b"started"]
+    assert job.id in queue.started_job_registry
+    with connection.pipeline() as pipe:
+        rq_adapter.end_execution(worker, dequeued, execution, pipe)
+        pipe.execute()
+    assert job.id not in queue.started_job_registry
+    execution = rq_adapter.start_execution(worker, dequeued)
+    rq_adapter.fail_unrun(worker, dequeued, queue, execution, "refused by the test")
+    assert origin_and_status() == [b"default", b"failed"]
+    assert "refused by the test" in dequeued.latest_result().exc_string
+    with connection.pipeline() as pipe:
+        rq_adapter.read_origin_and_status(pipe, "no-such-job")
+        assert pipe.execute() == [[None, None]]

@@ -54,12 +54,13 @@ def test_nothing_but_settings_reads_the_environment():
 def test_webhook_settings_come_from_settings(monkeypatch):
     from pydantic_settings import BaseSettings
 
+    from sluice.contract.settings import Settings
     from sluice.contract.signing import WebhookSettings
 
     monkeypatch.setenv("SLUICE_WEBHOOK_TIMEOUT", "3.5")
     monkeypatch.setenv("SLUICE_WEBHOOK_ALLOW", "127.0.0.1")
     assert not issubclass(WebhookSettings, BaseSettings)
-    webhook = WebhookSettings.from_env()
+    webhook = WebhookSettings.of(Settings())
     assert (webhook.webhook_timeout, webhook.webhook_allow) == (3.5, "127.0.0.1")
     assert WebhookSettings().webhook_timeout == 10.0
 

@@ -6,7 +6,8 @@ import os
 
 import pytest
 
-from sluice.contract.storage import FileStorage, MiB, S3Storage, open_storage, read_url
+from sluice.contract.settings import Settings
+from sluice.contract.storage import S3_STYLE, FileStorage, MiB, S3Storage, open_storage, read_url, split_url
 
 
 def exercise(storage) -> None:
@@ -131,5 +132,18 @@ def test_an_output_no_retry_can_write_is_told_from_one_that_can(s3_bucket, tmp_p
     with pytest.raises(PermissionError, match="not a writable folder"):
         FileStorage(blocker / "out").check_writable()
     missing = f"s3://{s3_bucket}-missing/out"
-    assert "NoSuchBucket" in output_problem(missing, [f"s3://{s3_bucket}-missing"])
-    assert output_problem(f"s3://{s3_bucket}/out", [f"s3://{s3_bucket}"]) is None
+    assert "NoSuchBucket" in output_problem(missing, [f"s3://{s3_bucket}-missing"], "path")
+    assert output_problem(f"s3://{s3_bucket}/out", [f"s3://{s3_bucket}"], "path") is None
+
+
+def test_the_s3_addressing_style_is_the_one_passed_down_never_the_environment(s3_bucket, monkeypatch):
+    """A storage's S3 client addresses buckets in the style its caller passes (Settings' field, read at the entry
+    point); the environment changed afterwards changes nothing; the default is Settings' default."""
+    monkeypatch.setenv("SLUICE_S3_ADDRESSING_STYLE", "virtual")
+    style = lambda storage: storage.client.meta.config.s3["addressing_style"]  # noqa: E731
+    assert style(open_storage(f"s3://{s3_bucket}/out")) == "path" == S3_STYLE
+    assert style(open_storage(f"s3://{s3_bucket}/out", s3_style="virtual")) == "virtual"
+    assert style(split_url(f"s3://{s3_bucket}/out/a.jsonl", s3_style="auto")[0]) == "auto"
+    assert style(S3Storage(s3_bucket, "out", s3_style="virtual")) == "virtual"
+    assert Settings.model_fields["s3_addressing_style"].default == S3_STYLE
+    assert Settings().s3_addressing_style == "virtual"

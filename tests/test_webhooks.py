@@ -259,7 +259,10 @@ def test_submit_refuses_a_private_webhook_unless_allowed(redis_url, monkeypatch,
     monkeypatch.delenv("SLUICE_WEBHOOK_ALLOW", raising=False)
     with pytest.raises(UnsafeWebhookURL):
         client.submit_batch(lines, output=tmp_path.as_uri(), webhook="http://127.0.0.1:9/hook")
-    monkeypatch.setenv("SLUICE_WEBHOOK_ALLOW", "127.0.0.1/32")
+    monkeypatch.setenv("SLUICE_WEBHOOK_ALLOW", "127.0.0.1/32")  # read once, when a client is made
+    with pytest.raises(UnsafeWebhookURL):
+        client.submit_batch(lines, output=tmp_path.as_uri(), webhook="http://127.0.0.1:9/hook")
+    client = Client(redis_url)
     batch = client.submit_batch(lines, output=tmp_path.as_uri(), webhook="http://127.0.0.1:9/hook")
     assert client.get(batch.id).webhook == "http://127.0.0.1:9/hook"
 

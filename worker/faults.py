@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from functools import cache
 
-from sluice.contract.settings import get_settings
+from sluice.contract.settings import Settings
 
 KNOWN = {"step_error", "slow_save", "slow_finalize"}
 
@@ -58,7 +58,11 @@ class Faults:
             time.sleep(self.slow_finalize)
 
 
+def faults(settings: Settings) -> Faults:
+    """The faults settings ask for (SLUICE_FAULTS; none by default), parsed once per value."""
+    return _parsed(settings.faults)
+
+
 @cache
-def faults() -> Faults:
-    """This process's faults (from SLUICE_FAULTS via Settings; none by default)."""
-    return Faults.parse(get_settings().faults)
+def _parsed(spec: str) -> Faults:
+    return Faults.parse(spec)

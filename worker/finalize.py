@@ -16,7 +16,8 @@ from sluice.contract.batch import BatchStore, TransitionError, progress_key
 from sluice.contract.events import notify
 from sluice.contract.jobs import shard_job_id
 from sluice.contract.schemas import Batch, BatchStatus, LineError, OutputRecord, Request, RequestCounts
-from sluice.contract.settings import get_settings
+from sluice.contract.settings import Settings, get_settings
+from sluice.contract.signing import WebhookSettings
 from sluice.contract.storage import OutputNotAllowed, Storage, object_lines, open_output
 from sluice.worker.faults import faults
 from sluice.worker.responses import ABORT_CODES, error_record
@@ -122,16 +123,14 @@ def write_outputs(storage: Storage, connection: redis.Redis, batch: Batch) -> tu
     return output_file, error_file, merged
 
 
-def write_or_fail(
-    connection: redis.Redis, batch: Batch, roots: list[str]
-) -> tuple[str, str | None, Merged] | None:
-    """write_outputs, or None when this worker may not write the output (outside roots, not writable): the batch
-    is then failed for good (no retry, no reaper loop)."""
+def write_or_fail(connection: redis.Redis, batch: Batch, settings: Settings) -> tuple[str, str | None, Merged] | None:
+    """write_outputs, or None when this worker may not write the output (outside the settings' output roots, not
+    writable): the batch is then failed for good (no retry, no reaper loop)."""
     try:
-        storage = open_output(batch.output_url, roots)
+        storage = open_output(batch.output_url, settings.output_root_urls(), s3_style=settings.s3_addressing_style)
         return write_outputs(storage, connection, batch)
     except (OutputNotAllowed, PermissionError) as exc:
-        fail_batch(connection, batch.id, OUTPUT_NOT_ALLOWED, f"the batch's output could not be written: {exc}")
+        fail_batch(connection, batch.id, OUTPUT_NOT_ALLOWED, f"the batch's output could not be written: {exc}", settings)
         return None
 
 
@@ -173,12 +172,12 @@ def finalize_batch(batch_id: str) -> dict[str, int]:
     reads Settings once."""
     settings, job = get_settings(), get_current_job()
     connection = job.connection if job else redis.Redis.from_url(settings.redis_url)
-    return finalize(connection, batch_id, settings.output_root_urls())
+    return finalize(connection, batch_id, settings)
 
 
-def finalize(connection: redis.Redis, batch_id: str, roots: list[str]) -> dict[str, int]:
+def finalize(connection: redis.Redis, batch_id: str, settings: Settings) -> dict[str, int]:
     """Merged files, counts, final status, then the webhook; a no-op for a batch already done (or ended by
-    someone else meanwhile: a second finalize, the reaper). The output must lie inside roots."""
+    someone else meanwhile: a second finalize, the reaper). The output must lie inside the settings' roots."""
     store = BatchStore(connection)
     batch = store.get(batch_id)
     if batch is None or batch.done:
@@ -190,8 +189,8 @@ def finalize(connection: redis.Redis, batch_id: str, roots: list[str]) -> dict[s
             batch = store.get(batch_id)
             if batch is None or batch.done:
                 return {}
-    faults().before_finalize()
-    written = write_or_fail(connection, batch, roots)
+    faults(settings).before_finalize()
+    written = write_or_fail(connection, batch, settings)
     if written is None:
         return {}
     output_file, error_file, merged = written
@@ -211,13 +210,13 @@ def finalize(connection: redis.Redis, batch_id: str, roots: list[str]) -> dict[s
             return {}
         raise
     connection.delete(progress_key(batch_id, "completed"), progress_key(batch_id, "failed"))  # counts are final
-    announce(connection, batch, merged)
+    announce(connection, batch, merged, WebhookSettings.of(settings))
     return batch.request_counts.model_dump()
 
 
-def announce(connection: redis.Redis, batch: Batch, merged: Merged) -> None:
+def announce(connection: redis.Redis, batch: Batch, merged: Merged, hooks: WebhookSettings) -> None:
     """The batch's webhook event, if it asked for one, with the record of a batch of one request."""
     if batch.webhook:
         one = merged.first is not None and merged.completed + merged.failed == 1
         single = merged.first.model_dump(mode="json") if one else None
-        notify(connection, batch, result=single)
+        notify(connection, batch, result=single, settings=hooks)

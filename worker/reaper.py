@@ -100,7 +100,7 @@ class Reaper:
 
     def finalize(self, batch: Batch, final: object, report: Counter) -> None:
         try:
-            finalize(self.connection, batch.id, self.settings.output_root_urls())
+            finalize(self.connection, batch.id, self.settings)
             report["finalized"] += 1
         except (redis.ConnectionError, redis.TimeoutError):
             raise
@@ -120,7 +120,7 @@ class Reaper:
 
     def fail(self, batch_id: str, code: str, message: str) -> None:
         """End the batch as failed (cancelled when it was being cancelled), the reason in its errors."""
-        fail_batch(self.connection, batch_id, code, message)
+        fail_batch(self.connection, batch_id, code, message, self.settings)
 
 
 reaper_app = typer.Typer(help="The reaper: drives stuck batches to a terminal status.")

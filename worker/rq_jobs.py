@@ -15,10 +15,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
-from rq import Queue, SimpleWorker
+from rq import SimpleWorker
 from rq.exceptions import DequeueTimeout, StopRequested
 from rq.executions import Execution
 from rq.job import Job
+from rq.queue import Queue
 from rq.registry import StartedJobRegistry
 from rq.scheduler import RQScheduler
 from rq.serializers import JSONSerializer
@@ -27,7 +28,21 @@ from rq.utils import now
 
 from sluice.contract.jobs import FINALIZE, SHARD_FUNCTIONS
 from sluice.contract.queues import queue_for, status
-from sluice.contract.rq_adapter import fail_job, finish_job, pubsub_error_handler
+from sluice.contract.rq_adapter import (
+    dequeue_now,
+    dequeue_waiting,
+    end_execution,
+    fail_job,
+    fail_unrun,
+    finish_job,
+    in_queue,
+    keep_alive,
+    maintain_registries,
+    new_execution,
+    pubsub_error_handler,
+    run_job,
+    start_execution,
+)
 
 ALLOWED_FUNCTIONS = SHARD_FUNCTIONS | {FINALIZE}
 RETRY_POLL_S = 1.0
@@ -79,7 +94,7 @@ class JobsWorker(SimpleWorker):
     def poll(self) -> tuple[Job, Queue] | None:
         """The next job from the queues in priority order, without blocking."""
         try:
-            return Queue.dequeue_any(self.queues, None, connection=self.connection, serializer=self.serializer)
+            return dequeue_now(self)
         except REDIS_ERRORS:
             raise
         except Exception as exc:  # an unreadable job (not JSON, no such function) is dropped, not fatal
@@ -90,7 +105,7 @@ class JobsWorker(SimpleWorker):
         """Block up to timeout seconds for a job, through rq's own dequeue (which waits out Redis outages)."""
         self.idle = True
         try:
-            return self.dequeue_job_and_maintain_ttl(timeout, max_idle_time=timeout)
+            return dequeue_waiting(self, timeout)
         except DequeueTimeout:
             return None
         except (StopRequested, *REDIS_ERRORS):  # a stop signal while idle ends the loop (worker.request_stop)
@@ -108,18 +123,16 @@ class JobsWorker(SimpleWorker):
     def refuse(self, job: Job, queue: Queue) -> None:
         """Fail a job that calls a function we do not run, without retries and without importing it."""
         self.log.warning("Worker %s: refused job %s calling %r", self.name, job.id, job.func_name)
-        execution = self.prepare_execution(job)
-        self.prepare_job_execution(job, remove_from_intermediate_queue=True)
+        execution = start_execution(self, job)
         job.retries_left = None
         job.ended_at = now()
         message = f"refused: {job.func_name!r} is not a Sluice job function ({', '.join(sorted(ALLOWED_FUNCTIONS))})"
-        self.handle_job_failure(job, queue, exc_string=message, execution=execution)
+        fail_unrun(self, job, queue, message=message, execution=execution)
 
     def claim(self, job: Job, queue: Queue) -> Execution | None:
         """Mark job started through rq; None when this worker already holds it (re-queued while held)."""
         with self._lock:
-            execution = self.prepare_execution(job)
-            self.prepare_job_execution(job, remove_from_intermediate_queue=True)
+            execution = start_execution(self, job)
             job.started_at = now()
             held = self.held.get(job.id)
             if held is None:
@@ -127,17 +140,17 @@ class JobsWorker(SimpleWorker):
                 return execution
             self.log.warning("Worker %s: %s came back while held; keeping the run in flight", self.name, job.id)
             with self.connection.pipeline() as pipe:
-                self.cleanup_execution(held.job, pipeline=pipe, execution=held.execution)
+                end_execution(self, held.job, held.execution, pipe)
                 pipe.execute()
             self.held[job.id] = Held(job, queue, execution, held.since)
             return None
 
     def run_inline(self, job: Job, queue: Queue) -> None:
         """Run a non-shard job (finalize) in this process, its heartbeat kept by the heartbeat thread."""
-        execution = self.prepare_execution(job)
+        execution = new_execution(self, job)
         self.inline = Held(job, queue, execution, time.monotonic())
         try:
-            self.perform_job(job, queue, execution)
+            run_job(self, job, queue, execution)
         finally:
             self.inline = None
         self.set_state("idle")
@@ -171,7 +184,7 @@ class JobsWorker(SimpleWorker):
             held = self.held[job_id]
             with self.connection.pipeline() as pipe:
                 pipe.multi()
-                self.cleanup_execution(held.job, pipeline=pipe, execution=held.execution)
+                end_execution(self, held.job, held.execution, pipe)
                 held.queue.enqueue_job(held.job, pipeline=pipe, at_front=True)
                 pipe.execute()
             del self.held[job_id]
@@ -202,12 +215,11 @@ class JobsWorker(SimpleWorker):
         if not held:
             self.heartbeat()
         for h in held:
-            self.maintain_heartbeats(h.job, h.execution)
+            keep_alive(self, h.job, h.execution)
 
     def maintain(self) -> None:
         """rq's registry maintenance, and re-enqueueing retries whose backoff has passed."""
-        if self.should_run_maintenance_tasks:
-            self.run_maintenance_tasks()
+        maintain_registries(self)
         clock = time.monotonic()
         if clock - self._last_retry_poll >= RETRY_POLL_S:
             self._last_retry_poll = clock
@@ -231,7 +243,7 @@ def lost(connection: redis.Redis, job: Job) -> bool:
     queue = queue_for(connection, job.origin)
     state = status(job)
     if state == "queued":
-        return connection.lpos(queue.key, job.id) is None and connection.lpos(queue.intermediate_queue_key, job.id) is None
+        return not in_queue(connection, queue, job.id)
     if state == "started":
         return job.id not in queue.started_job_registry
     return False

@@ -39,11 +39,12 @@ def stop_reason(store: BatchStore, batch_id: str) -> str | None:
     return None
 
 
-def output_refusal(store: BatchStore, batch_id: str, roots: list[str]) -> str | None:
+def output_refusal(store: BatchStore, batch_id: str, settings: Settings) -> str | None:
     """Why this worker may not write the batch's output under roots (checked before any of its requests runs),
     or None."""
     batch = store.get(batch_id)
-    return None if batch is None else output_problem(batch.output_url, roots)
+    return None if batch is None else output_problem(batch.output_url, settings.output_root_urls(),
+                                                     settings.s3_addressing_style)
 
 
 class ModelNotServed(ValueError):
@@ -164,15 +165,15 @@ class ShardRun:
         usages = [r.response.body.get("usage") or {} for r in self.records.values() if r.response is not None]
         return sum(u.get("prompt_tokens", 0) for u in usages), sum(u.get("completion_tokens", 0) for u in usages)
 
-    def save(self, connection: redis.Redis, roots: list[str]) -> dict[str, int]:
+    def save(self, connection: redis.Redis, settings: Settings) -> dict[str, int]:
         """Write shards/{n}.jsonl (overwriting a previous run's; refused outside roots) and record the shard's
         counts."""
         assert self.done and len(self.records) == len(self.requests), "a shard is saved only when complete"
         store = BatchStore(connection)
         batch = store.get(self.batch_id)
-        faults().before_save()
+        faults(settings).before_save()
         if batch is not None:
-            storage = open_output(batch.output_url, roots)
+            storage = open_output(batch.output_url, settings.output_root_urls(), s3_style=settings.s3_addressing_style)
             ordered = [self.records[r.custom_id] for r in self.requests]
             storage.put(shard_key(self.batch_id, self.shard), records_jsonl(ordered))
         completed, failed = self.counts()
@@ -211,19 +212,18 @@ def run_shard(batch_id: str, shard: int, requests: list[dict[str, Any]]) -> dict
     job's entry point: it reads Settings once, for everything below)."""
     settings, job = get_settings(), get_current_job()
     connection = job.connection if job else redis.Redis.from_url(settings.redis_url)
-    roots = settings.output_root_urls()
     run = ShardRun.from_args(job.id if job else f"{batch_id}-shard-{shard}", (batch_id, shard, requests))
     reason = stop_reason(BatchStore(connection), batch_id)
-    refusal = None if reason else output_refusal(BatchStore(connection), batch_id, roots)
+    refusal = None if reason else output_refusal(BatchStore(connection), batch_id, settings)
     if refusal:  # permanent for the batch: end it now rather than run requests whose output cannot be kept
-        fail_batch(connection, batch_id, OUTPUT_NOT_ALLOWED, refusal)
+        fail_batch(connection, batch_id, OUTPUT_NOT_ALLOWED, refusal, settings)
         return {"completed": 0, "failed": 0}
     if reason:
         run.fail_all(reason, ABORT_CODES[reason])
-        return run.save(connection, roots)
+        return run.save(connection, settings)
     llm = shared_llm(settings)
     run.start(llm, served_models(llm, settings))
     while not run.done:
         for out in llm.step():
             run.finish(out, model_name(llm))
-    return run.save(connection, roots)
+    return run.save(connection, settings)

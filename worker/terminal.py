@@ -10,15 +10,18 @@ from sluice.contract.batch import BatchStore, TransitionError, progress_key
 from sluice.contract.events import notify
 from sluice.contract.queues import drop_unclaimed
 from sluice.contract.schemas import Batch, BatchStatus, LineError, RequestCounts
+from sluice.contract.settings import Settings
+from sluice.contract.signing import WebhookSettings
 from sluice.contract.storage import OutputNotAllowed, check_output_url, open_storage
 
 log = logging.getLogger(__name__)
 OUTPUT_NOT_ALLOWED = "output_not_allowed"
 
 
-def fail_batch(connection: redis.Redis, batch_id: str, code: str, message: str) -> Batch | None:
+def fail_batch(connection: redis.Redis, batch_id: str, code: str, message: str, settings: Settings) -> Batch | None:
     """End the batch as failed (cancelled when it was being cancelled) with the reason in `errors`; its
-    queued shards are dropped and running ones aborted. None when it was already done."""
+    queued shards are dropped and running ones aborted; its webhook told (settings' webhook fields). None when
+    it was already done."""
 
     def record(b: Batch) -> None:
         b.errors = [*b.errors, LineError(code=code, message=message)]
@@ -38,14 +41,14 @@ def fail_batch(connection: redis.Redis, batch_id: str, code: str, message: str) 
     drop_unclaimed(connection, batch_id, batch.num_shards)
     log.warning("batch %s %s: %s: %s", batch_id, batch.status.value, code, message)
     if batch.webhook:
-        notify(connection, batch)
+        notify(connection, batch, settings=WebhookSettings.of(settings))
     return batch
 
 
-def output_problem(url: str, roots: list[str]) -> str | None:
+def output_problem(url: str, roots: list[str], s3_style: str) -> str | None:
     """Why this process may not write a batch's output at url (outside roots, not writable), or None."""
     try:
-        storage = open_storage(check_output_url(url, roots))
+        storage = open_storage(check_output_url(url, roots), s3_style=s3_style)
     except (OutputNotAllowed, ValueError) as exc:
         return f"this worker may not write the batch's output: {exc}"
     try:

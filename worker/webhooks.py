@@ -16,7 +16,7 @@ from redis import Redis
 from urllib3.connection import HTTPConnection, HTTPSConnection
 
 from sluice.contract.events import DUE_KEY, as_text, delivery_key, delivery_log, record_attempt
-from sluice.contract.settings import default_redis_url
+from sluice.contract.settings import default_redis_url, get_settings
 from sluice.contract.signing import (
     Target,
     UnsafeWebhookURL,
@@ -161,14 +161,13 @@ def attempt(connection: Redis, event_id: str, settings: WebhookSettings) -> str:
 
 def run(
     connection: Redis,
-    settings: WebhookSettings | None = None,
+    settings: WebhookSettings,
     concurrency: int = 8,
     poll_s: float = 0.5,
     burst: bool = False,
     stop: threading.Event | None = None,
 ) -> None:
     """Deliver due events until stopped (or, with burst, until none is pending)."""
-    settings = settings or WebhookSettings.from_env()
     stop = stop or threading.Event()
     lease_s = 3 * settings.webhook_timeout + 30
     with ThreadPoolExecutor(concurrency, thread_name_prefix="webhook") as pool:
@@ -202,9 +201,10 @@ def run_command(
     poll: float = typer.Option(0.5, help="seconds between polls when nothing is due"),
     burst: bool = typer.Option(False, help="exit once nothing is pending"),
 ) -> None:
-    """Run the delivery process (any number of them may share one Redis)."""
+    """Run the delivery process (any number of them may share one Redis; webhook fields from Settings)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    run(Redis.from_url(redis_url), concurrency=concurrency, poll_s=poll, burst=burst)
+    hooks = WebhookSettings.of(get_settings())
+    run(Redis.from_url(redis_url), hooks, concurrency=concurrency, poll_s=poll, burst=burst)
 
 
 @webhooks_app.command("log")

@@ -57,7 +57,6 @@ class EngineWorker(JobsWorker):
     ) -> None:
         super().__init__(queues, connection, heartbeat_ttl, **kwargs)
         self.settings = settings or get_settings()  # `sluice worker` passes the Settings it read at start
-        self.roots = self.settings.output_root_urls()
         self.llm = llm
         self.model = model_name(llm)
         self.served = served_models(llm, self.settings)
@@ -67,7 +66,7 @@ class EngineWorker(JobsWorker):
         self.runs: dict[str, ShardRun] = {}
         self.owner: dict[str, str] = {}
         self.stop_deadline: float | None = None
-        self.faults = faults()
+        self.faults = faults(self.settings)
         self._fresh_ids = itertools.count(1)
         self._last_cancel_check = self._last_claim = self._last_progress = 0.0
 
@@ -190,7 +189,7 @@ class EngineWorker(JobsWorker):
         try:
             run = ShardRun.from_args(job.id, job.args)
             reason = stop_reason(self.store, run.batch_id)
-            refusal = None if reason else output_refusal(self.store, run.batch_id, self.roots)
+            refusal = None if reason else output_refusal(self.store, run.batch_id, self.settings)
             if refusal:
                 self._refuse_output(job.id, run.batch_id, OutputNotAllowed(refusal))
                 return
@@ -243,7 +242,7 @@ class EngineWorker(JobsWorker):
         try:
             if run.unreported:  # the live counts hold every request of a saved shard
                 run.report_progress(self.store)
-            summary = run.save(self.connection, self.roots)
+            summary = run.save(self.connection, self.settings)
         except REDIS_ERRORS:
             raise
         except (OutputNotAllowed, PermissionError) as exc:
@@ -264,7 +263,7 @@ class EngineWorker(JobsWorker):
     def _refuse_output(self, job_id: str, batch_id: str, exc: Exception) -> None:
         """The batch's output cannot be written here: the batch fails at once and the job is not retried."""
         self.log.warning("Worker %s: batch %s failed, %s refused: %s", self.name, batch_id, job_id, exc)
-        fail_batch(self.connection, batch_id, OUTPUT_NOT_ALLOWED, str(exc))
+        fail_batch(self.connection, batch_id, OUTPUT_NOT_ALLOWED, str(exc), self.settings)
         self.fail_for_good(job_id, exc)
 
     def _abort_stopped_batches(self) -> None:

@@ -19,14 +19,14 @@ import json
 import mmap
 import os
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from sluice.engine.models.llama import LlamaModel, ModelConfig
 from sluice.engine.models.paths import GENERIC
@@ -265,18 +265,22 @@ def _head(model: LlamaModel) -> nn.Linear:
     return head
 
 
-@contextmanager
-def skip_init() -> Iterator[None]:
-    """Build modules without their random initialisation (transformers' `no_init_weights`): every weight is
-    about to be replaced by the checkpoint's."""
-    saved = {name: getattr(nn.init, name) for name in dir(nn.init) if name.endswith("_") and not name.startswith("_")}
-    for name in saved:
-        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
-    try:
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(nn.init, name, fn)
+class SkipInit(TorchFunctionMode):
+    """While active, torch.nn.init's initialisers (those with torch's `__torch_function__` hook: uniform_, normal_,
+    constant_, kaiming_uniform_, all that nn.Linear and nn.Embedding call) return their tensor untouched, as
+    transformers' `no_init_weights` does by patching them: every weight is about to be replaced by the
+    checkpoint's. Nothing of torch is patched."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **kwargs)
+
+
+def skip_init() -> SkipInit:
+    """A context in which modules are built without their random initialisation (SkipInit)."""
+    return SkipInit()
 
 
 def build_model(config: ModelConfig) -> LlamaModel:

@@ -57,11 +57,11 @@ class Owner(BaseModel):
     input_file_id: str
 
 
-def usage_of(url: str | None) -> dict[str, int]:
+def usage_of(url: str | None, s3_style: str) -> dict[str, int]:
     """Prompt/completion tokens summed over an output file's responses."""
     prompt = completion = 0
     tail = b""
-    for chunk in iter_object(url) if url else ():
+    for chunk in iter_object(url, s3_style) if url else ():
         *lines, tail = (tail + chunk).split(b"\n")
         for line in lines:
             usage = (json.loads(line).get("response") or {}).get("body", {}).get("usage") or {}
@@ -106,7 +106,7 @@ class BatchApi:
         file_id = f"file-{batch.id.removeprefix('batch_')}-{kind}"
         if self.connection.exists(FILE + file_id):
             return file_id
-        storage, key = split_url(url)
+        storage, key = split_url(url, s3_style=self.ctx.settings.s3_addressing_style)
         record = FileRecord(
             id=file_id,
             bytes=storage.size(key) or 0,
@@ -125,7 +125,7 @@ class BatchApi:
         if cached is not None:
             tokens = json.loads(cached)
         elif batch.done:
-            tokens = usage_of(batch.output_file)
+            tokens = usage_of(batch.output_file, self.ctx.settings.s3_addressing_style)
             self.connection.set(USAGE + batch.id, json.dumps(tokens), ex=self.ctx.settings.result_ttl)
         else:
             input_tokens, output_tokens = self.ctx.client.batches.shard_usage(batch.id)

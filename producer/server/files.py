@@ -79,9 +79,9 @@ class FileStore:
             pipe.execute()
 
 
-def iter_object(url: str) -> Iterator[bytes]:
+def iter_object(url: str, s3_style: str) -> Iterator[bytes]:
     """The bytes of a stored object in chunks, never all in memory."""
-    storage, key = split_url(url)
+    storage, key = split_url(url, s3_style=s3_style)
     yield from storage.chunks(key, CHUNK)
 
 
@@ -105,7 +105,7 @@ async def create_file(request: Request, key: ApiKey = Depends(api_key)) -> dict:
         if purpose != "batch":
             raise APIError(400, f"purpose must be 'batch', got {purpose!r}", param="purpose")
         file_id = f"file-{uuid.uuid4().hex}"
-        storage = open_storage(ctx.settings.output_url)
+        storage = open_storage(ctx.settings.output_url, s3_style=ctx.settings.s3_addressing_style)
         url = await run_in_threadpool(storage.put_file, f"files/{file_id}.jsonl", sink.path)
     finally:
         sink.discard()
@@ -147,18 +147,20 @@ def retrieve_file(file_id: str, request: Request, key: ApiKey = Depends(api_key)
 @router.get("/v1/files/{file_id}/content")
 def file_content(file_id: str, request: Request, key: ApiKey = Depends(api_key)) -> StreamingResponse:
     """The file's bytes, streamed from storage."""
-    record = FileStore(context(request).connection).get(key.project, file_id)
+    ctx = context(request)
+    record = FileStore(ctx.connection).get(key.project, file_id)
     headers = {"content-disposition": f'attachment; filename="{record.filename}"'}
-    return StreamingResponse(iter_object(record.url), media_type="application/jsonl", headers=headers)
+    return StreamingResponse(iter_object(record.url, ctx.settings.s3_addressing_style), media_type="application/jsonl", headers=headers)
 
 
 @router.delete("/v1/files/{file_id}")
 def delete_file(file_id: str, request: Request, key: ApiKey = Depends(api_key)) -> dict:
     """Forget the file and delete an uploaded file's bytes (batch outputs stay with their batch)."""
-    store = FileStore(context(request).connection)
+    ctx = context(request)
+    store = FileStore(ctx.connection)
     record = store.get(key.project, file_id)
     store.delete(record)
     if record.purpose == "batch":
-        storage, path = split_url(record.url)
+        storage, path = split_url(record.url, s3_style=ctx.settings.s3_addressing_style)
         storage.delete(path)
     return {"id": file_id, "object": "file", "deleted": True}

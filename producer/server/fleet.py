@@ -8,15 +8,13 @@ from dataclasses import dataclass
 
 import redis
 from rq import Queue, Worker
-from rq.job import Job
 from rq.registry import FailedJobRegistry, StartedJobRegistry
 from rq.serializers import JSONSerializer
 
 from sluice.contract.batch import INDEX, batch_key
 from sluice.contract.jobs import MODELS, QUEUES, shard_job_id
+from sluice.contract.rq_adapter import read_origin_and_status
 from sluice.contract.schemas import Batch, BatchStatus
-
-JOB_PREFIX = Job.redis_job_namespace_prefix  # rq's hash of a job: fields origin (its queue) and status
 
 
 @dataclass
@@ -61,7 +59,7 @@ def project_queues(connection: redis.Redis, batches: list[Batch], chunk: int = 5
     for start in range(0, len(ids), chunk):
         with connection.pipeline(transaction=False) as pipe:
             for job_id in ids[start : start + chunk]:
-                pipe.hmget(JOB_PREFIX + job_id, "origin", "status")
+                read_origin_and_status(pipe, job_id)
             for origin, status in pipe.execute():
                 state = counts.get((origin or b"").decode())
                 field = column.get((status or b"").decode())

@@ -20,7 +20,7 @@ from sluice.worker.reaper import Reaper
 from sluice.worker.shard_run import shard_key
 from tests.faults.conftest import assert_exactly_once, request
 
-ROOTS = Settings().output_root_urls()
+SETTINGS = Settings()
 
 
 def shard_file(ids: list[str], text_bytes: int, fail: set[str] = frozenset()) -> bytes:
@@ -74,7 +74,7 @@ def test_finalize_memory_stays_bounded_by_a_chunk_not_the_batch(redis_url, tmp_p
 
     tracemalloc.start()
     try:
-        counts = finalize(client.connection, batch.id, ROOTS)
+        counts = finalize(client.connection, batch.id, SETTINGS)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -101,7 +101,7 @@ def test_a_shard_that_was_never_enqueued_fails_the_batch_naming_it(redis_url, tm
     for job_id in (shard_job_id(batch.id, 1), finalize_job_id(batch.id)):
         Job.fetch(job_id, connection=client.connection, serializer=JSONSerializer).delete()
 
-    assert finalize(client.connection, batch.id, ROOTS) == {"total": 4, "completed": 2, "failed": 2}
+    assert finalize(client.connection, batch.id, SETTINGS) == {"total": 4, "completed": 2, "failed": 2}
     done = client.get(batch.id)
     assert done.status == BatchStatus.failed
     assert done.errors[-1].code == "shards_lost" and "[1]" in done.errors[-1].message
@@ -119,10 +119,10 @@ def test_a_failed_output_write_leaves_no_file_and_the_retry_completes(redis_url,
 
     with monkeypatch.context() as patched, pytest.raises(OSError, match="No space"):
         patched.setattr("sluice.contract.storage.ObjectWriter.write", broken)
-        finalize(client.connection, batch.id, ROOTS)
+        finalize(client.connection, batch.id, SETTINGS)
     assert client.get(batch.id).status == BatchStatus.finalizing
     assert sorted(p.name for p in (tmp_path / batch.id).iterdir()) == ["shards"], "no output, no temp file"
-    assert finalize(client.connection, batch.id, ROOTS)["completed"] == 2
+    assert finalize(client.connection, batch.id, SETTINGS)["completed"] == 2
     assert client.get(batch.id).status == BatchStatus.completed
 
 

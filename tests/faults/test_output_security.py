@@ -73,7 +73,7 @@ def test_the_worker_refuses_to_write_outside_its_roots(redis_url, tmp_path, monk
                                                                         body={"prompt": "x"})])  # fmt: skip
     run.fail_all("batch_cancelled", "x")
     with pytest.raises(OutputNotAllowed):
-        run.save(connection, Settings().output_root_urls())
+        run.save(connection, Settings())
     assert finalize_batch("batch_forged") == {}  # a permanent error of the batch: no raise, so no retry loop
     batch = store.get("batch_forged")
     assert batch.status == BatchStatus.failed and [e.code for e in batch.errors] == ["output_not_allowed"]

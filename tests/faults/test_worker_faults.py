@@ -10,6 +10,7 @@ from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
 from sluice.contract.queues import queue_for
+from sluice.contract.settings import Settings
 from sluice.engine import LLM, RequestRejected, SamplingParams
 from sluice.producer import BatchStatus, Client
 from sluice.worker.worker import EngineWorker
@@ -44,12 +45,13 @@ def test_worker_runs_only_sluice_job_functions(llm, redis_url, tmp_path):
     assert "not a Sluice job function" in job.latest_result().exc_string
 
 
-def test_a_request_that_breaks_the_engine_fails_alone(llm, redis_url, tmp_path, monkeypatch):
-    monkeypatch.setattr("sluice.worker.worker.faults", lambda: __import__("sluice.worker.faults").worker.faults.Faults(step_error="POISON"))
+def test_a_request_that_breaks_the_engine_fails_alone(llm, redis_url, tmp_path):
     client = Client(redis_url)
     lines = [request(i) for i in range(11)] + [request(11, prompt="POISON pill")]
     batch = client.submit_batch(lines, output=tmp_path.as_uri(), shard_size=4)
-    worker = EngineWorker(["default"], llm, redis.Redis.from_url(redis_url), heartbeat_ttl=5, reaper=False)
+    settings = Settings(faults="step_error=POISON")  # the worker's faults come from the Settings it is handed
+    worker = EngineWorker(["default"], llm, redis.Redis.from_url(redis_url), heartbeat_ttl=5, reaper=False,
+                          settings=settings)  # fmt: skip
     worker.work(burst=True, logging_level="WARNING")
     done = client.get(batch.id)
     assert done.status == BatchStatus.completed
