@@ -9,6 +9,7 @@ from typing import Any
 import redis
 from rq import Queue
 from rq.job import Job
+from rq.registry import ScheduledJobRegistry
 from rq.serializers import JSONSerializer
 
 from sluice.contract.jobs import finalize_job_id, shard_job_id
@@ -68,9 +69,29 @@ def drop_unclaimed(connection: redis.Redis, batch_id: str, num_shards: int) -> i
     [finalize] = fetch(connection, [finalize_job_id(batch_id)])
     dropped = 0
     for job in fetch(connection, [shard_job_id(batch_id, n) for n in range(num_shards)]):
-        if job is not None and status(job) in UNCLAIMED:
+        if job is not None and take_unclaimed(connection, job):
             if finalize is not None:
                 connection.srem(finalize.dependencies_key, job.id)
             job.cancel(enqueue_dependents=True)
             dropped += 1
     return dropped
+
+
+def take_unclaimed(connection: redis.Redis, job: Job) -> bool:
+    """Take a shard job no worker has claimed out of reach of every worker; False when a worker got it first.
+
+    The status read a moment ago may be stale: a worker claims a queued job by moving its id out of the queue's
+    list in one Redis command, so removing the id from that list (or from the scheduled registry, for a retry
+    waiting out its backoff) is what decides who has it. A job cancelled after a worker took it would run with
+    no shard output and no dependency left for the finalize job to wait on."""
+    state = status(job)
+    if state not in UNCLAIMED:
+        return False
+    if state == "deferred":
+        return True  # waits on other jobs: not in any queue, no worker can take it yet
+    queue = Queue(job.origin, connection=connection, serializer=JSONSerializer)
+    if state == "scheduled":
+        registry = ScheduledJobRegistry(job.origin, connection=connection, serializer=JSONSerializer)
+        if connection.zrem(registry.key, job.id):
+            return True
+    return bool(connection.lrem(queue.key, 0, job.id))
