@@ -20,6 +20,7 @@ from sluice.engine.pooling import (
     PoolingError,
     PoolingParams,
     PoolingRequest,
+    can_pool,
     check_input,
     embedding_output,
     pooler_for,
@@ -130,8 +131,9 @@ class Engine:
 
     def _add_embedding(self, request_id: str, inputs: object, params: PoolingParams) -> None:
         """One PoolingRequest per input (several inputs come back merged into one EmbeddingOutput)."""
-        if not hasattr(self.model, "hidden_states"):
-            raise RequestRejected("embeddings need the native forward; this checkpoint takes the generic path")
+        if not can_pool(self.model):
+            raise RequestRejected(f"embeddings need the model's final hidden states, which {type(self.model).__name__} "
+                                  "does not give")
         try:
             prompts = split_inputs(inputs)
             self._pooling = self._pooling or pooler_for(self.config.model, self.resolved.hf_config)

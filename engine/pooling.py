@@ -124,6 +124,31 @@ class PoolingRequest(Request):
         return self.embedding
 
 
+def can_pool(model: torch.nn.Module) -> bool:
+    """Whether the model gives final hidden states: the native forward's own, or a transformers model's (generic
+    path) through a hook on its base model."""
+    return hasattr(model, "hidden_states") or hasattr(getattr(model, "hf", None), "base_model")
+
+
+def logits_and_hidden(model: torch.nn.Module, args: tuple, num_logits: int,
+                      plan: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward over `args` (ids, positions, kv caches, metadata, rows index): the logits of the index's first
+    `num_logits` rows and the final hidden states of the rest."""
+    *step, index = args
+    if hasattr(model, "hidden_states"):
+        hidden = model.hidden_states(*step, index, plan=plan)
+        logits = (model.compute_logits(hidden[:num_logits]) if num_logits
+                  else hidden.new_empty((0, model.config.vocab_size)))
+        return logits, hidden[num_logits:]
+    kept: list[torch.Tensor] = []  # the generic path: its base model's output, the LM head's input
+    hook = model.hf.base_model.register_forward_hook(lambda module, inputs, out: kept.append(out[0]))
+    try:
+        logits = model(*step, index[:num_logits], plan=plan)  # the model's own head (softcapping, scaling)
+    finally:
+        hook.remove()
+    return logits, kept[-1][0].index_select(0, index[num_logits:])
+
+
 def check_input(ids: list[int], vocab: int, max_len: int, capacity: int, hidden: int,
                 params: PoolingParams) -> str | None:
     """Why an embedding input can never run, or None."""
