@@ -132,8 +132,8 @@ class Engine:
     def _add_embedding(self, request_id: str, inputs: object, params: PoolingParams) -> None:
         """One PoolingRequest per input (several inputs come back merged into one EmbeddingOutput)."""
         if not can_pool(self.model):
-            raise RequestRejected(f"embeddings need the model's final hidden states, which {type(self.model).__name__} "
-                                  "does not give")
+            name = type(self.model).__name__
+            raise RequestRejected(f"embeddings need the model's final hidden states, which {name} does not give")
         try:
             prompts = split_inputs(inputs)
             self._pooling = self._pooling or pooler_for(self.config.model, self.resolved.hf_config)

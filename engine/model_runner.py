@@ -148,7 +148,8 @@ class ModelRunner:
             flat = torch.tensor([ids, positions, slots], dtype=torch.long, device=self.device)
             meta = kernels.build_metadata(query_lens, context_lens, tables, flat[2], self.block_size, self.device,
                                           fused=self.plan.fused_attention)
-            args = (flat[0], flat[1], self.kv_caches, meta, torch.tensor(wanted, dtype=torch.long, device=self.device))
+            index = torch.tensor(wanted, dtype=torch.long, device=self.device)
+            args = (flat[0], flat[1], self.kv_caches, meta, index)
             plan = self.plan.for_step(flat[0], meta)
         rows.logits, rows.hidden = logits_and_hidden(self.model, args, len(logit_idx), plan)
         return rows
