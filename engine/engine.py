@@ -24,6 +24,7 @@ from sluice.engine.pooling import (
     check_input,
     embedding_output,
     pooler_for,
+    segment_sums,
     split_inputs,
 )
 from sluice.engine.quantization import linear_hook, pack_4bit_for_cpu
@@ -310,12 +311,15 @@ class Engine:
     def _pool(self, reqs: list[Request], rows: StepLogits, index: list[int]) -> list[Request]:
         """Pool embedding requests' hidden rows; finish those whose prompt is computed (no decode, KV freed now)."""
         finished = []
+        counted = [i for i in index if rows.num_rows[i]]
+        if counted:  # every request's rows summed in one op
+            assert rows.hidden is not None
+            sums = segment_sums(rows.hidden, [rows.row_start[i] for i in counted], [rows.num_rows[i] for i in counted])
+            for total, i in zip(sums, counted, strict=True):
+                reqs[i].accumulate(total, rows.first_pos[i])  # type: ignore[attr-defined]
         for i in index:
-            req, start, count = reqs[i], rows.row_start[i], rows.num_rows[i]
+            req = reqs[i]
             assert isinstance(req, PoolingRequest)
-            if count:
-                assert rows.hidden is not None
-                req.accumulate(rows.hidden[start: start + count], rows.first_pos[i])
             if req.num_computed_tokens >= req.num_tokens:
                 self.block_manager.cache_full_blocks(req)  # its full blocks stay in the prefix cache once freed
                 self.scheduler.finish(req, "stop")

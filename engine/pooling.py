@@ -102,13 +102,13 @@ class PoolingRequest(Request):
         first = max(start, self.num_tokens - 1)
         return first, max(0, start + n - first)
 
-    def accumulate(self, hidden: torch.Tensor, first_pos: int) -> None:
-        """Add this step's rows (a prefill restarted from position 0 after preemption starts over)."""
-        if self.pooling == "mean":
-            total = hidden.float().sum(0)
-            self.pooled = total if first_pos == 0 or self.pooled is None else self.pooled + total
+    def accumulate(self, total: torch.Tensor, first_pos: int) -> None:
+        """Add the float32 sum of this step's rows (`pool_rows`: one row for last and cls pooling); a prefill
+        restarted from position 0 after preemption starts over."""
+        if self.pooling == "mean" and first_pos > 0 and self.pooled is not None:
+            self.pooled = self.pooled + total
         else:
-            self.pooled = hidden[-1].float()
+            self.pooled = total
 
     def finish_embedding(self) -> list[float]:
         """The pooled vector: averaged (mean), truncated to `dimensions`, L2-normalized."""
@@ -122,6 +122,18 @@ class PoolingRequest(Request):
         self.embedding = vec.cpu().tolist()
         self.pooled = None
         return self.embedding
+
+
+def segment_sums(hidden: torch.Tensor, starts: list[int], counts: list[int]) -> torch.Tensor:
+    """float32 [len(starts), hidden] sums of the row ranges [start, start + count) of `hidden`, in one op."""
+    seg = torch.repeat_interleave(torch.arange(len(starts)), torch.tensor(counts))
+    rows = torch.cat([torch.arange(s, s + c) for s, c in zip(starts, counts, strict=True)])
+    if rows.numel() == hidden.shape[0] and bool((rows == torch.arange(hidden.shape[0])).all()):
+        src = hidden  # every row, in order (mean pooling alone in the step): no gather
+    else:
+        src = hidden.index_select(0, rows.to(hidden.device))
+    out = torch.zeros(len(starts), hidden.shape[1], dtype=torch.float32, device=hidden.device)
+    return out.index_add_(0, seg.to(hidden.device), src.float())
 
 
 def can_pool(model: torch.nn.Module) -> bool:
