@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -169,10 +170,13 @@ class Engine:
     def _structured(self) -> StructuredOutputs:
         """The grammar engine, started on the first structured request."""
         if self.processors.structured is None:
-            # On CPU the forward owns the cores: xgrammar's fill threads would compete with it; one suffices.
-            threads = 1 if self.device.type == "cpu" else "auto"
-            self.processors.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size,
-                                                           sorted(self.eos_token_ids), threads)
+            # On CPU the forward owns the cores: xgrammar's fill threads would compete with it; one suffices, and
+            # it fills during the forward only where a core is left over (else the forward's threads wait on it).
+            cpu = self.device.type == "cpu"
+            so = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids),
+                                   1 if cpu else "auto")
+            so.overlap = not cpu or torch.get_num_threads() < len(os.sched_getaffinity(0))
+            self.processors.structured = so
         return self.processors.structured
 
     def _validate(self, ids: list[int], params: SamplingParams) -> None:

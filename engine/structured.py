@@ -4,8 +4,10 @@ requests, shards and jobs in a worker); each request has its own matcher, advanc
 A step's masks are one token bitmask for every row, applied to the logits in one op. The rows a step will sample
 plainly are filled in one batched call on a grammar thread started before the model's forward (`fill_ahead`):
 the matchers already hold every token emitted so far, xgrammar fills without the GIL and torch's ops release
-it, so the fill runs while the forward does and the sampler only waits for it. Speculative verify rows (which
-walk each matcher through its proposals and back) are filled after the forward."""
+it, so the fill runs while the forward does and the sampler only waits for it. The engine turns this on for CUDA
+(the host is free while the device computes) and on CPU where torch leaves a core free; where torch's threads
+take every core, a third thread only stalls the forward's parallel regions, and the mask is filled after it.
+Speculative verify rows (which walk each matcher through its proposals and back) are filled after the forward."""
 
 from __future__ import annotations
 
@@ -94,7 +96,7 @@ class StructuredOutputs:
         self.cache: dict[str, Any] = {}
         self.bitmask = xgr.allocate_token_bitmask(1, vocab)
         self.ahead_bitmask = xgr.allocate_token_bitmask(1, vocab)
-        self.overlap = True  # fill ahead of the forward (off: fill after it, as the sampler needs the mask)
+        self.overlap = True  # fill during the forward (off: after it, when the sampler needs the mask)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="sluice-grammar")
         self._ahead: _Ahead | None = None
         self.rows_filled = {"ahead": 0, "after": 0}  # masks filled during the forward, and after it
