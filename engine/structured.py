@@ -132,8 +132,8 @@ class StructuredOutputs:
         """Start filling, on the grammar thread, the masks of the rows `reqs` will sample next (call it before the
         forward; `apply` with the same requests in the same order then waits for it instead of filling)."""
         self._settle()
-        rows = _live_rows(reqs)
-        if not self.overlap or not rows:
+        rows = _live_rows(reqs) if self.overlap else []
+        if not rows:
             return
         if self.ahead_bitmask.shape[0] < len(reqs):
             self.ahead_bitmask = self.xgr.allocate_token_bitmask(len(reqs), self.vocab)
