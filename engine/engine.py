@@ -175,7 +175,8 @@ class Engine:
             cpu = self.device.type == "cpu"
             so = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids),
                                    1 if cpu else "auto")
-            so.overlap = not cpu or torch.get_num_threads() < len(os.sched_getaffinity(0))
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            so.overlap = not cpu or torch.get_num_threads() < cores
             self.processors.structured = so
         return self.processors.structured
 
