@@ -1,5 +1,6 @@
 """Embeddings batch throughput: the engine (LLM.embed, one continuous batch) vs a sentence-transformers-style loop
-(transformers AutoModel, inputs sorted by length, padded batches of --batch, the same pooling), both in one run.
+(transformers AutoModel, inputs sorted by length as sentence-transformers' encode does, padded batches of --batch,
+the same pooling) and a naive `model(**batch)` loop (the same, in input order), all in one run.
 
 python bench/embeddings.py [--num-requests 256] [--batch 32] [--rounds 2] [--min-len 16] [--max-len 256]
 Rounds alternate the two; the model is the ~125M random Llama of bench/common.py (bf16), pooled by mean (its
@@ -15,9 +16,10 @@ from common import base_parser, bench_model, record, table, workload
 from sluice.engine import LLM
 
 
-def hf_loop(model, inputs: list[list[int]], batch: int) -> list[torch.Tensor]:
-    """sentence-transformers' encode: sort by length, pad each batch, model(**batch), masked mean, normalize."""
-    order = sorted(range(len(inputs)), key=lambda i: -len(inputs[i]))
+def hf_loop(model, inputs: list[list[int]], batch: int, sort: bool = True) -> list[torch.Tensor]:
+    """sentence-transformers' encode: sort by length (`sort`), pad each batch, model(**batch), masked mean,
+    normalize."""
+    order = sorted(range(len(inputs)), key=lambda i: -len(inputs[i])) if sort else list(range(len(inputs)))
     out: list[torch.Tensor] = [torch.empty(0)] * len(inputs)
     with torch.inference_mode():
         for lo in range(0, len(order), batch):
@@ -49,7 +51,7 @@ def main() -> None:
     llm = LLM(str(path), dtype="bfloat16", device="cpu", enable_prefix_caching=False)
     llm.embed(inputs[:4], progress=False)  # warm-up: kernels built, first-step set-up done
     hf_loop(hf, inputs[:4], args.batch)
-    seconds = {"engine": 0.0, "hf": 0.0}
+    seconds = {"hf": 0.0, "naive": 0.0, "engine": 0.0}
     for _ in range(args.rounds):
         t = time.perf_counter()
         ours = [torch.tensor(o.embedding) for o in llm.embed(inputs, progress=False)]
@@ -57,13 +59,17 @@ def main() -> None:
         t = time.perf_counter()
         theirs = hf_loop(hf, inputs, args.batch)
         seconds["hf"] += time.perf_counter() - t
+        t = time.perf_counter()
+        hf_loop(hf, inputs, args.batch, sort=False)
+        seconds["naive"] += time.perf_counter() - t
     cos = min(float(torch.dot(a, b)) for a, b in zip(ours, theirs, strict=True))
     rate = {k: args.rounds * tokens / v for k, v in seconds.items()}
-    rows = [[f"transformers AutoModel, sorted, padded batches of {args.batch}", args.num_requests, tokens,
-             rate["hf"], args.rounds * args.num_requests / seconds["hf"], 1.0],
-            ["sluice LLM.embed (one continuous batch)", args.num_requests, tokens, rate["engine"],
-             args.rounds * args.num_requests / seconds["engine"], rate["engine"] / rate["hf"]]]
-    body = table(["path", "inputs", "tokens", "tokens/s", "inputs/s", "vs transformers"], rows)
+    names = {"hf": f"transformers AutoModel, sorted, padded batches of {args.batch} (sentence-transformers)",
+             "naive": f"transformers AutoModel, input order, padded batches of {args.batch} (naive loop)",
+             "engine": "sluice LLM.embed (one continuous batch)"}
+    rows = [[names[k], args.num_requests, tokens, rate[k], args.rounds * args.num_requests / seconds[k],
+             rate[k] / rate["hf"]] for k in seconds]
+    body = table(["path", "inputs", "tokens", "tokens/s", "inputs/s", "vs sentence-transformers-style"], rows)
     body += f"\n\nLowest cosine between the two sides' embeddings: {cos:.5f} (bf16 both)."
     record(f"Embeddings: batch throughput vs a sentence-transformers-style loop ({args.min_len}-{args.max_len} "
            f"tokens, CPU, bf16)", body)

@@ -16,6 +16,7 @@ from sluice.engine.quantization.spec import QuantSpec
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
           "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "half": torch.float16}
 KV_CACHE_DTYPES = ("auto", "int8", *DTYPES)
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 
 METHODS = ("draft", "ngram")
 # Measured on CPU with the bundled pair (docs/benchmarks.md, "Speculative decoding"): the drafts gain up to this
@@ -107,6 +108,10 @@ class EngineConfig:
                                      "avx512_bf16 or amx (default: SLUICE_CPU_ISA, else the host's).")
     device_path: bool | None = _opt(None, "FlatMetadata steps (Triton on CUDA) forced on or off on any device "
                                           "(default: SLUICE_DEVICE_PATH, else on where CUDA has triton).")
+    logprobs_mode: str = _opt("raw_logprobs", "What logprobs report (vLLM's choices): raw_logprobs (the model's "
+                                              "distribution), raw_logits, processed_logprobs or processed_logits "
+                                              "(after logit_bias, penalties, the grammar mask, temperature, min-p, "
+                                              "top-k and top-p).")
     extra: dict[str, Any] = field(default_factory=dict, metadata={"help": "Free-form settings the engine ignores."})
     speculative_config: SpeculativeConfig | None = field(init=False, default=None, repr=False, compare=False)
 
@@ -125,6 +130,8 @@ class EngineConfig:
         if self.weight_loading not in WEIGHT_LOADING:
             raise ValueError(f"unknown weight_loading {self.weight_loading!r}; choose one of "
                              f"{', '.join(WEIGHT_LOADING)}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"unknown logprobs_mode {self.logprobs_mode!r}; choose one of {', '.join(LOGPROBS_MODES)}")
         if self.quantization is not None:
             QuantSpec(self.quantization, self.quant_type, self.double_quant, self.llm_int8_threshold)
         self.speculative_config = SpeculativeConfig.parse(self.speculative) if self.speculative else None

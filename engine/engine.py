@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -20,15 +21,17 @@ from sluice.engine.pooling import (
     PoolingError,
     PoolingParams,
     PoolingRequest,
+    can_pool,
     check_input,
     embedding_output,
     pooler_for,
+    segment_sums,
     split_inputs,
 )
 from sluice.engine.quantization import linear_hook, pack_4bit_for_cpu
 from sluice.engine.request import Request
 from sluice.engine.resolved import ResolvedConfig
-from sluice.engine.sampler import device_tensor, sample, top_logprobs
+from sluice.engine.sampler import device_tensor, processed_logits, sample, top_logprobs
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.scheduler import ScheduledBatch, Scheduler
 from sluice.engine.spec_decode import DraftProposer, NgramProposer, Proposer, load_draft
@@ -130,8 +133,9 @@ class Engine:
 
     def _add_embedding(self, request_id: str, inputs: object, params: PoolingParams) -> None:
         """One PoolingRequest per input (several inputs come back merged into one EmbeddingOutput)."""
-        if not hasattr(self.model, "hidden_states"):
-            raise RequestRejected("embeddings need the native forward; this checkpoint takes the generic path")
+        if not can_pool(self.model):
+            name = type(self.model).__name__
+            raise RequestRejected(f"embeddings need the model's final hidden states, which {name} does not give")
         try:
             prompts = split_inputs(inputs)
             self._pooling = self._pooling or pooler_for(self.config.model, self.resolved.hf_config)
@@ -166,10 +170,14 @@ class Engine:
     def _structured(self) -> StructuredOutputs:
         """The grammar engine, started on the first structured request."""
         if self.processors.structured is None:
-            # On CPU the forward owns the cores: xgrammar's fill threads would compete with it; one suffices.
-            threads = 1 if self.device.type == "cpu" else "auto"
-            self.processors.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size,
-                                                           sorted(self.eos_token_ids), threads)
+            # On CPU the forward owns the cores: xgrammar's fill threads would compete with it; one suffices, and
+            # it fills during the forward only where a core is left over (else the forward's threads wait on it).
+            cpu = self.device.type == "cpu"
+            so = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids),
+                                   1 if cpu else "auto")
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            so.overlap = not cpu or torch.get_num_threads() < cores
+            self.processors.structured = so
         return self.processors.structured
 
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
@@ -232,6 +240,8 @@ class Engine:
 
     def _run(self, batch: ScheduledBatch) -> list[Request]:
         """Run the model over a scheduled batch; the requests it finished."""
+        if self.processors.structured is not None:  # next tokens' grammar masks fill while the forward runs
+            self.processors.structured.fill_ahead(self._sampled_plainly(batch))
         step_logits = self.runner.run(batch)
         for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):
             req.num_computed_tokens += n
@@ -243,6 +253,13 @@ class Engine:
             arena.settle()
         self._unsettled = []
         return done
+
+    @staticmethod
+    def _sampled_plainly(batch: ScheduledBatch) -> list[Request]:
+        """The requests this step will sample without speculation, in the order `_process` samples them."""
+        return [r for r, n in zip(batch.requests, batch.num_new_tokens, strict=True)
+                if not isinstance(r, PoolingRequest) and not r.spec_token_ids
+                and r.num_computed_tokens + n >= r.num_tokens]
 
     def _start_followers(self) -> None:
         """Queue (first in line) the other sequences of groups whose leader has computed the prompt."""
@@ -299,12 +316,15 @@ class Engine:
     def _pool(self, reqs: list[Request], rows: StepLogits, index: list[int]) -> list[Request]:
         """Pool embedding requests' hidden rows; finish those whose prompt is computed (no decode, KV freed now)."""
         finished = []
+        counted = [i for i in index if rows.num_rows[i]]
+        if counted:  # every request's rows summed in one op
+            assert rows.hidden is not None
+            sums = segment_sums(rows.hidden, [rows.row_start[i] for i in counted], [rows.num_rows[i] for i in counted])
+            for total, i in zip(sums, counted, strict=True):
+                reqs[i].accumulate(total, rows.first_pos[i])  # type: ignore[attr-defined]
         for i in index:
-            req, start, count = reqs[i], rows.row_start[i], rows.num_rows[i]
+            req = reqs[i]
             assert isinstance(req, PoolingRequest)
-            if count:
-                assert rows.hidden is not None
-                req.accumulate(rows.hidden[start: start + count], rows.first_pos[i])
             if req.num_computed_tokens >= req.num_tokens:
                 self.block_manager.cache_full_blocks(req)  # its full blocks stay in the prefix cache once freed
                 self.scheduler.finish(req, "stop")
@@ -316,15 +336,16 @@ class Engine:
         """Verify each listed request's proposals, append what is emitted, roll back the rejected slots."""
         finished: list[Request] = []
         step_logits = [rows.logits[rows.row_start[i]: rows.row_start[i] + rows.num_rows[i]] for i in index]
-        emitted_all = verify([reqs[i] for i in index], self._processed_verify_rows(reqs, index, step_logits),
-                             self.generator)
-        for i, logits, emitted in zip(index, step_logits, emitted_all, strict=True):
+        processed_all = self._processed_verify_rows(reqs, index, step_logits)
+        emitted_all = verify([reqs[i] for i in index], processed_all, self.generator)
+        for i, logits, processed, emitted in zip(index, step_logits, processed_all, emitted_all, strict=True):
             req = reqs[i]
             accepted = len(emitted) - 1
             self.spec_stats.record(req, len(req.spec_token_ids), accepted)
             base = req.num_tokens
             req.spec_token_ids, req.draft_state = [], None
-            if self.append_tokens(req, emitted, self.logprobs_for(logits[: len(emitted)], emitted, req)):
+            lps = self.logprobs_for(logits[: len(emitted)], processed[: len(emitted)], emitted, req)
+            if self.append_tokens(req, emitted, lps):
                 finished.append(req)
             else:
                 req.num_computed_tokens = base + accepted
@@ -348,23 +369,30 @@ class Engine:
         else:
             logits = rows.logits[device_tensor(idx, torch.long, rows.logits.device)]
         sreqs = [reqs[i] for i in ready]
-        tokens = sample(self.processors.apply(logits, sreqs), sreqs, self.generator)
-        lps = self._logprobs(logits, tokens, sreqs)
+        processed = self.processors.apply(logits, sreqs)
+        tokens = sample(processed, sreqs, self.generator)
+        lps = self._logprobs(logits, processed, tokens, sreqs)
         finished = []
         for j, (req, tok) in enumerate(zip(sreqs, tokens.tolist(), strict=True)):
             if self.append_tokens(req, [tok], None if lps is None else [lps[j]]):
                 finished.append(req)
         return finished
 
-    def logprobs_for(self, logits: torch.Tensor, tokens: list[int], req: Request) -> list | None:
-        """Logprobs of emitted tokens from the rows that produced them, if the request asked."""
+    def logprobs_for(self, logits: torch.Tensor, processed: torch.Tensor, tokens: list[int],
+                     req: Request) -> list | None:
+        """Logprobs of emitted tokens from the rows that produced them (raw and processed), if the request asked."""
         if req.params.logprobs is None:
             return None
-        return top_logprobs(logits, torch.tensor(tokens, device=logits.device), req.params.logprobs)
+        return self._logprobs(logits, processed, torch.tensor(tokens, device=logits.device), [req] * len(tokens))
 
-    def _logprobs(self, logits, tokens, reqs) -> list[dict[int, float]] | None:
+    def _logprobs(self, logits, processed, tokens, reqs) -> list[dict[int, float]] | None:
+        """Per row, the sampled token's and the top-n values that `logprobs_mode` names (raw: the model's logits)."""
         wanted = [r.params.logprobs for r in reqs if r.params.logprobs is not None]
-        return top_logprobs(logits, tokens, max(wanted)) if wanted else None
+        if not wanted:
+            return None
+        mode = self.config.logprobs_mode
+        source = processed_logits(processed, reqs) if mode.startswith("processed") else logits
+        return top_logprobs(source, tokens, max(wanted), normalize=mode.endswith("logprobs"))
 
     def append_tokens(self, req: Request, tokens: list[int], logprobs: list | None) -> bool:
         """Append accepted tokens one by one, stopping at the first stop condition; True if finished."""

@@ -10,7 +10,7 @@ import torch
 from sluice import kernels
 from sluice.engine import kv_cache
 from sluice.engine.models.llama import LlamaModel
-from sluice.engine.pooling import PoolingRequest
+from sluice.engine.pooling import PoolingRequest, logits_and_hidden
 from sluice.engine.request import Request
 from sluice.engine.scheduler import ScheduledBatch
 from sluice.kernels import dispatch
@@ -143,15 +143,13 @@ class ModelRunner:
             buffers = self._step_buffers(len(ids), len(tables), max(len(t) for t in tables))
             inputs = buffers.load(ids, positions, slots, wanted, query_lens, context_lens, tables,
                                   self.model.config.num_kv_heads)
-            hidden = self.model.hidden_states(*inputs[:2], self.kv_caches, *inputs[2:], plan=self.plan)
+            args, plan = (*inputs[:2], self.kv_caches, *inputs[2:]), self.plan
         else:
             flat = torch.tensor([ids, positions, slots], dtype=torch.long, device=self.device)
             meta = kernels.build_metadata(query_lens, context_lens, tables, flat[2], self.block_size, self.device,
                                           fused=self.plan.fused_attention)
-            hidden = self.model.hidden_states(flat[0], flat[1], self.kv_caches, meta,
-                                              torch.tensor(wanted, dtype=torch.long, device=self.device),
-                                              plan=self.plan.for_step(flat[0], meta))
-        rows.logits = (self.model.compute_logits(hidden[: len(logit_idx)]) if logit_idx
-                       else hidden.new_empty((0, self.model.config.vocab_size)))
-        rows.hidden = hidden[len(logit_idx):]
+            index = torch.tensor(wanted, dtype=torch.long, device=self.device)
+            args = (flat[0], flat[1], self.kv_caches, meta, index)
+            plan = self.plan.for_step(flat[0], meta)
+        rows.logits, rows.hidden = logits_and_hidden(self.model, args, len(logit_idx), plan)
         return rows

@@ -102,13 +102,13 @@ class PoolingRequest(Request):
         first = max(start, self.num_tokens - 1)
         return first, max(0, start + n - first)
 
-    def accumulate(self, hidden: torch.Tensor, first_pos: int) -> None:
-        """Add this step's rows (a prefill restarted from position 0 after preemption starts over)."""
-        if self.pooling == "mean":
-            total = hidden.float().sum(0)
-            self.pooled = total if first_pos == 0 or self.pooled is None else self.pooled + total
+    def accumulate(self, total: torch.Tensor, first_pos: int) -> None:
+        """Add the float32 sum of this step's rows (`pool_rows`: one row for last and cls pooling); a prefill
+        restarted from position 0 after preemption starts over."""
+        if self.pooling == "mean" and first_pos > 0 and self.pooled is not None:
+            self.pooled = self.pooled + total
         else:
-            self.pooled = hidden[-1].float()
+            self.pooled = total
 
     def finish_embedding(self) -> list[float]:
         """The pooled vector: averaged (mean), truncated to `dimensions`, L2-normalized."""
@@ -122,6 +122,43 @@ class PoolingRequest(Request):
         self.embedding = vec.cpu().tolist()
         self.pooled = None
         return self.embedding
+
+
+def segment_sums(hidden: torch.Tensor, starts: list[int], counts: list[int]) -> torch.Tensor:
+    """float32 [len(starts), hidden] sums of the row ranges [start, start + count) of `hidden`, in one op."""
+    seg = torch.repeat_interleave(torch.arange(len(starts)), torch.tensor(counts))
+    rows = torch.cat([torch.arange(s, s + c) for s, c in zip(starts, counts, strict=True)])
+    if rows.numel() == hidden.shape[0] and bool((rows == torch.arange(hidden.shape[0])).all()):
+        src = hidden  # every row, in order (mean pooling alone in the step): no gather
+    else:
+        src = hidden.index_select(0, rows.to(hidden.device))
+    out = torch.zeros(len(starts), hidden.shape[1], dtype=torch.float32, device=hidden.device)
+    return out.index_add_(0, seg.to(hidden.device), src.float())
+
+
+def can_pool(model: torch.nn.Module) -> bool:
+    """Whether the model gives final hidden states: the native forward's own, or a transformers model's (generic
+    path) through a hook on its base model."""
+    return hasattr(model, "hidden_states") or hasattr(getattr(model, "hf", None), "base_model")
+
+
+def logits_and_hidden(model: torch.nn.Module, args: tuple, num_logits: int,
+                      plan: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward over `args` (ids, positions, kv caches, metadata, rows index): the logits of the index's first
+    `num_logits` rows and the final hidden states of the rest."""
+    *step, index = args
+    if hasattr(model, "hidden_states"):
+        hidden = model.hidden_states(*step, index, plan=plan)
+        logits = (model.compute_logits(hidden[:num_logits]) if num_logits
+                  else hidden.new_empty((0, model.config.vocab_size)))
+        return logits, hidden[num_logits:]
+    kept: list[torch.Tensor] = []  # the generic path: its base model's output, the LM head's input
+    hook = model.hf.base_model.register_forward_hook(lambda module, inputs, out: kept.append(out[0]))
+    try:
+        logits = model(*step, index[:num_logits], plan=plan)  # the model's own head (softcapping, scaling)
+    finally:
+        hook.remove()
+    return logits, kept[-1][0].index_select(0, index[num_logits:])
 
 
 def check_input(ids: list[int], vocab: int, max_len: int, capacity: int, hidden: int,

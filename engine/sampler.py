@@ -29,7 +29,10 @@ def device_tensor(values: list, dtype: torch.dtype, device) -> torch.Tensor:
 def _filter(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     """Apply temperature, top-k, top-p and min-p row by row, vectorised over the batch."""
     dev = logits.device
-    temps = device_tensor([max(r.params.temperature, 1e-5) for r in reqs], torch.float32, dev)
+    # greedy rows take the argmax whatever the filter gives them; at temperature 1 (as vLLM) their processed
+    # logprobs stay finite
+    temps = device_tensor([1.0 if r.params.greedy else max(r.params.temperature, 1e-5) for r in reqs],
+                          torch.float32, dev)
     logits = logits / temps[:, None]
     top_k = [r.params.top_k for r in reqs]
     top_p = [r.params.top_p for r in reqs]
@@ -124,9 +127,16 @@ def sample(logits: torch.Tensor, reqs: list[Request], generator: torch.Generator
     return torch.where(greedy, argmax(logits), tokens)
 
 
-def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor, n: int) -> list[dict[int, float]]:
-    """The sampled token's logprob plus the top-n of the raw distribution, per row."""
-    logp = logits.float().log_softmax(-1)
+def processed_logits(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    """The float32 logits each row samples from: after temperature (1 for greedy rows), min-p, top-k and top-p
+    (filtered tokens at -inf); `logits` already carry bias, penalties and the grammar mask."""
+    return _filter(logits.float(), reqs)
+
+
+def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor, n: int, normalize: bool = True) -> list[dict[int, float]]:
+    """The sampled token's logprob plus the top-n of the row's distribution, per row (`normalize` False: the
+    logits' own values, vLLM's *_logits modes)."""
+    logp = logits.float().log_softmax(-1) if normalize else logits.float()
     chosen = logp.gather(-1, tokens[:, None]).squeeze(-1).tolist()
     out: list[dict[int, float]] = [{} for _ in range(logits.shape[0])]
     if n > 0:

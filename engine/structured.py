@@ -1,12 +1,19 @@
 """Structured outputs: JSON (any object or a schema), regex, a choice of strings or an EBNF grammar, enforced by
 xgrammar. Grammars are compiled once per distinct constraint and cached for the engine's life (so across
 requests, shards and jobs in a worker); each request has its own matcher, advanced by the tokens it emits.
-A step's masks are one token bitmask for every row, filled on the host (for plain rows in one batched call,
-while a CUDA forward is still running) and applied to the logits in one op."""
+A step's masks are one token bitmask for every row, applied to the logits in one op. The rows a step will sample
+plainly are filled in one batched call on a grammar thread started before the model's forward (`fill_ahead`):
+the matchers already hold every token emitted so far, xgrammar fills without the GIL and torch's ops release
+it, so the fill runs while the forward does and the sampler only waits for it. The engine turns this on for CUDA
+(the host is free while the device computes) and on CPU where torch leaves a core free; where torch's threads
+take every core, a third thread only stalls the forward's parallel regions, and the mask is filled after it.
+Speculative verify rows (which walk each matcher through its proposals and back) are filled after the forward."""
 
 from __future__ import annotations
 
 import json
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -60,6 +67,21 @@ def _transformers_tokenizer(tokenizer: Any) -> Any:
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend_tokenizer)
 
 
+@dataclass(slots=True)
+class _Ahead:
+    """A batched fill started before the forward: for which requests (by identity, in order), rows, into where."""
+
+    owners: list[int]
+    rows: list[int]
+    bitmask: torch.Tensor
+    done: Future
+
+
+def _live_rows(reqs: list[Request]) -> list[int]:
+    """Rows of requests whose grammar still constrains the next token."""
+    return [i for i, r in enumerate(reqs) if r.grammar is not None and not r.grammar.is_terminated()]
+
+
 class StructuredOutputs:
     """Compiled grammars (cached per constraint), matchers and the batch bitmask for one engine's vocabulary."""
 
@@ -73,6 +95,11 @@ class StructuredOutputs:
         self.batcher = xgr.BatchGrammarMatcher(max_threads=fill_threads)
         self.cache: dict[str, Any] = {}
         self.bitmask = xgr.allocate_token_bitmask(1, vocab)
+        self.ahead_bitmask = xgr.allocate_token_bitmask(1, vocab)
+        self.overlap = True  # fill during the forward (off: after it, when the sampler needs the mask)
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="sluice-grammar")
+        self._ahead: _Ahead | None = None
+        self.rows_filled = {"ahead": 0, "after": 0}  # masks filled during the forward, and after it
 
     def matcher(self, so: StructuredOutputsParams) -> Any:
         """A fresh matcher for the constraint; GrammarError if it cannot be compiled."""
@@ -101,16 +128,46 @@ class StructuredOutputs:
             reason = str(exc).splitlines()[-1].split(": ", 1)[-1] if str(exc) else type(exc).__name__
             raise GrammarError(f"cannot compile structured_outputs.{so.kind}: {reason}") from exc
 
-    def apply(self, logits: torch.Tensor, reqs: list[Request], ahead: list[int] | None) -> None:
-        """Mask (in place) every row of a constrained request to the tokens its grammar allows next."""
-        rows = [i for i, r in enumerate(reqs) if r.grammar is not None and not r.grammar.is_terminated()]
+    def fill_ahead(self, reqs: list[Request]) -> None:
+        """Start filling, on the grammar thread, the masks of the rows `reqs` will sample next (call it before the
+        forward; `apply` with the same requests in the same order then waits for it instead of filling)."""
+        self._settle()
+        rows = _live_rows(reqs) if self.overlap else []
         if not rows:
             return
-        bitmask = self._bitmask(len(reqs))
-        if ahead is None or not any(ahead[i] for i in rows):
-            self.batcher.batch_fill_next_token_bitmask([reqs[i].grammar for i in rows], bitmask, rows)
+        if self.ahead_bitmask.shape[0] < len(reqs):
+            self.ahead_bitmask = self.xgr.allocate_token_bitmask(len(reqs), self.vocab)
+        bitmask = self.ahead_bitmask[: len(reqs)]
+        done = self._thread.submit(self.batcher.batch_fill_next_token_bitmask, [reqs[i].grammar for i in rows],
+                                   bitmask, rows)
+        self._ahead = _Ahead([id(r) for r in reqs], rows, bitmask, done)
+
+    def _settle(self) -> _Ahead | None:
+        """Wait for a fill started ahead (no matcher moves while one runs); it, now finished, or None."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead.done.result()
+        return ahead
+
+    def apply(self, logits: torch.Tensor, reqs: list[Request], ahead: list[int] | None) -> None:
+        """Mask (in place) every row of a constrained request to the tokens its grammar allows next; `ahead[i]`:
+        speculative proposals before row i."""
+        filled = self._settle() if ahead is None else None
+        if filled is not None and filled.owners == [id(r) for r in reqs]:
+            rows, bitmask = filled.rows, filled.bitmask
+            self.rows_filled["ahead"] += len(rows)
         else:
-            rows = self._fill_verify_rows(reqs, ahead, rows, bitmask)
+            if ahead is not None and self._ahead is not None:
+                self._ahead.done.result()  # verify rows come first; the plain rows' fill stays for them
+            rows = _live_rows(reqs)
+            if not rows:
+                return
+            bitmask = self._bitmask(len(reqs))
+            if ahead is None or not any(ahead[i] for i in rows):
+                self.batcher.batch_fill_next_token_bitmask([reqs[i].grammar for i in rows], bitmask, rows)
+            else:
+                rows = self._fill_verify_rows(reqs, ahead, rows, bitmask)
+            self.rows_filled["after"] += len(rows)
         if rows:
             self.xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
                                                  vocab_size=self.vocab, indices=rows)

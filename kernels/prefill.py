@@ -1,9 +1,11 @@
 """Fresh prefills (a sequence whose whole context is this step's queries) attended in padded batches.
 
 One scaled_dot_product_attention per sequence and layer leaves the CPU's kernel mostly idle on short sequences;
-sequences of similar length padded into one call (a causal mask that also hides the padding, as transformers'
-padded batches do) run several times faster, the padding bounded by `MAX_PADDING` of the real tokens. The
-batches are planned once per step (`plan`) and served to every layer (`attend`).
+sequences of similar length padded into one call run several times faster, the padding bounded by `MAX_PADDING`
+of the real tokens. Padding sits after each sequence's tokens, so the causal mask alone keeps a real query off
+it (the padding queries' rows are dropped): SDPA runs with `is_causal` and no mask tensor, skipping the masked
+blocks and the mask's conversion in every call. The batches are planned once per step (`plan`) and served to
+every layer (`attend`).
 """
 
 from __future__ import annotations
@@ -26,13 +28,14 @@ class Fresh(Protocol):
 
 @dataclass(slots=True)
 class PaddedBatch:
-    """Sequences padded to `width`: flat token index per padded row (padding reads token 0), the real rows."""
+    """Sequences padded to `width`: flat token index per padded row (padding reads token 0), the real rows and
+    their flat token index."""
 
     size: int
     width: int
     index: torch.Tensor  # [size * width]
     rows: torch.Tensor  # positions of the real rows in the padded [size * width]
-    mask: torch.Tensor  # [size, 1, width, width] causal and not padding
+    dest: torch.Tensor  # index[rows]: where each real row goes in the flat step
 
 
 def buckets(seqs: Sequence[Fresh]) -> list[list[Fresh]]:
@@ -53,10 +56,9 @@ def _batch(group: Sequence[Fresh], device: torch.device) -> PaddedBatch:
     width = max(s.query_len for s in group)
     cols = torch.arange(width)
     valid = cols[None, :] < torch.tensor([s.query_len for s in group])[:, None]
-    index = (torch.tensor([s.query_start for s in group])[:, None] + cols[None, :]) * valid
-    mask = (cols[None, :] <= cols[:, None])[None] & valid[:, None, :]
+    index = ((torch.tensor([s.query_start for s in group])[:, None] + cols[None, :]) * valid).flatten()
     rows = valid.flatten().nonzero().squeeze(1)
-    return PaddedBatch(len(group), width, index.flatten().to(device), rows.to(device), mask[:, None].to(device))
+    return PaddedBatch(len(group), width, index.to(device), rows.to(device), index[rows].to(device))
 
 
 def plan(long_seqs: Sequence[Fresh], device: torch.device) -> tuple[list[PaddedBatch], set[int]]:
@@ -71,6 +73,6 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
            scale: float) -> None:
     """Causal attention of q [T, H, D] over this step's k, v [T, Hkv, D] for one padded batch, into out."""
     qb, kb, vb = (x.index_select(0, b.index).view(b.size, b.width, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))
-    o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=b.mask, scale=scale, enable_gqa=True)
+    o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=True)
     flat = o.transpose(1, 2).reshape(b.size * b.width, *q.shape[1:])
-    out.index_copy_(0, b.index.index_select(0, b.rows), flat.index_select(0, b.rows))
+    out.index_copy_(0, b.dest, flat.index_select(0, b.rows))

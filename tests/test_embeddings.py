@@ -59,13 +59,16 @@ def cosine(a: list[float], b: torch.Tensor) -> float:
     return float(torch.nn.functional.cosine_similarity(torch.tensor(a), b, dim=0))
 
 
-@pytest.mark.parametrize(("arch", "pooling"), [("llama", "mean"), ("qwen3", "last")])
+@pytest.mark.parametrize(("arch", "pooling"), [("llama", "mean"), ("qwen3", "last"), ("gpt_neox", "mean"),
+                                               ("gemma2", "last")])
 def test_embeddings_match_transformers_pooled_the_same_way(checkpoint_factory, tmp_path, arch, pooling):
+    """Native (llama, qwen3) and generic-path (gpt_neox, gemma2: transformers' modules) checkpoints alike."""
     path = Path(shutil.copytree(checkpoint_factory(arch), tmp_path / arch))
     if pooling == "last":
         sentence_transformers(path, "pooling_mode_lasttoken")
     # 16-token steps: the long input's prefill is chunked, its mean summed over three steps
     llm = LLM(str(path), dtype="float32", device="cpu", max_num_batched_tokens=16)
+    assert (type(llm.engine.model).__name__ == "GenericModel") == (arch in ("gpt_neox", "gemma2"))
     outs = llm.embed(TEXTS, progress=False)
     assert len(outs[1].prompt_token_ids) > 32
     ref = reference(path, TEXTS, pooling)
@@ -89,8 +92,9 @@ def test_pooling_rule_reads_sentence_transformers_then_architecture(tmp_path):
         pooler_for(tmp_path, {})
 
 
-def test_embeddings_share_the_step_with_generation_and_keep_no_kv(tiny_llama):
-    llm = LLM(str(tiny_llama), dtype="float32", device="cpu")
+@pytest.mark.parametrize("arch", ["llama", "gpt_neox"])  # gpt_neox: the generic path's logits and hidden states
+def test_embeddings_share_the_step_with_generation_and_keep_no_kv(checkpoint_factory, arch):
+    llm = LLM(str(checkpoint_factory(arch)), dtype="float32", device="cpu")
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     prompts = ["hello world, this is", "a stitch in time"]
     alone = [o.text for o in llm.generate(prompts, params, progress=False)]

@@ -10,6 +10,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 import redis
+import torch
 
 from sluice.contract.settings import Settings
 from sluice.engine import LLM, SamplingParams
@@ -189,3 +190,46 @@ def test_tools_reach_the_chat_template(llm):
         assert "TOOL get_weather" in with_tools and "TOOL" not in llm.tokenizer.decode(llm.encode_chat(messages))
     finally:
         llm.tokenizer.chat_template = template
+
+
+def _reference(llm, out, bias: dict[int, float], presence: float, temperature: float, mode: str) -> torch.Tensor:
+    """Per output step, the values `mode` names, computed here from the model's logits (LLM.score)."""
+    raw = llm.score([out.prompt_token_ids + out.token_ids[:-1]])[0].float()[len(out.prompt_token_ids) - 1:]
+    if mode.startswith("raw"):
+        return raw if mode == "raw_logits" else raw.log_softmax(-1)
+    processed = raw.clone()
+    for t, v in bias.items():
+        processed[:, t] += v
+    for i in range(len(out.token_ids)):
+        processed[i, sorted(set(out.token_ids[:i]))] -= presence  # OpenAI: (count > 0) * presence
+    processed /= temperature
+    return processed if mode == "processed_logits" else processed.log_softmax(-1)
+
+
+@pytest.mark.parametrize("speculative", [None, {"method": "draft", "model": str(ROOT / "models" / "sluice-tiny-draft"),
+                                               "num_speculative_tokens": 3}])
+def test_logprobs_mode_reports_raw_or_processed_values(speculative):
+    """vLLM's logprobs_mode: raw_* are the model's (logit_bias does not move them), processed_* carry logit_bias,
+    presence_penalty and temperature; *_logits are the values before log_softmax. On plain and speculative steps."""
+    llm = LLM(str(TINY), dtype="float32", device="cpu", max_num_seqs=4, logprobs_mode="processed_logprobs",
+              speculative=speculative)
+    engine = llm.engine
+    bias = {KING: 4.0, KING + 1: -3.0}
+    params = SamplingParams(max_tokens=8, temperature=0.7, seed=3, ignore_eos=True, logit_bias=bias,
+                            presence_penalty=0.5, logprobs=3)
+    seen: dict[str, list] = {}
+    for mode in ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"):
+        engine.config.logprobs_mode = mode
+        out = llm.generate("KING HENRY:\nWhat say you?\n", params, progress=False)[0]
+        ref = _reference(llm, out, bias, 0.5, 0.7, mode)
+        for i, step in enumerate(out.logprobs):
+            assert len(step) >= 3
+            for t, value in step.items():
+                assert value == pytest.approx(ref[i, t].item(), abs=2e-4), (mode, i, t)
+        seen[mode] = out
+    assert len({tuple(o.token_ids) for o in seen.values()}) == 1  # the mode changes what is reported, not sampled
+    raw, processed = seen["raw_logprobs"].logprobs, seen["processed_logprobs"].logprobs
+    tok = seen["raw_logprobs"].token_ids[0]
+    assert abs(raw[0][tok] - processed[0][tok]) > 0.05  # logit_bias and temperature moved processed, not raw
+    with pytest.raises(ValueError, match="logprobs_mode"):
+        LLM(str(TINY), logprobs_mode="final_logits")

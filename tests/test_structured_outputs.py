@@ -64,6 +64,21 @@ def test_every_stopped_output_validates_against_its_schema(llm):
     assert len(llm.engine.processors.structured.cache) == len(SCHEMAS)
 
 
+def test_masks_are_filled_during_the_forward_with_the_same_outputs(llm):
+    """The plain rows' masks come from the fill started before the forward (none filled after it), and the
+    outputs are the ones a fill after the forward gives."""
+    params = schema_params(12, greedy=False)
+    structured = llm.engine._structured()
+    outs = {}
+    for overlap in (False, True):
+        structured.overlap = overlap
+        before = dict(structured.rows_filled)
+        outs[overlap] = [o.token_ids for o in llm.generate([PROMPT] * 12, params, progress=False)]
+        filled = {k: structured.rows_filled[k] - before[k] for k in before}
+        assert (filled["ahead"] > 0, filled["after"] > 0) == (overlap, not overlap), filled
+    assert outs[True] == outs[False]
+
+
 @pytest.mark.parametrize("greedy", [True, False])
 def test_structured_with_the_draft_speculating_and_preemption(llm, greedy):
     params = schema_params(10, greedy)
