@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from redis import Redis
+if TYPE_CHECKING:
+    from redis import Redis
 
-from sluice.contract.signing import UnsafeWebhookURL, WebhookSettings, check_url
+    from sluice.contract.signing import WebhookSettings
 
 DUE_KEY = "sluice:webhooks:due"
 EVENT_TYPES = {
@@ -84,6 +85,9 @@ def notify(
     settings: WebhookSettings | None = None,
 ) -> str | None:
     """Queue the event for a batch's final status; return its event id (None if nothing to send)."""
+    # signing (urllib3, standardwebhooks) loads at a batch's end, not on every worker's start-up path
+    from sluice.contract.signing import UnsafeWebhookURL, WebhookSettings, check_url
+
     settings = settings or WebhookSettings.from_env()
     status = as_text(getattr(_field(batch, "status"), "value", _field(batch, "status")))
     url = _field(batch, "webhook") or settings.webhook_url
