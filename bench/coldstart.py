@@ -56,6 +56,8 @@ assert len(out[0].token_ids) == 1
 print(json.dumps({"ready": ready - started(), "cpu": ready_cpu, "first": first - ready,
                   "transformers": "transformers" in sys.modules}))
 """
+# The same offline start without the worker's collector pause: what its imports cost before (for comparison).
+UNPAUSED = FIRST.replace("collector.pause()\n", "").replace("collector.resume()\n", "")
 READY = re.compile(r"ready in ([0-9.]+) s")
 NOTES = """
 
@@ -71,6 +73,9 @@ process's own user + system CPU time up to ready (for `import torch`: up to impo
 processes' load on the host moves far less than the wall clock. The page cache
 is warm (each file read once before) unless `--cold`, which drops each file before the raw read and each start.
 Kernels are built beforehand (one unmeasured start). A shared 2-core VM: compare ratios within one run."""
+
+
+UNPAUSED_ROW = ", collector not paused (offline only)"
 
 
 def weight_files(model: Path) -> list[Path]:
@@ -178,22 +183,23 @@ def measure(variants: list[tuple[str, Path]], rounds: int, cold: bool) -> dict[s
             got = json.loads(child(TORCH))
             best["torch"] = {k: min(v, got[k]) for k, v in best["torch"].items()}
             for name, model in variants:
-                _round(best[name], model, cold, url)
+                _round(best[name], model, cold, url, paused=not name.endswith(UNPAUSED_ROW))
     finally:
         server.terminate()
         server.wait(10)
     return best
 
 
-def _round(row: dict, model: Path, cold: bool, url: str) -> None:
-    """One round of one checkpoint: raw read, the worker's start, the offline start; each after set_cache."""
+def _round(row: dict, model: Path, cold: bool, url: str, paused: bool = True) -> None:
+    """One round of one checkpoint: raw read, the worker's start, the offline start; each after set_cache
+    (`paused` False: the offline start alone, without the collector pause; no worker start)."""
     files = weight_files(model)
     set_cache(files, cold)
     read = raw_read(files)
     set_cache(files, cold)
-    ready = worker_ready(model, url)
+    ready = worker_ready(model, url) if paused else float("nan")
     set_cache(files, cold)
-    got = json.loads(child(FIRST, str(model)))
+    got = json.loads(child(FIRST if paused else UNPAUSED, str(model)))
     for key, value in (("read", read), ("ready", ready), ("offline", got["ready"]), ("cpu", got["cpu"]),
                        ("first", got["first"])):
         row[key] = min(row[key], value)
@@ -209,13 +215,15 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--cold", action="store_true", help="Drop the page cache before each read and start.")
     p.add_argument("--no-record", action="store_true")
-    p.add_argument("--variants", default="tiny,bf16,int8,int4", help="Which starts to measure (comma-separated).")
+    p.add_argument("--variants", default="tiny,bf16,int8,int4", help="Which starts to measure (comma-separated; tiny-unpaused: the "
+                   "offline start of the bundled model without the collector pause).")
     p.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS of the measured processes (0: unset).")
     args = p.parse_args()
     bf16 = checkpoint(args.hidden, args.layers)
     every = {"tiny": ("sluice-tiny (bundled)", lambda: TINY), "bf16": ("bf16", lambda: bf16),
              "int8": ("int8, pre-quantized", lambda: prequantized(bf16, "int8")),
              "int4": ("int4 (NF4), pre-quantized", lambda: prequantized(bf16, "int4"))}
+    every["tiny-unpaused"] = ("sluice-tiny" + UNPAUSED_ROW, lambda: TINY)
     variants = [(every[k][0], every[k][1]()) for k in args.variants.split(",")]
     if args.threads:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the children's (this process has imported torch)
@@ -226,7 +234,8 @@ def main() -> None:
         b = best[name]
         size = sum(f.stat().st_size for f in weight_files(model)) / 1e9
         target = torch_s + (0.0 if model == TINY else b["read"])
-        rows.append([name, f"{size:.2f}", f"{b['read']:.2f}", f"{b['ready']:.2f}", f"{b['ready'] / target:.2f}x",
+        worker = [f"{b['ready']:.2f}", f"{b['ready'] / target:.2f}x"] if b["ready"] < float("inf") else ["-", "-"]
+        rows.append([name, f"{size:.2f}", f"{b['read']:.2f}", *worker,
                      f"{b['offline']:.2f}", f"{b['cpu']:.2f}", f"{b['cpu'] / torch_cpu:.2f}x", f"{b['first']:.3f}",
                      "yes" if b["transformers"] else "no"])
     headers = ["checkpoint", "weights GB", "raw read s", "worker start → ready s", "ready / target",
