@@ -1,8 +1,10 @@
-"""Worker cold start, in one run: bare `import torch`, a raw read of each checkpoint's weight files, and a worker's
-process start → ready → first token for the bundled model, a ~1 GB bf16 checkpoint and its int8 and int4
-pre-quantized versions, every start in the same page-cache state as the read it is set against.
+"""Worker cold start, in one run: bare `import torch`, a raw read of each checkpoint's weight files, a real worker's
+process start → ready, and an offline start's ready → first token, for the bundled model, a ~1 GB bf16 checkpoint
+and its int8 and int4 pre-quantized versions, every start in the same page-cache state as the read it is set
+against.
 
-python bench/coldstart.py [--hidden 2048 --layers 12] [--rounds 3] [--cold] [--no-record]
+python bench/coldstart.py [--hidden 2048 --layers 12] [--rounds 3] [--cold] [--threads N] [--variants tiny,...]
+    [--no-record]
 """
 
 from __future__ import annotations
@@ -10,6 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -22,37 +27,55 @@ from common import ROOT, record, table
 CHUNK = 16 * 1024 * 1024
 TINY = ROOT / "models" / "sluice-tiny"
 SECTION = "Cold start (process start → ready → first token, against import torch and the raw read)"
-# The worker's own start: its imports (sluice.worker.cli), its engine on its defaults, its one-step warm-up;
-# ready is where it would start claiming. Start is the kernel's record of the process start.
+# The process's start: the kernel's record of it, as the worker's own time-to-ready gauge reads it.
 START = """
-import os, time
+import os, resource, time
+def cpu():
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 def started():
     ticks = int(open(f"/proc/{os.getpid()}/stat").read().rsplit(")", 1)[1].split()[19])
     return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"))
 """
-TORCH = START + "import torch\nprint(time.time() - started())\n"
-WORKER = START + """import json, sys
+TORCH = START + "import json, torch\nprint(json.dumps({'ready': time.time() - started(), 'cpu': cpu()}))\n"
+# The first token, offline: the worker's imports (its entry point's collector pause included), its engine on its
+# defaults and its warm-up, then one one-token request timed from there (not through the queue).
+FIRST = START + """import json, sys
+from sluice.worker import collector
+collector.pause()
 import sluice.worker.cli
 from sluice.engine import LLM, SamplingParams
 from sluice.worker.metrics import warm_up
+collector.resume()
 llm = LLM(sys.argv[1], dtype="bfloat16", device="cpu")
 warm_up(llm)
-ready = time.time()
+ready, ready_cpu = time.time(), cpu()
 out = llm.generate(["O Romeo, Romeo"], SamplingParams(max_tokens=1, temperature=0), progress=False)
 first = time.time()
 assert len(out[0].token_ids) == 1
-print(json.dumps({"ready": ready - started(), "first": first - ready, "transformers": "transformers" in sys.modules}))
+print(json.dumps({"ready": ready - started(), "cpu": ready_cpu, "first": first - ready,
+                  "transformers": "transformers" in sys.modules}))
 """
+# The same offline start without the worker's collector pause: what its imports cost before (for comparison).
+UNPAUSED = FIRST.replace("collector.pause()\n", "").replace("collector.resume()\n", "")
+READY = re.compile(r"ready in ([0-9.]+) s")
 NOTES = """
 
 Each column is the best of the rounds, rounds interleaved. `import torch` is a bare `python -c "import torch"`
-(process start → imported); raw read reads every weight file once (16 MB reads); ready is a worker's start
-(its imports, `LLM(...)` on the worker's defaults, its one-step warm-up: where it starts claiming) measured from
-the process start; first token is one more one-token request after ready. `ready / target` sets ready against
-`import torch` for the bundled model and against `import torch` + raw read for the others (target: 1.25x).
-The page cache is warm (each file read once before) unless `--cold`, which drops each file before both the
-raw read and the start. Kernels are built beforehand (one unmeasured start). A shared 2-core VM: compare
-ratios within one run."""
+(process start → imported); raw read reads every weight file once (16 MB reads); worker start → ready is a real
+`python -m sluice.worker --model M --dtype bfloat16 --device cpu --burst --no-webhooks` against a local
+redis-server, its logged time to ready (process start → imported, `LLM(...)`, its one-step warm-up, its model
+announced: where it starts claiming); `ready / target` sets it against `import torch` for the bundled model
+and against `import torch` + raw read for the others (target: 1.25x). The offline columns are a second process
+doing the worker's start (its imports, collector pause included, `LLM(...)`, the warm-up) in-process, then one
+one-token request: first token is from that ready to the token, offline (not through a queue). CPU s is the
+process's own user + system CPU time up to ready (for `import torch`: up to imported), which other
+processes' load on the host moves far less than the wall clock. The page cache
+is warm (each file read once before) unless `--cold`, which drops each file before the raw read and each start.
+Kernels are built beforehand (one unmeasured start). A shared 2-core VM: compare ratios within one run."""
+
+
+UNPAUSED_ROW = ", collector not paused (offline only)"
 
 
 def weight_files(model: Path) -> list[Path]:
@@ -105,35 +128,84 @@ def prequantized(src: Path, mode: str) -> Path:
 
 def child(code: str, *args: str) -> str:
     """Run code in a fresh interpreter outside the checkout; its last line of output."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
-    out = subprocess.run([sys.executable, "-c", code, *args], cwd=tempfile.gettempdir(), env=env,
+    out = subprocess.run([sys.executable, "-c", code, *args], cwd=tempfile.gettempdir(), env=child_env(),
                          capture_output=True, text=True, timeout=2400)
     if out.returncode:
         raise RuntimeError(out.stderr[-3000:])
     return out.stdout.strip().splitlines()[-1]
 
 
+def child_env() -> dict[str, str]:
+    """This environment without PYTHON* variables (no checkout on the path)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+
+
+def redis_server() -> tuple[subprocess.Popen, str]:
+    """A redis-server on a free port (no persistence) and its URL."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+           "--appendonly", "no", "--dir", tempfile.gettempdir()]
+    process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    for _ in range(300):
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return process, f"redis://127.0.0.1:{port}/0"
+        time.sleep(0.05)
+    process.kill()
+    raise RuntimeError("redis-server did not start")
+
+
+def worker_ready(model: Path, redis_url: str) -> float:
+    """A real `python -m sluice.worker --burst` on model (bf16, CPU, empty queues): the seconds from its process
+    start to ready that it logs (its time-to-ready gauge: imported, loaded, warmed up, announced)."""
+    cmd = [sys.executable, "-m", "sluice.worker", "--model", str(model), "--dtype", "bfloat16", "--device", "cpu",
+           "--burst", "--no-webhooks", "--redis-url", redis_url]
+    out = subprocess.run(cmd, cwd=tempfile.gettempdir(), env=child_env(), capture_output=True, text=True,
+                         timeout=2400)
+    found = READY.search(out.stdout + out.stderr)
+    if out.returncode or found is None:
+        raise RuntimeError((out.stdout + out.stderr)[-3000:])
+    return float(found.group(1))
+
+
 def measure(variants: list[tuple[str, Path]], rounds: int, cold: bool) -> dict[str, dict[str, float]]:
-    """Best of the rounds of import torch (key 'torch') and, per variant, raw read, ready and first token."""
-    best: dict[str, dict[str, float]] = {"torch": {"ready": float("inf")}}
+    """Best of the rounds of import torch (key 'torch') and, per variant, raw read, the worker's ready, and the
+    offline start's ready and first token."""
+    best: dict[str, dict[str, float]] = {"torch": {"ready": float("inf"), "cpu": float("inf")}}
     for name, _ in variants:
-        best[name] = {"read": float("inf"), "ready": float("inf"), "first": float("inf")}
-    child(WORKER, str(TINY))  # builds the CPU kernels, unmeasured
-    for _ in range(rounds):
-        best["torch"]["ready"] = min(best["torch"]["ready"], float(child(TORCH)))
-        for name, model in variants:
-            files = weight_files(model)
-            set_cache(files, cold)
-            read = raw_read(files)
-            set_cache(files, cold)
-            got = json.loads(child(WORKER, str(model)))
-            row = best[name]
-            row["read"], row["ready"], row["first"] = min(row["read"], read), min(row["ready"], got["ready"]), \
-                min(row["first"], got["first"])
-            row["transformers"] = got["transformers"]
-            print(f"{name}: read {read:.2f} s, ready {got['ready']:.2f} s, first token +{got['first']:.3f} s",
-                  flush=True)
+        best[name] = {k: float("inf") for k in ("read", "ready", "offline", "cpu", "first")}
+    server, url = redis_server()
+    try:
+        child(FIRST, str(TINY))  # builds the CPU kernels, unmeasured
+        for _ in range(rounds):
+            got = json.loads(child(TORCH))
+            best["torch"] = {k: min(v, got[k]) for k, v in best["torch"].items()}
+            for name, model in variants:
+                _round(best[name], model, cold, url, paused=not name.endswith(UNPAUSED_ROW))
+    finally:
+        server.terminate()
+        server.wait(10)
     return best
+
+
+def _round(row: dict, model: Path, cold: bool, url: str, paused: bool = True) -> None:
+    """One round of one checkpoint: raw read, the worker's start, the offline start; each after set_cache
+    (`paused` False: the offline start alone, without the collector pause; no worker start)."""
+    files = weight_files(model)
+    set_cache(files, cold)
+    read = raw_read(files)
+    set_cache(files, cold)
+    ready = worker_ready(model, url) if paused else float("nan")
+    set_cache(files, cold)
+    got = json.loads(child(FIRST if paused else UNPAUSED, str(model)))
+    for key, value in (("read", read), ("ready", ready), ("offline", got["ready"]), ("cpu", got["cpu"]),
+                       ("first", got["first"])):
+        row[key] = min(row[key], value)
+    row["transformers"] = got["transformers"]
+    print(f"{model.name}: read {read:.2f} s, worker ready {ready:.2f} s, offline ready {got['ready']:.2f} s, "
+          f"first token +{got['first']:.3f} s", flush=True)
 
 
 def main() -> None:
@@ -143,27 +215,36 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--cold", action="store_true", help="Drop the page cache before each read and start.")
     p.add_argument("--no-record", action="store_true")
-    p.add_argument("--variants", default="tiny,bf16,int8,int4", help="Which starts to measure (comma-separated).")
+    p.add_argument("--variants", default="tiny,bf16,int8,int4", help="Which starts to measure (comma-separated; tiny-unpaused: the "
+                   "offline start of the bundled model without the collector pause).")
+    p.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS of the measured processes (0: unset).")
     args = p.parse_args()
     bf16 = checkpoint(args.hidden, args.layers)
     every = {"tiny": ("sluice-tiny (bundled)", lambda: TINY), "bf16": ("bf16", lambda: bf16),
              "int8": ("int8, pre-quantized", lambda: prequantized(bf16, "int8")),
              "int4": ("int4 (NF4), pre-quantized", lambda: prequantized(bf16, "int4"))}
+    every["tiny-unpaused"] = ("sluice-tiny" + UNPAUSED_ROW, lambda: TINY)
     variants = [(every[k][0], every[k][1]()) for k in args.variants.split(",")]
+    if args.threads:
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the children's (this process has imported torch)
     best = measure(variants, args.rounds, args.cold)
-    torch_s = best["torch"]["ready"]
-    rows = [["import torch", "-", "-", f"{torch_s:.2f}", "-", "-", "-"]]
+    torch_s, torch_cpu = best["torch"]["ready"], best["torch"]["cpu"]
+    rows = [["import torch", "-", "-", f"{torch_s:.2f}", "-", "-", f"{torch_cpu:.2f}", "-", "-", "-"]]
     for name, model in variants:
         b = best[name]
         size = sum(f.stat().st_size for f in weight_files(model)) / 1e9
         target = torch_s + (0.0 if model == TINY else b["read"])
-        rows.append([name, f"{size:.2f}", f"{b['read']:.2f}", f"{b['ready']:.2f}", f"{b['ready'] / target:.2f}x",
-                     f"{b['first']:.3f}", "yes" if b["transformers"] else "no"])
-    headers = ["checkpoint", "weights GB", "raw read s", "start → ready s", "ready / target",
-               "ready → first token s", "transformers imported"]
+        worker = [f"{b['ready']:.2f}", f"{b['ready'] / target:.2f}x"] if b["ready"] < float("inf") else ["-", "-"]
+        rows.append([name, f"{size:.2f}", f"{b['read']:.2f}", *worker,
+                     f"{b['offline']:.2f}", f"{b['cpu']:.2f}", f"{b['cpu'] / torch_cpu:.2f}x", f"{b['first']:.3f}",
+                     "yes" if b["transformers"] else "no"])
+    headers = ["checkpoint", "weights GB", "raw read s", "worker start → ready s", "ready / target",
+               "offline start → ready s", "CPU s to ready", "CPU vs import torch", "ready → first token s (offline)",
+               "transformers imported"]
     cache = "cold" if args.cold else "warm"
-    record(f"{SECTION}, page cache {cache}, hidden {args.hidden} x {args.layers} layers",
-                  table(headers, rows) + NOTES)
+    threads = f", OMP_NUM_THREADS={args.threads}" if args.threads else ""
+    record(f"{SECTION}, page cache {cache}, hidden {args.hidden} x {args.layers} layers{threads}",
+           table(headers, rows) + NOTES)
 
 
 if __name__ == "__main__":

@@ -23,13 +23,21 @@ warm-up, then after a batch of prompts (32-512 tokens, 16-64 new tokens each, gr
 before the base in every mode. `weights' share` is the mode's weight bytes (parameters, buffers and quantization
 state) over bf16's. `KV pages` is what the KV pool's maps hold resident after the batch (the pages its tokens
 touched, kept for the prefix cache: the same bytes in every mode, a bf16 KV cache), `less KV pages` the rest.
-The target is resident within 5% of the weights' share."""
+VmRSS rows count every resident page; RssAnon rows only the process's private ones, without the pages of
+mapped files: the code of libtorch and the other libraries that each mode's first calls touched, clean pages of
+the page cache shared with every process that maps the same library. The target is resident within 5% of the
+weights' share."""
 
 
-def rss_bytes() -> int:
-    """VmRSS of this process."""
-    line = next(x for x in open("/proc/self/status") if x.startswith("VmRSS"))
+def rss_bytes(field: str = "VmRSS") -> int:
+    """VmRSS of this process (or another /proc/self/status field in kB: RssAnon, its private memory)."""
+    line = next(x for x in open("/proc/self/status") if x.startswith(field + ":"))
     return int(line.split()[1]) * 1024
+
+
+def resident() -> dict[str, int]:
+    """VmRSS and RssAnon (private: without the pages of mapped files, the libraries' code among them)."""
+    return {"rss": rss_bytes(), "anon": rss_bytes("RssAnon")}
 
 
 def kv_bytes(llm) -> int:
@@ -55,19 +63,20 @@ def measure(mode: str, requests: int) -> dict:
     from sluice.engine import LLM, SamplingParams
     from sluice.worker.metrics import warm_up
 
-    path, base = bench_model(), rss_bytes()  # the process before the engine: Python, torch, bitsandbytes
+    path, base = bench_model(), resident()  # the process before the engine: Python, torch, bitsandbytes
     llm = LLM(str(path), dtype="bfloat16", device="cpu", kv_cache_memory_gb=KV_GB, **MODES[mode])
-    out = {"mode": mode, "weights": weight_bytes(llm.engine.model)[0], "load": rss_bytes() - base}
+    grown = lambda: {k: v - base[k] for k, v in resident().items()}  # noqa: E731
+    out = {"mode": mode, "weights": weight_bytes(llm.engine.model)[0], "load": grown()}
     warm_up(llm)
     arena = getattr(llm.engine.model, "weight_arena", None)
     if arena is not None:
         arena.settled.wait(60)  # the huge-page collapse the first step starts: measure its steady state
-    out["ready"] = rss_bytes() - base
+    out["ready"] = grown()
     reqs = workload(requests, out_range=(16, 64))
     params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for _, m in reqs]
     llm.generate([p for p, _ in reqs], params, progress=False)
-    out["batch"], out["kv"] = rss_bytes() - base, kv_bytes(llm)
-    out["batch_no_kv"] = out["batch"] - out["kv"]
+    out["batch"], out["kv"] = grown(), kv_bytes(llm)
+    out["batch_no_kv"] = {k: v - out["kv"] for k, v in out["batch"].items()}
     return out
 
 
@@ -75,12 +84,13 @@ def report(results: list[dict]) -> str:
     """The table: resident and ratios against bf16, next to the weights' share."""
     base = next(r for r in results if r["mode"] == "bf16")
     rows = []
-    for r in results:
-        row = [r["mode"], f"{r['weights'] / 2**20:.0f}", f"{r['weights'] / base['weights']:.3f}x"]
-        for when in ("load", "ready", "batch", "batch_no_kv"):
-            row += [f"{r[when] / 2**20:.0f}", f"{r[when] / base[when]:.3f}x"]
-        rows.append(row + [f"{r['kv'] / 2**20:.0f}"])
-    headers = ["mode", "weights MiB", "weights' share", "after load MiB", "vs bf16", "after warm-up MiB",
+    for kind, label in (("rss", "VmRSS"), ("anon", "RssAnon")):
+        for r in results:
+            row = [r["mode"], label, f"{r['weights'] / 2**20:.0f}", f"{r['weights'] / base['weights']:.3f}x"]
+            for when in ("load", "ready", "batch", "batch_no_kv"):
+                row += [f"{r[when][kind] / 2**20:.0f}", f"{r[when][kind] / base[when][kind]:.3f}x"]
+            rows.append(row + [f"{r['kv'] / 2**20:.0f}"])
+    headers = ["mode", "resident", "weights MiB", "weights' share", "after load MiB", "vs bf16", "after warm-up MiB",
                "vs bf16", "after batch MiB", "vs bf16", "after batch less KV pages MiB", "vs bf16", "KV pages MiB"]
     return table(headers, rows) + NOTES
 

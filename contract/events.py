@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from redis import Redis
+if TYPE_CHECKING:
+    from redis import Redis
 
-from sluice.contract.signing import UnsafeWebhookURL, WebhookSettings, check_url
+    from sluice.contract.settings import WebhookSettings
 
 DUE_KEY = "sluice:webhooks:due"
 EVENT_TYPES = {
@@ -85,6 +86,9 @@ def notify(
     settings: WebhookSettings,
 ) -> str | None:
     """Queue the event for a batch's final status; return its event id (None if nothing to send)."""
+    # signing (urllib3, standardwebhooks) loads at a batch's end, not on every worker's start-up path
+    from sluice.contract.signing import UnsafeWebhookURL, check_url
+
     status = as_text(getattr(_field(batch, "status"), "value", _field(batch, "status")))
     url = _field(batch, "webhook") or settings.webhook_url
     batch_id = as_text(_field(batch, "id"))

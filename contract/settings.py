@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -88,6 +88,22 @@ def output_url_if_set() -> str | None:
     """SLUICE_OUTPUT_URL when it is set, else None."""
     settings = get_settings()
     return settings.output_url if "output_url" in settings.model_fields_set else None
+
+
+class WebhookSettings(BaseModel):
+    """Webhook configuration; `of(settings)` takes it from Settings' SLUICE_WEBHOOK_* fields."""
+
+    webhook_url: str | None = None
+    webhook_secret: SecretStr | None = None
+    webhook_allow: str = ""
+    webhook_retry_schedule: str = Settings.model_fields["webhook_retry_schedule"].default
+    webhook_timeout: float = Field(Settings.model_fields["webhook_timeout"].default, gt=0)
+    webhook_max_response_bytes: int = Field(Settings.model_fields["webhook_max_response_bytes"].default, ge=0)
+
+    @classmethod
+    def of(cls, settings: Settings) -> WebhookSettings:
+        """The webhook fields of settings (a process reads Settings once at start and passes them here)."""
+        return cls(**settings.model_dump(include=set(cls.model_fields)))
 
 
 def get_settings() -> Settings:

@@ -13,35 +13,20 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from pydantic import BaseModel, Field, SecretStr
 from standardwebhooks.webhooks import EmptyWebhookSecretError, Webhook
 from standardwebhooks.webhooks import WebhookVerificationError as StandardWebhooksError
 from urllib3.exceptions import LocationParseError
 from urllib3.util import Url, parse_url
 
-from sluice.contract.settings import Settings
+from sluice.contract.settings import WebhookSettings
+
+__all__ = ["WebhookSettings"]  # defined beside Settings, kept importable from here
 
 SECRET_PREFIX = "whsec_"
 METADATA_HOSTS = {"metadata", "metadata.google.internal", "metadata.goog"}
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 _UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, None: 1}
-
-
-class WebhookSettings(BaseModel):
-    """Webhook configuration; `of(settings)` takes it from Settings' SLUICE_WEBHOOK_* fields."""
-
-    webhook_url: str | None = None
-    webhook_secret: SecretStr | None = None
-    webhook_allow: str = ""
-    webhook_retry_schedule: str = Settings.model_fields["webhook_retry_schedule"].default
-    webhook_timeout: float = Field(Settings.model_fields["webhook_timeout"].default, gt=0)
-    webhook_max_response_bytes: int = Field(Settings.model_fields["webhook_max_response_bytes"].default, ge=0)
-
-    @classmethod
-    def of(cls, settings: Settings) -> WebhookSettings:
-        """The webhook fields of settings (a process reads Settings once at start and passes them here)."""
-        return cls(**settings.model_dump(include=set(cls.model_fields)))
 
 
 class WebhookVerificationError(ValueError):

@@ -156,8 +156,9 @@ def modules_imported_by(code: str, modules: tuple[str, ...]) -> list[str]:
 
 def test_worker_start_path_imports_no_framework_it_does_not_serve_with():
     """A worker's start up to ready (`python -m sluice.worker`'s imports, the engine on the bundled model, its
-    warm-up) imports none of transformers, rich, torch._dynamo / torch._inductor, bitsandbytes (bf16) or
-    jinja2 (no chat request yet): each was, or would be, a fixed cost of every scale-up."""
+    warm-up) imports none of transformers, rich, torch._dynamo / torch._inductor, bitsandbytes (bf16), jinja2
+    (no chat request yet), nor webhook delivery and signing (urllib3, standardwebhooks: loaded by the delivery
+    thread and at a batch's end): each was, or would be, a fixed cost of every scale-up."""
     code = (
         "import sys, typer, sluice.worker.cli\n"
         "from sluice.engine import LLM\n"
@@ -165,8 +166,31 @@ def test_worker_start_path_imports_no_framework_it_does_not_serve_with():
         f"llm = LLM({str(TINY)!r}, dtype='bfloat16', device='cpu')\n"
         "warm_up(llm)\n"
     )
-    heavy = ("transformers", "rich", "torch._dynamo", "torch._inductor", "bitsandbytes", "jinja2")
+    heavy = ("transformers", "rich", "torch._dynamo", "torch._inductor", "bitsandbytes", "jinja2", "urllib3",
+             "standardwebhooks", "sluice.contract.signing", "sluice.worker.webhooks")
     assert modules_imported_by(code, heavy) == []
+
+
+@pytest.mark.parametrize("entry", ["import sluice.cli.main", "import runpy; runpy.run_module('sluice.worker')"])
+def test_worker_entry_points_pause_the_collector_over_their_imports(entry):
+    """`sluice worker` and `python -m sluice.worker` turn the cyclic collector off before their first import (its
+    full collections rescan every module object torch made: a large share of the imports' time); `start`
+    turns it back on with the objects alive then frozen, once; elsewhere resume changes nothing."""
+    code = (
+        "import gc, sys\n"
+        f"try:\n    {entry}\nexcept SystemExit:\n    pass\n"  # python -m sluice.worker --help exits
+        "from sluice.worker import collector\n"
+        "print(gc.isenabled(), 'torch' in sys.modules, 'sluice.worker.cli' in sys.modules)\n"
+        "print(collector.resume(), gc.isenabled(), gc.get_freeze_count() > 1000, collector.resume())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, "worker", "--help"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-2:] == ["False True True", "True True True False"]
+    in_tests = subprocess.run([sys.executable, "-c", "import gc; from sluice.worker import collector; "
+                               "print(collector.resume(), gc.isenabled(), gc.get_freeze_count())"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert in_tests.stdout.split() == ["False", "True", "0"]
 
 
 def test_model_argument_from_command_line_or_environment(monkeypatch):

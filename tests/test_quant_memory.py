@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import bitsandbytes  # noqa: F401  (defines the torch.ops.bitsandbytes ops)
+import pytest
 import torch
 
 from sluice.engine.quantization.int8_cpu import serve_int8_on_cpu
@@ -56,3 +58,67 @@ def test_int8_engine_makes_no_onednn_matmul_per_step_shape():
     assert result.returncode == 0, result.stderr[-3000:]
     made = [line for line in result.stdout.splitlines() if ",primitive,exec," in line and ",matmul," in line]
     assert made == [], made[:3]
+
+
+FLOAT_COPY_CHECK = """
+import json, sys
+import bitsandbytes as bnb
+import torch
+from sluice.engine import LLM, SamplingParams
+
+def anon():
+    line = next(x for x in open("/proc/self/status") if x.startswith("RssAnon:"))
+    return int(line.split()[1]) * 1024
+
+def tensors(obj):
+    for value in vars(obj).values():
+        if isinstance(value, torch.Tensor):
+            yield value
+
+base = anon()
+llm = LLM(sys.argv[1], dtype="bfloat16", device="cpu", max_model_len=96, max_num_seqs=2, quantization=sys.argv[2],
+          kv_cache_memory_gb=0.05)
+model, float_copies, linears = llm.engine.model, [], 0
+held = {t.data_ptr(): t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]}
+for mod in model.modules():
+    if isinstance(mod, (bnb.nn.Linear8bitLt, bnb.nn.Linear4bit)):
+        linears += 1
+        w = mod.weight
+        owned = [w.data, *tensors(w), *tensors(mod), *tensors(getattr(mod, "state", w))]
+        qs = getattr(w, "quant_state", None)
+        owned += [] if qs is None else list(tensors(qs))
+        dense = (w.numel() * 2) // 4 if qs is not None else w.numel() // 2
+        float_copies += [tuple(t.shape) for t in owned if t.is_floating_point() and t.numel() >= dense]
+        held |= {t.data_ptr(): t.numel() * t.element_size() for t in owned}
+after_load = anon() - base
+out = llm.generate(["O Romeo, Romeo"] * 2, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+                   progress=False)
+assert [len(o.token_ids) for o in out] == [4, 4]
+print(json.dumps({"linears": linears, "float_copies": float_copies, "weights": sum(held.values()), "load": after_load,
+                  "served": anon() - base}))
+"""
+
+
+@pytest.fixture(scope="module")
+def mid_llama(tmp_path_factory) -> Path:
+    """A bf16 llama whose linears hold ~20 M parameters: a float copy of them is tens of MiB."""
+    from tests.checkpoints import make_checkpoint
+
+    return make_checkpoint(tmp_path_factory.mktemp("mid"), dtype=torch.bfloat16, hidden_size=512,
+                           intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a_quantized_load_keeps_no_float_copy_of_its_weights(mid_llama, mode):
+    """After an int8 (LLM.int8()) or int4 (NF4) load, no bitsandbytes linear holds a floating-point tensor the size
+    of its weight (the weight, its module, its int8 state, its QuantState), and the process's private memory grew
+    by the model's own tensors and a few MiB (tokenizer, tables), after load and after serving a request: the
+    full-precision weights the load read, and any transient float copy made while quantizing, are released
+    (a float copy of the linears would add more than twice this slack)."""
+    out = subprocess.run([sys.executable, "-c", FLOAT_COPY_CHECK, str(mid_llama), mode], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["linears"] == 6 * 7 and got["float_copies"] == [], got
+    slack = 8 << 20
+    assert got["load"] <= got["weights"] + slack and got["served"] <= got["weights"] + slack, got

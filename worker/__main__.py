@@ -2,8 +2,10 @@
 
 import sys
 
+from sluice.worker import collector
 from sluice.worker.prefetch import prefetch_for
 
+collector.pause()  # until the imports are done (sluice.worker.cli.start resumes it)
 prefetch_for(sys.argv[1:])  # first: the weights' disk read overlaps the imports below
 
 import typer  # noqa: E402

@@ -14,11 +14,9 @@ import typer
 
 from sluice.contract.jobs import QUEUES
 from sluice.contract.logs import configure as configure_logging
-from sluice.contract.settings import get_settings
-from sluice.contract.signing import WebhookSettings
+from sluice.contract.settings import Settings, get_settings
 from sluice.engine import LLM
-from sluice.worker import engine_flags
-from sluice.worker import webhooks as delivery
+from sluice.worker import collector, engine_flags
 from sluice.worker.background import supervised
 from sluice.worker.metrics import become_ready, start_metrics
 from sluice.worker.worker import EngineWorker
@@ -46,6 +44,7 @@ def start(
     redis_url: str | None = typer.Option(None, "--redis-url", help=REDIS_HELP),
 ) -> None:
     """Run a GPU worker: one engine kept full with shards from the queues."""
+    collector.resume()  # imported: the collector runs again, over what is made from here on
     settings = get_settings()
     model = model or settings.model
     if not model:
@@ -61,12 +60,19 @@ def start(
     )
     stop = threading.Event()
     if webhooks:
-        hooks = WebhookSettings.of(settings)
-        supervised("webhooks", lambda stop: delivery.run(connection, settings=hooks, stop=stop), stop)
+        supervised("webhooks", lambda stop: deliver_webhooks(connection, settings, stop), stop)
     try:
         w.work(burst=burst)
     finally:
         stop.set()
+
+
+def deliver_webhooks(connection: redis.Redis, settings: Settings, stop: threading.Event) -> None:
+    """The webhook delivery loop; its modules (urllib3, signing) load here, in its own thread, off the start-up."""
+    from sluice.contract.signing import WebhookSettings
+    from sluice.worker import webhooks as delivery
+
+    delivery.run(connection, settings=WebhookSettings.of(settings), stop=stop)
 
 
 def worker(**options: Any) -> None:

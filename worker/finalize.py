@@ -16,8 +16,7 @@ from sluice.contract.batch import BatchStore, TransitionError, progress_key
 from sluice.contract.events import notify
 from sluice.contract.jobs import shard_job_id
 from sluice.contract.schemas import Batch, BatchStatus, LineError, OutputRecord, Request, RequestCounts
-from sluice.contract.settings import Settings, get_settings
-from sluice.contract.signing import WebhookSettings
+from sluice.contract.settings import Settings, WebhookSettings, get_settings
 from sluice.contract.storage import OutputNotAllowed, Storage, object_lines, open_output
 from sluice.worker.faults import faults
 from sluice.worker.responses import ABORT_CODES, error_record

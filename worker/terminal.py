@@ -10,8 +10,7 @@ from sluice.contract.batch import BatchStore, TransitionError, progress_key
 from sluice.contract.events import notify
 from sluice.contract.queues import drop_unclaimed
 from sluice.contract.schemas import Batch, BatchStatus, LineError, RequestCounts
-from sluice.contract.settings import Settings
-from sluice.contract.signing import WebhookSettings
+from sluice.contract.settings import Settings, WebhookSettings
 from sluice.contract.storage import OutputNotAllowed, check_output_url, open_storage
 
 log = logging.getLogger(__name__)
