@@ -274,7 +274,8 @@ def test_moe_kernel_matches_fp64_on_every_tier(cpu_tier, dtype, bound):
 
 
 def test_native_moe_runs_its_experts_in_one_cpp_call_in_bf16(checkpoint_factory):
-    llm = LLM(checkpoint_factory("qwen3_moe"), dtype="bfloat16", device="cpu")
+    # steps of up to CPP_MAX_TOKENS tokens (decode-sized) take the C++ experts; chunks of 32 keep every step there
+    llm = LLM(checkpoint_factory("qwen3_moe"), dtype="bfloat16", device="cpu", max_num_batched_tokens=32)
     prompts = random_prompts(3, 20, 60)
     got = llm.score(prompts)
     blocks = [layer.mlp for layer in llm.engine.model.layers]
