@@ -162,18 +162,20 @@ def paged_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
 
 
 def _gather(cache: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor, dtype) -> torch.Tensor:
-    """Keys or values at `slots` [T, S] as [Hkv, T, S, D] in fp32 (int8 caches times their scales)."""
+    """Keys or values at `slots` [T, S] as [Hkv, T, S, D]: in the cache's dtype, an int8 cache's in fp32 times its
+    scales."""
     hk, d = cache.shape[0], cache.shape[-1]
-    x = cache.view(hk, -1, d)[:, slots].float()
+    x = cache.view(hk, -1, d)[:, slots]
     if scales is not None:
-        x = x * scales.view(hk, -1)[:, slots].float()[..., None]
+        x = x.float() * scales.view(hk, -1)[:, slots].float()[..., None]
     return x
 
 
 def masked_attention(q: torch.Tensor, cache, meta: FlatMetadata, scale: float, window: int | None,
                      softcap: float | None) -> torch.Tensor:
     """Causal attention of q [T, H, D] over each token's cached context, keys within `window` positions
-    (transformers' kv > q - window) and scores soft-capped as tanh(s / cap) * cap; fp32 math, queries in chunks."""
+    (transformers' kv > q - window) and scores soft-capped as tanh(s / cap) * cap; the products in the cache's dtype
+    (fp32 over an int8 cache), the softmax in fp32, queries in chunks."""
     t, h, d = q.shape
     hk, _, bs, _ = cache.k.shape
     seq = meta.token_seq.long()
@@ -193,12 +195,12 @@ def masked_attention(q: torch.Tensor, cache, meta: FlatMetadata, scale: float, w
         keys = _gather(cache.k, getattr(cache, "k_scale", None), slots, q.dtype)
         vals = _gather(cache.v, getattr(cache, "v_scale", None), slots, q.dtype)
         n = keys.shape[1]
-        qg = q[rows].view(n, hk, h // hk, d).transpose(0, 1).float()  # [Hkv, n, grp, D]
-        scores = torch.matmul(qg, keys.transpose(-1, -2)) * scale
+        qg = q[rows].view(n, hk, h // hk, d).transpose(0, 1).to(keys.dtype)  # [Hkv, n, grp, D]
+        scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale  # as transformers' eager: q.k in q's dtype
         if softcap:
             scores = torch.tanh(scores / softcap) * softcap
         probs = scores.masked_fill(~mask[None, :, None, :], float("-inf")).softmax(-1)
-        out[rows] = torch.matmul(probs, vals).transpose(0, 1).reshape(n, h, d).to(q.dtype)
+        out[rows] = torch.matmul(probs.to(vals.dtype), vals).transpose(0, 1).reshape(n, h, d).to(q.dtype)
     return out
 
 
