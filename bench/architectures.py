@@ -2,8 +2,12 @@
 forward on the same Llama, native MoE, and both against HF static batched generate(), in one run (bf16, CPU).
 
 python bench/architectures.py [--batch 32] [--prompt 64] [--tokens 64] [--headlines llama,moe] [--archs llama,...]
+    [--threads N] [--clock wall|cpu]
 
-Ratios are taken within the run; the machine is shared, so absolute tok/s move between runs.
+Ratios are taken within the run; the machine is shared, so absolute tok/s move between runs. On a loaded machine
+`--threads 1 --clock cpu` counts tokens per second of this process's CPU time: every parallel region of a
+multi-threaded step waits for its slowest thread, which other processes deschedule, so wall-clock rates there
+measure the load more than the code (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -38,11 +42,15 @@ PER_ARCH = {"gemma2": dict(head_dim=64, query_pre_attn_scalar=64, sliding_window
             "gpt_neox": dict(num_key_value_heads=None)}  # no GQA: a stray key count would size the KV pool wrong
 
 
+CLOCK = {"wall": time.perf_counter, "cpu": time.process_time}
+clock = time.perf_counter
+
+
 def timed(fn):
-    """(result, seconds) of fn()."""
-    t = time.perf_counter()
+    """(result, seconds of `clock`) of fn()."""
+    t = clock()
     out = fn()
-    return out, time.perf_counter() - t
+    return out, clock() - t
 
 
 def checkpoint(arch: str, root: Path) -> Path:
@@ -134,7 +142,13 @@ def main() -> None:
     p.add_argument("--archs", default=",".join(ARCHS), help="per-architecture table ('' skips it)")
     p.add_argument("--repeats", type=int, default=3, help="alternated runs of each headline system (median)")
     p.add_argument("--root", type=Path, default=Path(tempfile.gettempdir()) / "sluice-bench-archs")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--clock", choices=list(CLOCK), default="wall", help="cpu: tok/s per second of process CPU time")
     a = p.parse_args()
+    global clock
+    clock = CLOCK[a.clock]
+    if a.threads:
+        torch.set_num_threads(a.threads)
     heads = a.headlines.split(",")
     if "llama" in heads:
         llama_headline(a)

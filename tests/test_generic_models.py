@@ -7,9 +7,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+import sluice.engine.models.generic as generic
 from sluice.engine import LLM, SamplingParams
 from sluice.engine.models import GENERIC, NATIVE, LlamaModel, ModelConfig, forced_generic, model_path_for
-from sluice.engine.models.generic import GenericModel
+from sluice.engine.models.generic import GenericModel, SiblingLinear
 from sluice.engine.models.loader import read_config
 from sluice.kernels import expert_kernel as moe_kernel
 from sluice.kernels.linear import Linear
@@ -182,6 +183,33 @@ def test_generic_path_on_a_native_architecture_matches_transformers(arch, checkp
     assert [o.token_ids for o in llm.generate(prompts, GREEDY, progress=False)] == hf_greedy(path, prompts)
 
 
+def test_generic_path_runs_sibling_linears_as_one_product(checkpoint_factory, monkeypatch):
+    path = checkpoint_factory("llama")
+    prompts = random_prompts(3, 20, 40)
+    with forced_generic():
+        fused = LLM(path, dtype="bfloat16", device="cpu")
+        with monkeypatch.context() as m:
+            m.setattr(generic, "SIBLINGS", ())
+            plain = LLM(path, dtype="bfloat16", device="cpu")
+    layers = fused.engine.model.hf.model.layers
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+        assert all(isinstance(p, SiblingLinear) and p.group is attn.q_proj.group for p in qkv)
+        assert attn.v_proj.weight.data_ptr() == attn.q_proj.group.weight[-attn.v_proj.out_features:].data_ptr()
+        assert mlp.gate_proj.group is mlp.up_proj.group and "forward" in vars(mlp)  # the fused SwiGLU
+    products = []
+    real = generic.linear
+    monkeypatch.setattr(generic, "linear", lambda *a: products.append(a[1].shape) or real(*a))
+    got = fused.score(prompts[:1])
+    assert len(products) == 2 * len(layers)  # one q/k/v product and one gate/up product per layer
+    monkeypatch.setattr(generic, "linear", real)
+    want = plain.score(prompts[:1])
+    assert ((got[0].float() - want[0].float()).norm() / want[0].float().norm()).item() < 1e-2
+    outs = [o.token_ids for o in fused.generate(prompts, SamplingParams(max_tokens=8, temperature=0), progress=False)]
+    assert all(len(o) == 8 for o in outs)
+
+
 QUANT_DIMS = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
 QUANT_LINEARS = {"int8": "Linear8bitLt", "int4": "Linear4bit", "int8_weight_only": "Int8WeightOnlyLinear",
                  "int4_weight_only": "Int4WeightOnlyLinear"}
@@ -274,7 +302,8 @@ def test_moe_kernel_matches_fp64_on_every_tier(cpu_tier, dtype, bound):
 
 
 def test_native_moe_runs_its_experts_in_one_cpp_call_in_bf16(checkpoint_factory):
-    llm = LLM(checkpoint_factory("qwen3_moe"), dtype="bfloat16", device="cpu")
+    # steps of up to CPP_MAX_TOKENS tokens (decode-sized) take the C++ experts; chunks of 32 keep every step there
+    llm = LLM(checkpoint_factory("qwen3_moe"), dtype="bfloat16", device="cpu", max_num_batched_tokens=32)
     prompts = random_prompts(3, 20, 60)
     got = llm.score(prompts)
     blocks = [layer.mlp for layer in llm.engine.model.layers]

@@ -23,7 +23,7 @@ from torch import nn
 from sluice import kernels
 from sluice.engine.models.rope import rope_parameters
 from sluice.kernels.flat_metadata import FlatMetadata
-from sluice.kernels.linear import Linear
+from sluice.kernels.linear import Linear, linear
 
 ATTN_IMPL = "sluice_paged"
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -162,18 +162,20 @@ def paged_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
 
 
 def _gather(cache: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor, dtype) -> torch.Tensor:
-    """Keys or values at `slots` [T, S] as [Hkv, T, S, D] in fp32 (int8 caches times their scales)."""
+    """Keys or values at `slots` [T, S] as [Hkv, T, S, D]: in the cache's dtype, an int8 cache's in fp32 times its
+    scales."""
     hk, d = cache.shape[0], cache.shape[-1]
-    x = cache.view(hk, -1, d)[:, slots].float()
+    x = cache.view(hk, -1, d)[:, slots]
     if scales is not None:
-        x = x * scales.view(hk, -1)[:, slots].float()[..., None]
+        x = x.float() * scales.view(hk, -1)[:, slots].float()[..., None]
     return x
 
 
 def masked_attention(q: torch.Tensor, cache, meta: FlatMetadata, scale: float, window: int | None,
                      softcap: float | None) -> torch.Tensor:
     """Causal attention of q [T, H, D] over each token's cached context, keys within `window` positions
-    (transformers' kv > q - window) and scores soft-capped as tanh(s / cap) * cap; fp32 math, queries in chunks."""
+    (transformers' kv > q - window) and scores soft-capped as tanh(s / cap) * cap; the products in the cache's dtype
+    (fp32 over an int8 cache), the softmax in fp32, queries in chunks."""
     t, h, d = q.shape
     hk, _, bs, _ = cache.k.shape
     seq = meta.token_seq.long()
@@ -193,12 +195,12 @@ def masked_attention(q: torch.Tensor, cache, meta: FlatMetadata, scale: float, w
         keys = _gather(cache.k, getattr(cache, "k_scale", None), slots, q.dtype)
         vals = _gather(cache.v, getattr(cache, "v_scale", None), slots, q.dtype)
         n = keys.shape[1]
-        qg = q[rows].view(n, hk, h // hk, d).transpose(0, 1).float()  # [Hkv, n, grp, D]
-        scores = torch.matmul(qg, keys.transpose(-1, -2)) * scale
+        qg = q[rows].view(n, hk, h // hk, d).transpose(0, 1).to(keys.dtype)  # [Hkv, n, grp, D]
+        scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale  # as transformers' eager: q.k in q's dtype
         if softcap:
             scores = torch.tanh(scores / softcap) * softcap
         probs = scores.masked_fill(~mask[None, :, None, :], float("-inf")).softmax(-1)
-        out[rows] = torch.matmul(probs, vals).transpose(0, 1).reshape(n, h, d).to(q.dtype)
+        out[rows] = torch.matmul(probs.to(vals.dtype), vals).transpose(0, 1).reshape(n, h, d).to(q.dtype)
     return out
 
 
@@ -259,24 +261,114 @@ def _llama_norm_source() -> str:
 
 def _rms_norm_forward(self, x: torch.Tensor) -> torch.Tensor:
     """LlamaRMSNorm.forward through our kernel (one fused pass on CPU, the same rounding)."""
-    return kernels.add_rms_norm(x.reshape(-1, x.shape[-1]), None, self.weight, self.variance_epsilon)[1].view(x.shape)
+    rows = x.reshape(-1, x.shape[-1]).contiguous()  # a sibling linear's output is a view of a wider product
+    return kernels.add_rms_norm(rows, None, self.weight, self.variance_epsilon)[1].view(x.shape)
+
+
+@functools.cache
+def _llama_mlp_source() -> str:
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    return inspect.getsource(LlamaMLP.forward)
+
+
+def _swiglu_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """LlamaMLP.forward with SiLU as the native MLP runs it: gate and up one product, silu(gate) * up one kernel call."""
+    g = self.gate_proj.group
+    gate_up = linear(x, g.weight, g.bias)
+    return self.down_proj(kernels.silu_mul(gate_up.reshape(-1, gate_up.shape[-1])).view(*x.shape[:-1], -1))
+
+
+def _same_source(mod: nn.Module, source) -> bool:
+    """Whether the class of `mod` has the forward whose source `source()` returns (transformers' copies of Llama's)."""
+    try:
+        return inspect.getsource(type(mod).forward) == source()
+    except (OSError, TypeError):
+        return False
+
+
+# Linears that transformers' modules call one after another on the same input (attention's q/k/v, the MLP's gate/up).
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))
+
+
+class SiblingGroup:
+    """Sibling linears' weights concatenated (each member's weight a view of its rows) and the outputs of the last
+    input they were run on, handed out once per member."""
+
+    __slots__ = ("weight", "bias", "sizes", "x", "outs")
+
+    def __init__(self, members: list[nn.Linear]) -> None:
+        self.weight = torch.cat([m.weight.detach() for m in members])
+        self.bias = None if members[0].bias is None else torch.cat([m.bias.detach() for m in members])
+        self.sizes = [m.out_features for m in members]
+        self.x, self.outs = None, []
+        start = 0
+        for m, n in zip(members, self.sizes, strict=True):
+            m.weight = nn.Parameter(self.weight[start:start + n], requires_grad=False)
+            if self.bias is not None:
+                m.bias = nn.Parameter(self.bias[start:start + n], requires_grad=False)
+            start += n
+
+
+class SiblingLinear(Linear):
+    """A linear of a SiblingGroup: the first member called on an input runs every member's product in one pass over
+    the group's weight (one GEMV instead of several at decode); the others take theirs while they are called on
+    that same tensor, and run alone on any other."""
+
+    group: SiblingGroup
+    index: int
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g = self.group
+        if g.x is x and g.outs[self.index] is not None:
+            out, g.outs[self.index] = g.outs[self.index], None
+            return out
+        outs = list(linear(x, g.weight, g.bias).split(g.sizes, dim=-1))  # views: transformers reshapes them
+        out, outs[self.index] = outs[self.index], None
+        g.x, g.outs = x, outs
+        return out
+
+
+def _fuse_siblings(module: nn.Module) -> None:
+    """Make each SIBLINGS group of `module`'s plain linears (same input width, dtype, device, bias or none) one
+    SiblingGroup."""
+    for names in SIBLINGS:
+        members = [getattr(module, n, None) for n in names]
+        if not all(type(m) is nn.Linear for m in members):
+            continue
+        first = members[0]
+        if all(m.in_features == first.in_features and m.weight.dtype == first.weight.dtype
+               and m.weight.device == first.weight.device and (m.bias is None) == (first.bias is None)
+               for m in members):
+            group = SiblingGroup(members)
+            for i, m in enumerate(members):
+                m.__class__, m.group, m.index = SiblingLinear, group, i
 
 
 def use_our_kernels(model: nn.Module) -> nn.Module:
-    """Run the model's plain linears through kernels.linear (our bf16 GEMV at decode row counts) and every norm
-    whose forward is LlamaRMSNorm's own source through kernels.add_rms_norm: the same results, as the native
-    forward gets them; anything else stays transformers' own."""
+    """Run the model's plain linears through kernels.linear (our bf16 GEMV at decode row counts), sibling linears
+    on one input as one (SiblingLinear), every norm whose forward is LlamaRMSNorm's own source through
+    kernels.add_rms_norm and every SiLU MLP whose forward is LlamaMLP's through kernels.silu_mul: the same results,
+    as the native forward gets them; anything else stays transformers' own."""
+    for mod in list(model.modules()):
+        _fuse_siblings(mod)
     for mod in model.modules():
         if type(mod) is nn.Linear:
             mod.__class__ = Linear
         elif type(mod).__name__.endswith("RMSNorm") and hasattr(mod, "variance_epsilon"):
-            try:
-                same = inspect.getsource(type(mod).forward) == _llama_norm_source()
-            except (OSError, TypeError):
-                same = False
-            if same:
+            if _same_source(mod, _llama_norm_source):
                 mod.forward = _rms_norm_forward.__get__(mod)
+        elif _swiglu(mod) and _same_source(mod, _llama_mlp_source):
+            mod.forward = _swiglu_forward.__get__(mod)
     return model
+
+
+def _swiglu(mod: nn.Module) -> bool:
+    """Whether `mod` has SiLU as act_fn and gate_proj/up_proj as one SiblingGroup, gate first."""
+    gate, up = getattr(mod, "gate_proj", None), getattr(mod, "up_proj", None)
+    act = type(getattr(mod, "act_fn", None)).__name__
+    return (act in ("SiLUActivation", "SiLU") and isinstance(gate, SiblingLinear) and isinstance(up, SiblingLinear)
+            and gate.group is up.group and gate.index == 0 and len(gate.group.sizes) == 2)
 
 
 def load_generic(path: str | Path, dtype: torch.dtype, device: torch.device, config,
