@@ -1,14 +1,16 @@
 """Our CPU kernels on one ISA tier against the torch op they replace, in one process, alternated.
 
 SLUICE_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python bench/cpu_tiers.py [--rows 1,4,16,32]
-    [--engine 1,8] [--gen 32]
+    [--engine 1,8] [--gen 32] [--paths 4,8,16,32,64]
 
 Times the bench model's 48 decoder linears (bf16 weights, out of cache as in a decode step) through our bf16 GEMV
 against F.linear (oneDNN), and the int8 weight-only GEMV at one row against torch's `_weight_int8pack_mm`, each
 pair alternated `--rounds` times (best of each): ratios on a noisy shared host are only meaningful within a run.
 The table names the tier the kernels were built for and torch's own CPU capability. `--engine B,...` adds the
 engine's bf16 decode tok/s on the ~125M bench model (bench/llamacpp.py's measure: B x 128 prompt tokens, `--gen`
-generated), our kernels against `SLUICE_CPU_KERNEL=0` (the torch fallbacks), alternated each round.
+generated), our kernels against `SLUICE_CPU_KERNEL=0` (the torch fallbacks), alternated each round. `--paths R,...`
+times only the bf16 paths (the GEMV's narrow and widened-x tiles, `widened_linear`) on the 48 linears and the LM
+head at each row count.
 """
 
 from __future__ import annotations
@@ -48,6 +50,28 @@ def bf16_rows(rows: int, rounds: int) -> tuple[float, float]:
             times["torch"] = min(times["torch"], _best(theirs, 1))
             times["ours"] = min(times["ours"], _best(ours, 1))
     return times["torch"] * 1e3, times["ours"] * 1e3
+
+
+def bf16_paths(rows: int, rounds: int) -> dict[str, float]:
+    """ms for the 48 linears and the LM head at `rows` rows on each bf16 path: the GEMV's narrow tiles, its
+    widened-x tiles (the avx2 tier's; the same as narrow on avx512_bf16), and `widened_linear` (oneDNN fp32)."""
+    weights = [torch.randn(n, k).to(torch.bfloat16) for n, k in [*LINEARS, (32000, 768)]]
+    xs = {k: torch.randn(rows, k).to(torch.bfloat16) for _, k in LINEARS}
+    gemv = linear_kernels._gemv()
+
+    def on_gemv(wide_from: int):
+        return lambda: [gemv.set_wide_min_rows(wide_from)] + [gemv.bf16_gemv(xs[w.shape[1]], w, None) for w in weights]
+
+    paths = {"widened_linear": lambda: [linear_kernels.widened_linear(xs[w.shape[1]], w) for w in weights]}
+    if rows <= 64:
+        paths = {"GEMV narrow": on_gemv(1 << 40), "GEMV widened x": on_gemv(1), **paths}
+    times = dict.fromkeys(paths, float("inf"))
+    with torch.inference_mode():
+        for _ in range(rounds):
+            for name, fn in paths.items():
+                times[name] = min(times[name], _best(fn, 1))
+    gemv.set_wide_min_rows(gemv.WIDE_MIN_ROWS)
+    return {name: t * 1e3 for name, t in times.items()}
 
 
 def int8_one_row(rounds: int) -> tuple[float, float]:
@@ -100,11 +124,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--engine", default="", help="batch sizes for the engine's decode tok/s, e.g. 1,8")
     parser.add_argument("--gen", type=int, default=32)
+    parser.add_argument("--paths", default="", help="row counts for the bf16 paths alone (ms per path), e.g. 8,64")
     args = parser.parse_args()
     if linear_kernels._gemv() is None:
         raise SystemExit(f"no bf16 GEMV on tier {cpu_isa.tier()}")
     print(f"tier {cpu_isa.tier()} (GEMV built for {linear_kernels._gemv().TIER}), torch CPU capability "
           f"{torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads\n")
+    if args.paths:
+        for rows in (int(r) for r in args.paths.split(",")):
+            print(f"| {rows} rows | " + " | ".join(f"{k} {v:.1f} ms" for k, v in bf16_paths(rows, args.rounds).items()))
+        return
     print("| op | rows | torch ms | ours ms | ours × |\n|---|---|---|---|---|")
     for rows in (int(r) for r in args.rows.split(",")):
         theirs, ours = bf16_rows(rows, args.rounds)

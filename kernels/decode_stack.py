@@ -15,10 +15,10 @@ import torch
 
 from sluice.kernels import cpp_build, int4_weights, int8_weights
 from sluice.kernels.attention import AttentionMetadata
-from sluice.kernels.linear import MAX_GEMV_ROWS
+from sluice.kernels.linear import MAX_GEMV_ROWS, MAX_GEMV_ROWS_FP32
 
 MAX_STACK_TOKENS = 16  # the stack's steps: where the int4 W4A8 product and our bf16 GEMV serve every linear
-assert MAX_STACK_TOKENS <= MAX_GEMV_ROWS
+assert MAX_STACK_TOKENS <= min(MAX_GEMV_ROWS, MAX_GEMV_ROWS_FP32)
 
 
 def _ext():

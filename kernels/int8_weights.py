@@ -1,10 +1,10 @@
 """Weight-only int8 matmul: int8 weights with one scale per output row, activations in the model dtype.
 
 For a few rows (decode, a draft model's proposals) a GEMV reads half the bytes of a bf16 matmul: for one bf16
-row on CPUs without AVX512-VNNI ours (csrc/bf16_gemv.cpp, weight rows in memory order), for up to
+row where our exact int8 product does not build ours (csrc/bf16_gemv.cpp, weight rows in memory order), for up to
 four fp32/fp16 rows torch's CPU int8 GEMV, whose cost grows linearly with the row count and which mis-computes
 unless in_features % 16 == 0 (so neither serves such shapes: one rule for both). Other rows of bf16/fp16
-activations on CPU (bf16 from one row where VNNI serves) are quantized on the fly (int8, one absmax scale per
+activations on CPU (bf16 from one row where our int8 product serves) are quantized on the fly (int8, one absmax scale per
 row) and multiplied in int32: up to 64 rows by our AVX512-VNNI kernel (csrc/quant_linear.cpp `int8_mm`, with the
 linear's per-row comp kept beside its weight, faster than oneDNN's, whose weight reorder on every call costs as
 much as the product at a few rows: docs/benchmarks.md), above by
@@ -27,9 +27,9 @@ from sluice.kernels import linear as linear_kernels
 from sluice.kernels.device_path import triton_on
 
 MAX_GEMV_ROWS = 4  # fp32/fp16 rows, torch's GEMV: measured on CPU (rows 1-16, five shapes), it wins at 2-4 rows
-# bf16 rows, ours: where our VNNI int8 product serves, none (at one row the dynamic int8 matmul with the linear's
-# kept comp, weight rows in memory order, beats this GEMV: docs/benchmarks.md); on other
-# CPUs one row (it keeps the activations unquantized; oneDNN's int8 matmul is slower there)
+# bf16 rows, ours: where our exact int8 product serves (AVX512-VNNI, or AVX2's madd), none (at one row the dynamic
+# int8 matmul, weight rows in memory order, beats this GEMV, which widens every weight to fp32:
+# docs/benchmarks.md); without it one row (it keeps the activations unquantized; oneDNN's int8 matmul is slower)
 BF16_GEMV_ROWS = 1
 GEMV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 DYNAMIC_DTYPES = (torch.bfloat16, torch.float16)
@@ -41,14 +41,15 @@ WIDEN_MIN_ROWS = 128
 def gemv_rows(dtype: torch.dtype) -> int:
     """Up to how many rows of this dtype a GEMV serves on CPU."""
     if dtype is torch.bfloat16:
-        return 0 if vnni_from_one_row() else BF16_GEMV_ROWS
+        return 0 if dynamic_from_one_row() else BF16_GEMV_ROWS
     return MAX_GEMV_ROWS
 
 
-def vnni_from_one_row() -> bool:
-    """Whether bf16 rows take the dynamic int8 matmul from one row on (our AVX512-VNNI kernel builds here)."""
+def dynamic_from_one_row() -> bool:
+    """Whether bf16 rows take the dynamic int8 matmul from one row on: our exact int8 product builds here (its
+    AVX512-VNNI kernel, or the AVX2 one: csrc/int8_mm_avx2.h)."""
     fused = _fused()
-    return fused is not None and fused.VNNI
+    return fused is not None and (fused.VNNI or cpu_isa.at_least("avx2"))
 
 
 def _use_gemv(rows: torch.Tensor, qweight: torch.Tensor) -> bool:

@@ -6,7 +6,8 @@ has no bf16 instructions at all: ours widens bf16 by a shift and sums by FMA); u
 rows, and up to 64 while the rows are small enough to stay in L2 (`gemv_serves`), ours serves; past that, and on
 any other device or dtype, F.linear. Where oneDNN has no bf16 instructions (CPUs without AVX512-BF16 / AMX, or
 ONEDNN_MAX_CPU_ISA below them) its bf16 matmul is far slower than its fp32 one, so the rows past our GEMV
-(prefill) are multiplied in fp32, the weight widened a bounded slice at a time (`widened_linear`).
+(there MAX_GEMV_ROWS_FP32: larger decode batches and prefill) are multiplied in fp32, the weight widened a
+bounded slice at a time (`widened_linear`).
 Sums are fp32 in a different order than oneDNN's, then rounded to bf16 as it does.
 """
 
@@ -25,11 +26,19 @@ from sluice.kernels import cpp_build, cpu_isa, options
 # every 4 weight rows) stay in L2.
 MAX_GEMV_ROWS = 32
 MAX_GEMV_X = 64 * 2048  # past MAX_GEMV_ROWS, up to 64 rows while rows x in_features is at most this (256 KB)
+# Where oneDNN has no bf16 instructions (`onednn_bf16`), up to this many rows ours (FMA on bf16 widened by a shift)
+# and past it `widened_linear` (oneDNN's fp32 matmul, register-blocked for many rows) are measured level; the
+# decode stack (kernels/decode_stack.py) runs our GEMV to exactly this row count.
+MAX_GEMV_ROWS_FP32 = 16
 WIDEN_ELEMENTS = 1 << 22  # weight elements widened to fp32 at a time by `widened_linear` (16 MiB of fp32)
+# ... at up to 64 rows (decode): a slice that stays in L2 for the matmul that reads it (2 MiB of fp32)
+WIDEN_ELEMENTS_FEW_ROWS = 1 << 19
 
 
 def gemv_serves(rows: int, in_features: int) -> bool:
     """Whether our GEMV takes `rows` rows of a bf16 linear with `in_features` inputs."""
+    if rows > MAX_GEMV_ROWS_FP32 and not onednn_bf16():
+        return False
     return 1 <= rows <= MAX_GEMV_ROWS or (rows <= 64 and rows * in_features <= MAX_GEMV_X)
 
 
@@ -77,7 +86,8 @@ def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     WIDEN_ELEMENTS at a time (a bounded scratch whatever the layer's size), rounded to x's dtype; `scales`: one per
     output row of an int8 weight, applied as it widens (the dequantized weight, W8A16)."""
     x32 = x.float()
-    step = max(1, WIDEN_ELEMENTS // weight.shape[1])
+    elements = WIDEN_ELEMENTS_FEW_ROWS if x32.numel() <= 64 * x32.shape[-1] else WIDEN_ELEMENTS
+    step = max(1, elements // weight.shape[1])
     starts = range(0, weight.shape[0], step)
     parts = [F.linear(x32, _widened(weight, scales, i, step), None if bias is None else bias[i:i + step].float())
              for i in starts]

@@ -106,7 +106,7 @@ def int8_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
 def test_int8_linear_matches_dequantized_weights_on_every_path(dtype, tol, monkeypatch, cpu_tier):
     """Every path of int8_linear against the float64 dequantized product, each row count on the path the tier
     implies: fp32 rows up to 4 on torch's GEMV (K % 16 == 0 only); bf16 rows on the dynamic int8 matmul from one
-    row where the tier has AVX512-VNNI (and our kernels build), else one row on our GEMV. bf16 bound per element:
+    row where our exact int8 product builds (AVX512-VNNI or AVX2 tiers), else one row on our GEMV. bf16 bound per element:
     two bf16 roundings (2^-8 relative each: the product, then its sum with the bias) of the reference with x as
     the path sees it (its int8 codes on the dynamic path), plus fp32 sums."""
     gemv_rows, int_mm_rows = [], []
@@ -119,8 +119,8 @@ def test_int8_linear_matches_dequantized_weights_on_every_path(dtype, tol, monke
         spy = type("Spy", (), {"int8_gemv": staticmethod(lambda x, w, s: gemv_rows.append(x.shape[0])
                                                            or ours.int8_gemv(x, w, s))})()
         monkeypatch.setattr(int8_weights, "_gemv_kernel", lambda scales: spy if scales.dtype is torch.bfloat16 else None)
-    vnni = cpp_build.enabled() and "-mavx512vnni" in cpu_isa.compile_flags(cpu_tier)
-    gemv = [1, 3] if dtype == torch.float32 else [] if vnni else [1]  # the GEMV's row counts at K = 384
+    ours = cpp_build.enabled() and cpu_isa.at_least("avx2")  # our exact int8 product: VNNI or AVX2 madd
+    gemv = [1, 3] if dtype == torch.float32 else [] if ours else [1]  # the GEMV's row counts at K = 384
     torch.manual_seed(0)
     for k in (384, 100):  # 100: not a multiple of 16, which torch's GEMV mis-computes, so it must not be used
         qweight = torch.randint(-127, 128, (200, k), dtype=torch.int8)
@@ -135,7 +135,7 @@ def test_int8_linear_matches_dequantized_weights_on_every_path(dtype, tol, monke
                 seen = int8_reference(x, qweight, scales, bias, quantize_x=m not in gemv or k % 16 != 0)
                 bound = (seen.abs() + bias.double().abs()) * 2**-7 + 1e-4
                 assert ((got.double() - seen).abs() <= bound).all(), (k, m)
-    assert dtype == torch.float32 or int8_weights.vnni_from_one_row() == vnni, "bf16 takes VNNI where the tier has it"
+    assert dtype == torch.float32 or int8_weights.dynamic_from_one_row() == ours, "bf16 takes ours where it builds"
     assert gemv_rows == gemv, "the int8 GEMV serves few rows, and only when in_features % 16 == 0"
     dynamic = [] if dtype == torch.float32 else [m for k in (384, 100) for m in (1, 3, 5, 40)
                                                  if m not in gemv or k % 16]
@@ -216,7 +216,8 @@ def test_bf16_linear_matches_the_fp32_reference(rows, n, k, cpu_tier):
 
 def test_model_linears_run_the_gemv_at_decode_rows(monkeypatch, cpu_tier):
     """A bf16 decode step's linears go through the GEMV: to 32 rows, and to 64 while the rows stay small (rows x
-    in_features <= MAX_GEMV_X); F.linear above."""
+    in_features <= MAX_GEMV_X); F.linear above. Where oneDNN has no bf16 instructions, to MAX_GEMV_ROWS_FP32 rows,
+    widened to fp32 above."""
     calls = []
     ext = linear_kernels._gemv()
     serves = gemv_tier() and cpp_build.enabled()  # a tier with a GEMV: it must have built and must serve
@@ -237,7 +238,59 @@ def test_model_linears_run_the_gemv_at_decode_rows(monkeypatch, cpu_tier):
             small(torch.randn(rows, 64, dtype=torch.bfloat16))
         for rows in (32, 33):
             wide(torch.randn(rows, 4096, dtype=torch.bfloat16))
-    assert calls == ([1, 16, 17, 32, 33, 64, 32] if serves else []), "GEMV at decode rows, F.linear above"
+    want = [1, 16, 17, 32, 33, 64, 32] if linear_kernels.onednn_bf16() else [1, 16]
+    assert calls == (want if serves else []), "GEMV at decode rows, F.linear above"
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 16, 17, 64])
+def test_bf16_rows_past_the_fp32_gemv_limit_widen_where_onednn_has_no_bf16(monkeypatch, rows, cpu_tier):
+    """With oneDNN capped below its bf16 instructions, our GEMV serves to MAX_GEMV_ROWS_FP32 rows (where it is as
+    fast as oneDNN's fp32 matmul) and `widened_linear` above, each within a bf16 rounding of the fp64 product."""
+    from sluice.kernels import options
+
+    ext, calls = linear_kernels._gemv(), []
+    if ext is not None:
+        spy = type("Spy", (), {"SUPPORTED": True, "bf16_gemv": staticmethod(
+            lambda x, w, b: calls.append(x.shape[0]) or ext.bf16_gemv(x, w, b))})()
+        monkeypatch.setattr(linear_kernels, "_gemv", lambda: spy)
+    g = torch.Generator().manual_seed(rows)
+    x, w = torch.randn(rows, 200, generator=g).bfloat16(), (torch.randn(70, 200, generator=g) / 14).bfloat16()
+    want = x.double() @ w.double().t()
+    options.use(options.current().merged(onednn_max_cpu_isa="AVX2"))
+    try:
+        with torch.inference_mode():
+            got = linear_kernels.linear(x, w)
+    finally:
+        options.reset()
+    assert calls == ([rows] if ext is not None and rows <= linear_kernels.MAX_GEMV_ROWS_FP32 else [])
+    assert ((got.double() - want).abs() <= want.abs() * 2**-8 + 1e-5 * 200**0.5).all()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 6, 7, 8, 13, 16, 33, 64])
+@pytest.mark.parametrize(("n", "k"), [(130, 768), (65, 100), (7, 16), (64, 2048)])
+def test_bf16_gemv_widened_x_tiles_give_the_narrow_tiles_bits(rows, n, k, cpu_tier):
+    """The tier's widened-x tiles (the avx2 tier, from a few rows: x widened to fp32 once, 3 x rows against 2
+    weight rows) sum every product in the narrow tiles' order: the same bits at every row count, N off the weight
+    row pairs, K with a tail, bias or not; and within a bf16 rounding of the fp64 product."""
+    ext = linear_kernels._gemv()
+    if ext is None:
+        pytest.skip("SLUICE_CPU_KERNEL=0 or no C++ compiler: no GEMV on this tier")
+    g = torch.Generator().manual_seed(rows * 7 + n + k)
+    x = torch.randn(rows, k + 5, generator=g).bfloat16()[:, 2 : 2 + k]  # rows with a stride
+    w, b = (torch.randn(n, k, generator=g) / k**0.5).bfloat16(), torch.randn(n, generator=g).bfloat16()
+    try:
+        with torch.inference_mode():
+            ext.set_wide_min_rows(1)
+            wide = [ext.bf16_gemv(x, w, bias) for bias in (None, b)]
+            ext.set_wide_min_rows(1 << 40)
+            narrow = [ext.bf16_gemv(x, w, bias) for bias in (None, b)]
+    finally:
+        ext.set_wide_min_rows(ext.WIDE_MIN_ROWS)
+    want = x.double() @ w.double().t()
+    for got, ref, bias in zip(wide, narrow, (None, b), strict=True):
+        assert torch.equal(got, ref)
+        full = want if bias is None else want + bias.double()
+        assert ((got.double() - full).abs() <= full.abs() * 2**-8 + 1e-5 * k**0.5).all()
 
 
 @pytest.mark.parametrize("source", sorted(p.name for p in cpp_build.CSRC.glob("*.cpp")))

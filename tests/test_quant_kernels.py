@@ -183,7 +183,7 @@ def test_our_int8_gemv_serves_bf16_rows_and_rounds_as_torchs(monkeypatch, cpu_ti
     torch's own GEMV against the float64 product at every row count and K tail (it sums in fp32, scales after,
     rounds once, as torch does)."""
     torch.manual_seed(0)
-    monkeypatch.setattr(int8, "vnni_from_one_row", lambda: False)
+    monkeypatch.setattr(int8, "dynamic_from_one_row", lambda: False)
     ext, calls = int8._gemv_kernel(torch.ones(1, dtype=torch.bfloat16)), []
     monkeypatch.setattr(int8, "_gemv_kernel", lambda scales: type("Spy", (), {
         "int8_gemv": staticmethod(lambda *a: calls.append(a[0].shape[0]) or ext.int8_gemv(*a))})())
@@ -277,7 +277,7 @@ def _dynamic_rows_take_our_int8_mm(monkeypatch, fused) -> None:
     qweight, scales = torch.randint(-127, 128, (96, 256), dtype=torch.int8), (torch.rand(96) / 50).to(torch.bfloat16)
     comp = int8.vnni_comp(qweight)
     first = int8.gemv_rows(torch.bfloat16) + 1
-    assert first == (1 if fused.VNNI else int8.BF16_GEMV_ROWS + 1)
+    assert first == (1 if fused.VNNI or cpu_isa.at_least("avx2") else int8.BF16_GEMV_ROWS + 1)
     for m in (first, 8, fused.VNNI_MAX_ROWS, fused.VNNI_MAX_ROWS + 1):
         rows = torch.randn(m, 256, dtype=torch.bfloat16)
         xq, row_scale = int8.quantize_rows(rows)

@@ -72,10 +72,42 @@ void for_row_blocks(int64_t M, int64_t N, F&& f) {
   });
 }
 
+// From how many x rows the tier's widened-x tiles serve (a tier without them: never); settable for benchmarks and
+// tests, which compare the two paths (the same bits either way).
+int64_t wide_min_rows = kWideMinRows;
+
+#ifdef SLUICE_GEMV_WIDE_X
+// Outputs [n0, n0 + rows) of every x row from x widened once (xw [M, K16]): x rows kWideM at a time, each tile's
+// x staying in L1 while the block's weight rows (in L2 after the first tile) pass kWideR2 at a time.
+inline void wide_block_rows(const float* xw, const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* w, int64_t K,
+                            int64_t rows, float* sums) {
+  const int64_t K16 = K / 16 * 16;
+  sluice_row_tiles<kWideM>(0, M, [&](auto t, int64_t m) {
+    constexpr int T = decltype(t)::value;
+    int64_t r = 0;
+    for (; r + kWideR2 <= rows; r += kWideR2)
+      wide_tile<T, kWideR2>(xw + m * K16, x + m * ldx, ldx, w + r * K, K, sums + m * kBlock + r, kBlock);
+    for (; r < rows; ++r) wide_tile<T, 1>(xw + m * K16, x + m * ldx, ldx, w + r * K, K, sums + m * kBlock + r, kBlock);
+  });
+}
+#endif
+
 void gemv(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* w, int64_t K, int64_t N, const uint16_t* bias,
           uint16_t* y) {
+#ifdef SLUICE_GEMV_WIDE_X
+  std::vector<float> xw;
+  if (M >= wide_min_rows) {
+    xw.resize(M * (K / 16 * 16));
+    widen_x(x, ldx, M, K, xw.data());
+  }
+#endif
   for_row_blocks(M, N, [&](int64_t n0, int64_t rows, float* sums) {
     const uint16_t* wb = w + n0 * K;
+#ifdef SLUICE_GEMV_WIDE_X
+    if (M >= wide_min_rows) {
+      wide_block_rows(xw.data(), x, ldx, M, wb, K, rows, sums);
+    } else
+#endif
     if (M <= 12 || kWideR == 1) {  // weight rows one by one, in memory order: a single stream the prefetcher runs ahead of
       block_rows<1>(x, ldx, M, wb, K, rows, sums);
     } else {  // 4 weight rows against 4 x rows (16 accumulators): each weight line serves more x rows
@@ -170,7 +202,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
       "none";
 #endif
-  m.attr("SUPPORTED") = supported();  // read on every call from Python: an attribute, not a call
+  m.attr("SUPPORTED") = supported();
+  m.attr("WIDE_MIN_ROWS") = kWideMinRows;
+  m.def("set_wide_min_rows", [](int64_t rows) { wide_min_rows = rows; },
+        "From how many rows the tier's widened-x tiles serve (benchmarks and tests compare the paths)");  // read on every call from Python: an attribute, not a call
   m.def("bf16_gemv", &bf16_gemv, "x [M<=64, K] · weight [N, K]ᵀ (+ bias) in bf16", py::arg("x"), py::arg("weight"),
         py::arg("bias") = py::none());
   m.def("int8_gemv", &int8_gemv_op, "(x [M<=64, K] · qweight [N, K]ᵀ) * scales [N], int8 weights, bf16 x",

@@ -46,6 +46,58 @@ inline void tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, f
     out[(i / R) * ldo + i % R] = sluice_hsum8(_mm256_add_ps(acc[i][0], acc[i][1])) + tail[i];
 }
 
+// From kWideMinRows x rows on: x widened to fp32 once per call (`widen_x`: each block of 16 as its 8 even then its
+// 8 odd elements, the K tail left in bf16) and tiles of up to kWideM x rows against kWideR2 weight rows
+// (`wide_tile`): the weight widened once per tile, not once per 4 x rows, and x loaded ready to FMA. The products,
+// accumulators and final sums are `tile`'s, in its order, so either path gives the same bits.
+#define SLUICE_GEMV_WIDE_X
+constexpr int64_t kWideMinRows = 4;
+constexpr int kWideM = 3;
+constexpr int kWideR2 = 2;
+
+// x [M, K] (row stride ldx) into xw [M, K16] fp32, K16 = K rounded down to 16.
+inline void widen_x(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, float* xw) {
+  const int64_t K16 = K / 16 * 16;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K16; k += 16) {
+      __m256 even, odd;
+      sluice_load_bf16x16(x + m * ldx + k, even, odd);
+      _mm256_storeu_ps(xw + m * K16 + k, even);
+      _mm256_storeu_ps(xw + m * K16 + k + 8, odd);
+    }
+}
+
+// `tile<M, R>` with x already widened (xw [M, K16]; x for the K tail): outputs [n, n + R) of M rows.
+template <int M, int R>
+inline void wide_tile(const float* xw, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, float* out,
+                      int64_t ldo) {
+  const int64_t K16 = K / 16 * 16;
+  __m256 acc[M * R][2];
+  for (int i = 0; i < M * R; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t k = 0; k < K16; k += 16) {
+    __m256 wv[R];
+    for (int r = 0; r < R; ++r)
+      wv[r] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * K + k)), 16));
+    for (int m = 0; m < M; ++m) {
+      const __m256 xe = _mm256_loadu_ps(xw + m * K16 + k);
+      for (int r = 0; r < R; ++r) acc[m * R + r][0] = _mm256_fmadd_ps(xe, wv[r], acc[m * R + r][0]);
+    }
+    for (int r = 0; r < R; ++r)
+      wv[r] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * K + k)), high));
+    for (int m = 0; m < M; ++m) {
+      const __m256 xo = _mm256_loadu_ps(xw + m * K16 + k + 8);
+      for (int r = 0; r < R; ++r) acc[m * R + r][1] = _mm256_fmadd_ps(xo, wv[r], acc[m * R + r][1]);
+    }
+  }
+  float tail[M * R] = {};
+  for (int64_t k = K16; k < K; ++k)
+    for (int m = 0; m < M; ++m)
+      for (int r = 0; r < R; ++r) tail[m * R + r] += bf16_to_float(x[m * ldx + k]) * bf16_to_float(w[r * K + k]);
+  for (int i = 0; i < M * R; ++i)
+    out[(i / R) * ldo + i % R] = sluice_hsum8(_mm256_add_ps(acc[i][0], acc[i][1])) + tail[i];
+}
+
 // Reads n bf16 in memory order, bringing them into cache.
 inline void touch(const uint16_t* w, int64_t n) {
   __m256i any = _mm256_setzero_si256();

@@ -3,6 +3,7 @@
 // bf16_to_float (immintrin.h and avx512_reduce.h are included at its top).
 
 constexpr int kWideR = 4;  // weight rows a tile takes past 12 x rows
+constexpr int64_t kWideMinRows = INT64_MAX;  // x is never widened: `vdpbf16ps` takes bf16 pairs
 
 // Outputs [n, n + R) of M rows: out[m * ldo + r]. Every x row is loaded once per 32 columns of K, each weight
 // row once and used at once (M x registers, M·R accumulators, one weight register).
