@@ -26,9 +26,9 @@ from sluice.kernels import cpp_build, cpu_isa, options
 # every 4 weight rows) stay in L2.
 MAX_GEMV_ROWS = 32
 MAX_GEMV_X = 64 * 2048  # past MAX_GEMV_ROWS, up to 64 rows while rows x in_features is at most this (256 KB)
-# Where oneDNN has no bf16 instructions (`onednn_bf16`), up to this many rows ours (FMA on bf16 widened by a shift)
-# and past it `widened_linear` (oneDNN's fp32 matmul, register-blocked for many rows) are measured level; the
-# decode stack (kernels/decode_stack.py) runs our GEMV to exactly this row count.
+# Past this many rows our GEMV gives way where oneDNN has no bf16 instructions (`onednn_bf16`: to
+# `widened_linear`, oneDNN's fp32 matmul, measured level here) or has AMX tiles (`onednn_amx`: to its bf16 matmul,
+# the faster one past here); the decode stack (kernels/decode_stack.py) runs our GEMV to exactly this row count.
 MAX_GEMV_ROWS_FP32 = 16
 WIDEN_ELEMENTS = 1 << 22  # weight elements widened to fp32 at a time by `widened_linear` (16 MiB of fp32)
 # ... at up to 64 rows (decode): a slice that stays in L2 for the matmul that reads it (2 MiB of fp32)
@@ -36,8 +36,10 @@ WIDEN_ELEMENTS_FEW_ROWS = 1 << 19
 
 
 def gemv_serves(rows: int, in_features: int) -> bool:
-    """Whether our GEMV takes `rows` rows of a bf16 linear with `in_features` inputs."""
-    if rows > MAX_GEMV_ROWS_FP32 and not onednn_bf16():
+    """Whether our GEMV takes `rows` rows of a bf16 linear with `in_features` inputs: past MAX_GEMV_ROWS_FP32 rows
+    only where oneDNN multiplies bf16 with AVX512-BF16 and has no AMX tiles (with AMX its matmul is the faster one
+    there, docs/benchmarks.md "GEMV row limit with AMX"; with no bf16 instructions its fp32 one, `widened_linear`)."""
+    if rows > MAX_GEMV_ROWS_FP32 and (not onednn_bf16() or onednn_amx()):
         return False
     return 1 <= rows <= MAX_GEMV_ROWS or (rows <= 64 and rows * in_features <= MAX_GEMV_X)
 
@@ -80,6 +82,14 @@ def onednn_bf16() -> bool:
     return ("avx512_bf16" in flags or "amx_bf16" in flags) and allowed
 
 
+@functools.cache
+def onednn_amx() -> bool:
+    """Whether oneDNN multiplies bf16 with AMX tiles here (the CPU has amx_bf16, ONEDNN_MAX_CPU_ISA allows it)."""
+    limit = options.current().onednn_max_cpu_isa
+    allowed = limit in ("", "ALL", "DEFAULT") or "AMX" in limit
+    return "amx_bf16" in cpu_isa.cpu_flags() and allowed
+
+
 def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                    scales: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear of bf16 x and weight summed in fp32 through oneDNN's fp32 matmul, the weight widened
@@ -107,6 +117,7 @@ def widen_serves(rows: torch.Tensor, min_rows: int = 1) -> bool:
 
 
 options.on_change(onednn_bf16.cache_clear)
+options.on_change(onednn_amx.cache_clear)
 
 
 class Linear(nn.Linear):
