@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from sluice.kernels import cpp_build
+from sluice.kernels import linear as linear_kernels
 
 GROUP = 32
 OUT_MULTIPLE = 16  # the CPU packer's requirement on out_features: other sizes are padded with zero rows
@@ -34,6 +35,10 @@ MAX_INT4PACK_ROWS = 16  # measured (bf16, 2 threads, hidden 768 shapes): int4pac
 MAX_VNNI_ROWS = 16
 CHUNK = 128  # our VNNI layout pads in_features to a multiple of this (code 0, scale and zero 0: adds nothing)
 TILE_BYTES = 4 << 20  # dequantized scratch per tile: fewer, larger at::mm calls beat L2-sized tiles here
+# bf16 rows from which, where oneDNN has no bf16 instructions and our kernels no VNNI (the avx2 tier), the weight
+# is dequantized to fp32 a bounded slice at a time for oneDNN's fp32 matmul (`widened_int4`) instead of the W4A8
+# product (measured: docs/benchmarks.md; with VNNI the requantized int8 product is faster than both)
+WIDEN_MIN_ROWS = 128
 LAYOUTS = ((64, True), (32, True), (32, False))  # torch's int4pack (block rows, split) for AVX-512, AVX2, other
 
 
@@ -178,10 +183,24 @@ def _use_tiles(rows: torch.Tensor) -> bool:
     return rows.shape[0] > MAX_INT4PACK_ROWS and cpp_build.enabled() and cpu_layout() is not None
 
 
+def widened_int4(rows: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None, kernel) -> torch.Tensor:
+    """rows [M, in] (bf16) times a vnni-layout weight through oneDNN's fp32 matmul, the weight dequantized to fp32
+    `linear.WIDEN_ELEMENTS` at a time (a bounded scratch), bias added in fp32, rounded to bf16 once."""
+    x32, step = rows.float(), max(1, linear_kernels.WIDEN_ELEMENTS // w.in_features)
+    parts = []
+    for i in range(0, w.out_features, step):
+        j = min(i + step, w.out_features)
+        part = kernel.int4_vnni_dequant(w.packed, w.scales_zeros, w.in_features, i, j)
+        parts.append(F.linear(x32, part, None if bias is None else bias[i:j].float()))
+    return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)).to(rows.dtype)
+
+
 def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] times the 4-bit weight (x's dtype), plus bias."""
     rows = x.reshape(-1, x.shape[-1])
     if w.layout == "vnni" and x.dtype is torch.bfloat16 and (kernel := _tile_kernel()) is not None:
+        if not kernel.VNNI and linear_kernels.widen_serves(rows, WIDEN_MIN_ROWS):
+            return widened_int4(rows, w, bias, kernel).view(*x.shape[:-1], w.out_features)
         mm = kernel.int4_vnni_mm if rows.shape[0] <= w4a8_max_rows(kernel) else kernel.int4_vnni_int8_mm
         y = mm(rows.contiguous(), w.packed, w.scales_zeros, bias)
         return y.view(*x.shape[:-1], w.out_features)

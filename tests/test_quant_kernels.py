@@ -123,7 +123,7 @@ def test_our_int8_x_int4_product_is_the_w4a8_sum_and_close_to_the_dequantized_we
             lambda x, *a: calls.append(("int8", x.shape[0])) or kernel.int4_vnni_int8_mm(x, *a))})
     monkeypatch.setattr(int4, "_tile_kernel", lambda: spy)
     limit, expected = int4.w4a8_max_rows(kernel), []
-    for n, k in ((90, 128), (333, 96), (64, 768), (37, 160), (5, 2048), (6, 1536)):
+    for n, k in ((90, 128), (333, 96), (64, 768), (37, 160), (5, 2048), (6, 1536), (9, 640)):
         w = int4.pack(torch.randn(n, k), torch.bfloat16)
         bias = torch.randn(n).bfloat16() if with_bias else None
         b64 = bias.double() if with_bias else 0
@@ -440,3 +440,44 @@ def test_int8_prefill_rows_widen_the_dequantized_weight_where_onednn_has_no_bf16
     assert torch.equal(got, sliced) and got.dtype is torch.bfloat16
     assert ((got.double() - want).abs() <= want.abs() * 2**-8 + 1e-5).all()
     assert dynamic == [int8.WIDEN_MIN_ROWS - 1]
+
+
+@needs_kernel
+def test_int4_prefill_rows_widen_the_dequantized_weight_where_onednn_has_no_bf16(monkeypatch, cpu_tier):
+    """On every tier the vnni layout dequantizes to exactly int4.dequantize's fp32 (any slice of rows). With oneDNN
+    capped below its bf16 instructions, on tiers without VNNI, bf16 rows from int4.WIDEN_MIN_ROWS multiply that
+    dequantized weight in fp32: within one bf16 rounding of fp64 x · w + bias, the same for any slice of the
+    weight; one row fewer keeps the W4A8 product. With VNNI the requantized int8 product keeps every such row."""
+    from sluice.kernels import linear as linear_kernels
+    from sluice.kernels import options
+
+    torch.manual_seed(0)
+    kernel, calls, limit = int4.vnni_kernel(), [], int4.WIDEN_MIN_ROWS
+    spy = type("Spy", (), {
+        "VNNI": kernel.VNNI, "W4A8": True, "int4_vnni_dequant": staticmethod(kernel.int4_vnni_dequant),
+        "int4_vnni_mm": staticmethod(lambda x, *a: calls.append(("mm", x.shape[0])) or kernel.int4_vnni_mm(x, *a)),
+        "int4_vnni_int8_mm": staticmethod(
+            lambda x, *a: calls.append(("int8", x.shape[0])) or kernel.int4_vnni_int8_mm(x, *a))})
+    monkeypatch.setattr(int4, "_tile_kernel", lambda: spy)
+    for n, k in ((70, 160), (37, 768)):  # a padded partial block; whole blocks then two chunks in group order
+        w = int4.pack(torch.randn(n, k), torch.bfloat16)
+        exact = int4.dequantize(w, torch.float32)
+        assert torch.equal(kernel.int4_vnni_dequant(w.packed, w.scales_zeros, k, 0, n), exact)
+        assert torch.equal(kernel.int4_vnni_dequant(w.packed, w.scales_zeros, k, 5, 12), exact[5:12])
+        bias, rows = torch.randn(n).bfloat16(), torch.randn(limit, k).bfloat16()
+        want = rows.double() @ int4.dequantize(w, torch.float64).t() + bias.double()
+        options.use(options.current().merged(onednn_max_cpu_isa="AVX2"))
+        try:
+            with torch.inference_mode():
+                got = int4.int4_linear(rows, w, bias)
+                with monkeypatch.context() as m:
+                    m.setattr(linear_kernels, "WIDEN_ELEMENTS", k * 3)  # slices of 3 output rows
+                    sliced = int4.int4_linear(rows, w, bias)
+                int4.int4_linear(rows[1:], w, bias)
+        finally:
+            options.reset()
+        if not kernel.VNNI:
+            assert torch.equal(got, sliced) and got.dtype is torch.bfloat16
+            assert ((got.double() - want).abs() <= want.abs() * 2**-8 + 1e-4).all(), (n, k)
+    expected = [("int8", limit)] * 2 + [("int8", limit - 1)] if kernel.VNNI else [("mm", limit - 1)]
+    assert calls == expected * 2

@@ -433,6 +433,29 @@ torch::Tensor int4_vnni_int8_mm(const torch::Tensor& x, const torch::Tensor& pac
   return y;
 }
 
+// Weight rows [n0, n1) of an int4 weight in our VNNI layout (packed [N, Kp / 2] u8, scales_zeros bf16
+// [N, 2, Kp / 32]) dequantized to fp32 [n1 - n0, K]: a bounded slice of the weight for fp32 matmuls (prefill where
+// oneDNN has no bf16 instructions; kernels/int4_weights.py).
+torch::Tensor int4_vnni_dequant(const torch::Tensor& packed, const torch::Tensor& scales_zeros, int64_t K, int64_t n0,
+                                int64_t n1) {
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.device().is_cpu(), "int4_vnni_dequant: packed must be contiguous CPU uint8 [N, Kp / 2]");
+  const int64_t N = packed.size(0), Kp = packed.size(1) * 2;
+  TORCH_CHECK(K % 32 == 0 && Kp % 128 == 0 && Kp >= K && Kp < K + 128 && 0 <= n0 && n0 <= n1 && n1 <= N,
+              "int4_vnni_dequant: K or the rows do not match packed");
+  TORCH_CHECK(scales_zeros.scalar_type() == at::kBFloat16 && scales_zeros.is_contiguous() &&
+                  scales_zeros.sizes() == at::IntArrayRef({N, 2, Kp / 32}),
+              "int4_vnni_dequant: scales_zeros must be contiguous bf16 [N, 2, Kp / 32]");
+  auto out = torch::empty({n1 - n0, K}, packed.options().dtype(torch::kFloat32));
+  const uint8_t* q = packed.data_ptr<uint8_t>();
+  const uint16_t* sz = reinterpret_cast<const uint16_t*>(scales_zeros.data_ptr<at::BFloat16>());
+  float* o = out.data_ptr<float>();
+  at::parallel_for(n0, n1, 16, [&](int64_t b, int64_t e) {
+    for (int64_t n = b; n < e; ++n) w4_dequant_row(q + n * (Kp / 2), sz + n * (Kp / 16), K, Kp, o + (n - n0) * K);
+  });
+  return out;
+}
+
 #ifndef SLUICE_NO_MODULE  // decode_stack.cpp includes this file for its functions
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_tile_mm", &int4_tile_mm, "x times an int4-packed weight, dequantized tile by tile (CPU)");
@@ -452,6 +475,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_vnni_comp", &int8_vnni_comp, "per weight row 128 * its sum: what int8_mm's VNNI kernel subtracts");
   m.def("int4_vnni_mm", &int4_vnni_mm, "x (bf16) times an int4 weight in our VNNI layout, activations int8 per 32",
         py::arg("x"), py::arg("packed"), py::arg("scales_zeros"), py::arg("bias") = py::none());
+  m.def("int4_vnni_dequant", &int4_vnni_dequant, "rows [n0, n1) of an int4 weight in our VNNI layout as fp32",
+        py::arg("packed"), py::arg("scales_zeros"), py::arg("K"), py::arg("n0"), py::arg("n1"));
   m.def("int4_vnni_int8_mm", &int4_vnni_int8_mm, "x (bf16) times an int4 weight in our VNNI layout requantized "
         "to int8 per row, x quantized per row, the int8 product by VNNI", py::arg("x"), py::arg("packed"),
         py::arg("scales_zeros"), py::arg("bias") = py::none());

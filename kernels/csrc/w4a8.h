@@ -1,6 +1,6 @@
 // The int8 x int4 (W4A8) product's weight layout and quantized activations, shared by its tiers
-// (w4a8_avx512.h: AVX512-VNNI, w4a8_avx2.h: AVX2), and the scalar logic of both: the activation quantization
-// (the AVX-512 tier has its own, 16 lanes at a time, with the same results) and the scratch the rows live in.
+// (w4a8_avx512.h: AVX512-VNNI, w4a8_avx2.h: AVX2), and the scalar logic of both: the scratch the quantized
+// activation rows live in (each tier quantizes them, the same codes) and the dequantization to fp32.
 // Included by quant_linear.cpp inside its namespace.
 //
 // Our int4 layout (kernels/int4_weights.py `pack`, layout "vnni"): K padded to Kp, a multiple of 128, with
@@ -26,9 +26,9 @@ struct W4Acts {  // one activation row, quantized and laid out for the kernel (i
   int8_t* a;   // [Kp]: per chunk 64 bytes of low halves, then 64 of high halves
   float* d;    // [Kp / 128 * 16]: block b: d in the scales' order at 64 b; a chunk c after the blocks: 16 c + l
                // holds d of group 4 c + l / 4
-  float* sum;  // [Kp / 32]: sum of the group's x (exact fp32, not the quantized values), the scales' order
-  float* off;  // [Kp / 32]: - 8 d sum a, the codes' offset against the quantized values, the scales' order
-};
+  float* sum;  // [Kp / 32 + 8]: sum of the group's x (exact fp32, not the quantized values), the scales' order
+  float* off;  // [Kp / 32 + 8]: - 8 d sum a, the codes' offset against the quantized values, the scales' order
+};  // (a tier may keep d, sum and off in its own order: w4a8_avx2.h; the arrays past the groups hold zeros)
 
 // bf16 bits -> fp32 (exact).
 inline float sluice_bf16_to_float(uint16_t h) {
@@ -42,8 +42,8 @@ inline float sluice_bf16_to_float(uint16_t h) {
 inline void w4_clear_row(const W4Acts& r, int64_t Kp) {
   std::memset(r.a, 0, Kp);
   std::memset(r.d, 0, Kp / 8 * sizeof(float));
-  std::memset(r.sum, 0, Kp / 32 * sizeof(float));
-  std::memset(r.off, 0, Kp / 32 * sizeof(float));
+  std::memset(r.sum, 0, (Kp / 32 + 8) * sizeof(float));
+  std::memset(r.off, 0, (Kp / 32 + 8) * sizeof(float));
 }
 
 // Group g's d in the row's d array (the layout W4Acts describes).
@@ -53,37 +53,23 @@ inline void w4_store_d(float* d, int64_t g, int64_t pos, int64_t block_chunks, f
   else for (int t = 0; t < 4; ++t) d[c * 16 + 4 * (g % 4) + t] = dg;
 }
 
-// x row [K] (bf16 bits) -> the quantized activations, one value at a time (division, round to nearest even).
-inline void w4_quantize_row_scalar(const uint16_t* x, int64_t K, int64_t Kp, const W4Acts& r) {
-  w4_clear_row(r, Kp);
-  const int64_t block_chunks = Kp / kW4Chunk / 4 * 4;
+// Weight row j of our layout (codes qj, scales/zeros sj) dequantized to fp32 out [K]: w = (q - 8) s + z per group,
+// one rounding (fma). Plain loops over each group's 16 bytes, which the compiler vectorizes with the tier's flags.
+inline void w4_dequant_row(const uint8_t* qj, const uint16_t* sj, int64_t K, int64_t Kp, float* out) {
+  const int64_t Gp = Kp / kW4Group, block_chunks = Kp / kW4Chunk / 4 * 4;
   for (int64_t g = 0; g < K / kW4Group; ++g) {
-    float v[kW4Group], amax = 0.f, sum = 0.f;
-    for (int i = 0; i < kW4Group; ++i) {
-      v[i] = sluice_bf16_to_float(x[kW4Group * g + i]);
-      amax = std::max(amax, std::abs(v[i]));
-      sum += v[i];
-    }
     const int64_t pos = w4_pos(g, block_chunks);
-    const float dg = amax / 127.f;
-    int8_t* at = r.a + (g / 4) * kW4Chunk + 16 * (g % 4);
-    if (amax > 0.f) {
-      int32_t codes = 0;
-      for (int i = 0; i < kW4Group; ++i) {  // columns 0-15 into the chunk's low halves, 16-31 its high halves
-        const int32_t q = static_cast<int32_t>(std::nearbyint(v[i] / dg));
-        at[i < 16 ? i : 64 + i - 16] = static_cast<int8_t>(q);
-        codes += q;
-      }
-      r.off[pos] = -8.f * dg * static_cast<float>(codes);
-    }
-    w4_store_d(r.d, g, pos, block_chunks, dg);
-    r.sum[pos] = sum;
+    const float s = sluice_bf16_to_float(sj[pos]), z = sluice_bf16_to_float(sj[Gp + pos]);
+    const uint8_t* b = qj + (g / 4) * (kW4Chunk / 2) + 16 * (g % 4);
+    float* o = out + kW4Group * g;
+    for (int j = 0; j < 16; ++j) o[j] = std::fma(static_cast<float>((b[j] & 15) - 8), s, z);
+    for (int j = 0; j < 16; ++j) o[16 + j] = std::fma(static_cast<float>((b[j] >> 4) - 8), s, z);
   }
 }
 
 // M rows' W4Acts in a per-thread scratch kept between calls (a decode step makes ~50 products).
 inline W4Acts* w4_scratch(int64_t M, int64_t Kp) {
-  const int64_t Gp = Kp / kW4Group, per_row = Kp + (Kp / 8 + 2 * Gp) * static_cast<int64_t>(sizeof(float));
+  const int64_t Gp = Kp / kW4Group + 8, per_row = Kp + (Kp / 8 + 2 * Gp) * static_cast<int64_t>(sizeof(float));
   static thread_local std::vector<float> scratch;  // floats: 4-byte aligned for every part
   static thread_local std::vector<W4Acts> acts;
   if (scratch.size() * sizeof(float) < static_cast<size_t>(M * per_row)) scratch.resize(M * per_row / sizeof(float) + 1);
