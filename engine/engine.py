@@ -240,8 +240,9 @@ class Engine:
 
     def _run(self, batch: ScheduledBatch) -> list[Request]:
         """Run the model over a scheduled batch; the requests it finished."""
-        if self.processors.structured is not None:  # next tokens' grammar masks fill while the forward runs
-            self.processors.structured.fill_ahead(self._sampled_plainly(batch))
+        structured = self.processors.structured
+        if structured is not None and structured.overlap:  # next tokens' grammar masks fill while the forward runs
+            structured.fill_ahead(self._sampled_plainly(batch))
         step_logits = self.runner.run(batch)
         for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):
             req.num_computed_tokens += n

@@ -185,14 +185,11 @@ def _use_tiles(rows: torch.Tensor) -> bool:
 
 def widened_int4(rows: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None, kernel) -> torch.Tensor:
     """rows [M, in] (bf16) times a vnni-layout weight through oneDNN's fp32 matmul, the weight dequantized to fp32
-    `linear.WIDEN_ELEMENTS` at a time (a bounded scratch), bias added in fp32, rounded to bf16 once."""
-    x32, step = rows.float(), max(1, linear_kernels.WIDEN_ELEMENTS // w.in_features)
-    parts = []
-    for i in range(0, w.out_features, step):
-        j = min(i + step, w.out_features)
-        part = kernel.int4_vnni_dequant(w.packed, w.scales_zeros, w.in_features, i, j)
-        parts.append(F.linear(x32, part, None if bias is None else bias[i:j].float()))
-    return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)).to(rows.dtype)
+    a bounded slice at a time (`linear.widened_product`)."""
+    def dequantized(i: int, j: int) -> torch.Tensor:
+        return kernel.int4_vnni_dequant(w.packed, w.scales_zeros, w.in_features, i, j)
+
+    return linear_kernels.widened_product(rows, (w.out_features, w.in_features), dequantized, bias)
 
 
 def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -14,6 +14,7 @@ Sums are fp32 in a different order than oneDNN's, then rounded to bf16 as it doe
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -95,18 +96,25 @@ def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     """F.linear of bf16 x and weight summed in fp32 through oneDNN's fp32 matmul, the weight widened
     WIDEN_ELEMENTS at a time (a bounded scratch whatever the layer's size), rounded to x's dtype; `scales`: one per
     output row of an int8 weight, applied as it widens (the dequantized weight, W8A16)."""
-    x32 = x.float()
+    return widened_product(x, weight.shape, lambda i, j: _widened(weight, scales, i, j), bias)
+
+
+def widened_product(x: torch.Tensor, shape: tuple[int, int], widen: Callable[[int, int], torch.Tensor],
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x times an [out, in] weight given as fp32 row slices (`widen(i, j)`: rows i..j widened or dequantized),
+    WIDEN_ELEMENTS at a time (WIDEN_ELEMENTS_FEW_ROWS at up to 64 rows of x), bias added in fp32, rounded to x's
+    dtype once."""
+    x32, (out_features, in_features) = x.float(), shape
     elements = WIDEN_ELEMENTS_FEW_ROWS if x32.numel() <= 64 * x32.shape[-1] else WIDEN_ELEMENTS
-    step = max(1, elements // weight.shape[1])
-    starts = range(0, weight.shape[0], step)
-    parts = [F.linear(x32, _widened(weight, scales, i, step), None if bias is None else bias[i:i + step].float())
-             for i in starts]
+    step = max(1, elements // in_features)
+    parts = [F.linear(x32, widen(i, min(i + step, out_features)), None if bias is None else bias[i:i + step].float())
+             for i in range(0, out_features, step)]
     return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)).to(x.dtype)
 
 
-def _widened(weight: torch.Tensor, scales: torch.Tensor | None, i: int, step: int) -> torch.Tensor:
-    w = weight[i:i + step].float()
-    return w if scales is None else w.mul_(scales[i:i + step, None].float())
+def _widened(weight: torch.Tensor, scales: torch.Tensor | None, i: int, j: int) -> torch.Tensor:
+    w = weight[i:j].float()
+    return w if scales is None else w.mul_(scales[i:j, None].float())
 
 
 def widen_serves(rows: torch.Tensor, min_rows: int = 1) -> bool:
