@@ -39,29 +39,44 @@ OPTIONAL = (("avx512_vnni", "-mavx512vnni", "avx512"),)
 
 
 def cpu_flags() -> frozenset[str]:
-    """The host CPU's feature flags (/proc/cpuinfo; torch's cpuinfo where that file is missing)."""
+    """The host CPU's feature flags: /proc/cpuinfo's (what the kernel enabled), less any that the CPU itself
+    does not report through CPUID (torch's cpuinfo), so an emulated or masked CPU is taken at its word."""
     return _cpu_flags()
+
+
+# /proc/cpuinfo's names for the features torch's cpuinfo reports under other names
+CPUINFO_NAMES = {"fma3": "fma", "avx512_f": "avx512f", "avx512_bw": "avx512bw", "avx512_vl": "avx512vl",
+                 "avx512_dq": "avx512dq", "avx512_cd": "avx512cd"}
 
 
 @functools.cache
 def _cpu_flags() -> frozenset[str]:
+    cpuid = _cpuid_flags()
     info = Path("/proc/cpuinfo")
     if info.exists():
         for line in info.read_text(errors="replace").splitlines():
             if line.startswith(("flags", "Features")):
-                return frozenset(line.split(":", 1)[1].split())
-    return _torch_flags()
+                return confirmed(frozenset(line.split(":", 1)[1].split()), cpuid)
+    return cpuid if cpuid is not None else frozenset()
 
 
-def _torch_flags() -> frozenset[str]:
-    """Flags as torch's cpuinfo reports them (macOS/Windows): AVX2 and AVX-512 families only."""
+_KNOWN = frozenset(f for names in REQUIRED.values() for f in names) | {"avx512cd"}
+
+
+def confirmed(listed: frozenset[str], cpuid: frozenset[str] | None) -> frozenset[str]:
+    """/proc/cpuinfo's flags less the tier features CPUID does not report (all of them where CPUID is unknown)."""
+    return listed if cpuid is None else listed - (_KNOWN - cpuid)
+
+
+def _cpuid_flags() -> frozenset[str] | None:
+    """The features torch's cpuinfo finds by CPUID (and the OS's saved state), in /proc/cpuinfo's names;
+    None where this torch cannot say."""
     import torch
 
-    cpu = torch.backends.cpu.get_cpu_capability().lower()  # honours ATEN_CPU_CAPABILITY: a cap, never a raise
-    flags = set(REQUIRED["avx2"]) if cpu in ("avx2", "avx512") else set()
-    if cpu == "avx512":
-        flags |= set(REQUIRED["avx512"])
-    return frozenset(flags)
+    caps = getattr(torch.cpu, "get_capabilities", None)
+    if caps is None:
+        return None
+    return frozenset(CPUINFO_NAMES.get(name, name) for name, on in caps().items() if on is True)
 
 
 def host_tier(flags: frozenset[str] | None = None) -> str:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import platform
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -43,6 +45,38 @@ def tier_env(monkeypatch, request):
                                              (ZEN4 - {"avx512_vnni"}, "avx512")])
 def test_the_tier_is_the_highest_whose_flags_the_cpu_has(flags, want):
     assert cpu_isa.host_tier(flags) == want
+
+
+def test_a_flag_the_cpu_does_not_report_by_cpuid_is_not_used():
+    assert cpu_isa.confirmed(SAPPHIRE, AVX2) == AVX2  # a masked or emulated CPU: its CPUID is believed
+    assert cpu_isa.confirmed(ZEN4, SAPPHIRE) == ZEN4  # CPUID never adds what the kernel did not enable
+    assert cpu_isa.confirmed(SKYLAKE, None) == SKYLAKE
+
+
+EMULATED_PROBE = """
+import json, torch
+from sluice.kernels import cpu_isa, linear
+x = torch.randn(4, 256).to(torch.bfloat16)
+w = (torch.randn(96, 256) / 16).to(torch.bfloat16)
+got, want = linear.linear(x, w).float(), x.float() @ w.float().T
+print(json.dumps({"tier": cpu_isa.tier(), "kernels": linear.gemv_serves(4, 256) and linear.gemv_available(),
+                  "err": ((got - want).abs().max() / want.abs().max()).item()}))
+"""
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="emulates an x86-64 CPU on an x86-64 host")
+def test_an_avx2_only_cpu_gets_the_avx2_tier_and_runs_its_kernels(tmp_path):
+    """Under QEMU's Haswell (AVX2, no AVX-512) on whatever host this is: the tier comes from what the CPU
+    reports, and the C++ kernels built for it run; an instruction above AVX2 would kill the process (SIGILL)."""
+    qemu = shutil.which("qemu-x86_64")
+    assert qemu, "qemu-x86_64 not found: apt-get install qemu-user (.ci/run installs it)"
+    env = {k: v for k, v in os.environ.items() if k != cpu_isa.ENV}
+    done = subprocess.run([qemu, "-cpu", "Haswell", sys.executable, "-c", EMULATED_PROBE], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["tier"] == "avx2" and seen["kernels"] is True
+    assert seen["err"] < 2e-2
 
 
 def test_sluice_cpu_isa_caps_the_tier_and_never_raises_it(tier_env):
