@@ -417,8 +417,8 @@ def test_nf4_and_fp4_quantization_while_loading_gives_bitsandbytes_own_bits(monk
 
 def test_int8_prefill_rows_widen_the_dequantized_weight_where_onednn_has_no_bf16(monkeypatch):
     """With oneDNN capped below its bf16 instructions, bf16 int8 rows from WIDEN_MIN_ROWS multiply the dequantized
-    weight in fp32 (W8A16, no dynamic int8 product): within one bf16 rounding of fp64 x · (q · scale) + bias, the same
-    for any slice of the weight; one row fewer keeps the dynamic int8 product."""
+    weight in fp32 (W8A16, no dynamic int8 product): within one bf16 rounding of fp64 x · (q · scale) + bias, for any
+    slice of the weight; one row fewer keeps the dynamic int8 product."""
     from sluice.kernels import linear as linear_kernels
     from sluice.kernels import options
 
@@ -437,8 +437,9 @@ def test_int8_prefill_rows_widen_the_dequantized_weight_where_onednn_has_no_bf16
             int8.int8_linear(rows[1:], qweight, scales, bias)
     finally:
         options.reset()
-    assert torch.equal(got, sliced) and got.dtype is torch.bfloat16
-    assert ((got.double() - want).abs() <= want.abs() * 2**-8 + 1e-5).all()
+    assert got.dtype is torch.bfloat16 and sliced.dtype is torch.bfloat16
+    for out in (got, sliced):  # oneDNN's summation order may follow the slice's shape and the CPU's caches
+        assert ((out.double() - want).abs() <= want.abs() * 2**-8 + 1e-5).all()
     assert dynamic == [int8.WIDEN_MIN_ROWS - 1]
 
 
@@ -446,7 +447,7 @@ def test_int8_prefill_rows_widen_the_dequantized_weight_where_onednn_has_no_bf16
 def test_int4_prefill_rows_widen_the_dequantized_weight_where_onednn_has_no_bf16(monkeypatch, cpu_tier):
     """On every tier the vnni layout dequantizes to exactly int4.dequantize's fp32 (any slice of rows). With oneDNN
     capped below its bf16 instructions, on tiers without VNNI, bf16 rows from int4.WIDEN_MIN_ROWS multiply that
-    dequantized weight in fp32: within one bf16 rounding of fp64 x · w + bias, the same for any slice of the
+    dequantized weight in fp32: within one bf16 rounding of fp64 x · w + bias, for any slice of the
     weight; one row fewer keeps the W4A8 product. With VNNI the requantized int8 product keeps every such row."""
     from sluice.kernels import linear as linear_kernels
     from sluice.kernels import options
@@ -477,7 +478,8 @@ def test_int4_prefill_rows_widen_the_dequantized_weight_where_onednn_has_no_bf16
         finally:
             options.reset()
         if not kernel.VNNI:
-            assert torch.equal(got, sliced) and got.dtype is torch.bfloat16
-            assert ((got.double() - want).abs() <= want.abs() * 2**-8 + 1e-4).all(), (n, k)
+            assert got.dtype is torch.bfloat16 and sliced.dtype is torch.bfloat16
+            for out in (got, sliced):  # oneDNN's summation order may follow the slice's shape
+                assert ((out.double() - want).abs() <= want.abs() * 2**-8 + 1e-4).all(), (n, k)
     expected = [("int8", limit)] * 2 + [("int8", limit - 1)] if kernel.VNNI else [("mm", limit - 1)]
     assert calls == expected * 2
