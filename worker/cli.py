@@ -6,6 +6,7 @@ The engine flags (--dtype, --max-num-seqs, --speculative, ...) are generated fro
 from __future__ import annotations
 
 import inspect
+import os
 import threading
 from typing import Any
 
@@ -45,6 +46,7 @@ def start(
 ) -> None:
     """Run a GPU worker: one engine kept full with shards from the queues."""
     collector.resume()  # imported: the collector runs again, over what is made from here on
+    stay_off_the_hub()
     settings = get_settings()
     model = model or settings.model
     if not model:
@@ -65,6 +67,14 @@ def start(
         w.work(burst=burst)
     finally:
         stop.set()
+
+
+def stay_off_the_hub() -> None:
+    """Keep this process off the Hugging Face Hub: a worker serves a model folder on disk, yet bitsandbytes' CPU
+    backend asks the Hub for a kernel (remote code) at its import where HF `kernels` is installed, and
+    transformers checks it in from_pretrained. huggingface_hub reads HF_HUB_OFFLINE once, at its import, which
+    nothing before `start` has done; one the operator set wins."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def deliver_webhooks(connection: redis.Redis, settings: Settings, stop: threading.Event) -> None:
