@@ -6,7 +6,6 @@ The engine flags (--dtype, --max-num-seqs, --speculative, ...) are generated fro
 from __future__ import annotations
 
 import inspect
-import os
 import threading
 from typing import Any
 
@@ -15,7 +14,7 @@ import typer
 
 from sluice.contract.jobs import QUEUES
 from sluice.contract.logs import configure as configure_logging
-from sluice.contract.settings import Settings, get_settings
+from sluice.contract.settings import Settings, get_settings, stay_off_the_hub
 from sluice.engine import LLM
 from sluice.worker import collector, engine_flags
 from sluice.worker.background import supervised
@@ -67,14 +66,6 @@ def start(
         w.work(burst=burst)
     finally:
         stop.set()
-
-
-def stay_off_the_hub() -> None:
-    """Keep this process off the Hugging Face Hub: a worker serves a model folder on disk, yet bitsandbytes' CPU
-    backend asks the Hub for a kernel (remote code) at its import where HF `kernels` is installed, and
-    transformers checks it in from_pretrained. huggingface_hub reads HF_HUB_OFFLINE once, at its import, which
-    nothing before `start` has done; one the operator set wins."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def deliver_webhooks(connection: redis.Redis, settings: Settings, stop: threading.Event) -> None:
