@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from pydantic import BaseModel, Field, SecretStr, model_validator
@@ -109,3 +110,11 @@ class WebhookSettings(BaseModel):
 def get_settings() -> Settings:
     """Settings read from the current environment."""
     return Settings()
+
+
+def stay_off_the_hub() -> None:
+    """Keep this process off the Hugging Face Hub (for a worker, which serves a model folder on disk): otherwise
+    bitsandbytes' CPU backend asks the Hub for a kernel (remote code) at its import where HF `kernels` is
+    installed, and transformers checks it in from_pretrained. huggingface_hub reads HF_HUB_OFFLINE once, at its
+    import, so call this first; a value the operator set wins."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -273,7 +273,7 @@ class S3Storage:
 def s3_client(s3_style: str):
     """A boto3 S3 client with retries and backoff, addressing buckets in s3_style (path, virtual or auto:
     Settings.s3_addressing_style); AWS_ENDPOINT_URL(_S3) selects the server, through boto3's own config."""
-    import boto3  # boto3 costs ~0.5 s to import: only when S3 is used
+    import boto3  # slow to import: only when S3 is used
     from botocore.config import Config
 
     config = Config(

@@ -26,7 +26,7 @@ from sluice.kernels import cpp_build, cpu_isa, options
 from sluice.kernels import linear as linear_kernels
 from sluice.kernels.device_path import triton_on
 
-MAX_GEMV_ROWS = 4  # fp32/fp16 rows, torch's GEMV: measured on CPU (rows 1-16, five shapes), it wins at 2-4 rows
+MAX_GEMV_ROWS = 4  # fp32/fp16 rows that take torch's GEMV, where it wins (docs/benchmarks.md, an int8 matmul of ours)
 # bf16 rows, ours: where our exact int8 product serves (AVX512-VNNI, or AVX2's madd), none (at one row the dynamic
 # int8 matmul, weight rows in memory order, beats this GEMV, which widens every weight to fp32:
 # docs/benchmarks.md); without it one row (it keeps the activations unquantized; oneDNN's int8 matmul is slower)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 import json
+import subprocess
+import sys
 
 import bitsandbytes as bnb
 import pytest
@@ -18,6 +20,7 @@ from sluice.engine.models.loader import read_config
 from sluice.engine.quantization import FusedLinear
 from sluice.engine.quantization import linears as qlinears
 from sluice.engine.quantization.linears import Int4WeightOnlyLinear, Int8WeightOnlyLinear
+from tests.services import worker_env
 
 DIMS = dict(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1)
 PROMPTS = [[1, *range(5, 5 + n)] for n in (6, 30, 70)]
@@ -263,3 +266,44 @@ def test_int4_linears_are_packed_for_the_cpu_kernel_at_load(ckpt, monkeypatch):
     assert not any(getattr(p.weight.quant_state, "packing_format_for_cpu", False) for p in quantized_parts(lazy))
     for a, b in zip(llm.score(PROMPTS), lazy.score(PROMPTS), strict=True):
         assert torch.equal(a, b)
+
+
+
+# Runs the code it is given after an audit hook that records every host looked up or connected to other than
+# loopback (whether or not this host has a network), and prints them at exit.
+AUDITED = """
+import atexit, sys
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+hosts = []
+def hook(event, args):
+    address = args[0] if event == "socket.getaddrinfo" else args[1] if event == "socket.connect" else None
+    host = address[0] if isinstance(address, tuple) else address
+    if isinstance(host, str | bytes) and str(host) not in LOOPBACK and not str(host).startswith("/"):
+        hosts.append(str(host))
+sys.addaudithook(hook)
+atexit.register(lambda: print("HOSTS", sorted(set(hosts)), flush=True))
+"""
+WORKER = ("import runpy\nsys.argv[0] = 'sluice.worker'\ntry:\n    runpy.run_module('sluice.worker', run_name='__main__')\n"
+          "except SystemExit as e:\n    print('WORKER', e.code, 'bitsandbytes' in sys.modules)\n")
+BNB = ("import bitsandbytes, importlib.util\nfrom bitsandbytes.functional import has_avx512bf16\n"
+       "print('ASKS', has_avx512bf16() and importlib.util.find_spec('kernels') is not None)\n")
+
+
+def audited(code: str, args: list[str], cwd, env: dict[str, str]) -> list[str]:
+    """The output lines of code run under AUDITED (outside the checkout, so `kernels` is Hugging Face's)."""
+    out = subprocess.run([sys.executable, "-c", AUDITED + code, *args], cwd=cwd, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return [line for line in out.stdout.splitlines() if line.startswith(("HOSTS", "ASKS", "WORKER"))]
+
+
+def test_a_quantized_worker_never_asks_the_hub(ckpt, tmp_path, redis_server):
+    """A worker on a pre-quantized int4 checkpoint (bitsandbytes imported) looks up no host but loopback from
+    process start to exit; importing bitsandbytes with the Hub online does, where its CPU backend asks the Hub
+    for a kernel (HF `kernels` installed, an AVX512-BF16 CPU)."""
+    quantize(ckpt, tmp_path / "int4", "int4", dtype="bfloat16")
+    env = {k: v for k, v in worker_env(redis_server.url).items() if k not in ("HF_HUB_OFFLINE", "PYTHONPATH")}
+    args = ["--model", str(tmp_path / "int4"), "--dtype", "bfloat16", "--device", "cpu", "--burst", "--no-webhooks"]
+    assert audited(WORKER, args, tmp_path, env) == ["WORKER 0 True", "HOSTS []"]
+    asks, online = audited(BNB, [], tmp_path, env | {"HF_HUB_OFFLINE": "0"})
+    assert online == ("HOSTS ['huggingface.co']" if asks == "ASKS True" else "HOSTS []"), (asks, online)

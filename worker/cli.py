@@ -14,7 +14,7 @@ import typer
 
 from sluice.contract.jobs import QUEUES
 from sluice.contract.logs import configure as configure_logging
-from sluice.contract.settings import Settings, get_settings
+from sluice.contract.settings import Settings, get_settings, stay_off_the_hub
 from sluice.engine import LLM
 from sluice.worker import collector, engine_flags
 from sluice.worker.background import supervised
@@ -45,6 +45,7 @@ def start(
 ) -> None:
     """Run a GPU worker: one engine kept full with shards from the queues."""
     collector.resume()  # imported: the collector runs again, over what is made from here on
+    stay_off_the_hub()
     settings = get_settings()
     model = model or settings.model
     if not model:

@@ -25,8 +25,8 @@ STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 def process_start_time() -> float:
     """Unix time this process started: now less its age, the boot clock's reading less the start tick in /proc
-    (10 ms resolution). Not /proc/stat's btime, which is whole seconds and drifts from the wall clock (on this
-    VM it put the start ~1 s early). The import time where /proc is missing."""
+    (clock ticks). Not /proc/stat's btime, which is whole seconds and drifts from the wall clock (it put starts
+    early: docs/benchmarks.md, cold start). The import time where /proc is missing."""
     try:
         ticks = int(open(f"/proc/{os.getpid()}/stat").read().rsplit(")", 1)[1].split()[19])
         age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")

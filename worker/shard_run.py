@@ -13,7 +13,7 @@ from rq import get_current_job
 
 from sluice.contract.batch import BatchStore
 from sluice.contract.schemas import ChatBody, EmbeddingBody, OutputRecord, Request
-from sluice.contract.settings import Settings, get_settings
+from sluice.contract.settings import Settings, get_settings, stay_off_the_hub
 from sluice.contract.storage import open_output
 from sluice.worker.faults import faults
 from sluice.worker.responses import ABORT_CODES, error_record, output_record
@@ -203,6 +203,7 @@ def shared_llm(settings: Settings) -> Any:
             raise RuntimeError("set SLUICE_MODEL to run shards in a stock rq worker (or use `sluice worker`)")
         chosen = {"dtype": settings.dtype, "device": settings.device, "cpu_kernel": settings.cpu_kernel,
                   "cpu_isa": settings.cpu_isa, "device_path": settings.device_path}
+        stay_off_the_hub()
         _LLM = LLM(settings.model, **{k: v for k, v in chosen.items() if v is not None})
     return _LLM
 

@@ -4,8 +4,8 @@
 // that ~10 calls from Python (module __call__, dispatch checks, views) cost. With a head (`set_head`), `logits`
 // also runs what LlamaModel.forward does around the layers: the embedding rows, the step's rotary rows, the final
 // norm and the LM head (~0.1 ms of Python ops a step, each slow on caches the step's weights have just evicted).
-// The kernels' sources are included whole; elementwise.cpp first, as it sets CPU_CAPABILITY before any ATen
-// vector header is read.
+// The kernels' sources are included whole; elementwise.cpp first, as it sets CPU_CAPABILITY (cpu_capability.h)
+// before any ATen vector header is read.
 #define SLUICE_NO_MODULE
 #include "elementwise.cpp"
 #include "rms_norm.cpp"

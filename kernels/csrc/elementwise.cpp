@@ -4,19 +4,13 @@
 //             contiguous [T, H, D] / [T, Hkv, D] tensors in one pass;
 //   silu_mul: silu(gate) * up of a fused gate_up row, silu rounded before the product, as torch does.
 //   store_kv: this step's keys and values [T, Hkv, D] (rows may be strided, as v is inside qkv) copied to
-//             their slots of the [Hkv, blocks, block, D] caches in one call (two index_copy_ and their views
-//             cost ~15 us a layer at one token).
+//             their slots of the [Hkv, blocks, block, D] caches in one call (in place of two index_copy_
+//             and their views a layer);
 //   argmax:   the index of each row's first maximum (the first NaN where a row has one), as x.max(-1).indices
-//             gives it (torch's reduction reads a 32000-wide bf16 row at ~1 GB/s: 30 us a row, 0.85 ms a step at
-//             64 sequences; this one ~1-3 us).
+//             gives it (torch's reduction reads a wide vocabulary row slowly: docs/benchmarks.md, "What changed"
+//             under the decode stack).
 // at::vec with the CPU capability this file is compiled for gives torch's own vectorized math (Sleef exp).
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
-#define CPU_CAPABILITY AVX512
-#define CPU_CAPABILITY_AVX512
-#elif defined(__AVX2__) && defined(__FMA__)
-#define CPU_CAPABILITY AVX2
-#define CPU_CAPABILITY_AVX2
-#endif
+#include "cpu_capability.h"
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #if defined(CPU_CAPABILITY_AVX512)

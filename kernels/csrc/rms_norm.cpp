@@ -2,13 +2,7 @@
 // bf16/fp16 rows go 32 elements at a time through at::vec (fp32 math, round-to-nearest-even casts back), with
 // the sum of squares in fp32 lanes as torch's own vectorized reduction keeps it; other dtypes and tails are
 // scalar loops.
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
-#define CPU_CAPABILITY AVX512
-#define CPU_CAPABILITY_AVX512
-#elif defined(__AVX2__) && defined(__FMA__)
-#define CPU_CAPABILITY AVX2
-#define CPU_CAPABILITY_AVX2
-#endif
+#include "cpu_capability.h"
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
