@@ -234,6 +234,10 @@ def test_generic_path_fuses_llama_shaped_modules_bit_for_bit(arch, checkpoint_fa
         assert ("forward" in vars(layer.self_attn)) == (arch == "llama")
         rope = vars(layer.self_attn._kernel_funcs[generic.ROPE_SLOT])["forward"]
         assert rope.__func__ is generic.fused_rope
+    arena = fused.engine.model.weight_arena  # the weights in huge pages, as the native loader keeps its own
+    attn = fused.engine.model.hf.model.layers[0].self_attn
+    assert arena.holds(attn.q_proj.group.weight) and arena.holds(attn.o_proj.weight)
+    assert attn.q_proj.group.weight.data_ptr() == attn.q_proj.weight.data_ptr()
     for got, want in zip(fused.score(prompts), plain.score(prompts), strict=True):
         assert torch.equal(got, want)
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)

@@ -381,6 +381,13 @@ class SiblingGroup:
                 m.bias = nn.Parameter(self.bias[start:start + n], requires_grad=False)
             start += n
 
+    def rebase(self, first: nn.Linear) -> None:
+        """Point the concatenation at the storage its first member's weight (and bias) now lies in: after
+        WeightArena.adopt moved the members' views of it."""
+        self.weight = first.weight.as_strided(self.weight.shape, self.weight.stride(), first.weight.storage_offset())
+        if self.bias is not None:
+            self.bias = first.bias.as_strided(self.bias.shape, self.bias.stride(), first.bias.storage_offset())
+
 
 class SiblingLinear(Linear):
     """A linear of a SiblingGroup: the first member called on an input runs every member's product in one pass over
@@ -525,14 +532,38 @@ def _swiglu(mod: nn.Module) -> bool:
             and gate.group is up.group and gate.index == 0 and len(gate.group.sizes) == 2)
 
 
-def load_generic(path: str | Path, dtype: torch.dtype, device: torch.device, config,
-                 linear_hook=None) -> GenericModel:
+def _into_arena(model: nn.Module) -> None:
+    """On CPU, the model's weights moved into one arena of huge pages (engine.weight_memory), as the native loader
+    keeps its own, for the engine to settle (`model.weight_arena`); left where they are if the map cannot be had."""
+    from sluice.engine.weight_memory import WeightArena
+
+    tensors = [*model.parameters(), *model.buffers()]
+    if any(t.device.type != "cpu" for t in tensors):
+        return
+    nbytes = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+    try:
+        arena = WeightArena(nbytes + nbytes // 64 + (64 << 20))
+    except OSError:
+        return
+    arena.adopt(model)
+    for mod in model.modules():
+        if isinstance(mod, SiblingLinear) and mod.index == 0:
+            mod.group.rebase(mod)
+    model.weight_arena = arena
+
+
+def load_generic(path: str | Path, dtype: torch.dtype, device: torch.device, config, linear_hook=None,
+                 huge_pages: bool = True) -> GenericModel:
     """transformers' model for the checkpoint, its attention ours, on `device` in `dtype`; `linear_hook` (the
-    engine's quantization) swaps its linears for quantized ones after it is on `device`."""
+    engine's quantization) swaps its linears for quantized ones after it is on `device`; `huge_pages`: on CPU, its
+    weights in one arena of huge pages, `model.weight_arena` (as models.loader's native models)."""
     from transformers import AutoModelForCausalLM
 
     register()
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=ATTN_IMPL).to(device).eval()
     if linear_hook is not None:
         linear_hook.quantize_module(hf, config.architecture)
-    return GenericModel(use_our_kernels(hf), config).eval()
+    model = GenericModel(use_our_kernels(hf), config).eval()
+    if huge_pages:
+        _into_arena(model)
+    return model
