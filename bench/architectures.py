@@ -1,8 +1,8 @@
 """Decode throughput per architecture: the generic path (transformers' modules on our paged KV) vs the native
 forward on the same Llama, native MoE, and both against HF static batched generate(), in one run (bf16, CPU).
 
-python bench/architectures.py [--batch 32] [--prompt 64] [--tokens 64] [--headlines llama,moe] [--archs llama,...]
-    [--threads N] [--clock wall|cpu]
+python bench/architectures.py [--batch 32] [--prompt 64] [--tokens 64] [--headlines llama,generic,moe]
+    [--archs llama,...] [--threads N] [--clock wall|cpu]
 
 Ratios are taken within the run; the machine is shared, so absolute tok/s move between runs. On a loaded machine
 `--threads 1 --clock cpu` counts tokens per second of this process's CPU time: every parallel region of a
@@ -113,6 +113,15 @@ def llama_headline(a) -> None:
           f" HF static generate {hf:.0f} (generic {generic / hf:.2f}x, native {native / hf:.2f}x)", flush=True)
 
 
+def generic_headline(a) -> None:
+    """Generic vs native path on Llama alone (no HF generate), alternated."""
+    llama = checkpoint("llama", a.root)
+    native, generic = alternated([lambda: engine_tps(llama, a.batch, a.prompt, a.tokens),
+                                  lambda: engine_tps(llama, a.batch, a.prompt, a.tokens, True)], a.repeats)
+    print(f"llama batch {a.batch}: native {native:.0f} tok/s, generic {generic:.0f} ({generic / native:.2f}x native)",
+          flush=True)
+
+
 def moe_headline(a) -> None:
     """Native MoE (C++ experts, then the torch grouping: SLUICE_CPU_KERNEL=0 semantics per block) vs HF generate."""
     moe = checkpoint("qwen3_moe", a.root)
@@ -138,7 +147,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--tokens", type=int, default=64)
-    p.add_argument("--headlines", default="llama,moe", help="which alternated headline comparisons to run")
+    p.add_argument("--headlines", default="llama,moe",
+                   help="which alternated headline comparisons to run (generic: generic vs native on Llama alone)")
     p.add_argument("--archs", default=",".join(ARCHS), help="per-architecture table ('' skips it)")
     p.add_argument("--repeats", type=int, default=3, help="alternated runs of each headline system (median)")
     p.add_argument("--root", type=Path, default=Path(tempfile.gettempdir()) / "sluice-bench-archs")
@@ -152,6 +162,8 @@ def main() -> None:
     heads = a.headlines.split(",")
     if "llama" in heads:
         llama_headline(a)
+    if "generic" in heads:
+        generic_headline(a)
     if "moe" in heads:
         moe_headline(a)
     table(a)

@@ -3,6 +3,8 @@ over our paged KV cache) and the native MoE forward."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -208,6 +210,64 @@ def test_generic_path_runs_sibling_linears_as_one_product(checkpoint_factory, mo
     assert ((got[0].float() - want[0].float()).norm() / want[0].float().norm()).item() < 1e-2
     outs = [o.token_ids for o in fused.generate(prompts, SamplingParams(max_tokens=8, temperature=0), progress=False)]
     assert all(len(o) == 8 for o in outs)
+
+
+def transformers_forwards(llm: LLM) -> None:
+    """Put back transformers' own forwards where use_our_kernels fused a decoder layer, an attention or a rotary slot."""
+    for mod in llm.engine.model.hf.modules():
+        if type(mod).__name__.endswith(("DecoderLayer", "Attention")):
+            vars(mod).pop("forward", None)
+        slot = (vars(mod).get("_kernel_funcs") or {}).get(generic.ROPE_SLOT)
+        if slot is not None:
+            vars(slot).pop("forward", None)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_generic_path_fuses_llama_shaped_modules_bit_for_bit(arch, checkpoint_factory):
+    path = checkpoint_factory(arch)
+    prompts = random_prompts(4, 20, 60)
+    with forced_generic():
+        fused, plain = (LLM(path, dtype="bfloat16", device="cpu", max_num_batched_tokens=48) for _ in range(2))
+    transformers_forwards(plain)
+    for layer in fused.engine.model.hf.model.layers:  # qwen3's attention (q/k norms) is not Llama's: only its layer
+        assert vars(layer)["forward"].__func__ is generic._decoder_layer_forward
+        assert ("forward" in vars(layer.self_attn)) == (arch == "llama")
+        rope = vars(layer.self_attn._kernel_funcs[generic.ROPE_SLOT])["forward"]
+        assert rope.__func__ is generic.fused_rope
+    arena = fused.engine.model.weight_arena  # the weights in huge pages, as the native loader keeps its own
+    attn = fused.engine.model.hf.model.layers[0].self_attn
+    assert arena.holds(attn.q_proj.group.weight) and arena.holds(attn.o_proj.weight)
+    assert attn.q_proj.group.weight.data_ptr() == attn.q_proj.weight.data_ptr()
+    for got, want in zip(fused.score(prompts), plain.score(prompts), strict=True):
+        assert torch.equal(got, want)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    got, want = (llm.generate(prompts, params, progress=False) for llm in (fused, plain))
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
+def test_fused_rope_only_replaces_a_rotary_that_computes_llamas():
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, rotate_half
+
+    def interleaved(q, k, cos, sin):  # GPT-J style pairs: not Llama's rotation
+        def rot(x):
+            return torch.stack((-x[..., 1::2], x[..., ::2]), -1).flatten(-2)
+        return q * cos[:, None] + rot(q) * sin[:, None], k * cos[:, None] + rot(k) * sin[:, None]
+
+    def llama(q, k, cos, sin):
+        return q * cos[:, None] + rotate_half(q) * sin[:, None], k * cos[:, None] + rotate_half(k) * sin[:, None]
+
+    class Slot(torch.nn.Module):
+        def __init__(self, fn):
+            super().__init__()
+            self.fn = fn
+
+        def forward(self, *args):
+            return self.fn(*args)
+
+    for dtype in (torch.bfloat16, torch.float32):
+        assert generic._same_rope(apply_rotary_pos_emb, functools.partial(generic.fused_rope, Slot(llama)), dtype, 64)
+        slot = Slot(interleaved)
+        assert not generic._same_rope(slot, functools.partial(generic.fused_rope, slot), dtype, 64)
 
 
 QUANT_DIMS = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)

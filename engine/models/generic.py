@@ -15,6 +15,7 @@ import functools
 import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MethodType
 from typing import Any
 
 import torch
@@ -136,16 +137,22 @@ def paged_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
                             **kwargs) -> tuple[torch.Tensor, None]:
     """transformers attention implementation: query/key/value [1, heads, T, D] of the packed step; writes the
     keys/values into this layer's paged cache and attends over each token's cached context ([1, T, H, D])."""
-    step = _STEP.get()
     if query.shape[0] != 1:
         raise RuntimeError(f"{ATTN_IMPL} runs one packed sequence per forward, got a batch of {query.shape[0]}")
     if kwargs.get("s_aux") is not None or kwargs.get("is_causal") is False:
         raise ValueError("attention sinks / non-causal attention are not supported on the generic path")
+    q = query[0].transpose(0, 1).contiguous()
+    return paged_attention(q, _token_rows(key), _token_rows(value), scaling, sliding_window, softcap)[None], None
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float | None,
+                    sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """The next attention layer of the running step: writes keys/values [T, Hkv, D] into its paged cache and
+    attends with q [T, H, D] over each token's cached context ([T, H, D])."""
+    step = _STEP.get()
     i = step.calls
     step.calls += 1
     cache = step.caches[i]
-    q = query[0].transpose(0, 1).contiguous()
-    k, v = key[0].transpose(0, 1).contiguous(), value[0].transpose(0, 1).contiguous()
     if k.shape[1:] != cache.k.shape[::3]:
         raise ValueError(f"layer {i} keys are {list(k.shape[1:])} per token, the KV pool holds "
                          f"{list(cache.k.shape[::3])} (heads, head dim): an attention the generic path does not model")
@@ -155,10 +162,15 @@ def paged_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
     if window or softcap:
         if not isinstance(step.meta, FlatMetadata):
             raise RuntimeError("a windowed or soft-capped attention layer needs the flat step layout")
-        out = masked_attention(q, cache, step.meta, scale, window, softcap)
-    else:
-        out = cache.attend(q, k, v, step.meta, scale)
-    return out[None], None
+        return masked_attention(q, cache, step.meta, scale, window, softcap)
+    return cache.attend(q, k, v, step.meta, scale)
+
+
+def _token_rows(x: torch.Tensor) -> torch.Tensor:
+    """[1, heads, T, D] as [T, heads, D] with each token's heads one row, copied only where they are not (the values
+    of a sibling product are already: a slice of each row of the wider product, as the native forward's)."""
+    t = x[0].transpose(0, 1)
+    return t if t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] else t.contiguous()
 
 
 def _gather(cache: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor, dtype) -> torch.Tensor:
@@ -279,6 +291,66 @@ def _swiglu_forward(self, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(kernels.silu_mul(gate_up.reshape(-1, gate_up.shape[-1])).view(*x.shape[:-1], -1))
 
 
+@functools.cache
+def _llama_layer_source() -> str:
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    return inspect.getsource(LlamaDecoderLayer.forward)
+
+
+def _decoder_layer_forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, cache=None,
+                           use_cache: bool | None = False, position_embeddings=None, **kwargs) -> torch.Tensor:
+    """LlamaDecoderLayer.forward with the attention's residual added inside the post-attention norm: one
+    kernels.add_rms_norm pass (the sum rounded to the activations' dtype first, as transformers' add), as the native
+    forward does."""
+    attn, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), attention_mask=attention_mask,
+                             position_ids=position_ids, cache=cache, use_cache=use_cache,
+                             position_embeddings=position_embeddings, **kwargs)
+    norm, shape = self.post_attention_layernorm, hidden_states.shape
+    x, h = kernels.add_rms_norm(hidden_states.reshape(-1, shape[-1]), attn.reshape(-1, shape[-1]), norm.weight,
+                                norm.variance_epsilon)
+    return x.view(shape) + self.mlp(h.view(shape))
+
+
+@functools.cache
+def _llama_attention_source() -> str:
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    return inspect.getsource(LlamaAttention.forward)
+
+
+def _attention_forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, cache=None,
+                       **kwargs) -> tuple[torch.Tensor, None]:
+    """LlamaAttention.forward over a q/k/v SiblingGroup whose rotary slot runs `fused_rope`: the same products,
+    rotation and attention, without the [1, H, T, D] layout and the attention interface's lookup in between."""
+    cos, sin = position_embeddings if position_embeddings is not None else (None, None)
+    d, shape = self.head_dim, hidden_states.shape
+    if cos is None or shape[0] != 1 or cos.shape != (1, shape[1], d) or sin.shape != cos.shape:
+        return type(self).forward(self, hidden_states, position_embeddings, attention_mask, cache, **kwargs)
+    g = self.q_proj.group
+    qkv = linear(hidden_states[0], g.weight, g.bias).view(shape[1], -1, d)
+    h, hk = g.sizes[0] // d, g.sizes[1] // d
+    q, k = kernels.rope_qk(qkv, cos[0][:, None], sin[0][:, None], h, hk)
+    out = paged_attention(q, k, qkv[:, h + hk:], self.scaling)
+    return self.o_proj(out.view(*shape[:-1], -1)), None
+
+
+def _qkv_attention(mod: nn.Module) -> bool:
+    """Whether `mod` has q/k/v projections as one SiblingGroup in that order, a head_dim, and a rotary slot that
+    runs `fused_rope` (checked against its own function): what `_attention_forward` needs."""
+    q, k, v = (getattr(mod, n, None) for n in ("q_proj", "k_proj", "v_proj"))
+    slot = (vars(mod).get("_kernel_funcs") or {}).get(ROPE_SLOT)
+    return (isinstance(q, SiblingLinear) and isinstance(k, SiblingLinear) and isinstance(v, SiblingLinear)
+            and q.group is k.group is v.group and (q.index, k.index, v.index) == (0, 1, 2)
+            and isinstance(getattr(mod, "head_dim", None), int) and slot is not None
+            and getattr(vars(slot).get("forward"), "__func__", None) is fused_rope)
+
+
+def _fused_norm(mod: nn.Module | None) -> bool:
+    """Whether `mod` is a norm `use_our_kernels` gave the fused forward (`_rms_norm_forward`)."""
+    return getattr(vars(mod).get("forward") if mod is not None else None, "__func__", None) is _rms_norm_forward
+
+
 def _same_source(mod: nn.Module, source) -> bool:
     """Whether the class of `mod` has the forward whose source `source()` returns (transformers' copies of Llama's)."""
     try:
@@ -308,6 +380,13 @@ class SiblingGroup:
             if self.bias is not None:
                 m.bias = nn.Parameter(self.bias[start:start + n], requires_grad=False)
             start += n
+
+    def rebase(self, first: nn.Linear) -> None:
+        """Point the concatenation at the storage its first member's weight (and bias) now lies in: after
+        WeightArena.adopt moved the members' views of it."""
+        self.weight = first.weight.as_strided(self.weight.shape, self.weight.stride(), first.weight.storage_offset())
+        if self.bias is not None:
+            self.bias = first.bias.as_strided(self.bias.shape, self.bias.stride(), first.bias.storage_offset())
 
 
 class SiblingLinear(Linear):
@@ -345,6 +424,82 @@ def _fuse_siblings(module: nn.Module) -> None:
                 m.__class__, m.group, m.index = SiblingLinear, group, i
 
 
+# The kernels-hub slot through which transformers' attention modules call their rotary function (one private
+# wrapper per module, `_kernel_funcs`, whose forward `kernels.kernelize` replaces: so do we, with kernels.rope_qk).
+ROPE_SLOT = "rotary_pos_emb"
+
+
+def _rope_fits(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether q [1, H, T, D], k [1, Hkv, T, D] and cos/sin [1, T, D] are the call `fused_rope` serves (whole heads
+    rotated, one packed sequence)."""
+    return (q.dim() == k.dim() == 4 and cos.dim() == sin.dim() == 3 and q.shape[0] == k.shape[0] == cos.shape[0] == 1
+            and cos.shape[1:] == sin.shape[1:] == (q.shape[2], q.shape[3]) and k.shape[2:] == q.shape[2:]
+            and q.dtype == k.dtype == cos.dtype == sin.dtype)
+
+
+def _adjacent(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """q [T, H, D] and k [T, Hkv, D] as one [T, H + Hkv, D] view where k's heads follow q's in every row (a sibling
+    q/k/v product), else None."""
+    t, h, d = q.shape
+    if (q.stride() != k.stride() or q.stride(1) != d or q.stride(2) != 1
+            or k.data_ptr() != q.data_ptr() + h * d * q.element_size()):
+        return None
+    return q.as_strided((t, h + k.shape[1], d), q.stride())
+
+
+def fused_rope(slot: nn.Module, q, k, cos, sin, *args, **kwargs):
+    """A rotary slot's forward that runs Llama's apply_rotary_pos_emb (q * cos + rotate_half(q) * sin, each step
+    rounded) as kernels.rope_qk over q and k in one pass; the slot's own function serves every other call."""
+    if args or kwargs or not _rope_fits(q, k, cos, sin):
+        return type(slot).forward(slot, q, k, cos, sin, *args, **kwargs)
+    qt, kt = q[0].transpose(0, 1), k[0].transpose(0, 1)  # [T, heads, D]: each token's heads, rows of D
+    c, s = cos[0][:, None], sin[0][:, None]
+    both = _adjacent(qt, kt)
+    if both is not None:
+        qo, ko = kernels.rope_qk(both, c, s, qt.shape[1], kt.shape[1])
+    else:
+        qo, ko = kernels.rope_qk(qt, c, s, qt.shape[1], 0)[0], kernels.rope_qk(kt, c, s, 0, kt.shape[1])[1]
+    return qo.transpose(0, 1)[None], ko.transpose(0, 1)[None]
+
+
+def _rope_samples(dtype: torch.dtype, head_dim: int) -> list[tuple[torch.Tensor, ...]]:
+    """Random (q, k, cos, sin) in the layouts the attention modules pass: q/k views of one q/k/v product, and apart."""
+    g = torch.Generator().manual_seed(0)
+    t, h, hk = 5, 4, 2
+    qkv = torch.randn(1, t, (h + 2 * hk) * head_dim, generator=g).to(dtype).view(1, t, -1, head_dim)
+    cos, sin = (torch.randn(1, t, head_dim, generator=g).to(dtype) for _ in range(2))
+    q, k = qkv[:, :, :h].transpose(1, 2), qkv[:, :, h:h + hk].transpose(1, 2)
+    return [(q, k, cos, sin), (q.contiguous(), k.contiguous(), cos, sin)]
+
+
+def _same_rope(original, ours, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether `ours` gives bit for bit what `original` does on random whole-head calls in `dtype`."""
+    with torch.inference_mode():
+        for args in _rope_samples(dtype, head_dim):
+            want, got = original(*args), ours(*args)
+            if not all(isinstance(w, torch.Tensor) and w.shape == o.shape and torch.equal(w, o)
+                       for w, o in zip(want, got, strict=True)):
+                return False
+    return True
+
+
+def _use_fused_rope(model: nn.Module) -> None:
+    """Give every attention module whose rotary slot (ROPE_SLOT) computes Llama's rotation `fused_rope`, checked
+    bit for bit against its own function once per function, in the model's dtype and head size."""
+    text = model.config.get_text_config()
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    checked: dict[type, bool] = {}
+    for mod in model.modules():
+        slot = (vars(mod).get("_kernel_funcs") or {}).get(ROPE_SLOT)
+        if slot is None or "forward" in vars(slot):
+            continue
+        if type(slot) not in checked:  # the wrapper class's own forward: transformers' function
+            checked[type(slot)] = _same_rope(functools.partial(type(slot).forward, slot),
+                                             functools.partial(fused_rope, slot), model.dtype, head_dim)
+        if checked[type(slot)]:
+            slot.forward = MethodType(fused_rope, slot)  # as kernels.kernelize sets a kernel's
+
+
 def use_our_kernels(model: nn.Module) -> nn.Module:
     """Run the model's plain linears through kernels.linear (our bf16 GEMV at decode row counts), sibling linears
     on one input as one (SiblingLinear), every norm whose forward is LlamaRMSNorm's own source through
@@ -352,6 +507,7 @@ def use_our_kernels(model: nn.Module) -> nn.Module:
     as the native forward gets them; anything else stays transformers' own."""
     for mod in list(model.modules()):
         _fuse_siblings(mod)
+    _use_fused_rope(model)
     for mod in model.modules():
         if type(mod) is nn.Linear:
             mod.__class__ = Linear
@@ -360,6 +516,11 @@ def use_our_kernels(model: nn.Module) -> nn.Module:
                 mod.forward = _rms_norm_forward.__get__(mod)
         elif _swiglu(mod) and _same_source(mod, _llama_mlp_source):
             mod.forward = _swiglu_forward.__get__(mod)
+    for mod in model.modules():  # after the norms and the rotary: what these forwards build on is in place
+        if _fused_norm(getattr(mod, "post_attention_layernorm", None)) and _same_source(mod, _llama_layer_source):
+            mod.forward = _decoder_layer_forward.__get__(mod)
+        elif _qkv_attention(mod) and _same_source(mod, _llama_attention_source):
+            mod.forward = _attention_forward.__get__(mod)
     return model
 
 
@@ -371,14 +532,38 @@ def _swiglu(mod: nn.Module) -> bool:
             and gate.group is up.group and gate.index == 0 and len(gate.group.sizes) == 2)
 
 
-def load_generic(path: str | Path, dtype: torch.dtype, device: torch.device, config,
-                 linear_hook=None) -> GenericModel:
+def _into_arena(model: nn.Module) -> None:
+    """On CPU, the model's weights moved into one arena of huge pages (engine.weight_memory), as the native loader
+    keeps its own, for the engine to settle (`model.weight_arena`); left where they are if the map cannot be had."""
+    from sluice.engine.weight_memory import WeightArena
+
+    tensors = [*model.parameters(), *model.buffers()]
+    if any(t.device.type != "cpu" for t in tensors):
+        return
+    nbytes = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+    try:
+        arena = WeightArena(nbytes + nbytes // 64 + (64 << 20))
+    except OSError:
+        return
+    arena.adopt(model)
+    for mod in model.modules():
+        if isinstance(mod, SiblingLinear) and mod.index == 0:
+            mod.group.rebase(mod)
+    model.weight_arena = arena
+
+
+def load_generic(path: str | Path, dtype: torch.dtype, device: torch.device, config, linear_hook=None,
+                 huge_pages: bool = True) -> GenericModel:
     """transformers' model for the checkpoint, its attention ours, on `device` in `dtype`; `linear_hook` (the
-    engine's quantization) swaps its linears for quantized ones after it is on `device`."""
+    engine's quantization) swaps its linears for quantized ones after it is on `device`; `huge_pages`: on CPU, its
+    weights in one arena of huge pages, `model.weight_arena` (as models.loader's native models)."""
     from transformers import AutoModelForCausalLM
 
     register()
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=ATTN_IMPL).to(device).eval()
     if linear_hook is not None:
         linear_hook.quantize_module(hf, config.architecture)
-    return GenericModel(use_our_kernels(hf), config).eval()
+    model = GenericModel(use_our_kernels(hf), config).eval()
+    if huge_pages:
+        _into_arena(model)
+    return model

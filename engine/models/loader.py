@@ -313,7 +313,7 @@ def load_model(
     if config.path == GENERIC:  # transformers' own modules with our attention (models.generic)
         from sluice.engine.models.generic import load_generic
 
-        return load_generic(path, dtype, device, config, linear_hook)
+        return load_generic(path, dtype, device, config, linear_hook, huge_pages)
     reader = CheckpointReader(path)
     mode = _weight_mode(reader, weight_loading, linear_hook)
     arena = _arena(reader, dtype) if device.type == "cpu" and mode == "copy" and huge_pages else None
