@@ -1,7 +1,10 @@
 """Resident memory of quantized modes against bf16 on the ~125M Llama (bf16 embeddings), after the warm-up step
 and after a 40-prompt batch, next to what the weights' bytes alone would give.
 
-python bench/quant_memory.py [--modes bf16,int8,int4] [--requests 40] [--no-record]
+python bench/quant_memory.py [--modes bf16,int8,int4] [--requests 40] [--maps] [--no-record]
+
+--maps also prints, per mode, the mappings whose resident bytes grew most from the imports to after the warm-up
+(libraries' code, [heap], [anon]) in MiB.
 """
 
 from __future__ import annotations
@@ -40,6 +43,26 @@ def resident() -> dict[str, int]:
     return {"rss": rss_bytes(), "anon": rss_bytes("RssAnon")}
 
 
+def mappings() -> dict[str, float]:
+    """Resident MiB of this process by mapping name (/proc/self/smaps: a file's path, [heap], [anon], ...)."""
+    out: dict[str, float] = {}
+    name = "[anon]"
+    for line in open("/proc/self/smaps"):
+        parts = line.split()
+        if "-" in parts[0] and not parts[0].endswith(":"):
+            name = parts[5] if len(parts) >= 6 else "[anon]"
+        elif parts[0] == "Rss:":
+            out[name] = out.get(name, 0.0) + int(parts[1]) / 1024
+    return out
+
+
+def grown_mappings(before: dict[str, float], top: int = 6) -> dict[str, float]:
+    """The `top` mappings that grew most since `before`, by their growth in MiB."""
+    now = mappings()
+    growth = {k.rsplit("/", 1)[-1]: v - before.get(k, 0.0) for k, v in now.items()}
+    return dict(sorted(growth.items(), key=lambda kv: -kv[1])[:top])
+
+
 def kv_bytes(llm) -> int:
     """Resident bytes of the KV pool's memory maps (the pages the batch's tokens touched)."""
     starts = {t.data_ptr() for c in llm.engine.runner.kv_caches for t in (getattr(c, "k", None), getattr(c, "v", None))
@@ -63,7 +86,7 @@ def measure(mode: str, requests: int) -> dict:
     from sluice.engine import LLM, SamplingParams
     from sluice.worker.metrics import warm_up
 
-    path, base = bench_model(), resident()  # the process before the engine: Python, torch, bitsandbytes
+    path, base, maps = bench_model(), resident(), mappings()  # the process before the engine: Python, torch, bnb
     llm = LLM(str(path), dtype="bfloat16", device="cpu", kv_cache_memory_gb=KV_GB, **MODES[mode])
     grown = lambda: {k: v - base[k] for k, v in resident().items()}  # noqa: E731
     out = {"mode": mode, "weights": weight_bytes(llm.engine.model)[0], "load": grown()}
@@ -71,7 +94,7 @@ def measure(mode: str, requests: int) -> dict:
     arena = getattr(llm.engine.model, "weight_arena", None)
     if arena is not None:
         arena.settled.wait(60)  # the huge-page collapse the first step starts: measure its steady state
-    out["ready"] = grown()
+    out["ready"], out["maps"] = grown(), {k: round(v, 1) for k, v in grown_mappings(maps).items()}
     reqs = workload(requests, out_range=(16, 64))
     params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for _, m in reqs]
     llm.generate([p for p, _ in reqs], params, progress=False)
@@ -111,7 +134,7 @@ def main() -> None:
         cmd = [sys.executable, __file__, "--worker", mode, str(requests)]
         res = subprocess.run(cmd, capture_output=True, text=True, check=True)
         results.append(json.loads(res.stdout.strip().splitlines()[-1]))
-        print(results[-1], flush=True)
+        print(results[-1] if "--maps" in args else {k: v for k, v in results[-1].items() if k != "maps"}, flush=True)
     record(f"Quantized resident memory, 125M Llama, {requests}-prompt batch", report(results))
 
 

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 import rq
-from rq.cron import CronJob, CronScheduler
 from rq.executions import Execution
 from rq.job import Job
 from rq.queue import Queue
@@ -26,6 +25,9 @@ STEPS = ("prepare_execution", "prepare_job_execution", "cleanup_execution", "han
          "execute_job", "maintain_heartbeats", "dequeue_job_and_maintain_ttl", "run_maintenance_tasks",
          "should_run_maintenance_tasks", "dequeue_any", "intermediate_queue_key", "redis_job_namespace_prefix")
 SUPPORTED = ((3, 0), (4, 0))  # [lowest, first unsupported) major.minor, as pyproject's `rq>=3.0,<4`
+if TYPE_CHECKING:  # rq.cron imports croniter: the producer's scheduler needs it, a worker's start does not
+    from rq.cron import CronJob, CronScheduler
+
 ExcInfo = tuple[type[BaseException] | None, BaseException | None, TracebackType | None]
 
 

@@ -7,7 +7,9 @@ keeps straight into one arena (`empty`), copies in what is made later, the quant
 `settle` then turns the arena into huge pages in a background thread: MADV_COLLAPSE (Linux 6.1+) copies each
 2 MB while the engine already runs (at fault time, with `defrag=madvise`, the same pages would cost the load
 several times its 4 KB faults). MADV_HUGEPAGE is set too, so khugepaged collapses the arena over time
-where MADV_COLLAPSE is missing. Page-cache maps of the checkpoint (weight_loading=mmap) stay 4 KB pages: a file
+where MADV_COLLAPSE is missing. The collapsing thread runs at the lowest CPU priority (nice 19): copying the
+weights into huge pages costs CPU seconds a gigabyte on a small host, which would otherwise be taken from the
+first requests' steps; it runs in the cores' idle time instead. Page-cache maps of the checkpoint (weight_loading=mmap) stay 4 KB pages: a file
 map collapses only on kernels built with READ_ONLY_THP_FOR_FS.
 """
 
@@ -17,6 +19,7 @@ import ctypes
 import logging
 import math
 import mmap
+import os
 import sys
 import threading
 
@@ -29,6 +32,7 @@ HUGE_PAGE = 2 << 20
 SLOT_ALIGNMENT = 64  # bytes: every tensor starts on a cache line, as the vector kernels read best
 MADV_HUGEPAGE, MADV_COLLAPSE = 14, 25  # Linux's values (MADV_COLLAPSE is not in Python's mmap module)
 COLLAPSE_SPAN = 64 << 20  # a call a span: the first that fails (no huge page to be had now) ends the pass
+COLLAPSE_NICE = 19  # the collapsing thread's priority: the lowest, so serving's threads come first
 
 
 def _slot(nbytes: int) -> int:
@@ -45,6 +49,7 @@ class WeightArena:
         self._start = (-self._bytes.data_ptr()) % HUGE_PAGE
         self.capacity, self.used = capacity, 0
         self.settled = threading.Event()
+        self.collapse_nice: int | None = None  # the collapsing thread's nice value, once it runs
 
     def empty(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor | None:
         """An uninitialised contiguous tensor in the arena, or None when it does not fit."""
@@ -97,9 +102,14 @@ class WeightArena:
             self.settled.set()
             return
         if background:
-            threading.Thread(target=self._collapse, args=(end,), name="sluice-huge-pages", daemon=True).start()
+            threading.Thread(target=self._collapse_behind, args=(end,), name="sluice-huge-pages", daemon=True).start()
         else:
             self._collapse(end)
+
+    def _collapse_behind(self, end: int) -> None:
+        """_collapse from a thread of the lowest priority (this one)."""
+        self.collapse_nice = _lower_priority()
+        self._collapse(end)
 
     def _collapse(self, end: int) -> None:
         try:
@@ -113,3 +123,14 @@ class WeightArena:
                     break
         finally:
             self.settled.set()
+
+
+def _lower_priority() -> int | None:
+    """Give the calling thread the lowest CPU priority (COLLAPSE_NICE, its own only: a Linux thread's nice value
+    is per thread); its nice value afterwards, or None where that cannot be set."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, COLLAPSE_NICE)
+        return os.getpriority(os.PRIO_PROCESS, tid)
+    except (OSError, AttributeError):
+        return None

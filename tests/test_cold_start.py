@@ -156,19 +156,45 @@ def modules_imported_by(code: str, modules: tuple[str, ...]) -> list[str]:
 
 def test_worker_start_path_imports_no_framework_it_does_not_serve_with():
     """A worker's start up to ready (`python -m sluice.worker`'s imports, the engine on the bundled model, its
-    warm-up) imports none of transformers, rich, torch._dynamo / torch._inductor, bitsandbytes (bf16), jinja2
-    (no chat request yet), nor webhook delivery and signing (urllib3, standardwebhooks: loaded by the delivery
-    thread and at a batch's end): each was, or would be, a fixed cost of every scale-up."""
+    warm-up, its readiness without a metrics port) imports none of NOT_ON_THE_START_PATH (bitsandbytes: bf16;
+    jinja2: no chat request yet): each was, or would be, a fixed cost of every scale-up."""
     code = (
         "import sys, typer, sluice.worker.cli\n"
         "from sluice.engine import LLM\n"
-        "from sluice.worker.metrics import warm_up\n"
+        "from sluice.worker.metrics import start_metrics, warm_up\n"
         f"llm = LLM({str(TINY)!r}, dtype='bfloat16', device='cpu')\n"
         "warm_up(llm)\n"
+        "metrics = start_metrics(None, 'tiny'); metrics.instrument(llm); assert metrics.ready() > 0\n"
     )
-    heavy = ("transformers", "rich", "torch._dynamo", "torch._inductor", "bitsandbytes", "jinja2", "urllib3",
-             "standardwebhooks", "sluice.contract.signing", "sluice.worker.webhooks")
-    assert modules_imported_by(code, heavy) == []
+    assert modules_imported_by(code, NOT_ON_THE_START_PATH) == []
+
+
+# What a worker's start never imports: frameworks it does not serve with, webhook delivery and signing (loaded by
+# the delivery thread and at a batch's end), Prometheus (only with --metrics-port) and rq's cron (croniter: the
+# producer's scheduler).
+NOT_ON_THE_START_PATH = (
+    "transformers", "rich", "torch._dynamo", "torch._inductor", "bitsandbytes", "jinja2", "urllib3",
+    "standardwebhooks", "sluice.contract.signing", "sluice.worker.webhooks", "prometheus_client", "croniter",
+    "rq.cron",
+)
+
+
+def test_a_real_worker_start_imports_only_what_serving_needs(redis_url):
+    """`python -m sluice.worker --burst` on the bundled model, run to ready and out against a real redis-server
+    (empty queues, no metrics port, no webhooks), has imported none of NOT_ON_THE_START_PATH when it exits."""
+    argv = ["--model", str(TINY), "--dtype", "bfloat16", "--device", "cpu", "--burst", "--no-webhooks",
+            "--redis-url", redis_url]
+    code = (
+        "import json, runpy, sys\n"
+        f"sys.argv = ['sluice.worker', *{argv!r}]\n"
+        "try:\n    runpy.run_module('sluice.worker', run_name='__main__')\nexcept SystemExit as e:\n"
+        "    assert not e.code, e.code\n"
+        f"print(json.dumps(sorted(m for m in {list(NOT_ON_THE_START_PATH)!r} if m in sys.modules)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "ready in" in out.stdout + out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
 
 
 @pytest.mark.parametrize("entry", ["import sluice.cli.main", "import runpy; runpy.run_module('sluice.worker')"])

@@ -159,7 +159,7 @@ def wait_until_running(worker_url: str, timeout: float = 60) -> float:
 
 def test_metrics_and_health_change_as_a_batch_runs(stack):
     worker_url, client = stack.metrics_url, stack.openai(stack.key("metrics"))
-    assert requests.get(worker_url + "/healthz").status_code == 200
+    wait_http(worker_url + "/healthz", 60)  # up once the worker's imports are done (seconds on a loaded host)
     wait_http(worker_url + "/readyz", 60)
     before, server_before = scrape(worker_url), scrape(stack.url)
     assert value(before, "sluice_worker_ready") == 1 and value(before, "sluice_time_to_ready_seconds") > 0

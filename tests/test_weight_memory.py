@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from torch import nn
 
 from sluice.engine import LLM, SamplingParams
-from sluice.engine.weight_memory import HUGE_PAGE, WeightArena
+from sluice.engine.weight_memory import COLLAPSE_NICE, HUGE_PAGE, WeightArena
 from tests.checkpoints import make_checkpoint
 
 
@@ -48,8 +49,9 @@ def _llm(path: Path, **kw) -> LLM:
 @pytest.mark.parametrize("quantization", [None, "int8_weight_only", "int4_weight_only"])
 def test_weights_live_in_one_arena_of_huge_pages_and_decode_the_same(mid_llama, quantization):
     """Every parameter and buffer (quantized linears' codes and scales included) lies in the arena, which is
-    committed only where written and, settled after the engine's first step, backed by huge pages; greedy
-    tokens are those of the same model on ordinary pages."""
+    committed only where written and, settled after the engine's first step, backed by huge pages (by a thread
+    of the lowest priority, the engine's own threads untouched); greedy tokens are those of the same model on
+    ordinary pages."""
     llm = _llm(mid_llama, quantization=quantization)
     plain = _llm(mid_llama, quantization=quantization, huge_pages=False)
     model, arena = llm.engine.model, llm.engine.model.weight_arena
@@ -63,6 +65,7 @@ def test_weights_live_in_one_arena_of_huge_pages_and_decode_the_same(mid_llama, 
     assert not arena.settled.is_set()
     assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in plain.generate(prompts, params)]
     assert arena.settled.wait(60)
+    assert arena.collapse_nice == COLLAPSE_NICE > os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     smaps = _mapping(arena.data_ptr())
     assert smaps["Rss"] * 1024 <= arena.used + 2 * HUGE_PAGE < arena.capacity  # the slack is never committed
     if _collapse_supported():

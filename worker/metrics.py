@@ -11,8 +11,6 @@ from socketserver import ThreadingMixIn
 from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
-
 from sluice.contract.jobs import MODELS
 from sluice.engine import SamplingParams
 from sluice.worker.shard_run import model_name
@@ -38,10 +36,30 @@ def process_start_time() -> float:
 _IMPORTED = time.time()
 
 
-class WorkerMetrics:
+class Readiness:
+    """A worker's readiness without `--metrics-port`: its time to ready (logged), nothing kept per step or shard
+    (no one could read it; prometheus_client is not even imported)."""
+
+    is_ready = False
+
+    def instrument(self, llm: LLM) -> None:
+        """Nothing to time without a metrics server."""
+
+    def shard_finished(self, outcome: str) -> None:
+        """Nothing to count without a metrics server."""
+
+    def ready(self) -> float:
+        """Mark the worker ready; returns the seconds since the process started."""
+        self.is_ready = True
+        return time.time() - process_start_time()
+
+
+class WorkerMetrics(Readiness):
     """The worker's Prometheus series, in a registry of their own."""
 
     def __init__(self, model: str = "") -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
         self.registry = CollectorRegistry()
         r, labels = self.registry, {"model": model}
         self.prompt_tokens = Counter(
@@ -63,7 +81,6 @@ class WorkerMetrics:
         self.info = Gauge("sluice_worker_info", "The model this worker serves.", ["model"], registry=r)
         self.info.labels(**labels).set(1)
         self._seen = {"prompt_tokens": 0, "generated_tokens": 0}
-        self.is_ready = False
 
     def instrument(self, llm: LLM) -> None:
         """Time every llm.step and count its finished requests and tokens (no change to the worker loop)."""
@@ -99,14 +116,13 @@ class WorkerMetrics:
 
     def ready(self) -> float:
         """Mark the worker ready; returns (and records) the seconds since the process started."""
-        seconds = time.time() - process_start_time()
+        seconds = super().ready()
         self.time_to_ready.set(seconds)
         self.ready_flag.set(1)
-        self.is_ready = True
         return seconds
 
 
-METRICS = WorkerMetrics()  # replaced by `sluice worker --metrics-port`; hook lines call it unconditionally
+METRICS: Readiness = Readiness()  # WorkerMetrics under `sluice worker --metrics-port`; hook lines call it always
 
 
 def shard_finished(outcome: str) -> None:
@@ -143,6 +159,8 @@ class _Server(ThreadingMixIn, WSGIServer):
 
 def health_app(metrics: WorkerMetrics) -> Callable:
     """WSGI app: /metrics (Prometheus text), /healthz (alive), /readyz (200 once ready, else 503)."""
+    from prometheus_client import make_wsgi_app
+
     prometheus = make_wsgi_app(metrics.registry)
 
     def app(environ: dict, start_response: Callable) -> Iterable[bytes]:
@@ -171,16 +189,20 @@ def serve(port: int, metrics: WorkerMetrics, host: str = "0.0.0.0") -> WSGIServe
     return server
 
 
-def start_metrics(port: int | None, model: str) -> WorkerMetrics:
-    """The process's metrics, served on port when one is given (before loading, so liveness answers)."""
+def start_metrics(port: int | None, model: str) -> Readiness:
+    """The process's metrics, served on port when one is given (before loading, so liveness answers); without a
+    port only its readiness (no Prometheus series: nothing could scrape them)."""
     global METRICS
-    METRICS = WorkerMetrics(os.path.basename(os.path.normpath(model)))
-    if port:
-        serve(port, METRICS)
-    return METRICS
+    if not port:
+        METRICS = Readiness()
+        return METRICS
+    metrics = WorkerMetrics(os.path.basename(os.path.normpath(model)))
+    serve(port, metrics)
+    METRICS = metrics
+    return metrics
 
 
-def become_ready(metrics: WorkerMetrics, llm: LLM, connection: Any, warm: bool = True) -> float:
+def become_ready(metrics: Readiness, llm: LLM, connection: Any, warm: bool = True) -> float:
     """Warm the engine up, instrument it, announce its model and mark the worker ready; returns time to ready."""
     if warm:
         warm_up(llm)
