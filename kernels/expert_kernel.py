@@ -32,12 +32,19 @@ def experts(gate: list[torch.Tensor], up: list[torch.Tensor], down: list[torch.T
     return ext.Experts([w.contiguous() for w in gate], [w.contiguous() for w in up], [w.contiguous() for w in down])
 
 
+def bf16_hidden(holder) -> bool:
+    """Whether the holder's tier rounds bf16 experts' silu(gate) * up to bf16 before the down product (its
+    AVX512-BF16 / AMX products take bf16 pairs), as transformers' bf16 experts do."""
+    return bool(type(holder).bf16_products)
+
+
 def moe_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: list[torch.Tensor],
-                  up: list[torch.Tensor], down: list[torch.Tensor]) -> torch.Tensor:
-    """Each token's weighted sum over its experts' SwiGLU, computed in fp64 (the kernels' reference)."""
+                  up: list[torch.Tensor], down: list[torch.Tensor], hidden_dtype=torch.float64) -> torch.Tensor:
+    """Each token's weighted sum over its experts' SwiGLU, computed in fp64 (the kernels' reference), each
+    silu(gate) * up rounded to `hidden_dtype` before the down product."""
     x64, out = x.double(), torch.zeros(x.shape, dtype=torch.float64)
     for t in range(x.shape[0]):
         for e, w in zip(ids[t].tolist(), weights[t].double().tolist(), strict=True):
             h = F.silu(x64[t] @ gate[e].double().T) * (x64[t] @ up[e].double().T)
-            out[t] += w * (h @ down[e].double().T)
+            out[t] += w * (h.to(hidden_dtype).double() @ down[e].double().T)
     return out
