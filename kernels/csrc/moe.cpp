@@ -219,6 +219,11 @@ struct Grouping {
   }
 };
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include "moe_amx.h"
+#define SLUICE_MOE_AMX 1
+#endif
+
 // One layer's experts over a grouped step, X the type the activations are multiplied in (bf16 for the vdpbf16ps
 // tiles, else fp32), W the weights'. x [T, H] (W), acc [T, H] fp32 zeros, out [T, H] (W).
 template <typename X, typename W>
@@ -294,6 +299,8 @@ struct Experts {
   mutable Grouping grouping;
   mutable std::vector<float> acc, xs32, hs32;
   mutable std::vector<at::BFloat16> xs16, hs16;
+  mutable std::vector<int64_t> base;  // AMX: each expert's first padded token slot
+  bool amx = false;  // bf16 experts of whole multiples of 32 wide, on the AMX tier, where Linux allows the tiles
 
   Experts(std::vector<torch::Tensor> g, std::vector<torch::Tensor> u, std::vector<torch::Tensor> d)
       : gate(std::move(g)), up(std::move(u)), down(std::move(d)) {
@@ -308,6 +315,9 @@ struct Experts {
       TORCH_CHECK(gate[e].sizes() == up[e].sizes() && gate[e].size(0) == I && gate[e].size(1) == H &&
                       down[e].size(0) == H && down[e].size(1) == I, "expert ", e, " has other shapes");
     }
+#if defined(SLUICE_MOE_AMX)
+    amx = gate[0].scalar_type() == torch::kBFloat16 && H % kBlock == 0 && I % kBlock == 0 && amx::permitted();
+#endif
   }
 
   template <typename W>
@@ -338,6 +348,16 @@ struct Experts {
     acc.assign(T * H, 0.f);
     torch::Tensor out = torch::empty({T, H}, x.options());
     if (x.scalar_type() == torch::kBFloat16) {
+#if defined(SLUICE_MOE_AMX)
+      if (amx) {
+        const auto g = pointers<at::BFloat16>(gate), u = pointers<at::BFloat16>(up), d = pointers<at::BFloat16>(down);
+        amx::Layer layer{g, u, d, H, I, grouping, xs16, hs16, base};
+        layer.gather(x.data_ptr<at::BFloat16>());
+        layer.gate_up();
+        layer.down_combine(acc.data(), out.data_ptr<at::BFloat16>(), T);
+        return out;
+      }
+#endif
 #if defined(__AVX512BF16__)
       run<at::BFloat16, at::BFloat16>(x, out, xs16, hs16);
 #else
@@ -357,6 +377,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("gate"), py::arg("up"), py::arg("down"))
       .def("forward", &Experts::forward, "x [T, hidden], ids [T, k], weights [T, k] -> [T, hidden]",
            py::arg("x"), py::arg("ids"), py::arg("weights"))
+      .def_readonly("amx", &Experts::amx, "whether this holder's products are AMX tiles")
       .def_property_readonly_static("bf16_products", [](py::object) { return kDpBf16; },
                                     "whether bf16 experts take vdpbf16ps (h rounded to bf16) on this tier");
 }
