@@ -141,7 +141,9 @@ def moe_headline(a) -> None:
 
 
 def table(a) -> None:
-    """The per-architecture rows (single measurements)."""
+    """The per-architecture rows (single measurements); nothing where `--archs ''`."""
+    if not a.archs:
+        return
     print("| architecture | path | tok/s batch 1 | tok/s batch 32 | HF generate batch 32 |\n|---|---|---|---|---|")
     for arch in filter(None, a.archs.split(",")):
         path = checkpoint(arch, a.root)
