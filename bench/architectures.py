@@ -2,7 +2,8 @@
 forward on the same Llama, native MoE, and both against HF static batched generate(), in one run (bf16, CPU).
 
 python bench/architectures.py [--batch 32] [--prompt 64] [--tokens 64] [--headlines llama,generic,moe]
-    [--archs llama,...] [--threads N] [--clock wall|cpu]
+    [--archs llama,...] [--threads N] [--clock wall|cpu] [--moe-shape small|qwen3]
+MoE headline only: --headlines moe --archs ''.
 
 Ratios are taken within the run; the machine is shared, so absolute tok/s move between runs. On a loaded machine
 `--threads 1 --clock cpu` counts tokens per second of this process's CPU time: every parallel region of a
@@ -35,6 +36,12 @@ ARCHS = ["llama", "qwen3", "mixtral", "qwen3_moe", "gemma2", "gemma3_text", "phi
 SIZE = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
             num_key_value_heads=4, max_position_embeddings=1024)
 MOE = dict(moe_intermediate_size=256, num_experts=8, num_local_experts=8, num_experts_per_tok=2)
+# The MoE headline's Qwen3-MoE shapes (hidden 512, 4 layers as SIZE): "small" is sessions 1-3's (8 experts, top 2, width
+# 0.5x hidden); "qwen3" keeps the released family's ratios (Qwen3-30B-A3B and -235B-A22B: 128 experts, top 8, expert
+# width 0.375x hidden), so at batch 32 each expert sees about two tokens a step, not eight.
+MOE_SHAPES = {"small": MOE, "qwen3": dict(moe_intermediate_size=192, num_experts=128, num_experts_per_tok=8)}
+DEFAULT_MOE_SHAPE = "small"
+DEFAULT_ROOT = Path(tempfile.gettempdir()) / "sluice-bench-archs"
 PER_ARCH = {"gemma2": dict(head_dim=64, query_pre_attn_scalar=64, sliding_window=64),
             "gemma3_text": dict(head_dim=64, query_pre_attn_scalar=64, sliding_window=64),
             "qwen3": dict(head_dim=64), "qwen3_moe": dict(head_dim=64, **MOE), "mixtral": MOE,
@@ -57,6 +64,16 @@ def checkpoint(arch: str, root: Path) -> Path:
     path = root / arch
     if not (path / "config.json").is_file():
         make_checkpoint(path, arch, dtype=torch.bfloat16, **{**SIZE, **PER_ARCH.get(arch, {})})
+    return path
+
+
+def moe_checkpoint(shape: str, root: Path) -> Path:
+    """The Qwen3-MoE checkpoint of MOE_SHAPES[shape] (sessions 1-3's "small" one is the table's qwen3_moe)."""
+    if shape == "small":
+        return checkpoint("qwen3_moe", root)
+    path = root / f"qwen3_moe-{shape}"
+    if not (path / "config.json").is_file():
+        make_checkpoint(path, "qwen3_moe", dtype=torch.bfloat16, **{**SIZE, "head_dim": 64, **MOE_SHAPES[shape]})
     return path
 
 
@@ -124,16 +141,18 @@ def generic_headline(a) -> None:
 
 def moe_headline(a) -> None:
     """Native MoE (C++ experts, then the torch grouping: SLUICE_CPU_KERNEL=0 semantics per block) vs HF generate."""
-    moe = checkpoint("qwen3_moe", a.root)
+    moe = moe_checkpoint(a.moe_shape, a.root)
     ours, torch_moe, ref = alternated([lambda: engine_tps(moe, a.batch, a.prompt, a.tokens),
                                        lambda: engine_tps(moe, a.batch, a.prompt, a.tokens, cpp_moe=False),
                                        lambda: hf_tps(moe, a.batch, a.prompt, a.tokens)], a.repeats)
-    print(f"qwen3_moe batch {a.batch}: native MoE {ours:.0f} tok/s (torch grouping {torch_moe:.0f}: C++ experts "
+    print(f"qwen3_moe ({a.moe_shape}) batch {a.batch}: native MoE {ours:.0f} tok/s (torch grouping {torch_moe:.0f}: C++ experts "
           f"{ours / torch_moe:.2f}x), HF static generate {ref:.0f} ({ours / ref:.2f}x)", flush=True)
 
 
 def table(a) -> None:
-    """The per-architecture rows (single measurements)."""
+    """The per-architecture rows (single measurements); nothing where `--archs ''`."""
+    if not a.archs:
+        return
     print("| architecture | path | tok/s batch 1 | tok/s batch 32 | HF generate batch 32 |\n|---|---|---|---|---|")
     for arch in filter(None, a.archs.split(",")):
         path = checkpoint(arch, a.root)
@@ -151,7 +170,8 @@ def main() -> None:
                    help="which alternated headline comparisons to run (generic: generic vs native on Llama alone)")
     p.add_argument("--archs", default=",".join(ARCHS), help="per-architecture table ('' skips it)")
     p.add_argument("--repeats", type=int, default=3, help="alternated runs of each headline system (median)")
-    p.add_argument("--root", type=Path, default=Path(tempfile.gettempdir()) / "sluice-bench-archs")
+    p.add_argument("--root", type=Path, default=DEFAULT_ROOT)
+    p.add_argument("--moe-shape", choices=list(MOE_SHAPES), default=DEFAULT_MOE_SHAPE, help="the MoE headline's shape")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--clock", choices=list(CLOCK), default="wall", help="cpu: tok/s per second of process CPU time")
     a = p.parse_args()

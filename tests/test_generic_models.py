@@ -14,6 +14,7 @@ from sluice.engine import LLM, SamplingParams
 from sluice.engine.models import GENERIC, NATIVE, LlamaModel, ModelConfig, forced_generic, model_path_for
 from sluice.engine.models.generic import GenericModel, SiblingLinear
 from sluice.engine.models.loader import read_config
+from sluice.kernels import cpu_isa
 from sluice.kernels import expert_kernel as moe_kernel
 from sluice.kernels.linear import Linear
 from tests.test_engine import random_prompts
@@ -343,9 +344,11 @@ def test_int4_experts_off_the_block_width_are_zero_padded(method, bound, checkpo
 
 
 @pytest.mark.parametrize(("dtype", "bound"), [(torch.float32, 1e-5), (torch.bfloat16, 4e-3)])
-def test_moe_kernel_matches_fp64_on_every_tier(cpu_tier, dtype, bound):
+@pytest.mark.parametrize(("hidden", "inner", "tokens"), [(96, 48, 9), (128, 64, 40)])
+def test_moe_kernel_matches_fp64_on_every_tier(cpu_tier, dtype, bound, hidden, inner, tokens):
+    # 96 x 48: widths off every vector size (the loops' tails); 128 x 64: whole AMX tiles, experts past 16 tokens
     g = torch.Generator().manual_seed(0)
-    hidden, inner, n_experts, k, tokens = 96, 48, 5, 2, 9  # widths off every vector size: the loops' tails too
+    n_experts, k = 5, 2
     gate, up, down = ([torch.randn(*s, generator=g) * 0.2 for _ in range(n_experts)]
                       for s in ((inner, hidden), (inner, hidden), (hidden, inner)))
     x = torch.randn(tokens, hidden, generator=g).to(dtype)
@@ -355,19 +358,25 @@ def test_moe_kernel_matches_fp64_on_every_tier(cpu_tier, dtype, bound):
     weights_in = [[w.to(dtype) for w in ws] for ws in (gate, up, down)]
     held = moe_kernel.experts(*weights_in)
     assert held is not None, f"csrc/moe.cpp did not build for {cpu_tier}"
+    assert held.amx == (cpu_tier == "amx" and dtype is torch.bfloat16 and inner % 32 == 0)  # AMX where it serves
     got = held.forward(x, ids, weights)
-    want = moe_kernel.moe_reference(x, ids, weights, *weights_in)
+    rounded = dtype is torch.bfloat16 and moe_kernel.bf16_hidden(held)  # silu(gate) * up in bf16, as HF's experts
+    want = moe_kernel.moe_reference(x, ids, weights, *weights_in, torch.bfloat16 if rounded else torch.float64)
     assert got.dtype == dtype and got.shape == want.shape
     assert ((got.double() - want).norm() / want.norm()).item() < bound
 
 
-def test_native_moe_runs_its_experts_in_one_cpp_call_in_bf16(checkpoint_factory):
-    # steps of up to CPP_MAX_TOKENS tokens (decode-sized) take the C++ experts; chunks of 32 keep every step there
-    llm = LLM(checkpoint_factory("qwen3_moe"), dtype="bfloat16", device="cpu", max_num_batched_tokens=32)
+@pytest.mark.parametrize(("width", "budget"), [(48, 32), (64, 256)])
+def test_native_moe_runs_its_experts_in_one_cpp_call_in_bf16(width, budget, checkpoint_factory):
+    # width 48: steps of up to CPP_MAX_TOKENS tokens take the C++ vector tiles, chunks of 32 keep every step there;
+    # width 64 (hidden 64): whole AMX tiles where the tier has them, which take the prefill's longer steps too
+    path = checkpoint_factory("qwen3_moe", moe_intermediate_size=width)
+    llm = LLM(path, dtype="bfloat16", device="cpu", max_num_batched_tokens=budget)
     prompts = random_prompts(3, 20, 60)
     got = llm.score(prompts)
     blocks = [layer.mlp for layer in llm.engine.model.layers]
     assert all(b.cpp_experts for b in blocks), "bf16 experts on CPU did not take the C++ kernel"
+    assert all(b.cpp_experts.amx == (width % 32 == 0 and cpu_isa.tier() == "amx") for b in blocks)
     for b in blocks:
         b.cpp_experts = False  # the torch grouping, which rounds each expert's output to bf16
     want = llm.score(prompts)

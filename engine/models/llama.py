@@ -113,7 +113,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.add_rms_norm(x, None, self.weight, self.eps)[1]
+        """The norm over x's last dim, any leading shape (Qwen3's per-head q/k norm: rows of a strided qkv view,
+        copied to one contiguous [rows, dim] block so the fused kernel takes them, not torch's reference ops)."""
+        return kernels.add_rms_norm(x.reshape(-1, x.shape[-1]), None, self.weight, self.eps)[1].view(x.shape)
 
     def add(self, x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + delta, norm(x + delta)) in one pass where a fused kernel serves; delta None: (x, norm(x))."""

@@ -1,8 +1,10 @@
 """Sparse mixture-of-experts MLP for the native forward (Mixtral, Qwen3-MoE): top-k routing, tokens grouped by
 expert (one sort, then one matmul per expert over all of its tokens), results scattered back in one index_add;
-on CPU in bf16 with unquantized experts, steps of up to CPP_MAX_TOKENS tokens (decode) run the grouping and the experts
-in one C++ call (kernels.expert_kernel); longer steps (prefill) keep the per-expert matmuls, whose many rows per
-expert the matmul library multiplies faster than the C++ tiles (docs/benchmarks.md).
+on CPU in bf16 with unquantized experts, the grouping and the experts run in one C++ call per layer
+(kernels.expert_kernel): every step where the holder multiplies with AMX tiles (bf16 experts of whole multiples of 32
+wide on an AMX CPU), else steps of up to CPP_MAX_TOKENS tokens (decode), longer ones (prefill) keeping the
+per-expert matmuls, whose many rows per expert the matmul library multiplies faster than the C++ vector tiles
+(docs/benchmarks.md).
 
 Experts are kept as the checkpoint stores them (one linear per projection per expert, under the checkpoint's own
 names), so the loader reads them as any other linear and a quantization hook quantizes each expert; the router is
@@ -24,7 +26,7 @@ MOE_LAYOUTS = {
     "mixtral": ("block_sparse_moe", ("w1", "w3", "w2"), True),
     "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"), False),
 }
-CPP_MAX_TOKENS = 64  # tokens of a step up to which the C++ experts serve (past it: the per-expert matmuls)
+CPP_MAX_TOKENS = 64  # tokens of a step up to which the C++ vector tiles serve (past it: the per-expert matmuls)
 
 
 class Router(nn.Module):
@@ -71,8 +73,8 @@ class SparseMoe(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden]: each token's weighted sum over its top-k experts."""
         weights, ids = self.route(x)
-        kernel = self._kernel(x) if x.shape[0] <= CPP_MAX_TOKENS else None
-        if kernel is not None:
+        kernel = self._kernel(x)
+        if kernel is not None and (kernel.amx or x.shape[0] <= CPP_MAX_TOKENS):
             return kernel.forward(x, ids, weights)
         return self.grouped(x, weights, ids)
 
