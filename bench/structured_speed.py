@@ -1,10 +1,13 @@
 """Decode throughput with structured outputs vs the same prompts unconstrained, both in one run.
 
-python bench/structured_speed.py [--batch 32] [--max-tokens 64] [--rounds 2] [--model models/sluice-tiny]
+python bench/structured_speed.py [--batch 32] [--max-tokens 64] [--rounds 2] [--model models/sluice-tiny|bench]
+    [--samplers cpp,torch]
 Each request is constrained to a JSON schema whose one string property is free text, so constrained requests
 decode about as long as unconstrained ones; rounds alternate unconstrained, constrained with the mask filled
-after the forward, and constrained with it filled on the grammar thread while the forward runs (the engine's
-default)."""
+after the forward, and constrained with it filled on the grammar thread while the forward runs, each with the C++
+sampler (kernels/masked_sample.py: mask, temperature, noise and argmax in one pass on the model's logits; the
+engine's default on CPU) and with the torch sampler (a float32 copy masked by xgrammar, then sampler.sample).
+`--model bench` is common.bench_model's random ~125M Llama (vocabulary 32000)."""
 
 from __future__ import annotations
 
@@ -13,10 +16,11 @@ import time
 from pathlib import Path
 
 import torch
-from common import ROOT, base_parser, record, table
+from common import ROOT, base_parser, bench_model, record, table
 
 from sluice.engine import LLM, SamplingParams
 from sluice.engine.sampling_params import StructuredOutputsParams
+from sluice.kernels import masked_sample
 
 SCHEMA = {"type": "object", "properties": {"speech": {"type": "string"}}, "required": ["speech"],
           "additionalProperties": False}
@@ -24,11 +28,11 @@ PROMPTS = ["KING HENRY:\n", "HAMLET:\nTo be, or not", "JULIET:\nO Romeo,", "MACB
 
 
 class Timed:
-    """Wall time spent inside the engine's logits processing (penalties, bias, grammar mask fill and apply)."""
+    """Wall time spent from the step's logits to its tokens (grammar mask fill and apply, sampling)."""
 
     def __init__(self, llm: LLM) -> None:
-        self.inner, self.seconds = llm.engine.processors.apply, 0.0
-        llm.engine.processors.apply = self
+        self.inner, self.seconds = llm.engine.processors.sample, 0.0
+        llm.engine.processors.sample = self
 
     def __call__(self, *args, **kwargs):
         t = time.perf_counter()
@@ -51,23 +55,43 @@ def run(llm: LLM, batch: int, max_tokens: int, constrained: bool) -> tuple[int, 
 
 MODES = {"unconstrained": (False, True), "json_schema, mask filled after the forward": (True, False),
          "json_schema, mask filled during the forward": (True, True)}
+SERVES = masked_sample.serves
+
+
+def use_sampler(name: str) -> None:
+    """The C++ sampler ("cpp") where it serves, or the torch path everywhere ("torch")."""
+    masked_sample.serves = SERVES if name == "cpp" else (lambda logits: False)
 
 
 def measure(llm: LLM, args) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
-    """Per mode: totals [tokens, wall s, CPU s, s in logits processing] and each round's wall rate."""
+    """Per sampler and mode: totals [tokens, wall s, CPU s, s from logits to tokens] and each round's wall rate."""
     timer = Timed(llm)
     structured = llm.engine.processors.structured
-    totals = {name: [0.0, 0.0, 0.0, 0.0] for name in MODES}
-    rates: dict[str, list[float]] = {name: [] for name in MODES}
+    names = [(sampler, name) for sampler in args.samplers.split(",") for name in MODES]
+    totals = {key: [0.0, 0.0, 0.0, 0.0] for key in names}
+    rates: dict[tuple[str, str], list[float]] = {key: [] for key in names}
     for _ in range(args.rounds):
-        for name, (constrained, overlap) in MODES.items():
-            structured.overlap = overlap
+        for sampler, name in names:
+            use_sampler(sampler)
+            structured.overlap = MODES[name][1]
             before = timer.seconds
-            tokens, wall, cpu = run(llm, args.batch, args.max_tokens, constrained)
+            tokens, wall, cpu = run(llm, args.batch, args.max_tokens, MODES[name][0])
             for i, v in enumerate((tokens, wall, cpu, timer.seconds - before)):
-                totals[name][i] += v
-            rates[name].append(tokens / wall)
+                totals[sampler, name][i] += v
+            rates[sampler, name].append(tokens / wall)
+    use_sampler("cpp")
     return totals, rates
+
+
+def rows_of(totals, rates) -> list[list]:
+    """Table rows: each mode against the unconstrained run of the same sampler."""
+    rows = []
+    for (sampler, name), t in totals.items():
+        base, base_rates = totals[sampler, "unconstrained"], rates[sampler, "unconstrained"]
+        per_round = statistics.median(r / b for r, b in zip(rates[sampler, name], base_rates, strict=True))
+        rows.append([f"{name} ({sampler} sampler)", int(t[0]), t[0] / t[1], (t[0] / t[1]) / (base[0] / base[1]),
+                     per_round, (base[2] / base[0]) / (t[2] / t[0]), t[3] / t[1]])
+    return rows
 
 
 def main() -> None:
@@ -77,22 +101,18 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--model", default=str(ROOT / "models" / "sluice-tiny"))
     p.add_argument("--device", default="cpu")
+    p.add_argument("--samplers", default="cpp,torch", help="cpp, torch or both (alternated)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    llm = LLM(args.model, dtype="bfloat16" if args.device == "cpu" else "auto", device=args.device,
+    model = str(bench_model()) if args.model == "bench" else args.model
+    llm = LLM(model, dtype="bfloat16" if args.device == "cpu" else "auto", device=args.device,
               max_num_seqs=args.batch)
     run(llm, 2, 4, True)  # warm-up: compiles the grammar, builds kernels
     totals, rates = measure(llm, args)
-    base = totals["unconstrained"]
-    rows = []
-    for name, t in totals.items():
-        per_round = statistics.median(r / b for r, b in zip(rates[name], rates["unconstrained"], strict=True))
-        rows.append([name, int(t[0]), t[0] / t[1], (t[0] / t[1]) / (base[0] / base[1]), per_round,
-                     (base[2] / base[0]) / (t[2] / t[0]), t[3] / t[1]])
     body = table(["requests", "tokens", "tokens/s", "vs unconstrained (total wall)", "median per-round wall ratio",
-                  "vs unconstrained (CPU s per token)", "share of time in logits processing"], rows)
-    record(f"Structured outputs: decode throughput at batch {args.batch} ({Path(args.model).name}, {args.device})",
-           body)
+                  "vs unconstrained (CPU s per token)", "share of time from logits to tokens"], rows_of(totals, rates))
+    title = f"Structured outputs: decode throughput at batch {args.batch} ({Path(model).name}, {args.device})"
+    record(title, body)
 
 
 if __name__ == "__main__":

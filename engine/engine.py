@@ -31,7 +31,7 @@ from sluice.engine.pooling import (
 from sluice.engine.quantization import linear_hook, pack_4bit_for_cpu
 from sluice.engine.request import Request
 from sluice.engine.resolved import ResolvedConfig
-from sluice.engine.sampler import device_tensor, processed_logits, sample, top_logprobs
+from sluice.engine.sampler import device_tensor, processed_logits, top_logprobs
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.scheduler import ScheduledBatch, Scheduler
 from sluice.engine.spec_decode import DraftProposer, NgramProposer, Proposer, load_draft
@@ -370,8 +370,7 @@ class Engine:
         else:
             logits = rows.logits[device_tensor(idx, torch.long, rows.logits.device)]
         sreqs = [reqs[i] for i in ready]
-        processed = self.processors.apply(logits, sreqs)
-        tokens = sample(processed, sreqs, self.generator)
+        tokens, processed = self.processors.sample(logits, sreqs, self.generator)
         lps = self._logprobs(logits, processed, tokens, sreqs)
         finished = []
         for j, (req, tok) in enumerate(zip(sreqs, tokens.tolist(), strict=True)):

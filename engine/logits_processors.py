@@ -12,8 +12,14 @@ from __future__ import annotations
 import torch
 
 from sluice.engine.request import Request
-from sluice.engine.sampler import device_tensor
+from sluice.engine.sampler import device_tensor, fused_sample, sample
+from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.structured import StructuredOutputs
+
+
+def _adjusts(p: SamplingParams) -> bool:
+    """True when min_tokens, logit_bias or penalties change the request's logits (the grammar aside)."""
+    return p.penalized or bool(p.logit_bias) or p.min_tokens > 0
 
 
 class TokenCounts:
@@ -82,18 +88,41 @@ class LogitsProcessors:
         self.counts = TokenCounts(vocab, device)
         self.structured: StructuredOutputs | None = None
 
-    def apply(self, logits: torch.Tensor, reqs: list[Request], ahead: list[int] | None = None) -> torch.Tensor:
-        """Processed float32 logits (a copy) for rows of `reqs`; `ahead[i]`: proposals before row i."""
-        rows = [i for i, r in enumerate(reqs) if r.params.processed]
-        if not rows:
+    def apply(self, logits: torch.Tensor, reqs: list[Request], ahead: list[int] | None = None,
+              grammar: bool = True) -> torch.Tensor:
+        """Processed float32 logits (a copy) for rows of `reqs`; `ahead[i]`: proposals before row i; `grammar`
+        False leaves the grammar's mask out. The logits themselves where nothing applies."""
+        rows = [i for i, r in enumerate(reqs) if _adjusts(r.params)]
+        masked = grammar and self.structured is not None and any(r.grammar is not None for r in reqs)
+        if not rows and not masked:
             return logits
         out = logits.to(torch.float32, copy=True)
         self._min_tokens(out, reqs, ahead or [0] * len(reqs), rows)
         self._logit_bias(out, reqs, rows)
         self._penalties(out, reqs, ahead or [0] * len(reqs), [i for i in rows if reqs[i].params.penalized])
-        if self.structured is not None:
+        if masked:
             self.structured.apply(out, reqs, ahead)
         return out
+
+    def sample(self, logits: torch.Tensor, reqs: list[Request],
+               generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A token per row of `reqs` (each samples its next token) and the processed logits it was drawn from: by
+        the C++ sampler, which takes the grammar's bitmask as it is (then None: no row may ask for logprobs), or
+        by `apply` and the torch sampler."""
+        if any(r.params.logprobs is not None for r in reqs):
+            processed = self.apply(logits, reqs)
+            return sample(processed, reqs, generator), processed
+        out = self.apply(logits, reqs, grammar=False)
+        mask = None
+        if self.structured is not None and any(r.grammar is not None for r in reqs):
+            mask = self.structured.fill(reqs, None)
+        tokens = fused_sample(out, reqs, generator, mask, self.vocab)
+        if tokens is not None:
+            return tokens, None
+        if mask is not None:
+            out = logits.to(torch.float32, copy=True) if out is logits else out
+            self.structured.apply_bitmask(out, *mask)
+        return sample(out, reqs, generator), out
 
     def release(self, req: Request) -> None:
         """Forget a finished request."""

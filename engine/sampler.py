@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from sluice.engine.request import Request
+from sluice.kernels import masked_sample
 from sluice.kernels.elementwise import argmax
 
 MASK32 = 0xFFFFFFFF
@@ -125,6 +126,26 @@ def sample(logits: torch.Tensor, reqs: list[Request], generator: torch.Generator
     tokens = draw(sample_probs(logits, reqs), reqs, generator)
     greedy = device_tensor([r.params.greedy for r in reqs], torch.bool, logits.device)
     return torch.where(greedy, argmax(logits), tokens)
+
+
+def fused_sample(logits: torch.Tensor, reqs: list[Request], generator: torch.Generator,
+                 mask: tuple[list[int], torch.Tensor] | None = None, mask_vocab: int = 0) -> torch.Tensor | None:
+    """`sample`'s tokens from logits before the grammar's mask, by one C++ pass per row that masks (rows, bitmask:
+    row i for reqs[i]), scales, draws and takes the argmax; None where it does not serve (another device, no
+    kernel, a sampled row that filters by top-k, top-p or min-p): then mask the logits and call `sample`."""
+    if not masked_sample.serves(logits) or any(not r.params.greedy and (r.params.top_k > 0 or r.params.top_p < 1
+                                                                        or r.params.min_p > 0) for r in reqs):
+        return None
+    temps = torch.tensor([0.0 if r.params.greedy else max(r.params.temperature, 1e-5) for r in reqs])
+    if all(r.params.greedy for r in reqs):  # as `sample`: no draw from the generator
+        keys = torch.zeros(len(reqs), 4, dtype=torch.int64)
+    else:
+        keys = _row_keys(reqs, None, 0, logits.device, generator)
+    if mask is None:
+        return masked_sample.masked_sample(logits, temps, keys)
+    rows = torch.full((len(reqs),), -1, dtype=torch.int64)
+    rows[mask[0]] = torch.tensor(mask[0])
+    return masked_sample.masked_sample(logits, temps, keys, mask[1], rows, mask_vocab)
 
 
 def processed_logits(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:

@@ -152,25 +152,34 @@ class StructuredOutputs:
     def apply(self, logits: torch.Tensor, reqs: list[Request], ahead: list[int] | None) -> None:
         """Mask (in place) every row of a constrained request to the tokens its grammar allows next; `ahead[i]`:
         speculative proposals before row i."""
+        filled = self.fill(reqs, ahead)
+        if filled is not None:
+            self.apply_bitmask(logits, *filled)
+
+    def apply_bitmask(self, logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
+        """Mask (in place) the listed rows of the logits by the same rows of a bitmask that `fill` made."""
+        self.xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
+                                             vocab_size=self.vocab, indices=rows)
+
+    def fill(self, reqs: list[Request], ahead: list[int] | None) -> tuple[list[int], torch.Tensor] | None:
+        """The rows a grammar masks and the bitmask (row i for reqs[i], on the host) that `apply` applies: the fill
+        started ahead where it was for these requests, else one made now; None when no row is masked."""
         filled = self._settle() if ahead is None else None
         if filled is not None and filled.owners == [id(r) for r in reqs]:
-            rows, bitmask = filled.rows, filled.bitmask
-            self.rows_filled["ahead"] += len(rows)
+            self.rows_filled["ahead"] += len(filled.rows)
+            return filled.rows, filled.bitmask
+        if ahead is not None and self._ahead is not None:
+            self._ahead.done.result()  # verify rows come first; the plain rows' fill stays for them
+        rows = _live_rows(reqs)
+        if not rows:
+            return None
+        bitmask = self._bitmask(len(reqs))
+        if ahead is None or not any(ahead[i] for i in rows):
+            self.batcher.batch_fill_next_token_bitmask([reqs[i].grammar for i in rows], bitmask, rows)
         else:
-            if ahead is not None and self._ahead is not None:
-                self._ahead.done.result()  # verify rows come first; the plain rows' fill stays for them
-            rows = _live_rows(reqs)
-            if not rows:
-                return
-            bitmask = self._bitmask(len(reqs))
-            if ahead is None or not any(ahead[i] for i in rows):
-                self.batcher.batch_fill_next_token_bitmask([reqs[i].grammar for i in rows], bitmask, rows)
-            else:
-                rows = self._fill_verify_rows(reqs, ahead, rows, bitmask)
-            self.rows_filled["after"] += len(rows)
-        if rows:
-            self.xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
-                                                 vocab_size=self.vocab, indices=rows)
+            rows = self._fill_verify_rows(reqs, ahead, rows, bitmask)
+        self.rows_filled["after"] += len(rows)
+        return (rows, bitmask) if rows else None
 
     def _bitmask(self, n: int) -> torch.Tensor:
         if self.bitmask.shape[0] < n:
