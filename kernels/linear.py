@@ -54,8 +54,8 @@ def _gemv():
 @functools.cache
 def gemm_rows() -> int:
     """The most rows past MAX_GEMV_ROWS_FP32 that the GEMV call takes with its AVX2 GEMM (csrc/bf16_gemm_avx2.h):
-    its limit on the avx2 tier where oneDNN has no bf16 instructions (faster there than `widened_linear`,
-    docs/benchmarks.md "AVX2 bf16 decode at 17-64 rows"), else 0 (on the avx512 tier oneDNN's fp32 matmul has
+    its limit on the avx2 tier where oneDNN has no bf16 instructions (there faster than `widened_linear` at the
+    lower of these row counts and level at the top, docs/benchmarks.md "AVX2 bf16 decode at 17-64 rows"), else 0 (on the avx512 tier oneDNN's fp32 matmul has
     AVX-512 FMAs; with bf16 instructions its own matmul serves)."""
     ext = _gemv()
     if ext is None or onednn_bf16() or cpu_isa.tier() != "avx2":
