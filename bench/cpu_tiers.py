@@ -9,8 +9,8 @@ pair alternated `--rounds` times (best of each): ratios on a noisy shared host a
 The table names the tier the kernels were built for and torch's own CPU capability. `--engine B,...` adds the
 engine's bf16 decode tok/s on the ~125M bench model (bench/llamacpp.py's measure: B x 128 prompt tokens, `--gen`
 generated), our kernels against `SLUICE_CPU_KERNEL=0` (the torch fallbacks), alternated each round. `--paths R,...`
-times only the bf16 paths (the GEMV's narrow and widened-x tiles, `widened_linear`) on the 48 linears and the LM
-head at each row count.
+times only the bf16 paths (the GEMV's narrow and widened-x tiles, `widened_linear`, the avx2 tier's GEMM) on the
+48 linears and the LM head at each row count.
 """
 
 from __future__ import annotations
@@ -59,18 +59,27 @@ def bf16_paths(rows: int, rounds: int) -> dict[str, float]:
     xs = {k: torch.randn(rows, k).to(torch.bfloat16) for _, k in LINEARS}
     gemv = linear_kernels._gemv()
 
-    def on_gemv(wide_from: int):
-        return lambda: [gemv.set_wide_min_rows(wide_from)] + [gemv.bf16_gemv(xs[w.shape[1]], w, None) for w in weights]
+    def on_gemv(wide_from: int, gemm_from: int = 1 << 40):
+        def run():
+            gemv.set_wide_min_rows(wide_from)
+            if gemv.GEMM_MAX_ROWS:
+                gemv.set_gemm_min_rows(gemm_from)
+            return [gemv.bf16_gemv(xs[w.shape[1]], w, None) for w in weights]
+        return run
 
     paths = {"widened_linear": lambda: [linear_kernels.widened_linear(xs[w.shape[1]], w) for w in weights]}
     if rows <= 64:
         paths = {"GEMV narrow": on_gemv(1 << 40), "GEMV widened x": on_gemv(1), **paths}
+    if rows <= gemv.GEMM_MAX_ROWS:
+        paths["AVX2 GEMM"] = on_gemv(1 << 40, 1)
     times = dict.fromkeys(paths, float("inf"))
     with torch.inference_mode():
         for _ in range(rounds):
             for name, fn in paths.items():
                 times[name] = min(times[name], _best(fn, 1))
     gemv.set_wide_min_rows(gemv.WIDE_MIN_ROWS)
+    if gemv.GEMM_MAX_ROWS:
+        gemv.set_gemm_min_rows(gemv.GEMM_MIN_ROWS)
     return {name: t * 1e3 for name, t in times.items()}
 
 

@@ -6,8 +6,9 @@ has no bf16 instructions at all: ours widens bf16 by a shift and sums by FMA); u
 rows, and up to 64 while the rows are small enough to stay in L2 (`gemv_serves`), ours serves; past that, and on
 any other device or dtype, F.linear. Where oneDNN has no bf16 instructions (CPUs without AVX512-BF16 / AMX, or
 ONEDNN_MAX_CPU_ISA below them) its bf16 matmul is far slower than its fp32 one, so the rows past our GEMV
-(there MAX_GEMV_ROWS_FP32: larger decode batches and prefill) are multiplied in fp32, the weight widened a
-bounded slice at a time (`widened_linear`).
+(there MAX_GEMV_ROWS_FP32: larger decode batches and prefill) are multiplied in fp32: on the avx2 tier to 64 rows
+by the GEMV call's AVX2 GEMM (`gemm_rows`: weight panels packed per call, x rows broadcast), past that (prefill) and
+on other tiers the weight widened a bounded slice at a time for oneDNN's fp32 matmul (`widened_linear`).
 Sums are fp32 in a different order than oneDNN's, then rounded to bf16 as it does.
 """
 
@@ -41,13 +42,25 @@ def gemv_serves(rows: int, in_features: int) -> bool:
     only where oneDNN multiplies bf16 with AVX512-BF16 and has no AMX tiles (with AMX its matmul is the faster one
     there, docs/benchmarks.md "GEMV row limit with AMX"; with no bf16 instructions its fp32 one, `widened_linear`)."""
     if rows > MAX_GEMV_ROWS_FP32 and (not onednn_bf16() or onednn_amx()):
-        return False
+        return rows <= gemm_rows()
     return 1 <= rows <= MAX_GEMV_ROWS or (rows <= 64 and rows * in_features <= MAX_GEMV_X)
 
 
 def _gemv():
     ext = cpp_build.load("sluice_bf16_gemv_cpu", "bf16_gemv.cpp") if cpp_build.enabled() else None
     return ext if ext is not None and ext.SUPPORTED else None
+
+
+@functools.cache
+def gemm_rows() -> int:
+    """The most rows past MAX_GEMV_ROWS_FP32 that the GEMV call takes with its AVX2 GEMM (csrc/bf16_gemm_avx2.h):
+    its limit on the avx2 tier where oneDNN has no bf16 instructions (there faster than `widened_linear` at the
+    lower of these row counts and level at the top, docs/benchmarks.md "AVX2 bf16 decode at 17-64 rows"), else 0 (on the avx512 tier oneDNN's fp32 matmul has
+    AVX-512 FMAs; with bf16 instructions its own matmul serves)."""
+    ext = _gemv()
+    if ext is None or onednn_bf16() or cpu_isa.tier() != "avx2":
+        return 0
+    return getattr(ext, "GEMM_MAX_ROWS", 0)
 
 
 def gemv_available() -> bool:
@@ -126,6 +139,7 @@ def widen_serves(rows: torch.Tensor, min_rows: int = 1) -> bool:
 
 options.on_change(onednn_bf16.cache_clear)
 options.on_change(onednn_amx.cache_clear)
+options.on_change(gemm_rows.cache_clear)
 
 
 class Linear(nn.Linear):

@@ -229,8 +229,10 @@ def test_model_linears_run_the_gemv_at_decode_rows(monkeypatch, cpu_tier):
             return ext.bf16_gemv(x, w, b)
 
         SUPPORTED = True
+        GEMM_MAX_ROWS = 0 if ext is None else ext.GEMM_MAX_ROWS
 
     monkeypatch.setattr(linear_kernels, "_gemv", lambda: None if ext is None else Spy())
+    linear_kernels.gemm_rows.cache_clear()
     small = linear_kernels.Linear(64, 48, bias=True).to(torch.bfloat16)
     wide = linear_kernels.Linear(4096, 8, bias=False).to(torch.bfloat16)  # 33 x 4096 rows > MAX_GEMV_X
     with torch.inference_mode():
@@ -239,19 +241,23 @@ def test_model_linears_run_the_gemv_at_decode_rows(monkeypatch, cpu_tier):
         for rows in (32, 33):
             wide(torch.randn(rows, 4096, dtype=torch.bfloat16))
     wide_gemv = linear_kernels.onednn_bf16() and not linear_kernels.onednn_amx()
-    want = [1, 16, 17, 32, 33, 64, 32] if wide_gemv else [1, 16]
+    gemm = linear_kernels.gemm_rows() == 64  # the avx2 tier without oneDNN bf16: our GEMM to 64 rows
+    linear_kernels.gemm_rows.cache_clear()
+    want = [1, 16, 17, 32, 33, 64, 32] if wide_gemv else [1, 16, 17, 32, 33, 64, 32, 33] if gemm else [1, 16]
     assert calls == (want if serves else []), "GEMV at decode rows, F.linear above"
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 16, 17, 64])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 16, 17, 64, 65])
 def test_bf16_rows_past_the_fp32_gemv_limit_widen_where_onednn_has_no_bf16(monkeypatch, rows, cpu_tier):
     """With oneDNN capped below its bf16 instructions, our GEMV serves to MAX_GEMV_ROWS_FP32 rows (where it is as
-    fast as oneDNN's fp32 matmul) and `widened_linear` above, each within a bf16 rounding of the fp64 product."""
+    fast as oneDNN's fp32 matmul) and above that, to 64 rows, its AVX2 GEMM on the avx2 tier (`gemm_rows`; on
+    avx512 oneDNN's fp32 matmul has AVX-512) and `widened_linear` elsewhere and past 64 rows, each within a bf16
+    rounding of the fp64 product."""
     from sluice.kernels import options
 
     ext, calls = linear_kernels._gemv(), []
     if ext is not None:
-        spy = type("Spy", (), {"SUPPORTED": True, "bf16_gemv": staticmethod(
+        spy = type("Spy", (), {"SUPPORTED": True, "GEMM_MAX_ROWS": ext.GEMM_MAX_ROWS, "bf16_gemv": staticmethod(
             lambda x, w, b: calls.append(x.shape[0]) or ext.bf16_gemv(x, w, b))})()
         monkeypatch.setattr(linear_kernels, "_gemv", lambda: spy)
     g = torch.Generator().manual_seed(rows)
@@ -259,11 +265,13 @@ def test_bf16_rows_past_the_fp32_gemv_limit_widen_where_onednn_has_no_bf16(monke
     want = x.double() @ w.double().t()
     options.use(options.current().merged(onednn_max_cpu_isa="AVX2"))
     try:
+        gemm = linear_kernels.gemm_rows()
         with torch.inference_mode():
             got = linear_kernels.linear(x, w)
     finally:
         options.reset()
-    assert calls == ([rows] if ext is not None and rows <= linear_kernels.MAX_GEMV_ROWS_FP32 else [])
+    assert gemm == (64 if ext is not None and cpu_isa.tier() == "avx2" else 0)
+    assert calls == ([rows] if ext is not None and rows <= max(linear_kernels.MAX_GEMV_ROWS_FP32, gemm) else [])
     assert ((got.double() - want).abs() <= want.abs() * 2**-8 + 1e-5 * 200**0.5).all()
 
 
@@ -292,6 +300,39 @@ def test_bf16_gemv_widened_x_tiles_give_the_narrow_tiles_bits(rows, n, k, cpu_ti
         assert torch.equal(got, ref)
         full = want if bias is None else want + bias.double()
         assert ((got.double() - full).abs() <= full.abs() * 2**-8 + 1e-5 * k**0.5).all()
+
+
+@pytest.mark.parametrize("rows", [17, 18, 23, 32, 33, 63, 64])
+@pytest.mark.parametrize(("n", "k"), [(130, 768), (77, 100), (16, 2048), (1, 33), (48, 16)])
+def test_bf16_gemv_rows_past_16_match_the_fp64_product(rows, n, k, cpu_tier):
+    """17 to 64 rows through the GEMV call (the avx2 tier's GEMM, csrc/bf16_gemm_avx2.h: panels of 16 weight rows
+    packed per call, 6 x rows a tile; other tiers' tiles): odd row counts off the 6-row tiles, N off the 16-column
+    panels, K with and without a tail, bias or not, rows with a stride; within a bf16 rounding of the fp64 product,
+    and the GEMM and the GEMV's tiles agree as closely."""
+    ext = linear_kernels._gemv()
+    if ext is None:
+        pytest.skip("SLUICE_CPU_KERNEL=0 or no C++ compiler: no GEMV on this tier")
+    assert ext.GEMM_MAX_ROWS == (64 if ext.TIER == "avx2" else 0)
+    g = torch.Generator().manual_seed(rows * 11 + n + k)
+    x = torch.randn(rows, k + 9, generator=g).bfloat16()[:, 4 : 4 + k]  # rows with a stride
+    w, b = (torch.randn(n, k, generator=g) / k**0.5).bfloat16(), torch.randn(n, generator=g).bfloat16()
+    try:
+        with torch.inference_mode():
+            gemm = [ext.bf16_gemv(x, w, bias) for bias in (None, b)]
+            if ext.GEMM_MAX_ROWS:
+                ext.set_gemm_min_rows(1 << 40)
+            tiles = [ext.bf16_gemv(x, w, bias) for bias in (None, b)]
+    finally:
+        if ext.GEMM_MAX_ROWS:
+            ext.set_gemm_min_rows(ext.GEMM_MIN_ROWS)
+    want = x.double() @ w.double().t()
+    for got, other, bias in zip(gemm, tiles, (None, b), strict=True):
+        full = want if bias is None else want + bias.double()
+        tol = full.abs() * 2**-8 + 1e-5 * k**0.5
+        assert got.shape == (rows, n) and got.dtype == torch.bfloat16
+        assert ((got.double() - full).abs() <= tol).all()
+        assert ((other.double() - full).abs() <= tol).all()
+        assert ((got.double() - other.double()).abs() <= 2 * tol).all()
 
 
 @pytest.mark.parametrize("source", sorted(p.name for p in cpp_build.CSRC.glob("*.cpp")))

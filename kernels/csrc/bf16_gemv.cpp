@@ -75,6 +75,9 @@ void for_row_blocks(int64_t M, int64_t N, F&& f) {
 // From how many x rows the tier's widened-x tiles serve (a tier without them: never); settable for benchmarks and
 // tests, which compare the two paths (the same bits either way).
 int64_t wide_min_rows = kWideMinRows;
+// From how many x rows the tier's `gemm` (bf16_gemm_avx2.h) takes a call (a tier without it: never); settable for
+// benchmarks and tests, which compare it with the tiles.
+int64_t gemm_min_rows = kGemmMaxRows > 0 ? 17 : INT64_MAX;
 
 #ifdef SLUICE_GEMV_WIDE_X
 // Outputs [n0, n0 + rows) of every x row from x widened once (xw [M, K16]): x rows kWideM at a time, each tile's
@@ -94,6 +97,9 @@ inline void wide_block_rows(const float* xw, const uint16_t* x, int64_t ldx, int
 
 void gemv(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* w, int64_t K, int64_t N, const uint16_t* bias,
           uint16_t* y) {
+#ifdef SLUICE_GEMM
+  if (M >= gemm_min_rows) return gemm(x, ldx, M, w, K, N, bias, y);
+#endif
 #ifdef SLUICE_GEMV_WIDE_X
   std::vector<float> xw;
   if (M >= wide_min_rows) {
@@ -204,6 +210,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   m.attr("SUPPORTED") = supported();
   m.attr("WIDE_MIN_ROWS") = kWideMinRows;
+#ifdef SLUICE_GEMV_TIER
+  m.attr("GEMM_MAX_ROWS") = kGemmMaxRows;
+  m.attr("GEMM_MIN_ROWS") = gemm_min_rows;
+  m.def("set_gemm_min_rows", [](int64_t rows) { gemm_min_rows = rows; },
+        "From how many rows the tier's GEMM serves (benchmarks and tests compare it with the tiles)");
+#else
+  m.attr("GEMM_MAX_ROWS") = 0;
+#endif
   m.def("set_wide_min_rows", [](int64_t rows) { wide_min_rows = rows; },
         "From how many rows the tier's widened-x tiles serve (benchmarks and tests compare the paths)");  // read on every call from Python: an attribute, not a call
   m.def("bf16_gemv", &bf16_gemv, "x [M<=64, K] · weight [N, K]ᵀ (+ bias) in bf16", py::arg("x"), py::arg("weight"),

@@ -4,6 +4,7 @@
 
 constexpr int kWideR = 4;  // weight rows a tile takes past 12 x rows
 constexpr int64_t kWideMinRows = INT64_MAX;  // x is never widened: `vdpbf16ps` takes bf16 pairs
+constexpr int64_t kGemmMaxRows = 0;  // no separate product for more rows: the tiles above take every row count
 
 // Outputs [n, n + R) of M rows: out[m * ldo + r]. Every x row is loaded once per 32 columns of K, each weight
 // row once and used at once (M x registers, M·R accumulators, one weight register).
