@@ -6,33 +6,12 @@ constexpr int kWideR = 4;  // weight rows a tile takes past 12 x rows
 constexpr int64_t kWideMinRows = INT64_MAX;  // x is never widened: `vdpbf16ps` takes bf16 pairs
 constexpr int64_t kGemmMaxRows = 0;  // no separate product for more rows: the tiles above take every row count
 
-// Outputs [n, n + R) of M rows: out[m * ldo + r]. Every x row is loaded once per 32 columns of K, each weight
-// row once and used at once (M x registers, M·R accumulators, one weight register).
+#include "bf16_dp_tile.h"
+
+// Outputs [n, n + R) of M rows: out[m * ldo + r] (bf16_dp_tile.h).
 template <int M, int R>
 inline void tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, float* out, int64_t ldo) {
-  __m512 acc[M * R];
-  for (int i = 0; i < M * R; ++i) acc[i] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 32 <= K; k += 32) {
-    __m512bh xv[M];
-    for (int m = 0; m < M; ++m) xv[m] = (__m512bh)_mm512_loadu_si512(x + m * ldx + k);
-    for (int r = 0; r < R; ++r) {
-      const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + r * K + k);
-      for (int m = 0; m < M; ++m) acc[m * R + r] = _mm512_dpbf16_ps(acc[m * R + r], xv[m], wv);
-    }
-  }
-  if (k < K) {
-    const __mmask32 mask = static_cast<__mmask32>((1ULL << (K - k)) - 1);
-    __m512bh xv[M];
-    for (int m = 0; m < M; ++m) xv[m] = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * ldx + k);
-    for (int r = 0; r < R; ++r) {
-      const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + r * K + k);
-      for (int m = 0; m < M; ++m) acc[m * R + r] = _mm512_dpbf16_ps(acc[m * R + r], xv[m], wv);
-    }
-  }
-  float sums[M * R];
-  sluice_sums<M * R>(acc, sums);
-  for (int i = 0; i < M * R; ++i) out[(i / R) * ldo + i % R] = sums[i];
+  bf16_dp_tile<M, R>(x, ldx, w, K, out, ldo);
 }
 
 // Reads n bf16 (a multiple of 32 or not: the tail is short of a load) in memory order, bringing them into cache.

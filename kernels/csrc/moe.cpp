@@ -123,33 +123,12 @@ void products(const float* x, int64_t n, const W* w, int64_t K, int64_t rows, fl
 #if defined(__AVX512BF16__)
 constexpr bool kDpBf16 = true;  // bf16 experts take the vdpbf16ps tiles
 
-// sums[m * lds + r] = x[m] . w[r] over K for M bf16 rows of x and R bf16 weight rows (both stride K): bf16 pairs
-// multiplied and summed into fp32 lanes, each weight vector loaded once for the M rows.
+#include "bf16_dp_tile.h"
+
+// sums[m * lds + r] = x[m] . w[r] over K for M bf16 rows of x and R bf16 weight rows (both stride K).
 template <int M, int R>
 inline void dp_tile(const at::BFloat16* x, const at::BFloat16* w, int64_t K, float* sums, int64_t lds) {
-  __m512 acc[M * R];
-  for (int i = 0; i < M * R; ++i) acc[i] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 32 <= K; k += 32) {
-    __m512bh xv[M];
-    for (int m = 0; m < M; ++m) xv[m] = (__m512bh)_mm512_loadu_si512(x + m * K + k);
-    for (int r = 0; r < R; ++r) {
-      const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + r * K + k);
-      for (int m = 0; m < M; ++m) acc[m * R + r] = _mm512_dpbf16_ps(acc[m * R + r], xv[m], wv);
-    }
-  }
-  if (k < K) {
-    const __mmask32 mask = static_cast<__mmask32>((1ULL << (K - k)) - 1);
-    __m512bh xv[M];
-    for (int m = 0; m < M; ++m) xv[m] = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + k);
-    for (int r = 0; r < R; ++r) {
-      const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + r * K + k);
-      for (int m = 0; m < M; ++m) acc[m * R + r] = _mm512_dpbf16_ps(acc[m * R + r], xv[m], wv);
-    }
-  }
-  float s[M * R];
-  sluice_sums<M * R>(acc, s);
-  for (int i = 0; i < M * R; ++i) sums[(i / R) * lds + i % R] = s[i];
+  bf16_dp_tile<M, R>(reinterpret_cast<const uint16_t*>(x), K, reinterpret_cast<const uint16_t*>(w), K, sums, lds);
 }
 
 // products() for bf16 rows of x against bf16 weight rows: 4 weight rows at a time against the rows four at a time.
