@@ -13,13 +13,7 @@ import torch
 
 from sluice.engine.request import Request
 from sluice.engine.sampler import device_tensor, fused_sample, sample
-from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.structured import StructuredOutputs
-
-
-def _adjusts(p: SamplingParams) -> bool:
-    """True when min_tokens, logit_bias or penalties change the request's logits (the grammar aside)."""
-    return p.penalized or bool(p.logit_bias) or p.min_tokens > 0
 
 
 class TokenCounts:
@@ -92,8 +86,8 @@ class LogitsProcessors:
               grammar: bool = True) -> torch.Tensor:
         """Processed float32 logits (a copy) for rows of `reqs`; `ahead[i]`: proposals before row i; `grammar`
         False leaves the grammar's mask out. The logits themselves where nothing applies."""
-        rows = [i for i, r in enumerate(reqs) if _adjusts(r.params)]
-        masked = grammar and self.structured is not None and any(r.grammar is not None for r in reqs)
+        rows = [i for i, r in enumerate(reqs) if r.params.adjusted]
+        masked = grammar and self._constrained(reqs)
         if not rows and not masked:
             return logits
         out = logits.to(torch.float32, copy=True)
@@ -114,7 +108,7 @@ class LogitsProcessors:
             return sample(processed, reqs, generator), processed
         out = self.apply(logits, reqs, grammar=False)
         mask = None
-        if self.structured is not None and any(r.grammar is not None for r in reqs):
+        if self._constrained(reqs):
             mask = self.structured.fill(reqs, None)
         tokens = fused_sample(out, reqs, generator, mask, self.vocab)
         if tokens is not None:
@@ -123,6 +117,10 @@ class LogitsProcessors:
             out = logits.to(torch.float32, copy=True) if out is logits else out
             self.structured.apply_bitmask(out, *mask)
         return sample(out, reqs, generator), out
+
+    def _constrained(self, reqs: list[Request]) -> bool:
+        """Whether any row of `reqs` samples under a grammar."""
+        return self.structured is not None and any(r.grammar is not None for r in reqs)
 
     def release(self, req: Request) -> None:
         """Forget a finished request."""

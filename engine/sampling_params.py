@@ -98,6 +98,11 @@ class SamplingParams:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
+    def adjusted(self) -> bool:
+        """True when min_tokens, logit_bias or penalties change the logits (structured outputs aside)."""
+        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0
+
+    @property
     def processed(self) -> bool:
         """True when the logits need any processing before sampling (penalties, bias, min_tokens, structure)."""
-        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0 or self.structured_outputs is not None
+        return self.adjusted or self.structured_outputs is not None
