@@ -89,6 +89,37 @@ def bnb_int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | N
     return tuple(fused.bnb_int8_rows(weight.contiguous()))
 
 
+def bnb_int8_act(rows: torch.Tensor, threshold: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Activation rows [M, in] quantized as bitsandbytes' int8_vectorwise_quant(rows.half(), threshold) quantizes
+    them (LLM.int8(): codes, fp32 row absmax [M], the outlier columns int64, empty where none; the same bits):
+    one C++ pass per row where it builds, else those torch ops."""
+    fused = _fused()
+    if fused is not None and rows.device.type == "cpu" and rows.dim() == 2:
+        return tuple(fused.bnb_int8_act(rows.contiguous(), threshold))
+    a = rows.to(torch.float16)
+    cols = torch.empty(0, dtype=torch.int64, device=rows.device)
+    if threshold > 0.0:
+        outliers = a.abs() >= threshold
+        cols = torch.argwhere(outliers.any(dim=0)).view(-1)
+        a = a.masked_fill(outliers, 0)
+    row_stats = torch.max(a.abs(), dim=1).values.float()
+    codes = torch.round(a * (127.0 / row_stats.unsqueeze(-1))).to(torch.int8)
+    if rows.shape[0] > 1:
+        codes[:, cols] = 0
+    return codes, row_stats, cols
+
+
+def exact_int8_mm(xq: torch.Tensor, qweight: torch.Tensor, comp: torch.Tensor | None = None) -> torch.Tensor:
+    """xq [M, in] int8 times qweight [out, in] int8 in exact int32 sums: our product (C++) where it builds, else
+    torch._int_mm where it sums exactly, else in float64 (comp: `vnni_comp(qweight)`, or None)."""
+    fused = _fused()
+    if fused is not None and xq.device.type == "cpu":
+        return fused.int8_mm(xq, qweight, comp)
+    if xq.device.type != "cpu" or int_mm_exact():
+        return torch._int_mm(xq, qweight.t())
+    return (xq.double() @ qweight.double().t()).to(torch.int32)
+
+
 def vnni_comp(qweight: torch.Tensor) -> torch.Tensor | None:
     """What our VNNI int8 product subtracts per weight row (128 x the row's sum), for a linear to keep beside its
     weight and pass to every call (else each call computes it: at one row a second pass over the weight); None
