@@ -18,12 +18,13 @@ from common import bench_model, record, table, workload
 MODES = {"bf16": {}, "int8": {"quantization": "int8"}, "int4": {"quantization": "int4"},
          "int8-weight-only": {"quantization": "int8_weight_only"}}
 KV_GB = 0.5
+BNB_MODES = ("int4",)  # modes whose CPU engine imports bitsandbytes (LLM.int8() runs our kernels: int8 does not)
 NOTES = """
 
 Resident is what the engine adds to the process's VmRSS (weights, KV pages touched, scratch; the imports
 before `LLM(...)` are subtracted), each mode in its own process, after `LLM(...)` and the worker's one-step
 warm-up, then after a batch of prompts (32-512 tokens, 16-64 new tokens each, greedy); bitsandbytes is imported
-before the base in every mode. `weights' share` is the mode's weight bytes (parameters, buffers and quantization
+before the base in the modes whose engine imports it on CPU (int4). `weights' share` is the mode's weight bytes (parameters, buffers and quantization
 state) over bf16's. `KV pages` is what the KV pool's maps hold resident after the batch (the pages its tokens
 touched, kept for the prefix cache: the same bytes in every mode, a bf16 KV cache), `less KV pages` the rest.
 VmRSS rows count every resident page; RssAnon rows only the process's private ones, without the pages of
@@ -80,7 +81,8 @@ def kv_bytes(llm) -> int:
 
 def measure(mode: str, requests: int) -> dict:
     """One mode in this process: weight bytes, resident after load, after warm-up and after the batch."""
-    import bitsandbytes  # noqa: F401  (in every mode before the base: a library's import is not the engine's)
+    if mode in BNB_MODES:  # before the base: a library's import is not the engine's
+        import bitsandbytes  # noqa: F401
     from quantization import weight_bytes
 
     from sluice.engine import LLM, SamplingParams
