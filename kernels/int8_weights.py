@@ -26,6 +26,7 @@ from sluice.kernels import cpp_build, cpu_isa, options
 from sluice.kernels import linear as linear_kernels
 from sluice.kernels.device_path import triton_on
 
+DEQUANT = 6.200124e-05  # bitsandbytes' int8_mm_dequant factor (1 / 127², as it writes it)
 MAX_GEMV_ROWS = 4  # fp32/fp16 rows that take torch's GEMV, where it wins (docs/benchmarks.md, an int8 matmul of ours)
 # bf16 rows, ours: where our exact int8 product serves (AVX512-VNNI, or AVX2's madd), none (at one row the dynamic
 # int8 matmul, weight rows in memory order, beats this GEMV, which widens every weight to fp32:
@@ -107,6 +108,21 @@ def bnb_int8_act(rows: torch.Tensor, threshold: float) -> tuple[torch.Tensor, to
     if rows.shape[0] > 1:
         codes[:, cols] = 0
     return codes, row_stats, cols
+
+
+def bnb_int8_dequant(acc: torch.Tensor, row: torch.Tensor, col: torch.Tensor, bias: torch.Tensor | None,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """bitsandbytes' int8_mm_dequant (acc int32 [M, N] * (row absmax [M] * SCB [N]) / 127², in fp32), plus bias, in
+    `dtype`: one C++ pass for bf16 where it builds (the same bits), else its torch ops."""
+    fused = _fused()
+    if fused is not None and dtype is torch.bfloat16 and acc.device.type == "cpu" and acc.is_contiguous():
+        out = fused.bnb_int8_dequant(acc, row, col, bias)
+        if out is not None:
+            return out
+    out = acc * (row.view(-1, 1) * col.view(1, -1)) * DEQUANT
+    if bias is not None:
+        out += bias
+    return out.to(dtype)
 
 
 def exact_int8_mm(xq: torch.Tensor, qweight: torch.Tensor, comp: torch.Tensor | None = None) -> torch.Tensor:

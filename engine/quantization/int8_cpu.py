@@ -5,12 +5,13 @@ the arithmetic, step by step as its CPU path runs it: the activations quantized 
 `int8_vectorwise_quant(x.half(), threshold)` does (kernels.int8_weights.bnb_int8_act: outlier values zeroed, the
 columns holding one zeroed where there are several rows), their exact int32 product with CB (our VNNI kernel
 where it builds; the same sums as torch._int_mm), rescaled as `int8_mm_dequant` does (int32 * (row absmax *
-SCB) * 1/127², plus bias, in fp32, rounded once to the activations' dtype), then the outlier columns' product
-added back. That one runs in float32 (the BLAS GEMM: no per-shape state kept) where bitsandbytes' default
-kernel calls a bf16/fp16 `addmm`, for which oneDNN JIT-builds and caches one primitive per [tokens, outlier
-columns] shape (milliseconds each, and hundreds of MiB resident after one batch of mixed lengths); its inputs
-are bitsandbytes' (the outlier weight columns dequantized and rounded to the activations' dtype) and so is the
-single rounding of `output + subA @ subB` to that dtype. On other devices bitsandbytes' own module serves.
+SCB) * 1/127², plus bias, in fp32, rounded once to the activations' dtype: one C++ pass for bf16), then the
+outlier columns' product added back. That one runs in float32 (the BLAS GEMM: no per-shape state kept) where
+bitsandbytes' default kernel calls a bf16/fp16 `addmm`, for which oneDNN JIT-builds and caches one primitive per
+[tokens, outlier columns] shape (milliseconds each, and hundreds of MiB resident after one batch of mixed
+lengths); its inputs are bitsandbytes' (the outlier weight columns dequantized and rounded to the activations'
+dtype) and so is the single rounding of `output + subA @ subB` to that dtype. On other devices bitsandbytes' own
+module serves.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from torch import nn
 
 from sluice.kernels import int8_weights
 
-DEQUANT = 6.200124e-05  # bitsandbytes' int8_mm_dequant factor (1 / 127², as it writes it)
 INV_127 = 7.874015718698502e-3  # bitsandbytes' int8_vectorwise_dequant factor
 
 
@@ -57,11 +57,7 @@ def llm_int8_linear(rows: torch.Tensor, cb: torch.Tensor, scb: torch.Tensor, bia
     """rows [M, in] times the LLM.int8() weight (cb [out, in] int8, scb [out] fp32), plus bias: bitsandbytes'
     Linear8bitLt forward on CPU, in rows' dtype."""
     ca, sca, cols = int8_weights.bnb_int8_act(rows, threshold)
-    acc = int8_weights.exact_int8_mm(ca, cb, comp)
-    out = acc * (sca.view(-1, 1) * scb.view(1, -1)) * DEQUANT
-    if bias is not None:
-        out += bias
-    out = out.to(rows.dtype)
+    out = int8_weights.bnb_int8_dequant(int8_weights.exact_int8_mm(ca, cb, comp), sca, scb, bias, rows.dtype)
     if cols is None or not cols.numel():
         return out
     sub_a = rows[:, cols]

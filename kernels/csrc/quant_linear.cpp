@@ -269,6 +269,22 @@ std::vector<torch::Tensor> bnb_int8_act(torch::Tensor x, double threshold) {
   return {cb, scb, out};
 }
 
+// bitsandbytes' int8_mm_dequant of acc [M, N] int32 with row absmax [M] and SCB [N] (fp32), plus bias, into bf16,
+// bit for bit (the tier's lanes); None where the tier has no such pass (the caller runs bitsandbytes' torch ops).
+c10::optional<torch::Tensor> bnb_int8_dequant(torch::Tensor acc, torch::Tensor row, torch::Tensor col,
+                                              c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(acc.dim() == 2 && acc.is_contiguous() && acc.scalar_type() == at::kInt, "acc: contiguous int32 [M, N]");
+  TORCH_CHECK(row.numel() == acc.size(0) && col.numel() == acc.size(1) && row.scalar_type() == at::kFloat &&
+              col.scalar_type() == at::kFloat, "bnb_int8_dequant: fp32 row [M] and col [N] scales");
+  auto r = row.contiguous(), c = col.contiguous();
+  torch::Tensor b = bias.has_value() ? bias->contiguous().to(at::kBFloat16) : torch::Tensor();
+  auto y = torch::empty(acc.sizes(), acc.options().dtype(at::kBFloat16));
+  if (!bnb_dequant_tier(acc, r.data_ptr<float>(), c.data_ptr<float>(),
+                        b.defined() ? b.data_ptr<at::BFloat16>() : nullptr, y))
+    return c10::nullopt;
+  return y;
+}
+
 // x (flattened) in blocks of `blocksize` values (the last may be short) quantized to 4-bit codes exactly as
 // bitsandbytes' default quantize_4bit does with torch ops: a full block's values times the reciprocal of its
 // absmax (at least 1e-38), a short last block's divided by its absmax, clamped to [-1, 1]; the code is the number
@@ -506,6 +522,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_rows", &quantize_rows, "per-row absmax int8 quantization (CPU)");
   m.def("bnb_4bit_blocks", &bnb_4bit_blocks, "blocks as bitsandbytes' default quantize_4bit codes them (CPU)",
         py::arg("x"), py::arg("blocksize"), py::arg("bounds"), py::arg("order") = py::none());
+  m.def("bnb_int8_dequant", &bnb_int8_dequant, "bitsandbytes' int8_mm_dequant (+ bias) into bf16 (CPU), or None",
+        py::arg("acc"), py::arg("row"), py::arg("col"), py::arg("bias") = py::none());
   m.def("bnb_int8_act", &bnb_int8_act, "activation rows as bitsandbytes' int8_vectorwise_quant(x.half(), threshold) (CPU)",
         py::arg("x"), py::arg("threshold"));
   m.def("bnb_int8_rows", &bnb_int8_rows, "weight rows as bitsandbytes' int8_vectorwise_quant gives an fp16 copy (CPU)");

@@ -206,6 +206,35 @@ inline bool int8_rescale_tier(const torch::Tensor& acc, const torch::Tensor& rs,
   return false;
 }
 
+// bitsandbytes' int8_mm_dequant of acc [M, N] into bf16: acc * (row[m] * col[n]) * 6.200124e-05, + bias, each
+// an fp32 rounding in torch's order (an empty asm between the steps: under this file's fast-math flags the compiler
+// may otherwise reassociate or fuse them), then to bf16, nearest even; false for another output dtype.
+inline bool bnb_dequant_tier(const torch::Tensor& acc, const float* r, const float* c, const at::BFloat16* bp,
+                             torch::Tensor& y) {
+  if (y.scalar_type() != at::kBFloat16) return false;
+  const int64_t M = acc.size(0), N = acc.size(1);
+  const int32_t* a = acc.data_ptr<int32_t>();
+  at::BFloat16* out = y.data_ptr<at::BFloat16>();
+  const __m512 k = _mm512_set1_ps(6.200124e-05f);
+  at::parallel_for(0, M, std::max<int64_t>(1, at::internal::GRAIN_SIZE / N), [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const __m512 rm = _mm512_set1_ps(r[m]);
+      for (int64_t n = 0; n < N; n += 16) {
+        const __mmask16 mask = sluice_tail16(N - n);
+        __m512 t = _mm512_mul_ps(rm, _mm512_maskz_loadu_ps(mask, c + n));
+        asm("" : "+v"(t));
+        __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(mask, a + m * N + n)), t);
+        asm("" : "+v"(v));
+        v = _mm512_mul_ps(v, k);
+        asm("" : "+v"(v));
+        if (bp != nullptr) v = _mm512_add_ps(v, sluice_load_bf16(bp + n, mask));
+        _mm256_mask_storeu_epi16(out + m * N + n, mask, _mm512_cvtepi32_epi16(sluice_round_bf16(v)));
+      }
+    }
+  });
+  return true;
+}
+
 constexpr int64_t kVnniBlock = 32;  // output rows per parallel task (a multiple of every W)
 
 // 128 * sum_k w[k] of one weight row: what the + 128 on the activation codes adds to each of its dot products.
