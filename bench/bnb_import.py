@@ -1,12 +1,12 @@
-"""What bitsandbytes' import costs a quantized start, with and without the engine's two deferrals
-(engine/quantization/linears.py: torch.compile at first call, dynamo's disable at first trace), and whether a
-plain import on a background thread hides it behind the engine's imports and a raw read of the checkpoint.
+"""What bitsandbytes' import costs a quantized start: the engine as it is (LLM.int8() on CPU imports no
+bitsandbytes; where bitsandbytes serves, a plain import) against importing it first, and whether a plain import
+on a background thread hides it behind the engine's imports and a raw read of the checkpoint.
 
-python bench/bnb_import.py CHECKPOINT [--rounds 3] [--modes patched,plain,thread,thread+read]
+python bench/bnb_import.py CHECKPOINT [--rounds 3] [--modes engine,plain,thread,thread+read]
 
 Each mode is a fresh process, modes alternated per round: process start -> LLM(CHECKPOINT) -> one token.
-patched: the engine imports bitsandbytes itself (deferrals on); plain: `import bitsandbytes` first (torch.compile
-imports dynamo and inductor); thread: that import on a thread started right after `import torch`, joined before
+engine: whatever the engine imports itself; plain: `import bitsandbytes` first (its torch.compile wrappers
+import dynamo and inductor); thread: that import on a thread started right after `import torch`, joined before
 LLM(...); thread+read: the same, the main thread also reading the checkpoint's files meanwhile.
 """
 
@@ -41,7 +41,8 @@ if thread:
     thread.join()
 llm = LLM(model, dtype="bfloat16", device="cpu", max_model_len=256, max_num_seqs=4)
 llm.generate(["O Romeo"], SamplingParams(max_tokens=1, temperature=0), progress=False)
-print(json.dumps({"ready": time.time() - started(), "dynamo": "torch._dynamo" in sys.modules}))
+print(json.dumps({"ready": time.time() - started(), "dynamo": "torch._dynamo" in sys.modules,
+                  "bnb": "bitsandbytes" in sys.modules}))
 """
 
 
@@ -49,7 +50,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("checkpoint")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--modes", default="patched,plain,thread,thread+read")
+    p.add_argument("--modes", default="engine,plain,thread,thread+read")
     args = p.parse_args()
     runs: dict[str, list[float]] = {m: [] for m in args.modes.split(",")}
     for _ in range(args.rounds):
@@ -58,7 +59,8 @@ def main() -> None:
                                  capture_output=True, text=True, check=True)
             got = json.loads(out.stdout.strip().splitlines()[-1])
             times.append(got["ready"])
-            print(mode, f"{got['ready']:.2f} s", "dynamo imported" if got["dynamo"] else "", flush=True)
+            print(mode, f"{got['ready']:.2f} s", "bitsandbytes imported" if got["bnb"] else "",
+                  "dynamo imported" if got["dynamo"] else "", flush=True)
     for mode, times in runs.items():
         print(f"{mode}: best {min(times):.2f} s, median {sorted(times)[len(times) // 2]:.2f} s")
 

@@ -1,10 +1,11 @@
 """Resident memory of quantized modes against bf16 on the ~125M Llama (bf16 embeddings), after the warm-up step
 and after a 40-prompt batch, next to what the weights' bytes alone would give.
 
-python bench/quant_memory.py [--modes bf16,int8,int4] [--requests 40] [--maps] [--no-record]
+python bench/quant_memory.py [--modes bf16,int8,int4] [--requests 40] [--maps] [--bnb-base] [--no-record]
 
 --maps also prints, per mode, the mappings whose resident bytes grew most from the imports to after the warm-up
-(libraries' code, [heap], [anon]) in MiB.
+(libraries' code, [heap], [anon]) in MiB. --bnb-base imports bitsandbytes before the base in every mode (as
+this bench did before LLM.int8() ran without it: to compare with those runs).
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ from common import bench_model, record, table, workload
 MODES = {"bf16": {}, "int8": {"quantization": "int8"}, "int4": {"quantization": "int4"},
          "int8-weight-only": {"quantization": "int8_weight_only"}}
 KV_GB = 0.5
+BNB_MODES = ("int4",)  # modes whose CPU engine imports bitsandbytes (LLM.int8() runs our kernels: int8 does not)
 NOTES = """
 
 Resident is what the engine adds to the process's VmRSS (weights, KV pages touched, scratch; the imports
 before `LLM(...)` are subtracted), each mode in its own process, after `LLM(...)` and the worker's one-step
 warm-up, then after a batch of prompts (32-512 tokens, 16-64 new tokens each, greedy); bitsandbytes is imported
-before the base in every mode. `weights' share` is the mode's weight bytes (parameters, buffers and quantization
+before the base in the modes whose engine imports it on CPU (int4). `weights' share` is the mode's weight bytes (parameters, buffers and quantization
 state) over bf16's. `KV pages` is what the KV pool's maps hold resident after the batch (the pages its tokens
 touched, kept for the prefix cache: the same bytes in every mode, a bf16 KV cache), `less KV pages` the rest.
 VmRSS rows count every resident page; RssAnon rows only the process's private ones, without the pages of
@@ -78,9 +80,10 @@ def kv_bytes(llm) -> int:
     return total
 
 
-def measure(mode: str, requests: int) -> dict:
+def measure(mode: str, requests: int, bnb_base: bool = False) -> dict:
     """One mode in this process: weight bytes, resident after load, after warm-up and after the batch."""
-    import bitsandbytes  # noqa: F401  (in every mode before the base: a library's import is not the engine's)
+    if bnb_base or mode in BNB_MODES:  # before the base: a library's import is not the engine's
+        import bitsandbytes  # noqa: F401
     from quantization import weight_bytes
 
     from sluice.engine import LLM, SamplingParams
@@ -120,7 +123,7 @@ def report(results: list[dict]) -> str:
 
 def main() -> None:
     if sys.argv[1:2] == ["--worker"]:
-        print(json.dumps(measure(sys.argv[2], int(sys.argv[3]))))
+        print(json.dumps(measure(sys.argv[2], int(sys.argv[3]), "--bnb-base" in sys.argv)))
         return
     modes = "bf16,int8,int4"
     requests = 40
@@ -131,7 +134,7 @@ def main() -> None:
         requests = int(args[args.index("--requests") + 1])
     results = []
     for mode in modes.split(","):
-        cmd = [sys.executable, __file__, "--worker", mode, str(requests)]
+        cmd = [sys.executable, __file__, "--worker", mode, str(requests), *(["--bnb-base"] if "--bnb-base" in args else [])]
         res = subprocess.run(cmd, capture_output=True, text=True, check=True)
         results.append(json.loads(res.stdout.strip().splitlines()[-1]))
         print(results[-1] if "--maps" in args else {k: v for k, v in results[-1].items() if k != "maps"}, flush=True)

@@ -26,6 +26,7 @@ from sluice.kernels import cpp_build, cpu_isa, options
 from sluice.kernels import linear as linear_kernels
 from sluice.kernels.device_path import triton_on
 
+DEQUANT = 6.200124e-05  # bitsandbytes' int8_mm_dequant factor (1 / 127², as it writes it)
 MAX_GEMV_ROWS = 4  # fp32/fp16 rows that take torch's GEMV, where it wins (docs/benchmarks.md, an int8 matmul of ours)
 # bf16 rows, ours: where our exact int8 product serves (AVX512-VNNI, or AVX2's madd), none (at one row the dynamic
 # int8 matmul, weight rows in memory order, beats this GEMV, which widens every weight to fp32:
@@ -87,6 +88,52 @@ def bnb_int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | N
     if fused is None or weight.device.type != "cpu" or weight.dim() != 2:
         return None
     return tuple(fused.bnb_int8_rows(weight.contiguous()))
+
+
+def bnb_int8_act(rows: torch.Tensor, threshold: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Activation rows [M, in] quantized as bitsandbytes' int8_vectorwise_quant(rows.half(), threshold) quantizes
+    them (LLM.int8(): codes, fp32 row absmax [M], the outlier columns int64, empty where none; the same bits):
+    one C++ pass per row where it builds, else those torch ops."""
+    fused = _fused()
+    if fused is not None and rows.device.type == "cpu" and rows.dim() == 2:
+        return tuple(fused.bnb_int8_act(rows.contiguous(), threshold))
+    a = rows.to(torch.float16)
+    cols = torch.empty(0, dtype=torch.int64, device=rows.device)
+    if threshold > 0.0:
+        outliers = a.abs() >= threshold
+        cols = torch.argwhere(outliers.any(dim=0)).view(-1)
+        a = a.masked_fill(outliers, 0)
+    row_stats = torch.max(a.abs(), dim=1).values.float()
+    codes = torch.round(a * (127.0 / row_stats.unsqueeze(-1))).to(torch.int8)
+    if rows.shape[0] > 1:
+        codes[:, cols] = 0
+    return codes, row_stats, cols
+
+
+def bnb_int8_dequant(acc: torch.Tensor, row: torch.Tensor, col: torch.Tensor, bias: torch.Tensor | None,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """bitsandbytes' int8_mm_dequant (acc int32 [M, N] * (row absmax [M] * SCB [N]) / 127², in fp32), plus bias, in
+    `dtype`: one C++ pass for bf16 where it builds (the same bits), else its torch ops."""
+    fused = _fused()
+    if fused is not None and dtype is torch.bfloat16 and acc.device.type == "cpu" and acc.is_contiguous():
+        out = fused.bnb_int8_dequant(acc, row, col, bias)
+        if out is not None:
+            return out
+    out = acc * (row.view(-1, 1) * col.view(1, -1)) * DEQUANT
+    if bias is not None:
+        out += bias
+    return out.to(dtype)
+
+
+def exact_int8_mm(xq: torch.Tensor, qweight: torch.Tensor, comp: torch.Tensor | None = None) -> torch.Tensor:
+    """xq [M, in] int8 times qweight [out, in] int8 in exact int32 sums: our product (C++) where it builds, else
+    torch._int_mm where it sums exactly, else in float64 (comp: `vnni_comp(qweight)`, or None)."""
+    fused = _fused()
+    if fused is not None and xq.device.type == "cpu":
+        return fused.int8_mm(xq, qweight, comp)
+    if xq.device.type != "cpu" or int_mm_exact():
+        return torch._int_mm(xq, qweight.t())
+    return (xq.double() @ qweight.double().t()).to(torch.int32)
 
 
 def vnni_comp(qweight: torch.Tensor) -> torch.Tensor | None:

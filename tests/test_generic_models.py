@@ -145,7 +145,7 @@ def test_length_dependent_rope_is_capped_at_its_original_context(checkpoint_fact
     assert c.path == GENERIC and c.max_position_embeddings == 256
 
 
-@pytest.mark.parametrize(("method", "linear"), [("int8_weight_only", "Int8WeightOnlyLinear"), ("int8", "Linear8bitLt")])
+@pytest.mark.parametrize(("method", "linear"), [("int8_weight_only", "Int8WeightOnlyLinear"), ("int8", "LLMInt8Linear")])
 def test_native_moe_quantizes_every_expert_and_keeps_the_router(method, linear, checkpoint_factory):
     path = checkpoint_factory("qwen3_moe")
     prompts = random_prompts(3, 20, 60)
@@ -272,7 +272,7 @@ def test_fused_rope_only_replaces_a_rotary_that_computes_llamas():
 
 
 QUANT_DIMS = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
-QUANT_LINEARS = {"int8": "Linear8bitLt", "int4": "Linear4bit", "int8_weight_only": "Int8WeightOnlyLinear",
+QUANT_LINEARS = {"int8": "LLMInt8Linear", "int4": "Linear4bit", "int8_weight_only": "Int8WeightOnlyLinear",
                  "int4_weight_only": "Int4WeightOnlyLinear"}
 
 

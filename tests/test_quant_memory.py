@@ -1,4 +1,4 @@
-"""Quantized CPU memory: bitsandbytes' int8 product keeps no per-shape oneDNN state."""
+"""Quantized CPU memory: the LLM.int8() product keeps no per-shape oneDNN state, and no float copy of a weight."""
 
 from __future__ import annotations
 
@@ -12,32 +12,31 @@ import bitsandbytes  # noqa: F401  (defines the torch.ops.bitsandbytes ops)
 import pytest
 import torch
 
-from sluice.engine.quantization.int8_cpu import serve_int8_on_cpu
+from sluice.engine.quantization.int8_cpu import llm_int8_linear
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "models" / "sluice-tiny"
 
 
 def test_int8_outlier_product_is_bitsandbytes_arithmetic():
-    """The CPU kernel gives what bitsandbytes' default kernel computes (the int8 product dequantized, plus
-    `addmm` of the outlier columns by their dequantized weight columns in bf16), for several row and outlier
-    counts, none included; the outlier inputs come back as bitsandbytes returns them."""
-    assert serve_int8_on_cpu()
+    """Our LLM.int8() linear with outlier columns gives bitsandbytes' int8 product dequantized (its own op), plus
+    the outlier inputs times their dequantized weight columns (its own op, rounded to bf16) summed in float32 and
+    rounded once (where bitsandbytes' default kernel runs a bf16 `addmm`, one oneDNN primitive per shape), for
+    several row and outlier counts."""
     ops = torch.ops.bitsandbytes
     g = torch.Generator().manual_seed(0)
-    CB, SCB = ops.int8_vectorwise_quant.default((torch.randn(96, 64, generator=g) * 0.05).half())[:2]
+    cb, scb = ops.int8_vectorwise_quant.default((torch.randn(96, 64, generator=g) * 0.05).half())[:2]
     for rows, spikes in ((3, 1), (17, 5), (40, 0), (70, 12)):
-        A = torch.randn(rows, 64, generator=g).to(torch.bfloat16)
-        A[:, :spikes] *= 40  # columns with an outlier
-        CA, SCA, cols = ops.int8_vectorwise_quant.default(A.clone().half(), 6.0)
+        a = torch.randn(rows, 64, generator=g).to(torch.bfloat16)
+        a[:, :spikes] *= 40  # columns with an outlier
+        ca, sca, cols = ops.int8_vectorwise_quant.default(a.clone().half(), 6.0)
         assert cols.numel() == spikes
-        out, subA = ops.int8_mixed_scaled_mm.default(A, CA, CB, SCA, SCB, cols, None)
-        theirs = ops.int8_scaled_mm.default(CA, CB, SCA, SCB, bias=None, dtype=A.dtype)
+        want = ops.int8_scaled_mm.default(ca, cb, sca, scb, bias=None, dtype=a.dtype)
         if spikes:
-            sub_b = ops.int8_vectorwise_dequant.default(CB[:, cols].contiguous(), SCB).to(A.dtype)
-            theirs = theirs.addmm(A[:, cols].contiguous(), sub_b.t())
-            assert torch.equal(subA, A[:, cols])
-        assert out.dtype == torch.bfloat16 and torch.equal(out, theirs)
+            sub_b = ops.int8_vectorwise_dequant.default(cb[:, cols].contiguous(), scb).to(a.dtype)
+            want = want.float().addmm_(a[:, cols].float(), sub_b.float().t()).to(a.dtype)
+        got = llm_int8_linear(a, cb, scb, None, 6.0)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want)
 
 
 def test_int8_engine_makes_no_onednn_matmul_per_step_shape():
@@ -65,6 +64,7 @@ import json, sys
 import bitsandbytes as bnb
 import torch
 from sluice.engine import LLM, SamplingParams
+from sluice.engine.quantization.int8_cpu import LLMInt8Linear
 
 def anon():
     line = next(x for x in open("/proc/self/status") if x.startswith("RssAnon:"))
@@ -81,10 +81,11 @@ llm = LLM(sys.argv[1], dtype="bfloat16", device="cpu", max_model_len=96, max_num
 model, float_copies, linears = llm.engine.model, [], 0
 held = {t.data_ptr(): t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]}
 for mod in model.modules():
-    if isinstance(mod, (bnb.nn.Linear8bitLt, bnb.nn.Linear4bit)):
+    if isinstance(mod, (LLMInt8Linear, bnb.nn.Linear4bit)):
         linears += 1
         w = mod.weight
         owned = [w.data, *tensors(w), *tensors(mod), *tensors(getattr(mod, "state", w))]
+        owned += list(mod.buffers(recurse=False))
         qs = getattr(w, "quant_state", None)
         owned += [] if qs is None else list(tensors(qs))
         dense = (w.numel() * 2) // 4 if qs is not None else w.numel() // 2

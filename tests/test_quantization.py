@@ -19,6 +19,7 @@ from sluice.engine.models.llama import ModelConfig
 from sluice.engine.models.loader import read_config
 from sluice.engine.quantization import FusedLinear
 from sluice.engine.quantization import linears as qlinears
+from sluice.engine.quantization.int8_cpu import LLMInt8Linear
 from sluice.engine.quantization.linears import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 from tests.services import worker_env
 
@@ -53,7 +54,7 @@ def reference(ckpt):
 def quantized_parts(llm: LLM) -> list[torch.nn.Module]:
     mods = [m for layer in llm.engine.model.layers for m in layer.modules()]
     assert not any(type(m) is torch.nn.Linear for m in mods), "a decoder linear was left unquantized"
-    return [m for m in mods if isinstance(m, bnb.nn.Linear8bitLt | bnb.nn.Linear4bit)]
+    return [m for m in mods if isinstance(m, LLMInt8Linear | bnb.nn.Linear4bit)]
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -64,13 +65,13 @@ def test_quantized_modes_load_generate_and_stay_close(ckpt, reference, mode):
     assert err < MAX_REL_ERR[mode]
     parts = quantized_parts(llm)
     assert len(parts) == 7 * llm.engine.model_config.num_layers
-    kind, storage = (bnb.nn.Linear8bitLt, torch.int8) if mode == "int8" else (bnb.nn.Linear4bit, torch.uint8)
+    kind, storage = (LLMInt8Linear, torch.int8) if mode == "int8" else (bnb.nn.Linear4bit, torch.uint8)
     assert all(isinstance(p, kind) and p.weight.dtype == storage for p in parts)
     assert isinstance(llm.engine.model.layers[0].self_attn.qkv_proj, FusedLinear)
     model = llm.engine.model
     assert model.embed_tokens.weight.dtype == model.lm_head.weight.dtype == model.norm.weight.dtype == torch.bfloat16
     if mode == "int8":
-        assert parts[0].state.threshold == 6.0 and not parts[0].state.has_fp16_weights
+        assert parts[0].threshold == 6.0 and parts[0].SCB.dtype == torch.float32
     else:
         qs = parts[0].weight.quant_state
         nested = getattr(qs, "original_nested", qs.nested)  # the CPU kernel unpacks double quant on first use
@@ -152,7 +153,7 @@ def test_int8_weight_only_checkpoints_are_refused_before_any_work(ckpt, tmp_path
 
 def test_int8_threshold_is_configurable(ckpt):
     llm = LLM(ckpt, dtype="bfloat16", device="cpu", quantization="int8", llm_int8_threshold=0.0)
-    assert quantized_parts(llm)[0].state.threshold == 0.0
+    assert quantized_parts(llm)[0].threshold == 0.0
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4-fp4-double"])
@@ -307,3 +308,123 @@ def test_a_quantized_worker_never_asks_the_hub(ckpt, tmp_path, redis_server):
     assert audited(WORKER, args, tmp_path, env) == ["WORKER 0 True", "HOSTS []"]
     asks, online = audited(BNB, [], tmp_path, env | {"HF_HUB_OFFLINE": "0"})
     assert online == ("HOSTS ['huggingface.co']" if asks == "ASKS True" else "HOSTS []"), (asks, online)
+
+
+def bnb_linear8bitlt(cb: torch.Tensor, scb: torch.Tensor, bias: torch.Tensor | None, threshold: float):
+    """bitsandbytes' own Linear8bitLt over these tensors (the oracle)."""
+    mod = bnb.nn.Linear8bitLt(cb.shape[1], cb.shape[0], bias=bias is not None, has_fp16_weights=False,
+                              threshold=threshold, device="meta")
+    mod.weight = bnb.nn.Int8Params(cb.clone(), requires_grad=False, has_fp16_weights=False, CB=cb.clone(),
+                                   SCB=scb.clone())
+    mod.bias = None if bias is None else torch.nn.Parameter(bias.clone(), requires_grad=False)
+    return mod.eval()
+
+
+def int8_inputs(dtype: torch.dtype) -> list[tuple[torch.Tensor, int]]:
+    """(activations, spiked columns): 1-70 rows, K with a tail; spiked columns hold values past 6."""
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for rows, spikes in ((1, 0), (1, 2), (3, 1), (17, 5), (40, 0), (70, 12)):
+        x = torch.randn(rows, 200, generator=g)
+        x[:, 7:7 + spikes] *= 40
+        out.append((x.to(dtype), spikes))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_int8_activation_rows_are_bitsandbytes_own(dtype, monkeypatch):
+    """Our LLM.int8() activation quantization (C++, and the torch ops where it does not build) gives bitsandbytes'
+    int8_vectorwise_quant(x.half(), threshold) bit for bit: codes, row absmax and outlier columns, one row or
+    several, no outlier or some, a zero row, a value past fp16's range, tiny values, thresholds 0, 6 and 1.5."""
+    from sluice.kernels import int8_weights
+
+    cases = int8_inputs(dtype)
+    odd = cases[3][0].clone()
+    odd[2] = 0
+    odd[4, 9] = 7e4 if dtype != torch.float16 else 6e4
+    odd[5] *= 1e-6
+    cases.append((odd, 5))
+    for fused in (int8_weights._fused(), None):
+        monkeypatch.setattr(int8_weights, "_fused", lambda f=fused: f)
+        for (x, _), threshold in ((c, t) for c in cases for t in (0.0, 6.0, 1.5)):
+            want = bnb.functional.int8_vectorwise_quant(x.to(torch.float16), threshold)
+            got = int8_weights.bnb_int8_act(x, threshold)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (x.shape, threshold, fused)
+            assert torch.equal(got[2], want[2] if want[2] is not None else torch.empty(0, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int8_linear_computes_what_bitsandbytes_linear8bitlt_does(dtype):
+    """Our LLM.int8() linear against bitsandbytes' Linear8bitLt on the same CB, SCB, bias and inputs: bit for bit
+    where no column holds an outlier (threshold 0, or none past it); with outlier columns our product of them runs
+    in float32 where bitsandbytes' runs a bf16 `addmm` (another summation order): every value within one bf16 step
+    of its (relative 2^-7), most equal; in float32 bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 200, generator=g) * 0.05
+    cb, scb, _ = bnb.functional.int8_vectorwise_quant(w.half())
+    bias = (torch.randn(96, generator=g) * 0.1).to(dtype)
+    for threshold in (0.0, 6.0):
+        ours = LLMInt8Linear(cb, scb, bias, dtype, threshold)
+        theirs = bnb_linear8bitlt(cb, scb, bias, threshold)
+        for x, spikes in int8_inputs(dtype):
+            with torch.no_grad():
+                got, want = ours(x[None]), theirs(x[None])  # 3-D, as the model calls it
+            assert got.shape == (1, x.shape[0], 96) and got.dtype == dtype
+            if threshold == 0 or not spikes or dtype == torch.float32:
+                assert torch.equal(got, want), (threshold, x.shape, spikes)
+                continue
+            diff = (got.float() - want.float()).abs()
+            assert (diff <= 2**-7 * torch.maximum(got.float().abs(), want.float().abs())).all()
+            assert (diff == 0).float().mean() >= 0.9
+
+
+NO_BNB = """
+import sys
+from sluice.engine import LLM, SamplingParams
+from sluice.engine.quantization.int8_cpu import LLMInt8Linear
+params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+for path, kw in ((sys.argv[1], {"quantization": "int8"}), (sys.argv[2], {})):
+    llm = LLM(path, dtype="bfloat16", device="cpu", **kw)
+    parts = [m for m in llm.engine.model.modules() if isinstance(m, LLMInt8Linear)]
+    out = llm.generate([[1, 5, 6, 7], [1, *range(9, 40)]], params, progress=False)
+    print("RUN", len(parts), [len(o.token_ids) for o in out], "bitsandbytes" in sys.modules)
+"""
+
+
+def test_an_int8_engine_on_cpu_never_imports_bitsandbytes(ckpt, tmp_path):
+    """A fresh process loads int8 (LLM.int8()) models on CPU, quantized while loading and pre-quantized (our
+    checkpoint in transformers' bitsandbytes format), generates, and has not imported bitsandbytes."""
+    quantize(ckpt, tmp_path, "int8", dtype="bfloat16")
+    out = subprocess.run([sys.executable, "-c", NO_BNB, str(ckpt), str(tmp_path)], capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    linears = 7 * ModelConfig.from_hf(read_config(ckpt)).num_layers
+    assert [line for line in out.stdout.splitlines() if line.startswith("RUN")] == [f"RUN {linears} [4, 4] False"] * 2
+
+
+def test_int8_checkpoint_holds_what_bitsandbytes_writes_and_transformers_loads_it(ckpt, tmp_path):
+    """A pre-quantized int8 checkpoint we write holds, per linear, the keys, dtypes and tensors bitsandbytes'
+    Linear8bitLt serializes for the same weights; transformers with bitsandbytes loads it, to logits close to
+    ours."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from sluice.engine.quantization.checkpoint import serialized
+
+    quantize(ckpt, tmp_path, "int8", dtype="bfloat16")
+    tensors = load_file(tmp_path / "model.safetensors")
+    name = "model.layers.1.mlp.down_proj"
+    cb, scb = tensors[f"{name}.weight"], tensors[f"{name}.SCB"]
+    theirs = bnb_linear8bitlt(cb, scb, None, 6.0)
+    theirs(torch.ones(1, cb.shape[1], dtype=torch.bfloat16))  # its forward moves CB/SCB into its state
+    want = theirs.state_dict()
+    got = {k.removeprefix(f"{name}."): v for k, v in tensors.items() if k.startswith(f"{name}.")}
+    assert got.keys() == want.keys() == serialized(LLMInt8Linear(cb, scb, None, torch.bfloat16, 6.0)).keys()
+    assert all(got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]) for k in want)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert any(isinstance(m, bnb.nn.Linear8bitLt) for m in hf.modules())
+    with torch.no_grad():
+        ref = hf(torch.tensor([PROMPTS[1]])).logits[0].float()
+    # the same int8 arithmetic but for the outlier columns' summation order (float32 here, bf16 in bitsandbytes),
+    # and transformers' attention: bound as the 4-bit round trip's above
+    assert rel_err(LLM(tmp_path, dtype="bfloat16", device="cpu").score([PROMPTS[1]]), [ref]) < 1e-2

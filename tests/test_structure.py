@@ -422,15 +422,10 @@ def test_every_storage_opened_outside_the_contract_gets_the_s3_style_from_settin
 
 
 PATCHED_LIBRARIES = ("torch", "bitsandbytes")
-# The monkeypatches left (issue 30: none). bitsandbytes' import wraps its default ops in torch.compile, which
-# imports torch._dynamo and inductor, and its kernels' dynamo-disable wraps import dynamo at their first call;
-# these two swaps defer both. Plain, every quantized start pays that import, and importing bitsandbytes on a
-# thread hides none of it (docs/benchmarks.md, Quantization, Session 4). Removing them without slowing a
-# quantized worker's start means serving bitsandbytes checkpoints on CPU without importing it.
-KNOWN_PATCHES = {
-    ("engine/quantization/linears.py", "torch.compile"),
-    ("engine/quantization/linears.py", "torch._disable_dynamo"),
-}
+# The monkeypatches left (issue 30: none). The two that deferred bitsandbytes' torch.compile and dynamo imports
+# went with bitsandbytes' import on CPU: LLM.int8() runs our kernels there (engine/quantization/int8_cpu.py);
+# where bitsandbytes still serves, it is a plain import.
+KNOWN_PATCHES: set[tuple[str, str]] = set()
 
 
 def library_names(tree: ast.Module) -> set[str]:

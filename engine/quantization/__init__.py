@@ -1,4 +1,4 @@
-"""Quantization of weights: bitsandbytes int8/int4 linears (quantized while loading, or read pre-quantized) and
+"""Quantization of weights: LLM.int8() linears (ours on CPU, bitsandbytes' elsewhere) and bitsandbytes int4 linears (quantized while loading, or read pre-quantized) and
 weight-only int8/int4 linears. The int8 KV cache is engine.kv_cache's."""
 
 from __future__ import annotations
@@ -9,8 +9,7 @@ from sluice.engine.models.llama import ModelConfig
 from sluice.engine.models.loader import CheckpointReader, LinearHook, read_config
 from sluice.engine.quantization.checkpoint import save_quantized
 from sluice.engine.quantization.device_check import check_device
-from sluice.engine.quantization.int8_cpu import serve_int8_on_cpu
-from sluice.engine.quantization.linears import FusedLinear, Quantizer, _bnb, pack_4bit_for_cpu
+from sluice.engine.quantization.linears import FusedLinear, Quantizer, pack_4bit_for_cpu
 from sluice.engine.quantization.spec import QuantSpec, check_shapes, resolve_spec
 
 __all__ = ["FusedLinear", "QuantSpec", "linear_hook", "pack_4bit_for_cpu", "save_quantized"]
@@ -27,7 +26,4 @@ def linear_hook(config, device: torch.device, dtype: torch.dtype, hf_config: dic
     check_device(spec, device, dtype)
     check_shapes(spec, c, device)
     reader = CheckpointReader(config.model) if spec.prequantized else None
-    if spec.method == "int8" and device.type == "cpu":
-        _bnb()
-        serve_int8_on_cpu()  # no oneDNN primitive per step shape for the outlier columns
     return Quantizer(spec, c, dtype, device, reader)

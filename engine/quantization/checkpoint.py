@@ -12,22 +12,32 @@ from torch import nn
 
 from sluice.engine.models.llama import ModelConfig
 from sluice.engine.models.loader import CheckpointReader, load_model, read_config
+from sluice.engine.quantization.int8_cpu import LLMInt8Linear
 from sluice.engine.quantization.linears import FusedLinear, Quantizer, part_names
 from sluice.engine.quantization.spec import QuantSpec, check_shapes
 
 WEIGHTS = "model.safetensors"
 
 
+def serialized(part: nn.Module) -> dict[str, torch.Tensor]:
+    """A quantized linear's tensors as bitsandbytes serializes them (an LLM.int8() linear: `weight` (CB), `bias`,
+    `SCB` and the `weight_format` marker 0, row-major, that Linear8bitLt writes beside them)."""
+    state = {k: v.contiguous() for k, v in part.state_dict().items()}
+    if isinstance(part, LLMInt8Linear):
+        state["weight_format"] = torch.tensor(0, dtype=torch.uint8)
+    return state
+
+
 def quantized_linears(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
-    """bitsandbytes' own serialized state of every quantized linear, by the checkpoint's linear name."""
+    """bitsandbytes' serialized state of every quantized linear, by the checkpoint's linear name."""
     out: dict[str, dict[str, torch.Tensor]] = {}
     for i, layer in enumerate(model.layers):
         for name, mod in layer.named_modules():
-            if ".parts." in name or not isinstance(mod, FusedLinear | nn.Linear):
+            if ".parts." in name or not isinstance(mod, FusedLinear | nn.Linear | LLMInt8Linear):
                 continue
             parts = mod.parts if isinstance(mod, FusedLinear) else [mod]
             for hf_name, part in zip(part_names(f"model.layers.{i}.{name}"), parts, strict=True):
-                out[hf_name] = {k: v.contiguous() for k, v in part.state_dict().items()}
+                out[hf_name] = serialized(part)
     return out
 
 

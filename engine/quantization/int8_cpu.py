@@ -1,45 +1,65 @@
-"""bitsandbytes' LLM.int8() product on CPU without a oneDNN primitive per activation shape.
+"""LLM.int8() linears on CPU without bitsandbytes: bitsandbytes' Linear8bitLt (inference) computed by our kernels.
 
-Its default `int8_mixed_scaled_mm` adds the outlier columns back by a bf16/fp16 `addmm` of [M, k] by [k, N],
-with M the step's token count and k the number of columns holding an outlier in this step's activations, both
-different nearly every call. oneDNN builds (JIT) and caches one matmul primitive per shape: each costs
-milliseconds to make and its AMX/AVX-512 kernels stay resident in the primitive cache (up to 1024 of them), so a
-worker that served one batch of mixed lengths kept hundreds of MiB more than bf16 and spent most of its prefill
-making primitives. Here that one product runs in float32 (the BLAS GEMM: no per-shape state kept), with the
-same inputs (the outlier weight columns dequantized and rounded to the activations' dtype, as bitsandbytes
-does) and the same single rounding of `output + subA @ subB` to the activations' dtype; the int8 product and its
-dequantization are bitsandbytes' own ops.
+The stored tensors are bitsandbytes' (int8 rows `weight` = CB [out, in], fp32 row absmax `SCB` [out]), and so is
+the arithmetic, step by step as its CPU path runs it: the activations quantized per row as
+`int8_vectorwise_quant(x.half(), threshold)` does (kernels.int8_weights.bnb_int8_act: outlier values zeroed, the
+columns holding one zeroed where there are several rows), their exact int32 product with CB (our VNNI kernel
+where it builds; the same sums as torch._int_mm), rescaled as `int8_mm_dequant` does (int32 * (row absmax *
+SCB) * 1/127², plus bias, in fp32, rounded once to the activations' dtype: one C++ pass for bf16), then the
+outlier columns' product added back. That one runs in float32 (the BLAS GEMM: no per-shape state kept) where
+bitsandbytes' default kernel calls a bf16/fp16 `addmm`, for which oneDNN JIT-builds and caches one primitive per
+[tokens, outlier columns] shape (milliseconds each, and hundreds of MiB resident after one batch of mixed
+lengths); its inputs are bitsandbytes' (the outlier weight columns dequantized and rounded to the activations'
+dtype) and so is the single rounding of `output + subA @ subB` to that dtype. On other devices bitsandbytes' own
+module serves.
 """
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
-_LIBRARY: list = []  # the torch.library registration, once made (kept alive for the process)
+from sluice.kernels import int8_weights
 
-
-def _mixed_scaled_mm(A: torch.Tensor, CA: torch.Tensor, CB: torch.Tensor, SCA: torch.Tensor, SCB: torch.Tensor,
-                     outlier_cols: torch.Tensor | None = None,
-                     bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """bitsandbytes::int8_mixed_scaled_mm on CPU: the int8 product plus the outlier columns' in float32."""
-    ops = torch.ops.bitsandbytes
-    output = ops.int8_scaled_mm.default(CA, CB, SCA, SCB, bias=bias, dtype=A.dtype)
-    if outlier_cols is None or not outlier_cols.numel():
-        return output, torch.empty(0, device=A.device, dtype=A.dtype)
-    subA = A[:, outlier_cols].contiguous()
-    subB = ops.int8_vectorwise_dequant.default(CB[:, outlier_cols].contiguous(), SCB).to(A.dtype)
-    summed = output.float().addmm_(subA.float(), subB.float().t())
-    return summed.to(A.dtype), subA
+INV_127 = 7.874015718698502e-3  # bitsandbytes' int8_vectorwise_dequant factor
 
 
-def serve_int8_on_cpu() -> bool:
-    """Register the CPU kernel above for bitsandbytes::int8_mixed_scaled_mm (once per process; bitsandbytes must
-    be imported); False where this bitsandbytes has no such op."""
-    if _LIBRARY:
-        return True
-    if not hasattr(torch.ops.bitsandbytes, "int8_mixed_scaled_mm"):
-        return False
-    lib = torch.library.Library("bitsandbytes", "IMPL")
-    lib.impl("int8_mixed_scaled_mm", _mixed_scaled_mm, "CPU")
-    _LIBRARY.append(lib)
-    return True
+class LLMInt8Linear(nn.Module):
+    """bitsandbytes' Linear8bitLt (LLM.int8(), no fp16 weights) on CPU: int8 rows `weight` [out, in] with fp32 row
+    absmax `SCB` [out]; activation columns with a value of magnitude >= `threshold` in higher precision."""
+
+    def __init__(self, cb: torch.Tensor, scb: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
+                 threshold: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(cb, requires_grad=False)
+        self.register_buffer("SCB", scb)
+        self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
+        self.threshold = threshold
+        # what our VNNI int8 product subtracts per weight row, computed once here (not saved)
+        self.register_buffer("comp", int8_weights.vnni_comp(cb), persistent=False)
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        y = llm_int8_linear(rows, self.weight, self.SCB, self.bias, self.threshold, self.comp)
+        return y.view(*x.shape[:-1], self.weight.shape[0])
+
+
+def llm_int8_linear(rows: torch.Tensor, cb: torch.Tensor, scb: torch.Tensor, bias: torch.Tensor | None,
+                    threshold: float, comp: torch.Tensor | None = None) -> torch.Tensor:
+    """rows [M, in] times the LLM.int8() weight (cb [out, in] int8, scb [out] fp32), plus bias: bitsandbytes'
+    Linear8bitLt forward on CPU, in rows' dtype."""
+    ca, sca, cols = int8_weights.bnb_int8_act(rows, threshold)
+    out = int8_weights.bnb_int8_dequant(int8_weights.exact_int8_mm(ca, cb, comp), sca, scb, bias, rows.dtype)
+    if cols is None or not cols.numel():
+        return out
+    sub_a = rows[:, cols]
+    sub_b = (cb[:, cols].float() * scb.view(-1, 1) * INV_127).to(rows.dtype)
+    return out.float().addmm_(sub_a.float(), sub_b.float().t()).to(rows.dtype)

@@ -1,4 +1,5 @@
-"""Bitsandbytes linears built from loaded weights (quantize while loading) or from pre-quantized tensors."""
+"""LLM.int8() and bitsandbytes 4-bit linears, built from loaded weights (quantize while loading) or from
+pre-quantized tensors."""
 
 from __future__ import annotations
 
@@ -7,8 +8,6 @@ import ctypes
 import functools
 import itertools
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -17,6 +16,7 @@ from torch import nn
 from sluice import kernels
 from sluice.engine.models.llama import LlamaModel, ModelConfig
 from sluice.engine.models.loader import CheckpointReader
+from sluice.engine.quantization.int8_cpu import LLMInt8Linear
 from sluice.engine.quantization.spec import BLOCKSIZE, CPU_INT4_ROWS, INT4_WEIGHT_ONLY, WEIGHT_ONLY, QuantSpec
 from sluice.kernels import decode_stack, int4_weights, int8_weights
 
@@ -24,73 +24,14 @@ QUIET = ("bitsandbytes.backends.cpu.ops", "bitsandbytes.autograd._functions")  #
 
 
 def _bnb():
+    """bitsandbytes, imported where a linear needs it (CUDA; 4-bit), its per-call cast notices quieted."""
     import logging
+
+    import bitsandbytes
 
     for name in QUIET:
         logging.getLogger(name).setLevel(logging.ERROR)
-    if "bitsandbytes" not in sys.modules:
-        with _compile_on_first_call(), _dynamo_on_first_trace():
-            import bitsandbytes  # noqa: F401
-    return sys.modules["bitsandbytes"]
-
-
-@contextmanager
-def _compile_on_first_call() -> Iterator[None]:
-    """torch.compile that compiles at the first call, for bitsandbytes' import: it wraps its default-backend
-    ops in torch.compile there, which imports dynamo and inductor (seconds of every quantized worker's start: docs/benchmarks.md) for
-    ops compiled only when first called anyway, if ever (the CPU backend serves them); nothing else changes."""
-    real = torch.compile
-
-    def lazy(fn=None, **options):
-        if fn is None:
-            return lambda f: lazy(f, **options)
-        compiled = None
-
-        @functools.wraps(fn)
-        def call(*args, **kwargs):
-            nonlocal compiled
-            compiled = compiled or real(fn, **options)
-            return compiled(*args, **kwargs)
-
-        return call
-
-    torch.compile = lazy
-    try:
-        yield
-    finally:
-        torch.compile = real
-
-
-@contextmanager
-def _dynamo_on_first_trace() -> Iterator[None]:
-    """torch._disable_dynamo that imports dynamo only once something has: bitsandbytes registers its CPU kernels
-    through torch.library.register_kernel, which wraps each in torch._disable_dynamo, whose first call imports
-    torch._dynamo (a share of every bitsandbytes worker's start, at its first quantized matmul). Nothing can be
-    tracing while dynamo is not imported, so until then the kernel is called as it is; after, dynamo's own
-    disable wraps it, as torch's would have."""
-    real = torch._disable_dynamo
-
-    def lazy(fn=None, recursive: bool = True):
-        if fn is None:
-            return functools.partial(lazy, recursive=recursive)
-        disabled = None
-
-        @functools.wraps(fn)
-        def call(*args, **kwargs):
-            nonlocal disabled
-            if disabled is None:
-                if "torch._dynamo" not in sys.modules:
-                    return fn(*args, **kwargs)
-                disabled = sys.modules["torch._dynamo"].disable(fn, recursive, wrapping=False)
-            return disabled(*args, **kwargs)
-
-        return call
-
-    torch._disable_dynamo = lazy
-    try:
-        yield
-    finally:
-        torch._disable_dynamo = real
+    return bitsandbytes
 
 
 class FusedLinear(nn.Module):
@@ -109,7 +50,10 @@ def _bias(bias: torch.Tensor | None, dtype: torch.dtype) -> nn.Parameter | None:
 
 
 def int8_linear(spec: QuantSpec, cb: torch.Tensor, scb: torch.Tensor, bias, dtype) -> nn.Module:
-    """Linear8bitLt over int8 rows `cb` [out, in] with fp32 row scales `scb`."""
+    """LLM.int8() linear over int8 rows `cb` [out, in] with fp32 row scales `scb`: ours on CPU (bitsandbytes'
+    Linear8bitLt arithmetic, without bitsandbytes), bitsandbytes' Linear8bitLt elsewhere."""
+    if cb.device.type == "cpu":
+        return LLMInt8Linear(cb, scb, bias, dtype, spec.threshold)
     bnb = _bnb()
     out_f, in_f = cb.shape
     mod = bnb.nn.Linear8bitLt(in_f, out_f, bias=bias is not None, has_fp16_weights=False,
@@ -117,6 +61,14 @@ def int8_linear(spec: QuantSpec, cb: torch.Tensor, scb: torch.Tensor, bias, dtyp
     mod.weight = bnb.nn.Int8Params(cb, requires_grad=False, has_fp16_weights=False, CB=cb, SCB=scb)
     mod.bias = _bias(bias, dtype)
     return mod
+
+
+def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """CB and SCB of a weight [out, in] as bitsandbytes' int8_vectorwise_quant gives them for its fp16 copy: on CPU
+    ours (the same bits: tests/test_quant_kernels.py), elsewhere bitsandbytes' own."""
+    if weight.device.type != "cpu":
+        return _bnb().functional.int8_vectorwise_quant(weight.to(torch.float16))[:2]
+    return int8_weights.bnb_int8_rows(weight) or int8_weights.bnb_int8_act(weight, 0.0)[:2]
 
 
 def int4_linear(spec: QuantSpec, packed: torch.Tensor, quant_state, bias, dtype) -> nn.Module:
@@ -266,12 +218,10 @@ WEIGHT_ONLY_LINEARS = {WEIGHT_ONLY: Int8WeightOnlyLinear, INT4_WEIGHT_ONLY: Int4
 
 
 def quantized_linear(spec: QuantSpec, weight: torch.Tensor, bias: torch.Tensor | None, dtype) -> nn.Module:
-    """Quantize one weight [out, in] (already on its device) into the spec's bitsandbytes linear."""
-    F = _bnb().functional
-    if spec.method == "int8":  # bitsandbytes' own quantization, or the same bits in one pass on CPU
-        ours = int8_weights.bnb_int8_rows(weight) if weight.device.type == "cpu" and _rows_match_bnb() else None
-        cb, scb = ours or F.int8_vectorwise_quant(weight.to(torch.float16))[:2]
-        return int8_linear(spec, cb, scb, bias, dtype)
+    """Quantize one weight [out, in] (already on its device) into the spec's LLM.int8() or bitsandbytes 4-bit
+    linear."""
+    if spec.method == "int8":
+        return int8_linear(spec, *int8_rows(weight), bias, dtype)
     n_out, n_in = weight.shape
     pads = (-n_in % BLOCKSIZE, -n_out % CPU_INT4_ROWS) if weight.device.type == "cpu" else (0, 0)
     if any(pads):  # bitsandbytes' CPU kernel packs whole blocks of 32 rows x 64 columns (MoE experts' widths vary)
@@ -301,19 +251,6 @@ class ZeroPadded(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.inner(nn.functional.pad(x, (0, self.pad)) if self.pad else x)
         return y if y.shape[-1] == self.out_features else y[..., : self.out_features]
-
-
-@functools.cache
-def _rows_match_bnb() -> bool:
-    """Whether our one-pass int8 row quantization gives this bitsandbytes' own bits, checked once per process on
-    a probe weight with ties at x.5 among its values; another bitsandbytes version that quantizes
-    otherwise gets its own op."""
-    w = (torch.randn(64, 2048, generator=torch.Generator().manual_seed(0)) * 3).to(torch.bfloat16)
-    ours = int8_weights.bnb_int8_rows(w)
-    if ours is None:
-        return False
-    want = _bnb().functional.int8_vectorwise_quant(w.to(torch.float16))
-    return torch.equal(ours[0], want[0]) and torch.equal(ours[1], want[1])
 
 
 @functools.cache

@@ -226,6 +226,65 @@ std::vector<torch::Tensor> bnb_int8_rows(torch::Tensor w) {
 }
 
 
+// Activation rows [M, K] quantized exactly as bitsandbytes' int8_vectorwise_quant(x.half(), threshold) (LLM.int8()):
+// each value rounded to fp16 and back; with threshold > 0, values whose magnitude reaches it (compared in fp16)
+// are outliers, zeroed before the row's absmax and coded 0, and where M > 1 every column holding one codes 0 in
+// every row; codes round(v * bnb_factor(absmax)) to nearest even (0 where that is NaN). Returns (codes int8
+// [M, K], row absmax fp32 [M], the outlier columns int64 ascending, empty where none or threshold is 0).
+std::vector<torch::Tensor> bnb_int8_act(torch::Tensor x, double threshold) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(), "bnb_int8_act: a contiguous CPU [M, K]");
+  const int64_t M = x.size(0), K = x.size(1);
+  auto cb = torch::empty({M, K}, x.options().dtype(torch::kInt8));
+  auto scb = torch::empty({M}, x.options().dtype(torch::kFloat32));
+  const float thr = threshold > 0 ? static_cast<float>(static_cast<at::Half>(static_cast<float>(threshold))) : 0.f;
+  std::vector<uint16_t> cols((K + 15) / 16, 0);  // a bit per outlier column
+  int8_t* q = cb.data_ptr<int8_t>();
+  float* s = scb.data_ptr<float>();
+  if (!bnb_int8_act_tier(x, thr, M > 1, q, s, cols)) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "bnb_int8_act", [&] {
+      const scalar_t* src = x.data_ptr<scalar_t>();
+      auto half = [&](int64_t i) { return static_cast<float>(static_cast<at::Half>(static_cast<float>(src[i]))); };
+      auto outlier = [&](float v) { return thr > 0.f && std::abs(v) >= thr; };
+      for (int64_t i = 0; i < M * K; ++i)
+        if (outlier(half(i))) cols[(i % K) / 16] |= static_cast<uint16_t>(1u << (i % K % 16));
+      for (int64_t m = 0; m < M; ++m) {
+        float amax = 0.f;
+        for (int64_t k = 0; k < K; ++k) amax = std::max(amax, outlier(half(m * K + k)) ? 0.f : std::abs(half(m * K + k)));
+        s[m] = amax;
+        const float f = bnb_factor(amax);
+        for (int64_t k = 0; k < K; ++k) {
+          const float h = half(m * K + k);
+          const float v = std::nearbyint((outlier(h) ? 0.f : h) * f);
+          const bool col = M > 1 && (cols[k / 16] >> (k % 16) & 1);
+          q[m * K + k] = std::isnan(v) || col ? 0 : static_cast<int8_t>(v);
+        }
+      }
+    });
+  }
+  std::vector<int64_t> idx;
+  for (int64_t k = 0; k < K; ++k)
+    if (cols[k / 16] >> (k % 16) & 1) idx.push_back(k);
+  auto out = torch::empty({static_cast<int64_t>(idx.size())}, x.options().dtype(torch::kInt64));
+  std::copy(idx.begin(), idx.end(), out.data_ptr<int64_t>());
+  return {cb, scb, out};
+}
+
+// bitsandbytes' int8_mm_dequant of acc [M, N] int32 with row absmax [M] and SCB [N] (fp32), plus bias, into bf16,
+// bit for bit (the tier's lanes); None where the tier has no such pass (the caller runs bitsandbytes' torch ops).
+c10::optional<torch::Tensor> bnb_int8_dequant(torch::Tensor acc, torch::Tensor row, torch::Tensor col,
+                                              c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(acc.dim() == 2 && acc.is_contiguous() && acc.scalar_type() == at::kInt, "acc: contiguous int32 [M, N]");
+  TORCH_CHECK(row.numel() == acc.size(0) && col.numel() == acc.size(1) && row.scalar_type() == at::kFloat &&
+              col.scalar_type() == at::kFloat, "bnb_int8_dequant: fp32 row [M] and col [N] scales");
+  auto r = row.contiguous(), c = col.contiguous();
+  torch::Tensor b = bias.has_value() ? bias->contiguous().to(at::kBFloat16) : torch::Tensor();
+  auto y = torch::empty(acc.sizes(), acc.options().dtype(at::kBFloat16));
+  if (!bnb_dequant_tier(acc, r.data_ptr<float>(), c.data_ptr<float>(),
+                        b.defined() ? b.data_ptr<at::BFloat16>() : nullptr, y))
+    return c10::nullopt;
+  return y;
+}
+
 // x (flattened) in blocks of `blocksize` values (the last may be short) quantized to 4-bit codes exactly as
 // bitsandbytes' default quantize_4bit does with torch ops: a full block's values times the reciprocal of its
 // absmax (at least 1e-38), a short last block's divided by its absmax, clamped to [-1, 1]; the code is the number
@@ -463,6 +522,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_rows", &quantize_rows, "per-row absmax int8 quantization (CPU)");
   m.def("bnb_4bit_blocks", &bnb_4bit_blocks, "blocks as bitsandbytes' default quantize_4bit codes them (CPU)",
         py::arg("x"), py::arg("blocksize"), py::arg("bounds"), py::arg("order") = py::none());
+  m.def("bnb_int8_dequant", &bnb_int8_dequant, "bitsandbytes' int8_mm_dequant (+ bias) into bf16 (CPU), or None",
+        py::arg("acc"), py::arg("row"), py::arg("col"), py::arg("bias") = py::none());
+  m.def("bnb_int8_act", &bnb_int8_act, "activation rows as bitsandbytes' int8_vectorwise_quant(x.half(), threshold) (CPU)",
+        py::arg("x"), py::arg("threshold"));
   m.def("bnb_int8_rows", &bnb_int8_rows, "weight rows as bitsandbytes' int8_vectorwise_quant gives an fp16 copy (CPU)");
   m.def("int8_rescale", &int8_rescale, "int32 matmul result times row and column scales, plus bias (CPU)");
   m.attr("VNNI") = vnni_supported();

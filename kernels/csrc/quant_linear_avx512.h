@@ -97,6 +97,49 @@ inline bool bnb_int8_rows_tier(const torch::Tensor& w, int8_t* q, float* s, int6
   return false;
 }
 
+// bnb_int8_act for bf16 rows, 16 values a step (the same fp16 rounding, comparisons, factor and rounding, in
+// lanes): `cols` gets a bit per outlier column (16 a word), then each row's codes with its outliers zeroed, and
+// its outlier columns zeroed where `zero_cols`.
+inline bool bnb_int8_act_tier(const torch::Tensor& x, float thr, bool zero_cols, int8_t* q, float* s,
+                              std::vector<uint16_t>& cols) {
+  if (x.scalar_type() != at::kBFloat16) return false;
+  const int64_t M = x.size(0), K = x.size(1);
+  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  auto as_half = [](__m512 v) { return _mm512_cvtph_ps(_mm512_cvtps_ph(v, kNearest)); };
+  const at::BFloat16* src = x.data_ptr<at::BFloat16>();
+  const __m512 t = _mm512_set1_ps(thr);
+  const bool split = thr > 0.f;
+  auto outliers = [&](const at::BFloat16* p, __mmask16 mask) -> __mmask16 {
+    return split ? _mm512_mask_cmp_ps_mask(mask, _mm512_abs_ps(as_half(sluice_load_bf16(p, mask))), t, _CMP_GE_OQ)
+                 : static_cast<__mmask16>(0);
+  };
+  if (split)
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k < K; k += 16) cols[k / 16] |= outliers(src + m * K + k, sluice_tail16(K - k));
+  at::parallel_for(0, M, std::max<int64_t>(1, at::internal::GRAIN_SIZE / K), [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const at::BFloat16* row = src + m * K;
+      __m512 amax = _mm512_setzero_ps();
+      for (int64_t k = 0; k < K; k += 16) {
+        const __mmask16 mask = sluice_tail16(K - k);
+        const __mmask16 keep = mask & ~outliers(row + k, mask);
+        amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_maskz_mov_ps(keep, as_half(sluice_load_bf16(row + k, mask)))));
+      }
+      const float a = _mm512_reduce_max_ps(amax);
+      s[m] = a;
+      const __m512 f = _mm512_set1_ps(bnb_factor(a));
+      for (int64_t k = 0; k < K; k += 16) {  // cvtps_epi32 rounds to even; a NaN lane becomes INT_MIN, byte 0
+        const __mmask16 mask = sluice_tail16(K - k);
+        const __mmask16 keep = mask & ~outliers(row + k, mask) & (zero_cols ? ~cols[k / 16] : 0xFFFF);
+        const __m512 h = _mm512_maskz_mov_ps(keep, as_half(sluice_load_bf16(row + k, mask)));
+        const __m512i v = _mm512_maskz_mov_epi32(keep, _mm512_cvtps_epi32(_mm512_mul_ps(h, f)));
+        _mm_mask_storeu_epi8(q + m * K + k, mask, _mm512_cvtepi32_epi8(v));
+      }
+    }
+  });
+  return true;
+}
+
 // bnb_4bit_blocks' codes of a full block, 16 values at a time (the same comparisons and clamp, in lanes): the
 // count of bounds below each value, mapped, two codes a byte. Returns the values done (len rounded down to 16).
 template <typename T>
@@ -161,6 +204,35 @@ inline bool int8_rescale_tier(const torch::Tensor& acc, const torch::Tensor& rs,
     return true;
   }
   return false;
+}
+
+// bitsandbytes' int8_mm_dequant of acc [M, N] into bf16: acc * (row[m] * col[n]) * 6.200124e-05, + bias, each
+// an fp32 rounding in torch's order (an empty asm between the steps: under this file's fast-math flags the compiler
+// may otherwise reassociate or fuse them), then to bf16, nearest even; false for another output dtype.
+inline bool bnb_dequant_tier(const torch::Tensor& acc, const float* r, const float* c, const at::BFloat16* bp,
+                             torch::Tensor& y) {
+  if (y.scalar_type() != at::kBFloat16) return false;
+  const int64_t M = acc.size(0), N = acc.size(1);
+  const int32_t* a = acc.data_ptr<int32_t>();
+  at::BFloat16* out = y.data_ptr<at::BFloat16>();
+  const __m512 k = _mm512_set1_ps(6.200124e-05f);
+  at::parallel_for(0, M, std::max<int64_t>(1, at::internal::GRAIN_SIZE / N), [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const __m512 rm = _mm512_set1_ps(r[m]);
+      for (int64_t n = 0; n < N; n += 16) {
+        const __mmask16 mask = sluice_tail16(N - n);
+        __m512 t = _mm512_mul_ps(rm, _mm512_maskz_loadu_ps(mask, c + n));
+        asm("" : "+v"(t));
+        __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(mask, a + m * N + n)), t);
+        asm("" : "+v"(v));
+        v = _mm512_mul_ps(v, k);
+        asm("" : "+v"(v));
+        if (bp != nullptr) v = _mm512_add_ps(v, sluice_load_bf16(bp + n, mask));
+        _mm256_mask_storeu_epi16(out + m * N + n, mask, _mm512_cvtepi32_epi16(sluice_round_bf16(v)));
+      }
+    }
+  });
+  return true;
 }
 
 constexpr int64_t kVnniBlock = 32;  // output rows per parallel task (a multiple of every W)

@@ -10,6 +10,12 @@ inline bool dequant_block64_tier(const Int4Layout&, int64_t, int64_t, int64_t, c
 }
 inline bool quantize_rows_tier(const torch::Tensor&, int8_t*, float*) { return false; }
 inline bool bnb_int8_rows_tier(const torch::Tensor&, int8_t*, float*, int64_t) { return false; }
+inline bool bnb_dequant_tier(const torch::Tensor&, const float*, const float*, const at::BFloat16*, torch::Tensor&) {
+  return false;
+}
+inline bool bnb_int8_act_tier(const torch::Tensor&, float, bool, int8_t*, float*, std::vector<uint16_t>&) {
+  return false;
+}
 template <typename T>
 inline int64_t bnb_4bit_codes_tier(const T*, int64_t, float, const float*, const uint8_t*, uint8_t*) { return 0; }
 inline bool int8_rescale_tier(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
