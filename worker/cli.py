@@ -15,7 +15,7 @@ import typer
 from sluice.contract.jobs import QUEUES
 from sluice.contract.logs import configure as configure_logging
 from sluice.contract.settings import Settings, get_settings, stay_off_the_hub
-from sluice.engine import LLM
+from sluice.engine import LLM, weight_reserve
 from sluice.worker import collector, engine_flags
 from sluice.worker.background import supervised
 from sluice.worker.metrics import become_ready, start_metrics
@@ -52,7 +52,10 @@ def start(
         raise typer.BadParameter("give --model or set SLUICE_MODEL", param_hint="--model")
     configure_logging(log_format)
     metrics = start_metrics(metrics_port, model)
-    llm = LLM(model, **engine_args)
+    try:
+        llm = LLM(model, **engine_args)
+    finally:
+        weight_reserve.discard()  # the arena reserved at the start, if the load did not take it
     connection = redis.Redis.from_url(redis_url or settings.redis_url)
     become_ready(metrics, llm, connection)
     ttl = heartbeat_ttl or settings.heartbeat_ttl
