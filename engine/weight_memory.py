@@ -75,6 +75,8 @@ class WeightArena:
             return 0
         released = self.reservation.finish(self.used)
         self.prefaulted, self.reservation = self.reservation.faulted, None
+        log.info("weight arena: %d MB written, %d MB of it faulted in ahead at the start", self.used >> 20,
+                 min(self.prefaulted, self.used) >> 20)
         return released
 
     def data_ptr(self) -> int:

@@ -52,10 +52,7 @@ def start(
         raise typer.BadParameter("give --model or set SLUICE_MODEL", param_hint="--model")
     configure_logging(log_format)
     metrics = start_metrics(metrics_port, model)
-    try:
-        llm = LLM(model, **engine_args)
-    finally:
-        weight_reserve.discard()  # the arena reserved at the start, if the load did not take it
+    llm = load(model, engine_args)
     connection = redis.Redis.from_url(redis_url or settings.redis_url)
     become_ready(metrics, llm, connection)
     ttl = heartbeat_ttl or settings.heartbeat_ttl
@@ -69,6 +66,15 @@ def start(
         w.work(burst=burst)
     finally:
         stop.set()
+
+
+def load(model: str, engine_args: dict[str, Any]) -> LLM:
+    """The engine on `model`; the weight arena reserved at the process's start (worker.prefetch.reserve_for) is
+    unmapped afterwards if the load did not take it."""
+    try:
+        return LLM(model, **engine_args)
+    finally:
+        weight_reserve.discard()
 
 
 def deliver_webhooks(connection: redis.Redis, settings: Settings, stop: threading.Event) -> None:
