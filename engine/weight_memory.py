@@ -68,9 +68,10 @@ class WeightArena:
         self.used += _slot(nbytes)
         return self._bytes[at : at + nbytes].view(dtype).view(shape)
 
-    def loaded(self) -> int:
-        """Call once the load has written the arena: a reservation stops faulting in and hands back its pages past
-        `used` (none is kept unwritten); returns the bytes handed back."""
+    def finish_reservation(self) -> int:
+        """Once everything is in the arena (`settle` calls it: the loader's reads and the engine's adoptions done),
+        a reservation stops faulting in and hands back its pages past `used` (none is kept unwritten); returns the
+        bytes handed back."""
         if self.reservation is None:
             return 0
         released = self.reservation.finish(self.used)
@@ -116,6 +117,7 @@ class WeightArena:
     def settle(self, background: bool = True) -> None:
         """Ask for huge pages over the written part of the arena: MADV_HUGEPAGE, then MADV_COLLAPSE (in a
         daemon thread unless `background` is False). `settled` is set when done."""
+        self.finish_reservation()
         end = (self._start + self.used) // HUGE_PAGE * HUGE_PAGE
         if sys.platform != "linux" or end <= self._start:
             self.settled.set()

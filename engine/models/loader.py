@@ -318,7 +318,6 @@ def load_model(
     model.rope = RotaryEmbedding(config.head_dim, max_positions, config.rope).to(device)
     if arena is not None:
         arena.adopt(model)
-        arena.loaded()
         model.weight_arena = arena  # for its owner to settle once it runs
     return model.eval()
 
