@@ -62,6 +62,27 @@ print(json.dumps({"ready": ready - started(), "cpu": ready_cpu, "first": first -
 """
 # The same offline start without the worker's collector pause: what its imports cost before (for comparison).
 UNPAUSED = FIRST.replace("collector.pause()\n", "").replace("collector.resume()\n", "")
+# The 1 GB load alone, process start → weights loaded, the arena's ways compared: `copy` (a fresh arena: the reader
+# threads fault its pages in), `reserved` (engine.weight_reserve before `import torch`: faulted in meanwhile, as the
+# worker does), `reserved-after` (the same made after the import: the faults not overlapped), `mmap` (the file's
+# pages mapped where the stored bytes serve; the fused projections copied).
+LOAD = START + """import json, sys
+mode = sys.argv[2]
+if mode == "reserved":
+    from sluice.engine import weight_reserve
+    weight_reserve.reserve(sys.argv[1], 2, 1 << 40)
+import torch
+imported = time.time()
+if mode == "reserved-after":
+    from sluice.engine import weight_reserve
+    weight_reserve.reserve(sys.argv[1], 2, 1 << 40)._thread.join()
+from sluice.engine.models.loader import load_model
+begun = time.time()
+model = load_model(sys.argv[1], torch.bfloat16, torch.device("cpu"), 64, weight_loading="mmap" if mode == "mmap" else "copy")
+done = time.time()
+print(json.dumps({"imported": imported - started(), "load": done - begun, "loaded": done - started(), "cpu": cpu()}))
+"""
+LOADS = ("copy", "reserved", "reserved-after", "mmap")
 READY = re.compile(r"ready in ([0-9.]+) s")
 NOTES = """
 
@@ -237,27 +258,21 @@ def with_baseline(variants: list[tuple[str, Path, str]], ref: str) -> list[tuple
     return [v for name, model, _ in variants for v in ((name, model, ""), (f"{name} [{ref}]", model, base))]
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--layers", type=int, default=12)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--cold", action="store_true", help="Drop the page cache before each read and start.")
-    p.add_argument("--no-record", action="store_true")
-    p.add_argument("--variants", default="tiny,bf16,int8,int4", help="Which starts to measure (comma-separated; tiny-unpaused: the "
-                   "offline start of the bundled model without the collector pause).")
-    p.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS of the measured processes (0: unset).")
-    p.add_argument("--baseline", default="", help="A git commit whose code starts too, alternated with this one's.")
-    args = p.parse_args()
-    bf16 = checkpoint(args.hidden, args.layers)
-    every = {"tiny": ("sluice-tiny (bundled)", lambda: TINY), "bf16": ("bf16", lambda: bf16),
-             "int8": ("int8, pre-quantized", lambda: prequantized(bf16, "int8")),
-             "int4": ("int4 (NF4), pre-quantized", lambda: prequantized(bf16, "int4"))}
-    every["tiny-unpaused"] = ("sluice-tiny" + UNPAUSED_ROW, lambda: TINY)
-    variants = with_baseline([(every[k][0], every[k][1](), "") for k in args.variants.split(",")], args.baseline)
-    if args.threads:
-        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the children's (this process has imported torch)
-    best = measure(variants, args.rounds, args.cold)
+def measure_loads(model: Path, rounds: int) -> str:
+    """LOAD's ways, alternated in each round (page cache warm): a table of the best of the rounds."""
+    best = {mode: dict.fromkeys(("imported", "load", "loaded", "cpu"), float("inf")) for mode in LOADS}
+    for _ in range(rounds):
+        for mode in LOADS:
+            set_cache(weight_files(model), cold=False)
+            got = json.loads(child(LOAD, str(model), mode))
+            best[mode] = {k: min(v, got[k]) for k, v in best[mode].items()}
+            print(mode, got, flush=True)
+    rows = [[mode, *(f"{b[k]:.2f}" for k in ("imported", "load", "loaded", "cpu"))] for mode, b in best.items()]
+    return table(["arena", "start → torch imported s", "load_model s", "start → loaded s", "CPU s to loaded"], rows)
+
+
+def result_rows(best: dict[str, dict[str, float]], variants: list[tuple[str, Path, str]]) -> list[list[str]]:
+    """The table's rows: import torch, then each variant's best against its target."""
     torch_s, torch_cpu = best["torch"]["ready"], best["torch"]["cpu"]
     rows = [["import torch", "-", "-", f"{torch_s:.2f}", "-", "-", f"{torch_cpu:.2f}", "-", "-", "-"]]
     for name, model, _ in variants:
@@ -268,6 +283,34 @@ def main() -> None:
         rows.append([name, f"{size:.2f}", f"{b['read']:.2f}", *worker,
                      f"{b['offline']:.2f}", f"{b['cpu']:.2f}", f"{b['cpu'] / torch_cpu:.2f}x", f"{b['first']:.3f}",
                      "yes" if b["transformers"] else "no"])
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--cold", action="store_true", help="Drop the page cache before each read and start.")
+    p.add_argument("--no-record", action="store_true")
+    p.add_argument("--variants", default="tiny,bf16,int8,int4", help="Which starts to measure (comma-separated; tiny-unpaused: the "
+                   "offline start of the bundled model without the collector pause).")
+    p.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS of the measured processes (0: unset).")
+    p.add_argument("--loads", action="store_true", help="Only the bf16 load's ways (LOADS), best of the rounds.")
+    p.add_argument("--baseline", default="", help="A git commit whose code starts too, alternated with this one's.")
+    args = p.parse_args()
+    bf16 = checkpoint(args.hidden, args.layers)
+    if args.loads:
+        print(measure_loads(bf16, args.rounds))
+        return
+    every = {"tiny": ("sluice-tiny (bundled)", lambda: TINY), "bf16": ("bf16", lambda: bf16),
+             "int8": ("int8, pre-quantized", lambda: prequantized(bf16, "int8")),
+             "int4": ("int4 (NF4), pre-quantized", lambda: prequantized(bf16, "int4"))}
+    every["tiny-unpaused"] = ("sluice-tiny" + UNPAUSED_ROW, lambda: TINY)
+    variants = with_baseline([(every[k][0], every[k][1](), "") for k in args.variants.split(",")], args.baseline)
+    if args.threads:
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the children's (this process has imported torch)
+    rows = result_rows(measure(variants, args.rounds, args.cold), variants)
     headers = ["checkpoint", "weights GB", "raw read s", "worker start → ready s", "ready / target",
                "offline start → ready s", "CPU s to ready", "CPU vs import torch", "ready → first token s (offline)",
                "transformers imported"]

@@ -31,7 +31,10 @@ log = logging.getLogger(__name__)
 HUGE_PAGE = 2 << 20  # the arena starts on a huge page boundary (engine.weight_memory)
 MADV_DONTNEED, MADV_POPULATE_WRITE = 4, 23  # Linux's values (MADV_POPULATE_WRITE is not in Python's mmap module)
 MAP_ALL_BYTES = 4 << 30  # from this many stored bytes the loader maps the checkpoint (weight_loading auto): no arena
-SPAN = 32 << 20  # bytes faulted a call: `finish` waits for at most one span
+# Bytes faulted a call. A call holds the process's address-space lock (mmap_lock, read side) throughout, and every
+# mmap/mprotect of the importing thread (dlopen of torch's libraries) waits for it to end: short calls keep those
+# waits short (docs/benchmarks.md, cold start, session 5); `finish` waits for at most one.
+SPAN = HUGE_PAGE
 # safetensors dtype → (bytes an element, floating point: kept in the model's dtype)
 DTYPES = {
     "BF16": (2, True), "F16": (2, True), "F32": (4, True), "F64": (8, True), "F8_E4M3": (1, True),
