@@ -7,7 +7,8 @@ in memory, the page cache shared by every worker on the host, as llama.cpp's mma
 checkpoints, other dtypes, parts apart, other devices) is read with positioned reads straight into the storage
 of its final parameter (a fused projection's parts into its rows; a large tensor in spans, one per core, in
 parallel; off CPU, from the map straight to the device); on CPU that storage is one arena that becomes huge
-pages once loaded (engine.weight_memory). The model is built with its random initialisation skipped, so no
+pages once loaded (engine.weight_memory), its map the one the worker reserved and faulted in at its start where
+there is one (engine.weight_reserve). The model is built with its random initialisation skipped, so no
 weight is written twice.
 """
 
