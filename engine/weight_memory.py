@@ -55,7 +55,7 @@ class WeightArena:
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
         self._start = (-self._bytes.data_ptr()) % HUGE_PAGE
         self.capacity, self.used = capacity, 0
-        self.prefaulted = 0  # bytes the reservation had faulted in ahead of the load (`loaded`)
+        self.prefaulted = 0  # bytes the reservation had faulted in ahead (set by `finish_reservation`)
         self.settled = threading.Event()
         self.collapse_nice: int | None = None  # the collapsing thread's nice value, once it runs
 
