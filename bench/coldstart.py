@@ -4,7 +4,11 @@ and its int8 and int4 pre-quantized versions, every start in the same page-cache
 against.
 
 python bench/coldstart.py [--hidden 2048 --layers 12] [--rounds 3] [--cold] [--threads N] [--variants tiny,...]
-    [--no-record]
+    [--baseline REF] [--no-record]
+
+--baseline REF (a git commit) adds, after each variant, the same start with the code of REF (its tree from
+`git archive`, put first on the children's PYTHONPATH), alternated with this checkout's in every round: an A/B of
+old and new code in one run.
 """
 
 from __future__ import annotations
@@ -58,6 +62,27 @@ print(json.dumps({"ready": ready - started(), "cpu": ready_cpu, "first": first -
 """
 # The same offline start without the worker's collector pause: what its imports cost before (for comparison).
 UNPAUSED = FIRST.replace("collector.pause()\n", "").replace("collector.resume()\n", "")
+# The 1 GB load alone, process start → weights loaded, the arena's ways compared: `copy` (a fresh arena: the reader
+# threads fault its pages in), `reserved` (engine.weight_reserve before `import torch`: faulted in meanwhile, as the
+# worker does), `reserved-after` (the same made after the import: the faults not overlapped), `mmap` (the file's
+# pages mapped where the stored bytes serve; the fused projections copied).
+LOAD = START + """import json, sys
+mode = sys.argv[2]
+if mode == "reserved":
+    from sluice.engine import weight_reserve
+    weight_reserve.reserve(sys.argv[1], 2, 1 << 40)
+import torch
+imported = time.time()
+if mode == "reserved-after":
+    from sluice.engine import weight_reserve
+    weight_reserve.reserve(sys.argv[1], 2, 1 << 40)._thread.join()
+from sluice.engine.models.loader import load_model
+begun = time.time()
+model = load_model(sys.argv[1], torch.bfloat16, torch.device("cpu"), 64, weight_loading="mmap" if mode == "mmap" else "copy")
+done = time.time()
+print(json.dumps({"imported": imported - started(), "load": done - begun, "loaded": done - started(), "cpu": cpu()}))
+"""
+LOADS = ("copy", "reserved", "reserved-after", "mmap")
 READY = re.compile(r"ready in ([0-9.]+) s")
 NOTES = """
 
@@ -126,18 +151,35 @@ def prequantized(src: Path, mode: str) -> Path:
     return dst
 
 
-def child(code: str, *args: str) -> str:
-    """Run code in a fresh interpreter outside the checkout; its last line of output."""
-    out = subprocess.run([sys.executable, "-c", code, *args], cwd=tempfile.gettempdir(), env=child_env(),
+def child(code: str, *args: str, path: str = "") -> str:
+    """Run code in a fresh interpreter outside the checkout (`path`: first on its PYTHONPATH); its last line of
+    output."""
+    out = subprocess.run([sys.executable, "-c", code, *args], cwd=tempfile.gettempdir(), env=child_env(path),
                          capture_output=True, text=True, timeout=2400)
     if out.returncode:
         raise RuntimeError(out.stderr[-3000:])
     return out.stdout.strip().splitlines()[-1]
 
 
-def child_env() -> dict[str, str]:
-    """This environment without PYTHON* variables (no checkout on the path)."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+def child_env(path: str = "") -> dict[str, str]:
+    """This environment without PYTHON* variables (no checkout on the path), `path` on PYTHONPATH if given."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    return env | {"PYTHONPATH": path} if path else env
+
+
+def baseline_tree(ref: str) -> str:
+    """The `sluice` package of git commit `ref` as a folder to put first on PYTHONPATH (ahead of the editable
+    install's finder): `git archive` of it, its design folders linked under sluice/ as the install maps them."""
+    root = Path(tempfile.mkdtemp(prefix="sluice-coldstart-base-"))
+    (root / "src").mkdir()
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(root / "src")], input=archive, check=True)
+    package = root / "path" / "sluice"
+    package.mkdir(parents=True)
+    shutil.copy(root / "src" / "sluice" / "__init__.py", package)
+    for folder in ("engine", "kernels", "contract", "producer", "worker", "cli"):
+        (package / folder).symlink_to(root / "src" / folder)
+    return str(root / "path")
 
 
 def redis_server() -> tuple[subprocess.Popen, str]:
@@ -157,12 +199,12 @@ def redis_server() -> tuple[subprocess.Popen, str]:
     raise RuntimeError("redis-server did not start")
 
 
-def worker_ready(model: Path, redis_url: str) -> float:
+def worker_ready(model: Path, redis_url: str, path: str = "") -> float:
     """A real `python -m sluice.worker --burst` on model (bf16, CPU, empty queues): the seconds from its process
     start to ready that it logs (its time-to-ready gauge: imported, loaded, warmed up, announced)."""
     cmd = [sys.executable, "-m", "sluice.worker", "--model", str(model), "--dtype", "bfloat16", "--device", "cpu",
            "--burst", "--no-webhooks", "--redis-url", redis_url]
-    out = subprocess.run(cmd, cwd=tempfile.gettempdir(), env=child_env(), capture_output=True, text=True,
+    out = subprocess.run(cmd, cwd=tempfile.gettempdir(), env=child_env(path), capture_output=True, text=True,
                          timeout=2400)
     found = READY.search(out.stdout + out.stderr)
     if out.returncode or found is None:
@@ -170,11 +212,11 @@ def worker_ready(model: Path, redis_url: str) -> float:
     return float(found.group(1))
 
 
-def measure(variants: list[tuple[str, Path]], rounds: int, cold: bool) -> dict[str, dict[str, float]]:
-    """Best of the rounds of import torch (key 'torch') and, per variant, raw read, the worker's ready, and the
-    offline start's ready and first token."""
+def measure(variants: list[tuple[str, Path, str]], rounds: int, cold: bool) -> dict[str, dict[str, float]]:
+    """Best of the rounds of import torch (key 'torch') and, per variant (name, checkpoint, PYTHONPATH of its
+    code), raw read, the worker's ready, and the offline start's ready and first token."""
     best: dict[str, dict[str, float]] = {"torch": {"ready": float("inf"), "cpu": float("inf")}}
-    for name, _ in variants:
+    for name, _, _ in variants:
         best[name] = {k: float("inf") for k in ("read", "ready", "offline", "cpu", "first")}
     server, url = redis_server()
     try:
@@ -182,30 +224,66 @@ def measure(variants: list[tuple[str, Path]], rounds: int, cold: bool) -> dict[s
         for _ in range(rounds):
             got = json.loads(child(TORCH))
             best["torch"] = {k: min(v, got[k]) for k, v in best["torch"].items()}
-            for name, model in variants:
-                _round(best[name], model, cold, url, paused=not name.endswith(UNPAUSED_ROW))
+            for name, model, path in variants:
+                _round(best[name], model, cold, url, paused=not name.endswith(UNPAUSED_ROW), path=path)
     finally:
         server.terminate()
         server.wait(10)
     return best
 
 
-def _round(row: dict, model: Path, cold: bool, url: str, paused: bool = True) -> None:
+def _round(row: dict, model: Path, cold: bool, url: str, paused: bool = True, path: str = "") -> None:
     """One round of one checkpoint: raw read, the worker's start, the offline start; each after set_cache
     (`paused` False: the offline start alone, without the collector pause; no worker start)."""
     files = weight_files(model)
     set_cache(files, cold)
     read = raw_read(files)
     set_cache(files, cold)
-    ready = worker_ready(model, url) if paused else float("nan")
+    ready = worker_ready(model, url, path) if paused else float("nan")
     set_cache(files, cold)
-    got = json.loads(child(FIRST if paused else UNPAUSED, str(model)))
+    got = json.loads(child(FIRST if paused else UNPAUSED, str(model), path=path))
     for key, value in (("read", read), ("ready", ready), ("offline", got["ready"]), ("cpu", got["cpu"]),
                        ("first", got["first"])):
         row[key] = min(row[key], value)
     row["transformers"] = got["transformers"]
-    print(f"{model.name}: read {read:.2f} s, worker ready {ready:.2f} s, offline ready {got['ready']:.2f} s, "
+    print(f"{model.name}{' (baseline)' if path else ''}: read {read:.2f} s, worker ready {ready:.2f} s, offline ready {got['ready']:.2f} s, "
           f"first token +{got['first']:.3f} s", flush=True)
+
+
+def with_baseline(variants: list[tuple[str, Path, str]], ref: str) -> list[tuple[str, Path, str]]:
+    """Each variant followed by the same on the code of git commit `ref` (none without one)."""
+    if not ref:
+        return variants
+    base = baseline_tree(ref)
+    return [v for name, model, _ in variants for v in ((name, model, ""), (f"{name} [{ref}]", model, base))]
+
+
+def measure_loads(model: Path, rounds: int) -> str:
+    """LOAD's ways, alternated in each round (page cache warm): a table of the best of the rounds."""
+    best = {mode: dict.fromkeys(("imported", "load", "loaded", "cpu"), float("inf")) for mode in LOADS}
+    for _ in range(rounds):
+        for mode in LOADS:
+            set_cache(weight_files(model), cold=False)
+            got = json.loads(child(LOAD, str(model), mode))
+            best[mode] = {k: min(v, got[k]) for k, v in best[mode].items()}
+            print(mode, got, flush=True)
+    rows = [[mode, *(f"{b[k]:.2f}" for k in ("imported", "load", "loaded", "cpu"))] for mode, b in best.items()]
+    return table(["arena", "start → torch imported s", "load_model s", "start → loaded s", "CPU s to loaded"], rows)
+
+
+def result_rows(best: dict[str, dict[str, float]], variants: list[tuple[str, Path, str]]) -> list[list[str]]:
+    """The table's rows: import torch, then each variant's best against its target."""
+    torch_s, torch_cpu = best["torch"]["ready"], best["torch"]["cpu"]
+    rows = [["import torch", "-", "-", f"{torch_s:.2f}", "-", "-", f"{torch_cpu:.2f}", "-", "-", "-"]]
+    for name, model, _ in variants:
+        b = best[name]
+        size = sum(f.stat().st_size for f in weight_files(model)) / 1e9
+        target = torch_s + (0.0 if model == TINY else b["read"])
+        worker = [f"{b['ready']:.2f}", f"{b['ready'] / target:.2f}x"] if b["ready"] < float("inf") else ["-", "-"]
+        rows.append([name, f"{size:.2f}", f"{b['read']:.2f}", *worker,
+                     f"{b['offline']:.2f}", f"{b['cpu']:.2f}", f"{b['cpu'] / torch_cpu:.2f}x", f"{b['first']:.3f}",
+                     "yes" if b["transformers"] else "no"])
+    return rows
 
 
 def main() -> None:
@@ -218,26 +296,21 @@ def main() -> None:
     p.add_argument("--variants", default="tiny,bf16,int8,int4", help="Which starts to measure (comma-separated; tiny-unpaused: the "
                    "offline start of the bundled model without the collector pause).")
     p.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS of the measured processes (0: unset).")
+    p.add_argument("--loads", action="store_true", help="Only the bf16 load's ways (LOADS), best of the rounds.")
+    p.add_argument("--baseline", default="", help="A git commit whose code starts too, alternated with this one's.")
     args = p.parse_args()
     bf16 = checkpoint(args.hidden, args.layers)
+    if args.loads:
+        print(measure_loads(bf16, args.rounds))
+        return
     every = {"tiny": ("sluice-tiny (bundled)", lambda: TINY), "bf16": ("bf16", lambda: bf16),
              "int8": ("int8, pre-quantized", lambda: prequantized(bf16, "int8")),
              "int4": ("int4 (NF4), pre-quantized", lambda: prequantized(bf16, "int4"))}
     every["tiny-unpaused"] = ("sluice-tiny" + UNPAUSED_ROW, lambda: TINY)
-    variants = [(every[k][0], every[k][1]()) for k in args.variants.split(",")]
+    variants = with_baseline([(every[k][0], every[k][1](), "") for k in args.variants.split(",")], args.baseline)
     if args.threads:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the children's (this process has imported torch)
-    best = measure(variants, args.rounds, args.cold)
-    torch_s, torch_cpu = best["torch"]["ready"], best["torch"]["cpu"]
-    rows = [["import torch", "-", "-", f"{torch_s:.2f}", "-", "-", f"{torch_cpu:.2f}", "-", "-", "-"]]
-    for name, model in variants:
-        b = best[name]
-        size = sum(f.stat().st_size for f in weight_files(model)) / 1e9
-        target = torch_s + (0.0 if model == TINY else b["read"])
-        worker = [f"{b['ready']:.2f}", f"{b['ready'] / target:.2f}x"] if b["ready"] < float("inf") else ["-", "-"]
-        rows.append([name, f"{size:.2f}", f"{b['read']:.2f}", *worker,
-                     f"{b['offline']:.2f}", f"{b['cpu']:.2f}", f"{b['cpu'] / torch_cpu:.2f}x", f"{b['first']:.3f}",
-                     "yes" if b["transformers"] else "no"])
+    rows = result_rows(measure(variants, args.rounds, args.cold), variants)
     headers = ["checkpoint", "weights GB", "raw read s", "worker start → ready s", "ready / target",
                "offline start → ready s", "CPU s to ready", "CPU vs import torch", "ready → first token s (offline)",
                "transformers imported"]

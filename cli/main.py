@@ -14,9 +14,10 @@ def wanted(command: str) -> bool:
 WORKER_ONLY = sys.argv[1:2] == ["worker"]
 if WORKER_ONLY:  # first: the weights' disk read overlaps every import below
     from sluice.worker import collector
-    from sluice.worker.prefetch import prefetch_for
+    from sluice.worker.prefetch import prefetch_for, reserve_for
 
     collector.pause()  # until the imports are done (sluice.worker.cli.start resumes it)
+    reserve_for(sys.argv[2:])  # the weight arena's page faults overlap the imports below
     prefetch_for(sys.argv[2:])
 
 import typer  # noqa: E402

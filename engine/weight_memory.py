@@ -26,9 +26,10 @@ import threading
 import torch
 from torch import nn
 
+from sluice.engine.weight_reserve import HUGE_PAGE, Reservation
+
 log = logging.getLogger(__name__)
 
-HUGE_PAGE = 2 << 20
 SLOT_ALIGNMENT = 64  # bytes: every tensor starts on a cache line, as the vector kernels read best
 MADV_HUGEPAGE, MADV_COLLAPSE = 14, 25  # Linux's values (MADV_COLLAPSE is not in Python's mmap module)
 COLLAPSE_SPAN = 64 << 20  # a call a span: the first that fails (no huge page to be had now) ends the pass
@@ -41,13 +42,20 @@ def _slot(nbytes: int) -> int:
 
 class WeightArena:
     """A bump allocator over one lazily committed anonymous map (pages are committed only where written), its
-    start on a huge page boundary."""
+    start on a huge page boundary: a `reservation` of room enough (engine.weight_reserve: mapped and faulted in
+    while torch was imported) is that map, else the arena maps its own."""
 
-    def __init__(self, capacity: int) -> None:
-        self._map = mmap.mmap(-1, capacity + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    def __init__(self, capacity: int, reservation: Reservation | None = None) -> None:
+        if reservation is not None and reservation.capacity < capacity:
+            reservation.close()
+            reservation = None
+        self.reservation = reservation
+        self._map = reservation.map if reservation is not None else mmap.mmap(
+            -1, capacity + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
         self._start = (-self._bytes.data_ptr()) % HUGE_PAGE
         self.capacity, self.used = capacity, 0
+        self.prefaulted = 0  # bytes the reservation had faulted in ahead (set by `finish_reservation`)
         self.settled = threading.Event()
         self.collapse_nice: int | None = None  # the collapsing thread's nice value, once it runs
 
@@ -59,6 +67,18 @@ class WeightArena:
         at = self._start + self.used
         self.used += _slot(nbytes)
         return self._bytes[at : at + nbytes].view(dtype).view(shape)
+
+    def finish_reservation(self) -> int:
+        """Once everything is in the arena (`settle` calls it: the loader's reads and the engine's adoptions done),
+        a reservation stops faulting in and hands back its pages past `used` (none is kept unwritten); returns the
+        bytes handed back."""
+        if self.reservation is None:
+            return 0
+        released = self.reservation.finish(self.used)
+        self.prefaulted, self.reservation = self.reservation.faulted, None
+        log.info("weight arena: %d MB written, %d MB of it faulted in ahead at the start", self.used >> 20,
+                 min(self.prefaulted, self.used) >> 20)
+        return released
 
     def data_ptr(self) -> int:
         """The address of the arena's first byte (on a huge page boundary)."""
@@ -97,6 +117,7 @@ class WeightArena:
     def settle(self, background: bool = True) -> None:
         """Ask for huge pages over the written part of the arena: MADV_HUGEPAGE, then MADV_COLLAPSE (in a
         daemon thread unless `background` is False). `settled` is set when done."""
+        self.finish_reservation()
         end = (self._start + self.used) // HUGE_PAGE * HUGE_PAGE
         if sys.platform != "linux" or end <= self._start:
             self.settled.set()

@@ -4,6 +4,7 @@ the way to ready, the tokenizer AutoTokenizer would pick, and the weights prefet
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from sluice.engine.models import loader
 from sluice.engine.models.loader import CheckpointReader, load_model
 from sluice.engine.tokenizer import Tokenizer, load_tokenizer
 from sluice.worker.metrics import warm_up
-from sluice.worker.prefetch import model_argument, prefetch, read_through, weight_files
+from sluice.worker.prefetch import arena_plan, model_argument, prefetch, read_through, weight_files
 from tests.checkpoints import make_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -195,6 +196,42 @@ def test_a_real_worker_start_imports_only_what_serving_needs(redis_url):
     assert out.returncode == 0, out.stderr
     assert "ready in" in out.stdout + out.stderr
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+@pytest.mark.parametrize("module, command", [("sluice.worker", []), ("sluice.cli.main", ["worker"])])
+def test_a_real_worker_loads_into_the_arena_it_reserved_before_importing_torch(redis_url, module, command):
+    """`python -m sluice.worker` and `sluice worker` map the weight arena and fault its pages in while they import
+    torch (engine.weight_reserve); the load writes the weights into that map: the arena logs every MB it wrote
+    as faulted in ahead."""
+    argv = [*command, "--model", str(TINY), "--dtype", "bfloat16", "--device", "cpu", "--burst", "--no-webhooks",
+            "--redis-url", redis_url]
+    code = (
+        "import runpy, sys\n"
+        f"sys.argv = ['sluice', *{argv!r}]\n"
+        f"try:\n    runpy.run_module({module!r}, run_name='__main__')\nexcept SystemExit as e:\n"
+        "    assert not e.code, e.code\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    found = re.search(r"weight arena: (\d+) MB written, (\d+) MB of it faulted in ahead", out.stdout + out.stderr)
+    assert found is not None, out.stderr[-3000:]
+    written, ahead = int(found.group(1)), int(found.group(2))
+    assert ahead == written > 0
+
+
+def test_the_arena_plan_reads_the_command_line_without_torch(tmp_path):
+    """The worker reserves an arena only where the load will make one (CPU, no quantization at load, no map of
+    the file, huge pages on), floating weights in the --dtype's size (auto: the checkpoint's; fp16 as bf16)."""
+    cpu = ["--model", str(TINY), "--device", "cpu"]
+    plan = arena_plan([*cpu, "--dtype", "float32"], str(TINY))
+    assert plan is not None and plan[:2] == (str(TINY), 4) and plan[2] > 0 and plan[3] is True
+    assert arena_plan([*cpu, "--dtype=bf16", "--weight-loading", "copy"], str(TINY))[1::2] == (2, False)
+    for extra in (["--quantization", "int8"], ["--no-huge-pages"], ["--weight-loading", "mmap"], ["--device", "cuda"],
+                  ["--dtype", "float8"]):
+        assert arena_plan([*cpu, *extra], str(TINY)) is None, extra
+    assert arena_plan(cpu, str(tmp_path)) is None and arena_plan(cpu, None) is None
+    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "float16"}))
+    assert arena_plan(["--device", "cpu"], str(tmp_path))[1] == 2
 
 
 @pytest.mark.parametrize("entry", ["import sluice.cli.main", "import runpy; runpy.run_module('sluice.worker')"])

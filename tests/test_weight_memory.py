@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from sluice.engine import LLM, SamplingParams
+from sluice.engine import LLM, SamplingParams, weight_reserve
 from sluice.engine.weight_memory import COLLAPSE_NICE, HUGE_PAGE, WeightArena
 from tests.checkpoints import make_checkpoint
 
@@ -105,3 +105,58 @@ def test_adopt_keeps_views_of_one_storage_views_of_one_copy():
         assert torch.equal(v, expected[k]), k
     mod.codes[610] = -1
     assert mod.tail[10, 0] == -1  # tail[i, j] is codes[600 + 20 j + i]
+
+
+def _reserve(path: Path, itemsize: int) -> weight_reserve.Reservation:
+    reservation = weight_reserve.reserve(path, itemsize, 1 << 40)
+    assert reservation is not None
+    return reservation
+
+
+def test_the_arena_is_the_map_reserved_and_faulted_in_before_the_load(mid_llama):
+    """A reservation made from the headers alone (engine.weight_reserve, as the worker's entry point makes it) is
+    the arena: the same map, its pages faulted in ahead (POPULATE_WRITE: the kernel's count of the map's
+    resident pages covers the weights before anything is written); the model decodes as one loaded without."""
+    reservation = _reserve(mid_llama, 2)
+    reservation._thread.join(60)
+    assert _mapping(reservation.address + reservation.start)["Rss"] * 1024 >= reservation.fault > 4 * HUGE_PAGE
+    llm = _llm(mid_llama)
+    arena = llm.engine.model.weight_arena
+    assert arena.data_ptr() == reservation.address + reservation.start
+    assert arena.used <= reservation.capacity == arena.capacity
+    assert weight_reserve.discard() is False  # taken: nothing left to unmap
+    plain = _llm(mid_llama, huge_pages=False)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    prompts = [[5, 9, 2, 7, 11, 3]]
+    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in plain.generate(prompts, params)]
+    assert arena.prefaulted == reservation.fault  # the first step settled the arena, its reservation finished
+
+
+def test_pages_faulted_past_what_the_arena_wrote_are_handed_back(mid_llama):
+    """A reservation that guessed too large (weights kept in 4 bytes, loaded in bf16) is still the arena; the pages
+    it faulted in past what the load wrote are handed back, so the map holds what the weights need."""
+    reservation = _reserve(mid_llama, 4)
+    reservation._thread.join(60)
+    llm = _llm(mid_llama)
+    arena = llm.engine.model.weight_arena
+    assert arena.data_ptr() == reservation.address + reservation.start
+    llm.generate([[5, 9, 2, 7]], SamplingParams(max_tokens=2, temperature=0))
+    assert arena.settled.wait(60) and arena.prefaulted > 1.9 * arena.used
+    assert _mapping(arena.data_ptr())["Rss"] * 1024 <= arena.used + HUGE_PAGE
+
+
+def test_a_reservation_that_does_not_fit_is_unmapped_and_another_models_is_left(mid_llama, tmp_path):
+    """Too small a reservation (weights guessed at one byte) is unmapped when the load looks for it and the arena
+    maps its own; one for another folder is left for that model, and `discard` unmaps it."""
+    small = _reserve(mid_llama, 1)
+    arena = _llm(mid_llama).engine.model.weight_arena
+    assert small.map.closed and arena.prefaulted == 0
+    assert arena.data_ptr() != small.address + small.start
+    other = tmp_path / "other"
+    other.mkdir()
+    for f in mid_llama.iterdir():
+        (other / f.name).symlink_to(f)
+    elsewhere = _reserve(other, 2)
+    assert _llm(mid_llama).engine.model.weight_arena.prefaulted == 0
+    assert not elsewhere.map.closed
+    assert weight_reserve.discard() is True and elsewhere.map.closed

@@ -3,10 +3,11 @@
 import sys
 
 from sluice.worker import collector
-from sluice.worker.prefetch import prefetch_for
+from sluice.worker.prefetch import prefetch_for, reserve_for
 
 collector.pause()  # until the imports are done (sluice.worker.cli.start resumes it)
-prefetch_for(sys.argv[1:])  # first: the weights' disk read overlaps the imports below
+reserve_for(sys.argv[1:])  # first: the weight arena's page faults overlap the imports below
+prefetch_for(sys.argv[1:])  # and so does the weights' disk read
 
 import typer  # noqa: E402
 

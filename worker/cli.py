@@ -15,7 +15,7 @@ import typer
 from sluice.contract.jobs import QUEUES
 from sluice.contract.logs import configure as configure_logging
 from sluice.contract.settings import Settings, get_settings, stay_off_the_hub
-from sluice.engine import LLM
+from sluice.engine import LLM, weight_reserve
 from sluice.worker import collector, engine_flags
 from sluice.worker.background import supervised
 from sluice.worker.metrics import become_ready, start_metrics
@@ -52,7 +52,7 @@ def start(
         raise typer.BadParameter("give --model or set SLUICE_MODEL", param_hint="--model")
     configure_logging(log_format)
     metrics = start_metrics(metrics_port, model)
-    llm = LLM(model, **engine_args)
+    llm = load(model, engine_args)
     connection = redis.Redis.from_url(redis_url or settings.redis_url)
     become_ready(metrics, llm, connection)
     ttl = heartbeat_ttl or settings.heartbeat_ttl
@@ -66,6 +66,15 @@ def start(
         w.work(burst=burst)
     finally:
         stop.set()
+
+
+def load(model: str, engine_args: dict[str, Any]) -> LLM:
+    """The engine on `model`; the weight arena reserved at the process's start (worker.prefetch.reserve_for) is
+    unmapped afterwards if the load did not take it."""
+    try:
+        return LLM(model, **engine_args)
+    finally:
+        weight_reserve.discard()
 
 
 def deliver_webhooks(connection: redis.Redis, settings: Settings, stop: threading.Event) -> None:

@@ -1,5 +1,6 @@
 """Read the model's weight files into the page cache from a background thread, started before the worker's
-imports, so that the disk read overlaps the seconds of Python start-up instead of following them.
+imports, so that the disk read overlaps the seconds of Python start-up instead of following them; and, as early,
+reserve the CPU weight arena (engine.weight_reserve: its pages faulted in while torch is imported).
 
 Torch-free on purpose: it runs before torch (or anything else heavy) is imported.
 """
@@ -11,18 +12,31 @@ import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from sluice.engine import weight_reserve
+
 CHUNK = 16 * 1024 * 1024
-MEMORY_SHARE = 0.5  # never prefetch more than this share of the memory available now
+MEMORY_SHARE = 0.5  # never prefetch (or fault in ahead) more than this share of the memory available now
+ITEMSIZES = {"bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2, "float32": 4, "fp32": 4}
+GPU_DEVICES = ("/dev/nvidiactl", "/dev/kfd")  # where present, device auto may well be a GPU: nothing reserved
+
+
+def flag_value(argv: Sequence[str], flag: str) -> str | None:
+    """The value the command line gives an option (`--flag X` or `--flag=X`; the last one wins), else None."""
+    found = None
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            found = argv[i + 1]
+        elif arg.startswith(f"{flag}="):
+            found = arg.split("=", 1)[1]
+    return found
 
 
 def model_argument(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> str | None:
     """The worker's model as its command line (`--model X` or `--model=X`) gives it, else $SLUICE_MODEL: from
     `environ` where given, otherwise through Settings (the one reader of the environment; imports pydantic)."""
-    for i, arg in enumerate(argv):
-        if arg == "--model" and i + 1 < len(argv):
-            return argv[i + 1]
-        if arg.startswith("--model="):
-            return arg.split("=", 1)[1]
+    found = flag_value(argv, "--model")
+    if found is not None:
+        return found
     if environ is not None:
         return environ.get("SLUICE_MODEL")
     try:
@@ -95,3 +109,39 @@ def _plan(model: str | None) -> tuple[list[Path], int]:
     """The model's weight files and the byte budget for reading them (no files: nothing to read)."""
     files = weight_files(model) if model else []
     return files, int(available_memory() * MEMORY_SHARE) if files else 0
+
+
+def arena_plan(argv: Sequence[str], model: str | None) -> tuple[str, int, int, bool] | None:
+    """engine.weight_reserve.reserve's arguments for the CPU weight arena the worker's command line will load
+    `model` into (folder, bytes an element of its floating weights, bytes to fault in ahead, auto weight loading),
+    or None where it loads none or that cannot be told without torch: another device (or device auto on a host
+    with a GPU), quantization at load, mapped weights, no huge-page arena, a dtype it does not know."""
+    if not model or not (Path(model) / "config.json").is_file():
+        return None
+    device = flag_value(argv, "--device") or "auto"
+    if device != "cpu" and (device != "auto" or any(Path(p).exists() for p in GPU_DEVICES)):
+        return None
+    loading = flag_value(argv, "--weight-loading") or "auto"
+    if flag_value(argv, "--quantization") or "--no-huge-pages" in argv or loading not in ("auto", "copy"):
+        return None
+    itemsize = ITEMSIZES.get(_dtype(argv, Path(model)), 0)
+    return (model, itemsize, int(available_memory() * MEMORY_SHARE), loading == "auto") if itemsize else None
+
+
+def _dtype(argv: Sequence[str], model: Path) -> str:
+    """The worker's --dtype; for auto (the default) the checkpoint's, as the engine resolves it on CPU."""
+    dtype = flag_value(argv, "--dtype") or "auto"
+    if dtype != "auto":
+        return dtype
+    try:
+        config = json.loads((model / "config.json").read_text())
+    except (OSError, ValueError):
+        return ""
+    stored = str(config.get("torch_dtype") or config.get("dtype") or "float32").replace("torch.", "")
+    return "bfloat16" if stored == "float16" else stored
+
+
+def reserve_for(argv: Sequence[str]) -> threading.Thread:
+    """Reserve the CPU weight arena of the model the worker's command line names (arena_plan) from a daemon
+    thread: the main thread goes on to its imports at once."""
+    return weight_reserve.reserve_later(lambda: arena_plan(argv, model_argument(argv)))

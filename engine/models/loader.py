@@ -7,7 +7,8 @@ in memory, the page cache shared by every worker on the host, as llama.cpp's mma
 checkpoints, other dtypes, parts apart, other devices) is read with positioned reads straight into the storage
 of its final parameter (a fused projection's parts into its rows; a large tensor in spans, one per core, in
 parallel; off CPU, from the map straight to the device); on CPU that storage is one arena that becomes huge
-pages once loaded (engine.weight_memory). The model is built with its random initialisation skipped, so no
+pages once loaded (engine.weight_memory), its map the one the worker reserved and faulted in at its start where
+there is one (engine.weight_reserve). The model is built with its random initialisation skipped, so no
 weight is written twice.
 """
 
@@ -18,7 +19,6 @@ import itertools
 import json
 import mmap
 import os
-import struct
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from sluice.engine import weight_reserve
 from sluice.engine.models.llama import LlamaModel, ModelConfig
 from sluice.engine.models.paths import GENERIC
 from sluice.engine.models.rope import RotaryEmbedding
@@ -53,10 +54,7 @@ def read_config(path: str | Path) -> dict:
 def weight_files(path: str | Path) -> list[Path]:
     """The checkpoint's safetensors files: those its index names, else every *.safetensors in the folder."""
     root = Path(path)
-    index = root / "model.safetensors.index.json"
-    if index.is_file():
-        return sorted({root / f for f in json.loads(index.read_text())["weight_map"].values()})
-    files = sorted(root.glob("*.safetensors"))
+    files = weight_reserve.safetensors_files(root)
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {root} (only safetensors is supported)")
     return files
@@ -75,16 +73,13 @@ class TensorEntry:
 
 def read_header(file: Path) -> dict[str, TensorEntry]:
     """Every tensor of a safetensors file by name, from its JSON header (nothing else is read)."""
-    with open(file, "rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(size))
-    header.pop("__metadata__", None)
+    data, header = weight_reserve.read_header(file)
     entries = {}
     for name, e in header.items():
         if e["dtype"] not in DTYPES:
             raise ValueError(f"{file}: tensor {name} has dtype {e['dtype']}, which the loader does not read")
         start, end = e["data_offsets"]
-        entries[name] = TensorEntry(file, DTYPES[e["dtype"]], tuple(e["shape"]), 8 + size + start, end - start)
+        entries[name] = TensorEntry(file, DTYPES[e["dtype"]], tuple(e["shape"]), data + start, end - start)
     return entries
 
 
@@ -93,7 +88,7 @@ WEIGHT_LOADING = ("auto", "mmap", "copy")  # mapped from MAP_ALL_BYTES, else rea
 # is shared by every worker on the host. Below it auto reads every tensor into the huge-page arena
 # (engine.weight_memory: faster decode steps than over 4 KB pages, page-cache maps included), on cache lines
 # (rows off a cache line read slower while they fit the caches; docs/benchmarks.md).
-MAP_ALL_BYTES = 4 << 30
+MAP_ALL_BYTES = weight_reserve.MAP_ALL_BYTES
 PARALLEL_CHUNK = 4 << 20  # tensors above this are read by several threads, a span each
 READERS = min(8, os.cpu_count() or 1)
 
@@ -316,7 +311,7 @@ def load_model(
         return load_generic(path, dtype, device, config, linear_hook, huge_pages)
     reader = CheckpointReader(path)
     mode = _weight_mode(reader, weight_loading, linear_hook)
-    arena = _arena(reader, dtype) if device.type == "cpu" and mode == "copy" and huge_pages else None
+    arena = _arena(reader, dtype, path) if device.type == "cpu" and mode == "copy" and huge_pages else None
     model = build_model(config)
     _read_weights(model, reader, dtype, device, linear_hook, mode, arena)
     if getattr(linear_hook, "quantizes_head", False):
@@ -351,13 +346,15 @@ def _read_weights(model: LlamaModel, reader: CheckpointReader, dtype: torch.dtyp
     assert not left, f"{len(left)} parameter(s) never read from the checkpoint"
 
 
-def _arena(reader: CheckpointReader, dtype: torch.dtype) -> WeightArena | None:
+def _arena(reader: CheckpointReader, dtype: torch.dtype, path: str | Path) -> WeightArena | None:
     """An arena with room for every checkpoint tensor in the dtype the model keeps it (floating ones in `dtype`;
-    quantized linears keep fewer bytes than that, their row sums a little more), committed only where written;
-    None where the address space cannot be had (the tensors then go to torch's allocator)."""
+    quantized linears keep fewer bytes than that, their row sums a little more), committed only where written:
+    the map reserved for `path` at the worker's start where it has room (engine.weight_reserve); None where the
+    address space cannot be had (the tensors then go to torch's allocator)."""
     nbytes = sum(e.nbytes // e.dtype.itemsize * (dtype.itemsize if e.dtype.is_floating_point else e.dtype.itemsize)
                  for e in reader.entries.values())
+    capacity = weight_reserve.arena_capacity(nbytes)
     try:
-        return WeightArena(nbytes + nbytes // 64 + (64 << 20))
+        return WeightArena(capacity, weight_reserve.take(path, capacity))
     except OSError:
         return None
