@@ -2,8 +2,9 @@
 
 At a few tokens a layer's kernel calls from Python (module __call__, each kernel's checks, views) are a large
 share of a small model's bf16 decode step (docs/benchmarks.md, "Where a CPU decode step goes"). The stack makes the same calls in the same order from C++, so its results are bitwise the layers'. It
-serves bf16 steps of 1 to MAX_STACK_TOKENS tokens whose sequences all have short queries (decode, speculative
-verify) on the fused attention kernel; anything else runs the Python layers. Its linears are bf16 ones and the
+serves bf16 steps of 1 to MAX_STACK_TOKENS tokens (to `linear.gemm_rows()` for a stack whose every linear is
+bf16, where the avx2 tier's GEMM serves those rows: `max_tokens`) whose sequences all have short queries (decode,
+speculative verify) on the fused attention kernel; anything else runs the Python layers. Its linears are bf16 ones and the
 weight-only quantized ones, each running the op its Python module would at the step's row count (decided when
 the stack is built, by asking the module's own branch tests); a layer with any other linear (bitsandbytes) is
 not stacked.
@@ -15,10 +16,17 @@ import torch
 
 from sluice.kernels import cpp_build, int4_weights, int8_weights
 from sluice.kernels.attention import AttentionMetadata
-from sluice.kernels.linear import MAX_GEMV_ROWS, MAX_GEMV_ROWS_FP32
+from sluice.kernels.linear import MAX_GEMV_ROWS, MAX_GEMV_ROWS_FP32, gemm_rows
 
 MAX_STACK_TOKENS = 16  # the stack's steps: where the int4 W4A8 product and our bf16 GEMV serve every linear
 assert MAX_STACK_TOKENS <= min(MAX_GEMV_ROWS, MAX_GEMV_ROWS_FP32)
+
+
+def max_tokens() -> int:
+    """The most tokens a step may have to run on a stack: MAX_STACK_TOKENS, or more where our GEMV call serves bf16
+    linears past it (the avx2 tier's GEMM, `linear.gemm_rows`), for stacks whose every linear is bf16
+    (`DecodeStack.max_tokens`)."""
+    return max(MAX_STACK_TOKENS, gemm_rows())
 
 
 def _ext():
@@ -34,7 +42,7 @@ def available() -> bool:
 def step_fits(ids: torch.Tensor, dtype: torch.dtype, meta) -> bool:
     """Whether a step of token ids [T] with activations in `dtype` can run on a stack (a few attribute tests:
     every step)."""
-    return (dtype is torch.bfloat16 and 1 <= ids.shape[0] <= MAX_STACK_TOKENS and ids.device.type == "cpu"
+    return (dtype is torch.bfloat16 and 1 <= ids.shape[0] <= max_tokens() and ids.device.type == "cpu"
             and type(meta) is AttentionMetadata and meta.fused_short is not None and not meta.short_groups
             and not meta.long_seqs and not torch.is_grad_enabled())
 
@@ -104,16 +112,18 @@ def build(layers: list[list], num_heads: int, num_kv_heads: int, head_dim: int, 
     with_head = head is not None and head[2] is not None and _plain_bf16(head[0]) and _plain_bf16(head[1])
     if with_head:
         stack.set_head(*head)
-    return DecodeStack(stack, with_head)
+    return DecodeStack(stack, with_head, max_tokens() if stack.all_bf16() else MAX_STACK_TOKENS)
 
 
 class DecodeStack:
-    """The C++ stack, holding the layers' weights and caches (later writes to them are seen, not copies)."""
+    """The C++ stack, holding the layers' weights and caches (later writes to them are seen, not copies);
+    `max_tokens`: the most tokens of a step it runs as its layers would (past MAX_STACK_TOKENS only where every
+    linear is bf16 and our GEMV call serves them there)."""
 
-    __slots__ = ("_stack", "has_head")
+    __slots__ = ("_stack", "has_head", "max_tokens")
 
-    def __init__(self, stack, has_head: bool = False) -> None:
-        self._stack, self.has_head = stack, has_head
+    def __init__(self, stack, has_head: bool = False, max_tokens: int = MAX_STACK_TOKENS) -> None:
+        self._stack, self.has_head, self.max_tokens = stack, has_head, max_tokens
 
     def logits(self, ids: torch.Tensor, positions: torch.Tensor, rope_tables: tuple[torch.Tensor, torch.Tensor],
                meta: AttentionMetadata) -> torch.Tensor:

@@ -84,22 +84,44 @@ def test_logits_and_kv_writes_are_bitwise_the_layers(checkpoint_factory, monkeyp
     and weight-only quantized."""
     arch, overrides, quantization = MODELS[model]
     llm = LLM(checkpoint_factory(arch, **overrides), quantization=quantization, **KV)
+    against_the_layers(llm, monkeypatch, stack_calls, query_lens, stacked=True)
+
+
+@pytest.mark.parametrize("model", ["llama-gqa", "qwen2-bias", "int8-llama", "int4-llama"])
+@pytest.mark.parametrize("query_lens", [[1] * 17, [1] * 30 + [2, 3, 5], [1] * 64], ids=["17", "40", "64"])
+def test_past_16_tokens_only_bf16_stacks_where_the_gemm_serves(checkpoint_factory, monkeypatch, stack_calls, model,
+                                                               query_lens):
+    """Steps of 17 to 64 tokens run on the stack only where every linear is bf16 and our GEMV call serves bf16 rows
+    past 16 (the avx2 tier's GEMM, `linear.gemm_rows`; SLUICE_CPU_ISA=avx2 with oneDNN held to AVX2), there bitwise
+    the Python layers' logits and KV writes; anywhere else (quantized linears, other tiers) the Python layers."""
+    arch, overrides, quantization = MODELS[model]
+    llm = LLM(checkpoint_factory(arch, **overrides), quantization=quantization, **KV)
+    stack = llm.engine.model._decode_stack(llm.engine.runner.kv_caches)
+    assert stack is not None
+    gemm = linear_kernels.gemm_rows()
+    assert stack.max_tokens == (max(16, gemm) if quantization is None else 16) and gemm in (0, 64)
+    against_the_layers(llm, monkeypatch, stack_calls, query_lens, stacked=stack.max_tokens >= sum(query_lens))
+
+
+def against_the_layers(llm: LLM, monkeypatch, stack_calls: list[int], query_lens: list[int], stacked: bool) -> None:
+    """One step over random caches on the stack (if `stacked`, else the Python layers: asserted) and on the Python
+    layers: the same logits and cache contents."""
     caches = llm.engine.runner.kv_caches
     g = torch.Generator().manual_seed(1)
     for c in caches:
         c.k.copy_(torch.randn(c.k.shape, generator=g))
         c.v.copy_(torch.randn(c.v.shape, generator=g))
     before = [(c.k.clone(), c.v.clone()) for c in caches]
-    stacked = step(llm, query_lens)
-    assert stack_calls == [sum(query_lens)]
+    first = step(llm, query_lens)
+    assert stack_calls == ([sum(query_lens)] if stacked else [])
     after = [(c.k.clone(), c.v.clone()) for c in caches]
     for c, (k, v) in zip(caches, before, strict=True):
         c.k.copy_(k)
         c.v.copy_(v)
     python_layers(monkeypatch)
     reference = step(llm, query_lens)
-    assert stack_calls == [sum(query_lens)]
-    assert torch.equal(stacked, reference)
+    assert len(stack_calls) == int(stacked)
+    assert torch.equal(first, reference)
     assert all(torch.equal(c.k, k) and torch.equal(c.v, v) for c, (k, v) in zip(caches, after, strict=True))
 
 
@@ -130,14 +152,17 @@ def test_model_ends_run_on_the_stack_where_every_row_is_wanted(checkpoint_factor
 
 
 def test_used_for_short_queries_only(checkpoint_factory, stack_calls):
-    """Up to 16 tokens of short queries; a long query (prefill) or a 17th token runs the Python layers."""
+    """Up to `decode_stack.max_tokens()` tokens of short queries (16; a bf16 stack's to 64 where the avx2 tier's GEMM
+    serves those rows); a long query (prefill) or one token more runs the Python layers."""
     llm = LLM(checkpoint_factory("llama"), **KV)
-    for query_lens in ([1], [16], [1] * 16, [17], [20, 1], [1] * 17):
+    most = decode_stack.max_tokens()
+    assert most == max(16, linear_kernels.gemm_rows())
+    for query_lens in ([1], [16], [1] * 16, [17], [20, 1], [1] * most, [1] * (most + 1)):
         step(llm, query_lens)
-    assert stack_calls == [1, 16, 16]
+    assert stack_calls == [1, 16, 16, most]
     out = llm.generate([list(range(4, 34))], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
                        progress=False)
-    assert len(out[0].token_ids) == 4 and stack_calls[3:] == [1, 1, 1], "prefill in Python, decode on the stack"
+    assert len(out[0].token_ids) == 4 and stack_calls[4:] == [1, 1, 1], "prefill in Python, decode on the stack"
 
 
 @pytest.mark.parametrize(("arch", "kw"), [("llama", dict(kv_cache_dtype="int8")), ("llama", dict(quantization="int8")),

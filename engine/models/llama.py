@@ -236,7 +236,7 @@ class LlamaModel(nn.Module):
         `plan`: the step's (kernels.dispatch), derived from `meta` where not given."""
         dtype = self.embed_tokens.weight.dtype
         plan = plan or dispatch.plan_of_step(input_ids, dtype, kv_caches[0].k.dtype, meta)
-        stack = self._decode_stack(kv_caches) if plan.decode_stack else None
+        stack = self._decode_stack(kv_caches, len(input_ids)) if plan.decode_stack else None
         if stack is not None and stack.has_head and logits_indices is None:
             return stack.logits(input_ids, positions, self.rope.tables(dtype), meta)
         return self.compute_logits(self.hidden_states(input_ids, positions, kv_caches, meta, logits_indices, stack))
@@ -254,7 +254,7 @@ class LlamaModel(nn.Module):
         if stack is False:
             dtype = self.embed_tokens.weight.dtype
             plan = plan or dispatch.plan_of_step(input_ids, dtype, kv_caches[0].k.dtype, meta)
-            stack = self._decode_stack(kv_caches) if plan.decode_stack else None
+            stack = self._decode_stack(kv_caches, len(input_ids)) if plan.decode_stack else None
         x, delta = self.embed_tokens(input_ids), None
         cos_sin = self.rope.cos_sin(positions, x.dtype)
         if stack is not None:
@@ -266,9 +266,9 @@ class LlamaModel(nn.Module):
             x, delta = x[indices], delta[indices]
         return self.norm.add(x, delta)[1]
 
-    def _decode_stack(self, kv_caches) -> decode_stack.DecodeStack | None:
-        """The layers as one C++ call over these caches (kernels.decode_stack), built once per KV pool; None where
-        a layer cannot be stacked."""
+    def _decode_stack(self, kv_caches, tokens: int = 1) -> decode_stack.DecodeStack | None:
+        """The layers as one C++ call over these caches (kernels.decode_stack), built once per KV pool, for a step of
+        `tokens` tokens; None where a layer cannot be stacked or the step has more tokens than the stack takes."""
         if self._stack_caches is not kv_caches:
             layers = [layer.stack_layer(cache) for layer, cache in zip(self.layers, kv_caches, strict=True)]
             a, self._stack_caches = self.layers[0].self_attn, kv_caches
@@ -278,5 +278,5 @@ class LlamaModel(nn.Module):
                     else stack_linear(self.lm_head))
             self._stack = None if not whole_rope or any(t is None for t in layers) else decode_stack.build(
                 layers, a.num_heads, a.num_kv_heads, a.head_dim, self.config.rms_norm_eps, a.scale, head)
-        return self._stack
+        return self._stack if self._stack is None or tokens <= self._stack.max_tokens else None
 

@@ -59,13 +59,18 @@ inline void pack_panel(const uint16_t* w, int64_t K, int64_t n0, int64_t cols, u
 
 // out[m * 16 + c] = sum over k of xf[k * M + m] * panel column c, for M x rows (xf: the tile's x, k-major). kPack: the panel is packed here,
 // 16 k at a time from the 16 weight rows at w just before they are used (its shuffles then overlap this tile's FMAs).
+// next: the 16 weight rows of the task's next panel (or null), fetched into L2 as this tile goes, a line of each row
+// per 32 k, so that the next panel's packing reads them from cache rather than memory.
 template <int M, bool kPack>
-inline void panel_tile(const float* xf, uint16_t* p, const uint16_t* w, int64_t K, float* out) {
+inline void panel_tile(const float* xf, uint16_t* p, const uint16_t* w, int64_t K, float* out,
+                       const uint16_t* next = nullptr) {
   __m256 acc[M][2];
   for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t k0 = 0; k0 < K; k0 += 16) {
     const int64_t k1 = std::min(k0 + 16, K);
+    if (next != nullptr && k0 % 32 == 0)
+      for (int j = 0; j < 16; ++j) _mm_prefetch(reinterpret_cast<const char*>(next + j * K + k0), _MM_HINT_T1);
     if constexpr (kPack) {
       if (k1 - k0 == 16) pack16x16(w, K, k0, p + k0 * 16);
       else pack_panel(w, K, 0, 16, p, k0);
@@ -96,12 +101,13 @@ inline __m256i sluice_round_bf16x8(__m256 v) {
   return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
 }
 
-// Rows [m, m + M) of the panel's outputs, plus bias, rounded into y (kPack: this tile packs the panel first).
+// Rows [m, m + M) of the panel's outputs, plus bias, rounded into y (kPack: this tile packs the panel first; next:
+// as panel_tile's).
 template <int M, bool kPack = false>
 inline void panel_rows(const float* xf, int64_t m, uint16_t* p, const uint16_t* w, int64_t K, int64_t N, int64_t n0,
-                       int64_t cols, const uint16_t* bias, uint16_t* y) {
+                       int64_t cols, const uint16_t* bias, uint16_t* y, const uint16_t* next = nullptr) {
   alignas(32) float out[M * 16];
-  panel_tile<M, kPack>(xf + m * K, p, w + n0 * K, K, out);  // tile m's x starts at m * K
+  panel_tile<M, kPack>(xf + m * K, p, w + n0 * K, K, out, next);  // tile m's x starts at m * K
   if (cols == 16) {  // the whole panel: 16 outputs a row at once
     __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
     if (bias) {
@@ -126,9 +132,10 @@ inline void panel_rows(const float* xf, int64_t m, uint16_t* p, const uint16_t* 
 }
 
 // Weight rows [n0, n0 + cols) packed into the panel p and multiplied by x rows [0, M): kGemmM at a time (the first
-// tile packing the panel as it goes, when the panel is whole), then the 1 to kGemmM - 1 rows left.
+// tile packing the panel as it goes, when the panel is whole; the second fetching `next`, the task's next whole
+// panel or null), then the 1 to kGemmM - 1 rows left.
 inline void panel_all_rows(const float* xf, int64_t M, uint16_t* p, const uint16_t* w, int64_t K, int64_t N,
-                           int64_t n0, int64_t cols, const uint16_t* bias, uint16_t* y) {
+                           int64_t n0, int64_t cols, const uint16_t* bias, uint16_t* y, const uint16_t* next) {
   int64_t m = 0;
   if (cols == 16 && M >= kGemmM) {
     panel_rows<kGemmM, true>(xf, 0, p, w, K, N, n0, cols, bias, y);
@@ -136,7 +143,8 @@ inline void panel_all_rows(const float* xf, int64_t M, uint16_t* p, const uint16
   } else {
     pack_panel(w + n0 * K, K, 0, cols, p, 0);
   }
-  for (; m + kGemmM <= M; m += kGemmM) panel_rows<kGemmM>(xf, m, p, w, K, N, n0, cols, bias, y);
+  for (; m + kGemmM <= M; m += kGemmM)
+    panel_rows<kGemmM>(xf, m, p, w, K, N, n0, cols, bias, y, m == kGemmM ? next : nullptr);
   switch (M - m) {
     case 5: panel_rows<5>(xf, m, p, w, K, N, n0, cols, bias, y); break;
     case 4: panel_rows<4>(xf, m, p, w, K, N, n0, cols, bias, y); break;
@@ -164,7 +172,8 @@ inline void gemm(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* w, i
     uint16_t* panel = buffer.data() + (-reinterpret_cast<uintptr_t>(buffer.data()) / 2 & 31);  // 64-byte aligned
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * 16, cols = std::min<int64_t>(16, N - n0);
-      panel_all_rows(xf, M, panel, w, K, N, n0, cols, bias, y);
+      const uint16_t* next = b + 1 < b1 && n0 + 32 <= N ? w + (n0 + 16) * K : nullptr;
+      panel_all_rows(xf, M, panel, w, K, N, n0, cols, bias, y, next);
     }
   });
 }

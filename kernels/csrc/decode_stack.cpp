@@ -111,6 +111,14 @@ class DecodeStack {
     return (*head_)(add_rms_norm(x, delta, *final_norm_, eps_)[1]);
   }
 
+  // Whether every linear (the head's too, if set) is a bf16 one, on the GEMV call at every row count it takes.
+  bool all_bf16() const {
+    auto bf16 = [](const StackLinear& l) { return l.kind == StackLinear::kBf16; };
+    for (const LayerWeights& w : layers_)
+      if (!bf16(w.qkv) || !bf16(w.o) || !bf16(w.gate_up) || !bf16(w.down)) return false;
+    return !head_ || bf16(*head_);
+  }
+
  private:
   std::vector<LayerWeights> layers_;
   int64_t nh_, nk_, d_;
@@ -154,6 +162,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::call_guard<py::gil_scoped_release>())
       .def("set_head", &DecodeStack::set_head, "the embedding, final norm and LM head `logits` runs",
            py::arg("embed"), py::arg("final_norm"), py::arg("head"))
+      .def("all_bf16", &DecodeStack::all_bf16, "whether every linear, the head's too, is a bf16 one")
       .def("logits", &DecodeStack::logits, "embedding, the decoder stack, final norm and LM head over one step",
            py::call_guard<py::gil_scoped_release>());
 }
