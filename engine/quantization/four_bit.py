@@ -161,7 +161,7 @@ def quantize(w: torch.Tensor, quant_type: str, nested: bool) -> tuple[torch.Tens
         offset = absmax.mean()
         codes, nested_absmax = quantize_blockwise(absmax - offset)
         state.absmax = codes
-        state.nested = {"absmax": nested_absmax, "quant_map": dynamic_map(), "blocksize": NESTED_BLOCKSIZE,
+        state.nested = {"absmax": nested_absmax, "quant_map": dynamic_map().clone(), "blocksize": NESTED_BLOCKSIZE,
                         "dtype": "float32", "offset": offset.item()}
     return packed.view(-1, 1), state
 
