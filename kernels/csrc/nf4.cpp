@@ -14,6 +14,7 @@
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -70,28 +71,36 @@ std::vector<float> chunk_order(const T* x, int64_t M, int64_t K) {
   return xp;
 }
 
-// Weight rows [n0, n1) against the MT rows of xp: y[m, n] (+ bias) in T, R weight rows at a time.
+// Weight rows [n0, n1) against the MT rows of xp: y[m, n] (+ bias) in T. Blocks of kRowBlock weight rows, each
+// swept in column slices whose MT x rows (fp32) fit the L1 cache, R weight rows at a time: every x slice is read
+// from L1 by the rows of its block instead of from L2 by every row.
 template <int MT, typename T>
 void gemv_rows(const Nf4Weight& W, const float* table, const float* xp, const T* bias, int64_t n0, int64_t n1,
                T* y) {
   constexpr int R = nf4_rows_for<MT>();
-  float out[MT * R];
-  auto store = [&](int rows, int64_t n) {
-    for (int m = 0; m < MT; ++m)
-      for (int r = 0; r < rows; ++r) {
-        const float b = bias ? static_cast<float>(bias[n + r]) : 0.f;
-        y[m * W.N + n + r] = static_cast<T>(out[m * rows + r] + b);
-      }
-  };
+  constexpr int64_t kRowBlock = 64;
+  const int64_t slice = std::max<int64_t>(kBlock, std::min<int64_t>(W.K, (8192 / MT) / kBlock * kBlock));
   const int64_t kb = W.K / kBlock;
-  int64_t n = n0;
-  for (; n + R <= n1; n += R) {
-    nf4_dots<R, MT>(W.codes + n * W.K / 2, W.K / 2, W.absmax + n * kb, kb, table, xp, W.K, out);
-    store(R, n);
-  }
-  for (; n < n1; ++n) {
-    nf4_dots<1, MT>(W.codes + n * W.K / 2, W.K / 2, W.absmax + n * kb, kb, table, xp, W.K, out);
-    store(1, n);
+  float acc[MT * kRowBlock];
+  for (int64_t nb = n0; nb < n1; nb += kRowBlock) {
+    const int64_t rows = std::min(kRowBlock, n1 - nb);
+    std::fill(acc, acc + MT * kRowBlock, 0.f);
+    for (int64_t k = 0; k < W.K; k += slice) {
+      const int64_t len = std::min(slice, W.K - k);
+      auto dots = [&](auto r_tile, int64_t n) {
+        constexpr int RT = decltype(r_tile)::value;
+        nf4_dots<RT, MT>(W.codes + n * W.K / 2 + k / 2, W.K / 2, W.absmax + n * kb + k / kBlock, kb, table, xp + k,
+                         W.K, len, acc + (n - nb), kRowBlock);
+      };
+      int64_t n = nb;
+      for (; n + R <= nb + rows; n += R) dots(std::integral_constant<int, R>{}, n);
+      for (; n < nb + rows; ++n) dots(std::integral_constant<int, 1>{}, n);
+    }
+    for (int m = 0; m < MT; ++m)
+      for (int64_t r = 0; r < rows; ++r) {
+        const float b = bias ? static_cast<float>(bias[nb + r]) : 0.f;
+        y[m * W.N + nb + r] = static_cast<T>(acc[m * kRowBlock + r] + b);
+      }
   }
 }
 
@@ -102,10 +111,19 @@ void gemv(const Nf4Weight& W, const float* table, const float* xp, const T* bias
 }
 
 template <typename T, int MT = 1>
-void gemv_dispatch(int64_t M, const Nf4Weight& W, const float* table, const float* xp, const T* bias, T* y) {
-  if constexpr (MT <= kMaxGemvRows) {
+void gemv_tile(int64_t M, const Nf4Weight& W, const float* table, const float* xp, const T* bias, T* y) {
+  if constexpr (MT <= kNf4MaxTileRows) {
     if (M == MT) return gemv<MT, T>(W, table, xp, bias, y);
-    gemv_dispatch<T, MT + 1>(M, W, table, xp, bias, y);
+    gemv_tile<T, MT + 1>(M, W, table, xp, bias, y);
+  }
+}
+
+// x rows in tiles of at most kNf4MaxTileRows (the most whose sums stay in registers), each a pass over the weight.
+template <typename T>
+void gemv_dispatch(int64_t M, const Nf4Weight& W, const float* table, const float* xp, const T* bias, T* y) {
+  for (int64_t m = 0; m < M; m += kNf4MaxTileRows) {
+    const int64_t rows = std::min<int64_t>(kNf4MaxTileRows, M - m);
+    gemv_tile<T>(rows, W, table, xp + m * W.K, bias, y + m * W.N);
   }
 }
 

@@ -7,8 +7,10 @@ constexpr int64_t kNf4Chunk = 16;
 constexpr const char* kNf4Tier = "avx2";
 
 // Weight rows a call takes for MT x rows (16 ymm registers: sums, two scaled half-tables a row, the codes).
+constexpr int kNf4MaxTileRows = 2;  // x rows a pass takes: more spill the sums
+
 template <int MT>
-constexpr int nf4_rows_for() { return MT == 1 ? 4 : MT <= 3 ? 2 : 1; }
+constexpr int nf4_rows_for() { return MT == 1 ? 4 : 2; }
 
 struct Nf4Table {
   __m256 lo, hi;  // codes 0-7 and 8-15
@@ -29,23 +31,26 @@ inline __m256i nf4_bytes(const uint8_t* p) {
   return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
 }
 
-// R weight rows (codes with row stride ldw, absmax with row stride lda) against MT rows of xp [*, K] in chunk
-// order: out[m * R + r] = sum over k of table[code] * absmax * x.
+// R weight rows (codes with row stride ldw, absmax with row stride lda) over `len` columns against MT rows of xp
+// (row stride ldx, chunk order): out[m * ldo + r] += sum over those columns of table[code] * absmax * x.
 template <int R, int MT>
 inline void nf4_dots(const uint8_t* w, int64_t ldw, const at::BFloat16* am, int64_t lda, const float* table,
-                     const float* xp, int64_t K, float* out) {
+                     const float* xp, int64_t ldx, int64_t len, float* out,
+                     int64_t ldo) {
   __m256 acc[MT][R];
   for (int m = 0; m < MT; ++m)
     for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < K / kBlock; ++b) {
+  for (int64_t b = 0; b < len / kBlock; ++b) {
+#pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       const Nf4Table t = nf4_scaled(table, bf16_to_float(am[r * lda + b]));
       for (int64_t k = b * kBlock; k < (b + 1) * kBlock; k += kNf4Chunk) {
         const __m256i v = nf4_bytes(w + r * ldw + k / 2);
         const __m256 even = nf4_lookup(t, _mm256_srli_epi32(v, 4)), odd = nf4_lookup(t, v);
+#pragma GCC unroll 16
         for (int m = 0; m < MT; ++m) {
-          acc[m][r] = _mm256_fmadd_ps(even, _mm256_loadu_ps(xp + m * K + k), acc[m][r]);
-          acc[m][r] = _mm256_fmadd_ps(odd, _mm256_loadu_ps(xp + m * K + k + 8), acc[m][r]);
+          acc[m][r] = _mm256_fmadd_ps(even, _mm256_loadu_ps(xp + m * ldx + k), acc[m][r]);
+          acc[m][r] = _mm256_fmadd_ps(odd, _mm256_loadu_ps(xp + m * ldx + k + 8), acc[m][r]);
         }
       }
     }
@@ -54,7 +59,7 @@ inline void nf4_dots(const uint8_t* w, int64_t ldw, const at::BFloat16* am, int6
     for (int r = 0; r < R; ++r) {
       const __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[m][r]), _mm256_extractf128_ps(acc[m][r], 1));
       const __m128 s2 = _mm_add_ps(s, _mm_movehl_ps(s, s));
-      out[m * R + r] = _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+      out[m * ldo + r] += _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
     }
 }
 

@@ -6,36 +6,42 @@
 constexpr int64_t kNf4Chunk = 32;
 constexpr const char* kNf4Tier = "avx512";
 
-// Weight rows a call takes for MT x rows: sums MT x R stay in registers with the scaled tables.
-template <int MT>
-constexpr int nf4_rows_for() { return MT == 1 ? 8 : MT <= 4 ? 4 : MT <= 8 ? 2 : 1; }
+// Weight rows a call takes for MT x rows (at most kNf4MaxTileRows): sums MT x R stay in registers.
+constexpr int kNf4MaxTileRows = 4;  // x rows a pass takes: more spill the sums
 
-// R weight rows (codes with row stride ldw, absmax with row stride lda) against MT rows of xp [*, K] in chunk
-// order: out[m * R + r] = sum over k of table[code] * absmax * x.
+template <int MT>
+constexpr int nf4_rows_for() { return MT == 1 ? 8 : 4; }
+
+// R weight rows (codes with row stride ldw, absmax with row stride lda) over `len` columns against MT rows of xp
+// (row stride ldx, chunk order): out[m * ldo + r] += sum over those columns of table[code] * absmax * x.
 template <int R, int MT>
 inline void nf4_dots(const uint8_t* w, int64_t ldw, const at::BFloat16* am, int64_t lda, const float* table,
-                     const float* xp, int64_t K, float* out) {
+                     const float* xp, int64_t ldx, int64_t len, float* out,
+                     int64_t ldo) {
   const __m512 lut = _mm512_loadu_ps(table);
   __m512 acc[MT][R];
   for (int m = 0; m < MT; ++m)
     for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < K / kBlock; ++b) {
+  for (int64_t b = 0; b < len / kBlock; ++b) {
     __m512 scaled[R];
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) scaled[r] = _mm512_mul_ps(lut, _mm512_set1_ps(bf16_to_float(am[r * lda + b])));
     for (int64_t k = b * kBlock; k < (b + 1) * kBlock; k += kNf4Chunk) {
+#pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + r * ldw + k / 2)));
         const __m512 even = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), scaled[r]);
         const __m512 odd = _mm512_permutexvar_ps(v, scaled[r]);
+#pragma GCC unroll 16
         for (int m = 0; m < MT; ++m) {
-          acc[m][r] = _mm512_fmadd_ps(even, _mm512_loadu_ps(xp + m * K + k), acc[m][r]);
-          acc[m][r] = _mm512_fmadd_ps(odd, _mm512_loadu_ps(xp + m * K + k + 16), acc[m][r]);
+          acc[m][r] = _mm512_fmadd_ps(even, _mm512_loadu_ps(xp + m * ldx + k), acc[m][r]);
+          acc[m][r] = _mm512_fmadd_ps(odd, _mm512_loadu_ps(xp + m * ldx + k + 16), acc[m][r]);
         }
       }
     }
   }
   for (int m = 0; m < MT; ++m)
-    for (int r = 0; r < R; ++r) out[m * R + r] = _mm512_reduce_add_ps(acc[m][r]);
+    for (int r = 0; r < R; ++r) out[m * ldo + r] += _mm512_reduce_add_ps(acc[m][r]);
 }
 
 // The 32 values of one chunk in column order (two fp32 vectors) from its 16 bytes and the block's scaled table.

@@ -5,25 +5,28 @@
 constexpr int64_t kNf4Chunk = 2;
 constexpr const char* kNf4Tier = "generic";
 
+constexpr int kNf4MaxTileRows = 1;  // x rows a pass takes: more spill the sums
+
 template <int MT>
 constexpr int nf4_rows_for() { return 1; }
 
-// R weight rows (codes with row stride ldw, absmax with row stride lda) against MT rows of xp [*, K]:
-// out[m * R + r] = sum over k of table[code] * absmax * x.
+// R weight rows (codes with row stride ldw, absmax with row stride lda) over `len` columns against MT rows of xp
+// (row stride ldx): out[m * ldo + r] += sum over those columns of table[code] * absmax * x.
 template <int R, int MT>
 inline void nf4_dots(const uint8_t* w, int64_t ldw, const at::BFloat16* am, int64_t lda, const float* table,
-                     const float* xp, int64_t K, float* out) {
+                     const float* xp, int64_t ldx, int64_t len, float* out,
+                     int64_t ldo) {
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MT; ++m) {
       float acc = 0.f;
-      for (int64_t b = 0; b < K / kBlock; ++b) {
+      for (int64_t b = 0; b < len / kBlock; ++b) {
         const float s = bf16_to_float(am[r * lda + b]);
         for (int64_t k = b * kBlock; k < (b + 1) * kBlock; k += 2) {
           const uint8_t byte = w[r * ldw + k / 2];
-          acc += table[byte >> 4] * s * xp[m * K + k] + table[byte & 15] * s * xp[m * K + k + 1];
+          acc += table[byte >> 4] * s * xp[m * ldx + k] + table[byte & 15] * s * xp[m * ldx + k + 1];
         }
       }
-      out[m * R + r] = acc;
+      out[m * ldo + r] += acc;
     }
 }
 
