@@ -197,7 +197,10 @@ class Linear4bitCpu(nn.Module):
         if err is not None or state.blocksize != BLOCKSIZE:
             raise ValueError(f"4-bit weight {state.shape} (blocksize {state.blocksize}) cannot run on CPU: "
                              f"{err or f'blocksize must be {BLOCKSIZE}'}")
-        self.register_buffer("codes", packed.view(torch.uint8).view(self.out_features, self.in_features // 2))
+        flat = packed.contiguous().view(torch.uint8)  # a tensor of its own, not a view: no base kept alive
+        codes = torch.empty(0, dtype=torch.uint8, device=flat.device).set_(
+            flat.untyped_storage(), flat.storage_offset(), (self.out_features, self.in_features // 2))
+        self.register_buffer("codes", codes)
         self.register_buffer("table", state.quant_map.float().contiguous())
         self.register_buffer("absmax", None)
         self.state: State4bit | None = state
