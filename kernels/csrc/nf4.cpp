@@ -164,32 +164,27 @@ torch::Tensor nf4_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor absma
   return y;
 }
 
-// x [M, K] times the 4-bit weight, tile by tile: each tile of weight rows dequantized to x's dtype into a thread's
-// scratch (at most tile_bytes) and multiplied by at::mm into its output columns; plus bias.
+// x [M, K] times the 4-bit weight, tile by tile: each tile of weight rows (at most tile_bytes) dequantized to x's
+// dtype by every thread into one scratch kept between calls, then multiplied by at::mm (oneDNN, its own threads)
+// into its output columns, from this thread; plus bias.
 torch::Tensor nf4_tile_mm(torch::Tensor x, torch::Tensor codes, torch::Tensor absmax, torch::Tensor table,
                           c10::optional<torch::Tensor> bias, int64_t tile_bytes) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x [M, K] must be contiguous");
   const Nf4Weight W = checked(codes, absmax, table, x.size(1));
   auto y = torch::empty({x.size(0), W.N}, x.options());
-  const int64_t threads = at::get_num_threads();
-  const int64_t wanted = (W.N * W.K * x.element_size() + tile_bytes - 1) / tile_bytes;
-  const int64_t tiles_wanted = std::max<int64_t>(1, std::min(W.N, (wanted + threads - 1) / threads * threads));
-  const int64_t per_tile = (W.N + tiles_wanted - 1) / tiles_wanted;
-  const int64_t tiles = (W.N + per_tile - 1) / per_tile;
+  const int64_t per_tile = std::max<int64_t>(1, std::min(W.N, tile_bytes / (W.K * x.element_size())));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "nf4_tile_mm", [&] {
-    const bool inference = c10::InferenceMode::is_enabled();  // worker threads do not inherit it
-    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-      c10::InferenceMode guard(inference);
-      static thread_local std::vector<scalar_t> scratch;  // kept between calls: no page faults, no zeroing
-      if (scratch.size() < static_cast<size_t>(W.K * per_tile)) scratch.resize(W.K * per_tile);
-      for (int64_t t = begin; t < end; ++t) {
-        const int64_t n0 = t * per_tile, rows = std::min(per_tile, W.N - n0);
-        dequant_rows<scalar_t>(W, table.data_ptr<float>(), n0, rows, scratch.data());
-        auto w = torch::from_blob(scratch.data(), {rows, W.K}, x.options());
-        auto out = y.narrow(1, n0, rows);
-        at::mm_out(out, x, w.t());
-      }
-    });
+    static std::vector<scalar_t> scratch;  // kept between calls: no page faults, no zeroing
+    if (scratch.size() < static_cast<size_t>(W.K * per_tile)) scratch.resize(W.K * per_tile);
+    for (int64_t n0 = 0; n0 < W.N; n0 += per_tile) {
+      const int64_t rows = std::min(per_tile, W.N - n0);
+      at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+        dequant_rows<scalar_t>(W, table.data_ptr<float>(), n0 + r0, r1 - r0, scratch.data() + r0 * W.K);
+      });
+      auto w = torch::from_blob(scratch.data(), {rows, W.K}, x.options());
+      auto out = y.narrow(1, n0, rows);
+      at::mm_out(out, x, w.t());
+    }
   });
   if (bias.has_value()) y.add_(bias->to(x.scalar_type()));
   return y;
