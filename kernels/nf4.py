@@ -2,8 +2,10 @@
 in bitsandbytes' own serialized layout (csrc/nf4.cpp): codes [out, in / 2] uint8, two a byte, the even column in
 the high nibble; absmax [out, in / 64] bf16; the 16-value code table (fp32).
 
-Up to `MAX_GEMV_ROWS` rows (decode) the tier's product (nf4_avx512.h, nf4_avx2.h, nf4_generic.h: a table lookup
-per code, fp32 FMAs); above, tiles of weight rows dequantized to the activations' dtype and multiplied by oneDNN.
+Below `TILE_MIN_ROWS` rows (decode and prefill chunks) the tier's product (nf4_avx512.h, nf4_avx2.h,
+nf4_generic.h: a table lookup per code, fp32 FMAs, x rows a few at a time); from there, tiles of weight rows
+dequantized to the activations' dtype and multiplied by oneDNN, faster at many rows but holding oneDNN's
+per-shape state and allocations (a 40-prompt batch left the process more resident: docs/benchmarks.md).
 Without the C++ kernels (none built, SLUICE_CPU_KERNEL=0) the weight is dequantized by torch ops (`dequantize`:
 the reference the kernels are tested against) for F.linear.
 """
@@ -16,7 +18,7 @@ import torch.nn.functional as F
 from sluice.kernels import cpp_build
 
 BLOCK = 64
-MAX_GEMV_ROWS = 16  # the C++ GEMV's row limit (csrc/nf4.cpp kMaxGemvRows); tiles and oneDNN above
+TILE_MIN_ROWS = 4096  # rows from which the tiles serve (docs/benchmarks.md: resident memory after a batch)
 TILE_BYTES = 4 << 20  # dequantized scratch per tile, as int4_weights' tiles
 
 
@@ -47,7 +49,7 @@ def nf4_linear(x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, table
     ext = kernel() if x.device.type == "cpu" else None
     if ext is None:
         y = F.linear(rows, dequantize(codes, absmax, table, x.dtype), bias)
-    elif 0 < rows.shape[0] <= MAX_GEMV_ROWS:
+    elif 0 < rows.shape[0] < TILE_MIN_ROWS:
         y = ext.nf4_gemv(rows.contiguous(), codes, absmax, table, bias)
     else:
         y = ext.nf4_tile_mm(rows.contiguous(), codes, absmax, table, bias, TILE_BYTES)

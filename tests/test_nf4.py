@@ -123,8 +123,7 @@ def test_the_bf16_absmax_errs_by_at_most_half_a_bf16_step(quant_type, nested, cp
 @pytest.mark.parametrize(("out_f", "in_f"), [(70, 256), (1, 64), (33, 192), (8, 1024)])
 @pytest.mark.parametrize(("quant_type", "nested"), [("nf4", True), ("fp4", False)])
 def test_the_kernels_match_the_fp64_product_on_every_tier(rows, out_f, in_f, quant_type, nested, cpu_tier):
-    """x times our linear (the tier's GEMV up to 16 rows, bf16 tiles and oneDNN above; the torch fallback where
-    no kernel builds) against x times the fp64 reference weight: per output row within the absmax's bf16
+    """x times our linear (the tier's GEMV; the torch fallback where no kernel builds) against x times the fp64 reference weight: per output row within the absmax's bf16
     rounding plus the output's (bf16 x) or fp32 sums (fp32 x) plus, in the tiles, the weights' bf16 rounding."""
     mod, ref, b = packed_linear(out_f, in_f, quant_type, nested, bias=rows % 2 == 1, seed=rows)
     g = torch.Generator().manual_seed(rows * 31 + out_f)
@@ -135,10 +134,24 @@ def test_the_kernels_match_the_fp64_product_on_every_tier(rows, out_f, in_f, qua
         assert got.dtype == dtype
         want = x.double() @ ref.t() + (0 if b is None else b.double())
         scale = x.double().abs() @ ref.abs().t() + (0 if b is None else b.double().abs())  # |terms|: the error scale
-        tiles = nf4.kernel() is None or rows > nf4.MAX_GEMV_ROWS
+        tiles = nf4.kernel() is None  # the fallback multiplies the dequantized weight in x's dtype
         steps = 1 + (dtype is torch.bfloat16 or tiles) + (tiles and dtype is torch.bfloat16)
         bound = scale * (steps * BF16_EPS / 2 + in_f * 2**-24) + want.abs() * BF16_EPS / 2
         assert ((got.double() - want).abs() <= bound).all(), (dtype, (got.double() - want).abs().max())
+
+
+@pytest.mark.parametrize("rows", [1, 40])
+def test_the_tiles_give_the_product_of_the_rounded_weight(rows, cpu_tier):
+    """`nf4_tile_mm` (kernels/nf4.py's path from TILE_MIN_ROWS): x times the weight dequantized and rounded to
+    bf16 (its tiles), plus bias, as at::mm multiplies them; weight rows off the tile size."""
+    ext = nf4.kernel()
+    mod, _, b = packed_linear(70, 256, "fp4", True, bias=True)
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+    if ext is None:
+        return  # no C++ kernels here: nothing but the torch fallback serves (tested above)
+    got = ext.nf4_tile_mm(x, mod.codes, mod.absmax, mod.table, b, 256 * 2 * 16)  # tiles of 16 rows
+    w = ext.nf4_dequant(mod.codes, mod.absmax, mod.table, 0, 70, torch.bfloat16)
+    assert torch.equal(got, torch.mm(x, w.t()) + b)
 
 
 def test_our_linear_and_bitsandbytes_linear4bit_are_equally_close_to_the_fp64_product():

@@ -3,12 +3,12 @@
 // the even column in the high nibble; absmax [N, K / 64] bf16; the code table (quant_map, 16 fp32 values). A
 // weight is w[n, k] = table[code] * absmax[n, k / 64] (fp32, as bitsandbytes dequantizes it).
 //
-// Up to 16 rows (decode) the tier's product (nf4_avx512.h, nf4_avx2.h, nf4_generic.h): x converted once a call
+// The GEMV (any row count, x rows in passes of the tier's tile) is the tier's product (nf4_avx512.h, nf4_avx2.h, nf4_generic.h): x converted once a call
 // to fp32 in the tier's chunk order (per chunk of C columns the even columns, then the odd ones: the order a
 // chunk's bytes unpack in, high nibbles then low), each weight block's table scaled by its absmax, every code
-// looked up in it (`vpermps`) and multiplied into fp32 sums with every x row. Above 16 rows each thread
-// dequantizes a tile of weight rows to x's dtype (rounded once from the fp32 value) and multiplies it with at::mm
-// (oneDNN), as quant_linear.cpp's int4 tiles do.
+// looked up in it (`vpermps`) and multiplied into fp32 sums with every x row. The tiles (kernels/nf4.py says from
+// how many rows) dequantize each tile of weight rows to x's dtype (rounded once from the fp32 value) and multiply
+// it with at::mm (oneDNN), as quant_linear.cpp's int4 tiles do.
 #include "cpu_capability.h"
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -20,7 +20,6 @@
 namespace {
 
 constexpr int64_t kBlock = 64;
-constexpr int64_t kMaxGemvRows = 16;
 
 inline float bf16_to_float(at::BFloat16 v) { return static_cast<float>(v); }
 
@@ -148,10 +147,10 @@ void dequant_rows(const Nf4Weight& W, const float* table, int64_t n0, int64_t ro
 
 }  // namespace
 
-// x [M, K] (1 to 16 rows) times the 4-bit weight [N, K], plus bias -> [M, N] in x's dtype.
+// x [M, K] times the 4-bit weight [N, K], plus bias -> [M, N] in x's dtype.
 torch::Tensor nf4_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor absmax, torch::Tensor table,
                        c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(0) >= 1 && x.size(0) <= kMaxGemvRows, "x [1..16, K]");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(0) >= 1, "x [M, K], M >= 1");
   const Nf4Weight W = checked(codes, absmax, table, x.size(1));
   const int64_t M = x.size(0);
   auto y = torch::empty({M, W.N}, x.options());
@@ -203,12 +202,11 @@ torch::Tensor nf4_dequant(torch::Tensor codes, torch::Tensor absmax, torch::Tens
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("nf4_gemv", &nf4_gemv, "x (1-16 rows) times a bitsandbytes 4-bit weight (CPU)", py::arg("x"),
+  m.def("nf4_gemv", &nf4_gemv, "x times a bitsandbytes 4-bit weight, x rows a few at a time (CPU)", py::arg("x"),
         py::arg("codes"), py::arg("absmax"), py::arg("table"), py::arg("bias") = py::none());
   m.def("nf4_tile_mm", &nf4_tile_mm, "x times a bitsandbytes 4-bit weight dequantized tile by tile (CPU)",
         py::arg("x"), py::arg("codes"), py::arg("absmax"), py::arg("table"), py::arg("bias") = py::none(),
         py::arg("tile_bytes") = 4 << 20);
   m.def("nf4_dequant", &nf4_dequant, "rows of a bitsandbytes 4-bit weight dequantized (CPU)");
-  m.attr("MAX_GEMV_ROWS") = kMaxGemvRows;
   m.attr("TIER") = kNf4Tier;
 }
