@@ -19,7 +19,7 @@ from common import bench_model, record, table, workload
 MODES = {"bf16": {}, "int8": {"quantization": "int8"}, "int4": {"quantization": "int4"},
          "int8-weight-only": {"quantization": "int8_weight_only"}}
 KV_GB = 0.5
-BNB_MODES = ("int4",)  # modes whose CPU engine imports bitsandbytes (LLM.int8() runs our kernels: int8 does not)
+BNB_MODES = ()
 NOTES = """
 
 Resident is what the engine adds to the process's VmRSS (weights, KV pages touched, scratch; the imports

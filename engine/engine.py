@@ -82,8 +82,8 @@ class Engine:
         models = [m for m in (self.model, draft) if m is not None]
         if self.device.type == "cpu":
             for m in models:
-                pack_4bit_for_cpu(m)  # at load, in a fraction of the time bitsandbytes' first forward takes
-            heap.trim()  # the load's freed originals (full-precision weights, bitsandbytes' layouts) go back now
+                pack_4bit_for_cpu(m)  # at load: the 4-bit linears' bf16 absmax, bitsandbytes' state freed
+            heap.trim()  # the load's freed originals (full-precision weights, 4-bit states) go back now
         # Huge pages for the weights (engine.weight_memory) once the first step has run: loading, the KV pool and
         # the first step's lazy set-up (a worker's warm-up, before it is ready) never share the cores with them.
         self._unsettled = [m.weight_arena for m in models if hasattr(m, "weight_arena")]

@@ -37,7 +37,8 @@ INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 EXTENSIONS = {"paged_attention.cpp": "sluice_paged_attention_cpu", "elementwise.cpp": "sluice_elementwise_cpu",
               "quant_linear.cpp": "sluice_quant_linear_cpu", "bf16_gemv.cpp": "sluice_bf16_gemv_cpu",
               "rms_norm.cpp": "sluice_rms_norm_cpu", "decode_stack.cpp": "sluice_decode_stack_cpu",
-              "moe.cpp": "sluice_moe_cpu", "masked_sample.cpp": "sluice_masked_sample_cpu"}
+              "moe.cpp": "sluice_moe_cpu", "masked_sample.cpp": "sluice_masked_sample_cpu",
+              "nf4.cpp": "sluice_nf4_cpu"}
 _built: dict[tuple[str, str], object | None] = {}
 
 

@@ -3,7 +3,6 @@ unquantized engine on small random checkpoints."""
 
 from __future__ import annotations
 
-import copy
 import json
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from sluice.engine.models.llama import ModelConfig
 from sluice.engine.models.loader import read_config
 from sluice.engine.quantization import FusedLinear
 from sluice.engine.quantization import linears as qlinears
+from sluice.engine.quantization.four_bit import Linear4bitCpu
 from sluice.engine.quantization.int8_cpu import LLMInt8Linear
 from sluice.engine.quantization.linears import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 from tests.services import worker_env
@@ -54,7 +54,7 @@ def reference(ckpt):
 def quantized_parts(llm: LLM) -> list[torch.nn.Module]:
     mods = [m for layer in llm.engine.model.layers for m in layer.modules()]
     assert not any(type(m) is torch.nn.Linear for m in mods), "a decoder linear was left unquantized"
-    return [m for m in mods if isinstance(m, LLMInt8Linear | bnb.nn.Linear4bit)]
+    return [m for m in mods if isinstance(m, LLMInt8Linear | Linear4bitCpu)]
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -65,18 +65,18 @@ def test_quantized_modes_load_generate_and_stay_close(ckpt, reference, mode):
     assert err < MAX_REL_ERR[mode]
     parts = quantized_parts(llm)
     assert len(parts) == 7 * llm.engine.model_config.num_layers
-    kind, storage = (LLMInt8Linear, torch.int8) if mode == "int8" else (bnb.nn.Linear4bit, torch.uint8)
-    assert all(isinstance(p, kind) and p.weight.dtype == storage for p in parts)
+    kind, storage = (LLMInt8Linear, torch.int8) if mode == "int8" else (Linear4bitCpu, torch.uint8)
+    codes = "weight" if mode == "int8" else "codes"  # int4 on CPU: our linear over bitsandbytes' packed bytes
+    assert all(isinstance(p, kind) and getattr(p, codes).dtype == storage for p in parts)
     assert isinstance(llm.engine.model.layers[0].self_attn.qkv_proj, FusedLinear)
     model = llm.engine.model
     assert model.embed_tokens.weight.dtype == model.lm_head.weight.dtype == model.norm.weight.dtype == torch.bfloat16
     if mode == "int8":
         assert parts[0].threshold == 6.0 and parts[0].SCB.dtype == torch.float32
-    else:
-        qs = parts[0].weight.quant_state
-        nested = getattr(qs, "original_nested", qs.nested)  # the CPU kernel unpacks double quant on first use
-        assert (qs.quant_type, qs.blocksize, nested) == (mode.split("-")[1], 64, mode.endswith("double"))
-        assert parts[0].compute_dtype == torch.bfloat16
+    else:  # packed at load: bf16 absmax [out, in / 64], bitsandbytes' state (nested or not) dropped
+        assert parts[0].quant_type == mode.split("-")[1] and parts[0].state is None
+        assert parts[0].absmax.dtype == torch.bfloat16
+        assert parts[0].absmax.shape == (parts[0].out_features, parts[0].in_features // 64)
     outs = llm.generate(PROMPTS, GREEDY, progress=False)
     assert all(len(o.token_ids) == GREEDY.max_tokens for o in outs)
 
@@ -193,10 +193,11 @@ def test_transformers_bitsandbytes_checkpoint_loads_and_matches(ckpt, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(got, ours, strict=True))
     with torch.no_grad():
         ref = hf(torch.tensor([PROMPTS[1]])).logits[0].float()
-    # alone, the prompt is attended as transformers attends it (one causal SDPA); in the batch, fresh prefills of
-    # similar length share one padded SDPA call (kernels/prefill.py), another bf16 rounding of the same sum
-    assert rel_err(loaded.score([PROMPTS[1]]), [ref]) < 1e-3
-    assert rel_err([got[1]], [ref]) < 1e-2
+    # transformers runs bitsandbytes' CPU kernel (bf16 code table, bf16 dot products), we run ours (fp32 table and
+    # FMAs): both as close to the fp64 product (tests/test_nf4.py), each rounding every linear's output to bf16 on
+    # its own, which this random model's chained linears compound (docs/benchmarks.md, int4 without bitsandbytes)
+    assert rel_err(loaded.score([PROMPTS[1]]), [ref]) < 2e-2
+    assert rel_err([got[1]], [ref]) < 2e-2
 
 
 def test_int8_kv_cache_close_to_fp32_and_holds_twice_the_tokens(ckpt):
@@ -241,33 +242,16 @@ def test_unquantizable_shape_and_requantizing_fail_with_reasons(checkpoint_facto
         LLM(tmp_path, dtype="bfloat16", device="cpu")
 
 
-@pytest.mark.parametrize("quant_type,nested", [("nf4", False), ("fp4", True)])
-def test_4bit_cpu_packing_is_bitsandbytes_own(quant_type, nested):
-    """Our uint8 repack of a 4-bit weight for bitsandbytes' CPU kernel gives the bytes and QuantState of its own
-    `_convert_weight_packed_for_cpu` (three blocks of 32 rows, a zero block), and the probe agrees."""
-    w = torch.randn(96, 512, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-    w[:32, :64] = 0
-    packed, state = bnb.functional.quantize_4bit(w, blocksize=64, compress_statistics=nested, quant_type=quant_type)
-    theirs = bnb.functional._convert_weight_packed_for_cpu(packed.clone(), copy.deepcopy(state))
-    ours = qlinears._packed_for_cpu(packed.clone(), copy.deepcopy(state))
-    assert torch.equal(ours[0], theirs[0]) and qlinears._same_state(ours[1], theirs[1])
-    assert ours[1].packing_format_for_cpu and not ours[1].nested
-    assert qlinears._cpu_packing_matches_bnb()
-
-
 def test_int4_linears_are_packed_for_the_cpu_kernel_at_load(ckpt, monkeypatch):
-    """The engine packs bitsandbytes' 4-bit linears for its CPU kernel while loading (where the kernel needs
-    it): the same logits as a model that bitsandbytes packs at its first forward."""
-    llm = LLM(ckpt, dtype="bfloat16", device="cpu", quantization="int4")
-    parts = quantized_parts(llm)
-    needs = parts[0].support_avx512bf16_for_cpu
-    assert all(getattr(p.weight.quant_state, "packing_format_for_cpu", False) == needs for p in parts)
+    """The engine packs the 4-bit linears for our CPU kernel while loading (bf16 absmax, bitsandbytes' state
+    freed): the same logits as a model whose linears pack at their first forward."""
+    llm = LLM(ckpt, dtype="bfloat16", device="cpu", quantization="int4", double_quant=True)
+    assert all(p.state is None and p.absmax is not None for p in quantized_parts(llm))
     monkeypatch.setattr("sluice.engine.engine.pack_4bit_for_cpu", lambda model: 0)
-    lazy = LLM(ckpt, dtype="bfloat16", device="cpu", quantization="int4")
-    assert not any(getattr(p.weight.quant_state, "packing_format_for_cpu", False) for p in quantized_parts(lazy))
+    lazy = LLM(ckpt, dtype="bfloat16", device="cpu", quantization="int4", double_quant=True)
+    assert all(p.state is not None and p.absmax is None for p in quantized_parts(lazy))
     for a, b in zip(llm.score(PROMPTS), lazy.score(PROMPTS), strict=True):
         assert torch.equal(a, b)
-
 
 
 # Runs the code it is given after an audit hook that records every host looked up or connected to other than
@@ -299,13 +283,13 @@ def audited(code: str, args: list[str], cwd, env: dict[str, str]) -> list[str]:
 
 
 def test_a_quantized_worker_never_asks_the_hub(ckpt, tmp_path, redis_server):
-    """A worker on a pre-quantized int4 checkpoint (bitsandbytes imported) looks up no host but loopback from
-    process start to exit; importing bitsandbytes with the Hub online does, where its CPU backend asks the Hub
-    for a kernel (HF `kernels` installed, an AVX512-BF16 CPU)."""
+    """A worker on a pre-quantized int4 checkpoint (on CPU bitsandbytes is never imported) looks up no host but
+    loopback from process start to exit; importing bitsandbytes with the Hub online does, where its CPU backend
+    asks the Hub for a kernel (HF `kernels` installed, an AVX512-BF16 CPU)."""
     quantize(ckpt, tmp_path / "int4", "int4", dtype="bfloat16")
     env = {k: v for k, v in worker_env(redis_server.url).items() if k not in ("HF_HUB_OFFLINE", "PYTHONPATH")}
     args = ["--model", str(tmp_path / "int4"), "--dtype", "bfloat16", "--device", "cpu", "--burst", "--no-webhooks"]
-    assert audited(WORKER, args, tmp_path, env) == ["WORKER 0 True", "HOSTS []"]
+    assert audited(WORKER, args, tmp_path, env) == ["WORKER 0 False", "HOSTS []"]
     asks, online = audited(BNB, [], tmp_path, env | {"HF_HUB_OFFLINE": "0"})
     assert online == ("HOSTS ['huggingface.co']" if asks == "ASKS True" else "HOSTS []"), (asks, online)
 

@@ -12,6 +12,7 @@ from torch import nn
 
 from sluice.engine.models.llama import ModelConfig
 from sluice.engine.models.loader import CheckpointReader, load_model, read_config
+from sluice.engine.quantization.four_bit import Linear4bitCpu
 from sluice.engine.quantization.int8_cpu import LLMInt8Linear
 from sluice.engine.quantization.linears import FusedLinear, Quantizer, part_names
 from sluice.engine.quantization.spec import QuantSpec, check_shapes
@@ -33,7 +34,7 @@ def quantized_linears(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
     out: dict[str, dict[str, torch.Tensor]] = {}
     for i, layer in enumerate(model.layers):
         for name, mod in layer.named_modules():
-            if ".parts." in name or not isinstance(mod, FusedLinear | nn.Linear | LLMInt8Linear):
+            if ".parts." in name or not isinstance(mod, FusedLinear | nn.Linear | LLMInt8Linear | Linear4bitCpu):
                 continue
             parts = mod.parts if isinstance(mod, FusedLinear) else [mod]
             for hf_name, part in zip(part_names(f"model.layers.{i}.{name}"), parts, strict=True):

@@ -1,5 +1,5 @@
 """Refuse devices bitsandbytes has no kernels for, by running one tiny quantized matmul there first (where
-bitsandbytes serves: not LLM.int8() on CPU, which runs our kernels)."""
+bitsandbytes serves: not on CPU, where LLM.int8() and the 4-bit linears run our kernels)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from sluice.engine.quantization.spec import (
 
 def check_device(spec: QuantSpec, device: torch.device, dtype: torch.dtype) -> None:
     """Refuse devices bitsandbytes has no kernels for, and run one tiny quantized matmul there."""
-    if spec.method in (WEIGHT_ONLY, INT4_WEIGHT_ONLY) or (spec.method == "int8" and device.type == "cpu"):
-        return  # our own kernels (LLM.int8() on CPU: engine/quantization/int8_cpu.py)
+    if spec.method in (WEIGHT_ONLY, INT4_WEIGHT_ONLY) or device.type == "cpu":
+        return  # our own kernels (on CPU: engine/quantization/int8_cpu.py, four_bit.py)
     if device.type not in SERVED_DEVICES:
         raise ValueError(f"quantization={spec.method!r} needs bitsandbytes kernels, which exist for "
                          f"{', '.join(SERVED_DEVICES)}; not for device {device.type!r}")

@@ -3,11 +3,7 @@ pre-quantized tensors."""
 
 from __future__ import annotations
 
-import copy
 import ctypes
-import functools
-import itertools
-import sys
 from typing import Any
 
 import torch
@@ -16,8 +12,9 @@ from torch import nn
 from sluice import kernels
 from sluice.engine.models.llama import LlamaModel, ModelConfig
 from sluice.engine.models.loader import CheckpointReader
+from sluice.engine.quantization import four_bit
 from sluice.engine.quantization.int8_cpu import LLMInt8Linear
-from sluice.engine.quantization.spec import BLOCKSIZE, CPU_INT4_ROWS, INT4_WEIGHT_ONLY, WEIGHT_ONLY, QuantSpec
+from sluice.engine.quantization.spec import BLOCKSIZE, INT4_WEIGHT_ONLY, WEIGHT_ONLY, QuantSpec
 from sluice.kernels import decode_stack, int4_weights, int8_weights
 
 QUIET = ("bitsandbytes.backends.cpu.ops", "bitsandbytes.autograd._functions")  # per-call cast notices
@@ -72,7 +69,10 @@ def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def int4_linear(spec: QuantSpec, packed: torch.Tensor, quant_state, bias, dtype) -> nn.Module:
-    """Linear4bit over packed 4-bit `packed` and its QuantState, computing in `dtype`."""
+    """A 4-bit linear over packed codes and their state: ours on CPU (a `four_bit.State4bit`: kernels.nf4, no
+    bitsandbytes), bitsandbytes' Linear4bit computing in `dtype` elsewhere (its QuantState)."""
+    if isinstance(quant_state, four_bit.State4bit):
+        return four_bit.Linear4bitCpu(packed, quant_state, bias, dtype)
     bnb = _bnb()
     out_f, in_f = quant_state.shape
     mod = bnb.nn.Linear4bit(in_f, out_f, bias=bias is not None, compute_dtype=dtype,
@@ -88,75 +88,9 @@ def int4_linear(spec: QuantSpec, packed: torch.Tensor, quant_state, bias, dtype)
 
 
 def pack_4bit_for_cpu(model: nn.Module) -> int:
-    """Put every bitsandbytes 4-bit linear of a CPU model in the layout bitsandbytes' CPU kernel reads, which its
-    first forward makes otherwise (`_convert_weight_packed_for_cpu`: every code widened to int32, transposed and
-    packed again, a large share of a model's warm-up): the same bytes by uint8 ops on the packed ones (faster:
-    docs/benchmarks.md), where a probe shows this bitsandbytes' own result; returns the linears packed."""
-    if "bitsandbytes" not in sys.modules or not _cpu_packing_matches_bnb():
-        return 0
-    done, linear4bit = 0, _bnb().nn.Linear4bit
-    for mod in model.modules():
-        if isinstance(mod, linear4bit) and _cpu_packable(mod):
-            mod.weight.data, _ = _packed_for_cpu(mod.weight.data, mod.weight.quant_state)
-            done += 1
-    return done
-
-
-def _cpu_packable(mod: nn.Module) -> bool:
-    """Whether bitsandbytes' forward would repack this Linear4bit for its CPU kernel (its own conditions)."""
-    state = getattr(mod.weight, "quant_state", None)
-    return (state is not None and mod.weight.device.type == "cpu" and mod.support_avx512bf16_for_cpu
-            and not mod.training and not getattr(state, "packing_format_for_cpu", False)
-            and state.shape[0] % 32 == 0 and state.shape[1] % 2 == 0)
-
-
-def _packed_for_cpu(packed: torch.Tensor, state) -> tuple[torch.Tensor, object]:
-    """bitsandbytes' CPU layout of a 4-bit weight and its QuantState, updated in place as its
-    `_convert_weight_packed_for_cpu` does: per block of 32 rows, byte i of column pair kk holds code 2 kk + i % 2
-    of rows i / 2 (low nibble) and 16 + i / 2 (high); absmax dequantized if nested, [blocks, rows] in bf16."""
-    q = packed.view(torch.uint8)
-    if packed.dtype != torch.uint8:
-        state.original_storage_type = packed.dtype
-    state.original_dtype, state.original_nested, state.original_qshape = state.dtype, state.nested, q.shape
-    n, half = state.shape[0], state.shape[1] // 2
-    v = q.reshape(n // 32, 2, 16, half)
-    lo, hi = v[:, 0], v[:, 1]  # rows 0-15 and 16-31 of each block; a byte's high nibble is the even code
-    pairs = torch.stack(((hi & 0xF0) | (lo >> 4), (hi << 4) | (lo & 0x0F)), dim=-1)
-    out = pairs.permute(0, 2, 1, 3).contiguous().view(n, half)
-    if state.nested:
-        absmax = _bnb().functional.dequantize_blockwise(state.absmax, state.state2)
-        absmax += state.offset
-        state.absmax, state.nested = absmax.float(), False
-        delattr(state, "state2")
-    state.absmax = state.absmax.reshape(n, state.shape[1] // state.blocksize).T.to(torch.bfloat16).contiguous()
-    state.dtype = torch.bfloat16
-    state.packing_format_for_cpu = True
-    return out, state
-
-
-@functools.cache
-def _cpu_packing_matches_bnb() -> bool:
-    """Whether `_packed_for_cpu` gives this bitsandbytes' own bytes and QuantState (NF4 and FP4, nested or not),
-    checked once per process; another version that packs otherwise keeps its own first-forward repack."""
-    F = _bnb().functional
-    convert = getattr(F, "_convert_weight_packed_for_cpu", None)
-    if convert is None:
-        return False
-    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    for quant_type, nested in itertools.product(("nf4", "fp4"), (False, True)):
-        packed, state = F.quantize_4bit(w, blocksize=BLOCKSIZE, compress_statistics=nested, quant_type=quant_type)
-        theirs = convert(packed.clone(), copy.deepcopy(state))
-        ours = _packed_for_cpu(packed.clone(), copy.deepcopy(state))
-        if not torch.equal(ours[0], theirs[0]) or not _same_state(ours[1], theirs[1]):
-            return False
-    return True
-
-
-def _same_state(a, b) -> bool:
-    va, vb = vars(a), vars(b)
-    return va.keys() == vb.keys() and all(
-        (isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y)) if isinstance(x, torch.Tensor)
-        else x == y for x, y in ((va[k], vb[k]) for k in va))
+    """Put every 4-bit linear of a CPU model in the layout its kernel reads (`four_bit.pack_for_cpu`: the absmax in
+    bf16, bitsandbytes' state freed), at load rather than at its first forward; returns the linears packed."""
+    return four_bit.pack_for_cpu(model)
 
 
 class Int8WeightOnlyLinear(nn.Module):
@@ -223,19 +157,19 @@ def quantized_linear(spec: QuantSpec, weight: torch.Tensor, bias: torch.Tensor |
     if spec.method == "int8":
         return int8_linear(spec, *int8_rows(weight), bias, dtype)
     n_out, n_in = weight.shape
-    pads = (-n_in % BLOCKSIZE, -n_out % CPU_INT4_ROWS) if weight.device.type == "cpu" else (0, 0)
-    if any(pads):  # bitsandbytes' CPU kernel packs whole blocks of 32 rows x 64 columns (MoE experts' widths vary)
-        weight = nn.functional.pad(weight, (0, pads[0], 0, pads[1]))
-        bias = None if bias is None else nn.functional.pad(bias, (0, pads[1]))
+    pad = -n_in % BLOCKSIZE if weight.device.type == "cpu" else 0
+    if pad:  # our CPU kernel multiplies whole blocks of 64 columns (MoE experts' widths vary)
+        weight = nn.functional.pad(weight, (0, pad))
     packed, state = _quantize_4bit(spec, weight.to(dtype).contiguous())
     mod = int4_linear(spec, packed, state, bias, dtype)
-    return ZeroPadded(mod, pads[0], n_out) if any(pads) else mod
+    return ZeroPadded(mod, pad, n_out) if pad else mod
 
 
 def _quantize_4bit(spec: QuantSpec, w: torch.Tensor) -> tuple[torch.Tensor, Any]:
-    """bitsandbytes' 4-bit packing of w, through our CPU function where it gives bitsandbytes' exact bits."""
-    if w.device.type == "cpu" and _cpu_4bit_matches_bnb():
-        return cpu_quantize_4bit(w, spec.quant_type, spec.double_quant)
+    """bitsandbytes' 4-bit packing of w: on CPU ours (`four_bit.quantize`, the same bits, no bitsandbytes),
+    elsewhere bitsandbytes' own."""
+    if w.device.type == "cpu":
+        return four_bit.quantize(w, spec.quant_type, spec.double_quant)
     F = _bnb().functional
     return F.quantize_4bit(w, blocksize=BLOCKSIZE, compress_statistics=spec.double_quant, quant_type=spec.quant_type)
 
@@ -253,55 +187,6 @@ class ZeroPadded(nn.Module):
         return y if y.shape[-1] == self.out_features else y[..., : self.out_features]
 
 
-@functools.cache
-def _cpu_4bit_tables() -> dict[str, tuple] | None:
-    """bitsandbytes' NF4/FP4 rounding bounds (and FP4's code order) for our C++ blocks pass, or None where either
-    is missing (then bitsandbytes' own op quantizes)."""
-    try:
-        from bitsandbytes.backends.default.ops import _get_4bit_quantize_bounds
-    except ImportError:
-        return None
-    if int4_weights.bnb_4bit_kernel() is None:
-        return None
-    tables = {}
-    for kind in ("nf4", "fp4"):
-        bounds, order = _get_4bit_quantize_bounds(kind, torch.device("cpu"))
-        tables[kind] = (bounds.float().contiguous(), None if kind == "nf4" else order.contiguous())
-    return tables
-
-
-def cpu_quantize_4bit(w: torch.Tensor, quant_type: str, nested: bool) -> tuple[torch.Tensor, object]:
-    """F.quantize_4bit of a contiguous CPU weight (blocks of BLOCKSIZE, uint8 storage) with its blocks quantized by
-    one C++ pass (`bnb_4bit_blocks`, 16 values a step) in place of bitsandbytes' torch ops; the QuantState is
-    bitsandbytes' own, built as F.quantize_4bit builds it. Use where `_cpu_4bit_matches_bnb`."""
-    F = _bnb().functional
-    bounds, order = _cpu_4bit_tables()[quant_type]
-    packed, absmax = int4_weights.bnb_4bit_kernel()(w, BLOCKSIZE, bounds, order)
-    kw = dict(shape=w.shape, dtype=w.dtype, blocksize=BLOCKSIZE, code=F.get_4bit_type(quant_type, device=w.device),
-              quant_type=quant_type)
-    if not nested:
-        return packed.unsqueeze(1), F.QuantState(absmax=absmax, **kw)
-    offset = absmax.mean()
-    qabsmax, state2 = F.quantize_blockwise(absmax - offset, blocksize=256)
-    return packed.unsqueeze(1), F.QuantState(absmax=qabsmax, offset=offset, state2=state2, **kw)
-
-
-@functools.cache
-def _cpu_4bit_matches_bnb() -> bool:
-    """Whether `cpu_quantize_4bit` gives the installed bitsandbytes' own codes and QuantState for NF4 and FP4, nested
-    or not (a zero block and a short last block included), checked once per process; another version that
-    quantizes otherwise keeps its own op."""
-    if _cpu_4bit_tables() is None:
-        return False
-    F = _bnb().functional
-    probe = (torch.randn(64 * 2048 + 37, generator=torch.Generator().manual_seed(0)) * 2).to(torch.bfloat16)
-    probe[:70] = 0
-    for kind, nested in itertools.product(("nf4", "fp4"), (False, True)):
-        ours = cpu_quantize_4bit(probe, kind, nested)
-        theirs = F.quantize_4bit(probe, blocksize=BLOCKSIZE, compress_statistics=nested, quant_type=kind)
-        if not torch.equal(ours[0], theirs[0]) or not _same_state(ours[1], theirs[1]):
-            return False
-    return True
 
 
 def read_linear(spec: QuantSpec, reader: CheckpointReader, name: str, dtype, device) -> nn.Module:
@@ -313,7 +198,8 @@ def read_linear(spec: QuantSpec, reader: CheckpointReader, name: str, dtype, dev
         return int8_linear(spec, weight, get(f"{name}.SCB"), bias, dtype)
     stats = {k.removeprefix(f"{name}.weight."): get(k) for k in reader.names() if k.startswith(f"{name}.weight.")}
     if stats:
-        state = _bnb().functional.QuantState.from_dict(stats, device=device)
+        cpu = torch.device(device).type == "cpu"
+        state = four_bit.State4bit.from_dict(stats) if cpu else _bnb().functional.QuantState.from_dict(stats, device)
         return int4_linear(spec, weight, state, bias, dtype)
     plain = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
     plain.weight, plain.bias = nn.Parameter(weight.to(dtype), requires_grad=False), _bias(bias, dtype)

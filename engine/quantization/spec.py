@@ -104,7 +104,7 @@ def check_shapes(spec: QuantSpec, c: ModelConfig, device: torch.device) -> None:
     for name, (n_in, n_out) in shapes.items():
         if n_in % BLOCKSIZE or n_out % CPU_INT4_ROWS:
             raise ValueError(
-                f"int4 cannot quantize {name} ({n_in} -> {n_out}) on CPU: bitsandbytes' CPU 4-bit kernel needs "
+                f"int4 cannot quantize {name} ({n_in} -> {n_out}) on CPU: the CPU 4-bit layout needs "
                 f"in_features divisible by the blocksize {BLOCKSIZE} and out_features by {CPU_INT4_ROWS}"
             )
 
