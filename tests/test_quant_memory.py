@@ -61,9 +61,9 @@ def test_int8_engine_makes_no_onednn_matmul_per_step_shape():
 
 FLOAT_COPY_CHECK = """
 import json, sys
-import bitsandbytes as bnb
 import torch
 from sluice.engine import LLM, SamplingParams
+from sluice.engine.quantization.four_bit import Linear4bitCpu
 from sluice.engine.quantization.int8_cpu import LLMInt8Linear
 
 def anon():
@@ -81,14 +81,14 @@ llm = LLM(sys.argv[1], dtype="bfloat16", device="cpu", max_model_len=96, max_num
 model, float_copies, linears = llm.engine.model, [], 0
 held = {t.data_ptr(): t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]}
 for mod in model.modules():
-    if isinstance(mod, (LLMInt8Linear, bnb.nn.Linear4bit)):
+    if isinstance(mod, (LLMInt8Linear, Linear4bitCpu)):
         linears += 1
-        w = mod.weight
-        owned = [w.data, *tensors(w), *tensors(mod), *tensors(getattr(mod, "state", w))]
-        owned += list(mod.buffers(recurse=False))
-        qs = getattr(w, "quant_state", None)
-        owned += [] if qs is None else list(tensors(qs))
-        dense = (w.numel() * 2) // 4 if qs is not None else w.numel() // 2
+        owned = [*tensors(mod), *mod.buffers(recurse=False), *mod.parameters(recurse=False)]
+        if isinstance(mod, Linear4bitCpu):  # packed at load: bitsandbytes' state replaced by the bf16 absmax
+            assert mod.state is None, "a 4-bit linear still holds bitsandbytes' state after the load"
+            dense = mod.codes.numel() // 2  # a quarter of the weight's values: a bf16 copy is 4x the codes
+        else:
+            dense = mod.weight.numel() // 2
         float_copies += [tuple(t.shape) for t in owned if t.is_floating_point() and t.numel() >= dense]
         held |= {t.data_ptr(): t.numel() * t.element_size() for t in owned}
 after_load = anon() - base
@@ -111,8 +111,8 @@ def mid_llama(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_a_quantized_load_keeps_no_float_copy_of_its_weights(mid_llama, mode):
-    """After an int8 (LLM.int8()) or int4 (NF4) load, no bitsandbytes linear holds a floating-point tensor the size
-    of its weight (the weight, its module, its int8 state, its QuantState), and the process's private memory grew
+    """After an int8 (LLM.int8()) or int4 (NF4) load, no quantized linear holds a floating-point tensor the size
+    of its weight (its parameters and buffers: codes, scales, absmax), and the process's private memory grew
     by the model's own tensors and a few MiB (tokenizer, tables), after load and after serving a request: the
     full-precision weights the load read, and any transient float copy made while quantizing, are released
     (a float copy of the linears would add more than twice this slack)."""
