@@ -38,22 +38,17 @@ def rss_kib(field: str) -> int:
 
 
 def weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
-    """Bytes of all parameters, buffers and bitsandbytes quantization state; and of the decoder linears alone."""
-    import bitsandbytes as bnb
-
+    """Bytes of all parameters and buffers (codes, scales, absmax); and of the decoder linears alone."""
+    from sluice.engine.quantization.four_bit import Linear4bitCpu
+    from sluice.engine.quantization.int8_cpu import LLMInt8Linear
     from sluice.engine.quantization.linears import Int8WeightOnlyLinear
 
+    kinds = torch.nn.Linear | Int8WeightOnlyLinear | LLMInt8Linear | Linear4bitCpu
     total = linear = 0
     for name, mod in model.named_modules():
-        tensors = [*mod.parameters(recurse=False), *mod.buffers(recurse=False)]
-        qs = getattr(getattr(mod, "weight", None), "quant_state", None)
-        if qs is not None:
-            tensors += [qs.absmax, qs.code] + ([qs.state2.absmax, qs.state2.code] if qs.nested else [])
-        if isinstance(mod, bnb.nn.Linear8bitLt):
-            tensors.append(mod.weight.SCB if mod.weight.SCB is not None else mod.state.SCB)
-        n = sum(t.numel() * t.element_size() for t in tensors)
+        n = sum(t.numel() * t.element_size() for t in [*mod.parameters(recurse=False), *mod.buffers(recurse=False)])
         total += n
-        linear += n if name.startswith("layers.") and isinstance(mod, torch.nn.Linear | Int8WeightOnlyLinear) else 0
+        linear += n if name.startswith("layers.") and isinstance(mod, kinds) else 0
     return total, linear
 
 

@@ -372,39 +372,35 @@ def test_int8_quantization_while_loading_gives_bitsandbytes_own_bits(dtype, monk
 
 
 def test_nf4_and_fp4_quantization_while_loading_gives_bitsandbytes_own_bits(monkeypatch):
-    """Our one-pass CPU 4-bit quantization (linears.cpu_quantize_4bit) gives F.quantize_4bit's own codes and
-    QuantState (NF4 and FP4, double quantization or not, a zero block, a short last block, an odd count); an int4
-    model quantized while loading runs it and generates, and bitsandbytes' own op is left as it is (no
-    registration of ours)."""
-    from sluice.engine.quantization import linears
+    """Our one-pass CPU 4-bit quantization (four_bit.quantize, no bitsandbytes) gives F.quantize_4bit's own codes
+    and serialized state (NF4 and FP4, double quantization or not, a zero block, a short last block, an odd
+    count); an int4 model quantized while loading runs it and generates."""
+    import bitsandbytes.functional as F
 
-    F = linears._bnb().functional
-    theirs_op = torch.ops.bitsandbytes.quantize_4bit.default
+    from sluice.engine.quantization import four_bit
+
     torch.manual_seed(0)
     cases = []
     for shape in ((640, 2048), (33, 77), (7, 9), (3, 64)):
         w = (torch.randn(*shape) * 2).to(torch.bfloat16)
         w.view(-1)[:70] = 0
         cases += [(w, kind, double) for kind in ("nf4", "fp4") for double in (False, True)]
-    want = [F.quantize_4bit(w, blocksize=64, quant_type=k, compress_statistics=d) for w, k, d in cases]
-    got = [linears.cpu_quantize_4bit(w, k, d) for w, k, d in cases]
 
-    def same(a, b) -> bool:
-        x, y = a[1].as_dict(packed=True), b[1].as_dict(packed=True)
-        return torch.equal(a[0], b[0]) and x.keys() == y.keys() and all(
-            torch.equal(x[k], y[k]) if torch.is_tensor(x[k]) else x[k] == y[k] for k in x)
+    def same(w, kind, double) -> bool:
+        packed, state = F.quantize_4bit(w, blocksize=64, quant_type=kind, compress_statistics=double)
+        ours, mine = four_bit.quantize(w, kind, double)
+        x, y = state.as_dict(packed=True), mine.as_dict()
+        return torch.equal(ours, packed) and x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
 
-    assert len(cases) == 16 and [same(a, b) for a, b in zip(want, got, strict=True)] == [True] * 16
-    assert linears._cpu_4bit_matches_bnb()
-    calls, real = [], linears.cpu_quantize_4bit
-    monkeypatch.setattr(linears, "cpu_quantize_4bit", lambda *a: calls.append(a[1]) or real(*a))
+    assert len(cases) == 16 and [same(*c) for c in cases] == [True] * 16
+    calls, real = [], four_bit.quantize
+    monkeypatch.setattr(four_bit, "quantize", lambda *a: calls.append(a[1]) or real(*a))
     from pathlib import Path
 
-    llm = LLM(Path(__file__).resolve().parent.parent / "models/sluice-tiny", dtype="bfloat16", device="cpu", max_model_len=64, max_num_seqs=2,
-              quantization="int4")
+    llm = LLM(Path(__file__).resolve().parent.parent / "models/sluice-tiny", dtype="bfloat16", device="cpu",
+              max_model_len=64, max_num_seqs=2, quantization="int4")
     out = llm.generate(["O Romeo"], SamplingParams(max_tokens=4, temperature=0), progress=False)
     assert calls and set(calls) == {"nf4"} and len(out[0].token_ids) == 4
-    assert torch.ops.bitsandbytes.quantize_4bit.default is theirs_op
 
 
 def test_int8_prefill_rows_widen_the_dequantized_weight_where_onednn_has_no_bf16(monkeypatch):
