@@ -128,8 +128,11 @@ def llamacpp(bin_dir: Path, model: Path, batches: list[int], threads: int) -> di
          "-npp", str(PROMPT), "-ntg", str(GEN), "-npl", ",".join(map(str, batches)), "-t", str(threads),
          "-tb", str(threads), "--output-format", "jsonl"],
         check=True, capture_output=True, text=True)
-    rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
-    return {r["pl"]: (r["speed_tg"], r["speed_pp"]) for r in rows}
+    rows = [json.loads(line[line.index('{"'):]) for line in res.stdout.splitlines() if '{"' in line]
+    got = {r["pl"]: (r["speed_tg"], r["speed_pp"]) for r in rows}
+    if set(got) != set(batches):  # its log lines may share a line with the JSON: say so rather than drop a row
+        raise RuntimeError(f"llama-batched-bench gave rows {sorted(got)} for {batches}: {res.stdout[-2000:]}")
+    return got
 
 
 def sluice(llm: LLM, batch: int, seed: int) -> tuple[float, float]:
