@@ -155,8 +155,7 @@ def dynamic_int8_mm(rows: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
         xq, row_scale = fused.quantize_rows(rows)
         return fused.int8_rescale(fused.int8_mm(xq, qweight, comp), row_scale, scales, bias)
     xq, row_scale = quantize_rows(rows)
-    acc = torch._int_mm(xq, qweight.t()) if int_mm_exact() else xq.double() @ qweight.double().t()
-    y = acc.float().mul_(row_scale).mul_(scales.float()).to(rows.dtype)
+    y = exact_int8_mm(xq, qweight).float().mul_(row_scale).mul_(scales.float()).to(rows.dtype)
     return y if bias is None else y + bias
 
 

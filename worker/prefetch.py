@@ -49,12 +49,8 @@ def model_argument(argv: Sequence[str], environ: Mapping[str, str] | None = None
 
 def weight_files(model: str) -> list[Path]:
     """The safetensors files of a local model folder, in file order (none for a hub id or a missing folder)."""
-    root = Path(model)
-    index = root / "model.safetensors.index.json"
     try:
-        if index.is_file():
-            return sorted({root / f for f in json.loads(index.read_text())["weight_map"].values()})
-        return sorted(root.glob("*.safetensors"))
+        return weight_reserve.safetensors_files(Path(model))
     except (OSError, ValueError, KeyError):
         return []
 
