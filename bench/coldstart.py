@@ -63,19 +63,19 @@ print(json.dumps({"ready": ready - started(), "cpu": ready_cpu, "first": first -
 # The same offline start without the worker's collector pause: what its imports cost before (for comparison).
 UNPAUSED = FIRST.replace("collector.pause()\n", "").replace("collector.resume()\n", "")
 # The 1 GB load alone, process start → weights loaded, the arena's ways compared: `copy` (a fresh arena: the reader
-# threads fault its pages in), `reserved` (engine.weight_reserve before `import torch`: faulted in meanwhile, as the
-# worker does), `reserved-after` (the same made after the import: the faults not overlapped), `mmap` (the file's
+# threads fault its pages in), `reserved` (engine.weight_reserve before `import torch`: the weights read into it meanwhile,
+# as the worker does), `reserved-after` (the same made after the import: the reads not overlapped), `mmap` (the file's
 # pages mapped where the stored bytes serve; the fused projections copied).
 LOAD = START + """import json, sys
 mode = sys.argv[2]
 if mode == "reserved":
     from sluice.engine import weight_reserve
-    weight_reserve.reserve(sys.argv[1], 2, 1 << 40)
+    weight_reserve.reserve(sys.argv[1], "BF16", 1 << 40)
 import torch
 imported = time.time()
 if mode == "reserved-after":
     from sluice.engine import weight_reserve
-    weight_reserve.reserve(sys.argv[1], 2, 1 << 40)._thread.join()
+    weight_reserve.reserve(sys.argv[1], "BF16", 1 << 40)._thread.join()
 from sluice.engine.models.loader import load_model
 begun = time.time()
 model = load_model(sys.argv[1], torch.bfloat16, torch.device("cpu"), 64, weight_loading="mmap" if mode == "mmap" else "copy")

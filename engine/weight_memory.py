@@ -26,11 +26,10 @@ import threading
 import torch
 from torch import nn
 
-from sluice.engine.weight_reserve import HUGE_PAGE, Reservation
+from sluice.engine.weight_reserve import HUGE_PAGE, SLOT_ALIGNMENT, Reservation
 
 log = logging.getLogger(__name__)
 
-SLOT_ALIGNMENT = 64  # bytes: every tensor starts on a cache line, as the vector kernels read best
 MADV_HUGEPAGE, MADV_COLLAPSE = 14, 25  # Linux's values (MADV_COLLAPSE is not in Python's mmap module)
 COLLAPSE_SPAN = 64 << 20  # a call a span: the first that fails (no huge page to be had now) ends the pass
 COLLAPSE_NICE = 19  # the collapsing thread's priority: the lowest, so serving's threads come first
@@ -42,8 +41,9 @@ def _slot(nbytes: int) -> int:
 
 class WeightArena:
     """A bump allocator over one lazily committed anonymous map (pages are committed only where written), its
-    start on a huge page boundary: a `reservation` of room enough (engine.weight_reserve: mapped and faulted in
-    while torch was imported) is that map, else the arena maps its own."""
+    start on a huge page boundary: a `reservation` of room enough (engine.weight_reserve: mapped, and the weights
+    read into it, while torch was imported) is that map, its tensors read ahead taken as they lie (`placed`) and
+    the allocator starting past them; else the arena maps its own."""
 
     def __init__(self, capacity: int, reservation: Reservation | None = None) -> None:
         if reservation is not None and reservation.capacity < capacity:
@@ -54,8 +54,8 @@ class WeightArena:
             -1, capacity + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
         self._start = (-self._bytes.data_ptr()) % HUGE_PAGE
-        self.capacity, self.used = capacity, 0
-        self.prefaulted = 0  # bytes the reservation had faulted in ahead (set by `finish_reservation`)
+        self.capacity, self.used = capacity, _slot(reservation.ahead) if reservation is not None else 0
+        self.prefaulted = 0  # bytes the reservation had faulted in (or read) ahead (set by `finish_reservation`)
         self.settled = threading.Event()
         self.collapse_nice: int | None = None  # the collapsing thread's nice value, once it runs
 
@@ -68,16 +68,30 @@ class WeightArena:
         self.used += _slot(nbytes)
         return self._bytes[at : at + nbytes].view(dtype).view(shape)
 
+    def placed(self, parts: list[tuple[str, int, int]], shape: tuple[int, ...] | torch.Size,
+               dtype: torch.dtype) -> torch.Tensor | None:
+        """The checkpoint tensors `parts` ((weight file name, offset, bytes) each), stacked, as the reservation read
+        them ahead into the arena: a tensor of `shape` and `dtype` over their bytes; None where it did not."""
+        if self.reservation is None:
+            return None
+        at = self.reservation.placed(parts)
+        if at is None:
+            return None
+        at += self._start
+        return self._bytes[at : at + sum(n for _, _, n in parts)].view(dtype).view(shape)
+
     def finish_reservation(self) -> int:
         """Once everything is in the arena (`settle` calls it: the loader's reads and the engine's adoptions done),
         a reservation stops faulting in and hands back its pages past `used` (none is kept unwritten); returns the
         bytes handed back."""
         if self.reservation is None:
             return 0
-        released = self.reservation.finish(self.used)
-        self.prefaulted, self.reservation = self.reservation.faulted, None
-        log.info("weight arena: %d MB written, %d MB of it faulted in ahead at the start", self.used >> 20,
-                 min(self.prefaulted, self.used) >> 20)
+        reservation, self.reservation = self.reservation, None
+        released = reservation.finish(self.used)
+        self.prefaulted = reservation.faulted
+        log.info("weight arena: %d MB written, %d MB of it faulted in ahead at the start, %d MB of tensors read "
+                 "ahead and taken", self.used >> 20, min(self.prefaulted, self.used) >> 20,
+                 sum(reservation.slots[n].nbytes for n in reservation.taken) >> 20)
         return released
 
     def data_ptr(self) -> int:

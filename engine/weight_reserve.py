@@ -1,14 +1,18 @@
-"""The CPU weight arena's memory, mapped and faulted in while the worker is still importing torch.
+"""The CPU weight arena's memory, mapped and filled with the weights while the worker is still importing torch.
 
 The first write to each page of fresh anonymous memory is a page fault, and in a VM guest (Firecracker) that is
 expensive: reading a checkpoint into a fresh arena costs several times reading the same bytes into one reused
 buffer (docs/benchmarks.md, cold start). Importing torch keeps one core busy for a second and more and leaves the
 others idle. So the worker's entry point, before its first heavy import, calls `reserve` with the checkpoint's
-folder: it reads the safetensors headers (JSON: no torch), maps what engine.weight_memory's arena will be, and
-faults its pages in from a thread (MADV_POPULATE_WRITE, Linux 5.14+, through ctypes, which releases the GIL for
-the call: the import goes on meanwhile). The loader's arena then `take`s that map instead of making its own, and
-hands back the pages faulted past what it wrote (`Reservation.finish`): no second copy, nothing kept unused. A
-map that does not fit (another model, dtype, a larger arena) is unmapped and the arena maps its own, as before.
+folder: it reads the safetensors headers (JSON: no torch), maps what engine.weight_memory's arena will be, and from
+a thread (the import goes on meanwhile) reads every tensor the model keeps as stored into it (`layout`: each on a
+cache line, a fused projection's parts back to back, as the loader places them; `os.preadv`, which releases the
+GIL). Where it cannot read ahead (a memory budget smaller than the weights) it faults the pages in instead
+(MADV_POPULATE_WRITE, Linux 5.14+, through ctypes: the GIL is released for the call too). The loader's arena then
+`take`s that map instead of making its own and takes each tensor read ahead as it is (`placed`: no second read);
+the reservation hands back the pages of tensors nobody took and those faulted past what the arena wrote
+(`Reservation.finish`): no second copy, nothing kept unused. A map that does not fit (another model, dtype, a
+larger arena) is unmapped and the arena maps its own, as before.
 
 Torch-free on purpose: it runs before torch is imported.
 """
@@ -23,18 +27,32 @@ import os
 import struct
 import sys
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20  # the arena starts on a huge page boundary (engine.weight_memory)
+SLOT_ALIGNMENT = 64  # bytes: every tensor in the arena starts on a cache line, as the vector kernels read best
+# The linears whose checkpoint parts the native models keep as one (engine.models.llama.LlamaModel.FUSED): their
+# parts are read ahead back to back, in this order, so that the fused weight is one view of the arena.
+FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+         "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
 MADV_DONTNEED, MADV_POPULATE_WRITE = 4, 23  # Linux's values (MADV_POPULATE_WRITE is not in Python's mmap module)
 MAP_ALL_BYTES = 4 << 30  # from this many stored bytes the loader maps the checkpoint (weight_loading auto): no arena
 # Bytes faulted a call. A call holds the process's address-space lock (mmap_lock, read side) throughout, and every
 # mmap/mprotect of the importing thread (dlopen of torch's libraries) waits for it to end: short calls keep those
 # waits short (docs/benchmarks.md, cold start, session 5); `finish` waits for at most one.
 SPAN = HUGE_PAGE
+# Reading ahead: a positioned read covers at most this many bytes of a file, so that the reading thread takes the
+# GIL back (which the importing thread holds for up to its switch interval) a few dozen times a GB, not once a
+# tensor or a page span; stretches of the file of at most GAP bytes between two tensors read ahead are read to
+# scratch (a call goes on over them); IOV_MAX buffers a call at most.
+READ_CALL = 64 << 20
+GAP = 1 << 20
+IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 16
 # safetensors dtype → (bytes an element, floating point: kept in the model's dtype)
 DTYPES = {
     "BF16": (2, True), "F16": (2, True), "F32": (4, True), "F64": (8, True), "F8_E4M3": (1, True),
@@ -76,55 +94,253 @@ def kept_bytes(tensors: Iterable[tuple[str, int]], itemsize: int) -> int:
     return total
 
 
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """One checkpoint tensor read ahead: `nbytes` from `offset` of the weight file named `file` (its name in the
+    folder), to `at` bytes past the arena's start."""
+
+    file: str
+    offset: int
+    nbytes: int
+    at: int
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    """One checkpoint tensor as its file stores it."""
+
+    file: str
+    offset: int
+    nbytes: int
+    dtype: str
+    rows: tuple[int, ...]  # its shape past the first dimension (parts stack along the first)
+
+
+def stored_tensors(files: Iterable[Path]) -> dict[str, Stored]:
+    """Every tensor of the safetensors files by name (their headers only)."""
+    found = {}
+    for file in files:
+        data, header = read_header(file)
+        for name, e in header.items():
+            start, end = e["data_offsets"]
+            found[name] = Stored(file.name, data + start, end - start, e["dtype"], tuple(e["shape"][1:]))
+    return found
+
+
+def read_ahead(name: str, t: Stored, kept: str) -> bool:
+    """Whether the model keeps tensor `name` as stored, so that it can be read ahead: floating ones stored in the
+    `kept` dtype, the others as stored, except bitsandbytes' 4-bit state (`<linear>.weight.<field>`: the load
+    rebuilds it) and empty ones."""
+    if t.dtype not in DTYPES or not t.nbytes or ".weight." in name:
+        return False
+    return t.dtype == kept or not DTYPES[t.dtype][1]
+
+
+def _groups(names: list[str], tensors: dict[str, Stored]) -> Iterator[list[str]]:
+    """The names in order, each alone or, for the parts of a FUSED projection (all there, alike), the parts in
+    FUSED's order where the first of them comes."""
+    done: set[str] = set()
+    for name in names:
+        if name in done:
+            continue
+        group = next((g for parts in FUSED.values() if (g := _fused_with(name, parts))), [name])
+        if len(group) > 1 and not all(n in tensors and _alike(tensors[n], tensors[group[0]]) for n in group):
+            group = [name]
+        done.update(group)
+        yield group
+
+
+def _fused_with(name: str, parts: tuple[str, ...]) -> list[str]:
+    """The names of all `parts` of the projection `name` is a part of (same prefix and suffix); [] if none."""
+    for part in parts:
+        prefix, sep, suffix = name.partition(f".{part}.")
+        if sep:
+            return [f"{prefix}.{p}.{suffix}" for p in parts]
+    return []
+
+
+def _alike(a: Stored, b: Stored) -> bool:
+    return a.dtype == b.dtype and a.rows == b.rows and a.nbytes > 0
+
+
+def layout(tensors: dict[str, Stored], kept: str) -> tuple[dict[str, Slot], int]:
+    """Where each tensor that can be read ahead (`read_ahead`) goes in the arena: each group (`_groups`) on a cache
+    line, its parts back to back; and the end of the last (bytes past the arena's start)."""
+    names = [n for n, t in tensors.items() if read_ahead(n, t, kept)]
+    slots, end = {}, 0
+    for group in _groups(names, {n: tensors[n] for n in names}):
+        end = -(-end // SLOT_ALIGNMENT) * SLOT_ALIGNMENT
+        for name in group:
+            t = tensors[name]
+            slots[name], end = Slot(t.file, t.offset, t.nbytes, end), end + t.nbytes
+    return slots, end
+
+
 def _madvise():
     madvise = ctypes.CDLL(None, use_errno=True).madvise  # a foreign call: the GIL is released meanwhile
     madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     return madvise
 
 
-class Reservation:
-    """An anonymous map of `capacity` bytes (plus the huge page its start is aligned to) whose first `fault`
-    bytes from that start are faulted in by a daemon thread."""
+def read_calls(slots: dict[str, Slot]) -> list[tuple[str, int, list[tuple[str | None, int]]]]:
+    """The positioned reads that fill `slots`, in file order: (file, offset, parts), each part (name, bytes) going
+    to that slot, or (None, bytes): a stretch of at most GAP bytes between two of them, read to scratch so that the
+    call goes on; a call covers at most READ_CALL bytes of the file (a larger tensor: one call) and IOV_MAX parts."""
+    calls: list[tuple[str, int, list[tuple[str | None, int]]]] = []
+    end, size = None, 0
+    for name, s in sorted(slots.items(), key=lambda kv: (kv[1].file, kv[1].offset)):
+        call = calls[-1] if calls else None
+        gap = s.offset - end if call is not None and call[0] == s.file else -1
+        if call is None or not 0 <= gap <= GAP or size + gap + s.nbytes > READ_CALL or len(call[2]) + 2 > IOV_MAX:
+            calls.append((s.file, s.offset, [(name, s.nbytes)]))
+            size = s.nbytes
+        else:
+            call[2].extend([(None, gap)] if gap else [])
+            call[2].append((name, s.nbytes))
+            size += gap + s.nbytes
+        end = s.offset + s.nbytes
+    return calls
 
-    def __init__(self, key: str, capacity: int, fault: int) -> None:
-        self.key, self.capacity = key, capacity
+
+def _preadv_all(fd: int, bufs: list[memoryview], offset: int) -> None:
+    """Fill `bufs` in order from `offset` of the open file `fd` (one call, more only where the kernel reads less)."""
+    while bufs:
+        n = os.preadv(fd, bufs, offset)
+        if n <= 0:
+            raise EOFError(f"weight file ends {sum(map(len, bufs))} bytes early")
+        offset += n
+        while bufs and n >= len(bufs[0]):
+            n -= len(bufs.pop(0))
+        if n:
+            bufs[0] = bufs[0][n:]
+
+
+class Reservation:
+    """An anonymous map of `capacity` bytes (plus the huge page its start is aligned to), filled by a daemon
+    thread: the checkpoint tensors of `slots` read from the files in `root` to their places, or else (no slots)
+    its first `fault` bytes from that start faulted in."""
+
+    def __init__(self, key: str, capacity: int, fault: int, root: Path | None = None,
+                 slots: dict[str, Slot] | None = None) -> None:
+        self.key, self.capacity, self.root = key, capacity, root
         self.map = mmap.mmap(-1, capacity + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         anchor = ctypes.c_char.from_buffer(self.map)
         self.address = ctypes.addressof(anchor)
         del anchor  # no export of the map left behind: it can still be closed
         self.start = (-self.address) % HUGE_PAGE
-        self.fault, self.faulted = min(fault, capacity), 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._fault_in, name="sluice-prefault", daemon=True)
+        self.slots = slots or {}
+        self.ahead = max((s.at + s.nbytes for s in self.slots.values()), default=0)  # the read-ahead part's end
+        self._source = {(s.file, s.offset, s.nbytes): name for name, s in self.slots.items()}
+        self.read: set[str] = set()  # names read so far
+        self.taken: set[str] = set()  # names handed to the load (`placed`)
+        self.fault, self.faulted = (self.ahead, 0) if self.slots else (min(fault, capacity), 0)
+        self._stop, self._done = threading.Event(), threading.Condition()
+        self._reading = True
+        work = self._read_in if self.slots else self._fault_in
+        self._thread = threading.Thread(target=work, name="sluice-prefault", daemon=True)
         self._thread.start()
 
     def _fault_in(self) -> None:
         """Fault the pages in, a span a call, until done, stopped, or refused (a kernel before 5.14, no memory)."""
         madvise = _madvise()
-        while self.faulted < self.fault and not self._stop.is_set():
-            n = min(SPAN, self.fault - self.faulted)
-            if madvise(self.address + self.start + self.faulted, n, MADV_POPULATE_WRITE) != 0:
-                log.debug("MADV_POPULATE_WRITE: errno %d (the arena faults its pages as it is written)",
-                          ctypes.get_errno())
-                return
-            self.faulted += n
+        try:
+            while self.faulted < self.fault and not self._stop.is_set():
+                n = min(SPAN, self.fault - self.faulted)
+                if madvise(self.address + self.start + self.faulted, n, MADV_POPULATE_WRITE) != 0:
+                    log.debug("MADV_POPULATE_WRITE: errno %d (the arena faults its pages as it is written)",
+                              ctypes.get_errno())
+                    return
+                self.faulted += n
+        finally:
+            self._finished()
+
+    def _read_in(self) -> None:
+        """Read every slot's tensor to its place (`read_calls`: few, large positioned reads in file order, each
+        taking the GIL back only once), until done, stopped, or a read fails (the load then reads what is missing
+        itself). The copies fault the arena's pages in as they write them (the VMA's own lock, not the process's
+        address-space lock that the importing thread's maps take)."""
+        fds: dict[str, int] = {}
+        scratch = memoryview(bytearray(GAP))
+        try:
+            with memoryview(self.map) as view:
+                for file, offset, parts in read_calls(self.slots):
+                    if self._stop.is_set():
+                        break
+                    if file not in fds:
+                        fds[file] = os.open(self.root / file, os.O_RDONLY)
+                    bufs = [scratch[:n] if name is None else view[self.start + self.slots[name].at :][:n]
+                            for name, n in parts]
+                    _preadv_all(fds[file], bufs, offset)
+                    del bufs
+                    names = [name for name, _ in parts if name is not None]
+                    self.faulted = max(self.faulted, *(self.slots[n].at + self.slots[n].nbytes for n in names))
+                    with self._done:
+                        self.read.update(names)
+                        self._done.notify_all()
+        except (OSError, EOFError):
+            log.debug("reading the weights ahead stopped", exc_info=True)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+            self._finished()
+
+    def _finished(self) -> None:
+        with self._done:
+            self._reading = False
+            self._done.notify_all()
+
+    def placed(self, parts: list[tuple[str, int, int]]) -> int | None:
+        """Where the tensors `parts` ((weight file name, offset, bytes) each, in order) were read ahead, back to
+        back, in bytes past the start; None where they were not, or not so (waits for their reads). Each tensor is
+        handed out once: a second ask reads it again, elsewhere."""
+        names = [self._source.get(p) for p in parts]
+        if not names or None in names or self.taken.intersection(names):
+            return None
+        slots = [self.slots[n] for n in names]
+        if any(a.at + a.nbytes != b.at for a, b in pairwise(slots)):
+            return None
+        with self._done:
+            self._done.wait_for(lambda: self.read.issuperset(names) or not self._reading)
+            if not self.read.issuperset(names):
+                return None
+        self.taken.update(names)
+        return slots[0].at
 
     def finish(self, used: int) -> int:
-        """Stop faulting and hand back the pages faulted past the first `used` bytes from the start (the arena
-        writes none of them: a later write gets a fresh page); returns the bytes handed back."""
+        """Stop reading or faulting and hand back the pages faulted past the first `used` bytes from the start (the
+        arena writes none of them: a later write gets a fresh page) and those only tensors nobody took lie on;
+        returns the bytes handed back."""
         self._stop.set()
         self._thread.join()
-        keep = -(-(self.start + used) // mmap.PAGESIZE) * mmap.PAGESIZE
-        end = self.start + self.faulted
-        if end <= keep:
-            return 0
-        _madvise()(self.address + keep, end - keep, MADV_DONTNEED)
-        return end - keep
+        spans = [(s.at, s.at + s.nbytes) for name, s in self.slots.items() if name not in self.taken]
+        spans.append((used, max(used, self.faulted)))
+        madvise, released = _madvise(), 0
+        kept = [(s.at, s.at + s.nbytes) for name, s in self.slots.items() if name in self.taken]
+        for first, end in _whole_pages(spans, kept):
+            madvise(self.address + self.start + first, end - first, MADV_DONTNEED)
+            released += end - first
+        return released
 
     def close(self) -> None:
-        """Stop faulting and unmap."""
-        self.finish(0)
+        """Stop reading or faulting and unmap."""
+        self._stop.set()
+        self._thread.join()
         self.map.close()
+
+
+def _whole_pages(free: list[tuple[int, int]], kept: list[tuple[int, int]]) -> Iterator[tuple[int, int]]:
+    """The whole pages (byte spans past the start, which lies on a page) inside each run of `free` spans that no
+    `kept` span interrupts (the spans do not overlap)."""
+    page = mmap.PAGESIZE
+    marks = sorted([(a, b, True) for a, b in free if b > a] + [(a, b, False) for a, b in kept])
+    run: tuple[int, int] | None = None
+    for a, b, is_free in [*marks, (0, 0, False)]:
+        if is_free and run is not None:
+            run = (run[0], max(run[1], b))
+            continue
+        if run is not None and run[1] // page > -(-run[0] // page):
+            yield -(-run[0] // page) * page, run[1] // page * page
+        run = (a, b) if is_free else None
 
 
 _reserved: Reservation | None = None
@@ -139,21 +355,23 @@ def key_of(model_dir: str | Path) -> str:
     return os.path.realpath(model_dir)
 
 
-def reserve(model_dir: str | Path, itemsize: int, budget: int, map_large: bool = True) -> Reservation | None:
-    """Map and start faulting in the arena for the checkpoint in `model_dir`, its floating tensors kept in a
-    dtype of `itemsize` bytes, at most `budget` bytes of it faulted in; None (nothing done) off Linux, where the
-    folder has no readable safetensors, or where the loader will map it (`map_large`: weight_loading auto)."""
+def reserve(model_dir: str | Path, kept: str, budget: int, map_large: bool = True) -> Reservation | None:
+    """Map the arena for the checkpoint in `model_dir`, its floating tensors kept in the safetensors dtype `kept`,
+    and start reading the weights into it (`layout`), or, where they are more than `budget` bytes, faulting in
+    `budget` bytes of it; None (nothing done) off Linux, where the folder has no readable safetensors, or where
+    the loader will map it (`map_large`: weight_loading auto)."""
     global _reserved
-    if sys.platform != "linux":
+    if sys.platform != "linux" or kept not in DTYPES:
         return None
     try:
         root = Path(model_dir)
-        tensors = [(e["dtype"], e["data_offsets"][1] - e["data_offsets"][0])
-                   for file in safetensors_files(root) for e in read_header(file)[1].values()]
-        kept = kept_bytes(tensors, itemsize)
-        if not kept or budget <= 0 or (map_large and sum(n for _, n in tensors) >= MAP_ALL_BYTES):
+        tensors = stored_tensors(safetensors_files(root))
+        nbytes = kept_bytes(((t.dtype, t.nbytes) for t in tensors.values()), DTYPES[kept][0])
+        if not nbytes or budget <= 0 or (map_large and sum(t.nbytes for t in tensors.values()) >= MAP_ALL_BYTES):
             return None
-        reservation = Reservation(key_of(root), arena_capacity(kept), min(kept, budget))
+        slots, end = layout(tensors, kept)
+        ahead = slots if end <= budget else None
+        reservation = Reservation(key_of(root), arena_capacity(nbytes), min(nbytes, budget), root, ahead)
     except (OSError, ValueError, KeyError, TypeError, IndexError):
         return None
     with _lock:
@@ -163,7 +381,16 @@ def reserve(model_dir: str | Path, itemsize: int, budget: int, map_large: bool =
     return reservation
 
 
-def reserve_later(plan: Callable[[], tuple[str | Path, int, int, bool] | None]) -> threading.Thread:
+def reading_ahead(model_dir: str | Path) -> bool:
+    """Whether the reservation (once decided) reads the weights of the checkpoint in `model_dir` (so they come
+    through the page cache: nothing else need read them ahead)."""
+    _planned.wait(PLAN_WAIT)
+    with _lock:
+        found = _reserved
+    return found is not None and found.key == key_of(model_dir) and bool(found.slots)
+
+
+def reserve_later(plan: Callable[[], tuple[str | Path, str, int, bool] | None]) -> threading.Thread:
     """`reserve(*plan())` from a daemon thread (the plan may import what the caller should not wait for; None:
     nothing to reserve); `take` waits for it to have decided."""
     _planned.clear()

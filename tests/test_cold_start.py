@@ -17,10 +17,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoTokenizer
 
-from sluice.engine import LLM, SamplingParams
+from sluice.engine import LLM, SamplingParams, weight_reserve
 from sluice.engine.models import loader
 from sluice.engine.models.loader import CheckpointReader, load_model
 from sluice.engine.tokenizer import Tokenizer, load_tokenizer
+from sluice.worker import prefetch as prefetching
 from sluice.worker.metrics import warm_up
 from sluice.worker.prefetch import arena_plan, model_argument, prefetch, read_through, weight_files
 from tests.checkpoints import make_checkpoint
@@ -200,9 +201,9 @@ def test_a_real_worker_start_imports_only_what_serving_needs(redis_url):
 
 @pytest.mark.parametrize("module, command", [("sluice.worker", []), ("sluice.cli.main", ["worker"])])
 def test_a_real_worker_loads_into_the_arena_it_reserved_before_importing_torch(redis_url, module, command):
-    """`python -m sluice.worker` and `sluice worker` map the weight arena and fault its pages in while they import
-    torch (engine.weight_reserve); the load writes the weights into that map: the arena logs every MB it wrote
-    as faulted in ahead."""
+    """`python -m sluice.worker` and `sluice worker` map the weight arena and read the weights into it while they
+    import torch (engine.weight_reserve); the load takes every tensor from there: the arena logs the checkpoint's
+    MB as read ahead and taken, and nothing past them written but the rotary tables."""
     argv = [*command, "--model", str(TINY), "--dtype", "bfloat16", "--device", "cpu", "--burst", "--no-webhooks",
             "--redis-url", redis_url]
     code = (
@@ -213,10 +214,13 @@ def test_a_real_worker_loads_into_the_arena_it_reserved_before_importing_torch(r
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    found = re.search(r"weight arena: (\d+) MB written, (\d+) MB of it faulted in ahead", out.stdout + out.stderr)
+    found = re.search(r"weight arena: (\d+) MB written, (\d+) MB of it faulted in ahead at the start, (\d+) MB of "
+                      r"tensors read ahead and taken", out.stdout + out.stderr)
     assert found is not None, out.stderr[-3000:]
-    written, ahead = int(found.group(1)), int(found.group(2))
-    assert ahead == written > 0
+    written, ahead, taken = (int(g) for g in found.groups())
+    stored = weight_reserve.stored_tensors(weight_reserve.safetensors_files(TINY))
+    assert taken == sum(t.nbytes for t in stored.values() if t.dtype == "BF16") >> 20 == ahead
+    assert 0 < ahead <= written <= ahead + 1  # past what was read ahead: only the rotary tables
 
 
 def test_the_arena_plan_reads_the_command_line_without_torch(tmp_path):
@@ -224,14 +228,14 @@ def test_the_arena_plan_reads_the_command_line_without_torch(tmp_path):
     the file, huge pages on), floating weights in the --dtype's size (auto: the checkpoint's; fp16 as bf16)."""
     cpu = ["--model", str(TINY), "--device", "cpu"]
     plan = arena_plan([*cpu, "--dtype", "float32"], str(TINY))
-    assert plan is not None and plan[:2] == (str(TINY), 4) and plan[2] > 0 and plan[3] is True
-    assert arena_plan([*cpu, "--dtype=bf16", "--weight-loading", "copy"], str(TINY))[1::2] == (2, False)
+    assert plan is not None and plan[:2] == (str(TINY), "F32") and plan[2] > 0 and plan[3] is True
+    assert arena_plan([*cpu, "--dtype=bf16", "--weight-loading", "copy"], str(TINY))[1::2] == ("BF16", False)
     for extra in (["--quantization", "int8"], ["--no-huge-pages"], ["--weight-loading", "mmap"], ["--device", "cuda"],
                   ["--dtype", "float8"]):
         assert arena_plan([*cpu, *extra], str(TINY)) is None, extra
     assert arena_plan(cpu, str(tmp_path)) is None and arena_plan(cpu, None) is None
     (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "float16"}))
-    assert arena_plan(["--device", "cpu"], str(tmp_path))[1] == 2
+    assert arena_plan(["--device", "cpu"], str(tmp_path))[1] == "BF16"
 
 
 @pytest.mark.parametrize("entry", ["import sluice.cli.main", "import runpy; runpy.run_module('sluice.worker')"])
@@ -266,6 +270,18 @@ def test_model_argument_from_command_line_or_environment(monkeypatch):
     assert model_argument(["--burst"], {}) is None
 
 
+def test_the_prefetch_leaves_the_read_to_a_reservation_that_reads_ahead():
+    """The worker's page-cache prefetch reads nothing where the arena's reservation reads the same weights ahead
+    (that read fills the page cache too), and reads the files where there is none."""
+    argv = ["--model", str(TINY)]
+    weight_reserve.discard()
+    assert prefetching.prefetch_argv(argv) == sum(f.stat().st_size for f in weight_files(str(TINY)))
+    reservation = weight_reserve.reserve(TINY, "BF16", 1 << 40)
+    assert reservation is not None and reservation.slots
+    assert prefetching.prefetch_argv(argv) == 0
+    assert weight_reserve.discard() is True and prefetching.prefetch_argv(argv) > 0
+
+
 def test_prefetch_reads_the_index_files_within_budget(sharded, tmp_path):
     files = weight_files(str(sharded))
     total = sum(f.stat().st_size for f in files)
@@ -279,11 +295,12 @@ def test_prefetch_reads_the_index_files_within_budget(sharded, tmp_path):
     assert prefetch(str(tmp_path / "missing")) is None and prefetch("org/hub-model") is None and prefetch(None) is None
 
 
-def test_warm_up_runs_a_prefill_and_a_decode_step():
+def test_warm_up_runs_the_model_once_end_to_end():
+    """The warm-up is one step through the whole model: a one-token prompt, one token sampled, nothing left."""
     llm = LLM(str(TINY), dtype="float32", device="cpu", max_model_len=64, max_num_seqs=2)
-    assert warm_up(llm) == 2
-    assert not llm.engine.has_unfinished() and llm.engine.counters["generated_tokens"] == 4
-    assert llm.engine.counters["prompt_tokens"] == 9
+    assert warm_up(llm) == 1
+    assert not llm.engine.has_unfinished() and llm.engine.counters["generated_tokens"] == 1
+    assert llm.engine.counters["prompt_tokens"] == 1 and llm.engine.counters["steps"] == 1
 
 
 def _rss() -> int:

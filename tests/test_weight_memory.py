@@ -107,19 +107,21 @@ def test_adopt_keeps_views_of_one_storage_views_of_one_copy():
     assert mod.tail[10, 0] == -1  # tail[i, j] is codes[600 + 20 j + i]
 
 
-def _reserve(path: Path, itemsize: int) -> weight_reserve.Reservation:
-    reservation = weight_reserve.reserve(path, itemsize, 1 << 40)
+def _reserve(path: Path, kept: str, budget: int = 1 << 40) -> weight_reserve.Reservation:
+    reservation = weight_reserve.reserve(path, kept, budget)
     assert reservation is not None
     return reservation
 
 
 def test_the_arena_is_the_map_reserved_and_faulted_in_before_the_load(mid_llama):
     """A reservation made from the headers alone (engine.weight_reserve, as the worker's entry point makes it) is
-    the arena: the same map, its pages faulted in ahead (POPULATE_WRITE: the kernel's count of the map's
-    resident pages covers the weights before anything is written); the model decodes as one loaded without."""
-    reservation = _reserve(mid_llama, 2)
+    the arena: the same map; with a memory budget below the weights' size, its first budget's bytes faulted in
+    ahead (POPULATE_WRITE: the kernel's count of the map's resident pages covers them before anything is
+    written), nothing read ahead; the model decodes as one loaded without."""
+    reservation = _reserve(mid_llama, "BF16", budget=(8 << 20) + 4096)
     reservation._thread.join(60)
-    assert _mapping(reservation.address + reservation.start)["Rss"] * 1024 >= reservation.fault > 4 * HUGE_PAGE
+    assert not reservation.slots and reservation.faulted == reservation.fault == (8 << 20) + 4096
+    assert _mapping(reservation.address + reservation.start)["Rss"] * 1024 >= reservation.fault
     llm = _llm(mid_llama)
     arena = llm.engine.model.weight_arena
     assert arena.data_ptr() == reservation.address + reservation.start
@@ -132,11 +134,110 @@ def test_the_arena_is_the_map_reserved_and_faulted_in_before_the_load(mid_llama)
     assert arena.prefaulted == reservation.fault  # the first step settled the arena, its reservation finished
 
 
+def test_the_weights_read_ahead_are_the_models_own(mid_llama):
+    """With room in its budget the reservation reads every tensor the model keeps as stored into the arena while
+    torch would still be importing: the loader takes each where it lies (the fused q/k/v and gate/up weights one
+    view over parts read back to back), reads none again, and the model decodes as one loaded without."""
+    reservation = _reserve(mid_llama, "BF16")
+    stored = weight_reserve.stored_tensors(weight_reserve.safetensors_files(mid_llama))
+    assert set(reservation.slots) == set(stored) and reservation.ahead >= sum(t.nbytes for t in stored.values())
+    llm = _llm(mid_llama)
+    model, arena = llm.engine.model, llm.engine.model.weight_arena
+    assert reservation.taken == set(reservation.slots) == reservation.read
+    base = reservation.address + reservation.start
+    qkv = model.layers[1].self_attn.qkv_proj.weight
+    assert qkv.data_ptr() == base + reservation.slots["model.layers.1.self_attn.q_proj.weight"].at
+    assert model.embed_tokens.weight.data_ptr() == base + reservation.slots["model.embed_tokens.weight"].at
+    assert arena.used >= reservation.ahead and all(arena.holds(t) for t in model.parameters())
+    plain = _llm(mid_llama, huge_pages=False)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    prompts = [[5, 9, 2, 7, 11, 3]]
+    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in plain.generate(prompts, params)]
+    for name, p in plain.engine.model.named_parameters():
+        assert torch.equal(p, model.get_parameter(name)), name
+
+
+def test_a_read_ahead_that_fails_part_way_leaves_the_rest_to_the_loader(mid_llama, monkeypatch):
+    """A reservation whose reads fail part way (here: after three reads, a weight file gone) hands over what it
+    read; the loader reads the rest itself, into the arena past the part read ahead, and the weights are the
+    checkpoint's."""
+    calls = weight_reserve.read_calls
+    monkeypatch.setattr(weight_reserve, "READ_CALL", 1 << 16)
+    monkeypatch.setattr(weight_reserve, "read_calls", lambda slots: [*calls(slots)[:3], ("gone", 0, [("x", 8)])])
+    reservation = _reserve(mid_llama, "BF16")
+    reservation._thread.join(60)
+    llm = _llm(mid_llama)
+    assert 0 < len(reservation.taken) == len(reservation.read) < len(reservation.slots)
+    plain = _llm(mid_llama, huge_pages=False)
+    for name, p in plain.engine.model.named_parameters():
+        assert torch.equal(p, llm.engine.model.get_parameter(name)), name
+
+
+def test_tensors_read_ahead_that_nothing_takes_are_handed_back(mid_llama, tmp_path):
+    """A checkpoint tensor the model does not keep (here an extra 6 MB one) is read ahead like the others; its
+    pages go back to the system when the arena settles, and the weights taken keep theirs."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(mid_llama / "model.safetensors")
+    tensors["model.unused.weight"] = torch.ones(3 << 20, dtype=torch.bfloat16)
+    for f in mid_llama.iterdir():
+        if f.suffix != ".safetensors":
+            (tmp_path / f.name).symlink_to(f)
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    reservation = _reserve(tmp_path, "BF16")
+    llm = _llm(tmp_path)
+    arena = llm.engine.model.weight_arena
+    assert set(reservation.slots) - reservation.taken == {"model.unused.weight"}
+    rss = _mapping(arena.data_ptr())["Rss"] * 1024
+    released = arena.finish_reservation()
+    assert (6 << 20) - 2 * 4096 <= released <= 6 << 20
+    assert _mapping(arena.data_ptr())["Rss"] * 1024 <= rss - released + 4096
+    out = llm.generate([[5, 9, 2, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    plain = _llm(mid_llama, huge_pages=False)
+    assert out[0].token_ids == plain.generate([[5, 9, 2, 7]], SamplingParams(max_tokens=4, temperature=0,
+                                                                            ignore_eos=True))[0].token_ids
+
+
+def test_the_read_ahead_layout_and_its_reads():
+    """The layout keeps floating tensors stored in the kept dtype and the others as stored (not bitsandbytes'
+    4-bit state, which the load rebuilds), each group on a cache line and a fused projection's parts back to
+    back in the model's order; the reads cover the file in few calls, stepping over short stretches."""
+    S = weight_reserve.Stored
+    tensors = {
+        "model.layers.0.self_attn.k_proj.weight": S("a", 0, 256, "BF16", (8,)),
+        "model.layers.0.self_attn.o_proj.weight": S("a", 256, 200, "BF16", (8,)),
+        "model.layers.0.self_attn.q_proj.weight": S("a", 456, 512, "BF16", (8,)),
+        "model.layers.0.self_attn.v_proj.weight": S("a", 968, 256, "BF16", (8,)),
+        "model.norm.weight": S("a", 1224, 64, "F32", ()),
+        "model.layers.0.mlp.up_proj.weight": S("b", 8, 100, "U8", (1,)),
+        "model.layers.0.mlp.up_proj.weight.absmax": S("b", 108, 4, "U8", ()),
+        "model.layers.0.mlp.gate_proj.weight": S("b", (2 << 20) + 112, 100, "I8", (1,)),
+    }
+    slots, end = weight_reserve.layout(tensors, "BF16")
+    assert "model.norm.weight" not in slots and "model.layers.0.mlp.up_proj.weight.absmax" not in slots
+    q, k, v = (slots[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv")
+    assert k.at == q.at + 512 and v.at == k.at + 256 and q.at % 64 == 0
+    gate, up = slots["model.layers.0.mlp.gate_proj.weight"], slots["model.layers.0.mlp.up_proj.weight"]
+    assert gate.at != up.at + 100  # I8 and U8 parts are not alike: each alone
+    assert all(s.at % 64 == 0 for s in (q, gate, up, slots["model.layers.0.self_attn.o_proj.weight"]))
+    assert end == max(s.at + s.nbytes for s in slots.values())
+    calls = weight_reserve.read_calls(slots)
+    assert calls[0] == ("a", 0, [("model.layers.0.self_attn.k_proj.weight", 256),
+                                 ("model.layers.0.self_attn.o_proj.weight", 200),
+                                 ("model.layers.0.self_attn.q_proj.weight", 512),
+                                 ("model.layers.0.self_attn.v_proj.weight", 256)])
+    assert calls[1] == ("b", 8, [("model.layers.0.mlp.up_proj.weight", 100)])  # the next is 2 MB on: a call
+    assert calls[2] == ("b", (2 << 20) + 112, [("model.layers.0.mlp.gate_proj.weight", 100)])
+    near = {n: s for n, s in slots.items() if s.file == "a"} | {"x": weight_reserve.Slot("a", 1300, 10, 5000)}
+    assert weight_reserve.read_calls(near)[0][2][-2:] == [(None, 1300 - 1224), ("x", 10)]  # a short stretch read over
+
+
 def test_pages_faulted_past_what_the_arena_wrote_are_handed_back(mid_llama):
     """A reservation that guessed too large (weights kept in 4 bytes, loaded in bf16) is still the arena; the pages
     it faulted in past what the load wrote are handed back, so the map holds what the weights need."""
-    reservation = _reserve(mid_llama, 4)
+    reservation = _reserve(mid_llama, "F32")
     reservation._thread.join(60)
+    assert not reservation.slots  # no tensor is stored as kept: nothing read ahead, the pages faulted in
     llm = _llm(mid_llama)
     arena = llm.engine.model.weight_arena
     assert arena.data_ptr() == reservation.address + reservation.start
@@ -148,7 +249,7 @@ def test_pages_faulted_past_what_the_arena_wrote_are_handed_back(mid_llama):
 def test_a_reservation_that_does_not_fit_is_unmapped_and_another_models_is_left(mid_llama, tmp_path):
     """Too small a reservation (weights guessed at one byte) is unmapped when the load looks for it and the arena
     maps its own; one for another folder is left for that model, and `discard` unmaps it."""
-    small = _reserve(mid_llama, 1)
+    small = _reserve(mid_llama, "F8_E4M3")
     arena = _llm(mid_llama).engine.model.weight_arena
     assert small.map.closed and arena.prefaulted == 0
     assert arena.data_ptr() != small.address + small.start
@@ -156,7 +257,7 @@ def test_a_reservation_that_does_not_fit_is_unmapped_and_another_models_is_left(
     other.mkdir()
     for f in mid_llama.iterdir():
         (other / f.name).symlink_to(f)
-    elsewhere = _reserve(other, 2)
+    elsewhere = _reserve(other, "BF16")
     assert _llm(mid_llama).engine.model.weight_arena.prefaulted == 0
     assert not elsewhere.map.closed
     assert weight_reserve.discard() is True and elsewhere.map.closed

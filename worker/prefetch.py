@@ -1,6 +1,7 @@
 """Read the model's weight files into the page cache from a background thread, started before the worker's
 imports, so that the disk read overlaps the seconds of Python start-up instead of following them; and, as early,
-reserve the CPU weight arena (engine.weight_reserve: its pages faulted in while torch is imported).
+reserve the CPU weight arena (engine.weight_reserve: the weights read into it while torch is imported; that read
+then is the prefetch).
 
 Torch-free on purpose: it runs before torch (or anything else heavy) is imported.
 """
@@ -16,7 +17,9 @@ from sluice.engine import weight_reserve
 
 CHUNK = 16 * 1024 * 1024
 MEMORY_SHARE = 0.5  # never prefetch (or fault in ahead) more than this share of the memory available now
-ITEMSIZES = {"bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2, "float32": 4, "fp32": 4}
+# --dtype → the safetensors dtype the floating weights are kept in
+KEPT = {"bfloat16": "BF16", "bf16": "BF16", "float16": "F16", "fp16": "F16", "half": "F16", "float32": "F32",
+        "fp32": "F32"}
 GPU_DEVICES = ("/dev/nvidiactl", "/dev/kfd")  # where present, device auto may well be a GPU: nothing reserved
 
 
@@ -85,10 +88,18 @@ def read_through(files: Sequence[Path], budget: int) -> int:
 def prefetch_for(argv: Sequence[str]) -> threading.Thread:
     """Prefetch the weights of the model the worker's command line names; a model named only by $SLUICE_MODEL is
     looked up inside the thread, so that not even the settings import delays the main thread's start-up."""
-    thread = threading.Thread(target=lambda: read_through(*_plan(model_argument(argv))), name="prefetch-weights",
-                              daemon=True)
+    thread = threading.Thread(target=prefetch_argv, args=(argv,), name="prefetch-weights", daemon=True)
     thread.start()
     return thread
+
+
+def prefetch_argv(argv: Sequence[str]) -> int:
+    """Read the weights of the model the command line names through the page cache, unless the arena's
+    reservation reads them (reserve_for); returns the bytes read here."""
+    model = model_argument(argv)
+    if not model or weight_reserve.reading_ahead(model):
+        return 0
+    return read_through(*_plan(model))
 
 
 def prefetch(model: str | None) -> threading.Thread | None:
@@ -107,9 +118,10 @@ def _plan(model: str | None) -> tuple[list[Path], int]:
     return files, int(available_memory() * MEMORY_SHARE) if files else 0
 
 
-def arena_plan(argv: Sequence[str], model: str | None) -> tuple[str, int, int, bool] | None:
+def arena_plan(argv: Sequence[str], model: str | None) -> tuple[str, str, int, bool] | None:
     """engine.weight_reserve.reserve's arguments for the CPU weight arena the worker's command line will load
-    `model` into (folder, bytes an element of its floating weights, bytes to fault in ahead, auto weight loading),
+    `model` into (folder, safetensors dtype of its floating weights, bytes to read or fault in ahead at most, auto
+    weight loading),
     or None where it loads none or that cannot be told without torch: another device (or device auto on a host
     with a GPU), quantization at load, mapped weights, no huge-page arena, a dtype it does not know."""
     if not model or not (Path(model) / "config.json").is_file():
@@ -120,8 +132,8 @@ def arena_plan(argv: Sequence[str], model: str | None) -> tuple[str, int, int, b
     loading = flag_value(argv, "--weight-loading") or "auto"
     if flag_value(argv, "--quantization") or "--no-huge-pages" in argv or loading not in ("auto", "copy"):
         return None
-    itemsize = ITEMSIZES.get(_dtype(argv, Path(model)), 0)
-    return (model, itemsize, int(available_memory() * MEMORY_SHARE), loading == "auto") if itemsize else None
+    kept = KEPT.get(_dtype(argv, Path(model)))
+    return (model, kept, int(available_memory() * MEMORY_SHARE), loading == "auto") if kept else None
 
 
 def _dtype(argv: Sequence[str], model: Path) -> str:

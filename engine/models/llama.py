@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from sluice import kernels
+from sluice.engine import weight_reserve
 from sluice.engine.kv_cache import LayerKVCache
 from sluice.engine.models.moe import MOE_LAYOUTS, SparseMoe
 from sluice.engine.models.paths import GENERIC, NATIVE_ARCHITECTURES, model_path_for
@@ -209,8 +210,7 @@ class LlamaModel(nn.Module):
     """Embeddings, decoder stack, final norm and LM head over a flat batch of tokens."""
 
     # Each fused projection of a layer and the checkpoint linears it concatenates, in order (loader, quantization).
-    FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-             "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+    FUSED = weight_reserve.FUSED  # the worker's read-ahead lays their parts back to back (torch-free: defined there)
 
     @staticmethod
     def fused_sizes(c: ModelConfig) -> dict[str, list[int]]:

@@ -7,8 +7,9 @@ in memory, the page cache shared by every worker on the host, as llama.cpp's mma
 checkpoints, other dtypes, parts apart, other devices) is read with positioned reads straight into the storage
 of its final parameter (a fused projection's parts into its rows; a large tensor in spans, one per core, in
 parallel; off CPU, from the map straight to the device); on CPU that storage is one arena that becomes huge
-pages once loaded (engine.weight_memory), its map the one the worker reserved and faulted in at its start where
-there is one (engine.weight_reserve). The model is built with its random initialisation skipped, so no
+pages once loaded (engine.weight_memory), its map the one the worker reserved at its start where there is one,
+with the tensors it read into it then, while torch was being imported (engine.weight_reserve): those are taken
+where they lie. The model is built with its random initialisation skipped, so no
 weight is written twice.
 """
 
@@ -70,6 +71,11 @@ class TensorEntry:
     offset: int
     nbytes: int
 
+    @property
+    def source(self) -> tuple[str, int, int]:
+        """(weight file name, offset, bytes): how engine.weight_reserve names the tensors it read ahead."""
+        return self.file.name, self.offset, self.nbytes
+
 
 def read_header(file: Path) -> dict[str, TensorEntry]:
     """Every tensor of a safetensors file by name, from its JSON header (nothing else is read)."""
@@ -123,11 +129,13 @@ def _pread_into(fd: int, out: torch.Tensor, offset: int) -> None:
 
 
 class CheckpointReader:
-    """Tensors by name across one or many safetensors files, each read straight into the tensor that keeps it."""
+    """Tensors by name across one or many safetensors files, each read straight into the tensor that keeps it, or
+    taken from `arena` where the worker's reservation read it there ahead (engine.weight_reserve)."""
 
     def __init__(self, path: str | Path) -> None:
         self.entries: dict[str, TensorEntry] = {}
         self._maps: dict[Path, torch.Tensor] = {}
+        self.arena: WeightArena | None = None
         for file in weight_files(path):
             self.entries.update(read_header(file))
 
@@ -142,7 +150,16 @@ class CheckpointReader:
         return self.entries[name].shape
 
     def get(self, name: str) -> torch.Tensor:
-        """The tensor `name` in its stored dtype, as a fresh CPU tensor."""
+        """The tensor `name` in its stored dtype, as a CPU tensor of the caller's own: where it was read ahead into
+        the arena (the first ask only), that, else a fresh one."""
+        e = self.entries[name]
+        if self.arena is not None:
+            found = self.arena.placed([e.source], e.shape, e.dtype)
+            if found is not None:
+                return found
+        return self._fresh(name)
+
+    def _fresh(self, name: str) -> torch.Tensor:
         e = self.entries[name]
         out = torch.empty(e.shape, dtype=e.dtype)
         self.read_into(name, out)
@@ -179,7 +196,7 @@ class CheckpointReader:
         if tuple(out.shape) != e.shape:
             raise ValueError(f"checkpoint tensor {name} has shape {list(e.shape)}, the model expects {list(out.shape)}")
         if out.dtype != e.dtype:
-            out.copy_(self.get(name))
+            out.copy_(self._fresh(name))
         elif e.nbytes:
             fd = os.open(e.file, os.O_RDONLY)
             try:
@@ -200,6 +217,10 @@ def _read_param(reader: CheckpointReader, names: list[str], dtype, device: torch
     shapes = [reader.shape(n) for n in names]
     rows = [s[0] if s else 1 for s in shapes]
     shape = (sum(rows), *shapes[0][1:]) if len(names) > 1 else shapes[0]
+    if arena is not None and all(reader.entries[n].dtype == dtype for n in names):  # read ahead, where it was
+        ahead = arena.placed([reader.entries[n].source for n in names], shape, dtype)
+        if ahead is not None:
+            return nn.Parameter(ahead, requires_grad=False)
     out = arena.empty(shape, dtype) if arena is not None else None
     out = torch.empty(shape, dtype=dtype, device=device) if out is None else out
     start = 0
@@ -312,6 +333,9 @@ def load_model(
     reader = CheckpointReader(path)
     mode = _weight_mode(reader, weight_loading, linear_hook)
     arena = _arena(reader, dtype, path) if device.type == "cpu" and mode == "copy" and huge_pages else None
+    reader.arena = arena
+    if getattr(linear_hook, "reader", None) is not None:  # pre-quantized: the hook reads through this reader (and
+        linear_hook.reader = reader  # so takes what was read ahead into the arena)
     model = build_model(config)
     _read_weights(model, reader, dtype, device, linear_hook, mode, arena)
     if getattr(linear_hook, "quantizes_head", False):
