@@ -157,6 +157,22 @@ def test_the_weights_read_ahead_are_the_models_own(mid_llama):
         assert torch.equal(p, model.get_parameter(name)), name
 
 
+def test_a_sharded_checkpoint_is_read_ahead_across_its_files(tmp_path):
+    """A checkpoint in several safetensors files (an index naming them) is read ahead file by file; the load takes
+    every tensor where it lies and decodes as one loaded without."""
+    path = make_checkpoint(tmp_path / "sharded", dtype=torch.bfloat16, hidden_size=256, intermediate_size=768,
+                           num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, max_shard_size="2MB")
+    files = weight_reserve.safetensors_files(path)
+    assert len(files) > 2 and (path / "model.safetensors.index.json").is_file()
+    reservation = _reserve(path, "BF16")
+    assert {s.file for s in reservation.slots.values()} == {f.name for f in files}
+    llm = _llm(path)
+    assert reservation.taken == set(reservation.slots) == reservation.read
+    plain = _llm(path, huge_pages=False)
+    for name, p in plain.engine.model.named_parameters():
+        assert torch.equal(p, llm.engine.model.get_parameter(name)), name
+
+
 def test_a_read_ahead_that_fails_part_way_leaves_the_rest_to_the_loader(mid_llama, monkeypatch):
     """A reservation whose reads fail part way (here: after three reads, a weight file gone) hands over what it
     read; the loader reads the rest itself, into the arena past the part read ahead, and the weights are the
