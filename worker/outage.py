@@ -11,6 +11,12 @@ import redis
 
 REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
 log = logging.getLogger("sluice.worker")
+UNAVAILABLE = "Redis unavailable (%s in %s: %s); waiting for it with backoff (up to 30 s), model kept loaded"
+
+
+def unavailable_args(where: str, exc: BaseException) -> tuple:
+    """The arguments of the UNAVAILABLE line."""
+    return type(exc).__name__, where, exc
 
 
 class Outage:
@@ -23,15 +29,17 @@ class Outage:
 
     def failed(self, where: str, exc: BaseException) -> None:
         """A Redis call failed: logged when it starts an outage, counted otherwise."""
+        if self.starts():
+            log.warning(UNAVAILABLE, *unavailable_args(where, exc))
+
+    def starts(self) -> bool:
+        """Counts a failed Redis call; True when it starts an outage (the caller logs UNAVAILABLE)."""
         with self._lock:
             self.attempts += 1
             if self.since is not None:
-                return
+                return False
             self.since = time.monotonic()
-        log.warning(
-            "Redis unavailable (%s in %s: %s); waiting for it with backoff (up to 30 s), model kept loaded",
-            type(exc).__name__, where, exc,
-        )
+            return True
 
     def recovered(self) -> None:
         """A Redis call succeeded: logs the end of an outage once."""
@@ -54,7 +62,14 @@ class RqOutageFilter(logging.Filter):
     """Turns rq's per-attempt 'could not connect to Redis' errors into the outage's single line."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if "could not connect to Redis" in str(record.msg):
-            OUTAGE.failed("rq dequeue", ConnectionError(str(record.args[1]) if len(record.args) > 1 else ""))
+        """rq's first failed attempt becomes the outage's warning, the later ones are dropped."""
+        if "could not connect to Redis" not in str(record.msg):
+            return True
+        if not OUTAGE.starts():
             return False
+        # Rewritten in place, not logged from here: since Python 3.13.4 a record logged while this
+        # thread is inside another logger's handle() is dropped without a trace (CPython gh-91555).
+        exc = ConnectionError(str(record.args[1]) if len(record.args) > 1 else "")
+        record.name, record.levelno, record.levelname = log.name, logging.WARNING, "WARNING"
+        record.msg, record.args = UNAVAILABLE, unavailable_args("rq dequeue", exc)
         return True
