@@ -121,9 +121,9 @@ def _plan(model: str | None) -> tuple[list[Path], int]:
 def arena_plan(argv: Sequence[str], model: str | None) -> tuple[str, str, int, bool] | None:
     """engine.weight_reserve.reserve's arguments for the CPU weight arena the worker's command line will load
     `model` into (folder, safetensors dtype of its floating weights, bytes to read or fault in ahead at most, auto
-    weight loading),
-    or None where it loads none or that cannot be told without torch: another device (or device auto on a host
-    with a GPU), quantization at load, mapped weights, no huge-page arena, a dtype it does not know."""
+    weight loading), or None where it loads none or that cannot be told without torch: another device (or device
+    auto on a host with a GPU), quantization at load, mapped weights, no huge-page arena, a dtype it does not
+    know."""
     if not model or not (Path(model) / "config.json").is_file():
         return None
     device = flag_value(argv, "--device") or "auto"
