@@ -157,6 +157,19 @@ def test_the_weights_read_ahead_are_the_models_own(mid_llama):
         assert torch.equal(p, model.get_parameter(name)), name
 
 
+@pytest.mark.parametrize("arch", ["mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"])
+def test_every_native_architecture_takes_every_tensor_read_ahead(tmp_path, arch):
+    """Biases of fused projections (Qwen2), per-head norms (Qwen3) and experts (Mixtral, Qwen3-MoE) are read ahead
+    where the loader wants them too: nothing is read twice or left untaken, and greedy tokens match a plain load."""
+    path = make_checkpoint(tmp_path / arch, arch, dtype=torch.bfloat16)
+    reservation = _reserve(path, "BF16")
+    llm = _llm(path)
+    assert reservation.taken == set(reservation.slots) == reservation.read
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    plain = _llm(path, huge_pages=False)
+    assert llm.generate([[3, 5, 7]], params)[0].token_ids == plain.generate([[3, 5, 7]], params)[0].token_ids
+
+
 def test_a_sharded_checkpoint_is_read_ahead_across_its_files(tmp_path):
     """A checkpoint in several safetensors files (an index naming them) is read ahead file by file; the load takes
     every tensor where it lies and decodes as one loaded without."""
