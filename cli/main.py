@@ -17,7 +17,7 @@ if WORKER_ONLY:  # first: the weights' disk read overlaps every import below
     from sluice.worker.prefetch import prefetch_for, reserve_for
 
     collector.pause()  # until the imports are done (sluice.worker.cli.start resumes it)
-    reserve_for(sys.argv[2:])  # the weight arena's page faults overlap the imports below
+    reserve_for(sys.argv[2:])  # the weights' read into the arena overlaps the imports below
     prefetch_for(sys.argv[2:])
 
 import typer  # noqa: E402

@@ -113,7 +113,7 @@ class Stored:
     offset: int
     nbytes: int
     dtype: str
-    rows: tuple[int, ...]  # its shape past the first dimension (parts stack along the first)
+    shape: tuple[int, ...]
 
 
 def stored_tensors(files: Iterable[Path]) -> dict[str, Stored]:
@@ -123,7 +123,7 @@ def stored_tensors(files: Iterable[Path]) -> dict[str, Stored]:
         data, header = read_header(file)
         for name, e in header.items():
             start, end = e["data_offsets"]
-            found[name] = Stored(file.name, data + start, end - start, e["dtype"], tuple(e["shape"][1:]))
+            found[name] = Stored(file.name, data + start, end - start, e["dtype"], tuple(e["shape"]))
     return found
 
 
@@ -160,7 +160,8 @@ def _fused_with(name: str, parts: tuple[str, ...]) -> list[str]:
 
 
 def _alike(a: Stored, b: Stored) -> bool:
-    return a.dtype == b.dtype and a.rows == b.rows and a.nbytes > 0
+    """Whether two parts stack along their first dimension: one dtype, the same shape past it, neither empty."""
+    return a.dtype == b.dtype and a.shape[1:] == b.shape[1:] and a.nbytes > 0
 
 
 def layout(tensors: dict[str, Stored], kept: str) -> tuple[dict[str, Slot], int]:

@@ -233,14 +233,14 @@ def test_the_read_ahead_layout_and_its_reads():
     back in the model's order; the reads cover the file in few calls, stepping over short stretches."""
     S = weight_reserve.Stored
     tensors = {
-        "model.layers.0.self_attn.k_proj.weight": S("a", 0, 256, "BF16", (8,)),
-        "model.layers.0.self_attn.o_proj.weight": S("a", 256, 200, "BF16", (8,)),
-        "model.layers.0.self_attn.q_proj.weight": S("a", 456, 512, "BF16", (8,)),
-        "model.layers.0.self_attn.v_proj.weight": S("a", 968, 256, "BF16", (8,)),
-        "model.norm.weight": S("a", 1224, 64, "F32", ()),
-        "model.layers.0.mlp.up_proj.weight": S("b", 8, 100, "U8", (1,)),
-        "model.layers.0.mlp.up_proj.weight.absmax": S("b", 108, 4, "U8", ()),
-        "model.layers.0.mlp.gate_proj.weight": S("b", (2 << 20) + 112, 100, "I8", (1,)),
+        "model.layers.0.self_attn.k_proj.weight": S("a", 0, 256, "BF16", (16, 8)),
+        "model.layers.0.self_attn.o_proj.weight": S("a", 256, 200, "BF16", (12, 8)),
+        "model.layers.0.self_attn.q_proj.weight": S("a", 456, 512, "BF16", (32, 8)),
+        "model.layers.0.self_attn.v_proj.weight": S("a", 968, 256, "BF16", (16, 8)),
+        "model.norm.weight": S("a", 1224, 64, "F32", (16,)),
+        "model.layers.0.mlp.up_proj.weight": S("b", 8, 100, "U8", (100, 1)),
+        "model.layers.0.mlp.up_proj.weight.absmax": S("b", 108, 4, "U8", (4,)),
+        "model.layers.0.mlp.gate_proj.weight": S("b", (2 << 20) + 112, 100, "I8", (100, 1)),
     }
     slots, end = weight_reserve.layout(tensors, "BF16")
     assert "model.norm.weight" not in slots and "model.layers.0.mlp.up_proj.weight.absmax" not in slots

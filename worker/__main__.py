@@ -6,8 +6,8 @@ from sluice.worker import collector
 from sluice.worker.prefetch import prefetch_for, reserve_for
 
 collector.pause()  # until the imports are done (sluice.worker.cli.start resumes it)
-reserve_for(sys.argv[1:])  # first: the weight arena's page faults overlap the imports below
-prefetch_for(sys.argv[1:])  # and so does the weights' disk read
+reserve_for(sys.argv[1:])  # first: the weights' read into the arena overlaps the imports below
+prefetch_for(sys.argv[1:])  # the page-cache read, where that read does not run
 
 import typer  # noqa: E402
 

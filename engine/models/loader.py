@@ -79,13 +79,11 @@ class TensorEntry:
 
 def read_header(file: Path) -> dict[str, TensorEntry]:
     """Every tensor of a safetensors file by name, from its JSON header (nothing else is read)."""
-    data, header = weight_reserve.read_header(file)
     entries = {}
-    for name, e in header.items():
-        if e["dtype"] not in DTYPES:
-            raise ValueError(f"{file}: tensor {name} has dtype {e['dtype']}, which the loader does not read")
-        start, end = e["data_offsets"]
-        entries[name] = TensorEntry(file, DTYPES[e["dtype"]], tuple(e["shape"]), data + start, end - start)
+    for name, t in weight_reserve.stored_tensors([file]).items():
+        if t.dtype not in DTYPES:
+            raise ValueError(f"{file}: tensor {name} has dtype {t.dtype}, which the loader does not read")
+        entries[name] = TensorEntry(file, DTYPES[t.dtype], t.shape, t.offset, t.nbytes)
     return entries
 
 
@@ -334,8 +332,8 @@ def load_model(
     mode = _weight_mode(reader, weight_loading, linear_hook)
     arena = _arena(reader, dtype, path) if device.type == "cpu" and mode == "copy" and huge_pages else None
     reader.arena = arena
-    if getattr(linear_hook, "reader", None) is not None:  # pre-quantized: the hook reads through this reader (and
-        linear_hook.reader = reader  # so takes what was read ahead into the arena)
+    if getattr(linear_hook, "prequantized", False):  # the hook reads its tensors through this reader (so it
+        linear_hook.reader = reader  # takes what was read ahead into the arena)
     model = build_model(config)
     _read_weights(model, reader, dtype, device, linear_hook, mode, arena)
     if getattr(linear_hook, "quantizes_head", False):

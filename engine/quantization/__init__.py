@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from sluice.engine.models.llama import ModelConfig
-from sluice.engine.models.loader import CheckpointReader, LinearHook, read_config
+from sluice.engine.models.loader import LinearHook, read_config
 from sluice.engine.quantization.checkpoint import save_quantized
 from sluice.engine.quantization.device_check import check_device
 from sluice.engine.quantization.linears import FusedLinear, Quantizer, pack_4bit_for_cpu
@@ -26,5 +26,4 @@ def linear_hook(config, device: torch.device, dtype: torch.dtype, hf_config: dic
     c = ModelConfig.from_hf(hf_config)
     check_device(spec, device, dtype)
     check_shapes(spec, c, device)
-    reader = CheckpointReader(config.model) if spec.prequantized else None
-    return Quantizer(spec, c, dtype, device, reader)
+    return Quantizer(spec, c, dtype, device, spec.prequantized)

@@ -52,7 +52,7 @@ def save_quantized(src: str | Path, dst: str | Path, spec: QuantSpec, dtype: tor
     c = ModelConfig.from_hf(hf_config)
     cpu = torch.device("cpu")
     check_shapes(spec, c, cpu)
-    model = load_model(src, dtype, cpu, c.max_position_embeddings, Quantizer(spec, c, dtype, cpu, None),
+    model = load_model(src, dtype, cpu, c.max_position_embeddings, Quantizer(spec, c, dtype, cpu),
                        huge_pages=False)  # written out, never run
     linears = quantized_linears(model)
     tensors = {f"{name}.{k}": v for name, state in linears.items() for k, v in state.items()}

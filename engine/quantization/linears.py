@@ -187,8 +187,6 @@ class ZeroPadded(nn.Module):
         return y if y.shape[-1] == self.out_features else y[..., : self.out_features]
 
 
-
-
 def read_linear(spec: QuantSpec, reader: CheckpointReader, name: str, dtype, device) -> nn.Module:
     """A pre-quantized linear from its checkpoint tensors; unquantized ones (skipped modules) stay plain."""
     get = lambda key: reader.get(key).to(device)  # noqa: E731
@@ -230,12 +228,13 @@ def part_names(prefix: str) -> list[str]:
 
 
 class Quantizer:
-    """The loader's linear hook: each loaded linear becomes bitsandbytes linears, one per checkpoint tensor."""
+    """The loader's linear hook: each loaded linear becomes bitsandbytes linears, one per checkpoint tensor;
+    `prequantized`: read from the checkpoint through `reader`, the load's own (models.loader.load_model sets it)."""
 
-    def __init__(self, spec: QuantSpec, c: ModelConfig, dtype, device, reader: CheckpointReader | None) -> None:
-        self.spec, self.dtype, self.device, self.reader = spec, dtype, device, reader
+    def __init__(self, spec: QuantSpec, c: ModelConfig, dtype, device, prequantized: bool = False) -> None:
+        self.spec, self.dtype, self.device, self.prequantized = spec, dtype, device, prequantized
         self.split = LlamaModel.fused_sizes(c)
-        self.prequantized = reader is not None
+        self.reader: CheckpointReader | None = None
 
     @property
     def quantizes_head(self) -> bool:
@@ -268,7 +267,9 @@ class Quantizer:
         if self.spec.method in WEIGHT_ONLY_LINEARS:
             return WEIGHT_ONLY_LINEARS[self.spec.method](linear.weight, linear.bias, self.dtype)
         names = part_names(prefix)
-        if self.reader is not None:
+        if self.prequantized:
+            if self.reader is None:
+                raise RuntimeError("a pre-quantized checkpoint's linears are read through the load's reader")
             parts = [read_linear(self.spec, self.reader, n, self.dtype, self.device) for n in names]
         else:
             sizes = next((s for k, s in self.split.items() if prefix.endswith(k)), [linear.out_features])
