@@ -26,8 +26,10 @@ class BlockManager:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_blocks: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        # a block's record is made when it is first handed out (a pool of ten thousands costs its start otherwise):
+        # every other lookup is of a block some table holds
+        self.blocks: list[Block] = [None] * num_blocks  # type: ignore[list-item]
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
         self.num_hashed: dict[str, int] = {}
         self.queries = 0
@@ -49,6 +51,8 @@ class BlockManager:
     def _take_free_block(self) -> Block:
         block_id, _ = self.free_blocks.popitem(last=False)
         block = self.blocks[block_id]
+        if block is None:
+            block = self.blocks[block_id] = Block(block_id)
         if block.hash is not None and self.hash_to_block.get(block.hash) == block_id:
             del self.hash_to_block[block.hash]
         block.hash, block.token_ids = None, ()
