@@ -54,7 +54,12 @@ class WeightArena:
             -1, capacity + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
         self._start = (-self._bytes.data_ptr()) % HUGE_PAGE
-        self.capacity, self.used = capacity, _slot(reservation.ahead) if reservation is not None else 0
+        self.capacity, self.used = capacity, 0
+        self._passing: list[tuple[int, int]] = []  # transient tensors read ahead (offsets into the map)
+        if reservation is not None:
+            self.capacity, self.used = reservation.capacity, _slot(reservation.ahead)
+            self._passing = [(self._start + s.at, self._start + s.at + s.nbytes)
+                             for s in reservation.slots.values() if s.transient]
         self.prefaulted = 0  # bytes the reservation had faulted in (or read) ahead (set by `finish_reservation`)
         self.settled = threading.Event()
         self.collapse_nice: int | None = None  # the collapsing thread's nice value, once it runs
@@ -89,9 +94,11 @@ class WeightArena:
         reservation, self.reservation = self.reservation, None
         released = reservation.finish(self.used)
         self.prefaulted = reservation.faulted
+        taken = [reservation.slots[n] for n in reservation.taken]
         log.info("weight arena: %d MB written, %d MB of it faulted in ahead at the start, %d MB of tensors read "
-                 "ahead and taken", self.used >> 20, min(self.prefaulted, self.used) >> 20,
-                 sum(reservation.slots[n].nbytes for n in reservation.taken) >> 20)
+                 "ahead and taken, %d MB read ahead for the load to rebuild (handed back)", self.used >> 20,
+                 min(self.prefaulted, self.used) >> 20, sum(s.nbytes for s in taken if not s.transient) >> 20,
+                 sum(s.nbytes for s in taken if s.transient) >> 20)
         return released
 
     def data_ptr(self) -> int:
@@ -102,20 +109,30 @@ class WeightArena:
         base = self._bytes.data_ptr()
         return t.device.type == "cpu" and base <= t.untyped_storage().data_ptr() < base + len(self._map)
 
+    def passing(self, t: torch.Tensor) -> bool:
+        """Whether `t` lies on a transient tensor read ahead (its pages go back when the arena settles)."""
+        at = t.data_ptr() - self._bytes.data_ptr()
+        return self.holds(t) and any(a <= at < b for a, b in self._passing)
+
     def adopt(self, model: nn.Module) -> int:
-        """Move every CPU parameter and buffer of `model` that lies outside the arena into it, views of one
-        storage kept views of one copy (bitsandbytes' modules excepted: they keep tensors of their own beside
-        their parameters); returns the bytes moved. Tensors that do not fit stay where they are."""
+        """Move every CPU parameter and buffer of `model` that lies outside the arena, or on a transient tensor
+        read ahead (`passing`), into it, views of one storage kept views of one copy (bitsandbytes' modules
+        excepted: they keep tensors of their own beside their parameters); returns the bytes moved. Tensors that
+        do not fit stay where they are."""
         storages: dict[int, list[torch.Tensor]] = {}
+        moved = 0
         for mod in model.modules():
             if type(mod).__module__.startswith("bitsandbytes"):
                 continue
             for t in [*mod._parameters.values(), *mod._buffers.values()]:
-                if t is not None and t.device.type == "cpu" and t.numel() and not self.holds(t):
+                if t is None or t.device.type != "cpu" or not t.numel():
+                    continue
+                if self._passing and self.passing(t):
+                    moved += self._move(t)
+                elif not self.holds(t):
                     views = storages.setdefault(t.untyped_storage().data_ptr(), [])
                     if all(v is not t for v in views):
                         views.append(t)
-        moved = 0
         for views in storages.values():
             old = views[0].untyped_storage()
             new = self.empty((old.nbytes(),), torch.uint8)
@@ -127,6 +144,17 @@ class WeightArena:
                 t.data = typed.as_strided(t.shape, t.stride(), typed.storage_offset() + t.storage_offset())
             moved += old.nbytes()
         return moved
+
+    def _move(self, t: torch.Tensor) -> int:
+        """Copy the tensor `t` alone (not the storage it views: the arena's own) to a place of its own in the
+        arena (a copy of torch's where it does not fit: those pages go back at `settle`); the bytes moved."""
+        new = self.empty(t.shape, t.dtype)
+        if new is None:
+            t.data = t.clone()
+            return 0
+        new.copy_(t)
+        t.data = new
+        return t.nbytes
 
     def settle(self, background: bool = True) -> None:
         """Ask for huge pages over the written part of the arena: MADV_HUGEPAGE, then MADV_COLLAPSE (in a

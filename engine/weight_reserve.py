@@ -53,6 +53,10 @@ SPAN = HUGE_PAGE
 READ_CALL = 64 << 20
 GAP = 1 << 20
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 16
+# Tensors the load reads only to rebuild (bitsandbytes' 4-bit state, an int8 linear's row scales, a norm stored in
+# another dtype) are read ahead too, past those kept, while they are at most this share of them (1/TRANSIENT_SHARE):
+# their pages are handed back when the arena settles, whatever the load did with them.
+TRANSIENT_SHARE = 4
 # safetensors dtype → (bytes an element, floating point: kept in the model's dtype)
 DTYPES = {
     "BF16": (2, True), "F16": (2, True), "F32": (4, True), "F64": (8, True), "F8_E4M3": (1, True),
@@ -97,12 +101,14 @@ def kept_bytes(tensors: Iterable[tuple[str, int]], itemsize: int) -> int:
 @dataclass(frozen=True, slots=True)
 class Slot:
     """One checkpoint tensor read ahead: `nbytes` from `offset` of the weight file named `file` (its name in the
-    folder), to `at` bytes past the arena's start."""
+    folder), to `at` bytes past the arena's start; `transient`: the load only reads it (its pages go back when
+    the arena settles)."""
 
     file: str
     offset: int
     nbytes: int
     at: int
+    transient: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,8 +171,10 @@ def _alike(a: Stored, b: Stored) -> bool:
 
 
 def layout(tensors: dict[str, Stored], kept: str) -> tuple[dict[str, Slot], int]:
-    """Where each tensor that can be read ahead (`read_ahead`) goes in the arena: each group (`_groups`) on a cache
-    line, its parts back to back; and the end of the last (bytes past the arena's start)."""
+    """Where each tensor that can be read ahead goes in the arena: those the model keeps as stored (`read_ahead`)
+    first, each group (`_groups`) on a cache line, its parts back to back; then, while they are few enough
+    (TRANSIENT_SHARE), every other non-empty one (transient), each on a cache line; and the end of the last
+    (bytes past the arena's start)."""
     names = [n for n, t in tensors.items() if read_ahead(n, t, kept)]
     slots, end = {}, 0
     for group in _groups(names, {n: tensors[n] for n in names}):
@@ -174,6 +182,12 @@ def layout(tensors: dict[str, Stored], kept: str) -> tuple[dict[str, Slot], int]
         for name in group:
             t = tensors[name]
             slots[name], end = Slot(t.file, t.offset, t.nbytes, end), end + t.nbytes
+    rest = [n for n, t in tensors.items() if n not in slots and t.dtype in DTYPES and t.nbytes]
+    if sum(tensors[n].nbytes for n in rest) * TRANSIENT_SHARE <= end:
+        for name in rest:
+            t = tensors[name]
+            end = -(-end // SLOT_ALIGNMENT) * SLOT_ALIGNMENT
+            slots[name], end = Slot(t.file, t.offset, t.nbytes, end, transient=True), end + t.nbytes
     return slots, end
 
 
@@ -218,8 +232,9 @@ def _preadv_all(fd: int, bufs: list[memoryview], offset: int) -> None:
 
 class Reservation:
     """An anonymous map of `capacity` bytes (plus the huge page its start is aligned to), filled by a daemon
-    thread: the checkpoint tensors of `slots` read from the files in `root` to their places, or else (no slots)
-    its first `fault` bytes from that start faulted in."""
+    thread: the checkpoint tensors of `slots` read from the files in `root` to their places, then the next `fault`
+    bytes past them faulted in (where the load writes what it makes: the quantized linears' scales), or else (no
+    slots) its first `fault` bytes from that start faulted in."""
 
     def __init__(self, key: str, capacity: int, fault: int, root: Path | None = None,
                  slots: dict[str, Slot] | None = None) -> None:
@@ -234,7 +249,8 @@ class Reservation:
         self._source = {(s.file, s.offset, s.nbytes): name for name, s in self.slots.items()}
         self.read: set[str] = set()  # names read so far
         self.taken: set[str] = set()  # names handed to the load (`placed`)
-        self.fault, self.faulted = (self.ahead, 0) if self.slots else (min(fault, capacity), 0)
+        past = -(-self.ahead // mmap.PAGESIZE) * mmap.PAGESIZE
+        self.fault, self.faulted = min(past + fault if self.slots else fault, capacity), 0
         self._stop, self._done = threading.Event(), threading.Condition()
         self._reading = True
         work = self._read_in if self.slots else self._fault_in
@@ -242,18 +258,24 @@ class Reservation:
         self._thread.start()
 
     def _fault_in(self) -> None:
-        """Fault the pages in, a span a call, until done, stopped, or refused (a kernel before 5.14, no memory)."""
-        madvise = _madvise()
+        """Fault the pages in up to `fault` (`_populate`)."""
         try:
-            while self.faulted < self.fault and not self._stop.is_set():
-                n = min(SPAN, self.fault - self.faulted)
-                if madvise(self.address + self.start + self.faulted, n, MADV_POPULATE_WRITE) != 0:
-                    log.debug("MADV_POPULATE_WRITE: errno %d (the arena faults its pages as it is written)",
-                              ctypes.get_errno())
-                    return
-                self.faulted += n
+            self._populate(0)
         finally:
             self._finished()
+
+    def _populate(self, at: int) -> None:
+        """Fault the pages from `at` to `fault` in, a span a call, until done, stopped, or refused (a kernel before
+        5.14, no memory)."""
+        madvise = _madvise()
+        while at < self.fault and not self._stop.is_set():
+            n = min(SPAN, self.fault - at)
+            if madvise(self.address + self.start + at, n, MADV_POPULATE_WRITE) != 0:
+                log.debug("MADV_POPULATE_WRITE: errno %d (the arena faults its pages as it is written)",
+                          ctypes.get_errno())
+                return
+            at += n
+            self.faulted = max(self.faulted, at)
 
     def _read_in(self) -> None:
         """Read every slot's tensor to its place (`read_calls`: few, large positioned reads in file order, each
@@ -278,6 +300,7 @@ class Reservation:
                     with self._done:
                         self.read.update(names)
                         self._done.notify_all()
+            self._populate(-(-self.ahead // mmap.PAGESIZE) * mmap.PAGESIZE)
         except (OSError, EOFError):
             log.debug("reading the weights ahead stopped", exc_info=True)
         finally:
@@ -309,14 +332,14 @@ class Reservation:
 
     def finish(self, used: int) -> int:
         """Stop reading or faulting and hand back the pages faulted past the first `used` bytes from the start (the
-        arena writes none of them: a later write gets a fresh page) and those only tensors nobody took lie on;
-        returns the bytes handed back."""
+        arena writes none of them: a later write gets a fresh page) and those only transient tensors or tensors
+        nobody took lie on; returns the bytes handed back."""
         self._stop.set()
         self._thread.join()
-        spans = [(s.at, s.at + s.nbytes) for name, s in self.slots.items() if name not in self.taken]
+        spans = [(s.at, s.at + s.nbytes) for name, s in self.slots.items() if s.transient or name not in self.taken]
         spans.append((used, max(used, self.faulted)))
         madvise, released = _madvise(), 0
-        kept = [(s.at, s.at + s.nbytes) for name, s in self.slots.items() if name in self.taken]
+        kept = [(s.at, s.at + s.nbytes) for name, s in self.slots.items() if name in self.taken and not s.transient]
         for first, end in _whole_pages(spans, kept):
             madvise(self.address + self.start + first, end - first, MADV_DONTNEED)
             released += end - first
@@ -371,8 +394,14 @@ def reserve(model_dir: str | Path, kept: str, budget: int, map_large: bool = Tru
         if not nbytes or budget <= 0 or (map_large and sum(t.nbytes for t in tensors.values()) >= MAP_ALL_BYTES):
             return None
         slots, end = layout(tensors, kept)
+        if end > budget:  # without the transient ones, else none
+            slots = {n: s for n, s in slots.items() if not s.transient}
+            end = max((s.at + s.nbytes for s in slots.values()), default=0)
         ahead = slots if end <= budget else None
-        reservation = Reservation(key_of(root), arena_capacity(nbytes), min(nbytes, budget), root, ahead)
+        passing = sum(s.nbytes + SLOT_ALIGNMENT for s in slots.values() if s.transient) if ahead else 0
+        made = nbytes - sum(s.nbytes for s in slots.values() if not s.transient)  # what the load makes, about
+        fault = min(made, budget - end) if ahead else min(nbytes, budget)
+        reservation = Reservation(key_of(root), arena_capacity(nbytes) + passing, fault, root, ahead)
     except (OSError, ValueError, KeyError, TypeError, IndexError):
         return None
     with _lock:

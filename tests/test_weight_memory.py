@@ -228,9 +228,10 @@ def test_tensors_read_ahead_that_nothing_takes_are_handed_back(mid_llama, tmp_pa
 
 
 def test_the_read_ahead_layout_and_its_reads():
-    """The layout keeps floating tensors stored in the kept dtype and the others as stored (not bitsandbytes'
-    4-bit state, which the load rebuilds), each group on a cache line and a fused projection's parts back to
-    back in the model's order; the reads cover the file in few calls, stepping over short stretches."""
+    """The layout keeps floating tensors stored in the kept dtype and the others as stored, each group on a cache
+    line and a fused projection's parts back to back in the model's order; past them, as transient, those the
+    load rebuilds (bitsandbytes' 4-bit state, a norm in another dtype) while they are few; the reads cover the file
+    in few calls, stepping over short stretches."""
     S = weight_reserve.Stored
     tensors = {
         "model.layers.0.self_attn.k_proj.weight": S("a", 0, 256, "BF16", (16, 8)),
@@ -243,13 +244,20 @@ def test_the_read_ahead_layout_and_its_reads():
         "model.layers.0.mlp.gate_proj.weight": S("b", (2 << 20) + 112, 100, "I8", (100, 1)),
     }
     slots, end = weight_reserve.layout(tensors, "BF16")
-    assert "model.norm.weight" not in slots and "model.layers.0.mlp.up_proj.weight.absmax" not in slots
+    passing = {n for n, s in slots.items() if s.transient}
+    assert passing == {"model.norm.weight", "model.layers.0.mlp.up_proj.weight.absmax"}
+    assert min(slots[n].at for n in passing) > max(s.at for n, s in slots.items() if n not in passing)
+    assert all(slots[n].at % 64 == 0 for n in passing)
+    kept_end = max(s.at + s.nbytes for s in slots.values() if not s.transient)
+    big = tensors | {"model.big_norm.weight": S("a", 1288, kept_end // 4, "F32", (kept_end // 16,))}
+    assert not any(s.transient for s in weight_reserve.layout(big, "BF16")[0].values())  # too many: none
+    assert end == max(s.at + s.nbytes for s in slots.values())
+    slots = {n: s for n, s in slots.items() if not s.transient}
     q, k, v = (slots[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv")
     assert k.at == q.at + 512 and v.at == k.at + 256 and q.at % 64 == 0
     gate, up = slots["model.layers.0.mlp.gate_proj.weight"], slots["model.layers.0.mlp.up_proj.weight"]
     assert gate.at != up.at + 100  # I8 and U8 parts are not alike: each alone
     assert all(s.at % 64 == 0 for s in (q, gate, up, slots["model.layers.0.self_attn.o_proj.weight"]))
-    assert end == max(s.at + s.nbytes for s in slots.values())
     calls = weight_reserve.read_calls(slots)
     assert calls[0] == ("a", 0, [("model.layers.0.self_attn.k_proj.weight", 256),
                                  ("model.layers.0.self_attn.o_proj.weight", 200),
@@ -259,6 +267,48 @@ def test_the_read_ahead_layout_and_its_reads():
     assert calls[2] == ("b", (2 << 20) + 112, [("model.layers.0.mlp.gate_proj.weight", 100)])
     near = {n: s for n, s in slots.items() if s.file == "a"} | {"x": weight_reserve.Slot("a", 1300, 10, 5000)}
     assert weight_reserve.read_calls(near)[0][2][-2:] == [(None, 1300 - 1224), ("x", 10)]  # a short stretch read over
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4-nf4", "int4-fp4-double"])
+def test_a_prequantized_checkpoints_state_is_read_ahead_and_handed_back(mid_llama, tmp_path, mode):
+    """The state beside a pre-quantized linear's codes (int8: its row scales; int4: absmax, quant map, nested
+    state, bitsandbytes' JSON) is read ahead too, past the codes, as transient: the load takes every tensor read
+    ahead (but int8's weight_format markers, which it does not read), keeps nothing on those pages (the arena adopts the buffers lying there), and their pages go back when
+    the arena settles; greedy tokens, before and after, are a plain load's."""
+    from sluice.cli.quantize import quantize
+
+    quant = {"int8": ("int8", "nf4", False), "int4-nf4": ("int4", "nf4", False), "int4-fp4-double": ("int4", "fp4", True)}
+    quantize(mid_llama, tmp_path, *quant[mode], dtype="bfloat16")
+    reservation = _reserve(tmp_path, "BF16")
+    passing = {n: s for n, s in reservation.slots.items() if s.transient}
+    assert passing and all(n.endswith((".SCB", ".weight_format")) or ".weight." in n for n in passing)
+    llm = _llm(tmp_path)
+    model, arena = llm.engine.model, llm.engine.model.weight_arena
+    assert set(reservation.slots) == reservation.read
+    assert set(reservation.slots) - reservation.taken == {n for n in reservation.slots if n.endswith(".weight_format")}
+    assert all(arena.holds(t) and not arena.passing(t) for t in [*model.parameters(), *model.buffers()])
+    plain = _llm(tmp_path, huge_pages=False)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    want = plain.generate([[5, 9, 2, 7]], params)[0].token_ids
+    assert llm.generate([[5, 9, 2, 7]], params)[0].token_ids == want
+    assert arena.settled.wait(60) and arena.reservation is None
+    rss = {a: _resident(arena.data_ptr() - arena._start + a, s.nbytes) for a, s in
+           ((arena._start + s.at, s) for s in passing.values()) if s.nbytes >= 3 * 4096}
+    assert all(pages <= 2 for pages in rss.values()), rss  # at most the pages shared with a neighbour
+    assert llm.generate([[5, 9, 2, 7]], params)[0].token_ids == want
+
+
+def _resident(address: int, nbytes: int) -> int:
+    """How many pages of [address, address + nbytes) are resident (mincore)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    first = address // mmap.PAGESIZE * mmap.PAGESIZE
+    pages = -(-(address + nbytes - first) // mmap.PAGESIZE)
+    vec = (ctypes.c_ubyte * pages)()
+    assert libc.mincore(ctypes.c_void_p(first), ctypes.c_size_t(pages * mmap.PAGESIZE), vec) == 0
+    return sum(b & 1 for b in vec)
 
 
 def test_pages_faulted_past_what_the_arena_wrote_are_handed_back(mid_llama):

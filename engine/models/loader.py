@@ -134,11 +134,23 @@ class CheckpointReader:
         self.entries: dict[str, TensorEntry] = {}
         self._maps: dict[Path, torch.Tensor] = {}
         self.arena: WeightArena | None = None
+        self._fields: dict[str, dict[str, str]] | None = None
         for file in weight_files(path):
             self.entries.update(read_header(file))
 
     def names(self) -> list[str]:
         return list(self.entries)
+
+    def fields(self, tensor: str) -> dict[str, str]:
+        """The tensors stored as fields of `tensor` (`<tensor>.<field>`: bitsandbytes' 4-bit state beside a
+        weight), by field."""
+        if self._fields is None:
+            self._fields = {}
+            for name in self.entries:
+                owner, sep, field = name.partition(".weight.")
+                if sep:
+                    self._fields.setdefault(f"{owner}.weight", {})[field] = name
+        return self._fields.get(tensor, {})
 
     def __contains__(self, name: str) -> bool:
         return name in self.entries
@@ -149,7 +161,9 @@ class CheckpointReader:
 
     def get(self, name: str) -> torch.Tensor:
         """The tensor `name` in its stored dtype, as a CPU tensor of the caller's own: where it was read ahead into
-        the arena (the first ask only), that, else a fresh one."""
+        the arena (the first ask only), that, else a fresh one. One read ahead as transient (the load rebuilds it:
+        engine.weight_reserve.layout) lasts until the arena settles: keep a copy, or a module buffer (the arena's
+        `adopt` moves those)."""
         e = self.entries[name]
         if self.arena is not None:
             found = self.arena.placed([e.source], e.shape, e.dtype)
@@ -194,7 +208,7 @@ class CheckpointReader:
         if tuple(out.shape) != e.shape:
             raise ValueError(f"checkpoint tensor {name} has shape {list(e.shape)}, the model expects {list(out.shape)}")
         if out.dtype != e.dtype:
-            out.copy_(self._fresh(name))
+            out.copy_(self.get(name))
         elif e.nbytes:
             fd = os.open(e.file, os.O_RDONLY)
             try:

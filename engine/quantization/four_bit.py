@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -22,6 +23,7 @@ from sluice.kernels import int4_weights
 from sluice.kernels import nf4 as nf4_kernels
 
 BLOCKSIZE = 64
+Empty = Callable[[tuple[int, ...], torch.dtype], "torch.Tensor | None"]  # storage for a tensor (a weight arena's)
 NESTED_BLOCKSIZE = 256
 # bitsandbytes' get_4bit_type tables before their normalization by the largest magnitude (FP4: 1 sign, 2 exponent
 # and 1 mantissa bits in bit-pattern order)
@@ -207,12 +209,14 @@ class Linear4bitCpu(nn.Module):
         self.quant_type = state.quant_type
         self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
 
-    def pack(self) -> bool:
-        """Replace bitsandbytes' state by the bf16 absmax the kernel reads; False when already done."""
+    def pack(self, empty: Empty | None = None) -> bool:
+        """Replace bitsandbytes' state by the bf16 absmax the kernel reads (in storage from `empty`, e.g. the weight
+        arena's, where it gives some); False when already done."""
         if self.state is None:
             return False
         absmax = self.state.absmax_fp32().view(self.out_features, self.in_features // BLOCKSIZE)
-        self.absmax = absmax.to(torch.bfloat16).contiguous()
+        into = empty(absmax.shape, torch.bfloat16) if empty is not None and absmax.device.type == "cpu" else None
+        self.absmax = into.copy_(absmax) if into is not None else absmax.to(torch.bfloat16).contiguous()
         self.state = None
         return True
 
@@ -235,7 +239,7 @@ class Linear4bitCpu(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, quant_type={self.quant_type}"
 
 
-def pack_for_cpu(model: nn.Module) -> int:
-    """`pack()` every Linear4bitCpu of a model (at load: the kernels' absmax, bitsandbytes' state freed); returns
-    how many it packed."""
-    return sum(mod.pack() for mod in model.modules() if isinstance(mod, Linear4bitCpu))
+def pack_for_cpu(model: nn.Module, empty: Empty | None = None) -> int:
+    """`pack()` every Linear4bitCpu of a model (at load: the kernels' absmax, bitsandbytes' state freed; `empty`:
+    where the absmax goes); returns how many it packed."""
+    return sum(mod.pack(empty) for mod in model.modules() if isinstance(mod, Linear4bitCpu))

@@ -89,8 +89,10 @@ def int4_linear(spec: QuantSpec, packed: torch.Tensor, quant_state, bias, dtype)
 
 def pack_4bit_for_cpu(model: nn.Module) -> int:
     """Put every 4-bit linear of a CPU model in the layout its kernel reads (`four_bit.pack_for_cpu`: the absmax in
-    bf16, bitsandbytes' state freed), at load rather than at its first forward; returns the linears packed."""
-    return four_bit.pack_for_cpu(model)
+    bf16, in the model's weight arena where it has one, bitsandbytes' state freed), at load rather than at its
+    first forward; returns the linears packed."""
+    arena = getattr(model, "weight_arena", None)
+    return four_bit.pack_for_cpu(model, arena.empty if arena is not None else None)
 
 
 class Int8WeightOnlyLinear(nn.Module):
@@ -194,7 +196,7 @@ def read_linear(spec: QuantSpec, reader: CheckpointReader, name: str, dtype, dev
     weight = get(f"{name}.weight")
     if f"{name}.SCB" in reader:
         return int8_linear(spec, weight, get(f"{name}.SCB"), bias, dtype)
-    stats = {k.removeprefix(f"{name}.weight."): get(k) for k in reader.names() if k.startswith(f"{name}.weight.")}
+    stats = {field: get(key) for field, key in reader.fields(f"{name}.weight").items()}
     if stats:
         cpu = torch.device(device).type == "cpu"
         state = four_bit.State4bit.from_dict(stats) if cpu else _bnb().functional.QuantState.from_dict(stats, device)
