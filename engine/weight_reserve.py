@@ -7,11 +7,13 @@ others idle. So the worker's entry point, before its first heavy import, calls `
 folder: it reads the safetensors headers (JSON: no torch), maps what engine.weight_memory's arena will be, and from
 a thread (the import goes on meanwhile) reads every tensor the model keeps as stored into it (`layout`: each on a
 cache line, a fused projection's parts back to back, as the loader places them; `os.preadv`, which releases the
-GIL). Where it cannot read ahead (a memory budget smaller than the weights) it faults the pages in instead
+GIL), then, past them, what the load only reads to rebuild (bitsandbytes' state beside quantized codes:
+transient, handed back once loaded) and faults in the pages where the load will write what it makes from those.
+Where it cannot read ahead (a memory budget smaller than the weights) it faults the pages in instead
 (MADV_POPULATE_WRITE, Linux 5.14+, through ctypes: the GIL is released for the call too). The loader's arena then
 `take`s that map instead of making its own and takes each tensor read ahead as it is (`placed`: no second read);
-the reservation hands back the pages of tensors nobody took and those faulted past what the arena wrote
-(`Reservation.finish`): no second copy, nothing kept unused. A map that does not fit (another model, dtype, a
+the reservation hands back the pages of transient tensors, of tensors nobody took and those faulted past what the
+arena wrote (`Reservation.finish`): no second copy, nothing kept unused. A map that does not fit (another model, dtype, a
 larger arena) is unmapped and the arena maps its own, as before.
 
 Torch-free on purpose: it runs before torch is imported.
