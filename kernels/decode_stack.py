@@ -81,8 +81,7 @@ def int4_linear(w: int4_weights.Int4Weight, bias: torch.Tensor | None):
     return ext.int4_linear(w.packed, w.scales_zeros, bias, w.out_features, int4_weights.GROUP)
 
 
-def int8_linear(qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
-                comp: torch.Tensor | None = None):
+def int8_linear(qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
     """An int8 weight-only linear as a stack linear: our int8 GEMV at the row counts where
     int8_weights.int8_linear runs it, the fused dynamic int8 matmul at the rest; None where it takes another
     branch (torch's GEMV for other scale dtypes, the torch dynamic reference when the fused helpers do not
@@ -96,7 +95,7 @@ def int8_linear(qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor 
     if (gemv != sorted(gemv, reverse=True)  # the stack runs the GEMV on a prefix of the row counts
             or not all(g or int8_weights._use_dynamic(r) for g, r in zip(gemv, rows, strict=True))):
         return None
-    return ext.int8_linear(qweight, scales, bias, sum(gemv), comp)
+    return ext.int8_linear(qweight, scales, bias, sum(gemv))
 
 
 def build(layers: list[list], num_heads: int, num_kv_heads: int, head_dim: int, eps: float,

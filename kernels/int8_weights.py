@@ -5,8 +5,8 @@ row where our exact int8 product does not build ours (csrc/bf16_gemv.cpp, weight
 four fp32/fp16 rows torch's CPU int8 GEMV, whose cost grows linearly with the row count and which mis-computes
 unless in_features % 16 == 0 (so neither serves such shapes: one rule for both). Other rows of bf16/fp16
 activations on CPU (bf16 from one row where our int8 product serves) are quantized on the fly (int8, one absmax scale per
-row) and multiplied in int32: up to 64 rows by our AVX512-VNNI kernel (csrc/quant_linear.cpp `int8_mm`, with the
-linear's per-row comp kept beside its weight, faster than oneDNN's, whose weight reorder on every call costs as
+row) and multiplied in int32: up to 64 rows by our AVX512-VNNI kernel (csrc/quant_linear.cpp `int8_mm`, which
+needs nothing of the weight but its codes: faster than oneDNN's, whose weight reorder on every call costs as
 much as the product at a few rows: docs/benchmarks.md), above by
 `torch._int_mm` (oneDNN), the same exact int32 sums either way; the quantization and the rescale epilogue (bias
 included) are one C++ pass each (csrc/quant_linear.cpp) where it builds, rounding exactly as the torch ops they
@@ -125,35 +125,24 @@ def bnb_int8_dequant(acc: torch.Tensor, row: torch.Tensor, col: torch.Tensor, bi
     return out.to(dtype)
 
 
-def exact_int8_mm(xq: torch.Tensor, qweight: torch.Tensor, comp: torch.Tensor | None = None) -> torch.Tensor:
+def exact_int8_mm(xq: torch.Tensor, qweight: torch.Tensor) -> torch.Tensor:
     """xq [M, in] int8 times qweight [out, in] int8 in exact int32 sums: our product (C++) where it builds, else
-    torch._int_mm where it sums exactly, else in float64 (comp: `vnni_comp(qweight)`, or None)."""
+    torch._int_mm where it sums exactly, else in float64."""
     fused = _fused()
     if fused is not None and xq.device.type == "cpu":
-        return fused.int8_mm(xq, qweight, comp)
+        return fused.int8_mm(xq, qweight)
     if xq.device.type != "cpu" or int_mm_exact():
         return torch._int_mm(xq, qweight.t())
     return (xq.double() @ qweight.double().t()).to(torch.int32)
 
 
-def vnni_comp(qweight: torch.Tensor) -> torch.Tensor | None:
-    """What our VNNI int8 product subtracts per weight row (128 x the row's sum), for a linear to keep beside its
-    weight and pass to every call (else each call computes it: at one row a second pass over the weight); None
-    where that product does not serve (other devices, no C++ kernels)."""
-    fused = _fused()
-    if fused is None or qweight.device.type != "cpu" or not qweight.is_contiguous():
-        return None
-    return fused.int8_vnni_comp(qweight)
-
-
 def dynamic_int8_mm(rows: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                    bias: torch.Tensor | None = None, comp: torch.Tensor | None = None) -> torch.Tensor:
-    """rows [M, in] quantized per row to int8, times qweight [out, in] in int32, rescaled to rows' dtype, + bias
-    (comp: `vnni_comp(qweight)`, or None)."""
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """rows [M, in] quantized per row to int8, times qweight [out, in] in int32, rescaled to rows' dtype, + bias."""
     fused = _fused()
     if fused is not None and rows.is_contiguous():
         xq, row_scale = fused.quantize_rows(rows)
-        return fused.int8_rescale(fused.int8_mm(xq, qweight, comp), row_scale, scales, bias)
+        return fused.int8_rescale(fused.int8_mm(xq, qweight), row_scale, scales, bias)
     xq, row_scale = quantize_rows(rows)
     y = exact_int8_mm(xq, qweight).float().mul_(row_scale).mul_(scales.float()).to(rows.dtype)
     return y if bias is None else y + bias
@@ -172,9 +161,8 @@ def int_mm_exact() -> bool:
 
 
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                bias: torch.Tensor | None = None, comp: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., in] times the dequantized weight qweight [out, in] * scales [out] (x's dtype), plus bias (comp:
-    `vnni_comp(qweight)` where the caller keeps it)."""
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] times the dequantized weight qweight [out, in] * scales [out] (x's dtype), plus bias."""
     rows = x.reshape(-1, x.shape[-1])
     if triton_on(rows.device):
         from sluice.kernels.triton.w8a16 import w8a16_linear
@@ -186,7 +174,7 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     elif linear_kernels.widen_serves(rows, WIDEN_MIN_ROWS):
         y, bias = linear_kernels.widened_linear(rows, qweight, bias, scales), None
     elif _use_dynamic(rows):
-        y, bias = dynamic_int8_mm(rows.contiguous(), qweight, scales, bias, comp), None
+        y, bias = dynamic_int8_mm(rows.contiguous(), qweight, scales, bias), None
     else:
         y = F.linear(rows, qweight.to(x.dtype)) * scales
     if bias is not None:

@@ -242,9 +242,8 @@ def test_the_torch_int8_path_is_exact_where_onednn_saturates(monkeypatch):
 @pytest.mark.skipif(int8._fused() is None, reason="no C++ toolchain")
 def test_our_int8_matmul_is_exact_at_every_tile_and_serves_the_dynamic_rows(monkeypatch, cpu_tier):
     """int8 x int8 -> int32 by our kernel (VNNI where the tier has it, int8_mm_avx2.h without) equals the int32
-    product at every tile shape (1-8 weight rows x 1-4 x rows, N and K tails, extreme codes), with a kept comp too
-    (one row: weight rows in memory order), and the dynamic int8 path runs it with the linear's comp for bf16 rows
-    from one row (VNNI) or past the GEMV's rows (without) to VNNI_MAX_ROWS and above."""
+    product at every tile shape (1-8 weight rows x 1-4 x rows, N and K tails, extreme codes), and the dynamic int8
+    path runs it for bf16 rows from one row (VNNI) or past the GEMV's rows (without) to VNNI_MAX_ROWS and above."""
     torch.manual_seed(0)
     fused = int8._fused()
     ours = fused.int8_mm_vnni if fused.VNNI else fused.int8_mm
@@ -257,34 +256,49 @@ def test_our_int8_matmul_is_exact_at_every_tile_and_serves_the_dynamic_rows(monk
             assert torch.equal(fused.int8_mm(x, w), want), (m, n, k)
     x, w = torch.full((3, 300), -128, dtype=torch.int8), torch.full((11, 300), -128, dtype=torch.int8)
     assert torch.equal(ours(x, w), torch.full((3, 11), 128 * 128 * 300, dtype=torch.int32))
-    for n, k in ((1, 1), (5, 63), (37, 64), (203, 768), (70, 2048), (9, 300)):  # the comp a linear keeps
-        w = torch.randint(-128, 128, (n, k), dtype=torch.int8)
-        comp = fused.int8_vnni_comp(w)
-        assert torch.equal(comp, 128 * w.int().sum(1)), (n, k)
-        for m in (1, 2, 5):
-            x = torch.randint(-128, 128, (m, k), dtype=torch.int8)
-            assert torch.equal(fused.int8_mm(x, w, comp), x.int() @ w.int().T), (m, n, k)
     _dynamic_rows_take_our_int8_mm(monkeypatch, fused)
+
+
+@pytest.mark.skipif(int8._fused() is None, reason="no C++ toolchain")
+def test_our_int8_matmul_is_exact_at_extreme_codes_and_tails(cpu_tier):
+    """The VNNI product flips each weight's sign bit (w + 128 as the u8 operand) and subtracts 128 x each
+    activation row's sum: exact against float64 sums and torch._int_mm's (where it is exact) with weights of only
+    -128/-127/127 and activations of +-127/-128, K off multiples of 64 (the masked tail: a flipped masked-off
+    weight lane, 0x80, meets a 0 activation lane), one row and many, N off every tile width."""
+    fused = int8._fused()
+    ours = fused.int8_mm_vnni if fused.VNNI else fused.int8_mm
+    g = torch.Generator().manual_seed(3)
+    extreme_w, extreme_x = torch.tensor([-128, -127, 127], dtype=torch.int8), torch.tensor([-128, -127, 127])
+    for m in (1, 2, 3, 5, 17, 64):
+        for n, k in ((1, 1), (3, 65), (13, 127), (31, 129), (45, 300), (67, 1000), (9, 2047)):
+            w = extreme_w[torch.randint(0, 3, (n, k), generator=g)]
+            x = extreme_x[torch.randint(0, 3, (m, k), generator=g)].to(torch.int8)
+            want = (x.double() @ w.double().T).to(torch.int32)
+            assert torch.equal(ours(x, w), want), (m, n, k)
+            assert torch.equal(fused.int8_mm(x, w), want), (m, n, k)
+            if int8.int_mm_exact():
+                assert torch.equal(torch._int_mm(x, w.t()), want), (m, n, k)
+    for value in (-128, 127):  # every activation lane at one end: the row sum's correction at its largest
+        x = torch.full((5, 1000), value, dtype=torch.int8)
+        w = torch.randint(-128, 128, (40, 1000), dtype=torch.int8, generator=g)
+        assert torch.equal(ours(x, w), (x.double() @ w.double().T).to(torch.int32)), value
 
 
 def _dynamic_rows_take_our_int8_mm(monkeypatch, fused) -> None:
     calls, real = [], fused.int8_mm
     spy = type("Spy", (), {"quantize_rows": staticmethod(fused.quantize_rows), "int8_rescale": staticmethod(fused.int8_rescale),
-                           "int8_mm": staticmethod(lambda x, w, comp: calls.append((x.shape[0], comp is not None))
-                                                   or real(x, w, comp)),
-                           "VNNI": fused.VNNI, "int8_vnni_comp": staticmethod(fused.int8_vnni_comp)})
+                           "int8_mm": staticmethod(lambda x, w: calls.append(x.shape[0]) or real(x, w)),
+                           "VNNI": fused.VNNI})
     monkeypatch.setattr(int8, "_fused", lambda: spy)
     qweight, scales = torch.randint(-127, 128, (96, 256), dtype=torch.int8), (torch.rand(96) / 50).to(torch.bfloat16)
-    comp = int8.vnni_comp(qweight)
     first = int8.gemv_rows(torch.bfloat16) + 1
     assert first == (1 if fused.VNNI or cpu_isa.at_least("avx2") else int8.BF16_GEMV_ROWS + 1)
     for m in (first, 8, fused.VNNI_MAX_ROWS, fused.VNNI_MAX_ROWS + 1):
         rows = torch.randn(m, 256, dtype=torch.bfloat16)
         xq, row_scale = int8.quantize_rows(rows)
         want = ((xq.int() @ qweight.int().T).float() * row_scale * scales.float()).to(torch.bfloat16)
-        assert torch.equal(int8.int8_linear(rows, qweight, scales, None, comp), want), m
-    assert calls == [(first, True), (8, True), (fused.VNNI_MAX_ROWS, True), (fused.VNNI_MAX_ROWS + 1, True)], \
-        "bf16 rows past the GEMV's, with the linear's comp"
+        assert torch.equal(int8.int8_linear(rows, qweight, scales, None), want), m
+    assert calls == [first, 8, fused.VNNI_MAX_ROWS, fused.VNNI_MAX_ROWS + 1], "bf16 rows past the GEMV's"
 
 
 DIMS = dict(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1)

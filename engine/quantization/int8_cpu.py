@@ -35,8 +35,6 @@ class LLMInt8Linear(nn.Module):
         self.register_buffer("SCB", scb)
         self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
         self.threshold = threshold
-        # what our VNNI int8 product subtracts per weight row, computed once here (not saved)
-        self.register_buffer("comp", int8_weights.vnni_comp(cb), persistent=False)
 
     @property
     def in_features(self) -> int:
@@ -48,16 +46,16 @@ class LLMInt8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1]).contiguous()
-        y = llm_int8_linear(rows, self.weight, self.SCB, self.bias, self.threshold, self.comp)
+        y = llm_int8_linear(rows, self.weight, self.SCB, self.bias, self.threshold)
         return y.view(*x.shape[:-1], self.weight.shape[0])
 
 
 def llm_int8_linear(rows: torch.Tensor, cb: torch.Tensor, scb: torch.Tensor, bias: torch.Tensor | None,
-                    threshold: float, comp: torch.Tensor | None = None) -> torch.Tensor:
+                    threshold: float) -> torch.Tensor:
     """rows [M, in] times the LLM.int8() weight (cb [out, in] int8, scb [out] fp32), plus bias: bitsandbytes'
     Linear8bitLt forward on CPU, in rows' dtype."""
     ca, sca, cols = int8_weights.bnb_int8_act(rows, threshold)
-    out = int8_weights.bnb_int8_dequant(int8_weights.exact_int8_mm(ca, cb, comp), sca, scb, bias, rows.dtype)
+    out = int8_weights.bnb_int8_dequant(int8_weights.exact_int8_mm(ca, cb), sca, scb, bias, rows.dtype)
     if cols is None or not cols.numel():
         return out
     sub_a = rows[:, cols]

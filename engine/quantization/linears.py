@@ -111,15 +111,13 @@ class Int8WeightOnlyLinear(nn.Module):
             self.qweight[rows] = (w / scales[:, None]).round_().to(torch.int8)
             self.scales[rows] = scales.to(dtype)
         self.bias = _bias(bias, dtype)
-        # what the CPU int8 product subtracts per row, computed once here instead of on every call (not saved)
-        self.register_buffer("comp", int8_weights.vnni_comp(self.qweight), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.int8_linear(x, self.qweight, self.scales, self.bias, self.comp)
+        return kernels.int8_linear(x, self.qweight, self.scales, self.bias)
 
     def stack_linear(self):
         """This linear for kernels.decode_stack, or None where the stack would not run it as `forward` does."""
-        return decode_stack.int8_linear(self.qweight, self.scales, self.bias, self.comp)
+        return decode_stack.int8_linear(self.qweight, self.scales, self.bias)
 
 
 class Int4WeightOnlyLinear(nn.Module):

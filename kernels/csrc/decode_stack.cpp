@@ -27,7 +27,6 @@ struct StackLinear {
   std::optional<torch::Tensor> scales;  // int4: scales_zeros (int4pack or our layout); int8: row scales [out]
   std::optional<torch::Tensor> bias;
   int64_t out_features, group, gemv_rows;  // group: int4's; gemv_rows: int8's
-  std::optional<torch::Tensor> comp = std::nullopt;  // int8: int8_vnni_comp(weight), kept with the weight
 
   torch::Tensor operator()(const torch::Tensor& x) const {
     if (kind == kBf16) return bf16_gemv(x, weight, bias);
@@ -40,7 +39,7 @@ struct StackLinear {
       y = int8_gemv_op(x, weight, *scales);  // kernels.int8_weights' GEMV for bf16 (bf16_gemv.cpp)
     } else {
       const auto q = quantize_rows(x);
-      return int8_rescale(int8_mm(q[0], weight, comp), q[1], *scales, bias);
+      return int8_rescale(int8_mm(q[0], weight), q[1], *scales, bias);
     }
     return bias ? y + *bias : y;
   }
@@ -147,14 +146,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     const int64_t n = packed.size(0);
     return StackLinear{StackLinear::kInt4Vnni, std::move(packed), std::move(scales_zeros), std::move(bias), n, 0, 0};
   }, "an int4 linear in our VNNI layout", py::arg("packed"), py::arg("scales_zeros"), py::arg("bias"));
-  m.def("int8_linear", [](torch::Tensor qweight, torch::Tensor scales, Bias bias, int64_t gemv_rows,
-                          std::optional<torch::Tensor> comp) {
+  m.def("int8_linear", [](torch::Tensor qweight, torch::Tensor scales, Bias bias, int64_t gemv_rows) {
     const int64_t n = qweight.size(0);
-    return StackLinear{StackLinear::kInt8, std::move(qweight), std::move(scales), std::move(bias), n, 0, gemv_rows,
-                       std::move(comp)};
-  }, "an int8 weight-only linear: the int8 GEMV to gemv_rows rows, the dynamic int8 matmul above (comp: "
-     "int8_vnni_comp(qweight))", py::arg("qweight"), py::arg("scales"), py::arg("bias"), py::arg("gemv_rows"),
-        py::arg("comp") = py::none());
+    return StackLinear{StackLinear::kInt8, std::move(qweight), std::move(scales), std::move(bias), n, 0, gemv_rows};
+  }, "an int8 weight-only linear: the int8 GEMV to gemv_rows rows, the dynamic int8 matmul above",
+        py::arg("qweight"), py::arg("scales"), py::arg("bias"), py::arg("gemv_rows"));
   py::class_<DecodeStack>(m, "DecodeStack", py::module_local())
       .def(py::init<const std::vector<LayerSpec>&, int64_t, int64_t, int64_t, double, double>(), py::arg("layers"),
            py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("scale"))

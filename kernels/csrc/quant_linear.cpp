@@ -379,59 +379,28 @@ bool w4a8_supported() { return kTierW4A8; }  // int4_vnni_mm: AVX512-VNNI or AVX
 
 bool vnni_supported() { return kTierVnni; }
 
-// What the VNNI product needs of a weight [N, K] besides the weight: per row 128 * its sum (int32 [N]), which
-// the + 128 on the activation codes adds to each dot product. A linear computes it once and passes it to
-// int8_mm, sparing the one-row product a pass over the weight per call (with more rows the product makes that
-// pass anyway, block by block, to bring the rows into cache for its tiles).
-torch::Tensor int8_vnni_comp(const torch::Tensor& w) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.is_contiguous() && w.device().is_cpu(),
-              "int8_vnni_comp: a contiguous CPU int8 weight [N, K]");
-  const int64_t N = w.size(0), K = w.size(1);
-  auto comp = torch::empty({N}, w.options().dtype(torch::kInt32));
-  const int8_t* wp = w.data_ptr<int8_t>();
-  int32_t* c = comp.data_ptr<int32_t>();
-  at::parallel_for(0, N, 256, [&](int64_t b, int64_t e) {
-    for (int64_t n = b; n < e; ++n) {
-      c[n] = weight_comp(wp + n * K, K);
-    }
-  });
-  return comp;
-}
-
 // Whether our int8 products take x [M, K] and w [N, K]: contiguous CPU int8, the same K.
 bool int8_operands(const torch::Tensor& x, const torch::Tensor& w) {
   return x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && x.scalar_type() == at::kChar &&
          w.scalar_type() == at::kChar && x.is_contiguous() && w.is_contiguous() && x.device().is_cpu();
 }
 
-// comp's data (int8_vnni_comp of a weight of N rows), or null when none is given.
-const int32_t* comp_data(const c10::optional<torch::Tensor>& comp, int64_t N) {
-  TORCH_CHECK(!comp.has_value() || (comp->scalar_type() == at::kInt && comp->is_contiguous() && comp->numel() == N),
-              "int8 product: comp must be int8_vnni_comp(w), contiguous int32 [N]");
-  return comp.has_value() ? comp->data_ptr<int32_t>() : nullptr;
-}
-
 // torch._int_mm(x, w.t()) for int8 x [M, K] and a row-major int8 weight [N, K] by our VNNI kernel: the same
-// exact int32 sums. comp: int8_vnni_comp(w), or none (computed per call).
-torch::Tensor int8_mm_vnni(const torch::Tensor& x, const torch::Tensor& w,
-                           const c10::optional<torch::Tensor>& comp = c10::nullopt) {
+// exact int32 sums.
+torch::Tensor int8_mm_vnni(const torch::Tensor& x, const torch::Tensor& w) {
   TORCH_CHECK(vnni_supported(), "int8_mm_vnni: built without avx512_vnni");
   TORCH_CHECK(int8_operands(x, w), "int8_mm_vnni: contiguous CPU int8 x [M, K], w [N, K]");
   auto y = torch::empty({x.size(0), w.size(0)}, x.options().dtype(torch::kInt32));
-  vnni_mm(x.data_ptr<int8_t>(), x.size(0), w.data_ptr<int8_t>(), x.size(1), w.size(0), y.data_ptr<int32_t>(),
-          comp_data(comp, w.size(0)));
+  vnni_mm(x.data_ptr<int8_t>(), x.size(0), w.data_ptr<int8_t>(), x.size(1), w.size(0), y.data_ptr<int32_t>());
   return y;
 }
 
 // x · wᵀ in int32 [M, N], exact: the tier's product up to kTierInt8MaxRows rows (VNNI to kVnniMaxRows, where it
 // is faster; without VNNI every row count: oneDNN's product saturates there), else torch._int_mm.
-// comp: int8_vnni_comp(w) where the caller keeps it (our VNNI kernel's; the others do not need it).
-torch::Tensor int8_mm(const torch::Tensor& x, const torch::Tensor& w,
-                      const c10::optional<torch::Tensor>& comp = c10::nullopt) {
+torch::Tensor int8_mm(const torch::Tensor& x, const torch::Tensor& w) {
   if (!int8_operands(x, w) || x.size(0) > kTierInt8MaxRows) return at::_int_mm(x, w.t());
   auto y = torch::empty({x.size(0), w.size(0)}, x.options().dtype(torch::kInt32));
-  tier_int8_mm(x.data_ptr<int8_t>(), x.size(0), w.data_ptr<int8_t>(), x.size(1), w.size(0), y.data_ptr<int32_t>(),
-               comp_data(comp, w.size(0)));
+  tier_int8_mm(x.data_ptr<int8_t>(), x.size(0), w.data_ptr<int8_t>(), x.size(1), w.size(0), y.data_ptr<int32_t>());
   return y;
 }
 
@@ -532,10 +501,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("W4A8") = w4a8_supported();
   m.attr("VNNI_MAX_ROWS") = kVnniMaxRows;
   m.def("int8_mm", &int8_mm, "torch._int_mm(x, w.t()) for int8 x [M, K], w [N, K]: ours (VNNI) to VNNI_MAX_ROWS",
-        py::arg("x"), py::arg("w"), py::arg("comp") = py::none());
+        py::arg("x"), py::arg("w"));
   m.def("int8_mm_vnni", &int8_mm_vnni, "torch._int_mm(x, w.t()) by our AVX512-VNNI kernel (CPU)", py::arg("x"),
-        py::arg("w"), py::arg("comp") = py::none());
-  m.def("int8_vnni_comp", &int8_vnni_comp, "per weight row 128 * its sum: what int8_mm's VNNI kernel subtracts");
+        py::arg("w"));
   m.def("int4_vnni_mm", &int4_vnni_mm, "x (bf16) times an int4 weight in our VNNI layout, activations int8 per 32",
         py::arg("x"), py::arg("packed"), py::arg("scales_zeros"), py::arg("bias") = py::none());
   m.def("int4_vnni_dequant", &int4_vnni_dequant, "rows [n0, n1) of an int4 weight in our VNNI layout as fp32",

@@ -9,7 +9,6 @@ constexpr bool kTierW4A8 = true;
 constexpr int64_t kTierInt8MaxRows = std::numeric_limits<int64_t>::max();
 
 // int8_mm's product (every row count: torch's is not exact here).
-inline void tier_int8_mm(const int8_t* x, int64_t M, const int8_t* w, int64_t K, int64_t N, int32_t* y,
-                         const int32_t*) {
+inline void tier_int8_mm(const int8_t* x, int64_t M, const int8_t* w, int64_t K, int64_t N, int32_t* y) {
   int8_mm_avx2(x, M, w, K, N, y);
 }

@@ -1,7 +1,8 @@
 // The AVX512-VNNI tier of quant_linear.cpp (the avx512 tier on CPUs with VNNI, avx512_bf16, amx): the int8 x int8
-// product by `vpdpbusd` (u8 x s8, int32 sums) on the codes + 128 less 128 x the row sums of the weight, so the
-// int32 result is exactly torch._int_mm's (oneDNN's, behind it, reorders the weight on each call, which costs as
-// much as the product itself at a few rows); the int8 x int4 product (w4a8_avx512.h) and its requantized int8
+// product by `vpdpbusd` (u8 x s8, int32 sums) on the weight codes + 128 (their sign bit flipped as they load) and
+// the activation codes, less 128 x each activation row's sum, so the int32 result is exactly torch._int_mm's
+// (oneDNN's, behind it, reorders the weight on each call, which costs as much as the product itself at a few
+// rows); the int8 x int4 product (w4a8_avx512.h) and its requantized int8
 // version for many rows; the activation quantization, bitsandbytes' row and 4-bit codes and the int8 epilogue 16
 // lanes at a time, rounding exactly as the scalar versions in quant_linear.cpp; with AVX512-BF16 also the
 // int4pack tile's dequantization. Included by quant_linear.cpp inside its namespace, after the shared helpers.
@@ -237,20 +238,16 @@ inline bool bnb_dequant_tier(const torch::Tensor& acc, const float* r, const flo
 
 constexpr int64_t kVnniBlock = 32;  // output rows per parallel task (a multiple of every W)
 
-// 128 * sum_k w[k] of one weight row: what the + 128 on the activation codes adds to each of its dot products.
-inline int32_t vnni_comp(const int8_t* w, int64_t K) {
-  const __m512i ones = _mm512_set1_epi8(1);
-  __m512i c = _mm512_setzero_si512();
-  for (int64_t k = 0; k < K; k += 64)
-    c = _mm512_dpbusd_epi32(c, ones, _mm512_maskz_loadu_epi8(_bzhi_u64(~0ULL, std::min<int64_t>(64, K - k)), w + k));
-  return 128 * _mm512_reduce_add_epi32(c);
-}
+// A weight vector as the u8 operand of `vpdpbusd`: its sign bit flipped, w ^ 0x80 = w + 128 as u8 (a masked-off
+// lane becomes 0x80, which meets an activation lane of 0: the padding).
+inline __m512i vnni_weight(__m512i w) { return _mm512_xor_si512(w, _mm512_set1_epi8(static_cast<char>(0x80))); }
 
-// W consecutive weight rows (w, K apart) against R activation rows (u8 codes + 128, ldx apart, readable to K
-// rounded up to 64): out[m * ldo + j] = sum_k x[m][k] * w[j][k]. The W rows are one contiguous run of memory.
-template <int W, int R>
-inline void vnni_tile(const uint8_t* xu, int64_t ldx, int64_t K, const int8_t* w, const int32_t* comp,
-                      int32_t* out, int64_t ldo) {
+// W consecutive weight rows (w, K apart; Flip: as stored, else already flipped, as w4_requant_rows' are) against R
+// activation rows (s8 codes, ldx apart, readable and 0 to K rounded up to 64; corr: each row's 128 x its sum):
+// out[m * ldo + j] = sum_k x[m][k] * w[j][k]. The W rows are one contiguous run of memory.
+template <int W, int R, bool Flip>
+inline void vnni_tile(const int8_t* x, int64_t ldx, int64_t K, const int8_t* w, const int32_t* corr, int32_t* out,
+                      int64_t ldo) {
   static_assert(W * R <= 16, "one reduction tree");
   __m512i acc[16];
 #pragma GCC unroll 16
@@ -259,12 +256,15 @@ inline void vnni_tile(const uint8_t* xu, int64_t ldx, int64_t K, const int8_t* w
     const __mmask64 mask = k + 64 <= K ? ~0ULL : _bzhi_u64(~0ULL, K - k);
     __m512i wv[W];
 #pragma GCC unroll 16
-    for (int j = 0; j < W; ++j) wv[j] = _mm512_maskz_loadu_epi8(mask, w + j * K + k);
+    for (int j = 0; j < W; ++j) {
+      wv[j] = _mm512_maskz_loadu_epi8(mask, w + j * K + k);
+      if constexpr (Flip) wv[j] = vnni_weight(wv[j]);
+    }
 #pragma GCC unroll 16
     for (int m = 0; m < R; ++m) {
-      const __m512i xv = _mm512_loadu_si512(xu + m * ldx + k);
+      const __m512i xv = _mm512_loadu_si512(x + m * ldx + k);
 #pragma GCC unroll 16
-      for (int j = 0; j < W; ++j) acc[j * R + m] = _mm512_dpbusd_epi32(acc[j * R + m], xv, wv[j]);
+      for (int j = 0; j < W; ++j) acc[j * R + m] = _mm512_dpbusd_epi32(acc[j * R + m], wv[j], xv);
     }
   }
   __m512i done[16];  // a copy: acc's address never escapes, so it stays in registers through the loop
@@ -273,104 +273,125 @@ inline void vnni_tile(const uint8_t* xu, int64_t ldx, int64_t K, const int8_t* w
   int32_t sums[W * R];
   sluice_sums<W * R>(done, sums);
   for (int j = 0; j < W; ++j)
-    for (int m = 0; m < R; ++m) out[m * ldo + j] = sums[j * R + m] - comp[j];
+    for (int m = 0; m < R; ++m) out[m * ldo + j] = sums[j * R + m] - corr[m];
 }
 
-// Output rows [n0, n1) of y [1, N] for one activation row, weight rows one after another in memory order (one
-// stream the hardware prefetcher runs ahead of; interleaved rows are as many short streams, read at about half
-// the bandwidth), four accumulators per row so that the `vpdpbusd`s do not wait on one another.
-inline void vnni_rows_one(const uint8_t* xu, const int8_t* w, int64_t K, const int32_t* comp, int64_t n0, int64_t n1,
+// Output rows [n0, n1) of y [1, N] for one activation row (corr: its 128 x sum), weight rows one after another in
+// memory order (one stream the hardware prefetcher runs ahead of; interleaved rows are as many short streams, read
+// at about half the bandwidth), four accumulators per row so that the `vpdpbusd`s do not wait on one another.
+inline void vnni_rows_one(const int8_t* x, int32_t corr, const int8_t* w, int64_t K, int64_t n0, int64_t n1,
                           int32_t* y) {
   for (int64_t n = n0; n < n1; ++n) {
     const int8_t* wn = w + n * K;
     __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
     int64_t k = 0;
     for (; k + 256 <= K; k += 256) {
-      a0 = _mm512_dpbusd_epi32(a0, _mm512_loadu_si512(xu + k), _mm512_loadu_si512(wn + k));
-      a1 = _mm512_dpbusd_epi32(a1, _mm512_loadu_si512(xu + k + 64), _mm512_loadu_si512(wn + k + 64));
-      a2 = _mm512_dpbusd_epi32(a2, _mm512_loadu_si512(xu + k + 128), _mm512_loadu_si512(wn + k + 128));
-      a3 = _mm512_dpbusd_epi32(a3, _mm512_loadu_si512(xu + k + 192), _mm512_loadu_si512(wn + k + 192));
+      a0 = _mm512_dpbusd_epi32(a0, vnni_weight(_mm512_loadu_si512(wn + k)), _mm512_loadu_si512(x + k));
+      a1 = _mm512_dpbusd_epi32(a1, vnni_weight(_mm512_loadu_si512(wn + k + 64)), _mm512_loadu_si512(x + k + 64));
+      a2 = _mm512_dpbusd_epi32(a2, vnni_weight(_mm512_loadu_si512(wn + k + 128)), _mm512_loadu_si512(x + k + 128));
+      a3 = _mm512_dpbusd_epi32(a3, vnni_weight(_mm512_loadu_si512(wn + k + 192)), _mm512_loadu_si512(x + k + 192));
     }
     for (; k < K; k += 64)  // the activation codes are readable (and 0) to K rounded up to 64
-      a0 = _mm512_dpbusd_epi32(a0, _mm512_loadu_si512(xu + k),
-                               _mm512_maskz_loadu_epi8(_bzhi_u64(~0ULL, std::min<int64_t>(64, K - k)), wn + k));
-    y[n] = _mm512_reduce_add_epi32(_mm512_add_epi32(_mm512_add_epi32(a0, a1), _mm512_add_epi32(a2, a3))) - comp[n];
+      a0 = _mm512_dpbusd_epi32(
+          a0, vnni_weight(_mm512_maskz_loadu_epi8(_bzhi_u64(~0ULL, std::min<int64_t>(64, K - k)), wn + k)),
+          _mm512_loadu_si512(x + k));
+    y[n] = _mm512_reduce_add_epi32(_mm512_add_epi32(_mm512_add_epi32(a0, a1), _mm512_add_epi32(a2, a3))) - corr;
   }
 }
 
-// Output rows [n0, n1) of y [M, N] for activation rows [0, M): tiles of W weight rows x R activation rows.
-template <int W>
-void vnni_rows(const uint8_t* xu, int64_t ldx, int64_t M, const int8_t* w, int64_t K, int64_t N, const int32_t* comp,
+// Output rows [n0, n1) of y [M, N] (rows N apart) for activation rows [0, M): tiles of W weight rows x R
+// activation rows.
+template <int W, bool Flip>
+void vnni_rows(const int8_t* x, int64_t ldx, const int32_t* corr, int64_t M, const int8_t* w, int64_t K, int64_t N,
                int64_t n0, int64_t n1, int32_t* y) {
   constexpr int R = 16 / W > 4 ? 4 : 16 / W;
   int64_t n = n0;
   for (; n + W <= n1; n += W) {
     sluice_row_tiles<R>(0, M, [&](auto r, int64_t m) {
-      vnni_tile<W, decltype(r)::value>(xu + m * ldx, ldx, K, w + n * K, comp + n, y + m * N + n, N);
+      vnni_tile<W, decltype(r)::value, Flip>(x + m * ldx, ldx, K, w + n * K, corr + m, y + m * N + n, N);
     });
   }
   for (; n < n1; ++n)  // the last N % W rows one at a time
-    for (int64_t m = 0; m < M; ++m) vnni_tile<1, 1>(xu + m * ldx, ldx, K, w + n * K, comp + n, y + m * N + n, N);
+    for (int64_t m = 0; m < M; ++m) vnni_tile<1, 1, Flip>(x + m * ldx, ldx, K, w + n * K, corr + m, y + m * N + n, N);
 }
 
-// Activation codes x [M, K] as the kernel reads them: + 128 as u8, rows Kp apart (K rounded up to 64), the
-// padding 0 (it meets weight lanes loaded as 0).
-std::vector<uint8_t> vnni_activations(const int8_t* x, int64_t M, int64_t K, int64_t Kp) {
-  std::vector<uint8_t> xu(M * Kp);
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  for (int64_t m = 0; m < M; ++m)
+// Activation codes x [M, K] as the kernel reads them: rows Kp apart (K rounded up to 64), the padding 0 (it meets
+// the flipped weight lanes past K, 0x80: products of 0), and per row 128 x the sum of its codes, what the weight's
+// + 128 adds to each of its dot products.
+struct VnniActs {
+  std::vector<int8_t> codes;
+  std::vector<int32_t> corr;
+};
+
+VnniActs vnni_activations(const int8_t* x, int64_t M, int64_t K, int64_t Kp) {
+  VnniActs a{std::vector<int8_t>(M * Kp), std::vector<int32_t>(M)};
+  const __m512i ones = _mm512_set1_epi8(1);
+  for (int64_t m = 0; m < M; ++m) {
+    __m512i sum = _mm512_setzero_si512();
     for (int64_t k = 0; k < Kp; k += 64) {
       const __mmask64 mask = k + 64 <= K ? ~0ULL : (k < K ? _bzhi_u64(~0ULL, K - k) : 0ULL);
-      _mm512_storeu_si512(xu.data() + m * Kp + k,
-                          _mm512_maskz_mov_epi8(mask, _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, x + m * K + k), flip)));
+      const __m512i v = _mm512_maskz_loadu_epi8(mask, x + m * K + k);
+      _mm512_storeu_si512(a.codes.data() + m * Kp + k, v);
+      sum = _mm512_dpbusd_epi32(sum, ones, v);
     }
-  return xu;
+    a.corr[m] = 128 * _mm512_reduce_add_epi32(sum);
+  }
+  return a;
 }
 
-// comp_in: the weight rows' vnni_comp, kept by the caller (a linear's weights do not change), or null. One
-// activation row with comp_in: the weight rows one by one in memory order. Otherwise block by block (32 rows):
-// first one pass over the block in memory order computing its comp (the rows then sit in cache), then the tiles,
-// which interleave 4-8 rows (as many short streams: from memory they read at about half the bandwidth). Measured
-// over the bench model's 49 linears at one row: 4.6-5.0 ms a step with comp per call over a thread's whole
-// range (the weight read twice from memory), 3.4-3.8 block by block, 2.7-3.4 with comp kept (one stream).
-void vnni_mm(const int8_t* x, int64_t M, const int8_t* w, int64_t K, int64_t N, int32_t* y,
-             const int32_t* comp_in = nullptr) {
+// A block of weight rows read once in memory order, loads only: one stream the prefetcher runs ahead of, which
+// leaves the block in cache for the tiles (interleaved rows read from memory are as many short streams).
+inline void vnni_touch(const int8_t* p, int64_t bytes) {
+  __m512i acc = _mm512_setzero_si512();
+  for (int64_t i = 0; i + 64 <= bytes; i += 64) acc = _mm512_or_si512(acc, _mm512_loadu_si512(p + i));
+  asm volatile("" : : "v"(acc));  // kept: the loads are what the pass is for
+}
+
+constexpr int64_t kVnniTouchRows = 8;  // activation rows from which each block is touched before its tiles
+
+// One activation row: the weight rows one by one in memory order (vnni_rows_one). More: tiles of 8 weight rows x
+// 1-2 activation rows (M <= 2: more weight rows in flight) or 4 x 4 over each thread's run of 32-row blocks, from
+// kVnniTouchRows rows block by block after a pass of loads over the block (vnni_touch): there the tiles' work per
+// weight byte is large enough that reading the block twice (once from memory in order, once from cache) beats
+// reading it once as interleaved streams; below, not (docs/benchmarks.md). Nothing is computed per weight row:
+// the weight's + 128 is corrected by the activation rows' sums.
+void vnni_mm(const int8_t* x, int64_t M, const int8_t* w, int64_t K, int64_t N, int32_t* y) {
   const int64_t Kp = (K + 63) / 64 * 64;
-  const std::vector<uint8_t> xu = vnni_activations(x, M, K, Kp);
-  const bool one = M == 1 && comp_in != nullptr;
-  std::vector<int32_t> own(one ? 0 : N);
-  const uint8_t* xp = xu.data();
+  const VnniActs a = vnni_activations(x, M, K, Kp);
+  const int8_t* xp = a.codes.data();
+  const int32_t* corr = a.corr.data();
   at::parallel_for(0, (N + kVnniBlock - 1) / kVnniBlock, 1, [&](int64_t b0, int64_t b1) {
-    if (one) {
-      vnni_rows_one(xp, w, K, comp_in, b0 * kVnniBlock, std::min(N, b1 * kVnniBlock), y);
-      return;
-    }
-    for (int64_t blk = b0; blk < b1; ++blk) {
-      const int64_t n0 = blk * kVnniBlock, n1 = std::min(N, n0 + kVnniBlock);
-      for (int64_t n = n0; n < n1; ++n) own[n] = vnni_comp(w + n * K, K);
-      if (M <= 2) vnni_rows<8>(xp, Kp, M, w, K, N, own.data(), n0, n1, y);  // 8 x 1-2: more weight rows in flight
-      else vnni_rows<4>(xp, Kp, M, w, K, N, own.data(), n0, n1, y);
+    const int64_t n0 = b0 * kVnniBlock, n1 = std::min(N, b1 * kVnniBlock);
+    if (M == 1) {
+      vnni_rows_one(xp, corr[0], w, K, n0, n1, y);
+    } else if (M == 2) {
+      vnni_rows<8, true>(xp, Kp, corr, M, w, K, N, n0, n1, y);
+    } else if (M < kVnniTouchRows) {
+      vnni_rows<4, true>(xp, Kp, corr, M, w, K, N, n0, n1, y);
+    } else {
+      for (int64_t s = n0; s < n1; s += kVnniBlock) {
+        const int64_t e = std::min(n1, s + kVnniBlock);
+        vnni_touch(w + s * K, (e - s) * K);
+        vnni_rows<4, true>(xp, Kp, corr, M, w, K, N, s, e, y);
+      }
     }
   });
 }
 
-// The weight row's 128 x sum of codes that the VNNI product subtracts (int8_vnni_comp).
-inline int32_t weight_comp(const int8_t* w, int64_t K) { return vnni_comp(w, K); }
-
 // int8_mm's product for rows the tier serves (at most kTierInt8MaxRows).
-inline void tier_int8_mm(const int8_t* x, int64_t M, const int8_t* w, int64_t K, int64_t N, int32_t* y,
-                         const int32_t* comp) {
-  vnni_mm(x, M, w, K, N, y, comp);
+inline void tier_int8_mm(const int8_t* x, int64_t M, const int8_t* w, int64_t K, int64_t N, int32_t* y) {
+  vnni_mm(x, M, w, K, N, y);
 }
 
 #include "w4a8_avx512.h"
 
 // Weight rows [n0, n0 + rows) of our int4 layout requantized to int8 rows [rows, K] with one absmax scale per
-// row (as the int8 weight-only linears store theirs), and each row's 128 x sum of codes (`vnni_comp`). A row's
+// row (as the int8 weight-only linears store theirs), their sign bits flipped as the VNNI tiles read them
+// (vnni_weight: the flip is folded into the table). A row's
 // absmax comes from its groups' ends, z - 8 s and z + 7 s (the codes 0 and 15, which `quantize` gives each
 // group's minimum and maximum), so every weight is dequantized and requantized in one fused step.
 void w4_requant_rows(const uint8_t* q, const uint16_t* sz, int64_t K, int64_t Kp, int64_t n0, int64_t rows,
-                     int8_t* out, float* scales, int32_t* comp) {
+                     int8_t* out, float* scales) {
   const int64_t Gp = Kp / kW4Group, G = K / kW4Group, block_chunks = Kp / kW4Chunk / 4 * 4;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   for (int64_t r = 0; r < rows; ++r) {
@@ -383,9 +404,7 @@ void w4_requant_rows(const uint8_t* q, const uint16_t* sz, int64_t K, int64_t Kp
     }
     const float scale = std::max(amax, 1e-30f) / 127.f, inv = 1.f / scale;
     int8_t* o = out + r * K;
-    __m512i sum = _mm512_setzero_si512();
     const __m512 qv = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512i ones = _mm512_set1_epi8(1);
     const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), second = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
     for (int64_t c = 0; c * 4 < G; ++c) {
       // each group's 16 possible weights, round((q s + z - 8 s) / scale) for q = 0..15, in its 128-bit lane:
@@ -397,8 +416,8 @@ void w4_requant_rows(const uint8_t* q, const uint16_t* sz, int64_t K, int64_t Kp
         tables[l] = _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(
             _mm512_fmadd_ps(qv, _mm512_set1_ps(sv * inv), _mm512_set1_ps(base * inv))));
       }
-      const __m512i lut = _mm512_inserti32x4(_mm512_inserti32x4(_mm512_inserti32x4(
-          _mm512_castsi128_si512(tables[0]), tables[1], 1), tables[2], 2), tables[3], 3);
+      const __m512i lut = vnni_weight(_mm512_inserti32x4(_mm512_inserti32x4(_mm512_inserti32x4(
+          _mm512_castsi128_si512(tables[0]), tables[1], 1), tables[2], 2), tables[3], 3));
       const __m512i v = _mm512_loadu_si512(qr + c * 64);
       const __m512i lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(v, low4));
       const __m512i hi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
@@ -409,11 +428,8 @@ void w4_requant_rows(const uint8_t* q, const uint16_t* sz, int64_t K, int64_t Kp
       const __mmask64 mb = left >= 128 ? ~0ULL : (left > 64 ? _bzhi_u64(~0ULL, left - 64) : 0ULL);
       _mm512_mask_storeu_epi8(o + 128 * c, ma, a);
       _mm512_mask_storeu_epi8(o + 128 * c + 64, mb, b);
-      sum = _mm512_dpbusd_epi32(sum, ones, _mm512_maskz_mov_epi8(ma, a));
-      sum = _mm512_dpbusd_epi32(sum, ones, _mm512_maskz_mov_epi8(mb, b));
     }
     scales[r] = scale;
-    comp[r] = 128 * _mm512_reduce_add_epi32(sum);
   }
 }
 
@@ -425,26 +441,26 @@ void w4_int8_mm(const torch::Tensor& x, const torch::Tensor& packed, const torch
   const int8_t* xc = xq[0].data_ptr<int8_t>();
   const float* xs = xq[1].data_ptr<float>();
   const int64_t K64 = (K + 63) / 64 * 64;
-  const std::vector<uint8_t> xu = vnni_activations(xc, M, K, K64);
+  const VnniActs a = vnni_activations(xc, M, K, K64);
   torch::Tensor b = bias.has_value() ? bias->contiguous().to(torch::kFloat32) : torch::Tensor();
   TORCH_CHECK(!b.defined() || b.numel() == N, "int4_vnni_int8_mm: bias must have N values");
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
   const uint8_t* q = packed.data_ptr<uint8_t>();
   const uint16_t* sz = reinterpret_cast<const uint16_t*>(scales_zeros.data_ptr<at::BFloat16>());
-  const uint8_t* xup = xu.data();
+  const int8_t* xa = a.codes.data();
+  const int32_t* corr = a.corr.data();
   at::parallel_for(0, (N + kVnniBlock - 1) / kVnniBlock, 1, [&](int64_t b0, int64_t b1) {
     static thread_local std::vector<int8_t> w8;
     static thread_local std::vector<float> wscale;
-    static thread_local std::vector<int32_t> comp, y32;
+    static thread_local std::vector<int32_t> y32;
     w8.resize(kVnniBlock * K);
     wscale.resize(kVnniBlock);
-    comp.resize(kVnniBlock);
     y32.resize(M * kVnniBlock);
     for (int64_t blk = b0; blk < b1; ++blk) {
       const int64_t n0 = blk * kVnniBlock, rows = std::min(kVnniBlock, N - n0);
-      w4_requant_rows(q, sz, K, Kp, n0, rows, w8.data(), wscale.data(), comp.data());
-      vnni_rows<4>(xup, K64, M, w8.data(), K, rows, comp.data(), 0, rows, y32.data());
+      w4_requant_rows(q, sz, K, Kp, n0, rows, w8.data(), wscale.data());
+      vnni_rows<4, false>(xa, K64, corr, M, w8.data(), K, rows, 0, rows, y32.data());
       for (int64_t m = 0; m < M; ++m)
         for (int64_t j = 0; j < rows; j += 16) {  // y32 x row scale x weight scale (+ bias), one rounding
           const __mmask16 mask = sluice_tail16(rows - j);

@@ -5,7 +5,7 @@
 constexpr bool kTierW4A8 = false;
 constexpr int64_t kTierInt8MaxRows = 0;  // torch._int_mm serves every int8 product
 
-inline void tier_int8_mm(const int8_t*, int64_t, const int8_t*, int64_t, int64_t, int32_t*, const int32_t*) {}
+inline void tier_int8_mm(const int8_t*, int64_t, const int8_t*, int64_t, int64_t, int32_t*) {}
 
 inline void w4_quantize_row(const uint16_t*, int64_t, int64_t, const W4Acts&) {
   TORCH_CHECK(false, "int4_vnni_mm: built without AVX2");

@@ -23,13 +23,7 @@ inline bool int8_rescale_tier(const torch::Tensor&, const torch::Tensor&, const 
   return false;
 }
 
-inline int32_t weight_comp(const int8_t* w, int64_t K) {  // 128 x the row's sum (int8_vnni_comp)
-  int32_t s = 0;
-  for (int64_t k = 0; k < K; ++k) s += w[k];
-  return 128 * s;
-}
-
-inline void vnni_mm(const int8_t*, int64_t, const int8_t*, int64_t, int64_t, int32_t*, const int32_t*) {
+inline void vnni_mm(const int8_t*, int64_t, const int8_t*, int64_t, int64_t, int32_t*) {
   TORCH_CHECK(false, "built without avx512_vnni");
 }
 
