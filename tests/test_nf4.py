@@ -62,6 +62,19 @@ def test_the_plain_reference_reads_bitsandbytes_format_as_bitsandbytes_does(quan
     assert ((reference_weight(packed, stats) - theirs).abs() <= theirs.abs() * 2**-22).all()
 
 
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+def test_the_code_tables_are_bitsandbytes_computed_without_torch_kernels(quant_type):
+    """The 16 levels, the sort order and the 15 quantize bounds, computed in Python, are bit for bit what
+    bitsandbytes' get_4bit_type and torch's argsort and fp32 midpoints give (FP4's two zeros in argsort's order)."""
+    code = four_bit.code_table(quant_type)
+    theirs = F.get_4bit_type(quant_type, device="cpu")
+    assert code.dtype == torch.float32 and torch.equal(code, theirs)
+    assert torch.equal(code.view(torch.int32), theirs.view(torch.int32))  # FP4's zeros: both +0, as theirs
+    bounds, order = four_bit._bounds(quant_type)
+    assert torch.equal(order, torch.argsort(theirs))
+    assert torch.equal(bounds, (theirs[order[:-1]] + theirs[order[1:]]) / 2)
+
+
 @pytest.mark.parametrize(("quant_type", "nested"), KINDS)
 @pytest.mark.parametrize("shape", [(96, 320), (33, 64), (5, 64 * 3 + 17)])
 def test_our_quantizer_gives_bitsandbytes_bits_and_state(quant_type, nested, shape):

@@ -12,7 +12,9 @@ layout; `pack()` (at load: `pack_4bit_for_cpu`) replaces the absmax, nested or f
 from __future__ import annotations
 
 import functools
+import itertools
 import json
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -26,28 +28,44 @@ BLOCKSIZE = 64
 Empty = Callable[[tuple[int, ...], torch.dtype], "torch.Tensor | None"]  # storage for a tensor (a weight arena's)
 NESTED_BLOCKSIZE = 256
 # bitsandbytes' get_4bit_type tables before their normalization by the largest magnitude (FP4: 1 sign, 2 exponent
-# and 1 mantissa bits in bit-pattern order)
+# and 1 mantissa bits in bit-pattern order; its negative zero is written as the integer -0 there, so +0)
 LEVELS = {
     "nf4": (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
             -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
             0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
             0.7229568362236023, 1.0),
-    "fp4": (0.0, 0.0625, 8.0, 12.0, 4.0, 6.0, 2.0, 3.0, -0.0, -0.0625, -8.0, -12.0, -4.0, -6.0, -2.0, -3.0),
+    "fp4": (0.0, 0.0625, 8.0, 12.0, 4.0, 6.0, 2.0, 3.0, 0.0, -0.0625, -8.0, -12.0, -4.0, -6.0, -2.0, -3.0),
 }
+
+
+def _f32(x: float) -> float:
+    """`x` rounded to the nearest fp32 value (ties to even), as a Python float."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+@functools.cache
+def _levels(quant_type: str) -> tuple[float, ...]:
+    """The 16 fp32 values of a 4-bit type (bitsandbytes' get_4bit_type: the levels over the largest magnitude, in
+    fp32) as Python floats: an fp32 quotient computed in float64 and rounded once is fp32's own. Tables this small
+    are not worth torch's kernels, whose code pages (a sort's above all) a process keeps resident once touched."""
+    data = [_f32(v) for v in LEVELS[quant_type]]
+    top = max(abs(v) for v in data)
+    return tuple(_f32(v / top) for v in data)
 
 
 def code_table(quant_type: str) -> torch.Tensor:
     """The 16 fp32 values of a 4-bit type, as bitsandbytes' get_4bit_type builds them (a fresh tensor)."""
-    data = torch.tensor(LEVELS[quant_type])
-    return data.div_(data.abs().max())
+    return torch.tensor(_levels(quant_type), dtype=torch.float32)
 
 
 @functools.cache
 def _bounds(quant_type: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The 15 midpoints between the sorted levels and the sort order (bitsandbytes' quantize bounds)."""
-    code = code_table(quant_type)
-    order = torch.argsort(code)
-    return ((code[order[:-1]] + code[order[1:]]) / 2).contiguous(), order.contiguous()
+    """The 15 midpoints between the sorted levels and the sort order (bitsandbytes' quantize bounds: fp32 sums
+    halved), in Python (`_levels`); equal levels (FP4's two zeros) keep their order."""
+    code = _levels(quant_type)
+    order = sorted(range(len(code)), key=code.__getitem__)
+    mids = [_f32(code[a] + code[b]) / 2 for a, b in itertools.pairwise(order)]
+    return torch.tensor(mids, dtype=torch.float32), torch.tensor(order, dtype=torch.int64)
 
 
 @functools.cache
