@@ -86,7 +86,8 @@ class Engine:
             heap.trim()  # the load's freed originals (full-precision weights, 4-bit states) go back now
         # Huge pages for the weights (engine.weight_memory) once the first step has run: loading, the KV pool and
         # the first step's lazy set-up (a worker's warm-up, before it is ready) never share the cores with them.
-        self._unsettled = [m.weight_arena for m in models if hasattr(m, "weight_arena")]
+        self._arenas = [m.weight_arena for m in models if hasattr(m, "weight_arena")]
+        self._unsettled = list(self._arenas)
 
     def _make_proposer(self) -> Proposer | None:
         """The proposer the speculative config names, given only what it needs (never the engine)."""
@@ -233,9 +234,14 @@ class Engine:
         if self.proposer is not None:
             self._drop_unscheduled_speculation(batch)
         if batch.requests:
+            for arena in self._arenas:
+                arena.busy()  # its huge-page collapse waits while there is work (engine.weight_memory)
             done += self._run(batch)
             if self.device.type == "cpu" and not self.has_unfinished():
                 heap.trim()  # drained: the step's temporaries are gone, their pages go back to the OS
+        if not self.has_unfinished():
+            for arena in self._arenas:
+                arena.idle()
         return self._merge([self._output(r) for r in done])
 
     def _run(self, batch: ScheduledBatch) -> list[Request]:

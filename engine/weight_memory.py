@@ -7,10 +7,11 @@ keeps straight into one arena (`empty`), copies in what is made later, the quant
 `settle` then turns the arena into huge pages in a background thread: MADV_COLLAPSE (Linux 6.1+) copies each
 2 MB while the engine already runs (at fault time, with `defrag=madvise`, the same pages would cost the load
 several times its 4 KB faults). MADV_HUGEPAGE is set too, so khugepaged collapses the arena over time
-where MADV_COLLAPSE is missing. The collapsing thread runs at the lowest CPU priority (nice 19): copying the
-weights into huge pages costs CPU seconds a gigabyte on a small host, which would otherwise be taken from the
-first requests' steps; it runs in the cores' idle time instead. Page-cache maps of the checkpoint (weight_loading=mmap) stay 4 KB pages: a file
-map collapses only on kernels built with READ_ONLY_THP_FOR_FS.
+where MADV_COLLAPSE is missing. The collapsing thread runs at the lowest CPU priority (nice 19) and only while the
+engine has no work (`busy` / `idle`, a few MB a call): copying the weights into huge pages costs CPU seconds a
+gigabyte on a small host, and a step sharing the cores with it, even at nice 19, waited on it (a worker's first
+tokens took several times as long: docs/benchmarks.md, cold start, session 7). Page-cache maps of the checkpoint
+(weight_loading=mmap) stay 4 KB pages: a file map collapses only on kernels built with READ_ONLY_THP_FOR_FS.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ from sluice.engine.weight_reserve import HUGE_PAGE, SLOT_ALIGNMENT, Reservation
 log = logging.getLogger(__name__)
 
 MADV_HUGEPAGE, MADV_COLLAPSE = 14, 25  # Linux's values (MADV_COLLAPSE is not in Python's mmap module)
-COLLAPSE_SPAN = 64 << 20  # a call a span: the first that fails (no huge page to be had now) ends the pass
+# A call a span: the first that fails (no huge page to be had now) ends the pass; between two, the pass waits while
+# the engine has work (`busy`), so a step that starts meanwhile shares the cores with at most one span's copy.
+COLLAPSE_SPAN = 4 << 20
 COLLAPSE_NICE = 19  # the collapsing thread's priority: the lowest, so serving's threads come first
 
 
@@ -63,6 +66,8 @@ class WeightArena:
         self.prefaulted = 0  # bytes the reservation had faulted in (or read) ahead (set by `finish_reservation`)
         self.settled = threading.Event()
         self.collapse_nice: int | None = None  # the collapsing thread's nice value, once it runs
+        self._quiet = threading.Event()  # set while the engine has no work: the collapse goes on only then
+        self._quiet.set()
 
     def empty(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor | None:
         """An uninitialised contiguous tensor in the arena, or None when it does not fit."""
@@ -156,6 +161,14 @@ class WeightArena:
         t.data = new
         return t.nbytes
 
+    def busy(self) -> None:
+        """The engine has work: a background collapse pauses after its current span until `idle`."""
+        self._quiet.clear()
+
+    def idle(self) -> None:
+        """The engine has no work left: a background collapse goes on."""
+        self._quiet.set()
+
     def settle(self, background: bool = True) -> None:
         """Ask for huge pages over the written part of the arena: MADV_HUGEPAGE, then MADV_COLLAPSE (in a
         daemon thread unless `background` is False). `settled` is set when done."""
@@ -170,17 +183,19 @@ class WeightArena:
             self._collapse(end)
 
     def _collapse_behind(self, end: int) -> None:
-        """_collapse from a thread of the lowest priority (this one)."""
+        """_collapse from a thread of the lowest priority (this one), span by span in the engine's idle time."""
         self.collapse_nice = _lower_priority()
-        self._collapse(end)
+        self._collapse(end, self._quiet)
 
-    def _collapse(self, end: int) -> None:
+    def _collapse(self, end: int, quiet: threading.Event | None = None) -> None:
         try:
             madvise = ctypes.CDLL(None, use_errno=True).madvise  # a foreign call: the GIL is released meanwhile
             madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
             base = self._bytes.data_ptr()
             madvise(base + self._start, end - self._start, MADV_HUGEPAGE)
             for at in range(self._start, end, COLLAPSE_SPAN):
+                if quiet is not None:
+                    quiet.wait()
                 if madvise(base + at, min(COLLAPSE_SPAN, end - at), MADV_COLLAPSE) != 0:
                     log.debug("MADV_COLLAPSE: errno %d (khugepaged may collapse the weights later)", ctypes.get_errno())
                     break

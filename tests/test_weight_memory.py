@@ -73,6 +73,22 @@ def test_weights_live_in_one_arena_of_huge_pages_and_decode_the_same(mid_llama, 
     assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in plain.generate(prompts, params)]
 
 
+def test_the_huge_page_collapse_waits_while_the_engine_has_work(mid_llama):
+    """The collapse the first step starts goes on only in the engine's idle time: while a request is unfinished it
+    waits (the steps never share the cores with it); once the engine drains, the arena settles into huge pages."""
+    llm = _llm(mid_llama)
+    engine, arena = llm.engine, llm.engine.model.weight_arena
+    engine.add_request("long", [5, 9, 2, 7], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    engine.step()  # the first step: the arena settles, its collapse thread starts and waits
+    assert engine.has_unfinished() and not arena._quiet.is_set()
+    assert not arena.settled.wait(1.0)
+    while engine.has_unfinished():
+        engine.step()
+    assert arena._quiet.is_set() and arena.settled.wait(60)
+    if _collapse_supported():
+        assert _mapping(arena.data_ptr())["AnonHugePages"] * 1024 >= (arena.used // HUGE_PAGE - 1) * HUGE_PAGE
+
+
 def test_a_draft_models_weights_settle_too(mid_llama):
     """A draft model loads into an arena of its own, settled with the target's after the first step."""
     llm = _llm(mid_llama, speculative={"method": "draft", "model": str(mid_llama), "num_speculative_tokens": 2})
