@@ -7,8 +7,8 @@ keeps straight into one arena (`empty`), copies in what is made later, the quant
 `settle` then turns the arena into huge pages in a background thread: MADV_COLLAPSE (Linux 6.1+) copies each
 2 MB while the engine already runs (at fault time, with `defrag=madvise`, the same pages would cost the load
 several times its 4 KB faults). MADV_HUGEPAGE is set too, so khugepaged collapses the arena over time
-where MADV_COLLAPSE is missing. The collapsing thread runs at the lowest CPU priority (nice 19) and only while the
-engine has no work (`busy` / `idle`, a few MB a call): copying the weights into huge pages costs CPU seconds a
+where MADV_COLLAPSE is missing. The collapsing thread runs at the lowest CPU priority (nice 19), in the engine's
+idle time (`busy` / `idle`, a few MB a call; while it has work, a span now and then only): copying the weights into huge pages costs CPU seconds a
 gigabyte on a small host, and a step sharing the cores with it, even at nice 19, waited on it (a worker's first
 tokens took several times as long: docs/benchmarks.md, cold start, session 7). Page-cache maps of the checkpoint
 (weight_loading=mmap) stay 4 KB pages: a file map collapses only on kernels built with READ_ONLY_THP_FOR_FS.
@@ -33,8 +33,10 @@ log = logging.getLogger(__name__)
 
 MADV_HUGEPAGE, MADV_COLLAPSE = 14, 25  # Linux's values (MADV_COLLAPSE is not in Python's mmap module)
 # A call a span: the first that fails (no huge page to be had now) ends the pass; between two, the pass waits while
-# the engine has work (`busy`), so a step that starts meanwhile shares the cores with at most one span's copy.
+# the engine has work (`busy`), so a step that starts meanwhile shares the cores with at most one span's copy, but
+# at most COLLAPSE_PACE seconds: an engine that is never idle still gets its huge pages, a span at a time.
 COLLAPSE_SPAN = 4 << 20
+COLLAPSE_PACE = 0.1
 COLLAPSE_NICE = 19  # the collapsing thread's priority: the lowest, so serving's threads come first
 
 
@@ -195,7 +197,7 @@ class WeightArena:
             madvise(base + self._start, end - self._start, MADV_HUGEPAGE)
             for at in range(self._start, end, COLLAPSE_SPAN):
                 if quiet is not None:
-                    quiet.wait()
+                    quiet.wait(COLLAPSE_PACE)
                 if madvise(base + at, min(COLLAPSE_SPAN, end - at), MADV_COLLAPSE) != 0:
                     log.debug("MADV_COLLAPSE: errno %d (khugepaged may collapse the weights later)", ctypes.get_errno())
                     break

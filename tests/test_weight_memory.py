@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from sluice.engine import LLM, SamplingParams, weight_reserve
+from sluice.engine import LLM, SamplingParams, weight_memory, weight_reserve
 from sluice.engine.weight_memory import COLLAPSE_NICE, HUGE_PAGE, WeightArena
 from tests.checkpoints import make_checkpoint
 
@@ -73,15 +73,21 @@ def test_weights_live_in_one_arena_of_huge_pages_and_decode_the_same(mid_llama, 
     assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in plain.generate(prompts, params)]
 
 
-def test_the_huge_page_collapse_waits_while_the_engine_has_work(mid_llama):
-    """The collapse the first step starts goes on only in the engine's idle time: while a request is unfinished it
-    waits (the steps never share the cores with it); once the engine drains, the arena settles into huge pages."""
+@pytest.mark.parametrize("pace", [60.0, 0.01])
+def test_the_huge_page_collapse_waits_while_the_engine_has_work(mid_llama, monkeypatch, pace):
+    """The collapse the first step starts goes on in the engine's idle time: while a request is unfinished it waits
+    (the steps do not share the cores with it), a span every COLLAPSE_PACE seconds at most, so that an engine
+    never idle settles too; once the engine drains, it goes on at once and the arena settles into huge pages."""
+    monkeypatch.setattr(weight_memory, "COLLAPSE_PACE", pace)
     llm = _llm(mid_llama)
     engine, arena = llm.engine, llm.engine.model.weight_arena
     engine.add_request("long", [5, 9, 2, 7], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
     engine.step()  # the first step: the arena settles, its collapse thread starts and waits
     assert engine.has_unfinished() and not arena._quiet.is_set()
-    assert not arena.settled.wait(1.0)
+    if pace > 1:
+        assert not arena.settled.wait(1.0)
+    else:  # a few spans, paced: done while the request still runs
+        assert arena.settled.wait(60) and engine.has_unfinished()
     while engine.has_unfinished():
         engine.step()
     assert arena._quiet.is_set() and arena.settled.wait(60)
