@@ -235,7 +235,7 @@ class Engine:
             self._drop_unscheduled_speculation(batch)
         if batch.requests:
             for arena in self._arenas:
-                arena.busy()  # its huge-page collapse waits while there is work (engine.weight_memory)
+                arena.busy()  # its huge-page collapse paces itself while there is work (engine.weight_memory)
             done += self._run(batch)
             if self.device.type == "cpu" and not self.has_unfinished():
                 heap.trim()  # drained: the step's temporaries are gone, their pages go back to the OS

@@ -7,11 +7,12 @@ keeps straight into one arena (`empty`), copies in what is made later, the quant
 `settle` then turns the arena into huge pages in a background thread: MADV_COLLAPSE (Linux 6.1+) copies each
 2 MB while the engine already runs (at fault time, with `defrag=madvise`, the same pages would cost the load
 several times its 4 KB faults). MADV_HUGEPAGE is set too, so khugepaged collapses the arena over time
-where MADV_COLLAPSE is missing. The collapsing thread runs at the lowest CPU priority (nice 19), in the engine's
-idle time (`busy` / `idle`, a few MB a call; while it has work, a span now and then only): copying the weights into huge pages costs CPU seconds a
-gigabyte on a small host, and a step sharing the cores with it, even at nice 19, waited on it (a worker's first
-tokens took several times as long: docs/benchmarks.md, cold start, session 7). Page-cache maps of the checkpoint
-(weight_loading=mmap) stay 4 KB pages: a file map collapses only on kernels built with READ_ONLY_THP_FOR_FS.
+where MADV_COLLAPSE is missing. The collapsing thread runs at the lowest CPU priority (nice 19) and in the
+engine's idle time (`busy` / `idle`, a few MB a call; while the engine has work, a span now and then only):
+copying the weights into huge pages costs CPU seconds a gigabyte on a small host, and a step sharing the cores
+with it, even at nice 19, waited on it (a worker's first tokens took several times as long: docs/benchmarks.md,
+cold start, session 7). Page-cache maps of the checkpoint (weight_loading=mmap) stay 4 KB pages: a file map
+collapses only on kernels built with READ_ONLY_THP_FOR_FS.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ class WeightArena:
         self.prefaulted = 0  # bytes the reservation had faulted in (or read) ahead (set by `finish_reservation`)
         self.settled = threading.Event()
         self.collapse_nice: int | None = None  # the collapsing thread's nice value, once it runs
-        self._quiet = threading.Event()  # set while the engine has no work: the collapse goes on only then
+        self._quiet = threading.Event()  # set while the engine has no work: the collapse goes on unpaced
         self._quiet.set()
 
     def empty(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor | None:
@@ -164,11 +165,11 @@ class WeightArena:
         return t.nbytes
 
     def busy(self) -> None:
-        """The engine has work: a background collapse pauses after its current span until `idle`."""
+        """The engine has work: a background collapse waits up to COLLAPSE_PACE before each span until `idle`."""
         self._quiet.clear()
 
     def idle(self) -> None:
-        """The engine has no work left: a background collapse goes on."""
+        """The engine has no work left: a background collapse goes on unpaced."""
         self._quiet.set()
 
     def settle(self, background: bool = True) -> None:
@@ -185,7 +186,7 @@ class WeightArena:
             self._collapse(end)
 
     def _collapse_behind(self, end: int) -> None:
-        """_collapse from a thread of the lowest priority (this one), span by span in the engine's idle time."""
+        """_collapse from a thread of the lowest priority (this one), paced while the engine has work."""
         self.collapse_nice = _lower_priority()
         self._collapse(end, self._quiet)
 

@@ -13,8 +13,8 @@ Where it cannot read ahead (a memory budget smaller than the weights) it faults 
 (MADV_POPULATE_WRITE, Linux 5.14+, through ctypes: the GIL is released for the call too). The loader's arena then
 `take`s that map instead of making its own and takes each tensor read ahead as it is (`placed`: no second read);
 the reservation hands back the pages of transient tensors, of tensors nobody took and those faulted past what the
-arena wrote (`Reservation.finish`): no second copy, nothing kept unused. A map that does not fit (another model, dtype, a
-larger arena) is unmapped and the arena maps its own, as before.
+arena wrote (`Reservation.finish`): no second copy, nothing kept unused. A map that does not fit (another model,
+dtype, a larger arena) is unmapped and the arena maps its own, as before.
 
 Torch-free on purpose: it runs before torch is imported.
 """
