@@ -85,8 +85,8 @@ def safetensors_files(root: Path) -> list[Path]:
 
 
 def arena_capacity(nbytes: int) -> int:
-    """The arena's capacity for `nbytes` of weights as the model keeps them: room for what the quantized linears
-    keep beside them (their row sums: a little more than their bytes) and for later adoptions."""
+    """The arena's capacity for `nbytes` of weights as the model keeps them: room for what the load makes beside
+    them (a linear quantized at load keeps scales beside its codes) and for later adoptions."""
     return nbytes + nbytes // 64 + (64 << 20)
 
 

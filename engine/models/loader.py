@@ -384,7 +384,7 @@ def _read_weights(model: LlamaModel, reader: CheckpointReader, dtype: torch.dtyp
 
 def _arena(reader: CheckpointReader, dtype: torch.dtype, path: str | Path) -> WeightArena | None:
     """An arena with room for every checkpoint tensor in the dtype the model keeps it (floating ones in `dtype`;
-    quantized linears keep fewer bytes than that, their row sums a little more), committed only where written:
+    quantized linears keep fewer bytes than that, their scales a little more), committed only where written:
     the map reserved for `path` at the worker's start where it has room (engine.weight_reserve); None where the
     address space cannot be had (the tensors then go to torch's allocator)."""
     nbytes = sum(e.nbytes // e.dtype.itemsize * (dtype.itemsize if e.dtype.is_floating_point else e.dtype.itemsize)
