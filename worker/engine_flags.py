@@ -5,9 +5,9 @@ from __future__ import annotations
 import ast
 import dataclasses
 import enum
+import functools
 import inspect
 import json
-import textwrap
 import types
 import typing
 from typing import Any
@@ -26,11 +26,15 @@ def field_help(name: str) -> str:
     return f.metadata.get("help") or field_docs(EngineConfig).get(name, "")
 
 
+@functools.cache
 def field_docs(cls: type) -> dict[str, str]:
-    """The attribute docstrings of a dataclass (a string literal right below a field), by field name."""
+    """The attribute docstrings of a dataclass (a string literal right below a field), by field name (its module's
+    source parsed once: inspect.getsource's search for the class costs a worker's start more than the parse)."""
     try:
-        body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
-    except (OSError, TypeError):
+        with open(inspect.getsourcefile(cls) or "", encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        body = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls.__name__).body
+    except (OSError, TypeError, SyntaxError, StopIteration):
         return {}
     docs = {}
     for node, after in zip(body, body[1:], strict=False):
@@ -97,7 +101,7 @@ def parameters() -> list[inspect.Parameter]:
 def engine_kwargs(options: dict[str, Any]) -> dict[str, Any]:
     """Pop the engine flags out of a command's options: those given, JSON ones parsed, for `LLM(model, **kw)`."""
     hints = typing.get_type_hints(EngineConfig)
-    names = [p.name for p in parameters()]
+    names = [f.name for f in dataclasses.fields(EngineConfig) if f.init and f.name not in SKIPPED]  # parameters()'
     given = {name: options.pop(name, None) for name in names}
     out = {}
     for name, value in given.items():
