@@ -294,9 +294,11 @@ def test_the_read_ahead_layout_and_its_reads():
 @pytest.mark.parametrize("mode", ["int8", "int4-nf4", "int4-fp4-double"])
 def test_a_prequantized_checkpoints_state_is_read_ahead_and_handed_back(mid_llama, tmp_path, mode):
     """The state beside a pre-quantized linear's codes (int8: its row scales; int4: absmax, quant map, nested
-    state, bitsandbytes' JSON) is read ahead too, past the codes, as transient: the load takes every tensor read
-    ahead (but int8's weight_format markers, which it does not read), keeps nothing on those pages (the arena adopts the buffers lying there), and their pages go back when
-    the arena settles; greedy tokens, before and after, are a plain load's."""
+    state, bitsandbytes' JSON) is read ahead too, past the codes, as transient, and the pages past it where the load
+    writes what it makes (NF4's bf16 absmax) are faulted in; the load takes every tensor read ahead (but int8's
+    weight_format markers, which it does not read), keeps nothing on those pages (the arena adopts the buffers
+    lying there), and their pages go back when the arena settles; greedy tokens, before and after, are a plain
+    load's."""
     from sluice.cli.quantize import quantize
 
     quant = {"int8": ("int8", "nf4", False), "int4-nf4": ("int4", "nf4", False), "int4-fp4-double": ("int4", "fp4", True)}
@@ -304,6 +306,9 @@ def test_a_prequantized_checkpoints_state_is_read_ahead_and_handed_back(mid_llam
     reservation = _reserve(tmp_path, "BF16")
     passing = {n: s for n, s in reservation.slots.items() if s.transient}
     assert passing and all(n.endswith((".SCB", ".weight_format")) or ".weight." in n for n in passing)
+    reservation._thread.join(60)
+    if mode == "int4-nf4":  # its fp32 absmax becomes a bf16 copy in the arena: those pages are faulted in ahead
+        assert reservation.faulted > -(-reservation.ahead // 4096) * 4096
     llm = _llm(tmp_path)
     model, arena = llm.engine.model, llm.engine.model.weight_arena
     assert set(reservation.slots) == reservation.read
