@@ -7,15 +7,15 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable
-from socketserver import ThreadingMixIn
 from typing import TYPE_CHECKING, Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from sluice.contract.jobs import MODELS
 from sluice.engine import SamplingParams
 from sluice.worker.shard_run import model_name
 
 if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
+
     from sluice.engine import LLM
 
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -148,15 +148,6 @@ def announce(connection: Any, model: str) -> None:
     connection.hset(MODELS, model, time.time())
 
 
-class _Quiet(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-
-class _Server(ThreadingMixIn, WSGIServer):
-    daemon_threads = True
-
-
 def health_app(metrics: WorkerMetrics) -> Callable:
     """WSGI app: /metrics (Prometheus text), /healthz (alive), /readyz (200 once ready, else 503)."""
     from prometheus_client import make_wsgi_app
@@ -183,8 +174,19 @@ def _text(start_response: Callable, status: str, body: bytes) -> list[bytes]:
 
 
 def serve(port: int, metrics: WorkerMetrics, host: str = "0.0.0.0") -> WSGIServer:
-    """Serve health_app on port from a daemon thread (started before the model loads, so /healthz answers)."""
-    server = make_server(host, port, health_app(metrics), _Server, handler_class=_Quiet)
+    """Serve health_app on port from a daemon thread (started before the model loads, so /healthz answers). The
+    HTTP server's modules load here, only where a port is given: a worker without one never imports them."""
+    from socketserver import ThreadingMixIn
+    from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+    class Quiet(WSGIRequestHandler):
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    class Server(ThreadingMixIn, WSGIServer):
+        daemon_threads = True
+
+    server = make_server(host, port, health_app(metrics), Server, handler_class=Quiet)
     threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     return server
 
