@@ -237,9 +237,9 @@ class Engine:
             for arena in self._arenas:
                 arena.busy()  # its huge-page collapse paces itself while there is work (engine.weight_memory)
             done += self._run(batch)
-            if self.device.type == "cpu" and not self.has_unfinished():
-                heap.trim()  # drained: the step's temporaries are gone, their pages go back to the OS
-        if not self.has_unfinished():
+        if not self.has_unfinished():  # drained
+            if batch.requests and self.device.type == "cpu":
+                heap.trim()  # the step's temporaries are gone, their pages go back to the OS
             for arena in self._arenas:
                 arena.idle()
         return self._merge([self._output(r) for r in done])

@@ -17,6 +17,7 @@ collapses only on kernels built with READ_ONLY_THP_FOR_FS.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import logging
 import math
@@ -61,11 +62,11 @@ class WeightArena:
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
         self._start = (-self._bytes.data_ptr()) % HUGE_PAGE
         self.capacity, self.used = capacity, 0
-        self._passing: list[tuple[int, int]] = []  # transient tensors read ahead (offsets into the map)
+        self._passing: list[tuple[int, int]] = []  # transient tensors read ahead (offsets into the map, in order)
         if reservation is not None:
             self.capacity, self.used = reservation.capacity, _slot(reservation.ahead)
-            self._passing = [(self._start + s.at, self._start + s.at + s.nbytes)
-                             for s in reservation.slots.values() if s.transient]
+            self._passing = sorted((self._start + s.at, self._start + s.at + s.nbytes)
+                                   for s in reservation.slots.values() if s.transient)
         self.prefaulted = 0  # bytes the reservation had faulted in (or read) ahead (set by `finish_reservation`)
         self.settled = threading.Event()
         self.collapse_nice: int | None = None  # the collapsing thread's nice value, once it runs
@@ -120,7 +121,8 @@ class WeightArena:
     def passing(self, t: torch.Tensor) -> bool:
         """Whether `t` lies on a transient tensor read ahead (its pages go back when the arena settles)."""
         at = t.data_ptr() - self._bytes.data_ptr()
-        return self.holds(t) and any(a <= at < b for a, b in self._passing)
+        i = bisect.bisect_right(self._passing, (at, math.inf)) - 1
+        return self.holds(t) and i >= 0 and at < self._passing[i][1]
 
     def adopt(self, model: nn.Module) -> int:
         """Move every CPU parameter and buffer of `model` that lies outside the arena, or on a transient tensor

@@ -59,6 +59,7 @@ IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in
 # another dtype) are read ahead too, past those kept, while they are at most this share of them (1/TRANSIENT_SHARE):
 # their pages are handed back when the arena settles, whatever the load did with them.
 TRANSIENT_SHARE = 4
+STATE_FIELD = ".weight."  # bitsandbytes stores a 4-bit weight's state as `<linear>.weight.<field>` tensors
 # safetensors dtype → (bytes an element, floating point: kept in the model's dtype)
 DTYPES = {
     "BF16": (2, True), "F16": (2, True), "F32": (4, True), "F64": (8, True), "F8_E4M3": (1, True),
@@ -139,7 +140,7 @@ def read_ahead(name: str, t: Stored, kept: str) -> bool:
     """Whether the model keeps tensor `name` as stored, so that it can be read ahead: floating ones stored in the
     `kept` dtype, the others as stored, except bitsandbytes' 4-bit state (`<linear>.weight.<field>`: the load
     rebuilds it) and empty ones."""
-    if t.dtype not in DTYPES or not t.nbytes or ".weight." in name:
+    if t.dtype not in DTYPES or not t.nbytes or STATE_FIELD in name:
         return False
     return t.dtype == kept or not DTYPES[t.dtype][1]
 
@@ -251,8 +252,8 @@ class Reservation:
         self._source = {(s.file, s.offset, s.nbytes): name for name, s in self.slots.items()}
         self.read: set[str] = set()  # names read so far
         self.taken: set[str] = set()  # names handed to the load (`placed`)
-        past = -(-self.ahead // mmap.PAGESIZE) * mmap.PAGESIZE
-        self.fault, self.faulted = min(past + fault if self.slots else fault, capacity), 0
+        self.past = -(-self.ahead // mmap.PAGESIZE) * mmap.PAGESIZE  # the first page past the read-ahead part
+        self.fault, self.faulted = min(self.past + fault if self.slots else fault, capacity), 0
         self._stop, self._done = threading.Event(), threading.Condition()
         self._reading = True
         work = self._read_in if self.slots else self._fault_in
@@ -302,7 +303,7 @@ class Reservation:
                     with self._done:
                         self.read.update(names)
                         self._done.notify_all()
-            self._populate(-(-self.ahead // mmap.PAGESIZE) * mmap.PAGESIZE)
+            self._populate(self.past)
         except (OSError, EOFError):
             log.debug("reading the weights ahead stopped", exc_info=True)
         finally:

@@ -82,26 +82,26 @@ def _option(f: dataclasses.Field, hint: Any, doc: str) -> tuple[Any, typer.model
     return str | None, typer.Option(None, flag, help=help_text or "JSON", show_default=shown)
 
 
+def _settable() -> list[dataclasses.Field]:
+    """EngineConfig's fields that are worker flags."""
+    return [f for f in dataclasses.fields(EngineConfig) if f.init and f.name not in SKIPPED]
+
+
 def parameters() -> list[inspect.Parameter]:
     """One keyword parameter (default None: the config decides) per settable EngineConfig field."""
     hints = typing.get_type_hints(EngineConfig)
     docs = field_docs(EngineConfig)
     out = []
-    for f in dataclasses.fields(EngineConfig):
-        if f.init and f.name not in SKIPPED:
-            annotation, option = _option(f, hints[f.name], docs.get(f.name, ""))
-            out.append(
-                inspect.Parameter(
-                    f.name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=annotation
-                )
-            )
+    for f in _settable():
+        annotation, option = _option(f, hints[f.name], docs.get(f.name, ""))
+        out.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=annotation))
     return out
 
 
 def engine_kwargs(options: dict[str, Any]) -> dict[str, Any]:
     """Pop the engine flags out of a command's options: those given, JSON ones parsed, for `LLM(model, **kw)`."""
     hints = typing.get_type_hints(EngineConfig)
-    names = [f.name for f in dataclasses.fields(EngineConfig) if f.init and f.name not in SKIPPED]  # parameters()'
+    names = [f.name for f in _settable()]
     given = {name: options.pop(name, None) for name in names}
     out = {}
     for name, value in given.items():

@@ -147,7 +147,7 @@ class CheckpointReader:
         if self._fields is None:
             self._fields = {}
             for name in self.entries:
-                owner, sep, field = name.partition(".weight.")
+                owner, sep, field = name.partition(weight_reserve.STATE_FIELD)
                 if sep:
                     self._fields.setdefault(f"{owner}.weight", {})[field] = name
         return self._fields.get(tensor, {})
