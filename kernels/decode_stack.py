@@ -4,10 +4,10 @@ At a few tokens a layer's kernel calls from Python (module __call__, each kernel
 share of a small model's bf16 decode step (docs/benchmarks.md, "Where a CPU decode step goes"). The stack makes the same calls in the same order from C++, so its results are bitwise the layers'. It
 serves bf16 steps of 1 to MAX_STACK_TOKENS tokens (to `linear.gemm_rows()` for a stack whose every linear is
 bf16, where the avx2 tier's GEMM serves those rows: `max_tokens`) whose sequences all have short queries (decode,
-speculative verify) on the fused attention kernel; anything else runs the Python layers. Its linears are bf16 ones and the
+speculative verify) on the fused attention kernel; anything else runs the Python layers. Its linears are bf16 ones, the
 weight-only quantized ones, each running the op its Python module would at the step's row count (decided when
-the stack is built, by asking the module's own branch tests); a layer with any other linear (bitsandbytes) is
-not stacked.
+the stack is built, by asking the module's own branch tests), and LLM.int8() ones on the AVX512-VNNI tier (its
+bf16 C++ passes); a layer with any other linear (bitsandbytes 4-bit) is not stacked.
 """
 
 from __future__ import annotations
@@ -96,6 +96,27 @@ def int8_linear(qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor 
             or not all(g or int8_weights._use_dynamic(r) for g, r in zip(gemv, rows, strict=True))):
         return None
     return ext.int8_linear(qweight, scales, bias, sum(gemv))
+
+
+def llm_int8_linear(cb: torch.Tensor, scb: torch.Tensor, bias: torch.Tensor | None, threshold: float):
+    """An LLM.int8() linear (engine/quantization/int8_cpu.py: bitsandbytes' CB int8 [out, in] and SCB fp32 [out]) as a
+    stack linear: the same C++ passes its forward runs for bf16 (activation quantization, the exact int8 product,
+    the dequant epilogue, the outlier columns), or None where the tier has no bf16 epilogue pass (its forward then
+    runs torch ops)."""
+    ext, fused = _ext(), int8_weights._fused()
+    if (ext is None or fused is None or not ext.BNB_INT8_EPILOGUE or not fused.BNB_INT8_EPILOGUE
+            or not _plain_bf16(bias) or cb.dtype is not torch.int8 or cb.device.type != "cpu"
+            or not cb.is_contiguous() or scb.dtype is not torch.float32 or not scb.is_contiguous()):
+        return None
+    return ext.llm_int8_linear(cb, scb, bias, float(threshold))
+
+
+def fused_linear(parts: list):
+    """A fused projection (engine.quantization.linears.FusedLinear: one linear per checkpoint tensor) as a stack
+    linear, from its parts' stack linears: their outputs side by side (LLM.int8() parts quantize the activations
+    once, the same codes each of them would make); None where a part does not stack."""
+    ext = _ext()
+    return None if ext is None or not parts or any(p is None for p in parts) else ext.fused_linear(parts)
 
 
 def build(layers: list[list], num_heads: int, num_kv_heads: int, head_dim: int, eps: float,

@@ -125,6 +125,17 @@ def bnb_int8_dequant(acc: torch.Tensor, row: torch.Tensor, col: torch.Tensor, bi
     return out.to(dtype)
 
 
+def bnb_int8_outliers(out: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, cb: torch.Tensor,
+                      scb: torch.Tensor) -> bool:
+    """LLM.int8()'s outlier columns added back into out [M, N] (bf16, in place): rows' columns `cols` times cb's
+    same columns dequantized as bitsandbytes does (cb * SCB / 127, rounded to bf16), the products summed in fp32
+    in column order, added to out in fp32 and rounded once. One C++ pass where the tier has it (AVX512-VNNI);
+    False where not (the caller adds them with torch ops)."""
+    fused = _fused()
+    return (fused is not None and fused.BNB_INT8_EPILOGUE and rows.device.type == "cpu"
+            and fused.bnb_int8_outliers(out, rows, cols, cb, scb))
+
+
 def exact_int8_mm(xq: torch.Tensor, qweight: torch.Tensor) -> torch.Tensor:
     """xq [M, in] int8 times qweight [out, in] int8 in exact int32 sums: our product (C++) where it builds, else
     torch._int_mm where it sums exactly, else in float64."""

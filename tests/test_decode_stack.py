@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from sluice.engine import LLM, SamplingParams
-from sluice.kernels import build_metadata, decode_stack
+from sluice.kernels import build_metadata, decode_stack, int8_weights
 from sluice.kernels import linear as linear_kernels
 from tests.test_engine import random_prompts
 
@@ -73,7 +73,23 @@ MODELS = {  # (arch, overrides, quantization)
     "int4-qwen2-bias": ("qwen2", {}, "int4_weight_only"),
     "int8-llama": ("llama", WIDE, "int8_weight_only"),  # the int8 GEMV to 4 rows, the dynamic int8 matmul above
     "int8-qwen2-bias-odd": ("qwen2", dict(intermediate_size=200), "int8_weight_only"),  # down: 200 % 16, no GEMV
+    "llm-int8-llama": ("llama", WIDE, "int8"),  # LLM.int8(): outlier columns at llm_int8_threshold (OUTLIERS)
+    "llm-int8-qwen2-bias": ("qwen2", {}, "int8"),
 }
+OUTLIERS = 1.0  # LLM.int8()'s threshold in these tests: most steps have outlier columns (6.0: hardly any here)
+
+
+def make_llm(checkpoint_factory, model: str, **kw) -> LLM:
+    arch, overrides, quantization = MODELS[model]
+    extra = dict(llm_int8_threshold=OUTLIERS) if quantization == "int8" else {}
+    return LLM(checkpoint_factory(arch, **overrides, **kw), quantization=quantization, **KV, **extra)
+
+
+def llm_int8_stacks() -> bool:
+    """Whether LLM.int8() linears stack here: the AVX512-VNNI tier's bf16 epilogue passes (elsewhere its forward
+    runs torch ops, which the stack does not)."""
+    fused = int8_weights._fused()
+    return fused is not None and fused.BNB_INT8_EPILOGUE
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -82,21 +98,52 @@ def test_logits_and_kv_writes_are_bitwise_the_layers(checkpoint_factory, monkeyp
                                                      query_lens):
     """Decode and verify steps of 1, 3 and 16 tokens over random caches: the same logits and cache contents, bf16
     and weight-only quantized."""
-    arch, overrides, quantization = MODELS[model]
-    llm = LLM(checkpoint_factory(arch, **overrides), quantization=quantization, **KV)
-    against_the_layers(llm, monkeypatch, stack_calls, query_lens, stacked=True)
+    llm = make_llm(checkpoint_factory, model)
+    stacked = MODELS[model][2] != "int8" or llm_int8_stacks()
+    assert (llm.engine.model._decode_stack(llm.engine.runner.kv_caches) is not None) == stacked
+    against_the_layers(llm, monkeypatch, stack_calls, query_lens, stacked=stacked)
 
 
-@pytest.mark.parametrize("model", ["llama-gqa", "qwen2-bias", "int8-llama", "int4-llama"])
+def test_llm_int8_steps_with_outlier_columns_are_bitwise_the_layers(checkpoint_factory, monkeypatch, stack_calls):
+    """LLM.int8() on the stack where it serves: steps whose activations have outlier columns (counted in the Python
+    layers' run) give the layers' logits and KV writes bit for bit, and so does a step with none (threshold 0)."""
+    arch, overrides, _ = MODELS["llm-int8-llama"]
+    path = checkpoint_factory(arch, **overrides)
+    if not llm_int8_stacks():
+        llm = LLM(path, quantization="int8", **KV)
+        assert llm.engine.model._decode_stack(llm.engine.runner.kv_caches) is None
+        return
+    act, outliers = int8_weights.bnb_int8_act, []
+
+    def counted(x, threshold):
+        codes, rows, cols = act(x, threshold)
+        outliers.append(cols.numel())
+        return codes, rows, cols
+
+    monkeypatch.setattr(int8_weights, "bnb_int8_act", counted)
+    fits = decode_stack.step_fits
+    for threshold, query_lens in ((OUTLIERS, [1]), (OUTLIERS, [1] * 8 + [3, 5]), (0.0, [1, 2])):
+        llm = LLM(path, quantization="int8", llm_int8_threshold=threshold, **KV)
+        outliers.clear()
+        stack_calls.clear()
+        monkeypatch.setattr(decode_stack, "step_fits", fits)
+        against_the_layers(llm, monkeypatch, stack_calls, query_lens, stacked=True)
+        assert outliers and (max(outliers) > 0) == (threshold > 0), outliers
+
+
+@pytest.mark.parametrize("model", ["llama-gqa", "qwen2-bias", "int8-llama", "int4-llama", "llm-int8-llama"])
 @pytest.mark.parametrize("query_lens", [[1] * 17, [1] * 30 + [2, 3, 5], [1] * 64], ids=["17", "40", "64"])
 def test_past_16_tokens_only_bf16_stacks_where_the_gemm_serves(checkpoint_factory, monkeypatch, stack_calls, model,
                                                                query_lens):
     """Steps of 17 to 64 tokens run on the stack only where every linear is bf16 and our GEMV call serves bf16 rows
     past 16 (the avx2 tier's GEMM, `linear.gemm_rows`; SLUICE_CPU_ISA=avx2 with oneDNN held to AVX2), there bitwise
     the Python layers' logits and KV writes; anywhere else (quantized linears, other tiers) the Python layers."""
-    arch, overrides, quantization = MODELS[model]
-    llm = LLM(checkpoint_factory(arch, **overrides), quantization=quantization, **KV)
+    quantization = MODELS[model][2]
+    llm = make_llm(checkpoint_factory, model)
     stack = llm.engine.model._decode_stack(llm.engine.runner.kv_caches)
+    if quantization == "int8" and not llm_int8_stacks():
+        assert stack is None
+        return
     assert stack is not None
     gemm = linear_kernels.gemm_rows()
     assert stack.max_tokens == (max(16, gemm) if quantization is None else 16) and gemm in (0, 64)
@@ -126,14 +173,16 @@ def against_the_layers(llm: LLM, monkeypatch, stack_calls: list[int], query_lens
 
 
 @pytest.mark.parametrize(("model", "tied"), [("llama-gqa", False), ("llama-gqa", True), ("int4-llama", False),
-                                             ("int8-llama", True)])
+                                             ("int8-llama", True), ("llm-int8-llama", False)])
 def test_model_ends_run_on_the_stack_where_every_row_is_wanted(checkpoint_factory, monkeypatch, model, tied):
     """Every row wanted (decode, verify): the embedding, final norm and LM head (tied or its own, quantized or
     not) run inside the stack's `logits`, bitwise what the stack's layers plus the Python ends give; a subset of
     rows keeps the Python ends."""
-    arch, overrides, quantization = MODELS[model]
-    llm = LLM(checkpoint_factory(arch, tie_word_embeddings=tied, **overrides), quantization=quantization, **KV)
+    llm = make_llm(checkpoint_factory, model, tie_word_embeddings=tied)
     stack = llm.engine.model._decode_stack(llm.engine.runner.kv_caches)
+    if MODELS[model][2] == "int8" and not llm_int8_stacks():
+        assert stack is None
+        return
     assert stack is not None and stack.has_head
     ends = []
     real = decode_stack.DecodeStack.logits
@@ -165,9 +214,9 @@ def test_used_for_short_queries_only(checkpoint_factory, stack_calls):
     assert len(out[0].token_ids) == 4 and stack_calls[4:] == [1, 1, 1], "prefill in Python, decode on the stack"
 
 
-@pytest.mark.parametrize(("arch", "kw"), [("llama", dict(kv_cache_dtype="int8")), ("llama", dict(quantization="int8")),
-                                          ("llama", dict(quantization="int4")), ("qwen3", {})],
-                         ids=["int8-kv", "bnb-int8", "bnb-int4", "qk-norm"])
+@pytest.mark.parametrize(("arch", "kw"), [("llama", dict(kv_cache_dtype="int8")), ("llama", dict(quantization="int4")),
+                                          ("qwen3", {})],
+                         ids=["int8-kv", "bnb-int4", "qk-norm"])
 def test_not_used_where_a_layer_does_not_fit(checkpoint_factory, stack_calls, arch, kw):
     llm = LLM(checkpoint_factory(arch), **{**KV, **kw})
     out = llm.generate(random_prompts(3), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
@@ -181,8 +230,8 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
 
 
 @pytest.mark.parametrize(("spec", "quantization"), [(None, None), (NGRAM, None), (None, "int4_weight_only"),
-                                                    (NGRAM, "int8_weight_only")],
-                         ids=["decode", "ngram", "int4-decode", "int8-ngram"])
+                                                    (NGRAM, "int8_weight_only"), (NGRAM, "int8")],
+                         ids=["decode", "ngram", "int4-decode", "int8-ngram", "llm-int8-ngram"])
 def test_greedy_generate_is_unchanged(checkpoint_factory, monkeypatch, stack_calls, spec, quantization):
     """Greedy tokens and their logprobs, with speculative verify steps too, as the Python layers give them."""
     path = checkpoint_factory("llama", **WIDE)
@@ -190,8 +239,12 @@ def test_greedy_generate_is_unchanged(checkpoint_factory, monkeypatch, stack_cal
     prompts = [p * 3 for p in base]  # repeated spans: n-gram lookup proposes
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=2)
     kw = {**KV, "quantization": quantization,
-          **({} if spec is None else {"speculative": {"disable_by_batch_size": 64, **spec}})}
+          **({} if spec is None else {"speculative": {"disable_by_batch_size": 64, **spec}}),
+          **(dict(llm_int8_threshold=OUTLIERS) if quantization == "int8" else {})}
     stacked = LLM(path, **kw).generate(prompts, params, progress=False)
+    if quantization == "int8" and not llm_int8_stacks():
+        assert not stack_calls
+        return
     assert stack_calls and (spec is None or max(stack_calls) > 4)
     python_layers(monkeypatch)
     calls = len(stack_calls)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from sluice.engine.quantization.int8_cpu import llm_int8_linear
+from sluice.kernels import int8_weights
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "models" / "sluice-tiny"
@@ -22,21 +23,31 @@ def test_int8_outlier_product_is_bitsandbytes_arithmetic():
     """Our LLM.int8() linear with outlier columns gives bitsandbytes' int8 product dequantized (its own op), plus
     the outlier inputs times their dequantized weight columns (its own op, rounded to bf16) summed in float32 and
     rounded once (where bitsandbytes' default kernel runs a bf16 `addmm`, one oneDNN primitive per shape), for
-    several row and outlier counts."""
+    several row, output and outlier counts: where our C++ pass serves (the AVX512-VNNI tier) the products summed
+    in column order, bit for bit, else torch's float32 `addmm`."""
     ops = torch.ops.bitsandbytes
+    ours = int8_weights._fused() is not None and int8_weights._fused().BNB_INT8_EPILOGUE
     g = torch.Generator().manual_seed(0)
-    cb, scb = ops.int8_vectorwise_quant.default((torch.randn(96, 64, generator=g) * 0.05).half())[:2]
-    for rows, spikes in ((3, 1), (17, 5), (40, 0), (70, 12)):
-        a = torch.randn(rows, 64, generator=g).to(torch.bfloat16)
-        a[:, :spikes] *= 40  # columns with an outlier
-        ca, sca, cols = ops.int8_vectorwise_quant.default(a.clone().half(), 6.0)
-        assert cols.numel() == spikes
-        want = ops.int8_scaled_mm.default(ca, cb, sca, scb, bias=None, dtype=a.dtype)
-        if spikes:
-            sub_b = ops.int8_vectorwise_dequant.default(cb[:, cols].contiguous(), scb).to(a.dtype)
-            want = want.float().addmm_(a[:, cols].float(), sub_b.float().t()).to(a.dtype)
-        got = llm_int8_linear(a, cb, scb, None, 6.0)
-        assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    for out_features in (96, 100):
+        cb, scb = ops.int8_vectorwise_quant.default((torch.randn(out_features, 64, generator=g) * 0.05).half())[:2]
+        for rows, spikes in ((1, 2), (3, 1), (17, 5), (40, 0), (70, 12)):
+            a = torch.randn(rows, 64, generator=g).to(torch.bfloat16)
+            a[:, :spikes] *= 40  # columns with an outlier
+            ca, sca, cols = ops.int8_vectorwise_quant.default(a.clone().half(), 6.0)
+            assert cols.numel() == spikes
+            want = ops.int8_scaled_mm.default(ca, cb, sca, scb, bias=None, dtype=a.dtype)
+            if spikes:
+                sub_a = a[:, cols].float()
+                sub_b = ops.int8_vectorwise_dequant.default(cb[:, cols].contiguous(), scb).to(a.dtype).float()
+                if ours:
+                    products = torch.zeros(rows, out_features)
+                    for k in range(spikes):
+                        products += sub_a[:, k, None] * sub_b[None, :, k]
+                    want = (want.float() + products).to(a.dtype)
+                else:
+                    want = want.float().addmm_(sub_a, sub_b.t()).to(a.dtype)
+            got = llm_int8_linear(a, cb, scb, None, 6.0)
+            assert got.dtype == torch.bfloat16 and torch.equal(got, want), (out_features, rows, spikes)
 
 
 def test_int8_engine_makes_no_onednn_matmul_per_step_shape():

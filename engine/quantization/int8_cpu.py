@@ -6,12 +6,14 @@ the arithmetic, step by step as its CPU path runs it: the activations quantized 
 columns holding one zeroed where there are several rows), their exact int32 product with CB (our VNNI kernel
 where it builds; the same sums as torch._int_mm), rescaled as `int8_mm_dequant` does (int32 * (row absmax *
 SCB) * 1/127², plus bias, in fp32, rounded once to the activations' dtype: one C++ pass for bf16), then the
-outlier columns' product added back. That one runs in float32 (the BLAS GEMM: no per-shape state kept) where
-bitsandbytes' default kernel calls a bf16/fp16 `addmm`, for which oneDNN JIT-builds and caches one primitive per
-[tokens, outlier columns] shape (milliseconds each, and hundreds of MiB resident after one batch of mixed
-lengths); its inputs are bitsandbytes' (the outlier weight columns dequantized and rounded to the activations'
-dtype) and so is the single rounding of `output + subA @ subB` to that dtype. On other devices bitsandbytes' own
-module serves.
+outlier columns' product added back.
+That one sums in float32 where bitsandbytes' default kernel calls a bf16/fp16 `addmm`, for which oneDNN JIT-builds
+and caches one primitive per [tokens, outlier columns] shape (milliseconds each, and hundreds of MiB resident after
+one batch of mixed lengths): for bf16 on the AVX512-VNNI tier one C++ pass (the products summed in column order,
+kernels.int8_weights.bnb_int8_outliers; the decode stack runs the same pass), elsewhere the BLAS GEMM (no
+per-shape state kept). Its inputs are bitsandbytes' (the outlier weight columns dequantized and rounded to the
+activations' dtype) and so is the single rounding of `output + subA @ subB` to that dtype. On other devices
+bitsandbytes' own module serves.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sluice.kernels import int8_weights
+from sluice.kernels import decode_stack, int8_weights
 
 INV_127 = 7.874015718698502e-3  # bitsandbytes' int8_vectorwise_dequant factor
 
@@ -44,6 +46,10 @@ class LLMInt8Linear(nn.Module):
     def out_features(self) -> int:
         return self.weight.shape[0]
 
+    def stack_linear(self):
+        """This linear for kernels.decode_stack, or None where the stack would not run it as `forward` does."""
+        return decode_stack.llm_int8_linear(self.weight, self.SCB, self.bias, self.threshold)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1]).contiguous()
         y = llm_int8_linear(rows, self.weight, self.SCB, self.bias, self.threshold)
@@ -56,7 +62,7 @@ def llm_int8_linear(rows: torch.Tensor, cb: torch.Tensor, scb: torch.Tensor, bia
     Linear8bitLt forward on CPU, in rows' dtype."""
     ca, sca, cols = int8_weights.bnb_int8_act(rows, threshold)
     out = int8_weights.bnb_int8_dequant(int8_weights.exact_int8_mm(ca, cb), sca, scb, bias, rows.dtype)
-    if cols is None or not cols.numel():
+    if cols is None or not cols.numel() or int8_weights.bnb_int8_outliers(out, rows, cols, cb, scb):
         return out
     sub_a = rows[:, cols]
     sub_b = (cb[:, cols].float() * scb.view(-1, 1) * INV_127).to(rows.dtype)

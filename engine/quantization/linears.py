@@ -41,6 +41,12 @@ class FusedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([p(x) for p in self.parts], dim=-1)
 
+    def stack_linear(self):
+        """This projection for kernels.decode_stack (its parts' stack linears side by side), or None where a part
+        does not stack."""
+        parts = [getattr(p, "stack_linear", lambda: None)() for p in self.parts]
+        return decode_stack.fused_linear(parts)
+
 
 def _bias(bias: torch.Tensor | None, dtype: torch.dtype) -> nn.Parameter | None:
     return None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)

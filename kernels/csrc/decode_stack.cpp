@@ -19,17 +19,30 @@
 
 // One linear, run by the op its Python module runs at the step's row count: our bf16 GEMV (kernels/linear.py),
 // our int8 x int4 VNNI product or torch's int4pack matmul (kernels/int4_weights.py), our int8 GEMV up to gemv_rows rows or else the fused
-// dynamic int8 matmul (kernels/int8_weights.py). kernels/decode_stack.py makes one only where its module takes
-// exactly these branches at every row count the stack serves.
+// dynamic int8 matmul (kernels/int8_weights.py), LLM.int8() as engine/quantization/int8_cpu.py runs it (bitsandbytes'
+// activation quantization, the exact int8 product, its dequant epilogue, the outlier columns added back).
+// kernels/decode_stack.py makes one only where its module takes exactly these branches at every row count the stack
+// serves.
 struct StackLinear {
-  enum Kind { kBf16, kInt4, kInt4Vnni, kInt8 } kind;
-  torch::Tensor weight;                 // bf16 [out, in]; int4: packed codes; int8: int8 [out, in]
-  std::optional<torch::Tensor> scales;  // int4: scales_zeros (int4pack or our layout); int8: row scales [out]
+  enum Kind { kBf16, kInt4, kInt4Vnni, kInt8, kLLMInt8, kFused } kind;
+  torch::Tensor weight;                 // bf16 [out, in]; int4: packed codes; int8, LLM.int8(): int8 [out, in]
+  std::optional<torch::Tensor> scales;  // int4: scales_zeros (int4pack or our layout); int8: row scales [out];
+                                        // LLM.int8(): SCB, fp32 row absmax [out]
   std::optional<torch::Tensor> bias;
   int64_t out_features, group, gemv_rows;  // group: int4's; gemv_rows: int8's
+  double threshold = 0;                    // LLM.int8()'s outlier threshold
+  std::vector<StackLinear> parts;          // kFused: one linear per checkpoint tensor, outputs side by side
 
   torch::Tensor operator()(const torch::Tensor& x) const {
     if (kind == kBf16) return bf16_gemv(x, weight, bias);
+    if (kind == kLLMInt8) return llm_int8(x, bnb_int8_act(x, threshold));
+    if (kind == kFused) {  // FusedLinear: the parts' outputs concatenated (LLM.int8() parts share x's quantization)
+      std::vector<torch::Tensor> out;
+      const bool shared = parts[0].kind == kLLMInt8;
+      const auto a = shared ? bnb_int8_act(x, parts[0].threshold) : std::vector<torch::Tensor>{};
+      for (const StackLinear& p : parts) out.push_back(shared ? p.llm_int8(x, a) : p(x));
+      return torch::cat(out, 1);
+    }
     if (kind == kInt4Vnni) return int4_vnni_mm(x, weight, *scales, bias);
     torch::Tensor y;
     if (kind == kInt4) {
@@ -42,6 +55,14 @@ struct StackLinear {
       return int8_rescale(int8_mm(q[0], weight), q[1], *scales, bias);
     }
     return bias ? y + *bias : y;
+  }
+
+  // LLM.int8() of x given its quantization a = bnb_int8_act(x, threshold): codes, row absmax, outlier columns.
+  torch::Tensor llm_int8(const torch::Tensor& x, const std::vector<torch::Tensor>& a) const {
+    auto y = bnb_int8_dequant(int8_mm(a[0], weight), a[1], *scales, bias);
+    TORCH_CHECK(y.has_value() && bnb_int8_outliers(*y, x, a[2], weight, *scales),
+                "DecodeStack: LLM.int8() epilogue not built for this tier");
+    return *y;
   }
 };
 
@@ -151,6 +172,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return StackLinear{StackLinear::kInt8, std::move(qweight), std::move(scales), std::move(bias), n, 0, gemv_rows};
   }, "an int8 weight-only linear: the int8 GEMV to gemv_rows rows, the dynamic int8 matmul above",
         py::arg("qweight"), py::arg("scales"), py::arg("bias"), py::arg("gemv_rows"));
+  m.def("llm_int8_linear", [](torch::Tensor cb, torch::Tensor scb, Bias bias, double threshold) {
+    const int64_t n = cb.size(0);
+    return StackLinear{StackLinear::kLLMInt8, std::move(cb), std::move(scb), std::move(bias), n, 0, 0, threshold};
+  }, "an LLM.int8() linear (bitsandbytes' CB and SCB)", py::arg("cb"), py::arg("scb"), py::arg("bias"),
+        py::arg("threshold"));
+  m.def("fused_linear", [](std::vector<StackLinear> parts) {
+    TORCH_CHECK(!parts.empty(), "fused_linear: no parts");
+    const bool int8 = parts[0].kind == StackLinear::kLLMInt8;
+    int64_t n = 0;
+    for (const StackLinear& p : parts) {
+      TORCH_CHECK((p.kind == StackLinear::kLLMInt8) == int8 && (!int8 || p.threshold == parts[0].threshold),
+                  "fused_linear: LLM.int8() parts only with one another, at one threshold");
+      n += p.out_features;
+    }
+    return StackLinear{StackLinear::kFused, torch::Tensor(), std::nullopt, std::nullopt, n, 0, 0, 0.0,
+                       std::move(parts)};
+  }, "a fused projection: its parts' outputs side by side", py::arg("parts"));
+  m.attr("BNB_INT8_EPILOGUE") = bnb_int8_epilogue_supported();
   py::class_<DecodeStack>(m, "DecodeStack", py::module_local())
       .def(py::init<const std::vector<LayerSpec>&, int64_t, int64_t, int64_t, double, double>(), py::arg("layers"),
            py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("scale"))

@@ -285,6 +285,28 @@ c10::optional<torch::Tensor> bnb_int8_dequant(torch::Tensor acc, torch::Tensor r
   return y;
 }
 
+// LLM.int8()'s outlier columns (cols int64, from bnb_int8_act) of x [M, K] (bf16) times cb's same columns
+// dequantized (cb int8 [N, K], scb fp32 [N]; as bitsandbytes' int8_vectorwise_dequant, rounded to bf16) added to
+// out [M, N] (bf16, in place): the products summed in fp32 in column order, added to out in fp32, rounded once;
+// false where the tier has no such pass (the caller adds them with torch ops).
+bool bnb_int8_outliers(torch::Tensor out, const torch::Tensor& x, const torch::Tensor& cols, const torch::Tensor& cb,
+                       const torch::Tensor& scb) {
+  TORCH_CHECK(x.dim() == 2 && cb.dim() == 2 && x.size(1) == cb.size(1) && out.dim() == 2 &&
+                  out.size(0) == x.size(0) && out.size(1) == cb.size(0) && scb.numel() == cb.size(0),
+              "bnb_int8_outliers: out [M, N], x [M, K], cb [N, K], scb [N]");
+  if (x.scalar_type() != at::kBFloat16 || out.scalar_type() != at::kBFloat16 || !x.is_contiguous() ||
+      !out.is_contiguous() || cb.scalar_type() != at::kChar || !cb.is_contiguous() ||
+      scb.scalar_type() != at::kFloat || !scb.is_contiguous() || cols.scalar_type() != at::kLong ||
+      !cols.is_contiguous() || !x.device().is_cpu())
+    return false;
+  if (cols.numel() == 0) return true;
+  return bnb_outliers_tier(x.data_ptr<at::BFloat16>(), x.size(0), x.size(1), cols.data_ptr<int64_t>(), cols.numel(),
+                           cb.data_ptr<int8_t>(), scb.data_ptr<float>(), out.data_ptr<at::BFloat16>(), out.size(1));
+}
+
+// Whether this tier has bitsandbytes' int8 epilogue passes (bnb_int8_dequant, bnb_int8_outliers) for bf16.
+bool bnb_int8_epilogue_supported() { return kTierVnni; }
+
 // x (flattened) in blocks of `blocksize` values (the last may be short) quantized to 4-bit codes exactly as
 // bitsandbytes' default quantize_4bit does with torch ops: a full block's values times the reciprocal of its
 // absmax (at least 1e-38), a short last block's divided by its absmax, clamped to [-1, 1]; the code is the number
@@ -495,6 +517,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("acc"), py::arg("row"), py::arg("col"), py::arg("bias") = py::none());
   m.def("bnb_int8_act", &bnb_int8_act, "activation rows as bitsandbytes' int8_vectorwise_quant(x.half(), threshold) (CPU)",
         py::arg("x"), py::arg("threshold"));
+  m.def("bnb_int8_outliers", &bnb_int8_outliers, "LLM.int8()'s outlier columns' product added to out in place (bf16, "
+        "CPU); False where the tier has no such pass", py::arg("out"), py::arg("x"), py::arg("cols"), py::arg("cb"),
+        py::arg("scb"));
+  m.attr("BNB_INT8_EPILOGUE") = bnb_int8_epilogue_supported();
   m.def("bnb_int8_rows", &bnb_int8_rows, "weight rows as bitsandbytes' int8_vectorwise_quant gives an fp16 copy (CPU)");
   m.def("int8_rescale", &int8_rescale, "int32 matmul result times row and column scales, plus bias (CPU)");
   m.attr("VNNI") = vnni_supported();

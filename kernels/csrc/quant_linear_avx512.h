@@ -236,6 +236,47 @@ inline bool bnb_dequant_tier(const torch::Tensor& acc, const float* r, const flo
   return true;
 }
 
+// LLM.int8()'s outlier columns added back to out [M, N] (bf16, in place): per output n each column c_k's weight
+// dequantized as bitsandbytes' int8_vectorwise_dequant and rounded to bf16, (cb[n][c_k] * scb[n]) * (1/127) in
+// fp32; the products with x[m][c_k] (bf16 x bf16: exact in fp32) summed from 0 in column order, added to out[m][n]
+// in fp32 and rounded to bf16 once, nearest even (an empty asm between the steps, as in bnb_dequant_tier).
+inline bool bnb_outliers_tier(const at::BFloat16* x, int64_t M, int64_t K, const int64_t* cols, int64_t C,
+                              const int8_t* cb, const float* scb, at::BFloat16* out, int64_t N) {
+  const __m512 inv127 = _mm512_set1_ps(7.874015718698502e-3f);
+  at::parallel_for(0, (N + 15) / 16, std::max<int64_t>(1, at::internal::GRAIN_SIZE / (16 * C * (M + 1))),
+                   [&](int64_t begin, int64_t end) {
+    std::vector<__m512> sub(C);
+    alignas(64) int32_t codes[16];
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n0 = b * 16;
+      const __mmask16 mask = sluice_tail16(N - n0);
+      const __m512 scale = _mm512_maskz_loadu_ps(mask, scb + n0);
+      for (int64_t k = 0; k < C; ++k) {
+        for (int j = 0; j < 16; ++j) codes[j] = n0 + j < N ? cb[(n0 + j) * K + cols[k]] : 0;
+        __m512 w = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(codes)), scale);
+        asm("" : "+v"(w));
+        w = _mm512_mul_ps(w, inv127);
+        asm("" : "+v"(w));
+        sub[k] = _mm512_castsi512_ps(_mm512_slli_epi32(sluice_round_bf16(w), 16));
+      }
+      for (int64_t m = 0; m < M; ++m) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t k = 0; k < C; ++k) {
+          const float a = static_cast<float>(x[m * K + cols[k]]);
+          __m512 p = _mm512_mul_ps(_mm512_set1_ps(a), sub[k]);
+          asm("" : "+v"(p));
+          acc = _mm512_add_ps(acc, p);
+          asm("" : "+v"(acc));
+        }
+        at::BFloat16* o = out + m * N + n0;
+        const __m512 v = _mm512_add_ps(sluice_load_bf16(o, mask), acc);
+        _mm256_mask_storeu_epi16(o, mask, _mm512_cvtepi32_epi16(sluice_round_bf16(v)));
+      }
+    }
+  });
+  return true;
+}
+
 constexpr int64_t kVnniBlock = 32;  // output rows per parallel task (a multiple of every W)
 
 // A weight vector as the u8 operand of `vpdpbusd`: its sign bit flipped, w ^ 0x80 = w + 128 as u8 (a masked-off
