@@ -34,11 +34,11 @@ CSRC = Path(__file__).parent / "csrc"
 BASE_CFLAGS = ["-O3", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
                "-fopenmp"]
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
-EXTENSIONS = {"paged_attention.cpp": "sluice_paged_attention_cpu", "elementwise.cpp": "sluice_elementwise_cpu",
-              "quant_linear.cpp": "sluice_quant_linear_cpu", "bf16_gemv.cpp": "sluice_bf16_gemv_cpu",
-              "rms_norm.cpp": "sluice_rms_norm_cpu", "decode_stack.cpp": "sluice_decode_stack_cpu",
-              "moe.cpp": "sluice_moe_cpu", "masked_sample.cpp": "sluice_masked_sample_cpu",
-              "nf4.cpp": "sluice_nf4_cpu"}
+# The libraries: csrc/ source -> name. cpu_kernels.cpp holds the kernels every step runs (PARTS, one submodule
+# each); the sources it includes are not built on their own.
+EXTENSIONS = {"cpu_kernels.cpp": "sluice_cpu_kernels", "moe.cpp": "sluice_moe_cpu", "nf4.cpp": "sluice_nf4_cpu"}
+CORE = "cpu_kernels.cpp"
+PARTS = ("elementwise", "rms_norm", "paged_attention", "bf16_gemv", "quant_linear", "decode_stack", "masked_sample")
 _built: dict[tuple[str, str], object | None] = {}
 
 
@@ -184,6 +184,13 @@ def build(name: str, source: str, tier: str | None = None):
         if path.exists():  # another process built it while we waited
             return _import(versioned, path)
         return _build(versioned, source, tier, path.parent)
+
+
+def part(name: str, tier: str | None = None):
+    """The submodule `name` (one of PARTS: csrc/`name`.cpp's functions) of the core library for `tier`, or None
+    when that library cannot be built (the caller falls back to torch)."""
+    core = load(EXTENSIONS[CORE], CORE, tier)
+    return None if core is None else getattr(core, name)
 
 
 def load(name: str, source: str, tier: str | None = None):

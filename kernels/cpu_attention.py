@@ -15,7 +15,7 @@ from sluice.kernels import cpp_build
 
 
 def _build():
-    return cpp_build.load("sluice_paged_attention_cpu", "paged_attention.cpp")
+    return cpp_build.part("paged_attention")
 
 
 def available() -> bool:

@@ -30,7 +30,7 @@ def max_tokens() -> int:
 
 
 def _ext():
-    ext = cpp_build.load("sluice_decode_stack_cpu", "decode_stack.cpp") if cpp_build.enabled() else None
+    ext = cpp_build.part("decode_stack") if cpp_build.enabled() else None
     return ext if ext is not None and ext.SUPPORTED else None
 
 
@@ -102,10 +102,10 @@ def llm_int8_linear(cb: torch.Tensor, scb: torch.Tensor, bias: torch.Tensor | No
     """An LLM.int8() linear (engine/quantization/int8_cpu.py: bitsandbytes' CB int8 [out, in] and SCB fp32 [out]) as a
     stack linear: the same C++ passes its forward runs for bf16 (activation quantization, the exact int8 product,
     the dequant epilogue, the outlier columns), or None where the tier has no bf16 epilogue pass (its forward then
-    runs torch ops)."""
-    ext, fused = _ext(), int8_weights._fused()
-    if (ext is None or fused is None or not ext.BNB_INT8_EPILOGUE or not fused.BNB_INT8_EPILOGUE
-            or not _plain_bf16(bias) or cb.dtype is not torch.int8 or cb.device.type != "cpu"
+    runs torch ops). The stack and kernels.int8_weights' functions are parts of one library (cpp_build.part), so
+    the stack's BNB_INT8_EPILOGUE answers for both."""
+    ext = _ext()
+    if (ext is None or not ext.BNB_INT8_EPILOGUE or not _plain_bf16(bias) or cb.dtype is not torch.int8 or cb.device.type != "cpu"
             or not cb.is_contiguous() or scb.dtype is not torch.float32 or not scb.is_contiguous()):
         return None
     return ext.llm_int8_linear(cb, scb, bias, float(threshold))

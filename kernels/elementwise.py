@@ -14,7 +14,7 @@ from sluice.kernels import cpp_build
 
 
 def _ext():
-    return cpp_build.load("sluice_elementwise_cpu", "elementwise.cpp") if cpp_build.enabled() else None
+    return cpp_build.part("elementwise") if cpp_build.enabled() else None
 
 
 def _fused(x: torch.Tensor, dtypes=(torch.bfloat16, torch.float16, torch.float32)) -> bool:

@@ -144,7 +144,7 @@ def dequantize(w: Int4Weight, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _tile_kernel():
-    return cpp_build.load("sluice_quant_linear_cpu", "quant_linear.cpp") if cpp_build.enabled() else None
+    return cpp_build.part("quant_linear") if cpp_build.enabled() else None
 
 
 def vnni_kernel():

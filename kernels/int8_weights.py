@@ -70,7 +70,7 @@ def _use_dynamic(rows: torch.Tensor) -> bool:
 
 
 def _fused():
-    return cpp_build.load("sluice_quant_linear_cpu", "quant_linear.cpp") if cpp_build.enabled() else None
+    return cpp_build.part("quant_linear") if cpp_build.enabled() else None
 
 
 def quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

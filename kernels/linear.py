@@ -47,7 +47,7 @@ def gemv_serves(rows: int, in_features: int) -> bool:
 
 
 def _gemv():
-    ext = cpp_build.load("sluice_bf16_gemv_cpu", "bf16_gemv.cpp") if cpp_build.enabled() else None
+    ext = cpp_build.part("bf16_gemv") if cpp_build.enabled() else None
     return ext if ext is not None and ext.SUPPORTED else None
 
 

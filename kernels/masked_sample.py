@@ -13,7 +13,7 @@ from sluice.kernels import cpp_build
 
 
 def _ext():
-    return cpp_build.load("sluice_masked_sample_cpu", "masked_sample.cpp") if cpp_build.enabled() else None
+    return cpp_build.part("masked_sample") if cpp_build.enabled() else None
 
 
 def serves(logits: torch.Tensor) -> bool:

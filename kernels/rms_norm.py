@@ -13,7 +13,7 @@ from sluice.kernels import cpp_build
 
 def fused_available() -> bool:
     """True when the C++ kernel is enabled (SLUICE_CPU_KERNEL != 0) and built."""
-    return cpp_build.enabled() and cpp_build.load("sluice_rms_norm_cpu", "rms_norm.cpp") is not None
+    return cpp_build.enabled() and cpp_build.part("rms_norm") is not None
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -32,7 +32,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + delta, RMSNorm(x + delta)); with delta None, (x, RMSNorm(x))."""
     if _fused(x, weight):
-        s, out = cpp_build.load("sluice_rms_norm_cpu", "rms_norm.cpp").add_rms_norm(x, delta, weight, eps)
+        s, out = cpp_build.part("rms_norm").add_rms_norm(x, delta, weight, eps)
         return s, out
     s = x if delta is None else x + delta
     return s, rms_norm_reference(s, weight, eps)

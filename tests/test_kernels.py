@@ -338,14 +338,55 @@ def test_bf16_gemv_rows_past_16_match_the_fp64_product(rows, n, k, cpu_tier):
 @pytest.mark.parametrize("source", sorted(p.name for p in cpp_build.CSRC.glob("*.cpp")))
 def test_every_cpu_kernel_builds_where_a_compiler_exists(source, cpu_tier):
     """A kernel that fails to compile or link falls back to torch at run time (and its tests skip), so the build
-    itself is checked: with a C++ compiler present, every csrc/ source must load."""
+    itself is checked: with a C++ compiler present, every csrc/ source must load: a library of its own, or a part of
+    the core library (cpp_build.PARTS) with its functions bound."""
     import shutil
 
     if not cpp_build.enabled() or shutil.which(cpp_build.options.current().cxx) is None:
         pytest.skip("SLUICE_CPU_KERNEL=0 or no C++ compiler: the torch paths serve")
-    assert source in cpp_build.EXTENSIONS, f"csrc/{source} is not named in cpp_build.EXTENSIONS: add it"
-    assert cpp_build.load(cpp_build.EXTENSIONS[source], source) is not None, f"csrc/{source} did not build (see the warning)"
+    if source in cpp_build.EXTENSIONS:
+        assert cpp_build.load(cpp_build.EXTENSIONS[source], source) is not None, f"csrc/{source} did not build (see the warning)"
+        return
+    name = source.removesuffix(".cpp")
+    assert name in cpp_build.PARTS and source in cpp_build._sources(cpp_build.CORE), (
+        f"csrc/{source} is neither a library in cpp_build.EXTENSIONS nor one of the core library's PARTS: add it")
+    part = cpp_build.part(name)
+    assert part is not None and any(not k.startswith("__") for k in vars(part)), f"{name}: no functions bound"
 
+
+
+MAPPED = """
+import json, os
+from sluice.engine import LLM, SamplingParams
+llm = LLM({model!r}, dtype="bfloat16", device="cpu", quantization={quantization!r}, max_num_seqs=2)
+out = llm.generate(["O Romeo, Romeo, wherefore art thou Romeo? " * 3, "a rose"],
+                   SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), progress=False)
+assert [len(o.token_ids) for o in out] == [4, 4]
+print(json.dumps(sorted({{os.path.realpath(line.split()[-1]) for line in open("/proc/self/maps") if "/sluice_" in line}})))
+"""
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_a_step_maps_one_kernel_library(quantization):
+    """A bf16 or LLM.int8() engine's prefill and decode steps (attention, norms, GEMVs, the quantized products,
+    the decode stack, the sampler) run from one shared object, the core library: none of its parts is built or
+    mapped a second time as a library of its own."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if not cpp_build.enabled() or shutil.which(cpp_build.options.current().cxx) is None:
+        pytest.skip("SLUICE_CPU_KERNEL=0 or no C++ compiler: the torch paths serve")
+    model = str(Path(__file__).resolve().parent.parent / "models" / "sluice-tiny")
+    code = MAPPED.format(model=model, quantization=quantization)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    mapped = json.loads(result.stdout.strip().splitlines()[-1])
+    core = cpp_build.library_path(cpp_build.EXTENSIONS[cpp_build.CORE], cpp_build.CORE)
+    assert mapped == [os.path.realpath(core)], mapped
 
 def test_bf16_linear_keeps_leading_dimensions(cpu_tier):
     """[..., in] inputs come back [..., out], each row as its 2-D product."""

@@ -34,7 +34,7 @@ import sluice.kernels
 from sluice.kernels import cpp_build
 from sluice import LLM, SamplingParams
 
-ext = cpp_build.load("sluice_paged_attention_cpu", "paged_attention.cpp")
+ext = cpp_build.part("paged_attention")
 assert ext is not None, "the C++ attention kernel did not build from the installed sources"
 calls = []
 attend = ext.paged_attention_cpu

@@ -14,6 +14,7 @@
 // in the same order whatever R, so the choice changes speed, not results. The inner loops are a file per ISA
 // tier (kernels/cpu_isa.py): bf16_gemv_avx512bf16.h as above, bf16_gemv_avx2.h (bf16 widened to fp32 by a shift,
 // FMA, R = 1); without AVX2 `supported()` is false and the Python side falls back to F.linear.
+#pragma once
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cstring>
@@ -199,8 +200,8 @@ torch::Tensor int8_gemv_op(const torch::Tensor& x, const torch::Tensor& qweight,
 
 }  // namespace
 
-#ifndef SLUICE_NO_MODULE  // decode_stack.cpp includes this file for its functions
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+// This file's Python functions, on the module `m` (its own library's, or cpu_kernels.cpp's submodule "bf16_gemv").
+inline void bind_bf16_gemv(py::module_& m) {
   m.def("supported", &supported, "True when built for a tier with a GEMV (avx2 or avx512_bf16)");
   m.attr("TIER") =
 #ifdef SLUICE_GEMV_TIER
@@ -225,4 +226,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_gemv", &int8_gemv_op, "(x [M<=64, K] · qweight [N, K]ᵀ) * scales [N], int8 weights, bf16 x",
         py::arg("x"), py::arg("qweight"), py::arg("scales"));
 }
+
+#ifndef SLUICE_NO_MODULE  // built alone (decode_stack.cpp and cpu_kernels.cpp include it without its module)
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { bind_bf16_gemv(m); }
 #endif

@@ -6,7 +6,11 @@
 // norm and the LM head (~0.1 ms of Python ops a step, each slow on caches the step's weights have just evicted).
 // The kernels' sources are included whole; elementwise.cpp first, as it sets CPU_CAPABILITY (cpu_capability.h)
 // before any ATen vector header is read.
+#pragma once
+#ifndef SLUICE_NO_MODULE  // built alone: its own module, not its parts'
+#define SLUICE_DECODE_STACK_MODULE
 #define SLUICE_NO_MODULE
+#endif
 #include "elementwise.cpp"
 #include "rms_norm.cpp"
 #include "paged_attention.cpp"
@@ -149,7 +153,8 @@ class DecodeStack {
 
 using Bias = std::optional<torch::Tensor>;
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+// This file's Python functions, on the module `m` (its own library's, or cpu_kernels.cpp's submodule "decode_stack").
+inline void bind_decode_stack(py::module_& m) {
   m.attr("SUPPORTED") = supported();  // the GEMV's tier (avx2 or avx512_bf16): without it the stack has no kernel
   // module_local: each tier's object registers its own types, so a process (a test) may load several tiers
   py::class_<StackLinear>(m, "Linear", py::module_local());
@@ -201,3 +206,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("logits", &DecodeStack::logits, "embedding, the decoder stack, final norm and LM head over one step",
            py::call_guard<py::gil_scoped_release>());
 }
+
+#ifdef SLUICE_DECODE_STACK_MODULE
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { bind_decode_stack(m); }
+#endif

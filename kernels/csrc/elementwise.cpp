@@ -10,6 +10,7 @@
 //             gives it (torch's reduction reads a wide vocabulary row slowly: docs/benchmarks.md, "What changed"
 //             under the decode stack).
 // at::vec with the CPU capability this file is compiled for gives torch's own vectorized math (Sleef exp).
+#pragma once
 #include "cpu_capability.h"
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -213,11 +214,14 @@ torch::Tensor argmax_rows(torch::Tensor x) {
   return out;
 }
 
-#ifndef SLUICE_NO_MODULE  // decode_stack.cpp includes this file for its functions
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+// This file's Python functions, on the module `m` (its own library's, or cpu_kernels.cpp's submodule "elementwise").
+inline void bind_elementwise(py::module_& m) {
   m.def("store_kv", &store_kv, "keys/values [T, Hkv, D] to their slots of the paged caches (CPU)");
   m.def("rope_qk", &rope_qk, "rotary embedding of the q and k heads of a fused qkv projection (CPU)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate_up projection (CPU)");
   m.def("argmax_rows", &argmax_rows, "each row's first maximum (first NaN), as x.max(-1).indices (CPU)");
 }
+
+#ifndef SLUICE_NO_MODULE  // built alone (decode_stack.cpp and cpu_kernels.cpp include it without its module)
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { bind_elementwise(m); }
 #endif

@@ -8,9 +8,12 @@
 // mask_rows[r] < 0, and tokens from mask_vocab on, are not masked (as xgr.apply_token_bitmask_inplace leaves them).
 // exp and log are at::vec's (Sleef, as torch's own ops), so tokens differ from the torch path's only where two
 // candidates' scores tie to rounding.
+#pragma once
+#ifndef SLUICE_NO_MODULE  // built alone: its own module, not elementwise.cpp's
+#define SLUICE_MASKED_SAMPLE_MODULE
 #define SLUICE_NO_MODULE
+#endif
 #include "elementwise.cpp"
-#undef SLUICE_NO_MODULE
 
 #include <cstdint>
 
@@ -116,7 +119,12 @@ torch::Tensor masked_sample(torch::Tensor logits, torch::Tensor temps, torch::Te
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+// This file's Python functions, on the module `m` (its own library's, or cpu_kernels.cpp's submodule "masked_sample").
+inline void bind_masked_sample(py::module_& m) {
   m.def("masked_sample", &masked_sample,
         "one token per logits row: grammar bitmask, temperature, keyed exponential race, argmax (CPU)");
 }
+
+#ifdef SLUICE_MASKED_SAMPLE_MODULE
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { bind_masked_sample(m); }
+#endif

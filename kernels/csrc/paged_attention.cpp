@@ -5,6 +5,7 @@
 // (attend_unit_bf16: bf16 dot products straight from the cache, the softmax on whole tiles). An int8 cache (per-token-head
 // fp16 scales) is dequantized in registers: the key scale folds into the score, the value scale into the
 // softmax weight.
+#pragma once
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
 #define CPU_CAPABILITY_AVX512
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -468,9 +469,12 @@ void paged_attention_cpu(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v
   });
 }
 
-#ifndef SLUICE_NO_MODULE  // decode_stack.cpp includes this file for its functions
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+// This file's Python functions, on the module `m` (its own library's, or cpu_kernels.cpp's submodule "paged_attention").
+inline void bind_paged_attention(py::module_& m) {
   m.def("paged_attention_cpu", &paged_attention_cpu,
         "Paged attention of short queries over their blocks (CPU; plain or int8 cache with per-token-head scales)");
 }
+
+#ifndef SLUICE_NO_MODULE  // built alone (decode_stack.cpp and cpu_kernels.cpp include it without its module)
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { bind_paged_attention(m); }
 #endif

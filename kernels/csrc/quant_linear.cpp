@@ -16,6 +16,7 @@
 // The tiers are files: quant_linear_avx512.h (AVX512-VNNI, with w4a8_avx512.h), quant_linear_avx2.h (with
 // int8_mm_avx2.h and w4a8_avx2.h), quant_linear_generic.h; each gives the `*_tier` hooks that this file's scalar
 // code asks first, the tier's products, and its constants (kTierVnni, kTierW4A8, kTierInt8MaxRows).
+#pragma once
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -385,7 +386,11 @@ torch::Tensor int8_rescale(torch::Tensor acc, torch::Tensor row_scale, torch::Te
         const int32_t* am = a + m * N;
         scalar_t* om = out + m * N;
         const float rm = r[m];
-        for (int64_t n = 0; n < N; ++n) om[n] = static_cast<scalar_t>(static_cast<float>(am[n]) * rm * static_cast<float>(cs[n]));
+        for (int64_t n = 0; n < N; ++n) {  // (acc * row) * col, in that order: the fast-math flags may reassociate
+          float v = static_cast<float>(am[n]) * rm;
+          asm("" : "+x"(v));
+          om[n] = static_cast<scalar_t>(v * static_cast<float>(cs[n]));
+        }
         if (bp != nullptr)
           for (int64_t n = 0; n < N; ++n) om[n] = static_cast<scalar_t>(static_cast<float>(om[n]) + static_cast<float>(bp[n]));
       }
@@ -506,8 +511,8 @@ torch::Tensor int4_vnni_dequant(const torch::Tensor& packed, const torch::Tensor
   return out;
 }
 
-#ifndef SLUICE_NO_MODULE  // decode_stack.cpp includes this file for its functions
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+// This file's Python functions, on the module `m` (its own library's, or cpu_kernels.cpp's submodule "quant_linear").
+inline void bind_quant_linear(py::module_& m) {
   m.def("int4_tile_mm", &int4_tile_mm, "x times an int4-packed weight, dequantized tile by tile (CPU)");
   m.def("int4_codes", &int4_codes, "codes of an int4-packed weight as the tile kernel reads them");
   m.def("quantize_rows", &quantize_rows, "per-row absmax int8 quantization (CPU)");
@@ -538,4 +543,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "to int8 per row, x quantized per row, the int8 product by VNNI", py::arg("x"), py::arg("packed"),
         py::arg("scales_zeros"), py::arg("bias") = py::none());
 }
+
+#ifndef SLUICE_NO_MODULE  // built alone (decode_stack.cpp and cpu_kernels.cpp include it without its module)
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { bind_quant_linear(m); }
 #endif

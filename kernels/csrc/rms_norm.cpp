@@ -2,6 +2,7 @@
 // bf16/fp16 rows go 32 elements at a time through at::vec (fp32 math, round-to-nearest-even casts back), with
 // the sum of squares in fp32 lanes as torch's own vectorized reduction keeps it; other dtypes and tails are
 // scalar loops.
+#pragma once
 #include "cpu_capability.h"
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -91,8 +92,11 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Te
   return {sum, out};
 }
 
-#ifndef SLUICE_NO_MODULE  // decode_stack.cpp includes this file for its functions
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+// This file's Python functions, on the module `m` (its own library's, or cpu_kernels.cpp's submodule "rms_norm").
+inline void bind_rms_norm(py::module_& m) {
   m.def("add_rms_norm", &add_rms_norm, "fused residual add + RMSNorm (CPU)");
 }
+
+#ifndef SLUICE_NO_MODULE  // built alone (decode_stack.cpp and cpu_kernels.cpp include it without its module)
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { bind_rms_norm(m); }
 #endif
