@@ -6,7 +6,7 @@ serves bf16 steps of 1 to MAX_STACK_TOKENS tokens (to `linear.gemm_rows()` for a
 bf16, where the avx2 tier's GEMM serves those rows: `max_tokens`) whose sequences all have short queries (decode,
 speculative verify) on the fused attention kernel; anything else runs the Python layers. Its linears are bf16 ones, the
 weight-only quantized ones, each running the op its Python module would at the step's row count (decided when
-the stack is built, by asking the module's own branch tests), and LLM.int8() ones on the AVX512-VNNI tier (its
+the stack is built, by asking the module's own branch tests), and LLM.int8() ones on x86 tiers (AVX2 and up: its
 bf16 C++ passes); a layer with any other linear (bitsandbytes 4-bit) is not stacked.
 """
 

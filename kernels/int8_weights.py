@@ -129,7 +129,7 @@ def bnb_int8_outliers(out: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
                       scb: torch.Tensor) -> bool:
     """LLM.int8()'s outlier columns added back into out [M, N] (bf16, in place): rows' columns `cols` times cb's
     same columns dequantized as bitsandbytes does (cb * SCB / 127, rounded to bf16), the products summed in fp32
-    in column order, added to out in fp32 and rounded once. One C++ pass where the tier has it (AVX512-VNNI);
+    in column order, added to out in fp32 and rounded once. One C++ pass where the tier has it (AVX2 and up);
     False where not (the caller adds them with torch ops)."""
     fused = _fused()
     return (fused is not None and fused.BNB_INT8_EPILOGUE and rows.device.type == "cpu"

@@ -86,7 +86,7 @@ def make_llm(checkpoint_factory, model: str, **kw) -> LLM:
 
 
 def llm_int8_stacks() -> bool:
-    """Whether LLM.int8() linears stack here: the AVX512-VNNI tier's bf16 epilogue passes (elsewhere its forward
+    """Whether LLM.int8() linears stack here: the bf16 epilogue passes of x86 tiers (elsewhere its forward
     runs torch ops, which the stack does not)."""
     fused = int8_weights._fused()
     return fused is not None and fused.BNB_INT8_EPILOGUE

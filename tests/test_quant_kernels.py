@@ -485,3 +485,35 @@ def test_int4_prefill_rows_widen_the_dequantized_weight_where_onednn_has_no_bf16
                 assert ((out.double() - want).abs() <= want.abs() * 2**-8 + 1e-4).all(), (n, k)
     expected = [("int8", limit)] * 2 + [("int8", limit - 1)] if kernel.VNNI else [("mm", limit - 1)]
     assert calls == expected * 2
+
+
+def test_llm_int8_epilogue_passes_are_bitsandbytes_arithmetic_on_every_tier(cpu_tier):
+    """LLM.int8()'s bf16 epilogue in C++ on every x86 tier (16 lanes on AVX512-VNNI, 8 on AVX2): the dequant is
+    bitsandbytes' own int8_mm_dequant op bit for bit, and the outlier pass gives the outlier columns' products
+    summed in fp32 in column order, added to the output and rounded once; at N tails of both widths, with and
+    without bias; on the generic tier neither is built (the torch ops serve)."""
+    import bitsandbytes  # noqa: F401  (its ops)
+
+    fused = int8._fused()
+    if fused is None or cpu_tier == cpu_isa.GENERIC:
+        assert fused is None or not fused.BNB_INT8_EPILOGUE
+        return
+    assert fused.BNB_INT8_EPILOGUE
+    g = torch.Generator().manual_seed(0)
+    for m, k, n, spikes in ((1, 64, 48, 1), (3, 40, 17, 2), (16, 96, 333, 5), (65, 64, 100, 0)):
+        acc = torch.randint(-(2**20), 2**20, (m, n), generator=g, dtype=torch.int32)
+        row, col = torch.rand(m, generator=g) * 8, torch.rand(n, generator=g) * 0.2
+        for bias in (None, torch.randn(n, generator=g).to(torch.bfloat16)):
+            want = torch.ops.bitsandbytes.int8_mm_dequant.default(acc, row, col, dtype=torch.bfloat16, bias=bias)
+            assert torch.equal(fused.bnb_int8_dequant(acc, row, col, bias), want), (m, n, bias is None)
+        x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+        cb = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+        cols = torch.randperm(k, generator=g)[:spikes].sort().values
+        out = torch.randn(m, n, generator=g).to(torch.bfloat16)
+        sub_b = (cb[:, cols].float() * col.view(-1, 1) * 7.874015718698502e-3).to(torch.bfloat16).float()
+        products = torch.zeros(m, n)
+        for j in range(spikes):
+            products += x[:, cols[j], None].float() * sub_b[None, :, j]
+        got = out.clone()
+        assert fused.bnb_int8_outliers(got, x, cols, cb, col)
+        assert torch.equal(got, (out.float() + products).to(torch.bfloat16)), (m, n, spikes)

@@ -23,7 +23,7 @@ def test_int8_outlier_product_is_bitsandbytes_arithmetic():
     """Our LLM.int8() linear with outlier columns gives bitsandbytes' int8 product dequantized (its own op), plus
     the outlier inputs times their dequantized weight columns (its own op, rounded to bf16) summed in float32 and
     rounded once (where bitsandbytes' default kernel runs a bf16 `addmm`, one oneDNN primitive per shape), for
-    several row, output and outlier counts: where our C++ pass serves (the AVX512-VNNI tier) the products summed
+    several row, output and outlier counts: where our C++ pass serves (x86, AVX2 and up) the products summed
     in column order, bit for bit, else torch's float32 `addmm`."""
     ops = torch.ops.bitsandbytes
     ours = int8_weights._fused() is not None and int8_weights._fused().BNB_INT8_EPILOGUE

@@ -305,8 +305,9 @@ bool bnb_int8_outliers(torch::Tensor out, const torch::Tensor& x, const torch::T
                            cb.data_ptr<int8_t>(), scb.data_ptr<float>(), out.data_ptr<at::BFloat16>(), out.size(1));
 }
 
-// Whether this tier has bitsandbytes' int8 epilogue passes (bnb_int8_dequant, bnb_int8_outliers) for bf16.
-bool bnb_int8_epilogue_supported() { return kTierVnni; }
+// Whether this tier has bitsandbytes' int8 epilogue passes (bnb_int8_dequant, bnb_int8_outliers) for bf16: AVX2 and
+// up.
+bool bnb_int8_epilogue_supported() { return kTierBnbEpilogue; }
 
 // x (flattened) in blocks of `blocksize` values (the last may be short) quantized to 4-bit codes exactly as
 // bitsandbytes' default quantize_4bit does with torch ops: a full block's values times the reciprocal of its

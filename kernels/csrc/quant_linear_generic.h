@@ -2,7 +2,15 @@
 // inside its namespace.
 #include "quant_linear_novnni.h"
 
-constexpr bool kTierW4A8 = false;
+constexpr bool kTierW4A8 = false, kTierBnbEpilogue = false;
+
+inline bool bnb_dequant_tier(const torch::Tensor&, const float*, const float*, const at::BFloat16*, torch::Tensor&) {
+  return false;
+}
+inline bool bnb_outliers_tier(const at::BFloat16*, int64_t, int64_t, const int64_t*, int64_t, const int8_t*,
+                              const float*, at::BFloat16*, int64_t) {
+  return false;
+}
 constexpr int64_t kTierInt8MaxRows = 0;  // torch._int_mm serves every int8 product
 
 inline void tier_int8_mm(const int8_t*, int64_t, const int8_t*, int64_t, int64_t, int32_t*) {}

@@ -10,13 +10,6 @@ inline bool dequant_block64_tier(const Int4Layout&, int64_t, int64_t, int64_t, c
 }
 inline bool quantize_rows_tier(const torch::Tensor&, int8_t*, float*) { return false; }
 inline bool bnb_int8_rows_tier(const torch::Tensor&, int8_t*, float*, int64_t) { return false; }
-inline bool bnb_dequant_tier(const torch::Tensor&, const float*, const float*, const at::BFloat16*, torch::Tensor&) {
-  return false;
-}
-inline bool bnb_outliers_tier(const at::BFloat16*, int64_t, int64_t, const int64_t*, int64_t, const int8_t*,
-                              const float*, at::BFloat16*, int64_t) {
-  return false;
-}
 inline bool bnb_int8_act_tier(const torch::Tensor&, float, bool, int8_t*, float*, std::vector<uint16_t>&) {
   return false;
 }
