@@ -105,8 +105,9 @@ def llm_int8_linear(cb: torch.Tensor, scb: torch.Tensor, bias: torch.Tensor | No
     runs torch ops). The stack and kernels.int8_weights' functions are parts of one library (cpp_build.part), so
     the stack's BNB_INT8_EPILOGUE answers for both."""
     ext = _ext()
-    if (ext is None or not ext.BNB_INT8_EPILOGUE or not _plain_bf16(bias) or cb.dtype is not torch.int8 or cb.device.type != "cpu"
-            or not cb.is_contiguous() or scb.dtype is not torch.float32 or not scb.is_contiguous()):
+    if (ext is None or not ext.BNB_INT8_EPILOGUE or not _plain_bf16(bias) or cb.dtype is not torch.int8
+            or cb.device.type != "cpu" or not cb.is_contiguous() or scb.dtype is not torch.float32
+            or not scb.is_contiguous()):
         return None
     return ext.llm_int8_linear(cb, scb, bias, float(threshold))
 

@@ -6,12 +6,11 @@ the arithmetic, step by step as its CPU path runs it: the activations quantized 
 columns holding one zeroed where there are several rows), their exact int32 product with CB (our VNNI kernel
 where it builds; the same sums as torch._int_mm), rescaled as `int8_mm_dequant` does (int32 * (row absmax *
 SCB) * 1/127², plus bias, in fp32, rounded once to the activations' dtype: one C++ pass for bf16), then the
-outlier columns' product added back.
-That one sums in float32 where bitsandbytes' default kernel calls a bf16/fp16 `addmm`, for which oneDNN JIT-builds
-and caches one primitive per [tokens, outlier columns] shape (milliseconds each, and hundreds of MiB resident after
-one batch of mixed lengths): for bf16 on x86 (AVX2 and up) one C++ pass (the products summed in column order,
-kernels.int8_weights.bnb_int8_outliers; the decode stack runs the same pass), elsewhere the BLAS GEMM (no
-per-shape state kept). Its inputs are bitsandbytes' (the outlier weight columns dequantized and rounded to the
+outlier columns' product added back. That one sums in float32 where bitsandbytes' default kernel calls a bf16/fp16
+`addmm`, for which oneDNN JIT-builds and caches one primitive per [tokens, outlier columns] shape (milliseconds
+each, and hundreds of MiB resident after one batch of mixed lengths): for bf16 on x86 (AVX2 and up) one C++ pass
+(the products summed in column order, kernels.int8_weights.bnb_int8_outliers; the decode stack runs the same
+pass), elsewhere the BLAS GEMM (no per-shape state kept). Its inputs are bitsandbytes' (the outlier weight columns dequantized and rounded to the
 activations' dtype) and so is the single rounding of `output + subA @ subB` to that dtype. On other devices
 bitsandbytes' own module serves.
 """
