@@ -36,9 +36,10 @@ BASE_CFLAGS = ["-O3", "-fno-math-errno", "-fassociative-math", "-fno-signed-zero
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 # The libraries: csrc/ source -> name. cpu_kernels.cpp holds the kernels every step runs (PARTS, one submodule
 # each); the sources it includes are not built on their own.
-EXTENSIONS = {"cpu_kernels.cpp": "sluice_cpu_kernels", "moe.cpp": "sluice_moe_cpu", "nf4.cpp": "sluice_nf4_cpu"}
+EXTENSIONS = {"cpu_kernels.cpp": "sluice_cpu_kernels", "moe.cpp": "sluice_moe_cpu"}
 CORE = "cpu_kernels.cpp"
-PARTS = ("elementwise", "rms_norm", "paged_attention", "bf16_gemv", "quant_linear", "decode_stack", "masked_sample")
+PARTS = ("elementwise", "rms_norm", "paged_attention", "bf16_gemv", "quant_linear", "nf4", "decode_stack",
+         "masked_sample")
 _built: dict[tuple[str, str], object | None] = {}
 
 

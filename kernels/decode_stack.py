@@ -6,20 +6,21 @@ serves bf16 steps of 1 to MAX_STACK_TOKENS tokens (to `linear.gemm_rows()` for a
 bf16, where the avx2 tier's GEMM serves those rows: `max_tokens`) whose sequences all have short queries (decode,
 speculative verify) on the fused attention kernel; anything else runs the Python layers. Its linears are bf16 ones, the
 weight-only quantized ones, each running the op its Python module would at the step's row count (decided when
-the stack is built, by asking the module's own branch tests), and LLM.int8() ones on x86 tiers (AVX2 and up: its
-bf16 C++ passes); a layer with any other linear (bitsandbytes 4-bit) is not stacked.
+the stack is built, by asking the module's own branch tests), LLM.int8() ones on x86 tiers (AVX2 and up: its
+bf16 C++ passes) and bitsandbytes-format NF4/FP4 ones (our 4-bit GEMV); a layer with any other linear (bitsandbytes'
+own modules, on other devices) is not stacked.
 """
 
 from __future__ import annotations
 
 import torch
 
-from sluice.kernels import cpp_build, int4_weights, int8_weights
+from sluice.kernels import cpp_build, int4_weights, int8_weights, nf4
 from sluice.kernels.attention import AttentionMetadata
 from sluice.kernels.linear import MAX_GEMV_ROWS, MAX_GEMV_ROWS_FP32, gemm_rows
 
 MAX_STACK_TOKENS = 16  # the stack's steps: where the int4 W4A8 product and our bf16 GEMV serve every linear
-assert MAX_STACK_TOKENS <= min(MAX_GEMV_ROWS, MAX_GEMV_ROWS_FP32)
+assert MAX_STACK_TOKENS <= min(MAX_GEMV_ROWS, MAX_GEMV_ROWS_FP32) and MAX_STACK_TOKENS < nf4.TILE_MIN_ROWS
 
 
 def max_tokens() -> int:
@@ -110,6 +111,18 @@ def llm_int8_linear(cb: torch.Tensor, scb: torch.Tensor, bias: torch.Tensor | No
             or not scb.is_contiguous()):
         return None
     return ext.llm_int8_linear(cb, scb, bias, float(threshold))
+
+
+def nf4_linear(codes: torch.Tensor, absmax: torch.Tensor, table: torch.Tensor, bias: torch.Tensor | None):
+    """A bitsandbytes NF4/FP4 linear (engine/quantization/four_bit.py's Linear4bitCpu, packed: codes uint8
+    [out, in / 2], bf16 absmax [out, in / 64], the fp32 code table) as a stack linear: the 4-bit GEMV its forward
+    runs below nf4.TILE_MIN_ROWS rows, or None where the tensors are not the kernel's."""
+    ext = _ext()
+    if (ext is None or codes.dtype is not torch.uint8 or codes.device.type != "cpu" or not codes.is_contiguous()
+            or not _plain_bf16(absmax) or table.dtype is not torch.float32 or not table.is_contiguous()
+            or not _plain_bf16(bias)):
+        return None
+    return ext.nf4_linear(codes, absmax, table, bias)
 
 
 def fused_linear(parts: list):

@@ -23,8 +23,9 @@ TILE_BYTES = 4 << 20  # dequantized scratch per tile, as int4_weights' tiles
 
 
 def kernel():
-    """The C++ kernels (csrc/nf4.cpp, built for this process's tier), or None where they do not build."""
-    return cpp_build.load("sluice_nf4_cpu", "nf4.cpp") if cpp_build.enabled() else None
+    """The C++ kernels (csrc/nf4.cpp, built for this process's tier: a part of the core library), or None where
+    they do not build."""
+    return cpp_build.part("nf4") if cpp_build.enabled() else None
 
 
 def shape_error(out_features: int, in_features: int) -> str | None:

@@ -75,6 +75,8 @@ MODELS = {  # (arch, overrides, quantization)
     "int8-qwen2-bias-odd": ("qwen2", dict(intermediate_size=200), "int8_weight_only"),  # down: 200 % 16, no GEMV
     "llm-int8-llama": ("llama", WIDE, "int8"),  # LLM.int8(): outlier columns at llm_int8_threshold (OUTLIERS)
     "llm-int8-qwen2-bias": ("qwen2", {}, "int8"),
+    "nf4-llama": ("llama", WIDE, "int4"),  # bitsandbytes-format NF4, our 4-bit GEMV
+    "nf4-qwen2-bias": ("qwen2", {}, "int4"),
 }
 OUTLIERS = 1.0  # LLM.int8()'s threshold in these tests: most steps have outlier columns (6.0: hardly any here)
 
@@ -131,7 +133,8 @@ def test_llm_int8_steps_with_outlier_columns_are_bitwise_the_layers(checkpoint_f
         assert outliers and (max(outliers) > 0) == (threshold > 0), outliers
 
 
-@pytest.mark.parametrize("model", ["llama-gqa", "qwen2-bias", "int8-llama", "int4-llama", "llm-int8-llama"])
+@pytest.mark.parametrize("model", ["llama-gqa", "qwen2-bias", "int8-llama", "int4-llama", "llm-int8-llama",
+                                   "nf4-llama"])
 @pytest.mark.parametrize("query_lens", [[1] * 17, [1] * 30 + [2, 3, 5], [1] * 64], ids=["17", "40", "64"])
 def test_past_16_tokens_only_bf16_stacks_where_the_gemm_serves(checkpoint_factory, monkeypatch, stack_calls, model,
                                                                query_lens):
@@ -173,7 +176,8 @@ def against_the_layers(llm: LLM, monkeypatch, stack_calls: list[int], query_lens
 
 
 @pytest.mark.parametrize(("model", "tied"), [("llama-gqa", False), ("llama-gqa", True), ("int4-llama", False),
-                                             ("int8-llama", True), ("llm-int8-llama", False)])
+                                             ("int8-llama", True), ("llm-int8-llama", False),
+                                             ("nf4-llama", False)])
 def test_model_ends_run_on_the_stack_where_every_row_is_wanted(checkpoint_factory, monkeypatch, model, tied):
     """Every row wanted (decode, verify): the embedding, final norm and LM head (tied or its own, quantized or
     not) run inside the stack's `logits`, bitwise what the stack's layers plus the Python ends give; a subset of
@@ -214,9 +218,8 @@ def test_used_for_short_queries_only(checkpoint_factory, stack_calls):
     assert len(out[0].token_ids) == 4 and stack_calls[4:] == [1, 1, 1], "prefill in Python, decode on the stack"
 
 
-@pytest.mark.parametrize(("arch", "kw"), [("llama", dict(kv_cache_dtype="int8")), ("llama", dict(quantization="int4")),
-                                          ("qwen3", {})],
-                         ids=["int8-kv", "bnb-int4", "qk-norm"])
+@pytest.mark.parametrize(("arch", "kw"), [("llama", dict(kv_cache_dtype="int8")), ("qwen3", {})],
+                         ids=["int8-kv", "qk-norm"])
 def test_not_used_where_a_layer_does_not_fit(checkpoint_factory, stack_calls, arch, kw):
     llm = LLM(checkpoint_factory(arch), **{**KV, **kw})
     out = llm.generate(random_prompts(3), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
@@ -230,8 +233,8 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
 
 
 @pytest.mark.parametrize(("spec", "quantization"), [(None, None), (NGRAM, None), (None, "int4_weight_only"),
-                                                    (NGRAM, "int8_weight_only"), (NGRAM, "int8")],
-                         ids=["decode", "ngram", "int4-decode", "int8-ngram", "llm-int8-ngram"])
+                                                    (NGRAM, "int8_weight_only"), (NGRAM, "int8"), (NGRAM, "int4")],
+                         ids=["decode", "ngram", "int4-decode", "int8-ngram", "llm-int8-ngram", "nf4-ngram"])
 def test_greedy_generate_is_unchanged(checkpoint_factory, monkeypatch, stack_calls, spec, quantization):
     """Greedy tokens and their logprobs, with speculative verify steps too, as the Python layers give them."""
     path = checkpoint_factory("llama", **WIDE)

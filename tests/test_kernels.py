@@ -366,11 +366,11 @@ print(json.dumps(sorted({{os.path.realpath(line.split()[-1]) for line in open("/
 """
 
 
-@pytest.mark.parametrize("quantization", [None, "int8"])
+@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
 def test_a_step_maps_one_kernel_library(quantization):
-    """A bf16 or LLM.int8() engine's prefill and decode steps (attention, norms, GEMVs, the quantized products,
-    the decode stack, the sampler) run from one shared object, the core library: none of its parts is built or
-    mapped a second time as a library of its own."""
+    """A bf16, LLM.int8() or NF4 engine's prefill and decode steps (attention, norms, GEMVs, the quantized
+    products, the decode stack, the sampler) run from one shared object, the core library: none of its parts is
+    built or mapped a second time as a library of its own."""
     import json
     import os
     import shutil

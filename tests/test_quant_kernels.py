@@ -490,8 +490,9 @@ def test_int4_prefill_rows_widen_the_dequantized_weight_where_onednn_has_no_bf16
 def test_llm_int8_epilogue_passes_are_bitsandbytes_arithmetic_on_every_tier(cpu_tier):
     """LLM.int8()'s bf16 epilogue in C++ on every x86 tier (16 lanes on AVX512-VNNI, 8 on AVX2): the dequant is
     bitsandbytes' own int8_mm_dequant op bit for bit, and the outlier pass gives the outlier columns' products
-    summed in fp32 in column order, added to the output and rounded once; at N tails of both widths, with and
-    without bias; on the generic tier neither is built (the torch ops serve)."""
+    summed in fp32 in column order, added to the output and rounded once; at N tails of both widths, row counts
+    past and within the passes' blocks of rows, up to every column an outlier, with and without bias; on the
+    generic tier neither is built (the torch ops serve)."""
     import bitsandbytes  # noqa: F401  (its ops)
 
     fused = int8._fused()
@@ -500,7 +501,8 @@ def test_llm_int8_epilogue_passes_are_bitsandbytes_arithmetic_on_every_tier(cpu_
         return
     assert fused.BNB_INT8_EPILOGUE
     g = torch.Generator().manual_seed(0)
-    for m, k, n, spikes in ((1, 64, 48, 1), (3, 40, 17, 2), (16, 96, 333, 5), (65, 64, 100, 0)):
+    for m, k, n, spikes in ((1, 64, 48, 1), (3, 40, 17, 2), (16, 96, 333, 5), (65, 64, 100, 0), (9, 64, 40, 64),
+                            (20, 128, 24, 100)):  # blocks of 8 rows and a rest; every column an outlier
         acc = torch.randint(-(2**20), 2**20, (m, n), generator=g, dtype=torch.int32)
         row, col = torch.rand(m, generator=g) * 8, torch.rand(n, generator=g) * 0.2
         for bias in (None, torch.randn(n, generator=g).to(torch.bfloat16)):

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from sluice.kernels import int4_weights
+from sluice.kernels import decode_stack, int4_weights
 from sluice.kernels import nf4 as nf4_kernels
 
 BLOCKSIZE = 64
@@ -242,6 +242,13 @@ class Linear4bitCpu(nn.Module):
         if self.state is not None:
             self.pack()
         return nf4_kernels.nf4_linear(x, self.codes, self.absmax, self.table, self.bias)
+
+    def stack_linear(self):
+        """This linear for kernels.decode_stack (packed first, as `forward` would), or None where the stack would
+        not run it as `forward` does."""
+        if self.state is not None:
+            self.pack()
+        return decode_stack.nf4_linear(self.codes, self.absmax, self.table, self.bias)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         """bitsandbytes' Linear4bit keys: weight (the packed codes [n, 1]), weight.<state>, bias."""

@@ -72,17 +72,42 @@ inline bool bnb_dequant_tier(const torch::Tensor& acc, const float* r, const flo
 }
 
 // LLM.int8()'s outlier columns added back to out [M, N] (bf16, in place), as quant_linear_avx512.h's: per output n
-// each column's weight (cb[n][c_k] * scb[n]) * (1/127) in fp32, rounded to bf16; the products with x[m][c_k]
-// summed from 0 in column order, added to out[m][n] in fp32, rounded to bf16 once.
-inline bool bnb_outliers_tier(const at::BFloat16* x, int64_t M, int64_t K, const int64_t* cols, int64_t C,
-                              const int8_t* cb, const float* scb, at::BFloat16* out, int64_t N) {
+// each column's weight (cb[n][c_k] * scb[n]) * (1/127) in fp32, rounded to bf16; the products with the outlier
+// inputs xs[m][k] (fp32 [M, C]; exact products, so one FMA each) summed from 0 in column order, added to out[m][n]
+// in fp32, rounded to bf16 once. R rows at a time: R independent sums per column block.
+template <int R>
+inline void bnb_outlier_rows_avx2(const float* xs, int64_t C, const __m256* sub, at::BFloat16* out, int64_t N,
+                                  int64_t left) {
+  __m256 acc[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < C; ++k) {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(xs[r * C + k]), sub[k], acc[r]);  // the product is exact: one add
+      asm("" : "+x"(acc[r]));
+    }
+  }
+  alignas(32) at::BFloat16 prior[8];
+  for (int r = 0; r < R; ++r) {
+    at::BFloat16* o = out + r * N;
+    const at::BFloat16* src = o;
+    if (left < 8) {  // a zero-padded copy of the short block
+      for (int j = 0; j < 8; ++j) prior[j] = j < left ? o[j] : at::BFloat16(0.f);
+      src = prior;
+    }
+    bnb_store_bf16x8(o, bnb_round_bf16x8(_mm256_add_ps(bnb_load_bf16x8(src), acc[r])), left);
+  }
+}
+
+inline bool bnb_outliers_tier(const float* xs, int64_t M, const int64_t* cols, int64_t C, const int8_t* cb, int64_t K,
+                              const float* scb, at::BFloat16* out, int64_t N) {
   const __m256 inv127 = _mm256_set1_ps(7.874015718698502e-3f);
   at::parallel_for(0, (N + 7) / 8, std::max<int64_t>(1, at::internal::GRAIN_SIZE / (8 * C * (M + 1))),
                    [&](int64_t begin, int64_t end) {
     std::vector<__m256> sub(C);
     alignas(32) int32_t codes[8];
     alignas(32) float scale[8];
-    alignas(32) at::BFloat16 prior[8];
     for (int64_t b = begin; b < end; ++b) {
       const int64_t n0 = b * 8, left = std::min<int64_t>(8, N - n0);
       for (int j = 0; j < 8; ++j) scale[j] = j < left ? scb[n0 + j] : 0.f;
@@ -95,22 +120,9 @@ inline bool bnb_outliers_tier(const at::BFloat16* x, int64_t M, int64_t K, const
         asm("" : "+x"(w));
         sub[k] = _mm256_castsi256_ps(_mm256_slli_epi32(bnb_round_bf16x8(w), 16));
       }
-      for (int64_t m = 0; m < M; ++m) {
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t k = 0; k < C; ++k) {
-          __m256 p = _mm256_mul_ps(_mm256_set1_ps(static_cast<float>(x[m * K + cols[k]])), sub[k]);
-          asm("" : "+x"(p));
-          acc = _mm256_add_ps(acc, p);
-          asm("" : "+x"(acc));
-        }
-        at::BFloat16* o = out + m * N + n0;
-        const at::BFloat16* src = o;
-        if (left < 8) {
-          for (int j = 0; j < 8; ++j) prior[j] = j < left ? o[j] : at::BFloat16(0.f);
-          src = prior;
-        }
-        bnb_store_bf16x8(o, bnb_round_bf16x8(_mm256_add_ps(bnb_load_bf16x8(src), acc)), left);
-      }
+      int64_t m = 0;
+      for (; m + 8 <= M; m += 8) bnb_outlier_rows_avx2<8>(xs + m * C, C, sub.data(), out + m * N + n0, N, left);
+      for (; m < M; ++m) bnb_outlier_rows_avx2<1>(xs + m * C, C, sub.data(), out + m * N + n0, N, left);
     }
   });
   return true;

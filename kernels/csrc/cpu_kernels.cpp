@@ -1,9 +1,9 @@
 // The CPU kernels every model's step runs, as one library per tier: the decode stack and the kernels it includes
-// (elementwise, rms_norm, paged_attention, bf16_gemv, quant_linear) and the masked sampler, each file's Python
+// (elementwise, rms_norm, paged_attention, bf16_gemv, quant_linear, nf4) and the masked sampler, each file's Python
 // functions on a submodule of its name (kernels.cpp_build.part). Built as separate libraries, a process mapped
 // the same code twice, once in its own library and once in the stack's, and a fresh host compiled it twice: one
-// library touches fewer pages of code and loads once (docs/benchmarks.md, quantized memory). The kernels a model
-// needs only sometimes (moe.cpp, nf4.cpp) stay libraries of their own.
+// library touches fewer pages of code and loads once (docs/benchmarks.md, quantized memory). MoE's kernels
+// (moe.cpp, AMX tiles where the tier has them) stay a library of their own.
 #define SLUICE_NO_MODULE
 #include "decode_stack.cpp"
 #include "masked_sample.cpp"
@@ -12,7 +12,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const std::pair<const char*, void (*)(py::module_&)> parts[] = {
       {"elementwise", bind_elementwise}, {"rms_norm", bind_rms_norm},         {"paged_attention", bind_paged_attention},
       {"bf16_gemv", bind_bf16_gemv},     {"quant_linear", bind_quant_linear}, {"decode_stack", bind_decode_stack},
-      {"masked_sample", bind_masked_sample}};
+      {"masked_sample", bind_masked_sample}, {"nf4", bind_nf4}};
   for (const auto& [name, bind] : parts) {
     py::module_ sub = m.def_submodule(name);
     bind(sub);

@@ -16,6 +16,7 @@
 #include "paged_attention.cpp"
 #include "bf16_gemv.cpp"
 #include "quant_linear.cpp"
+#include "nf4.cpp"
 
 #include <optional>
 #include <tuple>
@@ -24,18 +25,21 @@
 // One linear, run by the op its Python module runs at the step's row count: our bf16 GEMV (kernels/linear.py),
 // our int8 x int4 VNNI product or torch's int4pack matmul (kernels/int4_weights.py), our int8 GEMV up to gemv_rows rows or else the fused
 // dynamic int8 matmul (kernels/int8_weights.py), LLM.int8() as engine/quantization/int8_cpu.py runs it (bitsandbytes'
-// activation quantization, the exact int8 product, its dequant epilogue, the outlier columns added back).
+// activation quantization, the exact int8 product, its dequant epilogue, the outlier columns added back), bitsandbytes'
+// NF4/FP4 weights by our 4-bit GEMV (kernels/nf4.py).
 // kernels/decode_stack.py makes one only where its module takes exactly these branches at every row count the stack
 // serves.
 struct StackLinear {
-  enum Kind { kBf16, kInt4, kInt4Vnni, kInt8, kLLMInt8, kFused } kind;
-  torch::Tensor weight;                 // bf16 [out, in]; int4: packed codes; int8, LLM.int8(): int8 [out, in]
+  enum Kind { kBf16, kInt4, kInt4Vnni, kInt8, kLLMInt8, kFused, kNf4 } kind;
+  torch::Tensor weight;                 // bf16 [out, in]; int4: packed codes; int8, LLM.int8(): int8 [out, in];
+                                        // NF4/FP4: bitsandbytes' codes [out, in / 2]
   std::optional<torch::Tensor> scales;  // int4: scales_zeros (int4pack or our layout); int8: row scales [out];
-                                        // LLM.int8(): SCB, fp32 row absmax [out]
+                                        // LLM.int8(): SCB, fp32 row absmax [out]; NF4/FP4: bf16 absmax [out, in / 64]
   std::optional<torch::Tensor> bias;
   int64_t out_features, group, gemv_rows;  // group: int4's; gemv_rows: int8's
   double threshold = 0;                    // LLM.int8()'s outlier threshold
   std::vector<StackLinear> parts;          // kFused: one linear per checkpoint tensor, outputs side by side
+  torch::Tensor table;                     // NF4/FP4: the 16 code values (fp32)
 
   torch::Tensor operator()(const torch::Tensor& x) const {
     if (kind == kBf16) return bf16_gemv(x, weight, bias);
@@ -48,6 +52,7 @@ struct StackLinear {
       return torch::cat(out, 1);
     }
     if (kind == kInt4Vnni) return int4_vnni_mm(x, weight, *scales, bias);
+    if (kind == kNf4) return nf4_gemv(x, weight, *scales, table, bias);
     torch::Tensor y;
     if (kind == kInt4) {
       y = at::_weight_int4pack_mm_for_cpu(x, weight, group, *scales);
@@ -182,6 +187,12 @@ inline void bind_decode_stack(py::module_& m) {
     return StackLinear{StackLinear::kLLMInt8, std::move(cb), std::move(scb), std::move(bias), n, 0, 0, threshold};
   }, "an LLM.int8() linear (bitsandbytes' CB and SCB)", py::arg("cb"), py::arg("scb"), py::arg("bias"),
         py::arg("threshold"));
+  m.def("nf4_linear", [](torch::Tensor codes, torch::Tensor absmax, torch::Tensor table, Bias bias) {
+    const int64_t n = codes.size(0);
+    return StackLinear{StackLinear::kNf4, std::move(codes), std::move(absmax), std::move(bias), n, 0, 0, 0.0, {},
+                       std::move(table)};
+  }, "a bitsandbytes NF4/FP4 linear (codes, bf16 absmax, code table), on the 4-bit GEMV", py::arg("codes"),
+        py::arg("absmax"), py::arg("table"), py::arg("bias"));
   m.def("fused_linear", [](std::vector<StackLinear> parts) {
     TORCH_CHECK(!parts.empty(), "fused_linear: no parts");
     const bool int8 = parts[0].kind == StackLinear::kLLMInt8;

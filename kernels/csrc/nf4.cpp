@@ -9,6 +9,7 @@
 // looked up in it (`vpermps`) and multiplied into fp32 sums with every x row. The tiles (kernels/nf4.py says from
 // how many rows) dequantize each tile of weight rows to x's dtype (rounded once from the fp32 value) and multiply
 // it with at::mm (oneDNN), as quant_linear.cpp's int4 tiles do.
+#pragma once
 #include "cpu_capability.h"
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -19,7 +20,7 @@
 
 namespace {
 
-constexpr int64_t kBlock = 64;
+constexpr int64_t kNf4Block = 64;
 
 inline float bf16_to_float(at::BFloat16 v) { return static_cast<float>(v); }
 
@@ -47,8 +48,8 @@ Nf4Weight checked(const torch::Tensor& codes, const torch::Tensor& absmax, const
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 2, "codes [N, K / 2] uint8");
   TORCH_CHECK(absmax.scalar_type() == at::kBFloat16 && absmax.is_contiguous(), "absmax [N, K / 64] bf16");
   TORCH_CHECK(table.scalar_type() == at::kFloat && table.numel() == 16 && table.is_contiguous(), "16 fp32 codes");
-  TORCH_CHECK(K % kBlock == 0 && codes.size(1) * 2 == K, "K must be a multiple of 64 and match the codes");
-  TORCH_CHECK(absmax.numel() == codes.size(0) * (K / kBlock), "absmax must hold one value per block of 64");
+  TORCH_CHECK(K % kNf4Block == 0 && codes.size(1) * 2 == K, "K must be a multiple of 64 and match the codes");
+  TORCH_CHECK(absmax.numel() == codes.size(0) * (K / kNf4Block), "absmax must hold one value per block of 64");
   return {codes.data_ptr<uint8_t>(), absmax.data_ptr<at::BFloat16>(), codes.size(0), K};
 }
 
@@ -78,8 +79,8 @@ void gemv_rows(const Nf4Weight& W, const float* table, const float* xp, const T*
                T* y) {
   constexpr int R = nf4_rows_for<MT>();
   constexpr int64_t kRowBlock = 64;
-  const int64_t slice = std::max<int64_t>(kBlock, std::min<int64_t>(W.K, (8192 / MT) / kBlock * kBlock));
-  const int64_t kb = W.K / kBlock;
+  const int64_t slice = std::max<int64_t>(kNf4Block, std::min<int64_t>(W.K, (8192 / MT) / kNf4Block * kNf4Block));
+  const int64_t kb = W.K / kNf4Block;
   float acc[MT * kRowBlock];
   for (int64_t nb = n0; nb < n1; nb += kRowBlock) {
     const int64_t rows = std::min(kRowBlock, n1 - nb);
@@ -88,7 +89,7 @@ void gemv_rows(const Nf4Weight& W, const float* table, const float* xp, const T*
       const int64_t len = std::min(slice, W.K - k);
       auto dots = [&](auto r_tile, int64_t n) {
         constexpr int RT = decltype(r_tile)::value;
-        nf4_dots<RT, MT>(W.codes + n * W.K / 2 + k / 2, W.K / 2, W.absmax + n * kb + k / kBlock, kb, table, xp + k,
+        nf4_dots<RT, MT>(W.codes + n * W.K / 2 + k / 2, W.K / 2, W.absmax + n * kb + k / kNf4Block, kb, table, xp + k,
                          W.K, len, acc + (n - nb), kRowBlock);
       };
       int64_t n = nb;
@@ -130,7 +131,7 @@ void gemv_dispatch(int64_t M, const Nf4Weight& W, const float* table, const floa
 // fp32).
 template <typename T>
 void dequant_rows(const Nf4Weight& W, const float* table, int64_t n0, int64_t rows, T* out) {
-  const int64_t kb = W.K / kBlock;
+  const int64_t kb = W.K / kNf4Block;
   std::vector<float> tmp;
   for (int64_t r = 0; r < rows; ++r) {
     const uint8_t* codes = W.codes + (n0 + r) * W.K / 2;
@@ -201,7 +202,8 @@ torch::Tensor nf4_dequant(torch::Tensor codes, torch::Tensor absmax, torch::Tens
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+// This file's Python functions, on the module `m` (its own library's, or cpu_kernels.cpp's submodule "nf4").
+inline void bind_nf4(py::module_& m) {
   m.def("nf4_gemv", &nf4_gemv, "x times a bitsandbytes 4-bit weight, x rows a few at a time (CPU)", py::arg("x"),
         py::arg("codes"), py::arg("absmax"), py::arg("table"), py::arg("bias") = py::none());
   m.def("nf4_tile_mm", &nf4_tile_mm, "x times a bitsandbytes 4-bit weight dequantized tile by tile (CPU)",
@@ -210,3 +212,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("nf4_dequant", &nf4_dequant, "rows of a bitsandbytes 4-bit weight dequantized (CPU)");
   m.attr("TIER") = kNf4Tier;
 }
+
+#ifndef SLUICE_NO_MODULE  // built alone (decode_stack.cpp and cpu_kernels.cpp include it without its module)
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { bind_nf4(m); }
+#endif

@@ -40,11 +40,11 @@ inline void nf4_dots(const uint8_t* w, int64_t ldw, const at::BFloat16* am, int6
   __m256 acc[MT][R];
   for (int m = 0; m < MT; ++m)
     for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < len / kBlock; ++b) {
+  for (int64_t b = 0; b < len / kNf4Block; ++b) {
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       const Nf4Table t = nf4_scaled(table, bf16_to_float(am[r * lda + b]));
-      for (int64_t k = b * kBlock; k < (b + 1) * kBlock; k += kNf4Chunk) {
+      for (int64_t k = b * kNf4Block; k < (b + 1) * kNf4Block; k += kNf4Chunk) {
         const __m256i v = nf4_bytes(w + r * ldw + k / 2);
         const __m256 even = nf4_lookup(t, _mm256_srli_epi32(v, 4)), odd = nf4_lookup(t, v);
 #pragma GCC unroll 16
@@ -83,9 +83,9 @@ inline void nf4_store(at::BFloat16* out, __m256 a, __m256 b) {
 // One weight row [K] dequantized into out (fp32, or bf16 rounded once).
 template <typename T>
 inline void nf4_dequant_row(const uint8_t* codes, const at::BFloat16* am, const float* table, int64_t K, T* out) {
-  for (int64_t b = 0; b < K / kBlock; ++b) {
+  for (int64_t b = 0; b < K / kNf4Block; ++b) {
     const Nf4Table t = nf4_scaled(table, bf16_to_float(am[b]));
-    for (int64_t k = b * kBlock; k < (b + 1) * kBlock; k += kNf4Chunk) {
+    for (int64_t k = b * kNf4Block; k < (b + 1) * kNf4Block; k += kNf4Chunk) {
       const __m256i v = nf4_bytes(codes + k / 2);
       const __m256 even = nf4_lookup(t, _mm256_srli_epi32(v, 4)), odd = nf4_lookup(t, v);
       const __m256 lo = _mm256_unpacklo_ps(even, odd), hi = _mm256_unpackhi_ps(even, odd);

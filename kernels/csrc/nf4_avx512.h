@@ -22,11 +22,11 @@ inline void nf4_dots(const uint8_t* w, int64_t ldw, const at::BFloat16* am, int6
   __m512 acc[MT][R];
   for (int m = 0; m < MT; ++m)
     for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < len / kBlock; ++b) {
+  for (int64_t b = 0; b < len / kNf4Block; ++b) {
     __m512 scaled[R];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) scaled[r] = _mm512_mul_ps(lut, _mm512_set1_ps(bf16_to_float(am[r * lda + b])));
-    for (int64_t k = b * kBlock; k < (b + 1) * kBlock; k += kNf4Chunk) {
+    for (int64_t k = b * kNf4Block; k < (b + 1) * kNf4Block; k += kNf4Chunk) {
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + r * ldw + k / 2)));
@@ -77,9 +77,9 @@ inline void nf4_store(at::BFloat16* out, __m512 a, __m512 b) {
 template <typename T>
 inline void nf4_dequant_row(const uint8_t* codes, const at::BFloat16* am, const float* table, int64_t K, T* out) {
   const __m512 lut = _mm512_loadu_ps(table);
-  for (int64_t b = 0; b < K / kBlock; ++b) {
+  for (int64_t b = 0; b < K / kNf4Block; ++b) {
     const __m512 scaled = _mm512_mul_ps(lut, _mm512_set1_ps(bf16_to_float(am[b])));
-    for (int64_t k = b * kBlock; k < (b + 1) * kBlock; k += kNf4Chunk) {
+    for (int64_t k = b * kNf4Block; k < (b + 1) * kNf4Block; k += kNf4Chunk) {
       __m512 first, second;
       nf4_chunk_values(codes + k / 2, scaled, first, second);
       nf4_store(out + k, first, second);

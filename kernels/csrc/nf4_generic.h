@@ -19,9 +19,9 @@ inline void nf4_dots(const uint8_t* w, int64_t ldw, const at::BFloat16* am, int6
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MT; ++m) {
       float acc = 0.f;
-      for (int64_t b = 0; b < len / kBlock; ++b) {
+      for (int64_t b = 0; b < len / kNf4Block; ++b) {
         const float s = bf16_to_float(am[r * lda + b]);
-        for (int64_t k = b * kBlock; k < (b + 1) * kBlock; k += 2) {
+        for (int64_t k = b * kNf4Block; k < (b + 1) * kNf4Block; k += 2) {
           const uint8_t byte = w[r * ldw + k / 2];
           acc += table[byte >> 4] * s * xp[m * ldx + k] + table[byte & 15] * s * xp[m * ldx + k + 1];
         }
@@ -33,7 +33,7 @@ inline void nf4_dots(const uint8_t* w, int64_t ldw, const at::BFloat16* am, int6
 template <typename T>
 inline void nf4_dequant_row(const uint8_t* codes, const at::BFloat16* am, const float* table, int64_t K, T* out) {
   for (int64_t k = 0; k < K; k += 2) {
-    const float s = bf16_to_float(am[k / kBlock]);
+    const float s = bf16_to_float(am[k / kNf4Block]);
     out[k] = static_cast<T>(table[codes[k / 2] >> 4] * s);
     out[k + 1] = static_cast<T>(table[codes[k / 2] & 15] * s);
   }

@@ -300,9 +300,16 @@ bool bnb_int8_outliers(torch::Tensor out, const torch::Tensor& x, const torch::T
       scb.scalar_type() != at::kFloat || !scb.is_contiguous() || cols.scalar_type() != at::kLong ||
       !cols.is_contiguous() || !x.device().is_cpu())
     return false;
-  if (cols.numel() == 0) return true;
-  return bnb_outliers_tier(x.data_ptr<at::BFloat16>(), x.size(0), x.size(1), cols.data_ptr<int64_t>(), cols.numel(),
-                           cb.data_ptr<int8_t>(), scb.data_ptr<float>(), out.data_ptr<at::BFloat16>(), out.size(1));
+  const int64_t M = x.size(0), K = x.size(1), C = cols.numel();
+  if (C == 0) return true;  // nothing to add
+  if (!kTierBnbEpilogue) return false;
+  std::vector<float> xs(M * C);  // the outlier inputs, [M, C] in fp32 (exact): read once a column per row
+  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+  const int64_t* cp = cols.data_ptr<int64_t>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < C; ++k) xs[m * C + k] = static_cast<float>(xp[m * K + cp[k]]);
+  return bnb_outliers_tier(xs.data(), M, cp, C, cb.data_ptr<int8_t>(), K, scb.data_ptr<float>(),
+                           out.data_ptr<at::BFloat16>(), out.size(1));
 }
 
 // Whether this tier has bitsandbytes' int8 epilogue passes (bnb_int8_dequant, bnb_int8_outliers) for bf16: AVX2 and

@@ -238,10 +238,32 @@ inline bool bnb_dequant_tier(const torch::Tensor& acc, const float* r, const flo
 
 // LLM.int8()'s outlier columns added back to out [M, N] (bf16, in place): per output n each column c_k's weight
 // dequantized as bitsandbytes' int8_vectorwise_dequant and rounded to bf16, (cb[n][c_k] * scb[n]) * (1/127) in
-// fp32; the products with x[m][c_k] (bf16 x bf16: exact in fp32) summed from 0 in column order, added to out[m][n]
-// in fp32 and rounded to bf16 once, nearest even (an empty asm between the steps, as in bnb_dequant_tier).
-inline bool bnb_outliers_tier(const at::BFloat16* x, int64_t M, int64_t K, const int64_t* cols, int64_t C,
-                              const int8_t* cb, const float* scb, at::BFloat16* out, int64_t N) {
+// fp32; the products with the outlier inputs xs[m][k] (bf16 values in fp32 [M, C]: bf16 x bf16 is exact in fp32,
+// so an FMA adds what a product then a sum would) summed from 0 in column order, added to out[m][n] in fp32 and
+// rounded to bf16 once, nearest even (an empty asm between the steps, as in bnb_dequant_tier). R rows at a time: R
+// independent sums per column block.
+template <int R>
+inline void bnb_outlier_rows(const float* xs, int64_t C, const __m512* sub, at::BFloat16* out, int64_t N,
+                             __mmask16 mask) {
+  __m512 acc[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < C; ++k) {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xs[r * C + k]), sub[k], acc[r]);  // the product is exact: one add
+      asm("" : "+v"(acc[r]));
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    const __m512 v = _mm512_add_ps(sluice_load_bf16(out + r * N, mask), acc[r]);
+    _mm256_mask_storeu_epi16(out + r * N, mask, _mm512_cvtepi32_epi16(sluice_round_bf16(v)));
+  }
+}
+
+inline bool bnb_outliers_tier(const float* xs, int64_t M, const int64_t* cols, int64_t C, const int8_t* cb, int64_t K,
+                              const float* scb, at::BFloat16* out, int64_t N) {
   const __m512 inv127 = _mm512_set1_ps(7.874015718698502e-3f);
   at::parallel_for(0, (N + 15) / 16, std::max<int64_t>(1, at::internal::GRAIN_SIZE / (16 * C * (M + 1))),
                    [&](int64_t begin, int64_t end) {
@@ -259,19 +281,9 @@ inline bool bnb_outliers_tier(const at::BFloat16* x, int64_t M, int64_t K, const
         asm("" : "+v"(w));
         sub[k] = _mm512_castsi512_ps(_mm512_slli_epi32(sluice_round_bf16(w), 16));
       }
-      for (int64_t m = 0; m < M; ++m) {
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t k = 0; k < C; ++k) {
-          const float a = static_cast<float>(x[m * K + cols[k]]);
-          __m512 p = _mm512_mul_ps(_mm512_set1_ps(a), sub[k]);
-          asm("" : "+v"(p));
-          acc = _mm512_add_ps(acc, p);
-          asm("" : "+v"(acc));
-        }
-        at::BFloat16* o = out + m * N + n0;
-        const __m512 v = _mm512_add_ps(sluice_load_bf16(o, mask), acc);
-        _mm256_mask_storeu_epi16(o, mask, _mm512_cvtepi32_epi16(sluice_round_bf16(v)));
-      }
+      int64_t m = 0;
+      for (; m + 8 <= M; m += 8) bnb_outlier_rows<8>(xs + m * C, C, sub.data(), out + m * N + n0, N, mask);
+      for (; m < M; ++m) bnb_outlier_rows<1>(xs + m * C, C, sub.data(), out + m * N + n0, N, mask);
     }
   });
   return true;

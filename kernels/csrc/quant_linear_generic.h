@@ -7,8 +7,8 @@ constexpr bool kTierW4A8 = false, kTierBnbEpilogue = false;
 inline bool bnb_dequant_tier(const torch::Tensor&, const float*, const float*, const at::BFloat16*, torch::Tensor&) {
   return false;
 }
-inline bool bnb_outliers_tier(const at::BFloat16*, int64_t, int64_t, const int64_t*, int64_t, const int8_t*,
-                              const float*, at::BFloat16*, int64_t) {
+inline bool bnb_outliers_tier(const float*, int64_t, const int64_t*, int64_t, const int8_t*, int64_t, const float*,
+                              at::BFloat16*, int64_t) {
   return false;
 }
 constexpr int64_t kTierInt8MaxRows = 0;  // torch._int_mm serves every int8 product

@@ -1,9 +1,9 @@
-"""LLM.int8() decode on the C++ decode stack against the same engine's Python layers, alternated in one process.
+"""Quantized decode on the C++ decode stack against the same engine's Python layers, alternated in one process.
 
-python bench/int8_stack_ab.py [--batches 1,4,16] [--rounds 4] [--tokens 24] [--threshold 6.0]
+python bench/quant_stack_ab.py [--mode int8|int4] [--batches 1,4,16] [--rounds 4] [--tokens 24] [--threshold 6.0]
 
-One int8 (LLM.int8(), bitsandbytes' format) engine on coldstart.py's pre-quantized 1 GB checkpoint (hidden 2048 x
-12 layers); each round generates `--tokens` greedy tokens for B random 32-token prompts twice, once with the
+One engine of the mode (int8: LLM.int8(); int4: NF4; both bitsandbytes' format) on coldstart.py's pre-quantized
+1 GB checkpoint (hidden 2048 x 12 layers); each round generates `--tokens` greedy tokens for B random 32-token prompts twice, once with the
 decode stack and once with it refused (`decode_stack.step_fits` answering False: every step on the Python
 layers), the order the same every round. A decode step's time is the run's time less a one-token run of the same
 prompts (the prefill, served from the prefix cache after the first round), over the decode steps; the median of
@@ -39,15 +39,16 @@ def step_ms(llm: LLM, prompts: list[list[int]], tokens: int) -> tuple[float, lis
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", choices=("int8", "int4"), default="int8")
     p.add_argument("--batches", default="1,4,16")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--tokens", type=int, default=24)
-    p.add_argument("--threshold", type=float, default=6.0, help="llm_int8_threshold (outlier columns)")
+    p.add_argument("--threshold", type=float, default=6.0, help="int8's llm_int8_threshold (outlier columns)")
     args = p.parse_args()
-    model = prequantized(checkpoint(2048, 12), "int8")
+    model = prequantized(checkpoint(2048, 12), args.mode)
     batches = [int(b) for b in args.batches.split(",")]
     llm = LLM(str(model), dtype="bfloat16", device="cpu", kv_cache_memory_gb=0.5, max_num_seqs=max(batches),
-              llm_int8_threshold=args.threshold)
+              **(dict(llm_int8_threshold=args.threshold) if args.mode == "int8" else {}))
     vocab = llm.engine.model_config.vocab_size
     fits, refused = decode_stack.step_fits, (lambda *a: False)
     g = torch.Generator().manual_seed(0)
