@@ -354,7 +354,6 @@ def test_every_cpu_kernel_builds_where_a_compiler_exists(source, cpu_tier):
     assert part is not None and any(not k.startswith("__") for k in vars(part)), f"{name}: no functions bound"
 
 
-
 MAPPED = """
 import json, os
 from sluice.engine import LLM, SamplingParams
@@ -387,6 +386,7 @@ def test_a_step_maps_one_kernel_library(quantization):
     mapped = json.loads(result.stdout.strip().splitlines()[-1])
     core = cpp_build.library_path(cpp_build.EXTENSIONS[cpp_build.CORE], cpp_build.CORE)
     assert mapped == [os.path.realpath(core)], mapped
+
 
 def test_bf16_linear_keeps_leading_dimensions(cpu_tier):
     """[..., in] inputs come back [..., out], each row as its 2-D product."""
