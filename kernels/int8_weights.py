@@ -132,8 +132,7 @@ def bnb_int8_outliers(out: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
     in column order, added to out in fp32 and rounded once. One C++ pass where the tier has it (AVX2 and up);
     False where not (the caller adds them with torch ops)."""
     fused = _fused()
-    return (fused is not None and fused.BNB_INT8_EPILOGUE and rows.device.type == "cpu"
-            and fused.bnb_int8_outliers(out, rows, cols, cb, scb))
+    return fused is not None and rows.device.type == "cpu" and fused.bnb_int8_outliers(out, rows, cols, cb, scb)
 
 
 def exact_int8_mm(xq: torch.Tensor, qweight: torch.Tensor) -> torch.Tensor:

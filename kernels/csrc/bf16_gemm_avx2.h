@@ -11,6 +11,8 @@
 // Sums are fp32 in k order (another order than the GEMV's tiles and oneDNN's), the bias added in fp32, one rounding
 // to bf16. Included by bf16_gemv_avx2.h.
 
+#include "bf16_avx2.h"  // sluice_round_bf16x8
+
 #define SLUICE_GEMM
 constexpr int64_t kGemmMaxRows = 64;  // the most x rows `gemm` takes (bf16_gemv's own limit)
 constexpr int kGemmM = 6;             // x rows a tile: 12 accumulators, 2 weight registers, 1 broadcast
@@ -90,15 +92,6 @@ inline void panel_tile(const float* xf, uint16_t* p, const uint16_t* w, int64_t 
     _mm256_storeu_ps(out + m * 16, acc[m][0]);
     _mm256_storeu_ps(out + m * 16 + 8, acc[m][1]);
   }
-}
-
-// Eight fp32 to bf16, rounded to nearest even as c10::BFloat16 does (NaN to its quiet NaN), in the low 16 bits of
-// each 32-bit lane.
-inline __m256i sluice_round_bf16x8(__m256 v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
-  return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
 }
 
 // Rows [m, m + M) of the panel's outputs, plus bias, rounded into y (kPack: this tile packs the panel first; next:

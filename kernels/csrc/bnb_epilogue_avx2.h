@@ -4,20 +4,14 @@
 // computed on a zero-padded copy, so every lane takes the same arithmetic. Included by quant_linear_avx2.h inside
 // quant_linear.cpp's namespace.
 
+#include "bf16_avx2.h"  // sluice_bf16x8_ps, sluice_round_bf16x8
+
 // 8 bf16 values as fp32 lanes.
-inline __m256 bnb_load_bf16x8(const void* p) {
-  return _mm256_castsi256_ps(
-      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+inline __m256 bnb_load_bf16x8(const at::BFloat16* p) {
+  return sluice_bf16x8_ps(reinterpret_cast<const uint16_t*>(p));
 }
 
-// fp32 -> bf16 bits in the low half of each lane; c10::BFloat16's rounding (nearest even; never NaN here).
-inline __m256i bnb_round_bf16x8(__m256 v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  return _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
-}
-
-// bnb_round_bf16x8's lanes stored as 8 bf16 (the first `left` of them).
+// sluice_round_bf16x8's lanes stored as 8 bf16 (the first `left` of them).
 inline void bnb_store_bf16x8(at::BFloat16* dst, __m256i h, int64_t left) {
   const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
   if (left >= 8) {
@@ -64,7 +58,7 @@ inline bool bnb_dequant_tier(const torch::Tensor& acc, const float* r, const flo
         v = _mm256_mul_ps(v, k);
         asm("" : "+x"(v));
         if (bq != nullptr) v = _mm256_add_ps(v, bnb_load_bf16x8(bq));
-        bnb_store_bf16x8(out + m * N + n, bnb_round_bf16x8(v), left);
+        bnb_store_bf16x8(out + m * N + n, sluice_round_bf16x8(v), left);
       }
     }
   });
@@ -96,7 +90,7 @@ inline void bnb_outlier_rows_avx2(const float* xs, int64_t C, const __m256* sub,
       for (int j = 0; j < 8; ++j) prior[j] = j < left ? o[j] : at::BFloat16(0.f);
       src = prior;
     }
-    bnb_store_bf16x8(o, bnb_round_bf16x8(_mm256_add_ps(bnb_load_bf16x8(src), acc[r])), left);
+    bnb_store_bf16x8(o, sluice_round_bf16x8(_mm256_add_ps(bnb_load_bf16x8(src), acc[r])), left);
   }
 }
 
@@ -118,7 +112,7 @@ inline bool bnb_outliers_tier(const float* xs, int64_t M, const int64_t* cols, i
         asm("" : "+x"(w));
         w = _mm256_mul_ps(w, inv127);
         asm("" : "+x"(w));
-        sub[k] = _mm256_castsi256_ps(_mm256_slli_epi32(bnb_round_bf16x8(w), 16));
+        sub[k] = _mm256_castsi256_ps(_mm256_slli_epi32(sluice_round_bf16x8(w), 16));
       }
       int64_t m = 0;
       for (; m + 8 <= M; m += 8) bnb_outlier_rows_avx2<8>(xs + m * C, C, sub.data(), out + m * N + n0, N, left);

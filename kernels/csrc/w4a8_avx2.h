@@ -17,10 +17,7 @@ inline float sluice_hsum8_ps(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-inline __m256 sluice_bf16x8_ps(const uint16_t* p) {  // 8 bf16 as fp32 (a shift: exact)
-  const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-}
+#include "bf16_avx2.h"  // sluice_bf16x8_ps
 
 inline __m256 sluice_bf16x4_ps(const uint16_t* p) {  // 4 bf16 as fp32 lanes 0-3, lanes 4-7 zero
   const __m256i v = _mm256_cvtepu16_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
