@@ -87,11 +87,6 @@ class InputImage(BaseModel):
 ContentPart = Annotated[InputText | OutputText | InputImage, Field(discriminator="type")]
 
 
-def _text_parts(v: Any) -> Any:
-    """A string content as the one input_text part it means."""
-    return [{"type": "input_text", "text": v}] if isinstance(v, str) else v
-
-
 class MessageItem(BaseModel):
     """A message of `input`: OpenAI's EasyInputMessage, or an output message given back."""
 
@@ -104,7 +99,10 @@ class MessageItem(BaseModel):
     status: ItemStatus | None = None
     phase: Literal["commentary", "final_answer"] | None = None
 
-    _text_content = field_validator("content", mode="before")(_text_parts)
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts(cls, v: Any) -> Any:
+        return [{"type": "input_text", "text": v}] if isinstance(v, str) else v
 
     def text(self) -> str:
         """The content as plain text."""
@@ -315,6 +313,11 @@ class ResponsesBody(BaseModel):
             return {"type": "function", "function": {"name": self.tool_choice.name}}
         return self.tool_choice
 
+    def text_config(self) -> dict[str, Any]:
+        """`text` as the Response echoes it (plain text when not given)."""
+        fmt = self.text.format if self.text is not None else None
+        return {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}}
+
     def messages(self) -> list[dict[str, Any]]:
         """Chat messages: instructions as the system message, then the input items in order (a function call
         joins the assistant message before it, as chat's tool_calls)."""
@@ -355,8 +358,7 @@ def response_object(body: ResponsesBody, out: Any, model: str) -> dict[str, Any]
         "previous_response_id": None,
         "temperature": chat.temperature,
         "top_p": chat.top_p,
-        "text": {"format": body.text.format.model_dump(by_alias=True, exclude_none=True)}
-        if body.text is not None and body.text.format is not None else {"format": {"type": "text"}},
+        "text": body.text_config(),
         "tool_choice": body.tool_choice.model_dump() if isinstance(body.tool_choice, FunctionChoice)
         else body.tool_choice or "auto",
         "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],

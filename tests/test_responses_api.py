@@ -67,10 +67,6 @@ def openai_response(body: dict[str, Any]):
     return parsed
 
 
-def chat_prompt(llm: LLM, messages: list[dict]) -> list[int]:
-    return llm.encode_chat(messages)
-
-
 def check_records(bodies: dict[str, dict], errors: dict[str, dict], llm: LLM) -> None:
     """What every door must give for lines(): Response bodies, the constraints honoured, errors named."""
     parsed = {cid: openai_response(body) for cid, body in bodies.items()}
@@ -78,14 +74,14 @@ def check_records(bodies: dict[str, dict], errors: dict[str, dict], llm: LLM) ->
     assert string.id.startswith("resp_") and string.object == "response" and string.model == "sluice-tiny"
     assert string.status == "incomplete" and string.incomplete_details.reason == "max_output_tokens"
     assert string.metadata == {"team": "heralds"} and string.usage.output_tokens == 6
-    assert string.usage.input_tokens == len(chat_prompt(llm, [{"role": "user", "content": "Speak, friend."}]))
+    assert string.usage.input_tokens == len(llm.encode_chat([{"role": "user", "content": "Speak, friend."}]))
     assert string.usage.total_tokens == string.usage.input_tokens + 6
     (message,) = string.output
     assert message.type == "message" and message.status == "incomplete" and message.content[0].type == "output_text"
 
     items = parsed["items"]
     messages = [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": "Speak, friend."}]
-    prompt = chat_prompt(llm, messages)
+    prompt = llm.encode_chat(messages)
     assert items.instructions == INSTRUCTIONS and items.usage.input_tokens == len(prompt)
     offline = llm.generate(prompt, SamplingParams(max_tokens=6, temperature=0), progress=False)[0]
     assert items.output_text == offline.text and items.usage.output_tokens == len(offline.token_ids)
@@ -186,7 +182,11 @@ def test_response_objects_from_engine_outputs():
     ({"text": {"format": {"type": "json_schema", "name": "m"}}}, "body.text.format", "schema"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x/a.png"}]}]},
      "body.input.0.message.content.0.input_image", "input_image"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "file-1"}]}]},
+     "body.input.0.message.content.0", "input_file"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "body.input.0", "item_reference"),
+    ({"conversation": "conv_1"}, "body.conversation", "conversation"),
+    ({"prompt": {"id": "pmpt_1"}}, "body.prompt", "prompt"),
     ({"input": ""}, "body.input", "input"),
     ({"max_output_tokens": 0}, "body.max_output_tokens", "max_output_tokens"),
     ({"frequency_penalty": 1}, "body.frequency_penalty", "frequency_penalty"),
