@@ -401,3 +401,12 @@ def response_usage(out: Any) -> dict[str, Any]:
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": prompt + generated,
     }
+
+
+def output_text(body: dict[str, Any]) -> str:
+    """A Response body's reply as text: its output_text parts, else its function calls as `name(arguments)`."""
+    items = body.get("output") or []
+    text = "".join(part["text"] for item in items if item["type"] == "message"
+                   for part in item["content"] if part["type"] == "output_text")
+    calls = [f"{item['name']}({item['arguments']})" for item in items if item["type"] == "function_call"]
+    return text or " ".join(calls)

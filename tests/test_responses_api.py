@@ -12,8 +12,10 @@ import jsonschema
 import openai
 import pytest
 import redis
+from typer.testing import CliRunner
 
-from sluice.contract.responses_api import RESPONSES, ResponsesBody, response_object
+from sluice.cli.main import app
+from sluice.contract.responses_api import RESPONSES, ResponsesBody, output_text, response_object
 from sluice.contract.settings import Settings
 from sluice.engine import LLM, SamplingParams
 from sluice.engine.outputs import RequestMetrics, RequestOutput
@@ -157,11 +159,14 @@ def test_response_objects_from_engine_outputs():
     assert (said.temperature, said.top_p, said.tool_choice, said.max_output_tokens) == (1.0, 0.5, "auto", 3)
     assert said.usage.input_tokens == 5 and said.usage.output_tokens == 3 and said.usage.total_tokens == 8
     assert said.usage.input_tokens_details.cached_tokens == 2 and said.metadata == {"a": "b"} and said.user == "u1"
+    assert output_text(said.model_dump(mode="json")) == said.output_text
     text = 'Looking. <tool_call>{"name": "get_weather", "arguments": {"city": "Padua"}}</tool_call>'
     called = openai_response(response_object(body, _output(text, "stop"), "tiny"))
     message, call = called.output
     assert message.content[0].text == "Looking." and message.status == "completed"
     assert (call.type, call.name, json.loads(call.arguments)) == ("function_call", "get_weather", {"city": "Padua"})
+    only_call = response_object(body, _output(text.removeprefix("Looking. "), "stop"), "tiny")
+    assert output_text(only_call) == 'get_weather({"city": "Padua"})'
     cut = openai_response(response_object(body, _output("Aye, my", "length"), "tiny"))
     assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
     assert cut.completed_at is None and cut.output[0].status == "incomplete"
@@ -219,6 +224,9 @@ def test_responses_through_client_and_worker(llm, redis_url, tmp_path):
     tokens = client.batches.shard_usage(batch.id)
     assert tokens == (sum(b["usage"]["input_tokens"] for b in bodies.values()),
                       sum(b["usage"]["output_tokens"] for b in bodies.values()))
+    shown = CliRunner().invoke(app, ["results", batch.id])
+    assert shown.exit_code == 0, shown.output
+    assert repr(output_text(bodies["schema"])) in shown.output and 'get_weather({"city": ' in shown.output
 
 
 def test_responses_through_the_http_batch_api(stack, llm):
