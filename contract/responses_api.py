@@ -4,6 +4,7 @@ the engine's output (`message` and `function_call` items, usage)."""
 
 from __future__ import annotations
 
+import reprlib
 import time
 import uuid
 from typing import TYPE_CHECKING, Annotated, Any, Literal
@@ -40,11 +41,11 @@ UNSERVED: dict[str, tuple[tuple[Any, ...], str]] = {
     "background": ((None, False), "background responses are stored to be polled; a batch keeps its output file"),
     "stream": ((None, False), "batch lines do not stream"),
     "stream_options": ((None,), "batch lines do not stream"),
-    "reasoning": ((None,), "reasoning options are not served"),
-    "include": ((None, []), "no extra output (logprobs, encrypted reasoning, tool sources) is served"),
-    "prompt": ((None,), "stored prompt templates are not served; put the text in instructions and input"),
-    "top_logprobs": ((None, 0), "output_text logprobs are not served"),
-    "max_tool_calls": ((None,), "built-in tools are not served"),
+    "reasoning": ((None,), "the engine has no reasoning controls"),
+    "include": ((None, []), "no extra output (logprobs, encrypted reasoning, tool sources) is produced"),
+    "prompt": ((None,), "prompt templates are not stored here; put the text in instructions and input"),
+    "top_logprobs": ((None, 0), "output_text carries no logprobs"),
+    "max_tool_calls": ((None,), "it limits built-in tool calls, and only function tools are offered"),
     "truncation": ((None, "disabled"), "the input is never truncated; an input over the context is an error"),
 }
 
@@ -232,7 +233,8 @@ class ResponsesBody(BaseModel):
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
-    metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = Field(None, max_length=16)
+    metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = Field(
+        None, max_length=16)
     user: str | None = Field(None, max_length=256)
     safety_identifier: str | None = Field(None, max_length=256)
     previous_response_id: Any = None
@@ -262,7 +264,7 @@ class ResponsesBody(BaseModel):
         accepted, why = UNSERVED[info.field_name]
         if any(type(v) is type(a) and v == a for a in accepted):
             return v
-        raise ValueError(f"{info.field_name}={v!r} is not served: {why}")
+        raise ValueError(f"{info.field_name}={reprlib.repr(v)} is not served: {why}")
 
     @field_validator("tool_choice", mode="before")
     @classmethod
