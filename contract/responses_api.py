@@ -1,6 +1,6 @@
-"""OpenAI's Responses API as a batch endpoint: a `/v1/responses` body mapped onto the chat machinery (messages from
-`instructions` and `input`, function tools, `text.format` as response_format) and the Response object built from
-the engine's output (`message` and `function_call` items, usage)."""
+"""OpenAI's Responses API as a batch endpoint: a `/v1/responses` body mapped onto the chat machinery
+(messages from `instructions` and `input`, function tools, `text.format` as response_format) and the Response
+object built from the engine's output (`message` and `function_call` items, usage)."""
 
 from __future__ import annotations
 
@@ -33,12 +33,18 @@ MAX_INPUT_ITEMS = 4096
 Finite = Annotated[float, Field(allow_inf_nan=False)]
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
 
-# Responses fields Sluice does not serve: the values that mean "not used" (accepted), and why any other is refused.
+# Responses fields Sluice does not serve: the values meaning "not used" (accepted), why others are refused.
 UNSERVED: dict[str, tuple[tuple[Any, ...], str]] = {
     "previous_response_id": ((None,), "responses are not stored; send the whole conversation as input"),
     "conversation": ((None,), "conversations are not stored; send the whole conversation as input"),
-    "store": ((None, False), "responses are not stored for later retrieval; the batch output file holds them"),
-    "background": ((None, False), "background responses are stored to be polled; a batch keeps its output file"),
+    "store": (
+        (None, False),
+        "responses are not stored for later retrieval; the batch output file holds them",
+    ),
+    "background": (
+        (None, False),
+        "background responses are stored to be polled; a batch keeps its output file",
+    ),
     "stream": ((None, False), "batch lines do not stream"),
     "stream_options": ((None,), "batch lines do not stream"),
     "reasoning": ((None,), "the engine has no reasoning controls"),
@@ -206,7 +212,12 @@ class TextFormat(BaseModel):
         """The format as chat completions' response_format (None for plain text)."""
         if self.type != "json_schema":
             return None if self.type == "text" else {"type": self.type}
-        spec = {"name": self.name, "schema": self.schema_, "strict": self.strict, "description": self.description}
+        spec = {
+            "name": self.name,
+            "schema": self.schema_,
+            "strict": self.strict,
+            "description": self.description,
+        }
         return {"type": "json_schema", "json_schema": {k: v for k, v in spec.items() if v is not None}}
 
 
@@ -233,8 +244,9 @@ class ResponsesBody(BaseModel):
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
-    metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = Field(
-        None, max_length=16)
+    metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = (
+        Field(None, max_length=16)
+    )
     user: str | None = Field(None, max_length=256)
     safety_identifier: str | None = Field(None, max_length=256)
     previous_response_id: Any = None
@@ -270,8 +282,10 @@ class ResponsesBody(BaseModel):
     @classmethod
     def _function_choice(cls, v: Any) -> Any:
         if isinstance(v, dict) and v.get("type") != "function":
-            raise ValueError(f"tool_choice of type {v.get('type')!r} is not served: give none, auto, required "
-                             "or {\"type\": \"function\", \"name\": ...}")
+            raise ValueError(
+                f"tool_choice of type {v.get('type')!r} is not served: give none, auto, required "
+                'or {"type": "function", "name": ...}'
+            )
         return v
 
     @model_validator(mode="after")
@@ -281,7 +295,9 @@ class ResponsesBody(BaseModel):
         except ValidationError as exc:
             first = exc.errors()[0]
             where = ".".join(str(p) for p in first["loc"])
-            raise ValueError(f"{where + ': ' if where else ''}{first['msg'].removeprefix('Value error, ')}") from None
+            raise ValueError(
+                f"{where + ': ' if where else ''}{first['msg'].removeprefix('Value error, ')}"
+            ) from None
         return self
 
     def chat(self) -> ChatBody:
@@ -323,15 +339,20 @@ class ResponsesBody(BaseModel):
     def messages(self) -> list[dict[str, Any]]:
         """Chat messages: instructions as the system message, then the input items in order (a function call
         joins the assistant message before it, as chat's tool_calls)."""
-        out: list[dict[str, Any]] = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        out: list[dict[str, Any]] = (
+            [{"role": "system", "content": self.instructions}] if self.instructions else []
+        )
         for item in self.input:
             if isinstance(item, MessageItem):
                 out.append({"role": item.role, "content": item.text()})
             elif isinstance(item, FunctionCallOutput):
                 out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
             else:
-                call = {"id": item.call_id, "type": "function",
-                        "function": {"name": item.name, "arguments": item.arguments}}
+                call = {
+                    "id": item.call_id,
+                    "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments},
+                }
                 if not (out and out[-1]["role"] == "assistant"):
                     out.append({"role": "assistant", "content": None})
                 out[-1].setdefault("tool_calls", []).append(call)
@@ -361,7 +382,8 @@ def response_object(body: ResponsesBody, out: Any, model: str) -> dict[str, Any]
         "temperature": chat.temperature,
         "top_p": chat.top_p,
         "text": body.text_config(),
-        "tool_choice": body.tool_choice.model_dump() if isinstance(body.tool_choice, FunctionChoice)
+        "tool_choice": body.tool_choice.model_dump()
+        if isinstance(body.tool_choice, FunctionChoice)
         else body.tool_choice or "auto",
         "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
         "truncation": "disabled",
@@ -379,15 +401,26 @@ def output_items(body: ResponsesBody, out: Any, status: ItemStatus) -> list[dict
     content, calls = parse_tool_calls(out.text, chat.tools or [], chat.chosen_tools())
     items = []
     if content is not None or not calls:
-        items.append({
-            "id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "status": status,
-            "content": [{"type": "output_text", "text": content or "", "annotations": []}],
-        })
+        items.append(
+            {
+                "id": f"msg_{uuid.uuid4().hex}",
+                "type": "message",
+                "role": "assistant",
+                "status": status,
+                "content": [{"type": "output_text", "text": content or "", "annotations": []}],
+            }
+        )
     for call in calls:
-        items.append({
-            "id": f"fc_{uuid.uuid4().hex}", "type": "function_call", "call_id": call["id"],
-            "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": status,
-        })
+        items.append(
+            {
+                "id": f"fc_{uuid.uuid4().hex}",
+                "type": "function_call",
+                "call_id": call["id"],
+                "name": call["function"]["name"],
+                "arguments": call["function"]["arguments"],
+                "status": status,
+            }
+        )
     return items
 
 
@@ -406,9 +439,14 @@ def response_usage(out: Any) -> dict[str, Any]:
 
 
 def output_text(body: dict[str, Any]) -> str:
-    """A Response body's reply as text: its output_text parts, else its function calls as `name(arguments)`."""
+    """A Response body's reply as text: its output_text parts, else its function calls as name(arguments)."""
     items = body.get("output") or []
-    text = "".join(part["text"] for item in items if item["type"] == "message"
-                   for part in item["content"] if part["type"] == "output_text")
+    text = "".join(
+        part["text"]
+        for item in items
+        if item["type"] == "message"
+        for part in item["content"]
+        if part["type"] == "output_text"
+    )
     calls = [f"{item['name']}({item['arguments']})" for item in items if item["type"] == "function_call"]
     return text or " ".join(calls)

@@ -1,6 +1,6 @@
-"""The Responses API as a batch endpoint: bodies mapped onto the chat machinery and back, fields Sluice does not
-serve named per line, and batches through a real worker and the HTTP Batch API (official openai package), every
-output body validated by openai's Response type."""
+"""The Responses API as a batch endpoint: bodies mapped onto the chat machinery and back, fields Sluice does
+not serve named per line, and batches through a real worker and the HTTP Batch API (official openai package),
+every output body validated by openai's Response type."""
 
 from __future__ import annotations
 
@@ -27,13 +27,31 @@ from tests.server_stack import jsonl, wait_status
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "models" / "sluice-tiny"
-SCHEMA = {"type": "object", "properties": {"mood": {"enum": ["merry", "sad", "wrathful"]}}, "required": ["mood"],
-          "additionalProperties": False}
-WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city", "strict": True,
-           "parameters": {"type": "object", "properties": {"city": {"enum": ["Verona", "Padua"]}}, "required": ["city"],
-                          "additionalProperties": False}}
+SCHEMA = {
+    "type": "object",
+    "properties": {"mood": {"enum": ["merry", "sad", "wrathful"]}},
+    "required": ["mood"],
+    "additionalProperties": False,
+}
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Weather in a city",
+    "strict": True,
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"enum": ["Verona", "Padua"]}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
 INSTRUCTIONS = "Answer as a herald."
-ITEMS = [{"role": "user", "content": [{"type": "input_text", "text": "Speak, "}, {"type": "input_text", "text": "friend."}]}]
+ITEMS = [
+    {
+        "role": "user",
+        "content": [{"type": "input_text", "text": "Speak, "}, {"type": "input_text", "text": "friend."}],
+    }
+]
 HISTORY = [
     {"role": "user", "content": "Weather in Verona?"},
     {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Verona"}'},
@@ -50,8 +68,13 @@ def lines() -> list[dict]:
     return [
         line("string", input="Speak, friend.", max_output_tokens=6, metadata={"team": "heralds"}),
         line("items", instructions=INSTRUCTIONS, input=ITEMS, max_output_tokens=6),
-        line("tool", input="Weather in Verona?", tools=[WEATHER], max_output_tokens=40,
-             tool_choice={"type": "function", "name": "get_weather"}),
+        line(
+            "tool",
+            input="Weather in Verona?",
+            tools=[WEATHER],
+            max_output_tokens=40,
+            tool_choice={"type": "function", "name": "get_weather"},
+        ),
         line("schema", input="How do you feel?", text={"format": schema_format}, max_output_tokens=32),
         line("history", input=HISTORY, tools=[WEATHER], max_output_tokens=4),
         line("not-served-model", input="Hello", model="gpt-4o", max_output_tokens=4),
@@ -79,7 +102,11 @@ def check_records(bodies: dict[str, dict], errors: dict[str, dict], llm: LLM) ->
     assert string.usage.input_tokens == len(llm.encode_chat([{"role": "user", "content": "Speak, friend."}]))
     assert string.usage.total_tokens == string.usage.input_tokens + 6
     (message,) = string.output
-    assert message.type == "message" and message.status == "incomplete" and message.content[0].type == "output_text"
+    assert (
+        message.type == "message"
+        and message.status == "incomplete"
+        and message.content[0].type == "output_text"
+    )
 
     items = parsed["items"]
     messages = [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": "Speak, friend."}]
@@ -111,27 +138,48 @@ def llm():
 
 
 def test_a_responses_body_maps_onto_a_chat_body():
-    body = ResponsesBody.model_validate({
-        "model": "sluice-tiny", "instructions": INSTRUCTIONS, "input": [*ITEMS, *HISTORY[1:]],
-        "tools": [WEATHER], "tool_choice": "required", "max_output_tokens": 7, "temperature": 0.5, "top_p": 0.9,
-    })
+    body = ResponsesBody.model_validate(
+        {
+            "model": "sluice-tiny",
+            "instructions": INSTRUCTIONS,
+            "input": [*ITEMS, *HISTORY[1:]],
+            "tools": [WEATHER],
+            "tool_choice": "required",
+            "max_output_tokens": 7,
+            "temperature": 0.5,
+            "top_p": 0.9,
+        }
+    )
     chat = body.chat()
     assert chat.plain_messages() == [
         {"role": "system", "content": INSTRUCTIONS},
         {"role": "user", "content": "Speak, friend."},
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Verona"}}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": "Verona"}},
+                }
+            ],
+        },
         {"role": "tool", "content": "Rain.", "tool_call_id": "call_1"},
     ]
-    assert chat.template_tools() == [{"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}]
+    assert chat.template_tools() == [
+        {"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}
+    ]
     kwargs = chat.sampling_kwargs()
     assert (kwargs["max_tokens"], kwargs["temperature"], kwargs["top_p"]) == (7, 0.5, 0.9)
     assert kwargs["structured_outputs"]["json"]["anyOf"][0]["properties"]["name"] == {"const": "get_weather"}
-    named = ResponsesBody.model_validate({"input": "hi", "tools": [WEATHER],
-                                          "tool_choice": {"type": "function", "name": "get_weather"}})
+    named = ResponsesBody.model_validate(
+        {"input": "hi", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_weather"}}
+    )
     assert named.chat().sampling_kwargs()["structured_outputs"] == {"json": WEATHER["parameters"]}
-    fmt = ResponsesBody.model_validate({"input": "hi", "text": {"format": {"type": "json_schema", "name": "m",
-                                                                           "schema": SCHEMA}}})
+    fmt = ResponsesBody.model_validate(
+        {"input": "hi", "text": {"format": {"type": "json_schema", "name": "m", "schema": SCHEMA}}}
+    )
     assert fmt.chat().sampling_kwargs()["structured_outputs"] == {"json": SCHEMA}
     plain = ResponsesBody.model_validate({"input": "hi", "text": {"format": {"type": "json_object"}}})
     assert plain.chat().plain_messages() == [{"role": "user", "content": "hi"}]
@@ -148,23 +196,41 @@ def test_a_responses_body_survives_the_shard_job_round_trip():
 
 
 def _output(text: str, finish_reason: str, prompt: int = 5) -> RequestOutput:
-    return RequestOutput("r", list(range(prompt)), list(range(3)), text, finish_reason, RequestMetrics(0.0, None, None, 2))
+    return RequestOutput(
+        "r", list(range(prompt)), list(range(3)), text, finish_reason, RequestMetrics(0.0, None, None, 2)
+    )
 
 
 def test_response_objects_from_engine_outputs():
-    body = ResponsesBody.model_validate({"input": "hi", "tools": [WEATHER], "metadata": {"a": "b"},
-                                         "max_output_tokens": 3, "top_p": 0.5, "user": "u1"})
+    body = ResponsesBody.model_validate(
+        {
+            "input": "hi",
+            "tools": [WEATHER],
+            "metadata": {"a": "b"},
+            "max_output_tokens": 3,
+            "top_p": 0.5,
+            "user": "u1",
+        }
+    )
     said = openai_response(response_object(body, _output("Aye, my lord.", "stop"), "tiny"))
     assert said.status == "completed" and said.output_text == "Aye, my lord." and said.model == "tiny"
     assert (said.temperature, said.top_p, said.tool_choice, said.max_output_tokens) == (1.0, 0.5, "auto", 3)
     assert said.usage.input_tokens == 5 and said.usage.output_tokens == 3 and said.usage.total_tokens == 8
-    assert said.usage.input_tokens_details.cached_tokens == 2 and said.metadata == {"a": "b"} and said.user == "u1"
+    assert (
+        said.usage.input_tokens_details.cached_tokens == 2
+        and said.metadata == {"a": "b"}
+        and said.user == "u1"
+    )
     assert output_text(said.model_dump(mode="json")) == said.output_text
     text = 'Looking. <tool_call>{"name": "get_weather", "arguments": {"city": "Padua"}}</tool_call>'
     called = openai_response(response_object(body, _output(text, "stop"), "tiny"))
     message, call = called.output
     assert message.content[0].text == "Looking." and message.status == "completed"
-    assert (call.type, call.name, json.loads(call.arguments)) == ("function_call", "get_weather", {"city": "Padua"})
+    assert (call.type, call.name, json.loads(call.arguments)) == (
+        "function_call",
+        "get_weather",
+        {"city": "Padua"},
+    )
     only_call = response_object(body, _output(text.removeprefix("Looking. "), "stop"), "tiny")
     assert output_text(only_call) == 'get_weather({"city": "Padua"})'
     cut = openai_response(response_object(body, _output("Aye, my", "length"), "tiny"))
@@ -172,32 +238,48 @@ def test_response_objects_from_engine_outputs():
     assert cut.completed_at is None and cut.output[0].status == "incomplete"
 
 
-@pytest.mark.parametrize(("body", "param", "named"), [
-    ({"previous_response_id": "resp_1"}, "body.previous_response_id", "previous_response_id"),
-    ({"background": True}, "body.background", "background"),
-    ({"store": True}, "body.store", "store"),
-    ({"reasoning": {"effort": "low"}}, "body.reasoning", "reasoning"),
-    ({"include": ["message.output_text.logprobs"]}, "body.include", "include"),
-    ({"stream": True}, "body.stream", "stream"),
-    ({"truncation": "auto"}, "body.truncation", "truncation"),
-    ({"tools": [{"type": "web_search"}]}, "body.tools.0.type", "web_search"),
-    ({"tool_choice": {"type": "file_search"}}, "body.tool_choice", "file_search"),
-    ({"tool_choice": "required"}, "body", "tool_choice"),
-    ({"text": {"verbosity": "low"}}, "body.text.verbosity", "verbosity"),
-    ({"text": {"format": {"type": "json_schema", "name": "m"}}}, "body.text.format", "schema"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x/a.png"}]}]},
-     "body.input.0.message.content.0.input_image", "input_image"),
-    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "file-1"}]}]},
-     "body.input.0.message.content.0", "input_file"),
-    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "body.input.0", "item_reference"),
-    ({"conversation": "conv_1"}, "body.conversation", "conversation"),
-    ({"prompt": {"id": "pmpt_1"}}, "body.prompt", "prompt"),
-    ({"input": ""}, "body.input", "input"),
-    ({"max_output_tokens": 0}, "body.max_output_tokens", "max_output_tokens"),
-    ({"frequency_penalty": 1}, "body.frequency_penalty", "frequency_penalty"),
-])
+@pytest.mark.parametrize(
+    ("body", "param", "named"),
+    [
+        ({"previous_response_id": "resp_1"}, "body.previous_response_id", "previous_response_id"),
+        ({"background": True}, "body.background", "background"),
+        ({"store": True}, "body.store", "store"),
+        ({"reasoning": {"effort": "low"}}, "body.reasoning", "reasoning"),
+        ({"include": ["message.output_text.logprobs"]}, "body.include", "include"),
+        ({"stream": True}, "body.stream", "stream"),
+        ({"truncation": "auto"}, "body.truncation", "truncation"),
+        ({"tools": [{"type": "web_search"}]}, "body.tools.0.type", "web_search"),
+        ({"tool_choice": {"type": "file_search"}}, "body.tool_choice", "file_search"),
+        ({"tool_choice": "required"}, "body", "tool_choice"),
+        ({"text": {"verbosity": "low"}}, "body.text.verbosity", "verbosity"),
+        ({"text": {"format": {"type": "json_schema", "name": "m"}}}, "body.text.format", "schema"),
+        (
+            {
+                "input": [
+                    {"role": "user", "content": [{"type": "input_image", "image_url": "https://x/a.png"}]}
+                ]
+            },
+            "body.input.0.message.content.0.input_image",
+            "input_image",
+        ),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "file-1"}]}]},
+            "body.input.0.message.content.0",
+            "input_file",
+        ),
+        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "body.input.0", "item_reference"),
+        ({"conversation": "conv_1"}, "body.conversation", "conversation"),
+        ({"prompt": {"id": "pmpt_1"}}, "body.prompt", "prompt"),
+        ({"input": ""}, "body.input", "input"),
+        ({"max_output_tokens": 0}, "body.max_output_tokens", "max_output_tokens"),
+        ({"frequency_penalty": 1}, "body.frequency_penalty", "frequency_penalty"),
+    ],
+)
 def test_fields_not_served_are_per_line_errors_naming_them(body, param, named):
-    raw = [json.dumps(line("ok", input="hi")).encode(), json.dumps(line("bad", **{"input": "hi", **body})).encode()]
+    raw = [
+        json.dumps(line("ok", input="hi")).encode(),
+        json.dumps(line("bad", **{"input": "hi", **body})).encode(),
+    ]
     checked = validate_lines(raw, Settings())
     assert [r.custom_id for r in checked.requests] == ["ok"]
     (error,) = checked.errors
@@ -206,8 +288,17 @@ def test_fields_not_served_are_per_line_errors_naming_them(body, param, named):
 
 
 def test_unused_values_of_fields_not_served_are_accepted():
-    body = ResponsesBody.model_validate({"input": "hi", "store": False, "background": False, "stream": False,
-                                         "include": [], "truncation": "disabled", "reasoning": None})
+    body = ResponsesBody.model_validate(
+        {
+            "input": "hi",
+            "store": False,
+            "background": False,
+            "stream": False,
+            "include": [],
+            "truncation": "disabled",
+            "reasoning": None,
+        }
+    )
     assert body.chat().plain_messages() == [{"role": "user", "content": "hi"}]
 
 
@@ -215,15 +306,18 @@ def test_responses_through_client_and_worker(llm, redis_url, tmp_path):
     client = Client(redis_url)
     batch = client.submit_batch(lines(), output=tmp_path.as_uri(), shard_size=3)
     EngineWorker(["high", "default", "low"], llm, redis.Redis.from_url(redis_url), heartbeat_ttl=5).work(
-        burst=True, logging_level="WARNING")
+        burst=True, logging_level="WARNING"
+    )
     done = client.get(batch.id)
     assert done.status == BatchStatus.completed and done.request_counts.completed == 5
     bodies = {r.custom_id: r.response.body for r in client.results(batch.id)}
     errors = {r.custom_id: r.error.model_dump() for r in client.results(batch.id, errors=True)}
     check_records(bodies, errors, llm)
     tokens = client.batches.shard_usage(batch.id)
-    assert tokens == (sum(b["usage"]["input_tokens"] for b in bodies.values()),
-                      sum(b["usage"]["output_tokens"] for b in bodies.values()))
+    assert tokens == (
+        sum(b["usage"]["input_tokens"] for b in bodies.values()),
+        sum(b["usage"]["output_tokens"] for b in bodies.values()),
+    )
     shown = CliRunner().invoke(app, ["results", batch.id])
     assert shown.exit_code == 0, shown.output
     assert repr(output_text(bodies["schema"])) in shown.output and 'get_weather({"city": ' in shown.output
@@ -232,7 +326,9 @@ def test_responses_through_client_and_worker(llm, redis_url, tmp_path):
 def test_responses_through_the_http_batch_api(stack, llm):
     client = stack.openai(stack.key("responses"))
     uploaded = client.files.create(file=jsonl(lines()), purpose="batch")
-    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/responses", completion_window="24h")
+    batch = client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/responses", completion_window="24h"
+    )
     assert batch.endpoint == "/v1/responses"
     done = wait_status(client, batch.id, {"completed", "failed", "cancelled", "expired"})
     assert done.status == "completed", done
@@ -244,4 +340,6 @@ def test_responses_through_the_http_batch_api(stack, llm):
     assert done.usage.output_tokens == sum(b["usage"]["output_tokens"] for b in bodies.values())
     chat_file = client.files.create(file=jsonl(lines()[:1]), purpose="batch")
     with pytest.raises(openai.BadRequestError, match="requests for /v1/responses"):
-        client.batches.create(input_file_id=chat_file.id, endpoint="/v1/chat/completions", completion_window="24h")
+        client.batches.create(
+            input_file_id=chat_file.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
