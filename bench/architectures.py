@@ -13,7 +13,6 @@ measure the load more than the code (docs/benchmarks.md).
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import tempfile
@@ -21,6 +20,7 @@ import time
 from pathlib import Path
 
 import torch
+from common import BenchParser, add_baseline
 from transformers import AutoModelForCausalLM
 
 from sluice.engine import LLM, SamplingParams
@@ -162,7 +162,7 @@ def table(a) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
+    p = add_baseline(BenchParser(description=__doc__))
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--tokens", type=int, default=64)
