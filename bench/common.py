@@ -161,7 +161,8 @@ def record(section: str, body: str) -> None:
     section of the same title (one current section per benchmark), or at the end when there is none."""
     cmd = "python " + " ".join(shlex.quote(a) for a in sys.argv)
     stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
-    text = f"\n## {section}\n\n`{cmd}` ({stamp}, {host_cpu()}, {torch.get_num_threads()} threads)\n\n{body}\n"
+    where = f"{stamp}, CPU: {host_cpu()}, {torch.get_num_threads()} threads"
+    text = f"\n## {section}\n\n`{cmd}` ({where})\n\n{body}\n"
     print(text)
     if "--no-record" not in sys.argv:
         doc = ROOT / "docs" / "benchmarks.md"

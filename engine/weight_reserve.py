@@ -1,20 +1,21 @@
 """The CPU weight arena's memory, mapped and filled with the weights while the worker is still importing torch.
 
-The first write to each page of fresh anonymous memory is a page fault, and in a VM guest (Firecracker) that is
-expensive: reading a checkpoint into a fresh arena costs several times reading the same bytes into one reused
-buffer (docs/benchmarks.md, cold start). Importing torch keeps one core busy for a second and more and leaves the
-others idle. So the worker's entry point, before its first heavy import, calls `reserve` with the checkpoint's
-folder: it reads the safetensors headers (JSON: no torch), maps what engine.weight_memory's arena will be, and from
-a thread (the import goes on meanwhile) reads every tensor the model keeps as stored into it (`layout`: each on a
-cache line, a fused projection's parts back to back, as the loader places them; `os.preadv`, which releases the
-GIL), then, past them, what the load only reads to rebuild (bitsandbytes' state beside quantized codes:
-transient, handed back once loaded) and faults in the pages where the load will write what it makes from those.
-Where it cannot read ahead (a memory budget smaller than the weights) it faults the pages in instead
-(MADV_POPULATE_WRITE, Linux 5.14+, through ctypes: the GIL is released for the call too). The loader's arena then
-`take`s that map instead of making its own and takes each tensor read ahead as it is (`placed`: no second read);
-the reservation hands back the pages of transient tensors, of tensors nobody took and those faulted past what the
-arena wrote (`Reservation.finish`): no second copy, nothing kept unused. A map that does not fit (another model,
-dtype, a larger arena) is unmapped and the arena maps its own, as before.
+The first write to each page of fresh anonymous memory is a page fault, and in a VM guest (Firecracker) that
+is expensive: reading a checkpoint into a fresh arena costs several times reading the same bytes into one
+reused buffer (docs/benchmarks.md, coldstart). Importing torch keeps one core busy for a second and more and
+leaves the others idle. So the worker's entry point, before its first heavy import, calls `reserve` with the
+checkpoint's folder: it reads the safetensors headers (JSON: no torch), maps what engine.weight_memory's arena
+will be, and from a thread (the import goes on meanwhile) reads every tensor the model keeps as stored into it
+(`layout`: each on a cache line, a fused projection's parts back to back, as the loader places them;
+`os.preadv`, which releases the GIL), then, past them, what the load only reads to rebuild (bitsandbytes'
+state beside quantized codes: transient, handed back once loaded) and faults in the pages where the load will
+write what it makes from those. Where it cannot read ahead (a memory budget smaller than the weights) it
+faults the pages in instead (MADV_POPULATE_WRITE, Linux 5.14+, through ctypes: the GIL is released for the
+call too). The loader's arena then `take`s that map instead of making its own and takes each tensor read ahead
+as it is (`placed`: no second read); the reservation hands back the pages of transient tensors, of tensors
+nobody took and those faulted past what the arena wrote (`Reservation.finish`): no second copy, nothing kept
+unused. A map that does not fit (another model, dtype, a larger arena) is unmapped and the arena maps its own,
+as before.
 
 Torch-free on purpose: it runs before torch is imported.
 """
@@ -46,7 +47,7 @@ MADV_DONTNEED, MADV_POPULATE_WRITE = 4, 23  # Linux's values (MADV_POPULATE_WRIT
 MAP_ALL_BYTES = 4 << 30  # from this many stored bytes the loader maps the checkpoint (weight_loading auto): no arena
 # Bytes faulted a call. A call holds the process's address-space lock (mmap_lock, read side) throughout, and every
 # mmap/mprotect of the importing thread (dlopen of torch's libraries) waits for it to end: short calls keep those
-# waits short (docs/benchmarks.md, cold start, session 5); `finish` waits for at most one.
+# waits short (docs/benchmarks.md, coldstart); `finish` waits for at most one.
 SPAN = HUGE_PAGE
 # Reading ahead: a positioned read covers at most this many bytes of a file, so that the reading thread takes the
 # GIL back (which the importing thread holds for up to its switch interval) a few dozen times a GB, not once a
