@@ -7,8 +7,8 @@ python bench/coldstart.py [--hidden 2048 --layers 12] [--rounds 3] [--cold] [--t
     [--baseline REF] [--no-record]
 
 --baseline REF (a git revision) adds, after each variant, the same start with the code of REF (common.py's
-`baseline_tree`, put first on the children's PYTHONPATH), alternated with this checkout's in every round: an A/B
-of old and new code in one run.
+`baseline_tree`, put first on the children's PYTHONPATH), alternated with this checkout's in every round: an
+A/B of old and new code in one run.
 """
 
 from __future__ import annotations
@@ -154,8 +154,8 @@ def prequantized(src: Path, mode: str) -> Path:
 def child(code: str, *args: str, path: str = "") -> str:
     """Run code in a fresh interpreter outside the checkout (`path`: first on its PYTHONPATH); its last line of
     output."""
-    out = subprocess.run([sys.executable, "-c", code, *args], cwd=tempfile.gettempdir(), env=baseline_env(path),
-                         capture_output=True, text=True, timeout=2400)
+    out = subprocess.run([sys.executable, "-c", code, *args], cwd=tempfile.gettempdir(),
+                         env=baseline_env(path), capture_output=True, text=True, timeout=2400)
     if out.returncode:
         raise RuntimeError(out.stderr[-3000:])
     return out.stdout.strip().splitlines()[-1]
@@ -183,7 +183,8 @@ def worker_ready(model: Path, redis_url: str, path: str = "") -> float:
     start to ready that it logs (its time-to-ready gauge: imported, loaded, warmed up, announced)."""
     cmd = [sys.executable, "-m", "sluice.worker", "--model", str(model), "--dtype", "bfloat16", "--device", "cpu",
            "--burst", "--no-webhooks", "--redis-url", redis_url]
-    out = subprocess.run(cmd, cwd=tempfile.gettempdir(), env=baseline_env(path), capture_output=True, text=True,
+    out = subprocess.run(cmd, cwd=tempfile.gettempdir(), env=baseline_env(path), capture_output=True,
+                         text=True,
                          timeout=2400)
     found = READY.search(out.stdout + out.stderr)
     if out.returncode or found is None:

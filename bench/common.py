@@ -75,10 +75,10 @@ def host_cpu() -> str:
 
 
 def baseline_tree(rev: str) -> str:
-    """The `sluice` package of git revision `rev` as a folder to put first on PYTHONPATH (ahead of the editable
-    install's finder): its tree checked out by `git archive` into a temporary folder (read-only on the
-    repository; removed when this process exits), its package folders linked under sluice/ as the install maps
-    them."""
+    """The `sluice` package of git revision `rev` as a folder to put first on PYTHONPATH (ahead of the
+    editable install's finder): its tree checked out by `git archive` into a temporary folder (read-only on
+    the repository; removed when this process exits), its package folders linked under sluice/ as the
+    install maps them."""
     root = Path(tempfile.mkdtemp(prefix="sluice-baseline-"))
     atexit.register(shutil.rmtree, root, True)
     (root / "src").mkdir()
@@ -112,8 +112,8 @@ def without_baseline(argv: list[str]) -> list[str]:
 
 
 def run_baseline(rev: str, records: bool = True) -> None:
-    """This benchmark's own command, run first on the code of git revision `rev` (printed, never recorded): the
-    same script and arguments, with that revision's `sluice` package ahead on the child's path."""
+    """This benchmark's own command, run first on the code of git revision `rev` (printed, never recorded):
+    the same script and arguments, with that revision's `sluice` package ahead on the child's path."""
     script, *args = without_baseline(sys.argv)
     cmd = [sys.executable, script, *args, *(["--no-record"] if records and "--no-record" not in args else [])]
     print(f"baseline {rev}: {shlex.join(cmd)}", flush=True)

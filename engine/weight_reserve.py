@@ -1,21 +1,20 @@
 """The CPU weight arena's memory, mapped and filled with the weights while the worker is still importing torch.
 
-The first write to each page of fresh anonymous memory is a page fault, and in a VM guest (Firecracker) that
-is expensive: reading a checkpoint into a fresh arena costs several times reading the same bytes into one
-reused buffer (docs/benchmarks.md, coldstart). Importing torch keeps one core busy for a second and more and
-leaves the others idle. So the worker's entry point, before its first heavy import, calls `reserve` with the
-checkpoint's folder: it reads the safetensors headers (JSON: no torch), maps what engine.weight_memory's arena
-will be, and from a thread (the import goes on meanwhile) reads every tensor the model keeps as stored into it
-(`layout`: each on a cache line, a fused projection's parts back to back, as the loader places them;
-`os.preadv`, which releases the GIL), then, past them, what the load only reads to rebuild (bitsandbytes'
-state beside quantized codes: transient, handed back once loaded) and faults in the pages where the load will
-write what it makes from those. Where it cannot read ahead (a memory budget smaller than the weights) it
-faults the pages in instead (MADV_POPULATE_WRITE, Linux 5.14+, through ctypes: the GIL is released for the
-call too). The loader's arena then `take`s that map instead of making its own and takes each tensor read ahead
-as it is (`placed`: no second read); the reservation hands back the pages of transient tensors, of tensors
-nobody took and those faulted past what the arena wrote (`Reservation.finish`): no second copy, nothing kept
-unused. A map that does not fit (another model, dtype, a larger arena) is unmapped and the arena maps its own,
-as before.
+The first write to each page of fresh anonymous memory is a page fault, and in a VM guest (Firecracker) that is
+expensive: reading a checkpoint into a fresh arena costs several times reading the same bytes into one reused
+buffer (docs/benchmarks.md, coldstart). Importing torch keeps a core busy for a second or more and leaves the
+others idle. So the worker's entry point, before its first heavy import, calls `reserve` with the checkpoint's
+folder: it reads the safetensors headers (JSON: no torch), maps what engine.weight_memory's arena will be, and from
+a thread (the import goes on meanwhile) reads every tensor the model keeps as stored into it (`layout`: each on a
+cache line, a fused projection's parts back to back, as the loader places them; `os.preadv`, which releases the
+GIL), then, past them, what the load only reads to rebuild (bitsandbytes' state beside quantized codes:
+transient, handed back once loaded) and faults in the pages where the load will write what it makes from those.
+Where it cannot read ahead (a memory budget smaller than the weights) it faults the pages in instead
+(MADV_POPULATE_WRITE, Linux 5.14+, through ctypes: the GIL is released for the call too). The loader's arena then
+`take`s that map instead of making its own and takes each tensor read ahead as it is (`placed`: no second read);
+the reservation hands back the pages of transient tensors, of tensors nobody took and those faulted past what the
+arena wrote (`Reservation.finish`): no second copy, nothing kept unused. A map that does not fit (another model,
+dtype, a larger arena) is unmapped and the arena maps its own, as before.
 
 Torch-free on purpose: it runs before torch is imported.
 """

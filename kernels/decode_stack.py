@@ -2,13 +2,13 @@
 
 At a few tokens a layer's kernel calls from Python (module __call__, each kernel's checks, views) are a large
 share of a small model's bf16 decode step (docs/benchmarks.md, decode_steps). The stack makes the same calls
-in the same order from C++, so its results are bitwise the layers'. It serves bf16 steps of 1 to
-MAX_STACK_TOKENS tokens (to `linear.gemm_rows()` for a stack whose every linear is bf16, where the avx2 tier's
-GEMM serves those rows: `max_tokens`) whose sequences all have short queries (decode, speculative verify) on
-the fused attention kernel; anything else runs the Python layers. Its linears are bf16 ones, the weight-only
-quantized ones, each running the op its Python module would at the step's row count (decided when the stack is
-built, by asking the module's own branch tests), LLM.int8() ones on x86 tiers (AVX2 and up: its bf16 C++
-passes) and bitsandbytes-format NF4/FP4 ones (our 4-bit GEMV); a layer with any other linear (bitsandbytes'
+in the same order from C++, so its results are bitwise the layers'. It
+serves bf16 steps of 1 to MAX_STACK_TOKENS tokens (to `linear.gemm_rows()` for a stack whose every linear is
+bf16, where the avx2 tier's GEMM serves those rows: `max_tokens`) whose sequences all have short queries (decode,
+speculative verify) on the fused attention kernel; anything else runs the Python layers. Its linears are bf16 ones, the
+weight-only quantized ones, each running the op its Python module would at the step's row count (decided when
+the stack is built, by asking the module's own branch tests), LLM.int8() ones on x86 tiers (AVX2 and up: its
+bf16 C++ passes) and bitsandbytes-format NF4/FP4 ones (our 4-bit GEMV); a layer with any other linear (bitsandbytes'
 own modules, on other devices) is not stacked.
 """
 

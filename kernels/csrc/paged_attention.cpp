@@ -147,12 +147,13 @@ static inline void scale_row(float* x, float f, int64_t D) {
   for (; d < D; ++d) x[d] *= f;
 }
 
-// The tile from position p (up to p1)'s key and value rows (and their scales) asked for while the tile before
-// it is computed; nothing past p1. A sequence's blocks lie anywhere in the pool, where no hardware prefetcher
-// looks (attention at 64 sequences with their KV in DRAM: see docs/benchmarks.md, attention_speed). Into L2:
-// into L1 (T0) a tile's 64 lines held the miss buffers that the demand loads wait for (slower than T1 on both
-// paths; two or four tiles ahead added nothing). Always inlined: GCC deems a function of prefetches alone
-// free of side effects and drops the calls.
+// The tile from position p (up to p1)'s key and value rows (and their scales) asked for while the tile before it
+// is computed; nothing past p1. A
+// sequence's blocks lie anywhere in the pool, where no hardware prefetcher looks (attention at 64 sequences with
+// their KV in DRAM: docs/benchmarks.md, attention_speed). Into L2: into L1 (T0) a tile's 64 lines held the
+// miss buffers that the demand loads wait for (slower than L2 on both paths; two or four tiles ahead added
+// nothing). Always inlined: GCC deems a function of prefetches alone free of side
+// effects and drops the calls.
 template <typename C>
 __attribute__((always_inline)) static inline void prefetch_tile(const Cache& c, const int64_t* table, int64_t hk,
                                                                 int64_t p, int64_t p1, int64_t D) {
