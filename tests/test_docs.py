@@ -118,7 +118,7 @@ def test_benchmarks_md_is_one_current_table_per_benchmark_with_command_cpu_and_d
     missing = []
     for title, body in tables.items():
         head = body.split("\n|", 1)[0]  # what precedes the section's first table
-        if not re.search(r"`[^`]*\bpython [^`]+`", head):
+        if not re.search(r"`[^`]*\bpython\s[^`]+`", head):
             missing.append(f"{title}: no command")
         if not re.search(r"\b20[0-9]{2}-[0-9]{2}-[0-9]{2}\b", head):
             missing.append(f"{title}: no date")
