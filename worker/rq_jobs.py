@@ -28,6 +28,7 @@ from rq.utils import now
 
 from sluice.contract.jobs import FINALIZE, SHARD_FUNCTIONS
 from sluice.contract.queues import queue_for, status
+from sluice.contract.redis_conn import follows_sentinel
 from sluice.contract.rq_adapter import (
     dequeue_now,
     dequeue_waiting,
@@ -41,12 +42,14 @@ from sluice.contract.rq_adapter import (
     new_execution,
     pubsub_error_handler,
     run_job,
+    share_connection,
     start_execution,
 )
 
 ALLOWED_FUNCTIONS = SHARD_FUNCTIONS | {FINALIZE}
 RETRY_POLL_S = 1.0
-PUBSUB_POLL_S = 0.25  # how long the command-channel thread blocks per read; its stop waits this long
+PUBSUB_POLL_S = 0.25
+MIN_SOCKET_TIMEOUT_S = 5.0  # above the longest blocking pop this worker makes (its 1 s idle wait)  # how long the command-channel thread blocks per read; its stop waits this long
 REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
 
 
@@ -65,12 +68,16 @@ class JobsWorker(SimpleWorker):
 
     def __init__(self, queues: list[str], connection: redis.Redis, heartbeat_ttl: int = 30, **kwargs: Any):
         kwargs.setdefault("maintenance_interval", heartbeat_ttl)
+        socket_timeout = connection.connection_pool.connection_kwargs.get("socket_timeout")
         super().__init__(queues, connection=connection, serializer=JSONSerializer, **kwargs)
+        if follows_sentinel(connection) and socket_timeout:  # rq raised it for 400 s blocking pops; ours wait 1 s
+            connection.connection_pool.connection_kwargs["socket_timeout"] = max(socket_timeout, MIN_SOCKET_TIMEOUT_S)
         self.job_heartbeat_ttl = heartbeat_ttl
         self.held: dict[str, Held] = {}
         self.inline: Held | None = None
         self._lock = threading.RLock()
         self._retries = RQScheduler(self.queues, connection, serializer=JSONSerializer, name=f"{self.name}:retries")
+        share_connection(self._retries, connection)
         self._last_retry_poll = 0.0
         self.idle = False
 
