@@ -93,6 +93,7 @@ def _options(pairs: list[tuple[str, str]]) -> tuple[dict[str, Any], dict[str, An
         else:
             raise RedisURLError(f"unknown option {name!r} in a redis+sentinel:// URL")
     options.setdefault("socket_timeout", SENTINEL_SOCKET_TIMEOUT_S)
+    options.setdefault("socket_connect_timeout", options["socket_timeout"])
     for name in FLOATS:
         if name in options:
             sentinel.setdefault(name, options[name])
