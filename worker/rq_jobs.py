@@ -231,7 +231,16 @@ class JobsWorker(SimpleWorker):
         if clock - self._last_retry_poll >= RETRY_POLL_S:
             self._last_retry_poll = clock
             if self._retries.acquire_locks():
+                self._lapse_with_heartbeat(self._retries.acquired_locks)
                 self._retries.enqueue_scheduled_jobs()
+
+    def _lapse_with_heartbeat(self, queue_names: Iterable[str]) -> None:
+        """Give the retry-scheduling locks held the heartbeat's TTL (rq's is a minute): a worker paused or cut off
+        holding them stops moving retries onto the queues, and another takes over within a heartbeat."""
+        with self.connection.pipeline(transaction=False) as pipe:
+            for name in queue_names:
+                pipe.expire(RQScheduler.get_locking_key(name), self.job_heartbeat_ttl)
+            pipe.execute()
 
     def queues_empty(self) -> bool:
         return all(q.count == 0 for q in self.queues)
