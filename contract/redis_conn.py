@@ -1,11 +1,11 @@
 """The one place Redis clients are built: `redis://`, `rediss://`, `unix://` and `redis+sentinel://` URLs.
 
-`redis+sentinel://h1:26379,h2:26379,h3:26379/<service>/<db>?password=...&sentinel_password=...&ssl=true` asks
-the sentinels for the service's primary and returns a client whose pool asks again whenever a connection fails,
-so every process (producer, server, cron, reaper, workers, rq's queues and registries) follows a failover on its
-next command, without a restart. Options in the query: `password`, `username`, `sentinel_password`,
-`sentinel_username`, `ssl` (TLS to the primary), `sentinel_ssl`, `ssl_ca_certs`, `ssl_certfile`, `ssl_keyfile`,
-`ssl_cert_reqs`, `socket_timeout`, `socket_connect_timeout` (seconds).
+`redis+sentinel://h1:26379,h2:26379,h3:26379/<service>/<db>?password=...&sentinel_password=...&ssl=true`
+asks the sentinels for the service's primary and returns a client whose pool asks again whenever a connection
+fails, so every process (producer, server, cron, reaper, workers, rq's queues and registries) follows a
+failover on its next command, without a restart. Options in the query: `password`, `username`,
+`sentinel_password`, `sentinel_username`, `ssl` (TLS to the primary), `sentinel_ssl`, `ssl_ca_certs`,
+`ssl_certfile`, `ssl_keyfile`, `ssl_cert_reqs`, `socket_timeout`, `socket_connect_timeout` (seconds).
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ from redis.sentinel import Sentinel, SentinelConnectionPool
 SENTINEL_SCHEME = "redis+sentinel"
 SCHEMES = ("redis", "rediss", "unix", SENTINEL_SCHEME)
 DEFAULT_SENTINEL_PORT = 26379
-SENTINEL_SOCKET_TIMEOUT_S = 10.0  # a primary that stops answering (partition) fails commands instead of hanging
+SENTINEL_SOCKET_TIMEOUT_S = (
+    10.0  # a primary that stops answering (partition) fails commands instead of hanging
+)
 TRUE = {"1", "true", "yes", "on"}
 FLOATS = {"socket_timeout", "socket_connect_timeout"}
 STRINGS = {"password", "username", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs"}
@@ -101,15 +103,19 @@ def _options(pairs: list[tuple[str, str]]) -> tuple[dict[str, Any], dict[str, An
 
 
 def connect(url: str, **overrides: Any) -> redis.Redis:
-    """A Redis client for url (redis://, rediss://, unix://, redis+sentinel://); overrides are client options."""
+    """A Redis client for url (redis://, rediss://, unix://, redis+sentinel://); overrides: client options."""
     scheme = urlsplit(url).scheme
     if scheme not in SCHEMES:
-        raise RedisURLError(f"a Redis URL starts with one of {', '.join(s + '://' for s in SCHEMES)}, not {scheme!r}")
+        raise RedisURLError(
+            f"a Redis URL starts with one of {', '.join(s + '://' for s in SCHEMES)}, not {scheme!r}"
+        )
     if scheme != SENTINEL_SCHEME:
         return redis.Redis.from_url(url, **overrides)
     parsed = parse_sentinel_url(url)
     options = {**parsed.options, **overrides}
-    sentinel_kwargs = {k: v for k, v in parsed.sentinel_options.items() if k in FLOATS | {"password", "username"}}
+    sentinel_kwargs = {
+        k: v for k, v in parsed.sentinel_options.items() if k in FLOATS | {"password", "username"}
+    }
     if parsed.sentinel_options.get("ssl"):
         sentinel_kwargs["ssl"] = True
     sentinel = Sentinel(parsed.hosts, sentinel_kwargs=sentinel_kwargs)
@@ -122,7 +128,7 @@ def follows_sentinel(connection: redis.Redis) -> bool:
 
 
 def wait_for_replica(connection: redis.Redis, timeout_ms: int = 1000) -> int:
-    """Block until the writes so far reached a replica (WAIT 1), for commit points that must survive a failover;
+    """Wait until the writes so far reached a replica (WAIT 1), for commit points that must survive failover;
     the number of replicas that acknowledged (0 without sentinels: a lone server has none to wait for)."""
     if not follows_sentinel(connection):
         return 0

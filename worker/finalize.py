@@ -40,8 +40,8 @@ def shard_records(
     expired: bool = False,
     failed_shards: list[int] | None = None,
 ) -> Iterator[OutputRecord]:
-    """The records the shard's committed attempt wrote, read a line at a time, or, when none committed (dropped,
-    failed), an error per request; ShardLost when neither its output nor its job exists."""
+    """The records the shard's committed attempt wrote, read a line at a time, or, when none committed
+    (dropped, failed), an error per request; ShardLost when neither its output nor its job exists."""
     token = committed_token(connection, batch_id, shard)
     key = shard_key(batch_id, shard) if token is None else attempt_key(batch_id, shard, token)
     if storage.exists(key):
@@ -116,7 +116,10 @@ def closed(connection: redis.Redis, batch_id: str) -> bool:
     return batch is None or batch.done
 
 
-def write_outputs(storage: Storage, connection: redis.Redis, batch: Batch) -> tuple[str, str | None, Merged] | None:
+Written = tuple[str, str | None, Merged]
+
+
+def write_outputs(storage: Storage, connection: redis.Redis, batch: Batch) -> Written | None:
     """Stream the merged records into output.jsonl and errors.jsonl (the latter only when there are errors);
     neither file changes unless every record was written, nor once the batch has ended (None)."""
     merged = Merged()

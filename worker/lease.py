@@ -1,11 +1,12 @@
-"""Fencing of shard attempts: a lease token per attempt, attempt-specific output keys, a compare-and-set commit.
+"""Fencing of shard attempts: a lease token per attempt, attempt-specific output keys, a compare-and-set
+commit.
 
 Each attempt at a shard takes the next token from a counter in Redis (INCR) and writes its output to
 `{batch}/shards/{n}.{token}.jsonl`. The commit records that token as the shard's committed attempt only if the
 token is still the shard's current one, no attempt committed before, and the batch is neither finalizing nor
-ended; finalize reads only the committed attempt's file. A worker cut off from Redis (or paused) while its shard
-was given to another comes back holding a stale token: its commit is refused, it discards its output, and
-nothing it does changes a batch's files.
+ended; finalize reads only the committed attempt's file. A worker cut off from Redis (or paused) while its
+shard was given to another comes back holding a stale token: its commit is refused, it discards its output,
+and nothing it does changes a batch's files.
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ return 'ok'
 
 
 def begin_attempt(connection: redis.Redis, batch_id: str, shard: int) -> int | None:
-    """A new lease token for an attempt at the shard (waited onto a replica), or None if the shard is committed."""
+    """A new lease token for an attempt at the shard (waited onto a replica); None if the shard is
+    committed."""
     keys = [lease_key(batch_id, shard), committed_key(batch_id), batch_key(batch_id)]
     token = int(connection.eval(_BEGIN, len(keys), *keys, shard))
     if token:
@@ -95,8 +97,8 @@ def leases_lost(connection: redis.Redis, attempts: dict[str, tuple[str, int, int
 
 
 def commit(connection: redis.Redis, batch_id: str, shard: int, token: int, counts: str) -> Commit:
-    """Make token the shard's committed attempt and record its counts (JSON entry), if its lease still holds and
-    the batch is open; a committed attempt is waited onto a replica before it counts as done."""
+    """Make token the shard's committed attempt and record its counts (JSON entry), if its lease still holds
+    and the batch is open; a committed attempt is waited onto a replica before it counts as done."""
     keys = [lease_key(batch_id, shard), committed_key(batch_id), batch_key(batch_id), shards_key(batch_id)]
     answer = connection.eval(_COMMIT, len(keys), *keys, shard, token, counts, *CLOSED)
     result = Commit(answer.decode() if isinstance(answer, bytes) else answer)

@@ -48,8 +48,8 @@ from sluice.contract.rq_adapter import (
 
 ALLOWED_FUNCTIONS = SHARD_FUNCTIONS | {FINALIZE}
 RETRY_POLL_S = 1.0
-PUBSUB_POLL_S = 0.25
-MIN_SOCKET_TIMEOUT_S = 5.0  # above the longest blocking pop this worker makes (its 1 s idle wait)  # how long the command-channel thread blocks per read; its stop waits this long
+PUBSUB_POLL_S = 0.25  # how long the command-channel thread blocks per read; its stop waits this long
+MIN_SOCKET_TIMEOUT_S = 5.0  # above the longest blocking pop this worker makes (its 1 s idle wait)
 REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
 
 
@@ -70,8 +70,9 @@ class JobsWorker(SimpleWorker):
         kwargs.setdefault("maintenance_interval", heartbeat_ttl)
         socket_timeout = connection.connection_pool.connection_kwargs.get("socket_timeout")
         super().__init__(queues, connection=connection, serializer=JSONSerializer, **kwargs)
-        if follows_sentinel(connection) and socket_timeout:  # rq raised it for 400 s blocking pops; ours wait 1 s
-            connection.connection_pool.connection_kwargs["socket_timeout"] = max(socket_timeout, MIN_SOCKET_TIMEOUT_S)
+        if follows_sentinel(connection) and socket_timeout:  # rq raised it; our pops wait 1 s
+            timeout = max(socket_timeout, MIN_SOCKET_TIMEOUT_S)
+            connection.connection_pool.connection_kwargs["socket_timeout"] = timeout
         self.job_heartbeat_ttl = heartbeat_ttl
         self.held: dict[str, Held] = {}
         self.inline: Held | None = None
@@ -235,8 +236,8 @@ class JobsWorker(SimpleWorker):
                 self._retries.enqueue_scheduled_jobs()
 
     def _lapse_with_heartbeat(self, queue_names: Iterable[str]) -> None:
-        """Give the retry-scheduling locks held the heartbeat's TTL (rq's is a minute): a worker paused or cut off
-        holding them stops moving retries onto the queues, and another takes over within a heartbeat."""
+        """Give the retry-scheduling locks held the heartbeat's TTL (rq's is a minute): a worker paused or cut
+        off holding them stops moving retries onto the queues, and another takes over within a heartbeat."""
         with self.connection.pipeline(transaction=False) as pipe:
             for name in queue_names:
                 pipe.expire(RQScheduler.get_locking_key(name), self.job_heartbeat_ttl)

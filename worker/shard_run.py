@@ -118,7 +118,8 @@ class ShardRun:
         return not self.pending
 
     def lease(self, connection: redis.Redis) -> bool:
-        """Take this attempt's lease token; False when an attempt committed the shard already (nothing to run)."""
+        """Take this attempt's lease token; False when an attempt committed the shard already (nothing to
+        run)."""
         self.token = begin_attempt(connection, self.batch_id, self.shard)
         return self.token is not None
 
@@ -184,8 +185,9 @@ class ShardRun:
         return sum(u.get("prompt_tokens", 0) for u in usages), sum(u.get("completion_tokens", 0) for u in usages)
 
     def save(self, connection: redis.Redis, settings: Settings) -> dict[str, int]:
-        """Write this attempt's shards/{n}.{token}.jsonl (refused outside roots) and commit it with the shard's
-        counts; LeaseLost (the output discarded) when another attempt took the shard or the batch is closed."""
+        """Write this attempt's shards/{n}.{token}.jsonl (refused outside roots) and commit it with the
+        shard's counts; LeaseLost (the output discarded) when another attempt took the shard or the batch is
+        closed."""
         assert self.done and len(self.records) == len(self.requests), "a shard is saved only when complete"
         if self.token is None and not self.lease(connection):
             raise LeaseLost(f"shard {self.shard} of {self.batch_id} was committed by another attempt")
@@ -200,7 +202,8 @@ class ShardRun:
                 raise LeaseLost(self._discarded(Commit.lease_lost))
             ordered = [self.records[r.custom_id] for r in self.requests]
             storage.put(key, records_jsonl(ordered))
-        result = commit(connection, self.batch_id, self.shard, self.token, json.dumps([completed, failed, *self.usage()]))
+        entry = json.dumps([completed, failed, *self.usage()])
+        result = commit(connection, self.batch_id, self.shard, self.token, entry)
         if result is not Commit.ok:
             if storage is not None:
                 storage.delete(key)

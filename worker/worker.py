@@ -282,7 +282,8 @@ class EngineWorker(JobsWorker):
         for job_id in leases_lost(self.connection, attempts):
             run = self.runs[job_id]
             self._drop_run(job_id)
-            self._discard(job_id, LeaseLost(f"shard {run.shard} of {run.batch_id}: attempt {run.token} lost its lease"))
+            lost = f"shard {run.shard} of {run.batch_id}: attempt {run.token} lost its lease"
+            self._discard(job_id, LeaseLost(lost))
 
     def _discard(self, job_id: str, exc: LeaseLost) -> None:
         """Forget a shard whose lease is lost (its job belongs to another attempt now) and log one line."""

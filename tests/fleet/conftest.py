@@ -1,9 +1,11 @@
-"""Separate hosts as network namespaces joined by veth pairs to a bridge: Redis primary, replica and sentinels,
-moto's S3 server and Sluice workers, each on its own host; this process (the producer) on the bridge.
+"""Separate hosts as network namespaces joined by veth pairs to a bridge: Redis primary, replica and
+sentinels, moto's S3 server and Sluice workers, each on its own host; this process (the producer) on the
+bridge.
 
-Addresses come from a private /24 in 10.213.0.0/16 used only by these hosts. Needs root and iproute2 (`.ci/run`
-runs the suite as root); a partition is an nftables drop rule inside a worker's namespace for the Redis hosts'
-addresses, so the worker still reaches the S3 host. Without namespaces these tests fail, they never skip.
+Addresses come from a private /24 in 10.213.0.0/16 used only by these hosts. Needs root and iproute2
+(`.ci/run` runs the suite as root); a partition is an nftables drop rule inside a worker's namespace for the
+Redis hosts' addresses, so the worker still reaches the S3 host. Without namespaces these tests fail, they
+never skip.
 """
 
 from __future__ import annotations
@@ -61,7 +63,9 @@ class Network:
 
     def create(self) -> None:
         if os.geteuid() != 0 or shutil.which("ip") is None:
-            pytest.fail("tests/fleet needs root and iproute2 for its network namespaces (CI runs .ci/run as root)")
+            pytest.fail(
+                "tests/fleet needs root and iproute2 for its network namespaces (CI runs .ci/run as root)"
+            )
         sh("ip", "link", "add", self.bridge, "type", "bridge")
         sh("ip", "addr", "add", f"{self.subnet}.1/24", "dev", self.bridge)
         sh("ip", "link", "set", self.bridge, "up")
@@ -82,12 +86,21 @@ class Network:
         return Host(f"{self.subnet}.{n}", netns)
 
     def cut_off_from_redis(self, host: Host) -> None:
-        """Drop every packet between host and the Redis hosts (primary, replica, sentinels); S3 stays reachable."""
+        """Drop every packet between host and the Redis hosts (primary, replica, sentinels); S3 stays
+        reachable."""
         redis_hosts = ", ".join(self.hosts[n].address for n in ("r1", "r2", "r3"))
         inns = ("ip", "netns", "exec", host.netns, "nft")
         sh(*inns, "add", "table", "inet", "partition")
         for chain, hook, way in (("out", "output", "daddr"), ("in", "input", "saddr")):
-            sh(*inns, "add", "chain", "inet", "partition", chain, f"{{ type filter hook {hook} priority 0 ; }}")
+            sh(
+                *inns,
+                "add",
+                "chain",
+                "inet",
+                "partition",
+                chain,
+                f"{{ type filter hook {hook} priority 0 ; }}",
+            )
             sh(*inns, "add", "rule", "inet", "partition", chain, "ip", way, f"{{ {redis_hosts} }}", "drop")
 
     def heal(self, host: Host) -> None:
@@ -169,8 +182,8 @@ class Fleet:
 
     def start_worker(self, name: str, **env: str) -> subprocess.Popen:
         """`sluice worker --name NAME` on host NAME, with the fleet's fast clocks (env overrides them)."""
-        argv = [sys.executable, "-m", "sluice.worker", "--model", str(self.model), "--dtype", "float32", "--device",
-                "cpu", "--max-num-seqs", "8", "--name", name]  # fmt: skip
+        argv = [sys.executable, "-m", "sluice.worker", "--model", str(self.model), "--dtype", "float32",
+                "--device", "cpu", "--max-num-seqs", "8", "--name", name]  # fmt: skip
         environment = worker_env(self.url, **FAST, **AWS_ENV, AWS_ENDPOINT_URL=self.s3_endpoint, **env)
         process = self.network.hosts[name].popen(argv, self.log(name), env=environment)
         self.workers[name] = process
@@ -223,7 +236,12 @@ def fleet(network, sentinel_set, fleet_s3, tiny_llama, tmp_path, monkeypatch) ->
     """Redis set, S3 and (once started by the test) workers; this process's SLUICE_*/AWS_* point at them."""
     bucket = f"fleet-{uuid.uuid4().hex[:10]}"
     boto3.client("s3", endpoint_url=fleet_s3, **aws_keys()).create_bucket(Bucket=bucket)
-    for name, value in {**FAST, **AWS_ENV, "AWS_ENDPOINT_URL": fleet_s3, "SLUICE_REDIS_URL": sentinel_set.url}.items():
+    for name, value in {
+        **FAST,
+        **AWS_ENV,
+        "AWS_ENDPOINT_URL": fleet_s3,
+        "SLUICE_REDIS_URL": sentinel_set.url,
+    }.items():
         monkeypatch.setenv(name, value)
     logs = tmp_path / "logs"
     logs.mkdir()

@@ -1,4 +1,5 @@
-"""Redis primary, replica and sentinels as real processes, on loopback or each on its own host (network namespace)."""
+"""Redis primary, replica and sentinels as real processes, on loopback or each on its own host (a network
+namespace)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ FAILOVER_TIMEOUT_MS = 3000
 
 @dataclass
 class Host:
-    """Where a process runs: a network namespace (`ip netns exec`) or, with no name, this host; and its address."""
+    """Where a process runs (a network namespace through `ip netns exec`, or this host) and its address."""
 
     address: str = "127.0.0.1"
     netns: str = ""
@@ -37,7 +38,9 @@ def binary(name: str) -> str:
     return path
 
 
-def wait_for(predicate, timeout: float, what: str, poll: float = 0.1, errors: tuple = (redis.RedisError, OSError)) -> None:
+def wait_for(
+    predicate, timeout: float, what: str, poll: float = 0.1, errors: tuple = (redis.RedisError, OSError)
+) -> None:
     """Poll predicate (errors count as False) until true; RuntimeError naming what after timeout."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -66,8 +69,23 @@ class RedisNode:
 
     def start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        argv = [binary("redis-server"), "--port", str(self.port), "--bind", self.host.address, "--protected-mode",
-                "no", "--save", "", "--appendonly", "yes", "--appendfsync", "always", "--dir", str(self.workdir)]
+        argv = [
+            binary("redis-server"),
+            "--port",
+            str(self.port),
+            "--bind",
+            self.host.address,
+            "--protected-mode",
+            "no",
+            "--save",
+            "",
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            "always",
+            "--dir",
+            str(self.workdir),
+        ]
         if self.replicaof is not None:
             argv += ["--replicaof", *map(str, self.replicaof.address)]
         self.process = self.host.popen(argv, self.workdir / "redis.log")
@@ -154,8 +172,10 @@ class SentinelSet:
             wait_for(lambda: all(int(s.client().sentinel_master(SERVICE)["num-other-sentinels"]) ==
                                  len(self.sentinels) - 1 for s in self.sentinels), 30,
                      "the sentinels to find each other")  # fmt: skip
-        wait_for(lambda: all(int(s.client().sentinel_master(SERVICE)["num-slaves"]) >= 1 for s in self.sentinels),
-                 30, "the sentinels to see the replica")  # fmt: skip
+        replicas = [
+            lambda s=s: int(s.client().sentinel_master(SERVICE)["num-slaves"]) >= 1 for s in self.sentinels
+        ]
+        wait_for(lambda: all(seen() for seen in replicas), 30, "the sentinels to see the replica")
 
     def current_primary(self) -> RedisNode:
         """The node the sentinels name as primary now."""

@@ -1,4 +1,5 @@
-"""The connection factory: URL parsing, and a client that follows a Sentinel failover (real processes, loopback)."""
+"""The connection factory: URL parsing, and a client that follows a Sentinel failover (real processes on
+loopback)."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ def test_sentinel_urls_name_hosts_service_db_and_options():
     parsed = parse_sentinel_url(url)
     assert parsed.hosts == [("h1", 26379), ("h2", 26380), ("h3", 26379)]
     assert (parsed.service, parsed.db) == ("mysvc", 3)
-    assert parsed.options == {"password": "p@ss", "ssl": True, "socket_timeout": 2.5, "ssl_ca_certs": "/ca.pem",
-                              "socket_connect_timeout": 2.5}  # fmt: skip
+    assert parsed.options == {"password": "p@ss", "ssl": True, "socket_timeout": 2.5,
+                              "socket_connect_timeout": 2.5, "ssl_ca_certs": "/ca.pem"}  # fmt: skip
     assert parsed.sentinel_options == {"password": "s", "socket_timeout": 2.5, "socket_connect_timeout": 2.5}
     assert parse_sentinel_url("redis+sentinel://h1/svc").db == 0
 
@@ -50,7 +51,7 @@ def test_plain_urls_make_plain_clients(redis_url):
 
 
 def test_a_sentinel_client_follows_a_failover_without_a_restart(tmp_path):
-    """One client (and a pubsub on it) keeps working across SIGKILL of the primary: the replica is promoted and
+    """One client (and a pubsub on it) keeps working across SIGKILL of the primary: the replica is promoted,
     the client's next commands reach it; writes acknowledged with WAIT survive the failover."""
     servers = loopback_set(tmp_path, sentinels=3)
     servers.start()
