@@ -56,9 +56,11 @@ def zombie_returns(fleet: Fleet, cut, heal) -> None:
     fleet.start_worker("w1", SLUICE_FAULTS=f"slow_save={SLOW_SAVE_S}")
     fleet.start_worker("w2")
     fleet.wait_ready()
+    fleet.workers["w2"].send_signal(signal.SIGSTOP)  # w1 claims first
     client, batch, ids = submit(fleet, 12, 8, shard_size=2)
     wait_until(lambda: fleet.holding("w1"), 60, "w1 to hold a shard", poll=0.02)
     cut()
+    fleet.workers["w2"].send_signal(signal.SIGCONT)
     wait_until(lambda: client.get(batch.id).done, 120, "the batch to end without w1")
     done = client.get(batch.id)
     assert done.status == BatchStatus.completed, done
