@@ -3,6 +3,9 @@ loopback)."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
 from sluice.contract.redis_conn import (
@@ -80,3 +83,18 @@ def test_a_sentinel_client_follows_a_failover_without_a_restart(tmp_path):
         assert SERVICE in servers.url
     finally:
         servers.stop()
+
+
+def test_only_the_connection_factory_builds_redis_clients():
+    """Every process reaches Redis through contract/redis_conn.connect, so a Sentinel URL works everywhere."""
+    root = Path(__file__).resolve().parents[2]
+    builders = re.compile(r"\b(from_url|StrictRedis|Sentinel|ConnectionPool|Redis)\(")
+    found = [
+        f"{path.relative_to(root)}:{n}: {line.strip()}"
+        for folder in ("contract", "producer", "worker", "cli", "engine")
+        for path in sorted((root / folder).rglob("*.py"))
+        if path.name != "redis_conn.py"
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if builders.search(line)
+    ]
+    assert not found, found
