@@ -10,6 +10,7 @@ failover on its next command, without a restart. Options in the query: `password
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
@@ -23,10 +24,14 @@ DEFAULT_SENTINEL_PORT = 26379
 SENTINEL_SOCKET_TIMEOUT_S = (
     10.0  # a primary that stops answering (partition) fails commands instead of hanging
 )
+NO_REPLICA_RETRY_S = 10.0
 TRUE = {"1", "true", "yes", "on"}
 FLOATS = {"socket_timeout", "socket_connect_timeout"}
 STRINGS = {"password", "username", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs"}
 SENTINEL_ONLY = {"sentinel_password", "sentinel_username", "sentinel_ssl"}
+
+
+_no_replica_until: dict[int, float] = {}  # a Sentinel pool's id -> until when WAIT is skipped
 
 
 class RedisURLError(ValueError):
@@ -129,7 +134,15 @@ def follows_sentinel(connection: redis.Redis) -> bool:
 
 def wait_for_replica(connection: redis.Redis, timeout_ms: int = 1000) -> int:
     """Wait until the writes so far reached a replica (WAIT 1), for commit points that must survive failover;
-    the number of replicas that acknowledged (0 without sentinels: a lone server has none to wait for)."""
-    if not follows_sentinel(connection):
+    the number of replicas that acknowledged (0 without sentinels: a lone server has none to wait for).
+
+    After a WAIT that no replica answered (the primary left alone, as after a failover), the next ones are
+    skipped for NO_REPLICA_RETRY_S instead of each costing timeout_ms: there is nothing to wait for."""
+    pool = connection.connection_pool
+    skip_until = _no_replica_until.get(id(pool), 0.0)
+    if not isinstance(pool, SentinelConnectionPool) or time.monotonic() < skip_until:
         return 0
-    return int(connection.execute_command("WAIT", 1, timeout_ms))
+    acknowledged = int(connection.execute_command("WAIT", 1, timeout_ms))
+    if not acknowledged:
+        _no_replica_until[id(pool)] = time.monotonic() + NO_REPLICA_RETRY_S
+    return acknowledged

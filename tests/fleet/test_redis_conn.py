@@ -4,6 +4,7 @@ loopback)."""
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -98,3 +99,20 @@ def test_only_the_connection_factory_builds_redis_clients():
         if builders.search(line)
     ]
     assert not found, found
+
+
+def test_a_primary_left_without_a_replica_does_not_make_every_commit_wait(tmp_path):
+    """WAIT that no replica answers costs its timeout once; the next commit points skip it for a while."""
+    servers = loopback_set(tmp_path)
+    servers.start()
+    try:
+        client = connect(servers.url)
+        assert wait_for_replica(client, 200) == 1
+        servers.replica.kill()
+        client.set("k", "v")
+        assert wait_for_replica(client, 200) == 0
+        started = time.monotonic()
+        assert [wait_for_replica(client, 2000) for _ in range(5)] == [0] * 5
+        assert time.monotonic() - started < 1.0, "skipped, not five 2 s timeouts"
+    finally:
+        servers.stop()
