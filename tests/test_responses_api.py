@@ -173,6 +173,9 @@ def test_a_responses_body_maps_onto_a_chat_body():
     kwargs = chat.sampling_kwargs()
     assert (kwargs["max_tokens"], kwargs["temperature"], kwargs["top_p"]) == (7, 0.5, 0.9)
     assert kwargs["structured_outputs"]["json"]["anyOf"][0]["properties"]["name"] == {"const": "get_weather"}
+
+
+def test_a_named_tool_and_text_formats_become_chat_constraints():
     named = ResponsesBody.model_validate(
         {"input": "hi", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_weather"}}
     )
