@@ -49,6 +49,17 @@ def test_a_shard_jobs_redis_footprint_does_not_grow_with_its_lines(redis_url, tm
     assert info < 8 * MiB, "the megabyte of requests is in storage, not Redis"
 
 
+def test_a_batch_whose_input_cannot_be_stored_fails_at_submit(redis_url, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    client = Client(redis_url)
+    batch = client.submit_batch([completion(i) for i in range(3)], output=(blocker / "out").as_uri())
+    assert batch.status == BatchStatus.failed and batch.errors[0].code == "enqueue_failed"
+    message = batch.errors[0].message
+    assert "cannot write the batch's input" in message and str(blocker) in message
+    assert client.connection.keys("rq:job:*") == [], "nothing enqueued"
+
+
 def test_the_worker_reads_its_slice_from_storage(redis_url, tmp_path):
     client = Client(redis_url)
     lines = [completion(i) for i in range(7)]
