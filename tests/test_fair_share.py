@@ -109,3 +109,33 @@ def test_no_cap_by_default(redis_url, cap):
     client = Client(redis_url)
     batch = client.submit_batch([completion(i, prompt="x" * 1000) for i in range(20)])
     assert batch.status == BatchStatus.in_progress and TokenQuota(client.connection).usage("default") > 5000
+
+
+def test_the_server_counts_a_batch_against_its_api_keys_project(redis_url, tmp_path):
+    import openai
+
+    from sluice.producer.server.keys import KeyStore
+    from tests.server_stack import start_server
+    from tests.services import stop_worker, worker_env
+
+    env = worker_env(redis_url, SLUICE_OUTPUT_URL=tmp_path.as_uri(), SLUICE_MAX_ENQUEUED_TOKENS="300")
+    process, url = start_server(redis_url, tmp_path, env=env)
+    try:
+        keys = KeyStore(redis.Redis.from_url(redis_url))
+        apis = {p: openai.OpenAI(base_url=url + "/v1", api_key=keys.create(p)[1], max_retries=0)
+                for p in "ab"}  # fmt: skip
+        body = "".join(json.dumps(completion(i, prompt="x" * 300)) + "\n" for i in range(2)).encode()
+
+        def create(project: str):
+            upload = apis[project].files.create(file=("in.jsonl", body), purpose="batch")
+            return apis[project].batches.create(input_file_id=upload.id, endpoint="/v1/completions",
+                                                completion_window="24h")  # fmt: skip
+
+        assert create("a").status == "in_progress"
+        refused = create("a")
+        assert refused.status == "failed" and refused.errors.data[0].code == "token_limit_exceeded"
+        message = refused.errors.data[0].message
+        assert "project 'a'" in message and "limit 300" in message
+        assert create("b").status == "in_progress", "another project's cap is its own"
+    finally:
+        stop_worker(process)
