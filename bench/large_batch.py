@@ -24,6 +24,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 from datetime import UTC, datetime
@@ -34,6 +35,9 @@ MODEL = ROOT / "models" / "sluice-tiny"
 SLUICE = Path(sys.executable).parent / "sluice"
 BEGIN, END = "<!-- large-batch:begin -->", "<!-- large-batch:end -->"
 MB = 1000 * 1000
+NOTE = ("Targets: Redis at most 64 MB above idle, server and finalize at most 300 MB each, nothing lost, "
+        "the small batch done within 2 minutes. The worker's RSS is its engine's (model, KV pool, C++ "
+        "kernels); finalize also runs inline in it, and alone in a fresh process for its own row.")
 MiB = 1024 * 1024
 
 FINALIZE_AGAIN = """
@@ -269,6 +273,7 @@ def table(r: dict, command: str) -> str:
              f"`{command}` on {model} ({os.cpu_count()} CPUs, shared host), "
              f"{datetime.now(UTC):%Y-%m-%d}.", "", "| measure | value |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in rows]
+    lines += ["", *textwrap.wrap(NOTE, 110)]
     return "\n".join([*lines, END]) + "\n"
 
 
