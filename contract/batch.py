@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import redis
 
+from sluice.contract.quota import TokenQuota
 from sluice.contract.schemas import Batch, BatchStatus, RequestCounts
 
 PREFIX = "sluice:batch:"
@@ -111,14 +112,19 @@ class BatchStore:
             if change is not None:
                 change(batch)
 
-        return self.update(batch_id, apply)
+        batch = self.update(batch_id, apply)
+        if batch.done:
+            TokenQuota(self.connection).release_batch(batch_id)
+        return batch
 
     def record_shard(
         self, batch_id: str, shard: int, completed: int, failed: int, input_tokens: int = 0, output_tokens: int = 0
     ) -> None:
-        """Record a finished shard's counts and token usage (idempotent: a re-run shard overwrites its entry)."""
+        """Record a finished shard's counts and token usage (idempotent: a re-run shard overwrites its entry)
+        and release its enqueued tokens."""
         entry = [completed, failed, input_tokens, output_tokens]
         self.connection.hset(shards_key(batch_id), str(shard), json.dumps(entry))
+        TokenQuota(self.connection).release_shard(batch_id, shard)
 
     def record_progress(self, batch_id: str, completed: list[str], failed: list[str], ttl: int = 7 * 86400) -> None:
         """Count finished requests by custom_id as they finish (a re-run request moves, never counts twice)."""

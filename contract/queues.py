@@ -65,10 +65,13 @@ def status(job: Job | None) -> str | None:
 
 def drop_unclaimed(connection: redis.Redis, batch_id: str, num_shards: int) -> int:
     """Cancel the batch's shards no worker has claimed yet and return how many; the finalize job (if the submit
-    got to enqueue it) stops waiting for them."""
+    got to enqueue it) stops waiting for them.
+
+    Last shard first: a shard waiting on an earlier one (sharding.enqueue's window) is cancelled before that
+    one, so cancelling the earlier shard never puts it in the queue."""
     [finalize] = fetch(connection, [finalize_job_id(batch_id)])
     dropped = 0
-    for job in fetch(connection, [shard_job_id(batch_id, n) for n in range(num_shards)]):
+    for job in reversed(fetch(connection, [shard_job_id(batch_id, n) for n in range(num_shards)])):
         if job is not None and take_unclaimed(connection, job):
             if finalize is not None:
                 connection.srem(finalize.dependencies_key, job.id)
@@ -83,12 +86,20 @@ def take_unclaimed(connection: redis.Redis, job: Job) -> bool:
     The status read a moment ago may be stale: a worker claims a queued job by moving its id out of the queue's
     list in one Redis command, so removing the id from that list (or from the scheduled registry, for a retry
     waiting out its backoff) is what decides who has it. A job cancelled after a worker took it would run with
-    no shard output and no dependency left for the finalize job to wait on."""
+    no shard output and no dependency left for the finalize job to wait on. A deferred shard (waiting on an
+    earlier one of its batch) is first taken off that one's dependents, so its ending can no longer enqueue
+    it; its status read again then says whether it was enqueued before that."""
     state = status(job)
     if state not in UNCLAIMED:
         return False
     if state == "deferred":
-        return True  # waits on other jobs: not in any queue, no worker can take it yet
+        for dependency_id in job.dependency_ids:
+            connection.srem(Job.dependents_key_for(dependency_id), job.id)
+        state = job.get_status(refresh=True).value
+        if state == "deferred":
+            return True  # in no queue, and nothing left to put it in one
+        if state not in UNCLAIMED:
+            return False
     queue = Queue(job.origin, connection=connection, serializer=JSONSerializer)
     if state == "scheduled":
         registry = ScheduledJobRegistry(job.origin, connection=connection, serializer=JSONSerializer)

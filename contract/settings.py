@@ -59,6 +59,8 @@ class Settings(BaseSettings):
     output_roots: str = ""
     cookie_secure: bool = False
     operator_token: SecretStr | None = None
+    shard_window: int = Field(8, ge=1)  # shards of one batch queued or running at once (fair share)
+    max_enqueued_tokens: int = Field(0, ge=0)  # per project, estimated as JSON bytes / 4; 0: no cap
 
     @model_validator(mode="after")
     def _default_output_url(self) -> Settings:

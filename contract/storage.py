@@ -95,6 +95,10 @@ class Storage(Protocol):
         """A binary stream of the object under key (FileNotFoundError if absent)."""
         ...
 
+    def read_range(self, key: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of the object under key (FileNotFoundError if absent)."""
+        ...
+
     def exists(self, key: str) -> bool:
         """Whether key holds an object."""
         ...
@@ -166,6 +170,11 @@ class FileStorage:
 
     def get(self, key: str) -> bytes:
         return self._path(key).read_bytes()
+
+    def read_range(self, key: str, start: int, end: int) -> bytes:
+        with self.open(key) as f:
+            f.seek(start)
+            return f.read(max(0, end - start))
 
     def chunks(self, key: str, size: int = COPY_CHUNK) -> Iterator[bytes]:
         return read_chunks(self.open(key), size)
@@ -244,6 +253,19 @@ class S3Storage:
 
     def chunks(self, key: str, size: int = COPY_CHUNK) -> Iterator[bytes]:
         return read_chunks(self.open(key), size)
+
+    def read_range(self, key: str, start: int, end: int) -> bytes:
+        """One ranged GET (HTTP Range: bytes=start-(end-1))."""
+        if end <= start:
+            return b""
+        try:
+            response = self.client.get_object(
+                Bucket=self.bucket, Key=self._key(key), Range=f"bytes={start}-{end - 1}"
+            )
+        except self.client.exceptions.NoSuchKey as exc:
+            raise FileNotFoundError(f"s3://{self.bucket}/{self._key(key)}") from exc
+        with response["Body"] as body:
+            return body.read()
 
     def delete(self, key: str) -> None:
         self.client.delete_object(Bucket=self.bucket, Key=self._key(key))

@@ -15,6 +15,7 @@ from sluice.contract.batch import BatchStore, TransitionError, new_batch_id
 from sluice.contract.events import notify
 from sluice.contract.jobs import QUEUES
 from sluice.contract.queues import drop_unclaimed
+from sluice.contract.quota import DEFAULT_PROJECT, TokenLimitExceeded, TokenQuota
 from sluice.contract.redis_conn import connect
 from sluice.contract.schemas import (
     CHAT,
@@ -27,7 +28,7 @@ from sluice.contract.schemas import (
 )
 from sluice.contract.settings import Settings, get_settings
 from sluice.contract.signing import WebhookSettings, check_url
-from sluice.contract.storage import check_output_url, read_url
+from sluice.contract.storage import check_output_url, open_output, read_url
 from sluice.producer import sharding
 from sluice.producer.validation import Input, input_lines, validate_lines
 
@@ -106,11 +107,10 @@ class Client:
         completion_window: str | None = None,
         shard_size: int | None = None,
         webhook: str | None = None,
+        project: str = DEFAULT_PROJECT,
     ) -> Batch:
-        """Validate input (path, URL, bytes or list of lines) and enqueue it; returns the Batch.
-
-        completion_window and shard_size default to SLUICE_COMPLETION_WINDOW and SLUICE_SHARD_SIZE.
-        """
+        """Validate input (path, URL, bytes or list of lines) and enqueue it for project; returns the Batch.
+        completion_window, shard_size default to SLUICE_COMPLETION_WINDOW, SLUICE_SHARD_SIZE."""
         completion_window = completion_window or self.settings.completion_window
         shard_size = self.settings.shard_size if shard_size is None else shard_size
         if priority not in QUEUES:
@@ -135,31 +135,52 @@ class Client:
             if existing is not None:
                 return self.get(existing)
         self.batches.create(batch)
-        return self._validate_and_enqueue(batch, input, shard_size)
+        return self._validate_and_enqueue(batch, input, shard_size, project)
 
-    def _validate_and_enqueue(self, batch: Batch, input: Input, shard_size: int) -> Batch:
-        """Every failure from here on ends the batch `failed` with an error, never stuck in `validating`."""
+    def _validate_and_enqueue(self, batch: Batch, input: Input, shard_size: int, project: str) -> Batch:
+        """Every failure from here on ends the batch `failed` with an error, never stuck in `validating`.
+
+        The input is read once, line by line: each validated request goes straight into the batch's stored
+        input (sharding.InputSpool), published only once every line passed and the tokens are reserved."""
+        settings = self.settings
         try:
-            checked = validate_lines(input_lines(input, self.settings), self.settings)
+            storage = open_output(batch.output_url, self.output_roots, s3_style=settings.s3_addressing_style)
+            spool = sharding.InputSpool(storage, batch.id, shard_size, settings.max_shard_bytes)
         except Exception as exc:
-            message = f"cannot read input {batch.input_file}: {type(exc).__name__}: {exc}"
-            return self._fail(batch.id, [LineError(code="input_unreadable", message=message)], 0)
-        if checked.errors:
-            return self._fail(batch.id, checked.errors, checked.num_lines)
-        chunks = sharding.split(checked.requests, shard_size, checked.sizes, self.settings.max_shard_bytes)
+            message = f"cannot write the batch's input to {batch.output_url}: {type(exc).__name__}: {exc}"
+            return self._fail(batch.id, [LineError(code="enqueue_failed", message=message)], 0)
+        with spool:
+            try:
+                checked = validate_lines(input_lines(input, settings), settings, into=spool)
+            except Exception as exc:
+                message = f"cannot read input {batch.input_file}: {type(exc).__name__}: {exc}"
+                return self._fail(batch.id, [LineError(code="input_unreadable", message=message)], 0)
+            if checked.errors:
+                return self._fail(batch.id, checked.errors, checked.num_lines)
+            return self._reserve_and_enqueue(batch, spool, checked.num_lines, project)
+
+    def _reserve_and_enqueue(
+        self, batch: Batch, spool: sharding.InputSpool, total: int, project: str
+    ) -> Batch:
+        """Hold the batch's tokens against its project's cap, publish its input, enqueue its shards."""
+        slices = spool.cut()
+        try:
+            tokens = [s.tokens for s in slices]
+            TokenQuota(self.connection).reserve(project, batch.id, tokens, self.settings.max_enqueued_tokens)
+        except TokenLimitExceeded as exc:
+            return self._fail(batch.id, [LineError(code=exc.code, message=str(exc))], total)
 
         def start(b: Batch) -> None:
-            b.request_counts = RequestCounts(total=len(checked.requests))
-            b.num_shards = len(chunks)
+            b.request_counts = RequestCounts(total=len(spool))
+            b.num_shards = len(slices)
 
         try:
+            spool.commit()
             self.batches.transition(batch.id, BatchStatus.in_progress, start)
-            sharding.enqueue(self.connection, batch, chunks, self.settings)
+            sharding.enqueue(self.connection, batch, slices, self.settings)
         except Exception as exc:
             message = f"{type(exc).__name__}: {exc}"
-            return self._fail(
-                batch.id, [LineError(code="enqueue_failed", message=message)], checked.num_lines
-            )
+            return self._fail(batch.id, [LineError(code="enqueue_failed", message=message)], total)
         return self.get(batch.id)
 
     def _fail(self, batch_id: str, errors: list[LineError], total: int) -> Batch:

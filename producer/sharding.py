@@ -1,4 +1,5 @@
-"""Splitting a batch into shards and enqueueing them as rq jobs (JSON serializer), plus the finalize job."""
+"""The batch's validated input streamed once into storage and cut into shard slices; the shard jobs (rq, JSON
+serializer) that carry only those slices, chained so that batches share the queue; the finalize job."""
 
 from __future__ import annotations
 
@@ -9,33 +10,68 @@ from rq import Queue, Retry
 from rq.job import Dependency
 
 from sluice.contract.jobs import FINALIZE, RUN_SHARD, finalize_job_id, shard_job_id
-from sluice.contract.queues import RawJSON, queue_for
+from sluice.contract.queues import queue_for
 from sluice.contract.schemas import Batch, Request
 from sluice.contract.settings import Settings
-from sluice.producer.validation import Requests
+from sluice.contract.shards import InputSlice, estimate_tokens, input_key
+from sluice.contract.storage import ObjectWriter, Storage
 
-PIPELINE_BYTES = 2 * 1024 * 1024
+ENQUEUE_GROUP = 500  # shard jobs written to Redis per round trip
 
 
-def split(
-    requests: Sequence[Request],
-    shard_size: int,
-    sizes: Sequence[int] | None = None,
-    max_bytes: int | None = None,
-) -> list[Sequence[Request]]:
-    """Consecutive slices of at most shard_size requests and (given their sizes) at most max_bytes each."""
-    assert shard_size > 0, "shard_size must be positive"
-    if sizes is None or max_bytes is None:
-        return [requests[i : i + shard_size] for i in range(0, len(requests), shard_size)]
-    chunks, start, used = [], 0, 0
-    for i, size in enumerate(sizes):
-        if i > start and (i - start == shard_size or used + size > max_bytes):
-            chunks.append(requests[start:i])
-            start, used = i, 0
-        used += size
-    if start < len(requests):
-        chunks.append(requests[start:])
-    return chunks
+class InputSpool:
+    """Validated requests streamed into `{batch_id}/input.jsonl` (compact JSON, one a line), cut into slices
+    of at most shard_size requests and max_bytes bytes as they pass; nothing is kept but the slices' bounds.
+
+    A context manager: nothing is published under the key unless commit() is called.
+    """
+
+    def __init__(self, storage: Storage, batch_id: str, shard_size: int, max_bytes: int) -> None:
+        assert shard_size > 0, "shard_size must be positive"
+        self.key = input_key(batch_id)
+        self.writer: ObjectWriter = storage.writer(self.key)
+        self.shard_size, self.max_bytes = shard_size, max_bytes
+        self.slices: list[InputSlice] = []
+        self.count = 0
+        self._start = self._end = self._in_slice = 0
+
+    def append(self, request: Request) -> None:
+        """Write one validated request, starting a new slice when this one is full."""
+        data = request.model_dump_json().encode() + b"\n"
+        full = self._in_slice == self.shard_size or self._end - self._start + len(data) > self.max_bytes
+        if self._in_slice and full:
+            self._close_slice()
+        self.writer.write(data)
+        self._end += len(data)
+        self._in_slice += 1
+        self.count += 1
+
+    def __len__(self) -> int:
+        return self.count
+
+    def _close_slice(self) -> None:
+        size = self._end - self._start
+        tokens = estimate_tokens(size)
+        self.slices.append(InputSlice(self.key, self._start, self._end, self._in_slice, tokens))
+        self._start, self._in_slice = self._end, 0
+
+    def cut(self) -> list[InputSlice]:
+        """Close the last slice; returns every slice."""
+        if self._in_slice:
+            self._close_slice()
+        return self.slices
+
+    def commit(self) -> list[InputSlice]:
+        """Publish the input under its key; returns the slices."""
+        slices = self.cut()
+        self.writer.commit()
+        return slices
+
+    def __enter__(self) -> InputSpool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.writer.discard()
 
 
 def retry_policy(retries: int, settings: Settings) -> Retry | None:
@@ -43,42 +79,36 @@ def retry_policy(retries: int, settings: Settings) -> Retry | None:
     return Retry(max=retries, interval=list(settings.retry_backoff)) if retries else None
 
 
-def _payload(chunk: Sequence[Request]) -> RawJSON | list[dict]:
-    """What a shard job carries: the validated requests' own JSON, as it is (a list of dicts for other input)."""
-    return RawJSON(chunk.items) if isinstance(chunk, Requests) else [r.model_dump() for r in chunk]
+def enqueue(connection: redis.Redis, batch: Batch, slices: Sequence[InputSlice], settings: Settings) -> int:
+    """Enqueue one job per slice and a finalize job depending on all of them; return the shard count.
 
-
-def enqueue(
-    connection: redis.Redis, batch: Batch, chunks: Sequence[Sequence[Request]], settings: Settings
-) -> int:
-    """Enqueue one job per shard and a finalize job depending on all of them; return the shard count.
-
-    Shards go to Redis in pipelines of about PIPELINE_BYTES, so a large batch is never all in memory as jobs.
+    Fair share: only the first SLUICE_SHARD_WINDOW shards go to the queue now; shard n waits on shard
+    n - window (an rq dependency that a failure or cancellation also ends), so each shard that ends puts its
+    batch's next one at the back of the queue, behind the shards of batches submitted since. A batch thus has
+    at most `window` shards queued or running at once, and batches of one priority take turns, a shard each.
     """
     queue = queue_for(connection, batch.priority)
     retry = retry_policy(settings.shard_retries, settings)
-    pending, pending_bytes = [], 0
-    for n, chunk in enumerate(chunks):
-        pending.append(
-            Queue.prepare_data(
-                RUN_SHARD,
-                args=(batch.id, n, _payload(chunk)),
-                job_id=shard_job_id(batch.id, n),
-                description=f"{batch.id} shard {n} ({len(chunk)} requests)",
-                timeout=settings.shard_timeout,
-                result_ttl=settings.result_ttl,
-                failure_ttl=settings.failure_ttl,
-                retry=retry,
-            )
+    window = settings.shard_window
+    jobs = [
+        Queue.prepare_data(
+            RUN_SHARD,
+            args=(batch.id, n, piece.arg()),
+            job_id=shard_job_id(batch.id, n),
+            description=f"{batch.id} shard {n} ({piece.count} requests)",
+            depends_on=None if n < window else Dependency(jobs=[shard_job_id(batch.id, n - window)],
+                                                          allow_failure=True),
+            timeout=settings.shard_timeout,
+            result_ttl=settings.result_ttl,
+            failure_ttl=settings.failure_ttl,
+            retry=retry,
         )
-        pending_bytes += chunk.nbytes if isinstance(chunk, Requests) else PIPELINE_BYTES
-        if pending_bytes >= PIPELINE_BYTES or n == len(chunks) - 1:
-            with connection.pipeline() as pipe:
-                queue.enqueue_many(pending, pipeline=pipe)
-                pipe.execute()
-            pending, pending_bytes = [], 0
-    enqueue_finalize(queue, batch, len(chunks), settings)
-    return len(chunks)
+        for n, piece in enumerate(slices)
+    ]
+    for start in range(0, len(jobs), ENQUEUE_GROUP):
+        queue.enqueue_many(jobs[start : start + ENQUEUE_GROUP])
+    enqueue_finalize(queue, batch, len(slices), settings)
+    return len(slices)
 
 
 def enqueue_finalize(queue: Queue, batch: Batch, num_shards: int, settings: Settings) -> None:

@@ -6,7 +6,7 @@ import json
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, overload
+from typing import Any, Protocol, overload
 
 from pydantic import ValidationError
 
@@ -48,11 +48,19 @@ class Requests(Sequence[Request]):
         return sum(len(item) for item in self.items)
 
 
+class RequestSink(Protocol):
+    """Where validated requests go: kept (Requests) or streamed to storage (sharding.InputSpool)."""
+
+    def append(self, request: Request) -> None: ...
+
+    def __len__(self) -> int: ...
+
+
 @dataclass
 class Validated:
     """The outcome of checking every line: the good requests and the line-numbered errors."""
 
-    requests: Requests = field(default_factory=Requests)
+    requests: RequestSink = field(default_factory=Requests)
     sizes: list[int] = field(default_factory=list)
     errors: list[LineError] = field(default_factory=list)
     num_errors: int = 0
@@ -86,9 +94,9 @@ def input_lines(source: Input, settings: Settings) -> Iterator[bytes]:
             )
 
 
-def validate_lines(lines: Iterable[bytes], settings: Settings) -> Validated:
-    """Check every line; collect requests and errors (nothing is silently dropped)."""
-    out, seen = Validated(), {}
+def validate_lines(lines: Iterable[bytes], settings: Settings, into: RequestSink | None = None) -> Validated:
+    """Check every line once, as it streams by: requests go `into` a sink (default: kept), errors listed."""
+    out, seen = Validated(requests=Requests() if into is None else into), {}
     total_bytes = 0
     for number, raw in enumerate(lines, start=1):
         total_bytes += len(raw) + 1

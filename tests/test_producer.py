@@ -15,6 +15,8 @@ from sluice.contract.batch import TransitionError
 from sluice.contract.jobs import finalize_job_id, shard_job_id
 from sluice.contract.queues import queue_for
 from sluice.contract.settings import Settings
+from sluice.contract.shards import input_key, shard_requests
+from sluice.contract.storage import open_storage
 from sluice.producer import BatchStatus, Client
 from sluice.producer.client import window_seconds
 from sluice.producer.validation import validate_lines
@@ -92,9 +94,15 @@ def test_submit_enqueues_json_shards_and_a_finalize_job_depending_on_them(redis_
     assert queue.job_ids == [shard_job_id(batch.id, n) for n in range(3)]
     data = client.connection.hget(Job.key_for(shard_job_id(batch.id, 2)), "data")
     func, _, args, _ = json.loads(zlib.decompress(data))
-    assert func == "sluice.worker.shard_run.run_shard" and [r["custom_id"] for r in args[2]] == ["r8", "r9"]
-    compact = [json.dumps(r, separators=(",", ":")).encode() for r in args[2]]
-    assert b"[" + b",".join(compact) + b"]" in zlib.decompress(data), "the requests' own JSON, not dumped again"
+    assert func == "sluice.worker.shard_run.run_shard"
+    assert b"r8" not in zlib.decompress(data), "the job carries a slice of the stored input, no requests"
+    storage = open_storage(tmp_path.as_uri())
+    requests = list(shard_requests(storage, args[2]))
+    assert [r.custom_id for r in requests] == ["r8", "r9"]
+    stored = storage.get(input_key(batch.id))
+    compact = [r.model_dump_json().encode() for r in requests]
+    assert stored.endswith(b"\n".join(compact) + b"\n"), "the validated requests' JSON, stored once, in order"
+    assert len(stored.splitlines()) == 10
     finalize = Job.fetch(finalize_job_id(batch.id), connection=client.connection, serializer=JSONSerializer)
     assert finalize.get_status() == JobStatus.DEFERRED
     assert set(finalize._dependency_ids) == set(queue.job_ids)
@@ -125,8 +133,10 @@ def test_submit_single_request_builds_chat_or_completion(redis_url):
     text = client.submit("once upon", max_tokens=2)
     queue = Queue("default", connection=client.connection, serializer=JSONSerializer)
     jobs = [queue.fetch_job(shard_job_id(b.id, 0)) for b in (chat, text)]
-    assert [j.args[2][0]["url"] for j in jobs] == ["/v1/chat/completions", "/v1/completions"]
-    assert jobs[0].args[2][0]["body"]["max_tokens"] == 3 and chat.request_counts.total == 1
+    storage = open_storage(client.settings.output_url)
+    requests = [next(shard_requests(storage, j.args[2])) for j in jobs]
+    assert [r.url for r in requests] == ["/v1/chat/completions", "/v1/completions"]
+    assert requests[0].body["max_tokens"] == 3 and chat.request_counts.total == 1
 
 
 def test_cancel_drops_queued_shards_and_finalizes_as_cancelled(redis_url, tmp_path):
@@ -195,5 +205,7 @@ def test_shards_are_capped_by_count_and_by_bytes(redis_url):
     big = [line(f"b{i}", prompt="x" * 300) for i in range(3)]
     batch = client.submit_batch(small + big, shard_size=4)
     queue = queue_for(client.connection, "default")
-    sizes = [len(queue.fetch_job(j).args[2]) for j in queue.job_ids]
+    storage = open_storage(client.settings.output_url)
+    jobs = [queue.fetch_job(shard_job_id(batch.id, n)) for n in range(batch.num_shards)]
+    sizes = [len(list(shard_requests(storage, j.args[2]))) for j in jobs]
     assert sizes == [4, 1, 1, 1, 1] and batch.num_shards == 5

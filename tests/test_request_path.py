@@ -1,15 +1,17 @@
-"""One request type from the batch line to the engine: validated at the edge, carried as JSON in its shard job,
-rebuilt by the worker without validating it again; its typed body built once there."""
+"""One request type from the batch line to the engine: validated at the edge, stored as JSON in the batch's
+input (its shard job carries the slice), rebuilt by the worker without validating it again; its typed body
+built once there."""
 
 from __future__ import annotations
 
 import json
 from collections import Counter
 
-from sluice.contract.queues import RawJSONSerializer
 from sluice.contract.schemas import ChatBody, CompletionBody, Request
 from sluice.contract.settings import Settings
-from sluice.producer.sharding import _payload
+from sluice.contract.shards import shard_requests
+from sluice.contract.storage import FileStorage
+from sluice.producer.sharding import InputSpool
 from sluice.producer.validation import validate_lines
 from sluice.worker.shard_run import ShardRun, prepare
 
@@ -47,13 +49,17 @@ def count_validations(monkeypatch) -> Counter:
     return counts
 
 
-def test_a_request_is_validated_at_the_edge_and_rebuilt_without_validation(monkeypatch):
+def test_a_request_is_validated_at_the_edge_and_rebuilt_without_validation(monkeypatch, tmp_path):
     counts = count_validations(monkeypatch)
-    checked = validate_lines([json.dumps(line).encode() for line in LINES], Settings())
+    storage = FileStorage(tmp_path)
+    with InputSpool(storage, "b", shard_size=10, max_bytes=1 << 20) as spool:
+        checked = validate_lines([json.dumps(line).encode() for line in LINES], Settings(), into=spool)
+        [piece] = spool.commit()
     assert checked.errors == [] and counts == {"CompletionBody": 1, "ChatBody": 1}
-    carried = json.loads(RawJSONSerializer.dumps(_payload(checked.requests)))  # what the shard job holds in Redis
-    assert counts == {"CompletionBody": 1, "ChatBody": 1}, "splitting and serializing validate nothing"
+    carried = json.loads(json.dumps(piece.arg()))  # what the shard job holds in Redis: the slice
+    assert counts == {"CompletionBody": 1, "ChatBody": 1}, "storing and slicing validate nothing"
     run = ShardRun.from_args("b-shard-0", ("b", 0, carried))
+    run.requests = list(shard_requests(storage, run.payload))  # what load() reads from the batch's storage
     assert [r.custom_id for r in run.requests] == ["c", "t"] and counts["CompletionBody"] == 1
     completion = run.requests[0]
     prompt, params = prepare(None, completion, served=set())

@@ -16,8 +16,9 @@ from sluice.contract.batch import BatchStore, TransitionError, progress_key
 from sluice.contract.events import notify
 from sluice.contract.jobs import shard_job_id
 from sluice.contract.redis_conn import connect, wait_for_replica
-from sluice.contract.schemas import Batch, BatchStatus, LineError, OutputRecord, Request, RequestCounts
+from sluice.contract.schemas import Batch, BatchStatus, LineError, OutputRecord, RequestCounts
 from sluice.contract.settings import Settings, WebhookSettings, get_settings
+from sluice.contract.shards import shard_requests
 from sluice.contract.storage import OutputNotAllowed, Storage, object_lines, open_output
 from sluice.worker.faults import faults
 from sluice.worker.lease import attempt_key, committed_token
@@ -58,8 +59,8 @@ def shard_records(
     if code == "shard_failed" and failed_shards is not None:
         failed_shards.append(shard)
     message = ABORT_CODES.get(code) or f"shard {shard} produced no output ({job.get_status()})"
-    for request in job.args[2]:
-        yield error_record(Request.trusted(request).custom_id, code, message)
+    for request in shard_requests(storage, job.args[2]):
+        yield error_record(request.custom_id, code, message)
 
 
 @dataclass

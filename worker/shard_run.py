@@ -19,6 +19,7 @@ from sluice.contract.redis_conn import connect
 from sluice.contract.responses_api import ResponsesBody
 from sluice.contract.schemas import ChatBody, EmbeddingBody, OutputRecord, Request
 from sluice.contract.settings import Settings, get_settings, stay_off_the_hub
+from sluice.contract.shards import shard_requests
 from sluice.contract.storage import open_output
 from sluice.worker.faults import faults
 from sluice.worker.lease import Commit, attempt_key, begin_attempt, commit, lease_holds
@@ -109,12 +110,27 @@ class ShardRun:
     abort_code: str | None = None
     unreported: list[str] = field(default_factory=list)
     token: int | None = None
+    payload: dict[str, Any] | list[dict[str, Any]] | None = None
 
     @classmethod
     def from_args(cls, job_id: str, args: tuple | list) -> ShardRun:
-        """A run for the args of a `run_shard(batch_id, shard, requests)` job."""
-        batch_id, shard, requests = args
-        return cls(job_id, batch_id, int(shard), [Request.trusted(r) for r in requests])
+        """A run for the args of a `run_shard(batch_id, shard, slice)` job; its requests come with load(),
+        from the slice of the batch's stored input (or, in a job that carries them, from the job itself)."""
+        batch_id, shard, payload = args
+        if isinstance(payload, dict):
+            return cls(job_id, batch_id, int(shard), [], payload=payload)
+        return cls(job_id, batch_id, int(shard), [Request.trusted(r) for r in payload])
+
+    def load(self, store: BatchStore, settings: Settings) -> None:
+        """Read the shard's requests from its slice of the batch's input, in the batch's output storage (no
+        requests when the batch is gone)."""
+        if not isinstance(self.payload, dict) or self.requests:
+            return
+        batch = store.get(self.batch_id)
+        if batch is not None:
+            roots, style = settings.output_root_urls(), settings.s3_addressing_style
+            storage = open_output(batch.output_url, roots, s3_style=style)
+            self.requests = list(shard_requests(storage, self.payload))
 
     @property
     def done(self) -> bool:
@@ -245,9 +261,10 @@ def shared_llm(settings: Settings) -> Any:
     return _LLM
 
 
-def run_shard(batch_id: str, shard: int, requests: list[dict[str, Any]]) -> dict[str, int]:
-    """The rq job of one shard, runnable by a stock rq worker: generate every request, save the shard (the
-    job's entry point: it reads Settings once, for everything below)."""
+def run_shard(batch_id: str, shard: int, requests: dict[str, Any] | list[dict[str, Any]]) -> dict[str, int]:
+    """The rq job of one shard, runnable by a stock rq worker: read its slice of the input (`requests`: the
+    slice, contract/shards.InputSlice), generate every request, save the shard (the job's entry point: it
+    reads Settings once, for everything below)."""
     settings, job = get_settings(), get_current_job()
     connection = job.connection if job else connect(settings.redis_url)
     run = ShardRun.from_args(job.id if job else f"{batch_id}-shard-{shard}", (batch_id, shard, requests))
@@ -258,6 +275,7 @@ def run_shard(batch_id: str, shard: int, requests: list[dict[str, Any]]) -> dict
     if refusal:  # permanent for the batch: end it now rather than run requests whose output cannot be kept
         fail_batch(connection, batch_id, OUTPUT_NOT_ALLOWED, refusal, settings)
         return {"completed": 0, "failed": 0}
+    run.load(BatchStore(connection), settings)
     if reason:
         run.fail_all(reason, ABORT_CODES[reason])
     else:

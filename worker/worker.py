@@ -206,6 +206,7 @@ class EngineWorker(JobsWorker):
             if refusal:
                 self._refuse_output(job.id, run.batch_id, OutputNotAllowed(refusal))
                 return
+            run.load(self.store, self.settings)
             if reason:
                 run.fail_all(reason, ABORT_CODES[reason])
             else:

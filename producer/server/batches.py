@@ -192,6 +192,7 @@ class BatchApi:
                 completion_window=body.completion_window,
                 webhook=webhook,
                 shard_size=self.ctx.settings.shard_size,
+                project=key.project,
             )
         except OutputNotAllowed as exc:  # the server's own SLUICE_OUTPUT_URL is outside SLUICE_OUTPUT_ROOTS
             raise APIError(500, f"the server is misconfigured: {exc}", code="output_not_allowed") from None

@@ -121,7 +121,9 @@ def test_a_failed_output_write_leaves_no_file_and_the_retry_completes(redis_url,
         patched.setattr("sluice.contract.storage.ObjectWriter.write", broken)
         finalize(client.connection, batch.id, SETTINGS)
     assert client.get(batch.id).status == BatchStatus.finalizing
-    assert sorted(p.name for p in (tmp_path / batch.id).iterdir()) == ["shards"], "no output, no temp file"
+    assert sorted(p.name for p in (tmp_path / batch.id).iterdir()) == ["input.jsonl", "shards"], (
+        "no output, no temp file"
+    )
     assert finalize(client.connection, batch.id, SETTINGS)["completed"] == 2
     assert client.get(batch.id).status == BatchStatus.completed
 

@@ -77,9 +77,8 @@ def shard_never_enqueued(client: Client, tmp_path) -> Batch:
 
 
 def output_unwritable(client: Client, tmp_path) -> Batch:
-    blocker = tmp_path / "a-file"
-    blocker.write_text("not a folder")
-    batch = submit(client, (blocker / "out").as_uri())  # finalize cannot create its folder, on every try
+    batch = submit(client, (tmp_path / "out").as_uri())
+    (tmp_path / "out" / batch.id / "output.jsonl").mkdir()  # finalize cannot publish its file, on every try
     shards_died(client, batch, JobStatus.CANCELED)
     return batch
 
