@@ -7,25 +7,20 @@ from __future__ import annotations
 import reprlib
 import time
 import uuid
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Discriminator,
     Field,
-    PrivateAttr,
     Tag,
-    ValidationError,
     ValidationInfo,
     field_validator,
     model_validator,
 )
 
 from sluice.contract.tools import parse_tool_calls
-
-if TYPE_CHECKING:
-    from sluice.contract.schemas import ChatBody
 
 RESPONSES = "/v1/responses"
 MAX_OUTPUT_TOKENS = 1_000_000
@@ -229,8 +224,9 @@ class TextConfig(BaseModel):
     format: TextFormat | None = None
 
 
-class ResponsesBody(BaseModel):
-    """Body of a POST /v1/responses request; a field Sluice does not serve is refused by name."""
+class ResponsesFields(BaseModel):
+    """The fields of a POST /v1/responses body; a field Sluice does not serve is refused by name
+    (contract/schemas.ResponsesBody adds its mapping onto a chat body)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -261,7 +257,6 @@ class ResponsesBody(BaseModel):
     top_logprobs: Any = None
     max_tool_calls: Any = None
     truncation: Any = None
-    _chat: ChatBody | None = PrivateAttr(None)
 
     @field_validator("input", mode="before")
     @classmethod
@@ -288,25 +283,9 @@ class ResponsesBody(BaseModel):
             )
         return v
 
-    @model_validator(mode="after")
-    def _maps_onto_chat(self) -> ResponsesBody:
-        try:
-            self.chat()
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(p) for p in first["loc"])
-            raise ValueError(
-                f"{where + ': ' if where else ''}{first['msg'].removeprefix('Value error, ')}"
-            ) from None
-        return self
-
-    def chat(self) -> ChatBody:
-        """The request as a chat completions body (built and validated once)."""
-        if self._chat is None:
-            from sluice.contract.schemas import ChatBody  # schemas imports this module to register its body
-
-            self._chat = ChatBody.model_validate(self.chat_fields())
-        return self._chat
+    def chat(self) -> Any:
+        """The request as a chat completions body (contract/schemas.ResponsesBody builds it)."""
+        raise NotImplementedError
 
     def chat_fields(self) -> dict[str, Any]:
         """The chat completions fields this body means."""
@@ -359,7 +338,7 @@ class ResponsesBody(BaseModel):
         return out
 
 
-def response_object(body: ResponsesBody, out: Any, model: str) -> dict[str, Any]:
+def response_object(body: ResponsesFields, out: Any, model: str) -> dict[str, Any]:
     """OpenAI's Response object for one finished /v1/responses request: `incomplete` when it ran out of
     max_output_tokens, `completed` otherwise."""
     incomplete = out.finish_reason == "length"
@@ -394,7 +373,7 @@ def response_object(body: ResponsesBody, out: Any, model: str) -> dict[str, Any]
     }
 
 
-def output_items(body: ResponsesBody, out: Any, status: ItemStatus) -> list[dict[str, Any]]:
+def output_items(body: ResponsesFields, out: Any, status: ItemStatus) -> list[dict[str, Any]]:
     """The reply as output items: a `message` with its text (when there is text, or no call), then one
     `function_call` per tool call parsed out of it."""
     chat = body.chat()

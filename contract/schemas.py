@@ -6,9 +6,17 @@ import json
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
-from sluice.contract.responses_api import RESPONSES, ResponsesBody
+from sluice.contract.responses_api import RESPONSES, ResponsesFields
 from sluice.contract.tools import NamedToolChoice, Tool, ToolChoice, named_tool, tool_constraint
 
 COMPLETIONS = "/v1/completions"
@@ -343,6 +351,29 @@ class EmbeddingBody(BaseModel):
         if len(items) > MAX_EMBEDDING_INPUTS:
             raise ValueError(f"at most {MAX_EMBEDDING_INPUTS} inputs per request")
         return v
+
+
+class ResponsesBody(ResponsesFields):
+    """Body of a POST /v1/responses request: valid when it maps onto a chat completions body."""
+
+    _chat: ChatBody | None = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _maps_onto_chat(self) -> ResponsesBody:
+        try:
+            self.chat()
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            message = first["msg"].removeprefix("Value error, ")
+            raise ValueError(f"{where + ': ' if where else ''}{message}") from None
+        return self
+
+    def chat(self) -> ChatBody:
+        """The request as a chat completions body (built and validated once)."""
+        if self._chat is None:
+            self._chat = ChatBody.model_validate(self.chat_fields())
+        return self._chat
 
 
 BODIES: dict[str, type[SamplingBody] | type[EmbeddingBody] | type[ResponsesBody]] = {

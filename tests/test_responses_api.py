@@ -15,7 +15,8 @@ import redis
 from typer.testing import CliRunner
 
 from sluice.cli.main import app
-from sluice.contract.responses_api import RESPONSES, ResponsesBody, output_text, response_object
+from sluice.contract.responses_api import RESPONSES, output_text, response_object
+from sluice.contract.schemas import ResponsesBody
 from sluice.contract.settings import Settings
 from sluice.engine import LLM, SamplingParams
 from sluice.engine.outputs import RequestMetrics, RequestOutput

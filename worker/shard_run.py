@@ -16,8 +16,7 @@ from rq import get_current_job
 
 from sluice.contract.batch import BatchStore
 from sluice.contract.redis_conn import connect
-from sluice.contract.responses_api import ResponsesBody
-from sluice.contract.schemas import ChatBody, EmbeddingBody, OutputRecord, Request
+from sluice.contract.schemas import ChatBody, EmbeddingBody, OutputRecord, Request, ResponsesBody
 from sluice.contract.settings import Settings, get_settings, stay_off_the_hub
 from sluice.contract.shards import shard_requests
 from sluice.contract.storage import open_output
