@@ -59,6 +59,8 @@ class Settings(BaseSettings):
     output_roots: str = ""
     cookie_secure: bool = False
     operator_token: SecretStr | None = None
+    json_max_number_digits: int | None = Field(None, gt=0)  # the engine's json_max_number_digits (default 32)
+    json_max_string_chars: int | None = Field(None, gt=0)  # the engine's json_max_string_chars (default 8192)
 
     @model_validator(mode="after")
     def _default_output_url(self) -> Settings:
@@ -72,6 +74,12 @@ class Settings(BaseSettings):
         """Model names requests may ask for (SLUICE_SERVED_MODELS, else SLUICE_MODEL's folder name)."""
         names = [n.strip() for n in self.served_models.split(",") if n.strip()]
         return names or ([Path(self.model).name] if self.model else [])
+
+    def json_bounds(self) -> dict[str, int]:
+        """The engine's JSON value bounds set by SLUICE_JSON_MAX_NUMBER_DIGITS / SLUICE_JSON_MAX_STRING_CHARS."""
+        bounds = {"json_max_number_digits": self.json_max_number_digits,
+                  "json_max_string_chars": self.json_max_string_chars}
+        return {k: v for k, v in bounds.items() if v is not None}
 
     def output_root_urls(self) -> list[str]:
         """Where batches may write, fleet-wide: SLUICE_OUTPUT_ROOTS (comma-separated), else SLUICE_OUTPUT_URL

@@ -1,16 +1,19 @@
-"""Up-front validation of batch input: JSON, schema, duplicate custom_id and size limits, per line."""
+"""Up-front validation of batch input, as OpenAI's: the file is refused as a whole only when it is unusable (not
+JSONL, a line missing `custom_id`/`method`/`url`/`body`, duplicate custom_ids, size and line limits; the server
+also refuses a file whose urls are not the batch's endpoint); a body's bad parameter is that line's own 400
+record, carried with the line, and the other lines run."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, overload
 
 from pydantic import ValidationError
 
-from sluice.contract.schemas import BODIES, InputLine, LineError, Request
+from sluice.contract.schemas import BODIES, BodyError, InputLine, LineError, OutputRecord, Request
 from sluice.contract.settings import Settings
 from sluice.contract.storage import url_lines
 
@@ -26,7 +29,7 @@ class Requests(Sequence[Request]):
         self.items = [] if items is None else items
 
     def append(self, request: Request) -> None:
-        self.items.append(request.model_dump_json().encode())
+        self.items.append(request.model_dump_json(exclude_defaults=True).encode())
 
     def __len__(self) -> int:
         return len(self.items)
@@ -50,7 +53,8 @@ class Requests(Sequence[Request]):
 
 @dataclass
 class Validated:
-    """The outcome of checking every line: the good requests and the line-numbered errors."""
+    """The outcome of checking every line: the requests (those with a refused body carry their 400 record) and
+    the file-level, line-numbered errors that refuse the whole file."""
 
     requests: Requests = field(default_factory=Requests)
     sizes: list[int] = field(default_factory=list)
@@ -86,8 +90,11 @@ def input_lines(source: Input, settings: Settings) -> Iterator[bytes]:
             )
 
 
-def validate_lines(lines: Iterable[bytes], settings: Settings) -> Validated:
-    """Check every line; collect requests and errors (nothing is silently dropped)."""
+def validate_lines(
+    lines: Iterable[bytes], settings: Settings, answered: Mapping[str, OutputRecord] | None = None
+) -> Validated:
+    """Check every line; collect requests and errors (nothing is silently dropped). A line whose custom_id has a
+    record in `answered` (a resumed batch's finished line) carries that record instead of running again."""
     out, seen = Validated(), {}
     total_bytes = 0
     for number, raw in enumerate(lines, start=1):
@@ -116,6 +123,8 @@ def validate_lines(lines: Iterable[bytes], settings: Settings) -> Validated:
             )
             continue
         seen[request.custom_id] = number
+        if answered and request.custom_id in answered:
+            request = Request.answered(request.url, answered[request.custom_id])
         out.requests.append(request)
         out.sizes.append(len(raw))
     if not out.requests and not out.num_errors:
@@ -154,18 +163,23 @@ def _check_line(raw: bytes, number: int, settings: Settings, out: Validated) -> 
         return None
     try:
         line = InputLine.model_validate(data)
+    except ValidationError as exc:
+        out.add_error(_schema_error(exc, number))
+        return None
+    return _check_body(line, number, settings)
+
+
+def _check_body(line: InputLine, number: int, settings: Settings) -> Request:
+    """The line's request; one whose body is refused carries its 400 record instead of running."""
+    try:
         body = BODIES[line.url].model_validate(line.body)
     except ValidationError as exc:
-        prefix = "" if exc.title == InputLine.__name__ else "body."
-        out.add_error(_schema_error(exc, number, prefix))
-        return None
+        return Request.answered(line.url, _body_error(exc, line.custom_id, number))
     served = settings.served_model_names()
     if served and body.model is not None and body.model not in served:
-        message = (
-            f"line {number}: body.model: model {body.model!r} is not served (served: {', '.join(served)})"
-        )
-        out.add_error(LineError(code="model_not_found", line=number, param="body.model", message=message))
-        return None
+        message = f"line {number}: model: model {body.model!r} is not served (served: {', '.join(served)})"
+        record = OutputRecord.rejected(line.custom_id, "model_not_found", message, "model")
+        return Request.answered(line.url, record)
     return Request.from_line(line, body)
 
 
@@ -184,9 +198,24 @@ def _depth(data: Any) -> int:
     return deepest
 
 
-def _schema_error(exc: ValidationError, number: int, prefix: str) -> LineError:
+def _schema_error(exc: ValidationError, number: int) -> LineError:
+    """A file-level error for a line that is not an OpenAI batch line."""
     first = exc.errors()[0]
-    param = prefix + ".".join(str(p) for p in first["loc"]) if first["loc"] else prefix.rstrip(".") or None
+    param = ".".join(str(p) for p in first["loc"]) or None
     more = f" (+{exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
     message = f"line {number}: {param or 'line'}: {first['msg']}{more}"
     return LineError(code="invalid_request", line=number, param=param, message=message)
+
+
+CODES = {"missing": "missing_required_parameter", "extra_forbidden": "unknown_parameter"}
+
+
+def _body_error(exc: ValidationError, custom_id: str, number: int) -> OutputRecord:
+    """The 400 record of a refused body: OpenAI's error body, `param` the path of the first bad field in it."""
+    first = exc.errors()[0]
+    cause = (first.get("ctx") or {}).get("error")
+    param = cause.param if isinstance(cause, BodyError) else ".".join(str(p) for p in first["loc"]) or None
+    more = f" (+{exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+    reason = str(cause) if isinstance(cause, ValueError) else first["msg"]
+    message = f"line {number}: {param or 'body'}: {reason}{more}"
+    return OutputRecord.rejected(custom_id, CODES.get(first["type"], "invalid_value"), message, param)

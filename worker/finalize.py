@@ -55,8 +55,9 @@ def shard_records(
     if code == "shard_failed" and failed_shards is not None:
         failed_shards.append(shard)
     message = ABORT_CODES.get(code) or f"shard {shard} produced no output ({job.get_status()})"
-    for request in job.args[2]:
-        yield error_record(Request.trusted(request).custom_id, code, message)
+    for data in job.args[2]:
+        request = Request.trusted(data)
+        yield request.answer() or error_record(request.custom_id, code, message)
 
 
 @dataclass

@@ -12,8 +12,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from redis import Redis
+from rq.job import Job
+from rq.serializers import JSONSerializer
 
 from sluice.contract.batch import BatchStore
+from sluice.contract.jobs import shard_job_id
 from sluice.contract.schemas import Batch, BatchStatus
 from sluice.producer.client import Client
 from sluice.producer.cron import CronPipeline, idempotency_key, processed, tick
@@ -192,10 +195,12 @@ def test_submit_refuses_a_model_that_is_not_served(redis_url, tmp_path, monkeypa
     client = Client(redis_url)
     batch = client.submit_batch([line("a", prompt="x", model="sluice-tiny"), line("b", prompt="x", model="gpt-4o")],
                                 output=tmp_path.as_uri())  # fmt: skip
-    assert batch.status == BatchStatus.failed
-    (error,) = batch.errors
-    assert (error.line, error.code, error.param) == (2, "model_not_found", "body.model")
-    assert "sluice-tiny" in error.message
+    assert batch.status == BatchStatus.in_progress and not batch.errors
+    job = Job.fetch(shard_job_id(batch.id, 0), connection=client.connection, serializer=JSONSerializer)
+    (carried,) = [r for r in job.args[2] if "record" in r]
+    error = carried["record"]["response"]["body"]["error"]
+    assert carried["custom_id"] == "b" and carried["record"]["response"]["status_code"] == 400
+    assert (error["code"], error["param"]) == ("model_not_found", "model") and "sluice-tiny" in error["message"]
 
 
 MEMORY_PROBE = """
