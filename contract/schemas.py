@@ -68,7 +68,8 @@ class ResponseFormat(BaseModel):
             return {"json": True}
         if self.type == "json_schema":
             if self.json_schema is None:
-                raise BodyError("response_format.json_schema", "response_format of type json_schema needs json_schema")
+                raise BodyError("response_format.json_schema",
+                                "response_format of type json_schema needs json_schema")
             return {"json": self.json_schema.schema_ or {}}
         return None
 
@@ -315,8 +316,8 @@ class ChatBody(SamplingBody):
             except ValueError as exc:
                 raise BodyError("tool_choice.function.name", str(exc)) from None
         if self.tool_constraint() is not None and (self.structured_outputs or self.response_format):
-            raise BodyError("tool_choice",
-                            "a forced tool_choice cannot be combined with response_format or structured_outputs")
+            message = "a forced tool_choice cannot be combined with response_format or structured_outputs"
+            raise BodyError("tool_choice", message)
         return self
 
     def chosen_tools(self) -> ToolChoice:
@@ -409,8 +410,8 @@ class Request(BaseModel):
 
     @classmethod
     def answered(cls, url: str, record: OutputRecord) -> Request:
-        """A line whose record is already known (a body the producer refused with a 400, or a line a resumed batch
-        carries over finished): the worker writes the record as it is and runs nothing."""
+        """A line whose record is already known (a body the producer refused with a 400, or a line a resumed
+        batch carries over finished): the worker writes the record as it is and runs nothing."""
         return cls.model_construct(custom_id=record.custom_id, url=url, body={},
                                    record=record.model_dump(mode="json"))  # fmt: skip
 
@@ -464,8 +465,8 @@ class OutputRecord(BaseModel):
     @classmethod
     def rejected(cls, custom_id: str, code: str, message: str, param: str | None = None,
                  status_code: int = 400) -> OutputRecord:
-        """A request answered with an HTTP error, as OpenAI writes it: `response` holds the status and OpenAI's
-        error body; `error` repeats its code and message (so a reader of either finds them)."""
+        """A request answered with an HTTP error, as OpenAI writes it: `response` holds the status and
+        OpenAI's error body; `error` repeats its code and message (so a reader of either finds them)."""
         kind = "invalid_request_error" if status_code < 500 else "server_error"
         body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
         response = Response(status_code=status_code, request_id=f"req_{uuid.uuid4().hex}", body=body)

@@ -39,8 +39,8 @@ class Settings(BaseSettings):
     demo_model: Path = Path(__file__).resolve().parents[1] / "models" / "sluice-tiny"
     demo_results: Path = Path("results")
     max_line_bytes: int = Field(1_000_000, gt=0)
-    max_lines: int = Field(200_000, gt=0)
-    max_input_bytes: int = Field(1_000_000_000, gt=0)
+    max_lines: int = Field(50_000, gt=0)  # OpenAI's limits on one batch's input: 50,000 requests, 200 MB
+    max_input_bytes: int = Field(200 * 1000 * 1000, gt=0)
     shard_size: int = Field(256, gt=0, le=10_000)
     max_shard_bytes: int = Field(16 * 1024 * 1024, gt=0)
     completion_window: str = "24h"
@@ -76,7 +76,8 @@ class Settings(BaseSettings):
         return names or ([Path(self.model).name] if self.model else [])
 
     def json_bounds(self) -> dict[str, int]:
-        """The engine's JSON value bounds set by SLUICE_JSON_MAX_NUMBER_DIGITS / SLUICE_JSON_MAX_STRING_CHARS."""
+        """The engine's JSON value bounds set by SLUICE_JSON_MAX_NUMBER_DIGITS /
+        SLUICE_JSON_MAX_STRING_CHARS."""
         bounds = {"json_max_number_digits": self.json_max_number_digits,
                   "json_max_string_chars": self.json_max_string_chars}
         return {k: v for k, v in bounds.items() if v is not None}

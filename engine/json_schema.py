@@ -1,7 +1,7 @@
-"""JSON schemas as the grammar engine (xgrammar) enforces them: the keywords it enforces (any other is refused by
-name rather than silently ignored), and length bounds on the numbers and free strings of a compiled schema's
-grammar, so a constrained request never spends its whole `max_tokens` inside one value. Free of torch and
-xgrammar, so the producer checks a schema with the same rules the worker compiles it by."""
+"""JSON schemas as the grammar engine (xgrammar) enforces them: the keywords it enforces (any other is refused
+by name rather than silently ignored), and length bounds on the numbers and free strings of a compiled
+schema's grammar, so a constrained request never spends its whole `max_tokens` inside one value. Free of torch
+and xgrammar, so the producer checks a schema with the same rules the worker compiles it by."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ from typing import Any
 
 SCHEMA_KEYWORDS = frozenset({
     "type", "properties", "required", "additionalProperties", "items", "prefixItems", "minItems", "maxItems",
-    "enum", "const", "anyOf", "allOf", "$ref", "$defs", "definitions", "minimum", "maximum", "exclusiveMinimum",
-    "exclusiveMaximum", "multipleOf", "minLength", "maxLength", "pattern", "format", "minProperties",
-    "maxProperties", "patternProperties", "propertyNames", "title", "description", "default", "examples",
-    "$schema", "$id", "$comment",
+    "enum", "const", "anyOf", "allOf", "$ref", "$defs", "definitions", "minimum", "maximum",
+    "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "minLength", "maxLength", "pattern", "format",
+    "minProperties", "maxProperties", "patternProperties", "propertyNames", "title", "description", "default",
+    "examples", "$schema", "$id", "$comment",
 })  # fmt: skip
 FORMATS = frozenset({
-    "email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid", "uri", "uri-reference",
-    "uri-template", "json-pointer", "relative-json-pointer",
+    "email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid", "uri",
+    "uri-reference", "uri-template", "json-pointer", "relative-json-pointer",
 })  # fmt: skip
 SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 SCHEMA_LISTS = ("prefixItems", "anyOf", "allOf")
@@ -30,8 +30,9 @@ class GrammarError(ValueError):
 
 
 def check_schema(schema: Any, path: str = "schema") -> None:
-    """Refuse, by name, any JSON schema keyword (or use of one) that xgrammar would not enforce (it ignores some
-    silently: remote `$ref`, unknown `format`s, `multipleOf` on non-integers, an `allOf` of several schemas)."""
+    """Refuse, by name, any JSON schema keyword (or use of one) that xgrammar would not enforce (it ignores
+    some silently: remote `$ref`, unknown `format`s, `multipleOf` on non-integers, an `allOf` of several
+    schemas)."""
     if isinstance(schema, bool):
         return
     if not isinstance(schema, dict):
@@ -53,15 +54,16 @@ def check_schema(schema: Any, path: str = "schema") -> None:
 def _check_use(schema: dict[str, Any], key: str, value: Any, path: str) -> None:
     """Refuse the uses of an enforced keyword that the grammar would still ignore."""
     if key == "$ref" and not (isinstance(value, str) and (value == "#" or value.startswith("#/"))):
-        raise GrammarError(f"$ref {value!r} at {path} is not a local reference ('#/...'); remote schemas are not "
-                           "fetched")
+        raise GrammarError(f"$ref {value!r} at {path} is not a local reference ('#/...'); remote schemas "
+                           "are not fetched")
     if key == "format" and value not in FORMATS:
         raise GrammarError(f"unsupported JSON schema format {value!r} at {path} (supported: "
                            f"{', '.join(sorted(FORMATS))})")
     if key == "multipleOf" and schema.get("type") != "integer":
         raise GrammarError(f"multipleOf at {path} is enforced only with \"type\": \"integer\"")
     if key == "allOf" and isinstance(value, list) and len(value) > 1:
-        raise GrammarError(f"allOf of {len(value)} schemas at {path} is not supported (give one, or merge them)")
+        raise GrammarError(f"allOf of {len(value)} schemas at {path} is not supported (give one, or merge "
+                           "them)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,8 +93,9 @@ def bound_grammar(ebnf: str, bounds: JsonBounds) -> str:
     number has at most `number_digits` digits in each part, a free string at most `string_chars` characters;
     `pattern` regexes and the schema's own `maxLength` stay as given."""
     rules = [RULE.match(line) for line in ebnf.splitlines()]
-    digit_rules = {m.group(1) for m in rules if m and CHAR_CLASS.match(m.group(2)) and m.group(2) == "(([0-9]))"}
-    char_rules = {m.group(1) for m in rules if m and CHAR_CLASS.match(m.group(2))} - digit_rules
+    char_rules = {m.group(1) for m in rules if m and CHAR_CLASS.match(m.group(2))}
+    digit_rules = {m.group(1) for m in rules if m and m.group(2) == "(([0-9]))"}
+    char_rules -= digit_rules
     out = []
     for line, match in zip(ebnf.splitlines(), rules, strict=True):
         if match and match.group(1) == "basic_string":

@@ -53,8 +53,8 @@ def _live_rows(reqs: list[Request]) -> list[int]:
 class StructuredOutputs:
     """Compiled grammars (cached per constraint), matchers and the batch bitmask for one engine's vocabulary."""
 
-    def __init__(self, tokenizer: Any, vocab: int, stop_token_ids: list[int], fill_threads: int | str = "auto",
-                 json_bounds: JsonBounds | None = None) -> None:
+    def __init__(self, tokenizer: Any, vocab: int, stop_token_ids: list[int],
+                 fill_threads: int | str = "auto", json_bounds: JsonBounds | None = None) -> None:
         import xgrammar as xgr  # the grammar engine's native library is loaded on the first structured request
 
         self.xgr, self.vocab = xgr, vocab
@@ -99,8 +99,10 @@ class StructuredOutputs:
             raise GrammarError(f"cannot compile structured_outputs.{so.kind}: {reason}") from exc
 
     def _compile_json(self, schema: dict[str, Any], strict_mode: bool = True) -> Any:
-        """A JSON schema's grammar with its numbers and free strings bounded (engine.json_schema.bound_grammar)."""
-        grammar = self.xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=strict_mode)
+        """A JSON schema's grammar with its numbers and free strings bounded
+        (engine.json_schema.bound_grammar)."""
+        grammar = self.xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False,
+                                                    strict_mode=strict_mode)
         return self.compiler.compile_grammar(bound_grammar(str(grammar), self.json_bounds))
 
     def fill_ahead(self, reqs: list[Request]) -> None:

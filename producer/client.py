@@ -5,17 +5,21 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import redis
+from rq.exceptions import NoSuchJobError
+from rq.job import Job
+from rq.serializers import JSONSerializer
 from tqdm.auto import tqdm
 
 from sluice.contract.batch import BatchStore, TransitionError, new_batch_id
 from sluice.contract.events import notify
-from sluice.contract.jobs import QUEUES
+from sluice.contract.jobs import QUEUES, shard_job_id
 from sluice.contract.queues import drop_unclaimed
+from sluice.contract.retention import schedule_output_expiry
 from sluice.contract.schemas import (
     CHAT,
     COMPLETIONS,
@@ -34,6 +38,7 @@ from sluice.producer.validation import Input, input_lines, validate_lines
 WINDOW = re.compile(r"^(\d+)([smhd])$")
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 MAX_METADATA_KEYS = 16
+MEMORY = "<memory>"
 
 
 class BatchNotFound(KeyError):
@@ -46,6 +51,23 @@ def window_seconds(window: str) -> int:
     if not match or int(match.group(1)) <= 0:
         raise ValueError(f"completion_window must look like '24h', '90m' or '7d', got {window!r}")
     return int(match.group(1)) * UNITS[match.group(2)]
+
+
+MIN_OUTPUT_EXPIRY, MAX_OUTPUT_EXPIRY = 3600, 30 * 86400  # OpenAI's bounds on output_expires_after.seconds
+
+
+def output_expiry_seconds(spec: dict[str, Any] | None) -> int | None:
+    """Seconds from OpenAI's `output_expires_after` ({"anchor": "created_at", "seconds": N}, N from an hour to
+    30 days), None when not given."""
+    if spec is None:
+        return None
+    seconds = spec.get("seconds")
+    if set(spec) != {"anchor", "seconds"} or spec["anchor"] != "created_at" or not isinstance(seconds, int):
+        raise ValueError('output_expires_after must be {"anchor": "created_at", "seconds": N}')
+    if not MIN_OUTPUT_EXPIRY <= seconds <= MAX_OUTPUT_EXPIRY:
+        raise ValueError(f"output_expires_after.seconds must be between {MIN_OUTPUT_EXPIRY} and "
+                         f"{MAX_OUTPUT_EXPIRY}")
+    return seconds
 
 
 def check_metadata(metadata: dict[str, str] | None) -> dict[str, str]:
@@ -106,41 +128,125 @@ class Client:
         completion_window: str | None = None,
         shard_size: int | None = None,
         webhook: str | None = None,
+        output_expires_after: int | None = None,
     ) -> Batch:
         """Validate input (path, URL, bytes or list of lines) and enqueue it; returns the Batch.
 
-        completion_window and shard_size default to SLUICE_COMPLETION_WINDOW and SLUICE_SHARD_SIZE.
+        completion_window and shard_size default to SLUICE_COMPLETION_WINDOW and SLUICE_SHARD_SIZE;
+        output_expires_after: seconds after creation when the output and error files are deleted.
         """
-        completion_window = completion_window or self.settings.completion_window
+        shard_size = self._shard_size(shard_size)
+        batch, created = self._create(
+            input_file=str(input) if isinstance(input, str | Path) else MEMORY, output=output,
+            priority=priority, metadata=metadata, idempotency_key=idempotency_key,
+            completion_window=completion_window, webhook=webhook, output_expires_after=output_expires_after,
+        )  # fmt: skip
+        return self._validate_and_enqueue(batch, input, shard_size) if created else batch
+
+    def resume(
+        self,
+        batch_id: str,
+        output: str | None = None,
+        priority: str | None = None,
+        completion_window: str | None = None,
+        shard_size: int | None = None,
+    ) -> Batch:
+        """A new batch of the lines of a done batch that have no result (expired, cancelled, on a failed
+        shard); the lines that have one (a response, a 400 included) are carried over as they are, so once the
+        new batch completes its output and error files hold every custom_id of the original exactly once."""
+        original = self.get(batch_id)
+        if not original.done:
+            raise ValueError(f"batch {batch_id} is {original.status.value}; only a done batch can be resumed")
+        finished = {r.custom_id: r for r in self._records(original) if r.response is not None}
+        source = self._input_of(original)
+        batch, _ = self._create(
+            input_file=original.input_file, output=output or original.output_url,
+            priority=priority or original.priority, metadata=original.metadata,
+            completion_window=completion_window or original.completion_window, webhook=original.webhook,
+            resumed_from=original.id,
+        )  # fmt: skip
+        return self._validate_and_enqueue(batch, source, self._shard_size(shard_size), finished)
+
+    def _shard_size(self, shard_size: int | None) -> int:
         shard_size = self.settings.shard_size if shard_size is None else shard_size
-        if priority not in QUEUES:
-            raise ValueError(f"priority must be one of {', '.join(QUEUES)}, got {priority!r}")
         if shard_size < 1:
             raise ValueError(f"shard_size must be >= 1, got {shard_size}")
+        return shard_size
+
+    def _create(
+        self,
+        input_file: str,
+        output: str | None,
+        priority: str,
+        metadata: dict[str, str] | None,
+        completion_window: str | None,
+        webhook: str | None,
+        idempotency_key: str | None = None,
+        output_expires_after: int | None = None,
+        resumed_from: str | None = None,
+    ) -> tuple[Batch, bool]:
+        """A new batch record, `validating` (or the batch the idempotency key already names: created
+        False)."""
+        completion_window = completion_window or self.settings.completion_window
+        if priority not in QUEUES:
+            raise ValueError(f"priority must be one of {', '.join(QUEUES)}, got {priority!r}")
+        if output_expires_after is not None and output_expires_after < 1:
+            raise ValueError(f"output_expires_after must be >= 1 second, got {output_expires_after}")
         window = window_seconds(completion_window)
         batch = Batch(
             id=new_batch_id(),
-            input_file=str(input) if isinstance(input, str | Path) else "<memory>",
+            input_file=input_file,
             output_url=check_output_url((output or self.settings.output_url).rstrip("/"), self.output_roots),
             priority=priority,
             completion_window=completion_window,
             metadata=check_metadata(metadata),
             webhook=check_webhook(webhook or self.settings.webhook_url, self.settings.webhook_allow),
             idempotency_key=idempotency_key,
+            resumed_from=resumed_from,
             created_at=time.time(),
         )
         batch.expires_at = batch.created_at + window
+        if output_expires_after is not None:
+            batch.output_expires_at = batch.created_at + output_expires_after
         if idempotency_key:
             existing = self.batches.claim_idempotency_key(idempotency_key, batch.id, ttl=max(window, 86400))
             if existing is not None:
-                return self.get(existing)
+                return self.get(existing), False
         self.batches.create(batch)
-        return self._validate_and_enqueue(batch, input, shard_size)
+        if batch.output_expires_at is not None:
+            schedule_output_expiry(self.connection, batch.id, batch.output_expires_at)
+        return batch, True
 
-    def _validate_and_enqueue(self, batch: Batch, input: Input, shard_size: int) -> Batch:
+    def _records(self, batch: Batch) -> Iterator[OutputRecord]:
+        """Every record of a done batch, its output file's then its error file's."""
+        for url in (batch.output_file, batch.error_file):
+            if url is not None:
+                for line in read_url(url, s3_style=self.settings.s3_addressing_style).splitlines():
+                    yield OutputRecord.model_validate_json(line)
+
+    def _input_of(self, batch: Batch) -> Iterable[bytes]:
+        """A batch's input lines: its input file, or (submitted from memory) the requests its shard jobs
+        hold."""
+        if batch.input_file != MEMORY:
+            return input_lines(batch.input_file, self.settings)
+        lines = []
+        for n in range(batch.num_shards):
+            try:
+                job = Job.fetch(shard_job_id(batch.id, n), connection=self.connection,
+                                serializer=JSONSerializer)
+            except NoSuchJobError:
+                raise ValueError(f"batch {batch.id} was submitted from memory and its shard {n} job is gone "
+                                 "(SLUICE_RESULT_TTL); its input cannot be read again") from None
+            lines += [json.dumps({"custom_id": r["custom_id"], "method": "POST", "url": r["url"],
+                                  "body": r["body"]}).encode() for r in job.args[2]]  # fmt: skip
+        return lines
+
+    def _validate_and_enqueue(
+        self, batch: Batch, input: Input, shard_size: int, answered: dict[str, OutputRecord] | None = None
+    ) -> Batch:
         """Every failure from here on ends the batch `failed` with an error, never stuck in `validating`."""
         try:
-            checked = validate_lines(input_lines(input, self.settings), self.settings)
+            checked = validate_lines(input_lines(input, self.settings), self.settings, answered)
         except Exception as exc:
             message = f"cannot read input {batch.input_file}: {type(exc).__name__}: {exc}"
             return self._fail(batch.id, [LineError(code="input_unreadable", message=message)], 0)

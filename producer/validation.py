@@ -1,7 +1,7 @@
-"""Up-front validation of batch input, as OpenAI's: the file is refused as a whole only when it is unusable (not
-JSONL, a line missing `custom_id`/`method`/`url`/`body`, duplicate custom_ids, size and line limits; the server
-also refuses a file whose urls are not the batch's endpoint); a body's bad parameter is that line's own 400
-record, carried with the line, and the other lines run."""
+"""Up-front validation of batch input, as OpenAI's: the file is refused as a whole only when it is unusable
+(not JSONL, a line missing `custom_id`/`method`/`url`/`body`, duplicate custom_ids, size and line limits; the
+server also refuses a file whose urls are not the batch's endpoint); a body's bad parameter is that line's own
+400 record, carried with the line, and the other lines run."""
 
 from __future__ import annotations
 
@@ -93,8 +93,8 @@ def input_lines(source: Input, settings: Settings) -> Iterator[bytes]:
 def validate_lines(
     lines: Iterable[bytes], settings: Settings, answered: Mapping[str, OutputRecord] | None = None
 ) -> Validated:
-    """Check every line; collect requests and errors (nothing is silently dropped). A line whose custom_id has a
-    record in `answered` (a resumed batch's finished line) carries that record instead of running again."""
+    """Check every line; collect requests and errors (nothing is silently dropped). A line whose custom_id has
+    a record in `answered` (a resumed batch's finished line) carries that record instead of running again."""
     out, seen = Validated(), {}
     total_bytes = 0
     for number, raw in enumerate(lines, start=1):
@@ -211,7 +211,8 @@ CODES = {"missing": "missing_required_parameter", "extra_forbidden": "unknown_pa
 
 
 def _body_error(exc: ValidationError, custom_id: str, number: int) -> OutputRecord:
-    """The 400 record of a refused body: OpenAI's error body, `param` the path of the first bad field in it."""
+    """The 400 record of a refused body: OpenAI's error body, `param` the path of the first bad field in
+    it."""
     first = exc.errors()[0]
     cause = (first.get("ctx") or {}).get("error")
     param = cause.param if isinstance(cause, BodyError) else ".".join(str(p) for p in first["loc"]) or None

@@ -1,5 +1,5 @@
-"""Numbers and free strings of a JSON schema have a length bound, so a random model under a schema stops within it
-instead of running to max_tokens inside one value."""
+"""Numbers and free strings of a JSON schema have a length bound, so a random model under a schema stops
+within it instead of running to max_tokens inside one value."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ STRING = {"type": "object", "properties": {"s": {"type": "string"}}, "required":
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama):
-    return LLM(str(tiny_llama), dtype="float32", device="cpu", json_max_number_digits=3, json_max_string_chars=5)
+    return LLM(str(tiny_llama), dtype="float32", device="cpu", json_max_number_digits=3,
+               json_max_string_chars=5)
 
 
 def sample(llm, schema: dict, n: int = 6) -> list:
@@ -42,6 +43,9 @@ def test_a_free_string_stops_within_the_character_bound(llm):
 
 
 def test_bounds_leave_a_schemas_own_limits_and_patterns_alone():
-    ebnf = 'root ::= (("\\"" root_characters{2, 40} "\\"") | root_1)\nroot_characters ::= (([^\\"\\\\\\r\\n]))\n' \
-           'root_1 ::= Regex("^[0-9]*$", json_string=true)'
+    ebnf = "\n".join([
+        'root ::= (("\\"" root_characters{2, 40} "\\"") | root_1)',
+        'root_characters ::= (([^\\"\\\\\\r\\n]))',
+        'root_1 ::= Regex("^[0-9]*$", json_string=true)',
+    ])
     assert bound_grammar(ebnf, JsonBounds(number_digits=3, string_chars=5)) == ebnf

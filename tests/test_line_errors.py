@@ -1,5 +1,5 @@
-"""A bad body is its own line's 400, in OpenAI's error shape; the other lines of the batch run (real redis-server,
-the engine worker driven through rq)."""
+"""A bad body is its own line's 400, in OpenAI's error shape; the other lines of the batch run (real
+redis-server, the engine worker driven through rq)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ BAD_BODIES = {
     "bad-n": ("/v1/completions", {"prompt": "hi", "n": 0}, "n"),
     "bad-bias": ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 500}}, "logit_bias.5"),
     "bad-messages": (CHAT, {"max_tokens": 3}, "messages"),
-    "bad-tool": (CHAT, {"messages": USER, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+    "bad-tool": (CHAT, {"messages": USER, "tools": TOOLS,
+                        "tool_choice": {"type": "function", "function": {"name": "nope"}}},
                  "tool_choice.function.name"),
 }  # fmt: skip
 
@@ -37,9 +38,11 @@ def run_worker(llm, redis_url: str) -> None:
 
 def lines_37() -> list[dict]:
     """33 good completions with the 4 bad bodies spread among them."""
+    body = {"max_tokens": 3, "temperature": 0}
     good = [{"custom_id": f"ok{i}", "method": "POST", "url": "/v1/completions",
-             "body": {"prompt": f"the quick brown fox {i}", "max_tokens": 3, "temperature": 0}} for i in range(33)]
-    bad = [{"custom_id": cid, "method": "POST", "url": url, "body": body} for cid, (url, body, _) in BAD_BODIES.items()]
+             "body": {"prompt": f"the quick brown fox {i}", **body}} for i in range(33)]
+    bad = [{"custom_id": cid, "method": "POST", "url": url, "body": body}
+           for cid, (url, body, _) in BAD_BODIES.items()]
     for n, line in enumerate(bad):
         good.insert(3 + n * 9, line)
     return good  # fmt: skip
@@ -63,13 +66,14 @@ def test_four_bad_bodies_fail_only_their_lines(llm, redis_url, tmp_path):
         assert response["status_code"] == 400 and response["request_id"].startswith("req_")
         error = response["body"]["error"]
         assert set(error) == {"message", "type", "param", "code"}
-        assert error["type"] == "invalid_request_error" and error["param"] == BAD_BODIES[record["custom_id"]][2]
+        assert error["type"] == "invalid_request_error"
+        assert error["param"] == BAD_BODIES[record["custom_id"]][2]
         assert record["error"]["code"] == error["code"]
 
 
 def test_a_schema_keyword_the_grammar_would_ignore_is_that_lines_400(llm, redis_url, tmp_path):
-    """Remote $ref, uniqueItems, an unknown format, multipleOf on a number: refused by name at submit, never run
-    unconstrained."""
+    """Remote $ref, uniqueItems, an unknown format, multipleOf on a number: refused by name at submit, never
+    run unconstrained."""
     schemas = {
         "remote-ref": ({"$ref": "https://example.com/schema.json"}, "remote"),
         "unique": ({"type": "array", "uniqueItems": True}, "'uniqueItems'"),
@@ -77,10 +81,12 @@ def test_a_schema_keyword_the_grammar_would_ignore_is_that_lines_400(llm, redis_
         "multiple": ({"type": "number", "multipleOf": 0.5}, "multipleOf"),
         "fine": ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}, None),
     }
-    lines = [{"custom_id": cid, "method": "POST", "url": CHAT,
-              "body": {"messages": USER, "max_tokens": 8, "temperature": 0,
-                       "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}}
-             for cid, (schema, _) in schemas.items()]  # fmt: skip
+    def body(schema: dict) -> dict:
+        formatted = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+        return {"messages": USER, "max_tokens": 8, "temperature": 0, "response_format": formatted}
+
+    lines = [{"custom_id": cid, "method": "POST", "url": CHAT, "body": body(schema)}
+             for cid, (schema, _) in schemas.items()]
     client = Client(redis_url)
     batch = client.submit_batch(lines, output=tmp_path.as_uri())
     run_worker(llm, redis_url)

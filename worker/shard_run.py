@@ -95,7 +95,7 @@ class ShardRun:
     unreported: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        for request in self.requests:  # answered by the producer (a refused body, a resumed batch's finished line)
+        for request in self.requests:  # answered already: a refused body, a resumed batch's finished line
             answer = request.answer()
             if answer is not None:
                 self.records[request.custom_id] = answer
@@ -212,7 +212,8 @@ def shared_llm(settings: Settings) -> Any:
         chosen = {"dtype": settings.dtype, "device": settings.device, "cpu_kernel": settings.cpu_kernel,
                   "cpu_isa": settings.cpu_isa, "device_path": settings.device_path}
         stay_off_the_hub()
-        _LLM = LLM(settings.model, **{k: v for k, v in chosen.items() if v is not None}, **settings.json_bounds())
+        chosen |= settings.json_bounds()
+        _LLM = LLM(settings.model, **{k: v for k, v in chosen.items() if v is not None})
     return _LLM
 
 

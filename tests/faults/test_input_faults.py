@@ -200,7 +200,8 @@ def test_submit_refuses_a_model_that_is_not_served(redis_url, tmp_path, monkeypa
     (carried,) = [r for r in job.args[2] if "record" in r]
     error = carried["record"]["response"]["body"]["error"]
     assert carried["custom_id"] == "b" and carried["record"]["response"]["status_code"] == 400
-    assert (error["code"], error["param"]) == ("model_not_found", "model") and "sluice-tiny" in error["message"]
+    assert (error["code"], error["param"]) == ("model_not_found", "model")
+    assert "sluice-tiny" in error["message"]
 
 
 MEMORY_PROBE = """
