@@ -10,7 +10,6 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from sluice.contract.tools import NamedToolChoice, Tool, ToolChoice, named_tool, tool_constraint
-from sluice.engine.json_schema import check_schema
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -46,13 +45,6 @@ class JsonSchemaFormat(BaseModel):
     strict: bool | None = None
     description: str | None = None
 
-    @field_validator("schema_")
-    @classmethod
-    def _enforceable(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v is not None:
-            check_schema(v)
-        return v
-
 
 class ResponseFormat(BaseModel):
     """OpenAI's response_format: the output is constrained to JSON (any object, or the schema given)."""
@@ -83,13 +75,6 @@ class StructuredOutputs(BaseModel):
     regex: str | None = Field(None, max_length=10_000)
     choice: list[str] | None = Field(None, min_length=1, max_length=1000)
     grammar: str | None = Field(None, max_length=100_000)
-
-    @field_validator("json_")
-    @classmethod
-    def _enforceable(cls, v: dict[str, Any] | bool | None) -> dict[str, Any] | bool | None:
-        if isinstance(v, dict):
-            check_schema(v)
-        return v
 
     @model_validator(mode="after")
     def _exactly_one(self) -> StructuredOutputs:

@@ -83,6 +83,14 @@ def check_metadata(metadata: dict[str, str] | None) -> dict[str, str]:
     return metadata
 
 
+def check_options(priority: str, output_expires_after: int | None) -> None:
+    """ValueError naming the option when the priority or the output expiry is not one a batch can have."""
+    if priority not in QUEUES:
+        raise ValueError(f"priority must be one of {', '.join(QUEUES)}, got {priority!r}")
+    if output_expires_after is not None and output_expires_after < 1:
+        raise ValueError(f"output_expires_after must be >= 1 second, got {output_expires_after}")
+
+
 def check_webhook(url: str | None, allow: str) -> str | None:
     """The webhook URL after the safety check (http(s), public or allow-listed addresses)."""
     return check_url(url, allow) if url else None
@@ -188,10 +196,7 @@ class Client:
         """A new batch record, `validating` (or the batch the idempotency key already names: created
         False)."""
         completion_window = completion_window or self.settings.completion_window
-        if priority not in QUEUES:
-            raise ValueError(f"priority must be one of {', '.join(QUEUES)}, got {priority!r}")
-        if output_expires_after is not None and output_expires_after < 1:
-            raise ValueError(f"output_expires_after must be >= 1 second, got {output_expires_after}")
+        check_options(priority, output_expires_after)
         window = window_seconds(completion_window)
         batch = Batch(
             id=new_batch_id(),

@@ -13,9 +13,19 @@ from typing import Any, overload
 
 from pydantic import ValidationError
 
-from sluice.contract.schemas import BODIES, BodyError, InputLine, LineError, OutputRecord, Request
+from sluice.contract.schemas import (
+    BODIES,
+    BodyError,
+    EmbeddingBody,
+    InputLine,
+    LineError,
+    OutputRecord,
+    Request,
+    SamplingBody,
+)
 from sluice.contract.settings import Settings
 from sluice.contract.storage import url_lines
+from sluice.engine.json_schema import GrammarError, check_schema
 
 MAX_ERRORS = 1000
 MAX_DEPTH = 32
@@ -110,19 +120,8 @@ def validate_lines(
             out.add_error(_limit_error("too_many_lines", number, f"more than {settings.max_lines} requests"))
             break
         request = _check_line(raw, number, settings, out)
-        if request is None:
+        if request is None or not _first_use(request.custom_id, number, seen, out):
             continue
-        if request.custom_id in seen:
-            out.add_error(
-                LineError(
-                    code="duplicate_custom_id",
-                    line=number,
-                    param="custom_id",
-                    message=f"line {number}: custom_id {request.custom_id!r} already used on line {seen[request.custom_id]}",
-                )
-            )
-            continue
-        seen[request.custom_id] = number
         if answered and request.custom_id in answered:
             request = Request.answered(request.url, answered[request.custom_id])
         out.requests.append(request)
@@ -134,6 +133,16 @@ def validate_lines(
             LineError(code="too_many_errors", message=f"{out.num_errors} errors; first {MAX_ERRORS} shown")
         )
     return out
+
+
+def _first_use(custom_id: str, number: int, seen: dict[str, int], out: Validated) -> bool:
+    """Note custom_id's line; False, with a duplicate_custom_id error, when an earlier line used it."""
+    if custom_id not in seen:
+        seen[custom_id] = number
+        return True
+    message = f"line {number}: custom_id {custom_id!r} already used on line {seen[custom_id]}"
+    out.add_error(LineError(code="duplicate_custom_id", line=number, param="custom_id", message=message))
+    return False
 
 
 def _limit_error(code: str, line: int, what: str) -> LineError:
@@ -175,12 +184,34 @@ def _check_body(line: InputLine, number: int, settings: Settings) -> Request:
         body = BODIES[line.url].model_validate(line.body)
     except ValidationError as exc:
         return Request.answered(line.url, _body_error(exc, line.custom_id, number))
+    refused = _unenforceable_schema(body)
+    if refused is not None:
+        param, reason = refused
+        message = f"line {number}: {param}: {reason}"
+        record = OutputRecord.rejected(line.custom_id, "invalid_value", message, param)
+        return Request.answered(line.url, record)
     served = settings.served_model_names()
     if served and body.model is not None and body.model not in served:
         message = f"line {number}: model: model {body.model!r} is not served (served: {', '.join(served)})"
         record = OutputRecord.rejected(line.custom_id, "model_not_found", message, "model")
         return Request.answered(line.url, record)
     return Request.from_line(line, body)
+
+
+def _unenforceable_schema(body: SamplingBody | EmbeddingBody) -> tuple[str, str] | None:
+    """(param, reason) when the body's JSON schema uses a keyword the grammar engine would not enforce (the
+    worker would refuse it when it compiles the grammar), else None."""
+    structured = body.structured() if isinstance(body, SamplingBody) else None
+    schema = (structured or {}).get("json")
+    if not isinstance(schema, dict):
+        return None
+    try:
+        check_schema(schema)
+    except GrammarError as exc:
+        if body.structured_outputs is not None:
+            return "structured_outputs.json", str(exc)
+        return ("response_format.json_schema.schema" if body.response_format else "tools"), str(exc)
+    return None
 
 
 def _depth(data: Any) -> int:
