@@ -54,6 +54,7 @@ def main() -> None:
     path = tmp / "in.jsonl"
     write_input(path, args.mib)
     os.environ["SLUICE_OUTPUT_ROOTS"] = tmp.as_uri()
+    os.environ.setdefault("SLUICE_MAX_LINES", "10000000")  # the sizes here pass the 50,000-line default
     from sluice.contract.settings import Settings
     from sluice.producer.client import Client
     from sluice.producer.validation import input_lines, validate_lines

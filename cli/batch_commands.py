@@ -1,4 +1,4 @@
-"""`sluice` batch commands: submit, status, wait, cancel, results, list (human output or --json)."""
+"""`sluice` batch commands: submit, status, wait, cancel, resume, results, list (human output or --json)."""
 
 from __future__ import annotations
 
@@ -165,6 +165,26 @@ def cancel(batch_id: str, redis_url: str = RedisUrl, as_json: bool = AsJson) -> 
     """Cancel a batch: queued shards are dropped, running requests aborted, partial results kept."""
     with reported():
         show_batch(client(redis_url).cancel(batch_id), as_json)
+
+
+@batches_app.command()
+def resume(
+    batch_id: str,
+    output: str = typer.Option(None, "--output", "-o", help="Where results go (default: the original's)."),
+    priority: str = typer.Option(None, help="Queue: high, default or low (default: the original's)."),
+    completion_window: str = typer.Option(None, help="For the new batch (default: the original's)."),
+    shard_size: int = typer.Option(None, help="Requests per shard (default: $SLUICE_SHARD_SIZE or 256)."),
+    redis_url: str = RedisUrl,
+    as_json: bool = AsJson,
+) -> None:
+    """A new batch of a done batch's lines without a result (expired, cancelled, failed shards); its output
+    also carries the finished ones, so it holds every custom_id of the original once."""
+    with reported():
+        batch = client(redis_url).resume(batch_id, output=output, priority=priority,
+                                         completion_window=completion_window, shard_size=shard_size)
+    show_batch(batch, as_json)
+    if batch.status.value == "failed":
+        raise typer.Exit(2)
 
 
 @batches_app.command()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import uuid
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
@@ -35,6 +36,14 @@ StopText = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 
 
+class BodyError(ValueError):
+    """A body problem that no single field's validator sees, naming the parameter it concerns."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class JsonSchemaFormat(BaseModel):
     """The json_schema member of response_format."""
 
@@ -60,7 +69,8 @@ class ResponseFormat(BaseModel):
             return {"json": True}
         if self.type == "json_schema":
             if self.json_schema is None:
-                raise ValueError("response_format of type json_schema needs json_schema")
+                raise BodyError("response_format.json_schema",
+                                "response_format of type json_schema needs json_schema")
             return {"json": self.json_schema.schema_ or {}}
         return None
 
@@ -133,15 +143,15 @@ class SamplingBody(BaseModel):
     def _one_structure(self) -> SamplingBody:
         if self.structured_outputs is not None and self.response_format is not None \
                 and self.response_format.type != "text":
-            raise ValueError("give response_format or structured_outputs, not both")
+            raise BodyError("structured_outputs", "give response_format or structured_outputs, not both")
         if self.response_format is not None:
             self.response_format.structured()
         best_of = getattr(self, "best_of", None)
         if best_of is not None and best_of < self.n:
-            raise ValueError(f"best_of ({best_of}) must be >= n ({self.n})")
+            raise BodyError("best_of", f"best_of ({best_of}) must be >= n ({self.n})")
         limit = self.max_new_tokens()
         if limit is not None and self.min_tokens > limit:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({limit})")
+            raise BodyError("min_tokens", f"min_tokens ({self.min_tokens}) must be <= max_tokens ({limit})")
         return self
 
     def structured(self) -> dict[str, Any] | None:
@@ -293,11 +303,15 @@ class ChatBody(SamplingBody):
     @model_validator(mode="after")
     def _tools(self) -> ChatBody:
         if self.tool_choice not in (None, "none") and not self.tools:
-            raise ValueError("tool_choice needs tools")
+            raise BodyError("tool_choice", "tool_choice needs tools")
         if isinstance(self.tool_choice, NamedToolChoice):
-            named_tool(self.tools or [], self.tool_choice)
+            try:
+                named_tool(self.tools or [], self.tool_choice)
+            except ValueError as exc:
+                raise BodyError("tool_choice.function.name", str(exc)) from None
         if self.tool_constraint() is not None and (self.structured_outputs or self.response_format):
-            raise ValueError("a forced tool_choice cannot be combined with response_format or structured_outputs")
+            message = "a forced tool_choice cannot be combined with response_format or structured_outputs"
+            raise BodyError("tool_choice", message)
         return self
 
     def chosen_tools(self) -> ToolChoice:
@@ -400,6 +414,7 @@ class Request(BaseModel):
     custom_id: str
     url: str
     body: dict[str, Any]
+    record: dict[str, Any] | None = None
     _typed: SamplingBody | EmbeddingBody | None = PrivateAttr(None)
 
     @classmethod
@@ -411,15 +426,28 @@ class Request(BaseModel):
         return request
 
     @classmethod
+    def answered(cls, url: str, record: OutputRecord) -> Request:
+        """A line whose record is already known (a body the producer refused with a 400, or a line a resumed
+        batch carries over finished): the worker writes the record as it is and runs nothing."""
+        return cls.model_construct(custom_id=record.custom_id, url=url, body={},
+                                   record=record.model_dump(mode="json"))  # fmt: skip
+
+    @classmethod
     def trusted(cls, data: dict[str, Any]) -> Request:
         """A request from a shard job's JSON, which the producer validated: constructed, not validated again."""
-        return cls.model_construct(custom_id=data["custom_id"], url=data["url"], body=data["body"])
+        return cls.model_construct(custom_id=data["custom_id"], url=data["url"], body=data["body"],
+                                   record=data.get("record"))  # fmt: skip
 
     def __eq__(self, other: object) -> bool:
         """Equal when the fields are (whether the typed body was built yet does not count)."""
         if not isinstance(other, Request):
             return NotImplemented
-        return (self.custom_id, self.url, self.body) == (other.custom_id, other.url, other.body)
+        fields = ("custom_id", "url", "body", "record")
+        return all(getattr(self, f) == getattr(other, f) for f in fields)
+
+    def answer(self) -> OutputRecord | None:
+        """The record this request already has (see `answered`), None when it is to run."""
+        return None if self.record is None else OutputRecord.model_validate(self.record)
 
     def parsed_body(self) -> SamplingBody | EmbeddingBody:
         """The body as its typed model (nested models need a validation to build), built once and kept."""
@@ -450,6 +478,22 @@ class OutputRecord(BaseModel):
     custom_id: str
     response: Response | None = None
     error: ErrorInfo | None = None
+
+    @classmethod
+    def rejected(cls, custom_id: str, code: str, message: str, param: str | None = None,
+                 status_code: int = 400) -> OutputRecord:
+        """A request answered with an HTTP error, as OpenAI writes it: `response` holds the status and
+        OpenAI's error body; `error` repeats its code and message (so a reader of either finds them)."""
+        kind = "invalid_request_error" if status_code < 500 else "server_error"
+        body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+        response = Response(status_code=status_code, request_id=f"req_{uuid.uuid4().hex}", body=body)
+        return cls(id=record_id(), custom_id=custom_id, response=response,
+                   error=ErrorInfo(code=code, message=message))  # fmt: skip
+
+
+def record_id() -> str:
+    """A fresh output record id in OpenAI's style."""
+    return f"batch_req_{uuid.uuid4().hex}"
 
 
 class LineError(BaseModel):
@@ -502,6 +546,8 @@ class Batch(BaseModel):
     errors: list[LineError] = Field(default_factory=list)
     webhook: str | None = None
     idempotency_key: str | None = None
+    resumed_from: str | None = None
+    output_expires_at: float | None = None
     num_shards: int = 0
     created_at: float = 0.0
     expires_at: float | None = None

@@ -39,8 +39,8 @@ class Settings(BaseSettings):
     demo_model: Path = Path(__file__).resolve().parents[1] / "models" / "sluice-tiny"
     demo_results: Path = Path("results")
     max_line_bytes: int = Field(1_000_000, gt=0)
-    max_lines: int = Field(200_000, gt=0)
-    max_input_bytes: int = Field(1_000_000_000, gt=0)
+    max_lines: int = Field(50_000, gt=0)  # OpenAI's limits on one batch's input: 50,000 requests, 200 MB
+    max_input_bytes: int = Field(200 * 1000 * 1000, gt=0)
     shard_size: int = Field(256, gt=0, le=10_000)
     max_shard_bytes: int = Field(16 * 1024 * 1024, gt=0)
     completion_window: str = "24h"
@@ -61,6 +61,8 @@ class Settings(BaseSettings):
     operator_token: SecretStr | None = None
     shard_window: int = Field(8, ge=1)  # shards of one batch queued or running at once (fair share)
     max_enqueued_tokens: int = Field(0, ge=0)  # per project, estimated as JSON bytes / 4; 0: no cap
+    json_max_number_digits: int | None = Field(None, gt=0)  # the engine's json_max_number_digits (default 32)
+    json_max_string_chars: int | None = Field(None, gt=0)  # the engine's json_max_string_chars (default 8192)
 
     @model_validator(mode="after")
     def _default_output_url(self) -> Settings:
@@ -74,6 +76,13 @@ class Settings(BaseSettings):
         """Model names requests may ask for (SLUICE_SERVED_MODELS, else SLUICE_MODEL's folder name)."""
         names = [n.strip() for n in self.served_models.split(",") if n.strip()]
         return names or ([Path(self.model).name] if self.model else [])
+
+    def json_bounds(self) -> dict[str, int]:
+        """The engine's JSON value bounds set by SLUICE_JSON_MAX_NUMBER_DIGITS /
+        SLUICE_JSON_MAX_STRING_CHARS."""
+        bounds = {"json_max_number_digits": self.json_max_number_digits,
+                  "json_max_string_chars": self.json_max_string_chars}
+        return {k: v for k, v in bounds.items() if v is not None}
 
     def output_root_urls(self) -> list[str]:
         """Where batches may write, fleet-wide: SLUICE_OUTPUT_ROOTS (comma-separated), else SLUICE_OUTPUT_URL

@@ -112,6 +112,11 @@ class EngineConfig:
                                               "distribution), raw_logits, processed_logprobs or processed_logits "
                                               "(after logit_bias, penalties, the grammar mask, temperature, min-p, "
                                               "top-k and top-p).")
+    json_max_number_digits: int = _opt(32, "Structured outputs: most digits in each part (integer, fraction, "
+                                           "exponent) of a number a JSON schema allows "
+                                           "(SLUICE_JSON_MAX_NUMBER_DIGITS).")
+    json_max_string_chars: int = _opt(8192, "Structured outputs: most characters in a string a JSON schema "
+                                            "does not bound itself (SLUICE_JSON_MAX_STRING_CHARS).")
     extra: dict[str, Any] = field(default_factory=dict, metadata={"help": "Free-form settings the engine ignores."})
     speculative_config: SpeculativeConfig | None = field(init=False, default=None, repr=False, compare=False)
 

@@ -11,6 +11,7 @@ from sluice.engine import heap
 from sluice.engine.block_manager import BlockManager
 from sluice.engine.config import EngineConfig
 from sluice.engine.groups import SequenceGroup
+from sluice.engine.json_schema import JsonBounds
 from sluice.engine.kv_cache import bytes_per_token, pool_blocks
 from sluice.engine.logits_processors import LogitsProcessors
 from sluice.engine.model_runner import ModelRunner, StepLogits
@@ -174,8 +175,9 @@ class Engine:
             # On CPU the forward owns the cores: xgrammar's fill threads would compete with it; one suffices, and
             # it fills during the forward only where a core is left over (else the forward's threads wait on it).
             cpu = self.device.type == "cpu"
+            bounds = JsonBounds(self.config.json_max_number_digits, self.config.json_max_string_chars)
             so = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids),
-                                   1 if cpu else "auto")
+                                   1 if cpu else "auto", bounds)
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
             so.overlap = not cpu or torch.get_num_threads() < cores
             self.processors.structured = so

@@ -7,7 +7,8 @@ the matchers already hold every token emitted so far, xgrammar fills without the
 it, so the fill runs while the forward does and the sampler only waits for it. The engine turns this on for CUDA
 (the host is free while the device computes) and on CPU where torch leaves a core free; where torch's threads
 take every core, a third thread only stalls the forward's parallel regions, and the mask is filled after it.
-Speculative verify rows (which walk each matcher through its proposals and back) are filled after the forward."""
+Speculative verify rows (which walk each matcher through its proposals and back) are filled after the forward.
+JSON schemas are checked and their values bounded by engine.json_schema."""
 
 from __future__ import annotations
 
@@ -18,42 +19,9 @@ from typing import Any
 
 import torch
 
+from sluice.engine.json_schema import GrammarError, JsonBounds, bound_grammar, check_schema
 from sluice.engine.request import Request
 from sluice.engine.sampling_params import StructuredOutputsParams
-
-SCHEMA_KEYWORDS = frozenset({
-    "type", "properties", "required", "additionalProperties", "items", "prefixItems", "minItems", "maxItems",
-    "enum", "const", "anyOf", "allOf", "$ref", "$defs", "definitions", "minimum", "maximum", "exclusiveMinimum",
-    "exclusiveMaximum", "multipleOf", "minLength", "maxLength", "pattern", "format", "minProperties",
-    "maxProperties", "patternProperties", "propertyNames", "title", "description", "default", "examples",
-    "$schema", "$id", "$comment",
-})  # fmt: skip
-SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
-SCHEMA_LISTS = ("prefixItems", "anyOf", "allOf")
-SCHEMA_VALUES = ("items", "additionalProperties", "propertyNames")
-
-
-class GrammarError(ValueError):
-    """A constraint the grammar engine cannot enforce (the message names the keyword or the reason)."""
-
-
-def check_schema(schema: Any, path: str = "schema") -> None:
-    """Refuse, by name, any JSON schema keyword that xgrammar would not enforce (it ignores some silently)."""
-    if isinstance(schema, bool):
-        return
-    if not isinstance(schema, dict):
-        raise GrammarError(f"{path} must be a JSON schema object")
-    for key, value in schema.items():
-        if key not in SCHEMA_KEYWORDS:
-            raise GrammarError(f"unsupported JSON schema keyword {key!r} at {path}")
-        if key in SCHEMA_MAPS and isinstance(value, dict):
-            for name, sub in value.items():
-                check_schema(sub, f"{path}.{key}.{name}")
-        elif key in SCHEMA_LISTS and isinstance(value, list):
-            for i, sub in enumerate(value):
-                check_schema(sub, f"{path}.{key}[{i}]")
-        elif key in SCHEMA_VALUES:
-            check_schema(value, f"{path}.{key}")
 
 
 def _transformers_tokenizer(tokenizer: Any) -> Any:
@@ -85,10 +53,12 @@ def _live_rows(reqs: list[Request]) -> list[int]:
 class StructuredOutputs:
     """Compiled grammars (cached per constraint), matchers and the batch bitmask for one engine's vocabulary."""
 
-    def __init__(self, tokenizer: Any, vocab: int, stop_token_ids: list[int], fill_threads: int | str = "auto") -> None:
+    def __init__(self, tokenizer: Any, vocab: int, stop_token_ids: list[int],
+                 fill_threads: int | str = "auto", json_bounds: JsonBounds | None = None) -> None:
         import xgrammar as xgr  # the grammar engine's native library is loaded on the first structured request
 
         self.xgr, self.vocab = xgr, vocab
+        self.json_bounds = json_bounds or JsonBounds()
         info = xgr.TokenizerInfo.from_huggingface(_transformers_tokenizer(tokenizer), vocab_size=vocab,
                                                   stop_token_ids=stop_token_ids)
         self.compiler = xgr.GrammarCompiler(info, cache_enabled=True)
@@ -112,11 +82,11 @@ class StructuredOutputs:
     def _compile(self, so: StructuredOutputsParams) -> Any:
         try:
             if so.json is True or (isinstance(so.json, dict) and not so.json):
-                return self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+                return self._compile_json({"type": "object"}, strict_mode=False)
             if so.json is not None:
                 schema = json.loads(so.json) if isinstance(so.json, str) else so.json
                 check_schema(schema)
-                return self.compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
+                return self._compile_json(schema)
             if so.regex is not None:
                 return self.compiler.compile_regex(so.regex)
             if so.choice is not None:
@@ -127,6 +97,13 @@ class StructuredOutputs:
         except Exception as exc:  # xgrammar raises RuntimeError/ValueError with the converter's reason
             reason = str(exc).splitlines()[-1].split(": ", 1)[-1] if str(exc) else type(exc).__name__
             raise GrammarError(f"cannot compile structured_outputs.{so.kind}: {reason}") from exc
+
+    def _compile_json(self, schema: dict[str, Any], strict_mode: bool = True) -> Any:
+        """A JSON schema's grammar with its numbers and free strings bounded
+        (engine.json_schema.bound_grammar)."""
+        grammar = self.xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False,
+                                                    strict_mode=strict_mode)
+        return self.compiler.compile_grammar(bound_grammar(str(grammar), self.json_bounds))
 
     def fill_ahead(self, reqs: list[Request]) -> None:
         """Start filling, on the grammar thread, the masks of the rows `reqs` will sample next (call it before the

@@ -1,18 +1,31 @@
-"""Up-front validation of batch input: JSON, schema, duplicate custom_id and size limits, per line."""
+"""Up-front validation of batch input, as OpenAI's: the file is refused as a whole only when it is unusable
+(not JSONL, a line missing `custom_id`/`method`/`url`/`body`, duplicate custom_ids, size and line limits; the
+server also refuses a file whose urls are not the batch's endpoint); a body's bad parameter is that line's own
+400 record, carried with the line, and the other lines run."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, overload
 
 from pydantic import ValidationError
 
-from sluice.contract.schemas import BODIES, InputLine, LineError, Request
+from sluice.contract.schemas import (
+    BODIES,
+    BodyError,
+    EmbeddingBody,
+    InputLine,
+    LineError,
+    OutputRecord,
+    Request,
+    SamplingBody,
+)
 from sluice.contract.settings import Settings
 from sluice.contract.storage import url_lines
+from sluice.engine.json_schema import GrammarError, check_schema
 
 MAX_ERRORS = 1000
 MAX_DEPTH = 32
@@ -26,7 +39,7 @@ class Requests(Sequence[Request]):
         self.items = [] if items is None else items
 
     def append(self, request: Request) -> None:
-        self.items.append(request.model_dump_json().encode())
+        self.items.append(request.model_dump_json(exclude_defaults=True).encode())
 
     def __len__(self) -> int:
         return len(self.items)
@@ -58,7 +71,8 @@ class RequestSink(Protocol):
 
 @dataclass
 class Validated:
-    """The outcome of checking every line: the good requests and the line-numbered errors."""
+    """The outcome of checking every line: the requests (those with a refused body carry their 400 record) and
+    the file-level, line-numbered errors that refuse the whole file."""
 
     requests: RequestSink = field(default_factory=Requests)
     sizes: list[int] = field(default_factory=list)
@@ -94,8 +108,13 @@ def input_lines(source: Input, settings: Settings) -> Iterator[bytes]:
             )
 
 
-def validate_lines(lines: Iterable[bytes], settings: Settings, into: RequestSink | None = None) -> Validated:
-    """Check every line once, as it streams by: requests go `into` a sink (default: kept), errors listed."""
+def validate_lines(
+    lines: Iterable[bytes], settings: Settings, into: RequestSink | None = None,
+    answered: Mapping[str, OutputRecord] | None = None,
+) -> Validated:
+    """Check every line once, as it streams by: requests go `into` a sink (default: kept), errors listed
+    (nothing is silently dropped). A line whose custom_id has a record in `answered` (a resumed batch's finished
+    line) carries that record instead of running again."""
     out, seen = Validated(requests=Requests() if into is None else into), {}
     total_bytes = 0
     for number, raw in enumerate(lines, start=1):
@@ -111,19 +130,10 @@ def validate_lines(lines: Iterable[bytes], settings: Settings, into: RequestSink
             out.add_error(_limit_error("too_many_lines", number, f"more than {settings.max_lines} requests"))
             break
         request = _check_line(raw, number, settings, out)
-        if request is None:
+        if request is None or not _first_use(request.custom_id, number, seen, out):
             continue
-        if request.custom_id in seen:
-            out.add_error(
-                LineError(
-                    code="duplicate_custom_id",
-                    line=number,
-                    param="custom_id",
-                    message=f"line {number}: custom_id {request.custom_id!r} already used on line {seen[request.custom_id]}",
-                )
-            )
-            continue
-        seen[request.custom_id] = number
+        if answered and request.custom_id in answered:
+            request = Request.answered(request.url, answered[request.custom_id])
         out.requests.append(request)
         out.sizes.append(len(raw))
     if not out.requests and not out.num_errors:
@@ -133,6 +143,16 @@ def validate_lines(lines: Iterable[bytes], settings: Settings, into: RequestSink
             LineError(code="too_many_errors", message=f"{out.num_errors} errors; first {MAX_ERRORS} shown")
         )
     return out
+
+
+def _first_use(custom_id: str, number: int, seen: dict[str, int], out: Validated) -> bool:
+    """Note custom_id's line; False, with a duplicate_custom_id error, when an earlier line used it."""
+    if custom_id not in seen:
+        seen[custom_id] = number
+        return True
+    message = f"line {number}: custom_id {custom_id!r} already used on line {seen[custom_id]}"
+    out.add_error(LineError(code="duplicate_custom_id", line=number, param="custom_id", message=message))
+    return False
 
 
 def _limit_error(code: str, line: int, what: str) -> LineError:
@@ -162,19 +182,46 @@ def _check_line(raw: bytes, number: int, settings: Settings, out: Validated) -> 
         return None
     try:
         line = InputLine.model_validate(data)
+    except ValidationError as exc:
+        out.add_error(_schema_error(exc, number))
+        return None
+    return _check_body(line, number, settings)
+
+
+def _check_body(line: InputLine, number: int, settings: Settings) -> Request:
+    """The line's request; one whose body is refused carries its 400 record instead of running."""
+    try:
         body = BODIES[line.url].model_validate(line.body)
     except ValidationError as exc:
-        prefix = "" if exc.title == InputLine.__name__ else "body."
-        out.add_error(_schema_error(exc, number, prefix))
-        return None
+        return Request.answered(line.url, _body_error(exc, line.custom_id, number))
+    refused = _unenforceable_schema(body)
+    if refused is not None:
+        param, reason = refused
+        message = f"line {number}: {param}: {reason}"
+        record = OutputRecord.rejected(line.custom_id, "invalid_value", message, param)
+        return Request.answered(line.url, record)
     served = settings.served_model_names()
     if served and body.model is not None and body.model not in served:
-        message = (
-            f"line {number}: body.model: model {body.model!r} is not served (served: {', '.join(served)})"
-        )
-        out.add_error(LineError(code="model_not_found", line=number, param="body.model", message=message))
-        return None
+        message = f"line {number}: model: model {body.model!r} is not served (served: {', '.join(served)})"
+        record = OutputRecord.rejected(line.custom_id, "model_not_found", message, "model")
+        return Request.answered(line.url, record)
     return Request.from_line(line, body)
+
+
+def _unenforceable_schema(body: SamplingBody | EmbeddingBody) -> tuple[str, str] | None:
+    """(param, reason) when the body's JSON schema uses a keyword the grammar engine would not enforce (the
+    worker would refuse it when it compiles the grammar), else None."""
+    structured = body.structured() if isinstance(body, SamplingBody) else None
+    schema = (structured or {}).get("json")
+    if not isinstance(schema, dict):
+        return None
+    try:
+        check_schema(schema)
+    except GrammarError as exc:
+        if body.structured_outputs is not None:
+            return "structured_outputs.json", str(exc)
+        return ("response_format.json_schema.schema" if body.response_format else "tools"), str(exc)
+    return None
 
 
 def _depth(data: Any) -> int:
@@ -192,9 +239,25 @@ def _depth(data: Any) -> int:
     return deepest
 
 
-def _schema_error(exc: ValidationError, number: int, prefix: str) -> LineError:
+def _schema_error(exc: ValidationError, number: int) -> LineError:
+    """A file-level error for a line that is not an OpenAI batch line."""
     first = exc.errors()[0]
-    param = prefix + ".".join(str(p) for p in first["loc"]) if first["loc"] else prefix.rstrip(".") or None
+    param = ".".join(str(p) for p in first["loc"]) or None
     more = f" (+{exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
     message = f"line {number}: {param or 'line'}: {first['msg']}{more}"
     return LineError(code="invalid_request", line=number, param=param, message=message)
+
+
+CODES = {"missing": "missing_required_parameter", "extra_forbidden": "unknown_parameter"}
+
+
+def _body_error(exc: ValidationError, custom_id: str, number: int) -> OutputRecord:
+    """The 400 record of a refused body: OpenAI's error body, `param` the path of the first bad field in
+    it."""
+    first = exc.errors()[0]
+    cause = (first.get("ctx") or {}).get("error")
+    param = cause.param if isinstance(cause, BodyError) else ".".join(str(p) for p in first["loc"]) or None
+    more = f" (+{exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+    reason = str(cause) if isinstance(cause, ValueError) else first["msg"]
+    message = f"line {number}: {param or 'body'}: {reason}{more}"
+    return OutputRecord.rejected(custom_id, CODES.get(first["type"], "invalid_value"), message, param)

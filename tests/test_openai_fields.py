@@ -96,7 +96,7 @@ def check_records(bodies: dict[str, dict], errors: dict[str, dict], llm_tokenize
     assert named.message.tool_calls[0].function.name == "get_weather"
     auto = parsed["tool-auto"].choices[0]
     assert auto.message.tool_calls is None and auto.message.content and auto.finish_reason == "length"
-    assert list(errors) == ["bad-schema"] and errors["bad-schema"]["code"] == "request_rejected"
+    assert list(errors) == ["bad-schema"] and errors["bad-schema"]["code"] == "invalid_value"
     assert "uniqueItems" in errors["bad-schema"]["message"]
 
 
@@ -132,36 +132,42 @@ def test_fields_through_the_http_batch_api(stack, llm):
         records = [json.loads(x) for x in client.files.content(done.output_file_id).text.splitlines()]
         if done.error_file_id:
             records += [json.loads(x) for x in client.files.content(done.error_file_id).text.splitlines()]
-        bodies |= {r["custom_id"]: r["response"]["body"] for r in records if r["response"]}
+        bodies |= {r["custom_id"]: r["response"]["body"] for r in records if not r["error"]}
         errors |= {r["custom_id"]: r["error"] for r in records if r["error"]}
+        assert all(r["response"]["status_code"] == 400 for r in records if r["error"])
     check_records(bodies, errors, llm.tokenizer)
 
 
 @pytest.mark.parametrize(("body", "param"), [
-    ({"tools": [{"type": "function", "function": {"name": "f g"}}]}, "body.tools.0.function.name"),
-    ({"tool_choice": "required"}, "body"),
-    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "body"),
-    ({"functions": [{"name": "f"}]}, "body.functions"),
-    ({"audio": {"voice": "alloy"}}, "body.audio"),
-    ({"n": 200}, "body.n"),
-    ({"best_of": 1, "n": 2}, "body"),
-    ({"echo": True}, "body.echo"),
-    ({"stream": True}, "body.stream"),
-    ({"response_format": {"type": "json_schema"}}, "body"),
-    ({"response_format": {"type": "xml"}}, "body.response_format.type"),
-    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "body.structured_outputs"),
-    ({"min_tokens": 50, "max_tokens": 10}, "body"),
-    ({"logit_bias": {"12": 101}}, "body.logit_bias.12"),
-])
+    ({"tools": [{"type": "function", "function": {"name": "f g"}}]}, "tools.0.function.name"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice.function.name"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+    ({"audio": {"voice": "alloy"}}, "audio"),
+    ({"n": 200}, "n"),
+    ({"best_of": 1, "n": 2}, "best_of"),
+    ({"echo": True}, "echo"),
+    ({"stream": True}, "stream"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ({"min_tokens": 50, "max_tokens": 10}, "min_tokens"),
+    ({"logit_bias": {"12": 101}}, "logit_bias.12"),
+])  # fmt: skip
 def test_unsupported_or_bad_fields_are_per_line_errors_naming_them(body, param):
     url = "completion" if "best_of" in body or "echo" in body else "chat"
     raw = [json.dumps(line("ok", url)).encode(), json.dumps(line("bad", url, **body)).encode()]
     checked = validate_lines(raw, Settings())
-    assert [r.custom_id for r in checked.requests] == ["ok"]
-    (error,) = checked.errors
-    assert error.line == 2 and error.param == param, error
-    named = param.split(".")[1] if "." in param else next(iter(body))
-    assert named in error.message or any(k in error.message for k in ("response_format", "min_tokens", "tool"))
+    assert [r.custom_id for r in checked.requests] == ["ok", "bad"] and checked.errors == []
+    assert checked.requests[0].record is None
+    response = checked.requests[1].answer().response
+    error = response.body["error"]
+    assert response.status_code == 400 and error["type"] == "invalid_request_error"
+    assert error["param"] == param and "line 2" in error["message"], error
+    named = param.split(".")[0]
+    words = (named, "response_format", "min_tokens", "tool")
+    assert any(word in error["message"] for word in words)
 
 
 def test_tool_calls_are_parsed_in_hermes_and_llama_formats():

@@ -50,18 +50,24 @@ def test_validation_names_line_code_and_field():
         ),
     )
     checked = validate_lines(lines, Settings())
-    assert [r.custom_id for r in checked.requests] == ["a", "g"]
+    assert [r.custom_id for r in checked.requests] == ["a", "c", "d", "e", "g"]
     got = [(e.line, e.code, e.param) for e in checked.errors]
     assert got == [
         (2, "invalid_json", None),
         (3, "duplicate_custom_id", "custom_id"),
         (4, "invalid_request", "method"),
-        (5, "invalid_request", "body.temperature"),
-        (6, "invalid_request", "body.prompt"),
-        (7, "invalid_request", "body.frequency_penalti"),
         (8, "invalid_request", "url"),
     ]
-    assert "line 1" in checked.errors[1].message and "line 5" in checked.errors[3].message
+    assert "line 1" in checked.errors[1].message
+    refused = {r.custom_id: r.answer() for r in checked.requests if r.record is not None}
+    errors = {cid: record.response.body["error"] for cid, record in refused.items()}
+    assert {cid: (e["code"], e["param"], e["type"]) for cid, e in errors.items()} == {
+        "c": ("invalid_value", "temperature", "invalid_request_error"),
+        "d": ("invalid_value", "prompt", "invalid_request_error"),
+        "e": ("unknown_parameter", "frequency_penalti", "invalid_request_error"),
+    }
+    assert all(record.response.status_code == 400 for record in refused.values())
+    assert "line 5" in errors["c"]["message"] and refused["c"].error.code == "invalid_value"
 
 
 def test_size_limits_are_enforced_per_line_and_per_batch():

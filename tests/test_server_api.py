@@ -131,7 +131,7 @@ def test_cancel(stack):
 def test_list_pagination(stack):
     client = stack.openai(stack.key("pages"))
     bad = client.files.create(
-        file=jsonl([{"custom_id": "x", "method": "POST", "url": "/v1/completions", "body": {"nope": 1}}]),
+        file=jsonl([{"custom_id": "x", "method": "POST", "url": "/v1/completions"}]),  # no body: not a line
         purpose="batch",
     )
     made = [

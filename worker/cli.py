@@ -53,7 +53,7 @@ def start(
         raise typer.BadParameter("give --model or set SLUICE_MODEL", param_hint="--model")
     configure_logging(log_format)
     metrics = start_metrics(metrics_port, model)
-    llm = load(model, engine_args)
+    llm = load(model, {**settings.json_bounds(), **engine_args})
     connection = connect(redis_url or settings.redis_url)
     become_ready(metrics, llm, connection)
     ttl = heartbeat_ttl or settings.heartbeat_ttl

@@ -60,7 +60,7 @@ def shard_records(
         failed_shards.append(shard)
     message = ABORT_CODES.get(code) or f"shard {shard} produced no output ({job.get_status()})"
     for request in shard_requests(storage, job.args[2]):
-        yield error_record(request.custom_id, code, message)
+        yield request.answer() or error_record(request.custom_id, code, message)
 
 
 @dataclass

@@ -9,6 +9,7 @@ worker's maintenance would, so nothing waits for a worker to come back; then, fo
 - all shards ended but the batch is not done (finalize lost, stuck, failed for good): finalized here;
   when that fails too and rq has no retry left for it, the batch ends `failed` (`cancelled` if cancelling).
 A condition must hold on two passes an interval apart before the reaper acts, so it never races a live worker.
+Each pass also deletes the output and error files of done batches whose `output_expires_after` has come.
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ from sluice.contract.batch import INDEX, BatchStore, batch_key
 from sluice.contract.jobs import QUEUES, finalize_job_id, shard_job_id
 from sluice.contract.queues import drop_unclaimed, fetch, status
 from sluice.contract.redis_conn import connect
+from sluice.contract.retention import due_output_expiry, forget_output_expiry
 from sluice.contract.schemas import Batch, BatchStatus
 from sluice.contract.settings import Settings, get_settings
+from sluice.contract.storage import open_output
 from sluice.worker import rq_jobs
 from sluice.worker.finalize import finalize
 from sluice.worker.terminal import fail_batch
@@ -63,9 +66,39 @@ class Reaper:
                 raise
             except Exception:
                 log.exception("reaper: batch %s", batch.id)
+        deleted = self.delete_due_outputs()
+        if deleted:
+            report["outputs_deleted"] += deleted
         if report:
             log.info("reaper: %s", dict(report))
         return report
+
+    def delete_due_outputs(self) -> int:
+        """Delete the files (output, errors, shard outputs) of the done batches whose output expiry has come;
+        returns how many batches lost theirs."""
+        deleted = 0
+        for batch_id in due_output_expiry(self.connection, time.time()):
+            batch = self.store.get(batch_id)
+            if batch is not None and not batch.done:
+                continue  # deleted once it is done and its files are written
+            if batch is not None:
+                self.delete_outputs(batch)
+                deleted += 1
+            forget_output_expiry(self.connection, batch_id)
+        return deleted
+
+    def delete_outputs(self, batch: Batch) -> None:
+        """Remove a batch's files from storage and their locations from its record."""
+        storage = open_output(batch.output_url, self.settings.output_root_urls(),
+                              s3_style=self.settings.s3_addressing_style)  # fmt: skip
+        files = [f"{batch.id}/output.jsonl", f"{batch.id}/errors.jsonl", *storage.keys(f"{batch.id}/shards/")]
+        for key in files:
+            storage.delete(key)
+
+        def forget(b: Batch) -> None:
+            b.output_file = b.error_file = None
+
+        self.store.update(batch.id, forget)
 
     def unfinished(self) -> Iterator[Batch]:
         ids = [i for i, _ in self.connection.zscan_iter(INDEX)]

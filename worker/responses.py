@@ -22,8 +22,13 @@ def record_id() -> str:
     return f"batch_req_{uuid.uuid4().hex}"
 
 
-def error_record(custom_id: str, code: str, message: str) -> OutputRecord:
-    """An error line for a request that produced no response."""
+def error_record(
+    custom_id: str, code: str, message: str, status_code: int | None = None, param: str | None = None
+) -> OutputRecord:
+    """An error line for a request that produced no response; given a status_code (400: a request refused for
+    its body), the record holds OpenAI's HTTP error response for it."""
+    if status_code is not None:
+        return OutputRecord.rejected(custom_id, code, message, param, status_code)
     return OutputRecord(id=record_id(), custom_id=custom_id, error=ErrorInfo(code=code, message=message))
 
 

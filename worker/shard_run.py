@@ -111,6 +111,13 @@ class ShardRun:
     token: int | None = None
     payload: dict[str, Any] | list[dict[str, Any]] | None = None
 
+    def __post_init__(self) -> None:
+        for request in self.requests:  # answered already: a refused body, a resumed batch's finished line
+            answer = request.answer()
+            if answer is not None:
+                self.records[request.custom_id] = answer
+                self.unreported.append(request.custom_id)
+
     @classmethod
     def from_args(cls, job_id: str, args: tuple | list) -> ShardRun:
         """A run for the args of a `run_shard(batch_id, shard, slice)` job; its requests come with load(),
@@ -145,7 +152,8 @@ class ShardRun:
         """Add every request to the engine as `{key}/{i}` (key: the rq execution; default the job id); served:
         the model names it answers to (served_models)."""
         for i, request in enumerate(self.requests):
-            self.add(llm, f"{key or self.job_id}/{i}", request, served)
+            if request.custom_id not in self.records:
+                self.add(llm, f"{key or self.job_id}/{i}", request, served)
 
     def add(self, llm: LLM, rid: str, request: Request, served: set[str]) -> None:
         """Add one request to the engine as rid; one it cannot run (or even render) becomes an error record."""
@@ -155,18 +163,18 @@ class ShardRun:
             prompt, params = prepare(llm, request, served)
             llm.add_request(rid, prompt, params)
         except RequestRejected as exc:
-            self.fail(request, "request_rejected", str(exc))
+            self.fail(request, "request_rejected", str(exc), 400)
         except ModelNotServed as exc:
-            self.fail(request, "model_not_found", str(exc))
+            self.fail(request, "model_not_found", str(exc), 400)
         except ChatTemplateError as exc:
-            self.fail(request, "chat_template_error", str(exc))
+            self.fail(request, "chat_template_error", str(exc), 400)
         except (ValidationError, ValueError, TypeError) as exc:
-            self.fail(request, "invalid_request", str(exc))
+            self.fail(request, "invalid_request", str(exc), 400)
         else:
             self.pending[rid] = request
 
-    def fail(self, request: Request, code: str, message: str) -> None:
-        self.records[request.custom_id] = error_record(request.custom_id, code, message)
+    def fail(self, request: Request, code: str, message: str, status_code: int | None = None) -> None:
+        self.records[request.custom_id] = error_record(request.custom_id, code, message, status_code)
 
     def fail_all(self, code: str, message: str) -> None:
         """Record every request not done yet as an error (the shard did not run them)."""
@@ -256,6 +264,7 @@ def shared_llm(settings: Settings) -> Any:
         chosen = {"dtype": settings.dtype, "device": settings.device, "cpu_kernel": settings.cpu_kernel,
                   "cpu_isa": settings.cpu_isa, "device_path": settings.device_path}
         stay_off_the_hub()
+        chosen |= settings.json_bounds()
         _LLM = LLM(settings.model, **{k: v for k, v in chosen.items() if v is not None})
     return _LLM
 

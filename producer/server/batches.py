@@ -13,7 +13,7 @@ from starlette.concurrency import run_in_threadpool
 from sluice.contract.batch import TransitionError
 from sluice.contract.schemas import Batch
 from sluice.contract.storage import OutputNotAllowed, split_url
-from sluice.producer.client import BatchNotFound, check_metadata, window_seconds
+from sluice.producer.client import BatchNotFound, check_metadata, output_expiry_seconds, window_seconds
 from sluice.producer.server.context import ApiKey, Context, api_key, context
 from sluice.producer.server.errors import APIError, not_found
 from sluice.producer.server.files import FILE, FileRecord, FileStore, iter_object
@@ -179,10 +179,11 @@ class BatchApi:
         try:
             window_seconds(body.completion_window)
             metadata = check_metadata(body.metadata)
+            output_expires_after = output_expiry_seconds(body.output_expires_after)
         except ValueError as exc:
-            raise APIError(
-                400, str(exc), param="metadata" if "metadata" in str(exc) else "completion_window"
-            ) from None
+            named = [p for p in ("metadata", "output_expires_after") if p in str(exc)]
+            param = named[0] if named else "completion_window"
+            raise APIError(400, str(exc), param=param) from None
         webhook = self.ctx.keys.settings(key.project).webhook_url
         try:
             batch = self.ctx.client.submit_batch(
@@ -193,6 +194,7 @@ class BatchApi:
                 webhook=webhook,
                 shard_size=self.ctx.settings.shard_size,
                 project=key.project,
+                output_expires_after=output_expires_after,
             )
         except OutputNotAllowed as exc:  # the server's own SLUICE_OUTPUT_URL is outside SLUICE_OUTPUT_ROOTS
             raise APIError(500, f"the server is misconfigured: {exc}", code="output_not_allowed") from None
