@@ -112,9 +112,13 @@ class ShardRun:
     payload: dict[str, Any] | list[dict[str, Any]] | None = None
 
     def __post_init__(self) -> None:
-        for request in self.requests:  # answered already: a refused body, a resumed batch's finished line
+        self._carry_answers()
+
+    def _carry_answers(self) -> None:
+        """The records of requests answered already: a refused body, a resumed batch's finished line."""
+        for request in self.requests:
             answer = request.answer()
-            if answer is not None:
+            if answer is not None and request.custom_id not in self.records:
                 self.records[request.custom_id] = answer
                 self.unreported.append(request.custom_id)
 
@@ -137,6 +141,7 @@ class ShardRun:
             roots, style = settings.output_root_urls(), settings.s3_addressing_style
             storage = open_output(batch.output_url, roots, s3_style=style)
             self.requests = list(shard_requests(storage, self.payload))
+            self._carry_answers()
 
     @property
     def done(self) -> bool:
