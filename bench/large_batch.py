@@ -7,7 +7,7 @@ through the Files and Batches API; once the large batch is running, submits a `-
 another project and times it. Samples Redis `used_memory` (INFO memory) against its idle value, reads the peak
 RSS (VmHWM) of the server and the workers, runs finalize's merge once more in a fresh process for its own peak
 RSS and time, and checks that every request is in output.jsonl exactly once. Writes one table to
-docs/benchmarks.md, between the large-batch markers (replacing an earlier one).
+docs/benchmarks.md, in place of its previous section.
 
     python bench/large_batch.py --lines 5000           # scaled
     python bench/large_batch.py                        # 50,000 lines, ~200 MB
@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "models" / "sluice-tiny"
 SLUICE = Path(sys.executable).parent / "sluice"
-BEGIN, END = "<!-- large-batch:begin -->", "<!-- large-batch:end -->"
+SECTION = "One large batch, and a small one behind it (bench/large_batch.py)"
 MB = 1000 * 1000
 NOTE = ("Targets: Redis at most 64 MB above idle, server and finalize at most 300 MB each, nothing lost, "
         "the small batch done within 2 minutes. The worker's RSS is its engine's (model, KV pool, C++ "
@@ -269,21 +269,19 @@ def table(r: dict, command: str) -> str:
         ("10-line batch behind it: submit to done",
          f"{r['small_s']:.1f} s ({r['small_status']}; the large one had {r['big_done']:,} requests done)"),
     ]
-    lines = [BEGIN, "## One large batch, and a small one behind it (bench/large_batch.py)", "",
-             f"`{command}` on {model} ({os.cpu_count()} CPUs, shared host), "
-             f"{datetime.now(UTC):%Y-%m-%d}.", "", "| measure | value |", "|---|---|"]
+    lines = [f"## {SECTION}", "",
+             f"`{command}` ({datetime.now(UTC):%Y-%m-%d %H:%M UTC}, CPU: {model}, {os.cpu_count()} CPUs, "
+             "shared host)", "", "| measure | value |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in rows]
     lines += ["", *textwrap.wrap(NOTE, 110)]
-    return "\n".join([*lines, END]) + "\n"
+    return "\n" + "\n".join(lines) + "\n"
 
 
 def write_table(text: str, path: Path) -> None:
-    doc = path.read_text() if path.exists() else ""
-    if BEGIN in doc and END in doc:
-        doc = doc[: doc.index(BEGIN)] + text + doc[doc.index(END) + len(END) + 1:]
-    else:
-        doc = doc.rstrip("\n") + "\n\n" + text
-    path.write_text(doc)
+    """The section in place of the benchmark's previous one (bench/common.replace_section)."""
+    from common import replace_section
+
+    path.write_text(replace_section(path.read_text() if path.exists() else "", SECTION, text))
 
 
 def main() -> None:

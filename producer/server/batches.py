@@ -160,8 +160,8 @@ class BatchApi:
             "usage": self.usage(batch),
         }
 
-    def create(self, key: ApiKey, body: CreateBatch) -> dict[str, Any]:
-        """Validate the input file's lines and enqueue its shards on the ordinary queues."""
+    def input_file(self, key: ApiKey, body: CreateBatch):
+        """The batch's input file: the project's, of purpose batch, every line for the batch's endpoint."""
         source = self.files.get(key.project, body.input_file_id)
         if source.purpose != "batch":
             raise APIError(
@@ -176,6 +176,11 @@ class BatchApi:
                 param="endpoint",
                 code="invalid_url",
             )
+        return source
+
+    def create(self, key: ApiKey, body: CreateBatch) -> dict[str, Any]:
+        """Validate the input file's lines and enqueue its shards on the ordinary queues."""
+        source = self.input_file(key, body)
         try:
             window_seconds(body.completion_window)
             metadata = check_metadata(body.metadata)
