@@ -8,6 +8,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
+from sluice.contract.moderations import MODERATIONS, ModerationBody
+from sluice.contract.rerank import RERANK, SCORE, RerankBody, ScoreBody
 from sluice.contract.tools import NamedToolChoice, Tool, ToolChoice, named_tool, tool_constraint
 
 COMPLETIONS = "/v1/completions"
@@ -347,6 +349,7 @@ class EmbeddingBody(BaseModel):
 BODIES: dict[str, type[SamplingBody] | type[EmbeddingBody]] = {
     COMPLETIONS: CompletionBody, CHAT: ChatBody, EMBEDDINGS: EmbeddingBody,
 }
+BODIES.update({RERANK: RerankBody, SCORE: ScoreBody, MODERATIONS: ModerationBody})  # type: ignore[dict-item]
 
 
 class InputLine(BaseModel):
@@ -356,7 +359,8 @@ class InputLine(BaseModel):
 
     custom_id: str = Field(min_length=1, max_length=512)
     method: Literal["POST"]
-    url: Literal["/v1/completions", "/v1/chat/completions", "/v1/embeddings"]
+    url: Literal["/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/rerank", "/v1/score",
+                 "/v1/moderations"]
     body: dict[str, Any]
 
 

@@ -87,6 +87,7 @@ class EncoderEngine:
         own = config.tokenizer is None
         self.tokenizer = load_tokenizer(config.tokenizer or config.model, hf_config if own else None)
         self.model = load_encoder(config.model, c, self.dtype, self.device)
+        self.labels = [c.id2label[i] for i in range(c.num_labels)]
         self.token_budget = max(config.max_num_batched_tokens, self.max_model_len)
         self.waiting: deque[EncoderSequence] = deque()
         self.requests: dict[str, EncoderRequest] = {}
@@ -275,11 +276,15 @@ class EncoderEngine:
         items = [kind(f"{req.request_id}#{s.index}", s.token_ids, req.results[s.index] if ok else None,
                       req.finish_reason, req.metrics) for s in req.sequences]
         if len(items) == 1:
-            items[0].request_id = req.request_id
-            return items[0]
-        head = items[0]
-        first = head.embedding if isinstance(head, EmbeddingOutput) else head.probs
-        return kind(req.request_id, head.prompt_token_ids, first, req.finish_reason, req.metrics, items=items)
+            out, out.request_id = items[0], req.request_id
+        else:
+            head = items[0]
+            first = head.embedding if isinstance(head, EmbeddingOutput) else head.probs
+            out = kind(req.request_id, head.prompt_token_ids, first, req.finish_reason, req.metrics,
+                       items=items)
+        if isinstance(out, ClassificationOutput):
+            out.labels = self.labels
+        return out
 
     def stats(self) -> dict[str, Any]:
         """Queue sizes and token counters, under Engine's names (no KV cache: its numbers are zero)."""

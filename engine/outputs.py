@@ -89,6 +89,7 @@ class ClassificationOutput:
     error: str | None = None
     finished: bool = True
     items: list[ClassificationOutput] | None = None  # several inputs: one output each, in order
+    labels: list[str] | None = None  # the classifier's id2label, in class order
 
     @property
     def score(self) -> float | None:

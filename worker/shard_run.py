@@ -15,6 +15,7 @@ from sluice.contract.batch import BatchStore
 from sluice.contract.schemas import ChatBody, EmbeddingBody, OutputRecord, Request
 from sluice.contract.settings import Settings, get_settings, stay_off_the_hub
 from sluice.contract.storage import open_output
+from sluice.worker.encoder_responses import encoder_params
 from sluice.worker.faults import faults
 from sluice.worker.responses import ABORT_CODES, error_record, output_record
 from sluice.worker.terminal import OUTPUT_NOT_ALLOWED, fail_batch, output_problem
@@ -70,6 +71,8 @@ def prepare(llm: LLM, request: Request, served: set[str]) -> tuple[Any, Any]:
         raise ModelNotServed(f"model {body.model!r} is not served here (served: {', '.join(sorted(served))})")
     if isinstance(body, EmbeddingBody):
         return body.input, PoolingParams(dimensions=body.dimensions)
+    if (pooled := encoder_params(body)) is not None:  # rerank, score, moderations
+        return pooled[0], PoolingParams(task=pooled[1])
     if not isinstance(body, ChatBody):
         return body.prompt, SamplingParams(**body.sampling_kwargs())
     try:
