@@ -204,7 +204,9 @@ class EncoderEngine:
         return batch
 
     def _run(self, batch: list[EncoderSequence]) -> list[EncoderRequest]:
-        """One forward over the batch; the requests whose last input it ran."""
+        """One forward over the batch, sorted by length (engine.models.bert.AttentionPlan); the requests whose
+        last input it ran."""
+        batch.sort(key=lambda s: len(s.token_ids))
         lens = [len(s.token_ids) for s in batch]
         hidden = self._forward(batch, lens)
         starts = torch.tensor([0, *lens[:-1]], device=self.device).cumsum(0)

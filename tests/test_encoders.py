@@ -12,6 +12,7 @@ import torch
 
 from sluice.engine import LLM, PoolingParams, RequestRejected, SamplingParams
 from sluice.engine.encoder_engine import EncoderEngine
+from sluice.engine.models.bert import AttentionPlan
 from tests.checkpoints import make_encoder_checkpoint, sentence_transformers_files
 
 TEXTS = ["hello world", "the quick brown fox jumps over the lazy dog. " * 4, "to be or not to be",
@@ -179,3 +180,21 @@ def test_classify_and_pair_scores_need_an_encoder(tiny_llama):
         llm.score(QUERY, DOCS)
     with pytest.raises(RequestRejected, match="task 'classify' needs a sequence-classification encoder"):
         llm.engine.add_request("c", TEXTS[0], PoolingParams(task="classify"))
+
+
+def test_attention_plan_matches_one_bidirectional_attention_per_sequence():
+    import torch.nn.functional as F
+
+    lens = [4, 4, 4, 9, 16, 17, 40, 41, 90]  # a group read in place, padded groups, a lone sequence
+    heads, dim = 4, 8
+    qkv = torch.randn(sum(lens), 3 * heads * dim, generator=torch.Generator().manual_seed(0))
+    plan = AttentionPlan(lens, torch.device("cpu"))
+    padded = [(g.size, g.valid is not None) for g in plan.groups]
+    assert padded == [(3, False), (3, True), (2, True), (1, False)]
+    out = plan.attend(qkv, heads, 0.3)
+    start = 0
+    for n in lens:
+        q, k, v = qkv[start:start + n].view(n, 3, heads, dim).permute(1, 2, 0, 3)
+        want = F.scaled_dot_product_attention(q, k, v, scale=0.3).transpose(0, 1).reshape(n, heads * dim)
+        torch.testing.assert_close(out[start:start + n], want, atol=1e-5, rtol=1e-5)
+        start += n

@@ -99,66 +99,70 @@ class EncoderConfig:
 
 @dataclass(slots=True)
 class PaddedGroup:
-    """Sequences of similar length padded to `width`: the flat row of each padded slot (padding reads row 0),
-    the key mask (None without padding), the real slots and their flat rows."""
+    """Consecutive sequences of similar length, from flat row `start` on (`num_tokens` rows), padded to
+    `width`: the flat row of each padded slot and the [size, width] mask of the real ones (both None when
+    every sequence is `width` long: the rows are read in place)."""
 
+    start: int
+    num_tokens: int
     size: int
     width: int
-    index: torch.Tensor
-    mask: torch.Tensor | None
-    slots: torch.Tensor
-    dest: torch.Tensor
+    index: torch.Tensor | None
+    valid: torch.Tensor | None
 
 
 class AttentionPlan:
-    """Bidirectional attention of one step's sequences (by their lengths, back to back in the flat batch)."""
+    """Bidirectional attention of one step's sequences, sorted by length and back to back in the flat batch:
+    consecutive sequences of similar length share one attention call, padded with a key mask."""
 
     def __init__(self, lens: list[int], device: torch.device) -> None:
-        starts = [0]
-        for n in lens[:-1]:
-            starts.append(starts[-1] + n)
-        self.num_tokens = sum(lens)
-        self.groups = [self._group([starts[i] for i in g], [lens[i] for i in g], device)
-                       for g in self._cut(lens)]
+        assert lens == sorted(lens), "the sequences of a step come sorted by length"
+        self.groups: list[PaddedGroup] = []
+        start = 0
+        for lo, hi in self._cut(lens):
+            group = self._group(start, lens[lo:hi], device)
+            self.groups.append(group)
+            start += group.num_tokens
+        self.num_tokens = start
 
     @staticmethod
-    def _cut(lens: list[int]) -> list[list[int]]:
-        """Sequence indices sorted by length, cut where padding to the longest would exceed MAX_PADDING."""
-        out: list[list[int]] = []
-        real = 0
-        for i in sorted(range(len(lens)), key=lens.__getitem__):
-            if out and (len(out[-1]) + 1) * lens[i] <= (1 + MAX_PADDING) * (real + lens[i]):
-                out[-1].append(i)
-                real += lens[i]
-            else:
-                out.append([i])
-                real = lens[i]
-        return out
+    def _cut(lens: list[int]) -> list[tuple[int, int]]:
+        """[lo, hi) ranges of the sorted lengths, cut where padding to the longest would pass MAX_PADDING."""
+        out: list[tuple[int, int]] = []
+        lo, real = 0, 0
+        for i, n in enumerate(lens):
+            if i > lo and (i - lo + 1) * n > (1 + MAX_PADDING) * (real + n):
+                out.append((lo, i))
+                lo, real = i, 0
+            real += n
+        return [*out, (lo, len(lens))] if lens else out
 
     @staticmethod
-    def _group(starts: list[int], lens: list[int], device: torch.device) -> PaddedGroup:
-        width = max(lens)
+    def _group(start: int, lens: list[int], device: torch.device) -> PaddedGroup:
+        width, total = lens[-1], sum(lens)
+        if lens[0] == width:
+            return PaddedGroup(start, total, len(lens), width, None, None)
         cols = torch.arange(width)
         valid = cols[None, :] < torch.tensor(lens)[:, None]
-        index = ((torch.tensor(starts)[:, None] + cols[None, :]) * valid).flatten()
-        slots = valid.flatten().nonzero().squeeze(1)
-        mask = None if bool(valid.all()) else valid[:, None, None, :].to(device)
-        dest = index[slots].to(device)
-        return PaddedGroup(len(lens), width, index.to(device), mask, slots.to(device), dest)
+        firsts = torch.tensor([start, *lens[:-1]]).cumsum(0)
+        index = torch.where(valid, firsts[:, None] + cols[None, :], start).flatten()
+        return PaddedGroup(start, total, len(lens), width, index.to(device), valid.to(device))
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        """Attention of q, k, v [tokens, heads, head_dim], each token over its own sequence's tokens."""
-        if len(self.groups) == 1 and self.groups[0].mask is None:
-            g = self.groups[0]
-            qb, kb, vb = (x.view(g.size, g.width, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))
-            return F.scaled_dot_product_attention(qb, kb, vb, scale=scale).transpose(1, 2).reshape(q.shape)
-        out = torch.empty_like(q)
+    def attend(self, qkv: torch.Tensor, num_heads: int, scale: float) -> torch.Tensor:
+        """Attention of each token over its own sequence's tokens: qkv [tokens, 3 * hidden] (query, key and
+        value, heads within each) to [tokens, hidden]."""
+        hidden = qkv.shape[1] // 3
+        out = qkv.new_empty(qkv.shape[0], hidden)
         for g in self.groups:
-            qb, kb, vb = (x.index_select(0, g.index).view(g.size, g.width, *x.shape[1:]).transpose(1, 2)
-                          for x in (q, k, v))
-            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=g.mask, scale=scale)
-            flat = o.transpose(1, 2).reshape(g.size * g.width, *q.shape[1:])
-            out.index_copy_(0, g.dest, flat.index_select(0, g.slots))
+            rows = qkv[g.start: g.start + g.num_tokens] if g.index is None else qkv.index_select(0, g.index)
+            q, k, v = rows.view(g.size, g.width, 3, num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+            mask = None if g.valid is None else g.valid[:, None, None, :]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).transpose(1, 2)
+            dest = out[g.start: g.start + g.num_tokens]
+            if g.valid is None:
+                dest.view(g.size, g.width, num_heads, -1).copy_(o)
+            else:
+                dest.copy_(o[g.valid].view(g.num_tokens, hidden))
         return out
 
 
@@ -178,8 +182,7 @@ class EncoderLayer(nn.Module):
         self.act = ACTIVATIONS[c.hidden_act]
 
     def forward(self, x: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).view(x.shape[0], 3, self.num_heads, self.head_dim).unbind(1)
-        attn = plan.attend(q, k, v, self.head_dim**-0.5).reshape(x.shape)
+        attn = plan.attend(self.qkv_proj(x), self.num_heads, self.head_dim**-0.5)
         x = self.attn_norm(x + self.o_proj(attn))
         return self.mlp_norm(x + self.down_proj(self.act(self.up_proj(x))))
 
