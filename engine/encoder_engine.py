@@ -22,7 +22,7 @@ from sluice.engine.engine import RequestRejected
 from sluice.engine.models.bert import AttentionPlan, EncoderConfig, load_encoder
 from sluice.engine.models.loader import read_config
 from sluice.engine.outputs import ClassificationOutput, EmbeddingOutput, RequestMetrics
-from sluice.engine.pooling import EncoderPooling, PoolingError, PoolingParams, split_inputs
+from sluice.engine.pooling import Dense, EncoderPooling, PoolingError, PoolingParams, split_inputs
 from sluice.engine.resolved import resolve_device, resolve_dtype
 from sluice.engine.tokenizer import load_tokenizer
 
@@ -83,6 +83,8 @@ class EncoderEngine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, c.torch_dtype, self.device)
         self.pooling = EncoderPooling.read(config.model)
+        self.dense = [Dense(folder).to(self.device) for folder in self.pooling.dense]
+        self.embedding_size = self.dense[-1].linear.out_features if self.dense else c.hidden_size
         self.max_model_len = self._max_len(config, c, self.pooling)
         own = config.tokenizer is None
         self.tokenizer = load_tokenizer(config.tokenizer or config.model, hf_config if own else None)
@@ -131,9 +133,10 @@ class EncoderEngine:
         if params.task == "score" and c.num_labels != 1:
             raise PoolingError(f"score needs a cross-encoder with one label; this classifier has "
                                f"{c.num_labels}")
-        if params.task == "embed" and params.dimensions is not None and params.dimensions > c.hidden_size:
+        dims = params.dimensions
+        if params.task == "embed" and dims is not None and dims > self.embedding_size:
             raise PoolingError(f"dimensions ({params.dimensions}) exceeds the model's embedding size "
-                               f"({c.hidden_size})")
+                               f"({self.embedding_size})")
 
     def _encode(self, prompt: Any, task: str) -> list[tuple[list[int], list[int]]]:
         """Token ids and token type ids of each input (pairs: the tokenizer's pair template and types)."""
@@ -253,7 +256,7 @@ class EncoderEngine:
                 continue
             mode = params.pooling or self.pooling.mode
             if mode not in pooled:
-                pooled[mode] = pool(hidden, starts, lens, mode)
+                pooled[mode] = self._project(pool(hidden, starts, lens, mode))
             vec = pooled[mode][i]
             if params.dimensions is not None:
                 vec = vec[: params.dimensions]
@@ -261,6 +264,13 @@ class EncoderEngine:
                 vec = torch.nn.functional.normalize(vec, dim=0)
             out[i] = vec.cpu().tolist()
         return out  # type: ignore[return-value]
+
+    def _project(self, pooled: torch.Tensor) -> torch.Tensor:
+        """The pooled vectors through the checkpoint's Dense modules, in order (float32)."""
+        with torch.inference_mode():
+            for dense in self.dense:
+                pooled = dense(pooled)
+        return pooled
 
     def _probs(self, logits: torch.Tensor) -> torch.Tensor:
         """Class probabilities: sigmoid for a single label or a multi-label classifier, else softmax."""

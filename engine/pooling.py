@@ -76,23 +76,27 @@ def _sentence_transformers_pooling(folder: Path) -> str | None:
 
 
 ENCODER_POOLING = {**_ST_MODES, "pooling_mode_max_tokens": "max"}
-ST_MODULES = ("Transformer", "Pooling", "Normalize")
+ST_MODULES = ("Transformer", "Pooling", "Dense", "Normalize")
+DENSE_ACTIVATIONS = {"Identity": lambda x: x, "Tanh": torch.tanh, "ReLU": torch.relu,
+                     "Sigmoid": torch.sigmoid, "GELU": torch.nn.functional.gelu}
 
 
 @dataclass(frozen=True, slots=True)
 class EncoderPooling:
     """How an encoder checkpoint turns hidden states into its embedding: sentence-transformers' Pooling mode
-    (cls, mean, max or last), whether a Normalize module follows, its max_seq_length (None: the model's)."""
+    (cls, mean, max or last), the folders of the Dense modules after it, whether a Normalize module follows,
+    its max_seq_length (None: the model's)."""
 
     mode: str = "cls"
     normalize: bool = True
     max_seq_length: int | None = None
+    dense: tuple[Path, ...] = ()
 
     @classmethod
     def read(cls, model_dir: str | Path) -> EncoderPooling:
         """From modules.json, the Pooling module's config.json and sentence_bert_config.json; a folder
         without modules.json pools the first token ([CLS], vLLM's default for BERT) and normalizes. A module
-        type other than Transformer, Pooling and Normalize is refused by name."""
+        type other than Transformer, Pooling, Dense and Normalize is refused by name."""
         folder = Path(model_dir)
         st_config = folder / "sentence_bert_config.json"
         max_len = json.loads(st_config.read_text()).get("max_seq_length") if st_config.is_file() else None
@@ -109,7 +113,35 @@ class EncoderPooling:
             if kind == "Pooling":
                 mode = _encoder_mode(folder.name, json.loads((folder / module.get("path", "") / "config.json")
                                                              .read_text()))
-        return cls(mode, "Normalize" in kinds, max_len)
+        dense = tuple(folder / m.get("path", "") for m, kind in zip(modules, kinds, strict=True)
+                      if kind == "Dense")
+        return cls(mode, "Normalize" in kinds, max_len, dense)
+
+
+class Dense(torch.nn.Module):
+    """sentence-transformers' Dense module: a linear projection of the pooled vector and its activation."""
+
+    def __init__(self, folder: Path) -> None:
+        super().__init__()
+        config = json.loads((folder / "config.json").read_text())
+        name = str(config.get("activation_function", "Identity")).rsplit(".", 1)[-1]
+        if name not in DENSE_ACTIVATIONS:
+            raise PoolingError(f"{folder.name}: Dense activation {name} is not supported "
+                               f"({', '.join(DENSE_ACTIVATIONS)})")
+        if not (folder / "model.safetensors").is_file():
+            raise PoolingError(f"{folder.name}: Dense weights are read from model.safetensors, which is "
+                               "missing")
+        from safetensors.torch import load_file
+
+        weights = load_file(folder / "model.safetensors")
+        bias = config.get("bias", True)
+        self.linear = torch.nn.Linear(config["in_features"], config["out_features"], bias=bias)
+        self.linear.load_state_dict({k.removeprefix("linear."): v.float() for k, v in weights.items()})
+        self.linear.requires_grad_(False)
+        self.activation = DENSE_ACTIVATIONS[name]
+
+    def forward(self, pooled: torch.Tensor) -> torch.Tensor:
+        return self.activation(self.linear(pooled))
 
 
 def _encoder_mode(name: str, config: dict) -> str:

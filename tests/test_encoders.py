@@ -131,9 +131,9 @@ def test_abort_reports_the_request_without_a_vector(encoders):
 def test_unsupported_sentence_transformers_modules_are_named_at_load(encoders):
     path = sentence_transformers_files(encoders("bert"), "pooling_mode_mean_tokens")
     modules = json.loads((path / "modules.json").read_text())
-    modules.append({"idx": 3, "name": "3", "path": "3_Dense", "type": "sentence_transformers.models.Dense"})
+    modules.append({"idx": 3, "name": "3", "path": "3_LSTM", "type": "sentence_transformers.models.LSTM"})
     (path / "modules.json").write_text(json.dumps(modules))
-    with pytest.raises(ValueError, match="module.s. Dense not supported"):
+    with pytest.raises(ValueError, match="module.s. LSTM not supported"):
         LLM(str(path), dtype="float32", device="cpu")
     (path / "modules.json").write_text(json.dumps(modules[:3]))
     (path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_weightedmean_tokens": True}))
@@ -198,3 +198,27 @@ def test_attention_plan_matches_one_bidirectional_attention_per_sequence():
         want = F.scaled_dot_product_attention(q, k, v, scale=0.3).transpose(0, 1).reshape(n, heads * dim)
         torch.testing.assert_close(out[start:start + n], want, atol=1e-5, rtol=1e-5)
         start += n
+
+
+def test_dense_modules_project_the_pooled_vector_before_normalizing(encoders):
+    from safetensors.torch import save_file
+
+    path = sentence_transformers_files(encoders("bert"), "pooling_mode_mean_tokens")
+    modules = json.loads((path / "modules.json").read_text())
+    dense = {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"}
+    modules.insert(2, dense)
+    (path / "modules.json").write_text(json.dumps(modules))
+    (path / "2_Dense").mkdir()
+    (path / "2_Dense" / "config.json").write_text(json.dumps(
+        {"in_features": 64, "out_features": 24, "bias": True,
+         "activation_function": "torch.nn.modules.activation.Tanh"}))
+    gen = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(24, 64, generator=gen) * 0.3, torch.randn(24, generator=gen)
+    save_file({"linear.weight": weight, "linear.bias": bias}, path / "2_Dense" / "model.safetensors")
+    llm = LLM(str(path), dtype="float32", device="cpu")
+    for out in llm.embed(TEXTS[:3], progress=False):
+        want = torch.tanh(hf_pooled(path, out.prompt_token_ids, "mean") @ weight.T + bias)
+        torch.testing.assert_close(torch.tensor(out.embedding), torch.nn.functional.normalize(want, dim=0),
+                                   atol=1e-5, rtol=1e-5)
+    with pytest.raises(RequestRejected, match=r"dimensions \(32\) exceeds the model's embedding size \(24\)"):
+        llm.engine.add_request("wide", TEXTS[0], PoolingParams(dimensions=32))
