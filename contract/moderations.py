@@ -4,8 +4,9 @@ A line `{"model", "input": str | [str]}` answers OpenAI's ModerationCreateRespon
 "model", "results": [{"flagged", "categories", "category_scores", "category_applied_input_types"}]}`, one
 result per input. Each category's score is the classifier's probability of that label (softmax over the
 labels; sigmoid for a multi-label or single-label classifier); a category is flagged at or above its threshold
-(SLUICE_MODERATION_THRESHOLDS, a JSON object of label to threshold, "default" for the others; 0.5 without
-one); `flagged` when any is. OpenAI's own categories that the classifier does not have are reported false with
+(the engine's `moderation_thresholds`, worker flag `--moderation-thresholds`: a JSON object of label to
+threshold, "default" for the others; 0.5 without one), which the classifier's output carries; `flagged` when
+any is. OpenAI's own categories that the classifier does not have are reported false with
 score 0.0 (the openai package requires them); the classifier's labels come as they are named.
 """
 
@@ -67,8 +68,9 @@ def moderation_result(probs: list[float], labels: list[str], thresholds: dict[st
             "category_applied_input_types": applied}
 
 
-def moderation_response(body: ModerationBody, out: Any, model: str,
-                        thresholds: dict[str, float]) -> dict[str, Any]:
-    """OpenAI's ModerationCreateResponse for a finished classify output (one item per input)."""
+def moderation_response(body: ModerationBody, out: Any, model: str) -> dict[str, Any]:
+    """OpenAI's ModerationCreateResponse for a finished classify output (one item per input; its labels and
+    thresholds)."""
+    thresholds = out.thresholds or {}
     results = [moderation_result(item.probs, out.labels, thresholds) for item in out.items or [out]]
     return {"id": f"modr-{uuid.uuid4().hex}", "model": body.model or model, "results": results}

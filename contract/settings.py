@@ -56,7 +56,6 @@ class Settings(BaseSettings):
     failure_ttl: int = Field(7 * 86400, gt=0)
     model: str | None = None
     served_models: str = ""
-    moderation_thresholds: dict[str, float] = Field(default_factory=dict)  # contract.moderations
     output_roots: str = ""
     cookie_secure: bool = False
     operator_token: SecretStr | None = None

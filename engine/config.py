@@ -112,6 +112,9 @@ class EngineConfig:
                                               "distribution), raw_logits, processed_logprobs or processed_logits "
                                               "(after logit_bias, penalties, the grammar mask, temperature, min-p, "
                                               "top-k and top-p).")
+    moderation_thresholds: dict[str, float] | None = _opt(
+        None, 'Encoder classifiers: /v1/moderations thresholds per category as JSON, e.g. {"toxic": 0.7, '
+              '"default": 0.5} (0.5 for a category without one).')
     extra: dict[str, Any] = field(default_factory=dict, metadata={"help": "Free-form settings the engine ignores."})
     speculative_config: SpeculativeConfig | None = field(init=False, default=None, repr=False, compare=False)
 

@@ -90,6 +90,9 @@ class EncoderEngine:
         self.tokenizer = load_tokenizer(config.tokenizer or config.model, hf_config if own else None)
         self.model = load_encoder(config.model, c, self.dtype, self.device)
         self.labels = [c.id2label[i] for i in range(c.num_labels)]
+        bad = {k: v for k, v in (config.moderation_thresholds or {}).items() if not 0 <= v <= 1}
+        if bad:
+            raise ValueError(f"moderation_thresholds must lie in [0, 1]: {bad}")
         self.token_budget = max(config.max_num_batched_tokens, self.max_model_len)
         self.waiting: deque[EncoderSequence] = deque()
         self.requests: dict[str, EncoderRequest] = {}
@@ -295,7 +298,7 @@ class EncoderEngine:
             out = kind(req.request_id, head.prompt_token_ids, first, req.finish_reason, req.metrics,
                        items=items)
         if isinstance(out, ClassificationOutput):
-            out.labels = self.labels
+            out.labels, out.thresholds = self.labels, self.config.moderation_thresholds
         return out
 
     def stats(self) -> dict[str, Any]:

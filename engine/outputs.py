@@ -90,6 +90,7 @@ class ClassificationOutput:
     finished: bool = True
     items: list[ClassificationOutput] | None = None  # several inputs: one output each, in order
     labels: list[str] | None = None  # the classifier's id2label, in class order
+    thresholds: dict[str, float] | None = None  # EngineConfig.moderation_thresholds
 
     @property
     def score(self) -> float | None:

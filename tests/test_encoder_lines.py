@@ -32,12 +32,12 @@ def embedder(tmp_path_factory):
     return sentence_transformers_files(path, "pooling_mode_mean_tokens", max_seq_length=24)
 
 
-def run_batch(model, redis_url, tmp_path, lines: list[dict], **env: str) -> tuple[dict, dict]:
-    """Submit the lines, run a real worker process (env: its extra environment) over them; response bodies and
-    errors by custom_id."""
+def run_batch(model, redis_url, tmp_path, lines: list[dict], *flags: str) -> tuple[dict, dict]:
+    """Submit the lines, run a real worker process (with these flags) over them; response bodies and errors by
+    custom_id."""
     client = Client(redis_url)
     batch = client.submit_batch(lines, output=tmp_path.as_uri(), shard_size=4)
-    worker = start_worker(model, redis_url, tmp_path / "worker.log", **env)
+    worker = start_worker(model, redis_url, tmp_path / "worker.log", *flags)
     try:
         done = client.wait(batch.id, timeout=180, progress=False)
     finally:
@@ -142,11 +142,11 @@ def test_moderation_lines_on_a_classifier_with_thresholds(moderator, redis_url, 
     probs = [o.probs for o in llm.classify(TEXTS, progress=False)]
     # a "toxic" threshold between the two lowest toxic scores: the lowest input passes, the others are flagged
     toxic = sorted(p[0] for p in probs)
-    thresholds = {"toxic": (toxic[0] + toxic[1]) / 2, "default": 1.01}
+    thresholds = {"toxic": (toxic[0] + toxic[1]) / 2, "default": 1.0}
     low = min(range(len(TEXTS)), key=lambda i: probs[i][0])
     lines = [line("one", "/v1/moderations", input=TEXTS[low]), line("many", "/v1/moderations", input=TEXTS)]
-    bodies, errors = run_batch(moderator, redis_url, tmp_path, lines,
-                               SLUICE_MODERATION_THRESHOLDS=json.dumps(thresholds))
+    bodies, errors = run_batch(moderator, redis_url, tmp_path, lines, "--moderation-thresholds",
+                               json.dumps(thresholds))
     assert not errors
     many = ModerationCreateResponse.model_validate(bodies["many"], strict=True)
     assert many.id.startswith("modr-") and len(many.results) == len(TEXTS)

@@ -153,6 +153,8 @@ def test_classify_matches_the_sequence_classification_head(encoders, family):
     assert len(embedded.embedding) == 64
     with pytest.raises(RequestRejected, match="one label; this classifier has 3"):
         llm.score(QUERY, DOCS)
+    with pytest.raises(ValueError, match=r"moderation_thresholds must lie in \[0, 1\]: \{'label_0': 2\}"):
+        LLM(str(path), dtype="float32", device="cpu", moderation_thresholds={"label_0": 2, "default": 0.5})
 
 
 @pytest.mark.parametrize("family", ["bert", "xlm-roberta"])

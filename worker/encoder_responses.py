@@ -3,19 +3,11 @@ and /v1/moderations."""
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 from sluice.contract.moderations import ModerationBody, moderation_response
 from sluice.contract.rerank import RerankBody, ScoreBody, rerank_response, score_response
 from sluice.contract.schemas import Request
-from sluice.contract.settings import get_settings
-
-
-@functools.cache
-def moderation_thresholds() -> dict[str, float]:
-    """SLUICE_MODERATION_THRESHOLDS, read once per process."""
-    return get_settings().moderation_thresholds
 
 
 def encoder_body(request: Request, out: Any, model: str) -> dict[str, Any] | None:
@@ -26,7 +18,7 @@ def encoder_body(request: Request, out: Any, model: str) -> dict[str, Any] | Non
     if isinstance(body, ScoreBody):
         return score_response(body, out, model)
     if isinstance(body, ModerationBody):
-        return moderation_response(body, out, model, moderation_thresholds())
+        return moderation_response(body, out, model)
     return None
 
 
