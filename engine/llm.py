@@ -159,12 +159,16 @@ class LLM:
 
 
 def _engine_for(config: EngineConfig) -> Any:
-    """The encoder engine for an encoder checkpoint (BERT, RoBERTa, XLM-R), else the paged engine."""
-    if is_encoder(read_config(config.model)):
-        from sluice.engine.encoder_engine import EncoderEngine
+    """The paged engine; for an encoder checkpoint (BERT, RoBERTa, XLM-R), which it refuses as it reads
+    config.json, the encoder engine (a decoder's config.json is read once)."""
+    try:
+        return Engine(config)
+    except ValueError:
+        if not is_encoder(read_config(config.model)):
+            raise
+    from sluice.engine.encoder_engine import EncoderEngine
 
-        return EncoderEngine(config)
-    return Engine(config)
+    return EncoderEngine(config)
 
 
 def _pairs(data_1: Any, data_2: Any) -> list[tuple[str, str]]:
