@@ -125,8 +125,8 @@ def encoder_bench(args) -> None:
                   "vs input order"], rows)
     body += (f"\n\nCheckpoint: {path.name if args.encoder != 'minilm' else 'all-MiniLM-L6-v2'} ({dtype}, as "
              f"stored; {pooling.mode} pooling, normalize={pooling.normalize}).\nHost CPU: {host_cpu()}, "
-             f"{torch.get_num_threads()} threads. Padded loops: transformers AutoModel over batches of "
-             f"{args.batch} inputs padded to their longest, sorted by length or in input order.\n"
+             f"{torch.get_num_threads()} threads.\nPadded loops: transformers AutoModel over batches of "
+             f"{args.batch} inputs padded to their longest,\nsorted by length or in input order.\n"
              f"Lowest cosine against the sorted loop over every input: {worst:.6f}.")
     record("Encoder embeddings: LLM.embed vs padded batch transformers loops (CPU)", body)
 
