@@ -210,6 +210,10 @@ def results(
 def response_text(body: dict[str, Any]) -> str:
     if body.get("object") == "response":  # /v1/responses
         return output_text(body)
+    if "results" in body:  # /v1/rerank, /v1/moderations
+        return f"{len(body['results'])} result(s)"
+    if body.get("object") == "list" and body["data"] and body["data"][0].get("object") == "score":
+        return "scores " + ", ".join(f"{d['score']:.4g}" for d in body["data"])
     if body.get("object") == "list":  # /v1/embeddings
         first = body["data"][0]["embedding"]
         return f"{len(body['data'])} embedding(s) of " + (f"{len(first)} values" if isinstance(first, list) else "base64")

@@ -17,6 +17,8 @@ from pydantic import (
     model_validator,
 )
 
+from sluice.contract.moderations import MODERATIONS, ModerationBody
+from sluice.contract.rerank import RERANK, SCORE, RerankBody, ScoreBody
 from sluice.contract.responses_api import RESPONSES, ResponsesFields
 from sluice.contract.tools import NamedToolChoice, Tool, ToolChoice, named_tool, tool_constraint
 
@@ -390,8 +392,9 @@ class ResponsesBody(ResponsesFields):
         return self._chat
 
 
-BODIES: dict[str, type[SamplingBody] | type[EmbeddingBody] | type[ResponsesBody]] = {
+BODIES: dict[str, type[BaseModel]] = {
     COMPLETIONS: CompletionBody, CHAT: ChatBody, EMBEDDINGS: EmbeddingBody, RESPONSES: ResponsesBody,
+    RERANK: RerankBody, SCORE: ScoreBody, MODERATIONS: ModerationBody,
 }
 
 
@@ -402,7 +405,8 @@ class InputLine(BaseModel):
 
     custom_id: str = Field(min_length=1, max_length=512)
     method: Literal["POST"]
-    url: Literal["/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses"]
+    url: Literal["/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses", "/v1/rerank",
+                 "/v1/score", "/v1/moderations"]
     body: dict[str, Any]
 
 

@@ -117,6 +117,9 @@ class EngineConfig:
                                            "(SLUICE_JSON_MAX_NUMBER_DIGITS).")
     json_max_string_chars: int = _opt(8192, "Structured outputs: most characters in a string a JSON schema "
                                             "does not bound itself (SLUICE_JSON_MAX_STRING_CHARS).")
+    moderation_thresholds: dict[str, float] | None = _opt(
+        None, 'Encoder classifiers: /v1/moderations thresholds per category as JSON, e.g. {"toxic": 0.7, '
+              '"default": 0.5} (0.5 for a category without one).')
     extra: dict[str, Any] = field(default_factory=dict, metadata={"help": "Free-form settings the engine ignores."})
     speculative_config: SpeculativeConfig | None = field(init=False, default=None, repr=False, compare=False)
 

@@ -9,7 +9,9 @@ from tqdm.auto import tqdm
 
 from sluice.engine.config import EngineConfig
 from sluice.engine.engine import Engine
-from sluice.engine.outputs import EmbeddingOutput, RequestOutput
+from sluice.engine.models.bert import is_encoder
+from sluice.engine.models.loader import read_config
+from sluice.engine.outputs import ClassificationOutput, EmbeddingOutput, RequestOutput
 from sluice.engine.pooling import PoolingParams, split_inputs
 from sluice.engine.sampling_params import SamplingParams
 
@@ -21,7 +23,7 @@ class LLM:
 
     def __init__(self, model: str, **kwargs: Any) -> None:
         self.config = EngineConfig.from_kwargs(str(model), **kwargs)
-        self.engine = Engine(self.config)
+        self.engine = _engine_for(self.config)
         self.tokenizer = self.engine.tokenizer
         self._counter = 0
 
@@ -66,6 +68,28 @@ class LLM:
             ids.append(rid)
         return self._drain(ids, progress)
 
+    def classify(self, inputs: str | list[int] | Sequence[Prompt],
+                 progress: bool = True) -> list[ClassificationOutput]:
+        """Class probabilities of each input (a ...ForSequenceClassification checkpoint), in input order."""
+        return self._pool(split_inputs(inputs), PoolingParams(task="classify"), "classify", progress)
+
+    def _pool(self, inputs: list, params: PoolingParams, kind: str, progress: bool) -> list:
+        """One pooling request per input, drained; outputs in input order."""
+        if self.runner_type != "pooling":
+            raise ValueError(f"{kind} needs an encoder checkpoint with a sequence-classification head")
+        ids = []
+        for prompt in inputs:
+            self._counter += 1
+            rid = f"{kind}-{self._counter}"
+            self.engine.add_request(rid, prompt, params)
+            ids.append(rid)
+        return self._drain(ids, progress)
+
+    @property
+    def runner_type(self) -> str:
+        """'pooling' for an encoder checkpoint (embed, classify, score), else 'generate' (vLLM's names)."""
+        return "generate" if isinstance(self.engine, Engine) else "pooling"
+
     def _drain(self, ids: list[str], progress: bool) -> list:
         results: dict[str, RequestOutput | EmbeddingOutput] = {}
         with tqdm(total=len(ids), disable=not progress, desc="generate", unit="req") as bar:
@@ -87,8 +111,13 @@ class LLM:
             messages_list = [messages_list]  # type: ignore[list-item]
         return self.generate([self.encode_chat(m, tools) for m in messages_list], params, progress)
 
-    def score(self, prompts: Sequence[Prompt], progress: bool = False) -> list[Any]:
-        """Logits [len, vocab] at every prompt position, computed through the paged engine."""
+    def score(self, prompts: Sequence[Prompt] | str, data_2: str | Sequence[str] | None = None,
+              progress: bool = False) -> list[Any]:
+        """vLLM's score with `data_2`: a cross-encoder's relevance of each (data_1, data_2) pair (one side
+        may be a single text, paired with every text of the other), as ClassificationOutput (`.score`).
+        Without it, on a generative model: the logits [len, vocab] at every prompt position."""
+        if data_2 is not None:
+            return self._pool(_pairs(prompts, data_2), PoolingParams(task="score"), "score", progress)
         ids = []
         for prompt in prompts:
             self._counter += 1
@@ -127,3 +156,28 @@ class LLM:
     def stats(self) -> dict[str, Any]:
         """KV cache use, prefix-cache hit rate, queue sizes and token counters."""
         return self.engine.stats()
+
+
+def _engine_for(config: EngineConfig) -> Any:
+    """The paged engine; for an encoder checkpoint (BERT, RoBERTa, XLM-R), which it refuses as it reads
+    config.json, the encoder engine (a decoder's config.json is read once)."""
+    try:
+        return Engine(config)
+    except ValueError:
+        if not is_encoder(read_config(config.model)):
+            raise
+    from sluice.engine.encoder_engine import EncoderEngine
+
+    return EncoderEngine(config)
+
+
+def _pairs(data_1: Any, data_2: Any) -> list[tuple[str, str]]:
+    """vLLM's score pairing: one text against many, many against one, or n against n."""
+    one, two = ([d] if isinstance(d, str) else list(d) for d in (data_1, data_2))
+    if len(one) == 1:
+        one = one * len(two)
+    elif len(two) == 1:
+        two = two * len(one)
+    if len(one) != len(two):
+        raise ValueError(f"score pairs {len(one)} texts with {len(two)}: give one, or as many on each side")
+    return list(zip(one, two, strict=True))

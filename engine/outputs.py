@@ -74,3 +74,30 @@ class EmbeddingOutput:
     def num_prompt_tokens(self) -> int:
         """Input tokens over every input of the request."""
         return sum(len(o.prompt_token_ids) for o in self.items or [self])
+
+
+@dataclass(slots=True)
+class ClassificationOutput:
+    """The result of one classify or score request: class probabilities (a single-label head: its sigmoid),
+    None if it failed or was aborted."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    probs: list[float] | None
+    finish_reason: str | None
+    metrics: RequestMetrics
+    error: str | None = None
+    finished: bool = True
+    items: list[ClassificationOutput] | None = None  # several inputs: one output each, in order
+    labels: list[str] | None = None  # the classifier's id2label, in class order
+    thresholds: dict[str, float] | None = None  # EngineConfig.moderation_thresholds
+
+    @property
+    def score(self) -> float | None:
+        """A cross-encoder's relevance score (vLLM's ScoringOutput.score): its single label's probability."""
+        return None if self.probs is None else self.probs[0]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Input tokens over every input of the request."""
+        return sum(len(o.prompt_token_ids) for o in self.items or [self])

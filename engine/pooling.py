@@ -27,6 +27,7 @@ from sluice.engine.request import Request
 from sluice.engine.sampling_params import SamplingParams
 
 POOLING_TYPES = ("mean", "last", "cls")
+TASKS = ("embed", "classify", "score")
 _ST_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
 # A prefill only: no proposals (the speculative budget is max_tokens - 1) and nothing sampled.
 _PREFILL_ONLY = SamplingParams(max_tokens=1, temperature=0.0)
@@ -38,18 +39,23 @@ class PoolingError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class PoolingParams:
-    """vLLM's PoolingParams for embeddings: `dimensions` truncates (Matryoshka) before normalizing; `pooling`
+    """vLLM's PoolingParams: `task` embed (a vector), classify (class probabilities) or score (a
+    cross-encoder's relevance of a pair); `dimensions` truncates (Matryoshka) before normalizing; `normalize`
+    None follows the checkpoint (sentence-transformers' Normalize module; decoders: always); `pooling`
     overrides the checkpoint's rule (mean, last or cls)."""
 
     dimensions: int | None = None
-    normalize: bool = True
+    normalize: bool | None = None
     pooling: str | None = None
+    task: str = "embed"
 
     def __post_init__(self) -> None:
         if self.dimensions is not None and self.dimensions < 1:
             raise PoolingError(f"dimensions ({self.dimensions}) must be >= 1")
         if self.pooling is not None and self.pooling not in POOLING_TYPES:
             raise PoolingError(f"pooling must be one of {', '.join(POOLING_TYPES)}, not {self.pooling!r}")
+        if self.task not in TASKS:
+            raise PoolingError(f"task must be one of {', '.join(TASKS)}, not {self.task!r}")
 
 
 def _sentence_transformers_pooling(folder: Path) -> str | None:
@@ -67,6 +73,85 @@ def _sentence_transformers_pooling(folder: Path) -> str | None:
                                    f"supported (one of {', '.join(_ST_MODES)})")
             return chosen[0]
     return None
+
+
+ENCODER_POOLING = {**_ST_MODES, "pooling_mode_max_tokens": "max"}
+ST_MODULES = ("Transformer", "Pooling", "Dense", "Normalize")
+DENSE_ACTIVATIONS = {"Identity": lambda x: x, "Tanh": torch.tanh, "ReLU": torch.relu,
+                     "Sigmoid": torch.sigmoid, "GELU": torch.nn.functional.gelu}
+
+
+@dataclass(frozen=True, slots=True)
+class EncoderPooling:
+    """How an encoder checkpoint turns hidden states into its embedding: sentence-transformers' Pooling mode
+    (cls, mean, max or last), the folders of the Dense modules after it, whether a Normalize module follows,
+    its max_seq_length (None: the model's)."""
+
+    mode: str = "cls"
+    normalize: bool = True
+    max_seq_length: int | None = None
+    dense: tuple[Path, ...] = ()
+
+    @classmethod
+    def read(cls, model_dir: str | Path) -> EncoderPooling:
+        """From modules.json, the Pooling module's config.json and sentence_bert_config.json; a folder
+        without modules.json pools the first token ([CLS], vLLM's default for BERT) and normalizes. A module
+        type other than Transformer, Pooling, Dense and Normalize is refused by name."""
+        folder = Path(model_dir)
+        st_config = folder / "sentence_bert_config.json"
+        max_len = json.loads(st_config.read_text()).get("max_seq_length") if st_config.is_file() else None
+        if not (folder / "modules.json").is_file():
+            return cls(max_seq_length=max_len)
+        modules = json.loads((folder / "modules.json").read_text())
+        kinds = [str(m.get("type", "")).rsplit(".", 1)[-1] for m in modules]
+        unknown = sorted({k for k in kinds if k not in ST_MODULES})
+        if unknown:
+            raise PoolingError(f"{folder.name}: sentence-transformers module(s) {', '.join(unknown)} not "
+                               f"supported (supported: {', '.join(ST_MODULES)})")
+        mode = "cls"
+        for module, kind in zip(modules, kinds, strict=True):
+            if kind == "Pooling":
+                mode = _encoder_mode(folder.name, json.loads((folder / module.get("path", "") / "config.json")
+                                                             .read_text()))
+        dense = tuple(folder / m.get("path", "") for m, kind in zip(modules, kinds, strict=True)
+                      if kind == "Dense")
+        return cls(mode, "Normalize" in kinds, max_len, dense)
+
+
+class Dense(torch.nn.Module):
+    """sentence-transformers' Dense module: a linear projection of the pooled vector and its activation."""
+
+    def __init__(self, folder: Path) -> None:
+        super().__init__()
+        config = json.loads((folder / "config.json").read_text())
+        name = str(config.get("activation_function", "Identity")).rsplit(".", 1)[-1]
+        if name not in DENSE_ACTIVATIONS:
+            raise PoolingError(f"{folder.name}: Dense activation {name} is not supported "
+                               f"({', '.join(DENSE_ACTIVATIONS)})")
+        if not (folder / "model.safetensors").is_file():
+            raise PoolingError(f"{folder.name}: Dense weights are read from model.safetensors, which is "
+                               "missing")
+        from safetensors.torch import load_file
+
+        weights = load_file(folder / "model.safetensors")
+        bias = config.get("bias", True)
+        self.linear = torch.nn.Linear(config["in_features"], config["out_features"], bias=bias)
+        self.linear.load_state_dict({k.removeprefix("linear."): v.float() for k, v in weights.items()})
+        self.linear.requires_grad_(False)
+        self.activation = DENSE_ACTIVATIONS[name]
+
+    def forward(self, pooled: torch.Tensor) -> torch.Tensor:
+        return self.activation(self.linear(pooled))
+
+
+def _encoder_mode(name: str, config: dict) -> str:
+    chosen = [mode for key, mode in ENCODER_POOLING.items() if config.get(key)]
+    unknown = sorted(k for k, v in config.items()
+                     if k.startswith("pooling_mode") and v and k not in ENCODER_POOLING)
+    if unknown or len(chosen) != 1:
+        raise PoolingError(f"{name}: sentence-transformers pooling {unknown or chosen} is not supported "
+                           f"(one of {', '.join(ENCODER_POOLING)})")
+    return chosen[0]
 
 
 def pooler_for(model_dir: str | Path, hf_config: dict) -> str:
@@ -117,7 +202,7 @@ class PoolingRequest(Request):
         dims = self.pooling_params.dimensions
         if dims is not None:
             vec = vec[:dims]
-        if self.pooling_params.normalize:
+        if self.pooling_params.normalize is not False:
             vec = torch.nn.functional.normalize(vec, dim=0)
         self.embedding = vec.cpu().tolist()
         self.pooled = None
@@ -164,6 +249,8 @@ def logits_and_hidden(model: torch.nn.Module, args: tuple, num_logits: int,
 def check_input(ids: list[int], vocab: int, max_len: int, capacity: int, hidden: int,
                 params: PoolingParams) -> str | None:
     """Why an embedding input can never run, or None."""
+    if params.task != "embed":
+        return f"task {params.task!r} needs a sequence-classification encoder; this model only embeds"
     if not ids:
         return "empty input"
     if min(ids) < 0 or max(ids) >= vocab:

@@ -118,3 +118,78 @@ def make_checkpoint(path: Path, arch: str = "llama", seed: int = 0, dtype=torch.
     tokenizer.save_pretrained(path)
     GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=3).save_pretrained(path)
     return Path(path)
+
+
+# Encoders: (config class, special tokens [cls, sep, pad, unk], pair template) per family.
+ENCODER_FAMILIES = {
+    "bert": ("BertConfig", ["[CLS]", "[SEP]", "[PAD]", "[UNK]"], "$A:0 [SEP]:0 $B:1 [SEP]:1"),
+    "roberta": ("RobertaConfig", ["<s>", "</s>", "<pad>", "<unk>"], "$A:0 </s>:0 </s>:0 $B:0 </s>:0"),
+    "xlm-roberta": ("XLMRobertaConfig", ["<s>", "</s>", "<pad>", "<unk>"], "$A:0 </s>:0 </s>:0 $B:0 </s>:0"),
+}
+
+
+def build_encoder_tokenizer(family: str, vocab_size: int = 512) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer with an encoder's specials: <cls> A <sep> for one text, the family's pair
+    template (BERT: token types 0 then 1) for two."""
+    from tokenizers import processors
+
+    cls, sep, pad, unk = specials = ENCODER_FAMILIES[family][1]
+    tok = Tokenizer(models.BPE(unk_token=unk))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([CORPUS] * 20, trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{cls}:0 $A:0 {sep}:0", pair=f"{cls}:0 " + ENCODER_FAMILIES[family][2],
+        special_tokens=[(cls, tok.token_to_id(cls)), (sep, tok.token_to_id(sep))])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, cls_token=cls, sep_token=sep, pad_token=pad,
+                                   unk_token=unk)
+
+
+def make_encoder_checkpoint(path: Path, family: str = "bert", num_labels: int = 0, seed: int = 0,
+                            **overrides) -> Path:
+    """Save a random-weight encoder of `family` (bert, roberta, xlm-roberta) plus tokenizer: the bare model,
+    or with num_labels a ...ForSequenceClassification; every norm weight and bias perturbed."""
+    import transformers
+
+    torch.manual_seed(seed)
+    tokenizer = build_encoder_tokenizer(family)
+    pad = tokenizer.pad_token_id
+    roberta = family != "bert"
+    kw = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+              num_attention_heads=4, max_position_embeddings=96 + (pad + 1 if roberta else 0),
+              pad_token_id=pad, type_vocab_size=1 if roberta else 2, hidden_act="gelu")
+    if num_labels:
+        kw |= dict(num_labels=num_labels, id2label={i: f"label_{i}" for i in range(num_labels)},
+                   label2id={f"label_{i}": i for i in range(num_labels)})
+    config = getattr(transformers, ENCODER_FAMILIES[family][0])(**(kw | overrides))
+    auto = transformers.AutoModelForSequenceClassification if num_labels else transformers.AutoModel
+    model = auto.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return Path(path)
+
+
+def sentence_transformers_files(folder: Path, mode: str, normalize: bool = True,
+                                max_seq_length: int | None = None) -> Path:
+    """Write sentence-transformers' modules.json (Transformer, Pooling by `mode`, Normalize if asked),
+    1_Pooling/config.json and sentence_bert_config.json into a checkpoint folder."""
+    import json
+
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
+                        "type": "sentence_transformers.models.Normalize"})
+    (folder / "modules.json").write_text(json.dumps(modules))
+    (folder / "1_Pooling").mkdir(exist_ok=True)
+    pooling = {"word_embedding_dimension": 64, mode: True}
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    if max_seq_length is not None:
+        (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": max_seq_length}))
+    return folder

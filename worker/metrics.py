@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from sluice.contract.jobs import MODELS
-from sluice.engine import SamplingParams
+from sluice.engine import PoolingParams, SamplingParams
 from sluice.worker.shard_run import model_name
 
 if TYPE_CHECKING:
@@ -135,7 +135,9 @@ def warm_up(llm: LLM) -> int:
     layer, the LM head, the sampler) and pays the kernels' lazy set-up before the first claim; returns the steps it
     took (1). A decode step too, or a longer prompt, would add a pass over the weights to every start and pay
     nothing the first request does not pay anyway (milliseconds: docs/benchmarks.md, coldstart)."""
-    llm.add_request("warmup", [1], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    generate = llm.runner_type == "generate"  # an encoder warms up on one embedding
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True) if generate else PoolingParams()
+    llm.add_request("warmup", [1], params)
     steps = 0
     while llm.has_unfinished():
         llm.step()

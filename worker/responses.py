@@ -11,6 +11,7 @@ from typing import Any
 from sluice.contract.responses_api import RESPONSES, response_object
 from sluice.contract.schemas import CHAT, EMBEDDINGS, ErrorInfo, OutputRecord, Request, Response
 from sluice.contract.tools import parse_tool_calls
+from sluice.worker.encoder_responses import encoder_body
 
 ABORT_CODES = {
     "batch_cancelled": "the batch was cancelled",
@@ -140,6 +141,8 @@ def response_body(request: Request, out: Any, model: str) -> dict[str, Any]:
         return embedding_body(request, out, model)
     if request.url == RESPONSES:
         return response_object(request.parsed_body(), out, model)
+    if (body := encoder_body(request, out, model)) is not None:  # rerank, score, moderations
+        return body
     kind, prefix = ("chat.completion", "chatcmpl") if request.url == CHAT else ("text_completion", "cmpl")
     return {
         "id": f"{prefix}-{uuid.uuid4().hex}",

@@ -20,6 +20,7 @@ from sluice.contract.schemas import ChatBody, EmbeddingBody, OutputRecord, Reque
 from sluice.contract.settings import Settings, get_settings, stay_off_the_hub
 from sluice.contract.shards import shard_requests
 from sluice.contract.storage import open_output
+from sluice.worker.encoder_responses import encoder_params
 from sluice.worker.faults import faults
 from sluice.worker.lease import Commit, attempt_key, begin_attempt, commit, lease_holds
 from sluice.worker.responses import ABORT_CODES, error_record, output_record
@@ -85,6 +86,8 @@ def prepare(llm: LLM, request: Request, served: set[str]) -> tuple[Any, Any]:
         raise ModelNotServed(f"model {body.model!r} is not served here (served: {', '.join(sorted(served))})")
     if isinstance(body, EmbeddingBody):
         return body.input, PoolingParams(dimensions=body.dimensions)
+    if (pooled := encoder_params(body)) is not None:  # rerank, score, moderations
+        return pooled[0], PoolingParams(task=pooled[1])
     if not isinstance(body, ChatBody):
         return body.prompt, SamplingParams(**body.sampling_kwargs())
     try:
