@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -14,6 +15,8 @@ from sluice.engine.pooling import PoolingParams, split_inputs
 from sluice.engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
+# Called after every `LLM.step` with the step's outputs and its duration in seconds.
+StepObserver = Callable[[list[RequestOutput | EmbeddingOutput], float], None]
 
 
 class LLM:
@@ -24,6 +27,7 @@ class LLM:
         self.engine = Engine(self.config)
         self.tokenizer = self.engine.tokenizer
         self._counter = 0
+        self._observers: list[StepObserver] = []
 
     def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of a conversation (and the tools offered) through the tokenizer's chat template, ready for
@@ -109,8 +113,19 @@ class LLM:
         self.engine.add_request(request_id, prompt, params)
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine iteration; the outputs of the requests that finished in it."""
-        return self.engine.step()
+        """Run one engine iteration; the outputs of the requests that finished in it (step observers see them)."""
+        if not self._observers:
+            return self.engine.step()
+        start = time.perf_counter()
+        outs = self.engine.step()
+        seconds = time.perf_counter() - start
+        for observe in self._observers:
+            observe(outs, seconds)
+        return outs
+
+    def add_step_observer(self, observer: StepObserver) -> None:
+        """Have `observer(outputs, seconds)` called after every `step` (a worker's metrics, for one)."""
+        self._observers.append(observer)
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its partial output comes back from the next step()."""
