@@ -34,14 +34,12 @@ from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
 
+from sluice.engine.models.fused_layout import FUSED
+
 log = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20  # the arena starts on a huge page boundary (engine.weight_memory)
 SLOT_ALIGNMENT = 64  # bytes: every tensor in the arena starts on a cache line, as the vector kernels read best
-# The linears whose checkpoint parts the native models keep as one (engine.models.llama.LlamaModel.FUSED): their
-# parts are read ahead back to back, in this order, so that the fused weight is one view of the arena.
-FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-         "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
 MADV_DONTNEED, MADV_POPULATE_WRITE = 4, 23  # Linux's values (MADV_POPULATE_WRITE is not in Python's mmap module)
 MAP_ALL_BYTES = 4 << 30  # from this many stored bytes the loader maps the checkpoint (weight_loading auto): no arena
 # Bytes faulted a call. A call holds the process's address-space lock (mmap_lock, read side) throughout, and every
