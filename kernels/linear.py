@@ -63,6 +63,11 @@ def gemm_rows() -> int:
     return getattr(ext, "GEMM_MAX_ROWS", 0)
 
 
+def gemv_extension():
+    """Our C++ bf16 GEMV extension (csrc/bf16_gemv.cpp), or None where it is disabled or not built for this tier."""
+    return _gemv()
+
+
 def gemv_available() -> bool:
     """True when the C++ bf16 GEMV is enabled (SLUICE_CPU_KERNEL != 0) and built for a tier that has one (avx2 and
     up: kernels.cpu_isa)."""
