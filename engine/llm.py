@@ -13,6 +13,7 @@ from sluice.engine.engine import Engine
 from sluice.engine.outputs import EmbeddingOutput, RequestOutput
 from sluice.engine.pooling import PoolingParams, split_inputs
 from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.weight_reserve import WeightReservation
 
 Prompt = str | list[int]
 # Called after every `LLM.step` with the step's outputs and its duration in seconds.
@@ -22,9 +23,11 @@ StepObserver = Callable[[list[RequestOutput | EmbeddingOutput], float], None]
 class LLM:
     """A model loaded into the engine, with batch generate, chat and stats."""
 
-    def __init__(self, model: str, **kwargs: Any) -> None:
+    def __init__(self, model: str, weight_reservation: WeightReservation | None = None, **kwargs: Any) -> None:
+        """Load `model` with the EngineConfig fields given as keywords; `weight_reservation`: the CPU weight arena
+        reserved for it at the process's start (engine.weight_reserve), taken by the load where it fits."""
         self.config = EngineConfig.from_kwargs(str(model), **kwargs)
-        self.engine = Engine(self.config)
+        self.engine = Engine(self.config, weight_reservation)
         self.tokenizer = self.engine.tokenizer
         self._counter = 0
         self._observers: list[StepObserver] = []
