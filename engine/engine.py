@@ -23,6 +23,7 @@ from sluice.engine.scheduler import ScheduledBatch, Scheduler
 from sluice.engine.spec_decode import DraftProposer, NgramProposer, Proposer, load_draft
 from sluice.engine.tokenizer import load_tokenizer
 from sluice.engine.validation import RequestIntake, RequestRejected
+from sluice.engine.weight_reserve import WeightReservation
 from sluice.kernels import options
 
 __all__ = ["Engine", "RequestRejected"]
@@ -31,9 +32,32 @@ __all__ = ["Engine", "RequestRejected"]
 class Engine:
     """add_request / step / abort / has_unfinished over one model and one KV pool."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, weight_reservation: WeightReservation | None = None) -> None:
         self.config = config
-        options.configure(cpu_kernel=config.cpu_kernel, cpu_isa=config.cpu_isa, device_path=config.device_path)
+        self.kernel_options = options.defaults().merged(cpu_kernel=config.cpu_kernel, cpu_isa=config.cpu_isa,
+                                                        device_path=config.device_path)
+        with options.active(self.kernel_options):
+            self._load(config, weight_reservation)
+        self.generator = torch.Generator().manual_seed(config.seed)
+        self.processors = LogitsProcessors(self.model_config.vocab_size, self.device, self.eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        self.groups = Groups()
+        self._aborted: list[Request] = []
+        self.counters = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0, "computed_tokens": 0}
+        r = self.resolved
+        self.intake = RequestIntake(self.tokenizer, self.model, r.model, config.model, r.hf_config,
+                                    self.max_model_len, self.num_blocks * config.block_size, self.processors,
+                                    self.device)
+        self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len, config.logprobs_mode,
+                                       self.scheduler, self.block_manager, self.processors, self.generator,
+                                       self.groups, self.counters)
+        with options.active(self.kernel_options):
+            self.proposer = self._make_proposer()
+            draft = getattr(getattr(self.proposer, "runner", None), "model", None)
+            self.memory = MemoryHousekeeping([m for m in (self.model, draft) if m is not None], self.device)
+
+    def _load(self, config: EngineConfig, weight_reservation: WeightReservation | None) -> None:
+        """The tokenizer, the model (into the reserved arena where it fits), the KV pool, its scheduler and runner."""
         r = ResolvedConfig.resolve(config)
         self.tokenizer = load_tokenizer(config.tokenizer or config.model, None if config.tokenizer else r.hf_config)
         r = self.resolved = r.with_eos(self.tokenizer.eos_token_id)
@@ -41,7 +65,7 @@ class Engine:
         self.max_model_len, self.eos_token_ids = r.max_model_len, r.eos_token_ids
         hook = linear_hook(config, self.device, self.dtype, r.hf_config)
         self.model = load_model(config.model, self.dtype, self.device, self.max_model_len, hook, r.model,
-                                config.weight_loading, config.huge_pages)
+                                config.weight_loading, config.huge_pages, weight_reservation)
         num_blocks = pool_blocks(config, r.model, r.kv_dtype, r.device, r.max_model_len)
         self.kv_block_bytes = bytes_per_token(r.model, self.kv_dtype) * config.block_size
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -49,20 +73,6 @@ class Engine:
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.kv_dtype, self.device)
         if not config.enforce_eager:
             self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
-        self.generator = torch.Generator().manual_seed(config.seed)
-        self.processors = LogitsProcessors(self.model_config.vocab_size, self.device, self.eos_token_ids)
-        self.requests: dict[str, Request] = {}
-        self.groups = Groups()
-        self._aborted: list[Request] = []
-        self.counters = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0, "computed_tokens": 0}
-        self.intake = RequestIntake(self.tokenizer, self.model, r.model, config.model, r.hf_config,
-                                    self.max_model_len, num_blocks * config.block_size, self.processors, self.device)
-        self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len, config.logprobs_mode,
-                                       self.scheduler, self.block_manager, self.processors, self.generator,
-                                       self.groups, self.counters)
-        self.proposer = self._make_proposer()
-        draft = getattr(getattr(self.proposer, "runner", None), "model", None)
-        self.memory = MemoryHousekeeping([m for m in (self.model, draft) if m is not None], self.device)
 
     def _make_proposer(self) -> Proposer | None:
         """The proposer the speculative config names, given only what it needs (never the engine)."""
@@ -129,11 +139,12 @@ class Engine:
     def step(self) -> list[RequestOutput | EmbeddingOutput]:
         """Run one iteration; return outputs of the requests that finished in it."""
         done, self._aborted = self._aborted, []
-        batch = self._schedule()
-        with self.memory.step(bool(batch.requests), drained=lambda: not self.has_unfinished()):
-            if batch.requests:
-                done += self._run(batch)
-        return self._finish(done)
+        with options.active(self.kernel_options):
+            batch = self._schedule()
+            with self.memory.step(bool(batch.requests), drained=lambda: not self.has_unfinished()):
+                if batch.requests:
+                    done += self._run(batch)
+            return self._finish(done)
 
     def _schedule(self) -> ScheduledBatch:
         """This step's batch, with the speculative tokens proposed for it (those it has no room for dropped)."""
