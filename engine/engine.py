@@ -17,12 +17,12 @@ from sluice.engine.outputs import EmbeddingOutput, RequestOutput
 from sluice.engine.pooling import PoolingParams
 from sluice.engine.quantization import linear_hook
 from sluice.engine.request import Request
+from sluice.engine.request_intake import RequestIntake, RequestRejected
 from sluice.engine.resolved import ResolvedConfig
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.scheduler import ScheduledBatch, Scheduler
 from sluice.engine.spec_decode import DraftProposer, NgramProposer, Proposer, load_draft
 from sluice.engine.tokenizer import load_tokenizer
-from sluice.engine.validation import RequestIntake, RequestRejected
 from sluice.engine.weight_reserve import WeightReservation
 from sluice.kernels import options
 
@@ -38,23 +38,7 @@ class Engine:
                                                         device_path=config.device_path)
         with options.active(self.kernel_options):
             self._load(config, weight_reservation)
-        self.generator = torch.Generator().manual_seed(config.seed)
-        self.processors = LogitsProcessors(self.model_config.vocab_size, self.device, self.eos_token_ids)
-        self.requests: dict[str, Request] = {}
-        self.groups = Groups()
-        self._aborted: list[Request] = []
-        self.counters = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0, "computed_tokens": 0}
-        r = self.resolved
-        self.intake = RequestIntake(self.tokenizer, self.model, r.model, config.model, r.hf_config,
-                                    self.max_model_len, self.num_blocks * config.block_size, self.processors,
-                                    self.device)
-        self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len, config.logprobs_mode,
-                                       self.scheduler, self.block_manager, self.processors, self.generator,
-                                       self.groups, self.counters)
-        with options.active(self.kernel_options):
-            self.proposer = self._make_proposer()
-            draft = getattr(getattr(self.proposer, "runner", None), "model", None)
-            self.memory = MemoryHousekeeping([m for m in (self.model, draft) if m is not None], self.device)
+            self._assemble(config)
 
     def _load(self, config: EngineConfig, weight_reservation: WeightReservation | None) -> None:
         """The tokenizer, the model (into the reserved arena where it fits), the KV pool, its scheduler and runner."""
@@ -73,6 +57,25 @@ class Engine:
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.kv_dtype, self.device)
         if not config.enforce_eager:
             self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
+
+    def _assemble(self, config: EngineConfig) -> None:
+        """What a step works with around the model: request intake, output processing, speculation, housekeeping."""
+        self.generator = torch.Generator().manual_seed(config.seed)
+        self.processors = LogitsProcessors(self.model_config.vocab_size, self.device, self.eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        self.groups = Groups()
+        self._aborted: list[Request] = []
+        self.counters = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0, "computed_tokens": 0}
+        r = self.resolved
+        self.intake = RequestIntake(self.tokenizer, self.model, r.model, config.model, r.hf_config,
+                                    self.max_model_len, self.num_blocks * config.block_size, self.processors,
+                                    self.device)
+        self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len, config.logprobs_mode,
+                                       self.scheduler, self.block_manager, self.processors, self.generator,
+                                       self.groups, self.counters)
+        self.proposer = self._make_proposer()
+        draft = getattr(getattr(self.proposer, "runner", None), "model", None)
+        self.memory = MemoryHousekeeping([m for m in (self.model, draft) if m is not None], self.device)
 
     def _make_proposer(self) -> Proposer | None:
         """The proposer the speculative config names, given only what it needs (never the engine)."""
