@@ -80,7 +80,8 @@ if mode == "reserved-after":
     reservation._thread.join()
 from sluice.engine.models.loader import load_model
 begun = time.time()
-model = load_model(sys.argv[1], torch.bfloat16, torch.device("cpu"), 64, weight_loading="mmap" if mode == "mmap" else "copy",
+loading = "mmap" if mode == "mmap" else "copy"
+model = load_model(sys.argv[1], torch.bfloat16, torch.device("cpu"), 64, weight_loading=loading,
                    reservation=reservation)
 done = time.time()
 print(json.dumps({"imported": imported - started(), "load": done - begun, "loaded": done - started(), "cpu": cpu()}))

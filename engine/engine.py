@@ -1,4 +1,4 @@
-"""The step loop: schedule, run the model once, process its outputs (sample / verify / pool), finish what is done."""
+"""The step loop: schedule, run the model once, process its outputs (sample / verify / pool), finish."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ class Engine:
             self._assemble(config)
 
     def _load(self, config: EngineConfig, weight_reservation: WeightReservation | None) -> None:
-        """The tokenizer, the model (into the reserved arena where it fits), the KV pool, its scheduler and runner."""
+        """The tokenizer, the model (into the reserved arena where it fits), the KV pool and its runner."""
         r = ResolvedConfig.resolve(config)
         self.tokenizer = load_tokenizer(config.tokenizer or config.model, None if config.tokenizer else r.hf_config)
         r = self.resolved = r.with_eos(self.tokenizer.eos_token_id)
@@ -59,7 +59,7 @@ class Engine:
             self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
 
     def _assemble(self, config: EngineConfig) -> None:
-        """What a step works with around the model: request intake, output processing, speculation, housekeeping."""
+        """What a step needs around the model: intake, output processing, speculation, housekeeping."""
         self.generator = torch.Generator().manual_seed(config.seed)
         self.processors = LogitsProcessors(self.model_config.vocab_size, self.device, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
@@ -70,9 +70,9 @@ class Engine:
         self.intake = RequestIntake(self.tokenizer, self.model, r.model, config.model, r.hf_config,
                                     self.max_model_len, self.num_blocks * config.block_size, self.processors,
                                     self.device)
-        self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len, config.logprobs_mode,
-                                       self.scheduler, self.block_manager, self.processors, self.generator,
-                                       self.groups, self.counters)
+        self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len,
+                                       config.logprobs_mode, self.scheduler, self.block_manager,
+                                       self.processors, self.generator, self.groups, self.counters)
         self.proposer = self._make_proposer()
         draft = getattr(getattr(self.proposer, "runner", None), "model", None)
         self.memory = MemoryHousekeeping([m for m in (self.model, draft) if m is not None], self.device)
@@ -114,7 +114,7 @@ class Engine:
             self.groups.add(group)
         for seq in seqs:
             self.requests[seq.request_id] = seq
-            if group is None or seq not in group.followers:  # followers start once their leader computed the prompt
+            if group is None or seq not in group.followers:  # followers start once the prompt is computed
                 self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> None:
@@ -150,7 +150,7 @@ class Engine:
             return self._finish(done)
 
     def _schedule(self) -> ScheduledBatch:
-        """This step's batch, with the speculative tokens proposed for it (those it has no room for dropped)."""
+        """This step's batch, with speculative tokens proposed for it (those it has no room for dropped)."""
         if self.proposer is None:
             return self.scheduler.schedule()
         self.proposer.propose(self.scheduler.running)
@@ -173,7 +173,7 @@ class Engine:
         return done
 
     def _finish(self, done: list[Request]) -> list[RequestOutput | EmbeddingOutput]:
-        """Forget the finished requests; their outputs, a group's merged into one once all its sequences are done."""
+        """Forget the finished requests; their outputs (a group's merged once all its sequences are done)."""
         for req in done:
             self.requests.pop(req.request_id, None)
             self.processors.release(req)

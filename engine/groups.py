@@ -83,7 +83,7 @@ class Groups:
         self._of.update((seq.request_id, group) for seq in group.sequences)
 
     def counts_prompt(self, req: Request) -> bool:
-        """Whether a finished sequence's prompt tokens count (a group's prompt counts once, with its first)."""
+        """Whether a finished sequence's prompt tokens count (a group's once, with its first sequence)."""
         group = self._of.get(req.request_id)
         return group is None or req is group.sequences[0]
 

@@ -1,10 +1,9 @@
 """The engine's memory housekeeping: the weights' huge pages and the C heap, paced around the steps.
 
 At load the 4-bit linears are packed for the CPU kernels and the heap's freed pages go back; around each step
-the weight arenas (engine.weight_memory) pace their huge-page collapse while there is work, settle after the first
-step (loading, the KV pool and the first step's lazy set-up never share the cores with it), and once the engine
-drains the heap is trimmed (engine.heap) and the collapse goes on unpaced.
-"""
+the weight arenas (engine.weight_memory) pace their huge-page collapse while there is work, settle after the
+first step (loading, the KV pool and the first step's lazy set-up never share the cores with it), and once the
+engine drains the heap is trimmed (engine.heap) and the collapse goes on unpaced."""
 
 from __future__ import annotations
 

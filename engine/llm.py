@@ -23,9 +23,10 @@ StepObserver = Callable[[list[RequestOutput | EmbeddingOutput], float], None]
 class LLM:
     """A model loaded into the engine, with batch generate, chat and stats."""
 
-    def __init__(self, model: str, weight_reservation: WeightReservation | None = None, **kwargs: Any) -> None:
-        """Load `model` with the EngineConfig fields given as keywords; `weight_reservation`: the CPU weight arena
-        reserved for it at the process's start (engine.weight_reserve), taken by the load where it fits."""
+    def __init__(self, model: str, weight_reservation: WeightReservation | None = None,
+                 **kwargs: Any) -> None:
+        """Load `model` with the EngineConfig fields given as keywords; `weight_reservation`: the CPU weight
+        arena reserved for it at the process's start (engine.weight_reserve), taken where it fits."""
         self.config = EngineConfig.from_kwargs(str(model), **kwargs)
         self.engine = Engine(self.config, weight_reservation)
         self.tokenizer = self.engine.tokenizer
@@ -116,7 +117,7 @@ class LLM:
         self.engine.add_request(request_id, prompt, params)
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine iteration; the outputs of the requests that finished in it (step observers see them)."""
+        """Run one engine iteration; the outputs of the requests that finished in it (observers see them)."""
         if not self._observers:
             return self.engine.step()
         start = time.perf_counter()

@@ -28,11 +28,12 @@ class OutputProcessor:
     condition ends, and builds their outputs."""
 
     def __init__(self, tokenizer: Any, eos_token_ids: set[int], max_model_len: int, logprobs_mode: str,
-                 scheduler: Scheduler, blocks: BlockManager, processors: LogitsProcessors, generator: torch.Generator,
-                 groups: Groups, counters: dict[str, int]) -> None:
+                 scheduler: Scheduler, blocks: BlockManager, processors: LogitsProcessors,
+                 generator: torch.Generator, groups: Groups, counters: dict[str, int]) -> None:
         self.tokenizer, self.token_bytes = tokenizer, TokenBytes(tokenizer)
-        self.eos_token_ids, self.max_model_len, self.logprobs_mode = eos_token_ids, max_model_len, logprobs_mode
-        self.scheduler, self.blocks, self.processors, self.generator = scheduler, blocks, processors, generator
+        self.eos_token_ids, self.max_model_len = eos_token_ids, max_model_len
+        self.logprobs_mode, self.scheduler, self.blocks = logprobs_mode, scheduler, blocks
+        self.processors, self.generator = processors, generator
         self.groups, self.counters = groups, counters
         self.verifier = SpecVerifier(processors, generator, blocks)
 
@@ -57,18 +58,19 @@ class OutputProcessor:
 
     @staticmethod
     def sampled_plainly(reqs: list[Request], num_new_tokens: list[int]) -> list[Request]:
-        """The requests a step of these will sample without speculation, in the order `process` samples them."""
+        """The requests a step of these samples without speculation, in the order `process` samples them."""
         return [r for r, n in zip(reqs, num_new_tokens, strict=True)
                 if not isinstance(r, PoolingRequest) and not r.spec_token_ids
                 and r.num_computed_tokens + n >= r.num_tokens]
 
     def _pool(self, reqs: list[Request], rows: StepLogits, index: list[int]) -> list[Request]:
-        """Pool embedding requests' hidden rows; finish those whose prompt is computed (no decode, KV freed now)."""
+        """Pool embedding requests' hidden rows; finish those whose prompt is computed (no decode)."""
         finished = []
         counted = [i for i in index if rows.num_rows[i]]
         if counted:  # every request's rows summed in one op
             assert rows.hidden is not None
-            sums = segment_sums(rows.hidden, [rows.row_start[i] for i in counted], [rows.num_rows[i] for i in counted])
+            starts, counts = [rows.row_start[i] for i in counted], [rows.num_rows[i] for i in counted]
+            sums = segment_sums(rows.hidden, starts, counts)
             for total, i in zip(sums, counted, strict=True):
                 reqs[i].accumulate(total, rows.first_pos[i])  # type: ignore[attr-defined]
         for i in index:
@@ -82,7 +84,7 @@ class OutputProcessor:
         return finished
 
     def _verify(self, reqs: list[Request], rows: StepLogits, index: list[int]) -> list[Request]:
-        """Append what each listed request's verified proposals emit; roll back the rejected slots of the rest."""
+        """Append what the listed requests' verified proposals emit; roll back the rest's rejected slots."""
         finished: list[Request] = []
         for v in self.verifier.verify(reqs, rows, index):
             lps = self.logprobs_for(v.logits, v.processed, v.emitted, v.req)
@@ -110,14 +112,15 @@ class OutputProcessor:
 
     def logprobs_for(self, logits: torch.Tensor, processed: torch.Tensor, tokens: list[int],
                      req: Request) -> Logprobs | None:
-        """Logprobs of emitted tokens from the rows that produced them (raw and processed), if the request asked."""
+        """Logprobs of emitted tokens from the rows that produced them (raw and processed), if asked for."""
         if req.params.logprobs is None:
             return None
-        return self._logprobs(logits, processed, torch.tensor(tokens, device=logits.device), [req] * len(tokens))
+        emitted = torch.tensor(tokens, device=logits.device)
+        return self._logprobs(logits, processed, emitted, [req] * len(tokens))
 
     def _logprobs(self, logits: torch.Tensor, processed: torch.Tensor, tokens: torch.Tensor,
                   reqs: list[Request]) -> Logprobs | None:
-        """Per row, the sampled token's and the top-n values that `logprobs_mode` names (raw: the model's logits)."""
+        """Per row, the sampled token's and the top-n values that `logprobs_mode` names (raw: the logits)."""
         wanted = [r.params.logprobs for r in reqs if r.params.logprobs is not None]
         if not wanted:
             return None

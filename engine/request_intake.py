@@ -33,7 +33,8 @@ class RequestRejected(ValueError):
     """A request that can never run (too long, empty, duplicate id); the engine serves the rest."""
 
 
-def check_prompt(ids: list[int], params: SamplingParams, vocab: int, max_model_len: int, capacity: int) -> None:
+def check_prompt(ids: list[int], params: SamplingParams, vocab: int, max_model_len: int,
+                 capacity: int) -> None:
     """Raise RequestRejected where a generation request can never run (empty, ids or fields out of range, too
     long for the model or for the whole KV cache)."""
     n = len(ids)
@@ -42,7 +43,8 @@ def check_prompt(ids: list[int], params: SamplingParams, vocab: int, max_model_l
     if min(ids) < 0 or max(ids) >= vocab:
         raise RequestRejected(f"prompt token ids must be in [0, {vocab})")
     if params.top_k > vocab:
-        raise RequestRejected(f"top_k ({params.top_k}) must be <= the vocabulary size ({vocab}); 0 disables it")
+        raise RequestRejected(f"top_k ({params.top_k}) must be <= the vocabulary size ({vocab}); "
+                              "0 disables it")
     named = [*(params.logit_bias or {}), *params.stop_token_ids]
     if named and max(named) >= vocab:
         raise RequestRejected(f"token id {max(named)} in logit_bias/stop_token_ids is outside the vocabulary "
@@ -52,7 +54,8 @@ def check_prompt(ids: list[int], params: SamplingParams, vocab: int, max_model_l
     need = n + (params.max_tokens or 1)
     if need > max_model_len:
         raise RequestRejected(
-            f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {need} exceeds max_model_len ({max_model_len})"
+            f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {need} exceeds max_model_len "
+            f"({max_model_len})"
         )
     if need > capacity:
         raise RequestRejected(f"request needs {need} tokens of KV cache but the whole cache holds {capacity}")
@@ -102,7 +105,8 @@ class RequestIntake:
         """One PoolingRequest per input (several inputs come back merged into one EmbeddingOutput)."""
         if not can_pool(self.model):
             name = type(self.model).__name__
-            raise RequestRejected(f"embeddings need the model's final hidden states, which {name} does not give")
+            raise RequestRejected(f"embeddings need the model's final hidden states, which {name} does not "
+                                  "give")
         try:
             prompts = split_inputs(inputs)
             self.pooling = self.pooling or pooler_for(self.model_dir, self.hf_config)
@@ -129,11 +133,12 @@ class RequestIntake:
     def structured(self) -> StructuredOutputs:
         """The grammar engine, started on the first structured request."""
         if self.processors.structured is None:
-            # On CPU the forward owns the cores: xgrammar's fill threads would compete with it; one suffices, and
-            # it fills during the forward only where a core is left over (else the forward's threads wait on it).
+            # On CPU the forward owns the cores: xgrammar's fill threads would compete with it; one suffices,
+            # and it fills during the forward only where a core is left over (else the forward's threads wait
+            # on it).
             cpu = self.device.type == "cpu"
-            so = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, self.processors.eos_token_ids,
-                                   1 if cpu else "auto")
+            so = StructuredOutputs(self.tokenizer, self.model_config.vocab_size,
+                                   self.processors.eos_token_ids, 1 if cpu else "auto")
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
             so.overlap = not cpu or torch.get_num_threads() < cores
             self.processors.structured = so

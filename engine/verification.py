@@ -43,8 +43,8 @@ class SpecStats:
 
 @dataclass(slots=True)
 class Verified:
-    """One request's verify step: the tokens it emits, the target's rows that gave them (raw and processed) and
-    the tokens it had before."""
+    """One request's verify step: the tokens it emits, the target's rows that gave them (raw and processed)
+    and the tokens it had before."""
 
     req: Request
     emitted: list[int]
@@ -57,7 +57,8 @@ class SpecVerifier:
     """A step's speculative verification: the requests' proposals checked against the target's rows (logits
     processing applied as if each proposal were sampled), counted, and the rejected slots rolled back."""
 
-    def __init__(self, processors: LogitsProcessors, generator: torch.Generator, blocks: BlockManager) -> None:
+    def __init__(self, processors: LogitsProcessors, generator: torch.Generator,
+                 blocks: BlockManager) -> None:
         self.processors, self.generator, self.blocks = processors, generator, blocks
         self.stats = SpecStats()
 
@@ -70,7 +71,8 @@ class SpecVerifier:
         for i, logits, processed, emitted in zip(index, step_logits, processed_all, emitted_all, strict=True):
             req = reqs[i]
             self.stats.record(req, len(req.spec_token_ids), len(emitted) - 1)
-            found.append(Verified(req, emitted, logits[: len(emitted)], processed[: len(emitted)], req.num_tokens))
+            n = len(emitted)
+            found.append(Verified(req, emitted, logits[:n], processed[:n], req.num_tokens))
             req.spec_token_ids, req.draft_state = [], None
         return found
 

@@ -458,8 +458,9 @@ def reserve_later(plan: Callable[[], tuple[str | Path, str, int, bool] | None]) 
 
 
 def take(reservation: WeightReservation | None, model_dir: str | Path, capacity: int) -> Reservation | None:
-    """The reservation if it is for the checkpoint in `model_dir` and has room for an arena of `capacity` bytes (it
-    is then the caller's); one for it that is too small is unmapped, one for another model left to its owner."""
+    """The reservation if it is for the checkpoint in `model_dir` and has room for an arena of `capacity`
+    bytes (it is then the caller's); one for it that is too small is unmapped, one for another model left to
+    its owner."""
     found = resolved(reservation)
     if found is None or found.key != key_of(model_dir) or found.taken_by_arena or found.map.closed:
         return None
@@ -471,7 +472,7 @@ def take(reservation: WeightReservation | None, model_dir: str | Path, capacity:
 
 
 def discard(reservation: WeightReservation | None) -> bool:
-    """Unmap a reservation no arena took (its model loaded elsewhere, or not at all); True if it unmapped one."""
+    """Unmap a reservation no arena took (its model loaded elsewhere, or not at all); True if it did."""
     found = resolved(reservation)
     if found is None or found.taken_by_arena or found.map.closed:
         return False

@@ -43,7 +43,7 @@ _built: dict[tuple[str, str], object | None] = {}
 
 
 def enabled() -> bool:
-    """False when SLUICE_CPU_KERNEL=0 or the engine's config (kernels.options) asks for the torch implementations."""
+    """False where SLUICE_CPU_KERNEL=0 or the engine's config (kernels.options) asks for torch's kernels."""
     return options.current().cpu_kernel
 
 

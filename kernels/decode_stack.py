@@ -91,7 +91,7 @@ def int8_linear(qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor 
     if ext is None:
         return None
     gemv = int8_weights.stack_branches(qweight, scales, _row_counts(qweight.shape[1]))
-    if gemv is None or gemv != sorted(gemv, reverse=True):  # the stack runs the GEMV on a prefix of the row counts
+    if gemv is None or gemv != sorted(gemv, reverse=True):  # the GEMV runs a prefix of the row counts
         return None
     return ext.int8_linear(qweight, scales, bias, sum(gemv))
 

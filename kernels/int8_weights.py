@@ -73,10 +73,11 @@ def _fused():
     return cpp_build.part("quant_linear") if cpp_build.enabled() else None
 
 
-def stack_branches(qweight: torch.Tensor, scales: torch.Tensor, rows: list[torch.Tensor]) -> list[bool] | None:
-    """Per batch of rows, True where `int8_linear` runs our int8 GEMV on it and False where the fused dynamic int8
-    matmul; None where either does not build for these weights or some batch takes another branch (what the decode
-    stack needs to run the same products)."""
+def stack_branches(qweight: torch.Tensor, scales: torch.Tensor,
+                   rows: list[torch.Tensor]) -> list[bool] | None:
+    """Per batch of rows, True where `int8_linear` runs our int8 GEMV on it and False where the fused dynamic
+    int8 matmul; None where either does not build for these weights or some batch takes another branch (what
+    the decode stack needs to run the same products)."""
     if qweight.device.type != "cpu" or _fused() is None or _gemv_kernel(scales) is None:
         return None
     gemv = [_use_gemv(r, qweight) for r in rows]

@@ -63,7 +63,7 @@ def gemm_rows() -> int:
 
 
 def gemv_extension():
-    """Our C++ bf16 GEMV extension (csrc/bf16_gemv.cpp), or None where it is disabled or not built for this tier."""
+    """Our C++ bf16 GEMV extension (csrc/bf16_gemv.cpp), or None where disabled or not built for the tier."""
     return _gemv()
 
 

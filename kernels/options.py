@@ -1,11 +1,11 @@
 """The kernels' options: the one place below the contract layer that reads the environment.
 
 An engine owns its options (`Engine.kernel_options`: the environment's defaults with what its config sets, the
-worker's Settings passed down through EngineConfig) and makes them `active` for its own calls (loading, each step);
-the kernel modules read `current()` (the active engine's options, else the defaults) and never the environment.
-What a kernel module derives from the options is kept with them (`derived`), so other options derive it again and
-nothing has to be told of a change. `reset` reads the environment again (tests and benches that change it).
-"""
+worker's Settings passed down through EngineConfig) and makes them `active` for its own calls (loading, each
+step); the kernel modules read `current()` (the active engine's options, else the defaults) and never the
+environment. What a kernel module derives from the options is kept with them (`derived`), so other options
+derive it again and nothing has to be told of a change. `reset` reads the environment again (tests and benches
+that change it)."""
 
 from __future__ import annotations
 
@@ -106,6 +106,6 @@ def use(options: KernelOptions) -> None:
 
 
 def reset() -> None:
-    """Forget the defaults: the next `current()` outside an engine reads the environment again (after a test or
-    bench changed it)."""
+    """Forget the defaults: the next `current()` outside an engine reads the environment again (after a test
+    or bench changed it)."""
     _defaults.clear()

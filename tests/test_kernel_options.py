@@ -38,9 +38,9 @@ def test_no_engine_or_kernel_module_reads_the_environment_but_options():
 
 
 def test_the_engine_config_overrides_the_environment_and_the_kernels_follow(tiny_llama, monkeypatch):
-    """LLM(cpu_kernel=False, device_path=True) turns the C++ kernels off and the flat layout on for its engine's
-    work, whatever the environment says; what the kernels derived (the enabled flag, the tier) follows the options
-    in effect; outside the engine the environment's defaults still hold."""
+    """LLM(cpu_kernel=False, device_path=True) turns the C++ kernels off and the flat layout on for its
+    engine's work, whatever the environment says; what the kernels derived (the enabled flag, the tier)
+    follows the options in effect; outside the engine the environment's defaults still hold."""
     monkeypatch.delenv("SLUICE_CPU_KERNEL", raising=False)
     monkeypatch.delenv("SLUICE_DEVICE_PATH", raising=False)
     options.reset()
@@ -59,8 +59,8 @@ def test_the_engine_config_overrides_the_environment_and_the_kernels_follow(tiny
 
 
 def test_a_step_runs_with_its_engines_options(tiny_llama, monkeypatch):
-    """Each engine's steps run under its own options: two engines in one process, the C++ kernels on for one and
-    off for the other, each step's kernels asked under the options of the engine that steps."""
+    """Each engine's steps run under its own options: two engines in one process, the C++ kernels on for one
+    and off for the other, each step's kernels asked under the options of the engine that steps."""
     on = LLM(tiny_llama, dtype="float32", device="cpu", cpu_kernel=True)
     off = LLM(tiny_llama, dtype="float32", device="cpu", cpu_kernel=False)
     asked: list[bool] = []

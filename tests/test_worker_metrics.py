@@ -7,7 +7,8 @@ from sluice.worker.metrics import WorkerMetrics
 
 
 def test_worker_metrics_observe_every_step_through_the_llms_hook(tiny_llama):
-    """Each llm.step is timed and its finished requests and tokens counted, with LLM.step itself left alone."""
+    """Each llm.step is timed and its finished requests and tokens counted, with LLM.step itself left alone.
+    """
     llm = LLM(tiny_llama, dtype="float32", device="cpu")
     metrics = WorkerMetrics("tiny")
     metrics.instrument(llm)

@@ -70,8 +70,8 @@ def start(
 
 
 def load(model: str, engine_args: dict[str, Any]) -> LLM:
-    """The engine on `model`, handed the weight arena reserved at the process's start (worker.prefetch.reserve_for),
-    which is unmapped afterwards if the load did not take it."""
+    """The engine on `model`, handed the weight arena reserved at the process's start
+    (worker.prefetch.reserve_for), which is unmapped afterwards if the load did not take it."""
     reservation = process_reservation()
     try:
         return LLM(model, weight_reservation=reservation, **engine_args)

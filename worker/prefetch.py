@@ -20,7 +20,7 @@ MEMORY_SHARE = 0.5  # never prefetch (or fault in ahead) more than this share of
 # --dtype → the safetensors dtype the floating weights are kept in
 KEPT = {"bfloat16": "BF16", "bf16": "BF16", "float16": "F16", "fp16": "F16", "half": "F16", "float32": "F32",
         "fp32": "F32"}
-STARTED: list[weight_reserve.PendingReservation] = []  # the process's reservation, once reserve_for started it
+STARTED: list[weight_reserve.PendingReservation] = []  # the process's reservation, once reserve_for made it
 GPU_DEVICES = ("/dev/nvidiactl", "/dev/kfd")  # where present, device auto may well be a GPU: nothing reserved
 
 

@@ -1,8 +1,7 @@
 """The model implementations: the native Llama-family forward, transformers' own modules (generic), MoE.
 
-The public names load on first use, so that the torch-free modules (fused_layout, which the worker's read-ahead
-reads before torch is imported) can be imported without torch.
-"""
+The public names load on first use, so that the torch-free modules (fused_layout, which the worker's
+read-ahead reads before torch is imported) can be imported without torch."""
 
 from importlib import import_module
 from typing import TYPE_CHECKING

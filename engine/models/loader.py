@@ -386,10 +386,11 @@ def _read_weights(model: LlamaModel, reader: CheckpointReader, dtype: torch.dtyp
 
 def _arena(reader: CheckpointReader, dtype: torch.dtype, path: str | Path,
            reservation: weight_reserve.WeightReservation | None) -> WeightArena | None:
-    """An arena with room for every checkpoint tensor in the dtype the model keeps it (floating ones in `dtype`;
-    quantized linears keep fewer bytes than that, their scales a little more), committed only where written:
-    `reservation` where it is the map reserved for `path` at the worker's start and has room (engine.weight_reserve); None where the
-    address space cannot be had (the tensors then go to torch's allocator)."""
+    """An arena with room for every checkpoint tensor in the dtype the model keeps it (floating ones in
+    `dtype`; quantized linears keep fewer bytes than that, their scales a little more), committed only where
+    written: `reservation` where it is the map reserved for `path` at the worker's start and has room
+    (engine.weight_reserve); None where the address space cannot be had (the tensors then go to torch's
+    allocator)."""
     nbytes = sum(e.nbytes // e.dtype.itemsize * (dtype.itemsize if e.dtype.is_floating_point else e.dtype.itemsize)
                  for e in reader.entries.values())
     capacity = weight_reserve.arena_capacity(nbytes)
