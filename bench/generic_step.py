@@ -35,10 +35,10 @@ def engine(path: Path, generic: bool, transformers_forwards: bool = False) -> LL
         llm = LLM(str(path), dtype="bfloat16", device="cpu")
     for mod in llm.engine.model.hf.modules() if transformers_forwards else ():
         if type(mod).__name__.endswith(("DecoderLayer", "Attention")):
-            vars(mod).pop("forward", None)
+            generic_module.restore_forward(mod)
         slot = (vars(mod).get("_kernel_funcs") or {}).get(generic_module.ROPE_SLOT)
         if slot is not None:
-            vars(slot).pop("forward", None)
+            generic_module.restore_forward(slot)
     return llm
 
 

@@ -4,6 +4,7 @@ over our paged KV cache) and the native MoE forward."""
 from __future__ import annotations
 
 import functools
+import inspect
 
 import pytest
 import torch
@@ -200,7 +201,8 @@ def test_generic_path_runs_sibling_linears_as_one_product(checkpoint_factory, mo
         qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
         assert all(isinstance(p, SiblingLinear) and p.group is attn.q_proj.group for p in qkv)
         assert attn.v_proj.weight.data_ptr() == attn.q_proj.group.weight[-attn.v_proj.out_features:].data_ptr()
-        assert mlp.gate_proj.group is mlp.up_proj.group and "forward" in vars(mlp)  # the fused SwiGLU
+        assert mlp.gate_proj.group is mlp.up_proj.group
+        assert type(mlp).forward is generic._swiglu_forward  # the fused SwiGLU
     products = []
     real = generic.linear
     monkeypatch.setattr(generic, "linear", lambda *a: products.append(a[1].shape) or real(*a))
@@ -217,10 +219,10 @@ def transformers_forwards(llm: LLM) -> None:
     """Put back transformers' own forwards where use_our_kernels fused a decoder layer, an attention or a rotary slot."""
     for mod in llm.engine.model.hf.modules():
         if type(mod).__name__.endswith(("DecoderLayer", "Attention")):
-            vars(mod).pop("forward", None)
+            generic.restore_forward(mod)
         slot = (vars(mod).get("_kernel_funcs") or {}).get(generic.ROPE_SLOT)
         if slot is not None:
-            vars(slot).pop("forward", None)
+            generic.restore_forward(slot)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -231,10 +233,10 @@ def test_generic_path_fuses_llama_shaped_modules_bit_for_bit(arch, checkpoint_fa
         fused, plain = (LLM(path, dtype="bfloat16", device="cpu", max_num_batched_tokens=48) for _ in range(2))
     transformers_forwards(plain)
     for layer in fused.engine.model.hf.model.layers:  # qwen3's attention (q/k norms) is not Llama's: only its layer
-        assert vars(layer)["forward"].__func__ is generic._decoder_layer_forward
-        assert ("forward" in vars(layer.self_attn)) == (arch == "llama")
-        rope = vars(layer.self_attn._kernel_funcs[generic.ROPE_SLOT])["forward"]
-        assert rope.__func__ is generic.fused_rope
+        assert inspect.unwrap(type(layer).forward) is generic._decoder_layer_forward  # (transformers wraps it)
+        assert (type(layer.self_attn).forward is generic._attention_forward) == (arch == "llama")
+        rope = type(layer.self_attn._kernel_funcs[generic.ROPE_SLOT]).forward
+        assert rope is generic.fused_rope
     arena = fused.engine.model.weight_arena  # the weights in huge pages, as the native loader keeps its own
     attn = fused.engine.model.hf.model.layers[0].self_attn
     assert arena.holds(attn.q_proj.group.weight) and arena.holds(attn.o_proj.weight)

@@ -505,3 +505,136 @@ def test_models_are_built_without_their_random_init_and_without_patching_torch()
     assert {name: getattr(torch.nn.init, name) for name in dir(torch.nn.init)} == before
     torch.nn.init.normal_(weight)
     assert not torch.equal(weight, torch.full((4, 4), 7.0)) and head.weight.shape == (64, 64)
+
+
+ENGINE_MAX_LINES = 250
+
+
+def test_the_engine_keeps_the_step_outline_in_at_most_250_lines():
+    """engine/engine.py holds add_request / step / abort / has_unfinished and the step's outline; output
+    processing (with speculative verification), request validation and memory housekeeping live in modules of
+    their own."""
+    source = (ROOT / "engine" / "engine.py").read_text()
+    assert len(source.splitlines()) <= ENGINE_MAX_LINES
+    engine = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == "Engine")
+    methods = {n.name for n in engine.body if isinstance(n, ast.FunctionDef)}
+    assert {"add_request", "step", "abort", "has_unfinished"} <= methods
+    assert not methods & {"append_tokens", "_stop_reason", "_verify", "_pool", "_validate", "_output"}
+    imported = import_graph()["sluice.engine.engine"]
+    assert {f"sluice.engine.{m}" for m in ("output_processor", "request_intake", "housekeeping")} <= imported
+
+
+def method_assignments(source: str) -> list[str]:
+    """Every assignment of a function over an attribute of another object (`llm.step = measured`, `mod.forward
+    = f.__get__(mod)`, `x.y = MethodType(f, x)`, `setattr(o, "m", lambda: ...)`); `self`/`cls` aside."""
+    tree = ast.parse(source)
+    functions = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)}
+
+    def is_function(value: ast.expr) -> bool:
+        if isinstance(value, ast.Lambda) or isinstance(value, ast.Name) and value.id in functions:
+            return True
+        name = ast.unparse(value.func) if isinstance(value, ast.Call) else ""
+        return name.endswith(("MethodType", "__get__", "partial", "wraps"))
+
+    found = []
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else []
+        found += [ast.unparse(t) for t in targets if isinstance(t, ast.Attribute) and is_function(node.value)
+                  and not (isinstance(t.value, ast.Name) and t.value.id in ("self", "cls"))]  # fmt: skip
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr" and len(node.args) == 3:
+            found += [ast.unparse(node)] if is_function(node.args[2]) else []
+    return found
+
+
+def test_the_method_assignment_check_sees_every_way_of_replacing_a_method():
+    sample = ("def wrapper(): pass\nllm.step = wrapper\nmod.forward = f.__get__(mod)\n"
+              "slot.forward = MethodType(f, s)\nsetattr(o, 'm', lambda: 1)\nself.step = wrapper\n"
+              "mod.weight = w\nx.callback = functools.partial(g)\n")
+    assert method_assignments(sample) == ["llm.step", "mod.forward", "slot.forward", "x.callback",
+                                          "setattr(o, 'm', lambda: 1)"]
+
+
+def test_no_module_assigns_over_another_objects_method():
+    """No side channels: the worker observes steps through LLM.add_step_observer, models get our forwards as
+    classes of their own (engine.models.generic.with_forward); nothing replaces a method of an object it does
+    not own."""
+    files = [p for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py"))]
+    found = {str(p.relative_to(ROOT)): method_assignments(p.read_text()) for p in files}
+    assert len(files) > 100
+    assert {path: names for path, names in found.items() if names} == {}
+
+
+def private_reaches(module: str, path: Path, modules: dict[str, Path]) -> list[str]:
+    """'line what' for each `_name` of another of our modules a file imports (`from m import _x`) or reads
+    through a module or name it imported (`m._x`, `Class._x`)."""
+    tree, found = ast.parse(path.read_text(), str(path)), []
+    bound: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("sluice"):
+            for alias in node.names:
+                private = alias.name.startswith("_") and not alias.name.startswith("__")
+                if private and resolve(f"{node.module}.{alias.name}", modules) != module:
+                    found.append(f"{node.lineno} from {node.module} import {alias.name}")
+                bound.add(alias.asname or alias.name)
+        elif isinstance(node, ast.Import):
+            bound |= {(a.asname or a.name).split(".")[0] for a in node.names if a.name.startswith("sluice")}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound:
+            if node.attr.startswith("_") and not node.attr.startswith("__"):
+                found.append(f"{node.lineno} {ast.unparse(node)}")
+    return found
+
+
+def test_the_private_reach_check_sees_imports_and_module_attributes(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("from sluice.kernels import int8_weights\n"
+                    "from sluice.kernels.linear import _gemv, linear\n"
+                    "int8_weights._fused()\nint8_weights.int8_linear\nobj._own\nlinear._x\n")
+    assert sorted(private_reaches("sluice.m", path, module_files())) == [
+        "2 from sluice.kernels.linear import _gemv", "3 int8_weights._fused", "6 linear._x"]
+
+
+def test_no_module_reaches_another_modules_private_names():
+    """Across engine/, kernels/, contract/, producer/, worker/ and cli/, a `_name` is its own module's:
+    nothing imports one from another module or calls one through an imported module."""
+    modules = module_files()
+    found = {module: private_reaches(module, path, modules) for module, path in modules.items()}
+    assert len(found) > 100
+    assert {module: reaches for module, reaches in found.items() if reaches} == {}
+
+
+def test_the_model_owns_its_fused_layout():
+    """FUSED (each fused projection and the checkpoint linears it concatenates) is defined once, by the model
+    package (engine/models/fused_layout.py, torch-free for the worker's read-ahead); the memory modules import
+    it."""
+    from sluice.engine import weight_reserve
+    from sluice.engine.models import LlamaModel, fused_layout
+
+    defined = sorted(
+        str(path.relative_to(ROOT))
+        for path in sorted((ROOT / "engine").rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "FUSED" for t in node.targets)
+        and isinstance(node.value, ast.Dict)
+    )
+    assert defined == ["engine/models/fused_layout.py"]
+    assert LlamaModel.FUSED is fused_layout.FUSED is weight_reserve.FUSED
+    assert "self_attn.qkv_proj" in LlamaModel.FUSED
+
+
+def test_the_weight_reservation_is_handed_to_llm_and_kernel_options_to_the_engine():
+    """No second door into the engine: engine.weight_reserve keeps no reservation of its own (no `global`),
+    the loader takes the one LLM(weight_reservation=...) is handed; kernels.options has no process-wide setter
+    for the engine (`configure`) and no change callbacks (`on_change`)."""
+    import inspect
+
+    from sluice.engine import LLM
+    from sluice.kernels import options
+
+    reserve = ast.parse((ROOT / "engine" / "weight_reserve.py").read_text())
+    assert not [n for n in ast.walk(reserve) if isinstance(n, ast.Global)]
+    assert "weight_reservation" in inspect.signature(LLM.__init__).parameters
+    assert not hasattr(options, "configure") and not hasattr(options, "on_change")
+    trees = [ast.parse(p.read_text()) for p in (ROOT / "engine").rglob("*.py")]
+    calls = {ast.unparse(n.func) for tree in trees for n in ast.walk(tree) if isinstance(n, ast.Call)}
+    assert "options.active" in calls and not {"options.use", "options.reset"} & calls

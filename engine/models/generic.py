@@ -13,9 +13,9 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import MethodType
 from typing import Any
 
 import torch
@@ -326,7 +326,8 @@ def _attention_forward(self, hidden_states: torch.Tensor, position_embeddings=No
     cos, sin = position_embeddings if position_embeddings is not None else (None, None)
     d, shape = self.head_dim, hidden_states.shape
     if cos is None or shape[0] != 1 or cos.shape != (1, shape[1], d) or sin.shape != cos.shape:
-        return type(self).forward(self, hidden_states, position_embeddings, attention_mask, cache, **kwargs)
+        original = super(type(self), self).forward
+        return original(hidden_states, position_embeddings, attention_mask, cache, **kwargs)
     g = self.q_proj.group
     qkv = linear(hidden_states[0], g.weight, g.bias).view(shape[1], -1, d)
     h, hk = g.sizes[0] // d, g.sizes[1] // d
@@ -343,12 +344,12 @@ def _qkv_attention(mod: nn.Module) -> bool:
     return (isinstance(q, SiblingLinear) and isinstance(k, SiblingLinear) and isinstance(v, SiblingLinear)
             and q.group is k.group is v.group and (q.index, k.index, v.index) == (0, 1, 2)
             and isinstance(getattr(mod, "head_dim", None), int) and slot is not None
-            and getattr(vars(slot).get("forward"), "__func__", None) is fused_rope)
+            and "forward" not in vars(slot) and type(slot).forward is fused_rope)
 
 
 def _fused_norm(mod: nn.Module | None) -> bool:
     """Whether `mod` is a norm `use_our_kernels` gave the fused forward (`_rms_norm_forward`)."""
-    return getattr(vars(mod).get("forward") if mod is not None else None, "__func__", None) is _rms_norm_forward
+    return mod is not None and "forward" not in vars(mod) and type(mod).forward is _rms_norm_forward
 
 
 def _same_source(mod: nn.Module, source) -> bool:
@@ -491,13 +492,13 @@ def _use_fused_rope(model: nn.Module) -> None:
     checked: dict[type, bool] = {}
     for mod in model.modules():
         slot = (vars(mod).get("_kernel_funcs") or {}).get(ROPE_SLOT)
-        if slot is None or "forward" in vars(slot):
+        if slot is None or "forward" in vars(slot) or type(slot).forward is fused_rope:
             continue
         if type(slot) not in checked:  # the wrapper class's own forward: transformers' function
             checked[type(slot)] = _same_rope(functools.partial(type(slot).forward, slot),
                                              functools.partial(fused_rope, slot), model.dtype, head_dim)
         if checked[type(slot)]:
-            slot.forward = MethodType(fused_rope, slot)  # as kernels.kernelize sets a kernel's
+            slot.__class__ = with_forward(type(slot), fused_rope)
 
 
 def use_our_kernels(model: nn.Module) -> nn.Module:
@@ -513,15 +514,30 @@ def use_our_kernels(model: nn.Module) -> nn.Module:
             mod.__class__ = Linear
         elif type(mod).__name__.endswith("RMSNorm") and hasattr(mod, "variance_epsilon"):
             if _same_source(mod, _llama_norm_source):
-                mod.forward = _rms_norm_forward.__get__(mod)
+                mod.__class__ = with_forward(type(mod), _rms_norm_forward)
         elif _swiglu(mod) and _same_source(mod, _llama_mlp_source):
-            mod.forward = _swiglu_forward.__get__(mod)
+            mod.__class__ = with_forward(type(mod), _swiglu_forward)
     for mod in model.modules():  # after the norms and the rotary: what these forwards build on is in place
         if _fused_norm(getattr(mod, "post_attention_layernorm", None)) and _same_source(mod, _llama_layer_source):
-            mod.forward = _decoder_layer_forward.__get__(mod)
+            mod.__class__ = with_forward(type(mod), _decoder_layer_forward)
         elif _qkv_attention(mod) and _same_source(mod, _llama_attention_source):
-            mod.forward = _attention_forward.__get__(mod)
+            mod.__class__ = with_forward(type(mod), _attention_forward)
     return model
+
+
+@functools.cache
+def with_forward(cls: type, forward: Callable) -> type:
+    """`cls` with `forward` as its forward: the class a transformers module becomes where our kernels run its
+    forward (one subclass per class and forward; its name and module are the original's)."""
+    return type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__,
+                                       "__qualname__": cls.__qualname__, "kernel_forward_of": cls})
+
+
+def restore_forward(mod: nn.Module) -> None:
+    """Put transformers' own forward back where `use_our_kernels` gave `mod` ours (to compare the two)."""
+    original = getattr(type(mod), "kernel_forward_of", None)
+    if original is not None:
+        mod.__class__ = original
 
 
 def _swiglu(mod: nn.Module) -> bool:
