@@ -8,12 +8,12 @@ from importlib import import_module
 from typing import TYPE_CHECKING
 
 __all__ = [
-    "LLM", "EmbeddingOutput", "Engine", "EngineConfig", "PoolingParams", "RequestMetrics", "RequestOutput",
+    "LLM", "EmbeddingOutput", "Engine", "EngineConfig", "LoRARequest", "PoolingParams", "RequestMetrics", "RequestOutput",
     "RequestRejected", "SamplingParams",
 ]
 
 _HOMES = {
-    "EngineConfig": "config", "Engine": "engine", "RequestRejected": "engine", "LLM": "llm",
+    "EngineConfig": "config", "Engine": "engine", "LoRARequest": "lora.request", "RequestRejected": "engine", "LLM": "llm",
     "EmbeddingOutput": "outputs", "RequestMetrics": "outputs", "RequestOutput": "outputs", "PoolingParams": "pooling",
     "SamplingParams": "sampling_params",
 }
@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from sluice.engine.config import EngineConfig
     from sluice.engine.engine import Engine, RequestRejected
     from sluice.engine.llm import LLM
+    from sluice.engine.lora.request import LoRARequest
     from sluice.engine.outputs import EmbeddingOutput, RequestMetrics, RequestOutput
     from sluice.engine.pooling import PoolingParams
     from sluice.engine.sampling_params import SamplingParams

@@ -13,6 +13,8 @@ from sluice.engine.config import EngineConfig
 from sluice.engine.groups import SequenceGroup
 from sluice.engine.kv_cache import bytes_per_token, pool_blocks
 from sluice.engine.logits_processors import LogitsProcessors
+from sluice.engine.lora import LoRAError, LoRAManager, LoRARequest
+from sluice.engine.lora.manager import salt
 from sluice.engine.model_runner import ModelRunner, StepLogits
 from sluice.engine.models.loader import load_model
 from sluice.engine.outputs import EmbeddingOutput, RequestOutput
@@ -64,8 +66,10 @@ class Engine:
         num_blocks = pool_blocks(config, r.model, r.kv_dtype, r.device, r.max_model_len)
         self.kv_block_bytes = bytes_per_token(r.model, self.kv_dtype) * config.block_size
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.block_manager)
-        self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.kv_dtype, self.device)
+        self.lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank,
+                                config.max_cpu_loras or config.max_loras) if config.enable_lora else None
+        self.scheduler = Scheduler(config, self.block_manager, self.lora)
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.kv_dtype, self.device, self.lora)
         if not config.enforce_eager:
             self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         self.generator = torch.Generator().manual_seed(config.seed)
@@ -113,24 +117,56 @@ class Engine:
         return [int(t) for t in prompt]
 
     def add_request(self, request_id: str, prompt: str | list[int] | list[str] | list[list[int]],
-                    params: SamplingParams | PoolingParams | None = None) -> None:
-        """Queue a request (PoolingParams: an embedding of each input); raise RequestRejected if it can never run."""
+                    params: SamplingParams | PoolingParams | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
+        """Queue a request (PoolingParams: an embedding of each input; lora_request: the adapter it runs with);
+        raise RequestRejected if it can never run."""
         params = params or SamplingParams()
         if request_id in self.requests or request_id in self.groups:
             raise RequestRejected(f"duplicate request id {request_id!r}")
+        self._check_adapter(lora_request)
         if isinstance(params, PoolingParams):
+            if lora_request is not None:
+                raise RequestRejected("embedding requests run on the base model: LoRA adapters serve generation")
             self._add_embedding(request_id, prompt, params)
             return
         ids = self.encode(prompt)
         self._validate(ids, params)
         if params.n == 1 and (params.best_of or 1) == 1:
-            self._add(Request(request_id, ids, params))
+            self._add(self._with_adapter(Request(request_id, ids, params), lora_request))
             return
         group = SequenceGroup.fan_out(request_id, ids, params)
         for seq in group.sequences:
+            self._with_adapter(seq, lora_request)
             self._add(seq, schedule=seq is group.sequences[0])
             self._group_of[seq.request_id] = group
         self.groups[request_id] = group
+
+    def _check_adapter(self, lora: LoRARequest | None) -> None:
+        """Know the request's adapter and start loading it; RequestRejected where it can never run."""
+        if lora is None:
+            return
+        if self.lora is None:
+            raise RequestRejected(f"adapter {lora.lora_name!r}: this engine serves no LoRA adapters "
+                                  "(enable_lora=False)")
+        try:
+            self.lora.add(lora)
+        except LoRAError as exc:
+            raise RequestRejected(str(exc)) from exc
+
+    @staticmethod
+    def _with_adapter(req: Request, lora: LoRARequest | None) -> Request:
+        req.lora_request, req.cache_salt = lora, salt(lora)
+        return req
+
+    def _fail_adapters(self) -> None:
+        """Requests whose adapter failed to load end with that error (the rest of the batch runs)."""
+        for req in [r for r in self.scheduler.waiting if r.lora_request is not None]:
+            problem = self.lora.error(req.lora_request)
+            if problem:
+                req.error = problem
+                self.scheduler.finish(req, "error")
+                self._aborted.append(req)
 
     def _add_embedding(self, request_id: str, inputs: object, params: PoolingParams) -> None:
         """One PoolingRequest per input (several inputs come back merged into one EmbeddingOutput)."""
@@ -227,6 +263,8 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration; return outputs of the requests that finished in it."""
+        if self.lora is not None and self.lora.failed:
+            self._fail_adapters()
         done, self._aborted = self._aborted, []
         if self.proposer is not None:
             self.proposer.propose(self.scheduler.running)
