@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from sluice.contract.events import delivery_log
+from sluice.contract.responses_api import output_text
 from sluice.contract.schemas import Batch
 from sluice.producer.client import BatchNotFound, Client
 
@@ -187,6 +188,8 @@ def results(
 
 
 def response_text(body: dict[str, Any]) -> str:
+    if body.get("object") == "response":  # /v1/responses
+        return output_text(body)
     if body.get("object") == "list":  # /v1/embeddings
         first = body["data"][0]["embedding"]
         return f"{len(body['data'])} embedding(s) of " + (f"{len(first)} values" if isinstance(first, list) else "base64")

@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
+from sluice.contract.responses_api import RESPONSES, ResponsesBody
 from sluice.contract.tools import NamedToolChoice, Tool, ToolChoice, named_tool, tool_constraint
 
 COMPLETIONS = "/v1/completions"
@@ -344,8 +345,8 @@ class EmbeddingBody(BaseModel):
         return v
 
 
-BODIES: dict[str, type[SamplingBody] | type[EmbeddingBody]] = {
-    COMPLETIONS: CompletionBody, CHAT: ChatBody, EMBEDDINGS: EmbeddingBody,
+BODIES: dict[str, type[SamplingBody] | type[EmbeddingBody] | type[ResponsesBody]] = {
+    COMPLETIONS: CompletionBody, CHAT: ChatBody, EMBEDDINGS: EmbeddingBody, RESPONSES: ResponsesBody,
 }
 
 
@@ -356,7 +357,7 @@ class InputLine(BaseModel):
 
     custom_id: str = Field(min_length=1, max_length=512)
     method: Literal["POST"]
-    url: Literal["/v1/completions", "/v1/chat/completions", "/v1/embeddings"]
+    url: Literal["/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses"]
     body: dict[str, Any]
 
 

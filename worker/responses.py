@@ -8,6 +8,7 @@ import time
 import uuid
 from typing import Any
 
+from sluice.contract.responses_api import RESPONSES, response_object
 from sluice.contract.schemas import CHAT, EMBEDDINGS, ErrorInfo, OutputRecord, Request, Response
 from sluice.contract.tools import parse_tool_calls
 
@@ -132,6 +133,8 @@ def response_body(request: Request, out: Any, model: str) -> dict[str, Any]:
     """The OpenAI completion or chat.completion object for one finished request (n choices when n > 1)."""
     if request.url == EMBEDDINGS:
         return embedding_body(request, out, model)
+    if request.url == RESPONSES:
+        return response_object(request.parsed_body(), out, model)
     kind, prefix = ("chat.completion", "chatcmpl") if request.url == CHAT else ("text_completion", "cmpl")
     return {
         "id": f"{prefix}-{uuid.uuid4().hex}",

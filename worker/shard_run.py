@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from rq import get_current_job
 
 from sluice.contract.batch import BatchStore
+from sluice.contract.responses_api import ResponsesBody
 from sluice.contract.schemas import ChatBody, EmbeddingBody, OutputRecord, Request
 from sluice.contract.settings import Settings, get_settings, stay_off_the_hub
 from sluice.contract.storage import open_output
@@ -66,6 +67,8 @@ def prepare(llm: LLM, request: Request, served: set[str]) -> tuple[Any, Any]:
     from sluice.engine import PoolingParams, SamplingParams
 
     body = request.parsed_body()
+    if isinstance(body, ResponsesBody):
+        body = body.chat()
     if body.model is not None and body.model not in served:
         raise ModelNotServed(f"model {body.model!r} is not served here (served: {', '.join(sorted(served))})")
     if isinstance(body, EmbeddingBody):
@@ -163,7 +166,8 @@ class ShardRun:
     def usage(self) -> tuple[int, int]:
         """Prompt and completion tokens over the shard's responses."""
         usages = [r.response.body.get("usage") or {} for r in self.records.values() if r.response is not None]
-        return sum(u.get("prompt_tokens", 0) for u in usages), sum(u.get("completion_tokens", 0) for u in usages)
+        prompt = sum(u.get("prompt_tokens", u.get("input_tokens", 0)) for u in usages)
+        return prompt, sum(u.get("completion_tokens", u.get("output_tokens", 0)) for u in usages)
 
     def save(self, connection: redis.Redis, settings: Settings) -> dict[str, int]:
         """Write shards/{n}.jsonl (overwriting a previous run's; refused outside roots) and record the shard's

@@ -42,7 +42,7 @@ class CreateBatch(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     input_file_id: str = Field(max_length=128)
-    endpoint: Literal["/v1/completions", "/v1/chat/completions", "/v1/embeddings"]
+    endpoint: Literal["/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses"]
     completion_window: str = "24h"
     metadata: dict[str, str] | None = None
     output_expires_after: dict[str, Any] | None = None
@@ -66,8 +66,8 @@ def usage_of(url: str | None, s3_style: str) -> dict[str, int]:
         for line in lines:
             usage = (json.loads(line).get("response") or {}).get("body", {}).get("usage") or {}
             prompt, completion = (
-                prompt + usage.get("prompt_tokens", 0),
-                completion + usage.get("completion_tokens", 0),
+                prompt + usage.get("prompt_tokens", usage.get("input_tokens", 0)),
+                completion + usage.get("completion_tokens", usage.get("output_tokens", 0)),
             )
     return {"input_tokens": prompt, "output_tokens": completion}
 
