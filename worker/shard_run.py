@@ -16,6 +16,7 @@ from sluice.contract.responses_api import ResponsesBody
 from sluice.contract.schemas import ChatBody, EmbeddingBody, OutputRecord, Request
 from sluice.contract.settings import Settings, get_settings, stay_off_the_hub
 from sluice.contract.storage import open_output
+from sluice.worker.adapters import Adapters, ServedModels
 from sluice.worker.faults import faults
 from sluice.worker.responses import ABORT_CODES, error_record, output_record
 from sluice.worker.terminal import OUTPUT_NOT_ALLOWED, fail_batch, output_problem
@@ -56,9 +57,11 @@ class ChatTemplateError(ValueError):
     """A conversation the model's chat template refused or failed to render."""
 
 
-def served_models(llm: LLM, settings: Settings) -> set[str]:
-    """Names requests may give as `model`: the checkpoint folder's name plus SLUICE_SERVED_MODELS."""
-    return {model_name(llm), *settings.served_model_names()}
+def served_models(llm: LLM, settings: Settings, adapters: Adapters | None = None) -> set[str] | ServedModels:
+    """Names requests may give as `model`: the checkpoint folder's name plus SLUICE_SERVED_MODELS, and the
+    worker's LoRA adapters."""
+    names = {model_name(llm), *settings.served_model_names()}
+    return ServedModels(names, adapters) if adapters else names
 
 
 def prepare(llm: LLM, request: Request, served: set[str]) -> tuple[Any, Any]:
@@ -119,7 +122,8 @@ class ShardRun:
 
         try:
             prompt, params = prepare(llm, request, served)
-            llm.add_request(rid, prompt, params)
+            adapter = served.adapter(request.parsed_body().model) if isinstance(served, ServedModels) else None
+            llm.add_request(rid, prompt, params, lora_request=adapter)
         except RequestRejected as exc:
             self.fail(request, "request_rejected", str(exc))
         except ModelNotServed as exc:
