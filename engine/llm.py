@@ -95,13 +95,14 @@ class LLM:
             messages_list = [messages_list]  # type: ignore[list-item]
         return self.generate([self.encode_chat(m, tools) for m in messages_list], params, progress, lora_request)
 
-    def score(self, prompts: Sequence[Prompt], progress: bool = False) -> list[Any]:
-        """Logits [len, vocab] at every prompt position, computed through the paged engine."""
+    def score(self, prompts: Sequence[Prompt], progress: bool = False,
+              lora_request: LoRARequest | None = None) -> list[Any]:
+        """Logits [len, vocab] at every prompt position, computed through the paged engine (with an adapter)."""
         ids = []
         for prompt in prompts:
             self._counter += 1
             rid = f"score-{self._counter}"
-            self.engine.add_request(rid, prompt, SamplingParams(max_tokens=1, temperature=0))
+            self.engine.add_request(rid, prompt, SamplingParams(max_tokens=1, temperature=0), lora_request=lora_request)
             self.engine.requests[rid].want_prompt_logits = True
             ids.append(rid)
         return [out.prompt_logits for out in self._drain(ids, progress)]

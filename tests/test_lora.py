@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from sluice.engine import LLM, LoRARequest, RequestRejected, SamplingParams
 from tests.checkpoints import make_checkpoint
 
-GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=16, temperature=0)
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ADAPTERS = {  # name: (rank, alpha, targets, rsLoRA)
     "all8": (8, 16, ALL, False),
@@ -45,8 +45,7 @@ def merged_greedy(base: Path, adapter: Path | None, prompts: list[list[int]]) ->
         model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
     outs = []
     for p in prompts:
-        out = model.generate(torch.tensor([p]), max_new_tokens=GREEDY.max_tokens, do_sample=False,
-                             min_new_tokens=GREEDY.max_tokens)
+        out = model.generate(torch.tensor([p]), max_new_tokens=GREEDY.max_tokens, do_sample=False)
         outs.append(out[0, len(p):].tolist())
     return outs
 
@@ -169,3 +168,68 @@ def test_an_engine_without_lora_refuses_adapters(lora_case):
     llm = LLM(base, dtype="float32", device="cpu")
     with pytest.raises(RequestRejected, match="enable_lora"):
         llm.engine.add_request("x", prompts[0], GREEDY, lora_request=requests["all8"])
+
+
+def effective_weights(llm: LLM) -> dict[str, torch.Tensor]:
+    """Each decoder projection's weight as the engine's (quantized) linear applies it, read by an identity probe,
+    split into the checkpoint's own linears."""
+    from sluice.engine.lora.slots import LoRALinear, projection_shapes
+
+    model, names = llm.engine.model, {"self_attn.qkv_proj": ["q_proj", "k_proj", "v_proj"],
+                                      "self_attn.o_proj": ["o_proj"], "mlp.gate_up_proj": ["gate_proj", "up_proj"],
+                                      "mlp.down_proj": ["down_proj"]}
+    shapes = projection_shapes(model.config)
+    out = {}
+    with torch.inference_mode():
+        for i, layer in enumerate(model.layers):
+            for proj, parts in names.items():
+                block, attr = proj.split(".")
+                linear = getattr(getattr(layer, block), attr)
+                base = linear.base if isinstance(linear, LoRALinear) else linear
+                inp = shapes[proj][0][1]
+                w = base(torch.eye(inp, dtype=torch.float32)).T.float()
+                rows = [o for o, _ in shapes[proj]]
+                for name, part in zip(parts, w.split(rows), strict=True):
+                    out[f"model.layers.{i}.{block}.{name}.weight"] = part.contiguous()
+    return out
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int8_weight_only", "int4"])
+def test_adapters_on_quantized_bases_match_the_dequantized_base(lora_case, quantization, tmp_path):
+    """Every prompt position's logits with the adapter equal PEFT's merge into the dequantized base (the
+    weights the quantized linears apply, read by an identity probe), far closer than the adapter's own effect."""
+    base, adapters, requests, prompts, *_ = lora_case
+    llm = LLM(base, dtype="float32", device="cpu", quantization=quantization, enable_lora=True, max_loras=3,
+              max_lora_rank=16)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model.load_state_dict(effective_weights(llm), strict=False)
+    model.save_pretrained(tmp_path / "dequantized")
+    plain = llm.score(prompts[:3])
+    for name in ("all8", "mlp16"):
+        merged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "dequantized",
+                                                                                dtype=torch.float32),
+                                           adapters[name]).merge_and_unload()
+        ours = llm.score(prompts[:3], lora_request=requests[name])
+        for p, got, without in zip(prompts[:3], ours, plain, strict=True):
+            with torch.no_grad():
+                want = merged(torch.tensor([p])).logits[0]
+            error = (got - want).abs().max().item()
+            effect = (want - without).abs().max().item()
+            assert error < 2e-2 and effect > 20 * error, (name, error, effect)
+
+
+def test_speculative_decoding_and_grammars_keep_the_adapter(lora_case):
+    base, adapters, requests, prompts, order, expected, _ = lora_case
+    llm = LLM(base, dtype="float32", device="cpu", enable_lora=True, max_loras=3, max_lora_rank=16,
+              speculative={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+    repeated = [p + p[:8] + p[:8] for p in prompts]  # n-gram proposals to verify
+    loras = [None if name is None else requests[name] for name in order]
+    refs = {name: merged_greedy(base, adapters.get(name), repeated) for name in {*order}}
+    outs = llm.generate(repeated, GREEDY, progress=False, lora_request=loras)
+    assert [o.token_ids for o in outs] == [refs[name][i] for i, name in enumerate(order)]
+    assert llm.stats()["spec_proposed"] > 0
+    schema = SamplingParams(max_tokens=40, temperature=0, structured_outputs={"json": {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}})
+    grammar = LLM(base, dtype="float32", device="cpu", enable_lora=True, max_loras=2, max_lora_rank=16)
+    out = grammar.generate([prompts[0]], schema, progress=False, lora_request=requests["all8"])[0]
+    assert isinstance(json.loads(out.text)["a"], int)
