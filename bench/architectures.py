@@ -13,7 +13,6 @@ measure the load more than the code (docs/benchmarks.md).
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import tempfile
@@ -21,6 +20,7 @@ import time
 from pathlib import Path
 
 import torch
+from common import BenchParser, add_baseline
 from transformers import AutoModelForCausalLM
 
 from sluice.engine import LLM, SamplingParams
@@ -36,9 +36,10 @@ ARCHS = ["llama", "qwen3", "mixtral", "qwen3_moe", "gemma2", "gemma3_text", "phi
 SIZE = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
             num_key_value_heads=4, max_position_embeddings=1024)
 MOE = dict(moe_intermediate_size=256, num_experts=8, num_local_experts=8, num_experts_per_tok=2)
-# The MoE headline's Qwen3-MoE shapes (hidden 512, 4 layers as SIZE): "small" is sessions 1-3's (8 experts, top 2, width
-# 0.5x hidden); "qwen3" keeps the released family's ratios (Qwen3-30B-A3B and -235B-A22B: 128 experts, top 8, expert
-# width 0.375x hidden), so at batch 32 each expert sees about two tokens a step, not eight.
+# The MoE headline's Qwen3-MoE shapes (hidden 512, 4 layers as SIZE): "small" is the first one measured (8
+# experts, top 2, width 0.5x hidden); "qwen3" keeps the released family's ratios (Qwen3-30B-A3B and
+# -235B-A22B: 128 experts, top 8, expert width 0.375x hidden), so at batch 32 each expert sees about two
+# tokens a step, not eight.
 MOE_SHAPES = {"small": MOE, "qwen3": dict(moe_intermediate_size=192, num_experts=128, num_experts_per_tok=8)}
 DEFAULT_MOE_SHAPE = "small"
 DEFAULT_ROOT = Path(tempfile.gettempdir()) / "sluice-bench-archs"
@@ -68,7 +69,7 @@ def checkpoint(arch: str, root: Path) -> Path:
 
 
 def moe_checkpoint(shape: str, root: Path) -> Path:
-    """The Qwen3-MoE checkpoint of MOE_SHAPES[shape] (sessions 1-3's "small" one is the table's qwen3_moe)."""
+    """The Qwen3-MoE checkpoint of MOE_SHAPES[shape] (the "small" one is the table's qwen3_moe)."""
     if shape == "small":
         return checkpoint("qwen3_moe", root)
     path = root / f"qwen3_moe-{shape}"
@@ -162,7 +163,7 @@ def table(a) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
+    p = add_baseline(BenchParser(description=__doc__))
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--tokens", type=int, default=64)

@@ -6,9 +6,9 @@ against.
 python bench/coldstart.py [--hidden 2048 --layers 12] [--rounds 3] [--cold] [--threads N] [--variants tiny,...]
     [--baseline REF] [--no-record]
 
---baseline REF (a git commit) adds, after each variant, the same start with the code of REF (its tree from
-`git archive`, put first on the children's PYTHONPATH), alternated with this checkout's in every round: an A/B of
-old and new code in one run.
+--baseline REF (a git revision) adds, after each variant, the same start with the code of REF (common.py's
+`baseline_tree`, put first on the children's PYTHONPATH), alternated with this checkout's in every round: an
+A/B of old and new code in one run.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import ROOT, record, table
+from common import ROOT, add_baseline, baseline_env, baseline_tree, record, table
 
 CHUNK = 16 * 1024 * 1024
 TINY = ROOT / "models" / "sluice-tiny"
@@ -154,32 +154,11 @@ def prequantized(src: Path, mode: str) -> Path:
 def child(code: str, *args: str, path: str = "") -> str:
     """Run code in a fresh interpreter outside the checkout (`path`: first on its PYTHONPATH); its last line of
     output."""
-    out = subprocess.run([sys.executable, "-c", code, *args], cwd=tempfile.gettempdir(), env=child_env(path),
-                         capture_output=True, text=True, timeout=2400)
+    out = subprocess.run([sys.executable, "-c", code, *args], cwd=tempfile.gettempdir(),
+                         env=baseline_env(path), capture_output=True, text=True, timeout=2400)
     if out.returncode:
         raise RuntimeError(out.stderr[-3000:])
     return out.stdout.strip().splitlines()[-1]
-
-
-def child_env(path: str = "") -> dict[str, str]:
-    """This environment without PYTHON* variables (no checkout on the path), `path` on PYTHONPATH if given."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
-    return env | {"PYTHONPATH": path} if path else env
-
-
-def baseline_tree(ref: str) -> str:
-    """The `sluice` package of git commit `ref` as a folder to put first on PYTHONPATH (ahead of the editable
-    install's finder): `git archive` of it, its design folders linked under sluice/ as the install maps them."""
-    root = Path(tempfile.mkdtemp(prefix="sluice-coldstart-base-"))
-    (root / "src").mkdir()
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref], check=True, capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(root / "src")], input=archive, check=True)
-    package = root / "path" / "sluice"
-    package.mkdir(parents=True)
-    shutil.copy(root / "src" / "sluice" / "__init__.py", package)
-    for folder in ("engine", "kernels", "contract", "producer", "worker", "cli"):
-        (package / folder).symlink_to(root / "src" / folder)
-    return str(root / "path")
 
 
 def redis_server() -> tuple[subprocess.Popen, str]:
@@ -204,7 +183,8 @@ def worker_ready(model: Path, redis_url: str, path: str = "") -> float:
     start to ready that it logs (its time-to-ready gauge: imported, loaded, warmed up, announced)."""
     cmd = [sys.executable, "-m", "sluice.worker", "--model", str(model), "--dtype", "bfloat16", "--device", "cpu",
            "--burst", "--no-webhooks", "--redis-url", redis_url]
-    out = subprocess.run(cmd, cwd=tempfile.gettempdir(), env=child_env(path), capture_output=True, text=True,
+    out = subprocess.run(cmd, cwd=tempfile.gettempdir(), env=baseline_env(path), capture_output=True,
+                         text=True,
                          timeout=2400)
     found = READY.search(out.stdout + out.stderr)
     if out.returncode or found is None:
@@ -297,8 +277,7 @@ def main() -> None:
                    "offline start of the bundled model without the collector pause).")
     p.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS of the measured processes (0: unset).")
     p.add_argument("--loads", action="store_true", help="Only the bf16 load's ways (LOADS), best of the rounds.")
-    p.add_argument("--baseline", default="", help="A git commit whose code starts too, alternated with this one's.")
-    args = p.parse_args()
+    args = add_baseline(p).parse_args()  # a plain parser: the baseline's starts alternate with this code's
     bf16 = checkpoint(args.hidden, args.layers)
     if args.loads:
         print(measure_loads(bf16, args.rounds))

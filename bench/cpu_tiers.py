@@ -15,12 +15,12 @@ times only the bf16 paths (the GEMV's narrow and widened-x tiles, `widened_linea
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 
 import torch
 import torch.nn.functional as F
+from common import BenchParser, add_baseline
 
 from sluice.kernels import cpu_isa, int8_weights, options
 from sluice.kernels import linear as linear_kernels
@@ -128,7 +128,7 @@ def engine_decode(batches: list[int], rounds: int, gen: int) -> list[tuple[int, 
 
 def main() -> None:
     """Print the markdown table."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = add_baseline(BenchParser(description=__doc__.splitlines()[0]))
     parser.add_argument("--rows", default="1,4,16,32")
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--engine", default="", help="batch sizes for the engine's decode tok/s, e.g. 1,8")

@@ -6,13 +6,13 @@ OMP_NUM_THREADS=1 python bench/nf4_linears.py [--rounds 15]
 
 from __future__ import annotations
 
-import argparse
 import copy
 import time
 
 import bitsandbytes as bnb
 import bitsandbytes.functional as F
 import torch
+from common import BenchParser, add_baseline
 
 from sluice.engine.quantization import four_bit
 
@@ -42,7 +42,7 @@ def per_call(mod: torch.nn.Module, x: torch.Tensor, n: int) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
+    p = add_baseline(BenchParser(description=__doc__))
     p.add_argument("--rounds", type=int, default=15)
     args = p.parse_args()
     torch.manual_seed(0)

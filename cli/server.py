@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 
-import redis
 import typer
 
 from sluice.contract.logs import configure
+from sluice.contract.redis_conn import connect
 from sluice.contract.settings import get_settings
 from sluice.producer.client import check_webhook
 
@@ -20,7 +20,7 @@ RedisUrl = typer.Option(None, "--redis-url", help="Redis URL (default: $SLUICE_R
 def key_store(redis_url: str | None):
     from sluice.producer.server.keys import KeyStore  # producer.server imports fastapi: only for its commands
 
-    return KeyStore(redis.Redis.from_url(redis_url or get_settings().redis_url))
+    return KeyStore(connect(redis_url or get_settings().redis_url))
 
 
 def serve(

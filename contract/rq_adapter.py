@@ -18,6 +18,7 @@ import rq
 from rq.executions import Execution
 from rq.job import Job
 from rq.queue import Queue
+from rq.scheduler import RQScheduler
 from rq.worker import BaseWorker
 
 # rq's undocumented worker steps: only this module calls them (tests/test_structure.py)
@@ -65,6 +66,12 @@ def request_worker_stop(worker: BaseWorker) -> None:
 def set_cron_jobs(scheduler: CronScheduler, jobs: list[CronJob]) -> None:
     """Replace the scheduler's cron jobs (rq registers them one by one, with no way to remove one)."""
     scheduler._cron_jobs = jobs
+
+
+def share_connection(scheduler: RQScheduler, connection: redis.Redis) -> None:
+    """Make rq's scheduler use this client rather than build one from its pool's arguments (a Sentinel pool's
+    connections cannot be rebuilt that way: they need the pool that asks the sentinels)."""
+    scheduler._connection = connection
 
 
 def start_execution(worker: BaseWorker, job: Job) -> Execution:

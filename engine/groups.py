@@ -1,6 +1,6 @@
 """n > 1 and best_of: one request fanned out into sequences that share the prompt's KV blocks.
 
-The first sequence (the leader) computes the prompt; the others wait until it has, then start from the prefix
+The first sequence (its leader) computes the prompt; the others wait until it has, then start from the prefix
 cache, so the prompt's full blocks are shared (ref-counted) and each follower recomputes only the tokens of the
 last, partial prompt block into a block of its own (the copy of copy-on-write, made by recomputing under a
 block's worth of tokens). Their outputs come back as one RequestOutput whose `samples` are the n sequences."""
@@ -36,7 +36,7 @@ class SequenceGroup:
         return cls(request_id, params, seqs, seqs[1:])
 
     def leader_ready(self) -> bool:
-        """True once the leader has computed its prompt (or finished), so followers find it in the cache."""
+        """True once its leader has computed its prompt (or finished), so followers find it in the cache."""
         lead = self.sequences[0]
         return lead.is_finished or lead.num_computed_tokens >= len(lead.prompt_token_ids)
 

@@ -11,7 +11,7 @@ where MADV_COLLAPSE is missing. The collapsing thread runs at the lowest CPU pri
 engine's idle time (`busy` / `idle`, a few MB a call; while the engine has work, a span now and then only):
 copying the weights into huge pages costs CPU seconds a gigabyte on a small host, and a step sharing the cores
 with it, even at nice 19, waited on it (a worker's first tokens took several times as long: docs/benchmarks.md,
-cold start, session 7). Page-cache maps of the checkpoint (weight_loading=mmap) stay 4 KB pages: a file map
+coldstart). Page-cache maps of the checkpoint (weight_loading=mmap) stay 4 KB pages: a file map
 collapses only on kernels built with READ_ONLY_THP_FOR_FS.
 """
 

@@ -2,7 +2,7 @@
 
 The first write to each page of fresh anonymous memory is a page fault, and in a VM guest (Firecracker) that is
 expensive: reading a checkpoint into a fresh arena costs several times reading the same bytes into one reused
-buffer (docs/benchmarks.md, cold start). Importing torch keeps one core busy for a second and more and leaves the
+buffer (docs/benchmarks.md, coldstart). Importing torch keeps a core busy for a second or more and leaves the
 others idle. So the worker's entry point, before its first heavy import, calls `reserve` with the checkpoint's
 folder: it reads the safetensors headers (JSON: no torch), maps what engine.weight_memory's arena will be, and from
 a thread (the import goes on meanwhile) reads every tensor the model keeps as stored into it (`layout`: each on a
@@ -46,7 +46,7 @@ MADV_DONTNEED, MADV_POPULATE_WRITE = 4, 23  # Linux's values (MADV_POPULATE_WRIT
 MAP_ALL_BYTES = 4 << 30  # from this many stored bytes the loader maps the checkpoint (weight_loading auto): no arena
 # Bytes faulted a call. A call holds the process's address-space lock (mmap_lock, read side) throughout, and every
 # mmap/mprotect of the importing thread (dlopen of torch's libraries) waits for it to end: short calls keep those
-# waits short (docs/benchmarks.md, cold start, session 5); `finish` waits for at most one.
+# waits short (docs/benchmarks.md, coldstart); `finish` waits for at most one.
 SPAN = HUGE_PAGE
 # Reading ahead: a positioned read covers at most this many bytes of a file, so that the reading thread takes the
 # GIL back (which the importing thread holds for up to its switch interval) a few dozen times a GB, not once a

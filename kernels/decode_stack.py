@@ -1,7 +1,8 @@
 """A CPU decode step's whole decoder stack in one C++ call (csrc/decode_stack.cpp, built on first use).
 
 At a few tokens a layer's kernel calls from Python (module __call__, each kernel's checks, views) are a large
-share of a small model's bf16 decode step (docs/benchmarks.md, "Where a CPU decode step goes"). The stack makes the same calls in the same order from C++, so its results are bitwise the layers'. It
+share of a small model's bf16 decode step (docs/benchmarks.md, decode_steps). The stack makes the same calls
+in the same order from C++, so its results are bitwise the layers'. It
 serves bf16 steps of 1 to MAX_STACK_TOKENS tokens (to `linear.gemm_rows()` for a stack whose every linear is
 bf16, where the avx2 tier's GEMM serves those rows: `max_tokens`) whose sequences all have short queries (decode,
 speculative verify) on the fused attention kernel; anything else runs the Python layers. Its linears are bf16 ones, the

@@ -30,7 +30,7 @@ from sluice.kernels import linear as linear_kernels
 GROUP = 32
 OUT_MULTIPLE = 16  # the CPU packer's requirement on out_features: other sizes are padded with zero rows
 MAX_INT4PACK_ROWS = 16  # torch's int4pack matmul up to here, its dequantized tiles above (docs/benchmarks.md)
-# measured (docs/benchmarks.md, "int4 by VNNI"): the W4A8 product beats int4pack up to here and ties the
+# measured (docs/benchmarks.md, decode_steps): the W4A8 product beats int4pack up to here and ties the
 # requantized int8 product, which wins above (and errs more: x and weights per row)
 MAX_VNNI_ROWS = 16
 CHUNK = 128  # our VNNI layout pads in_features to a multiple of this (code 0, scale and zero 0: adds nothing)

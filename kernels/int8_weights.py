@@ -27,7 +27,7 @@ from sluice.kernels import linear as linear_kernels
 from sluice.kernels.device_path import triton_on
 
 DEQUANT = 6.200124e-05  # bitsandbytes' int8_mm_dequant factor (1 / 127², as it writes it)
-MAX_GEMV_ROWS = 4  # fp32/fp16 rows that take torch's GEMV, where it wins (docs/benchmarks.md, an int8 matmul of ours)
+MAX_GEMV_ROWS = 4  # fp32/fp16 rows that take torch's GEMV, where it wins (docs/benchmarks.md, decode_steps)
 # bf16 rows, ours: where our exact int8 product serves (AVX512-VNNI, or AVX2's madd), none (at one row the dynamic
 # int8 matmul, weight rows in memory order, beats this GEMV, which widens every weight to fp32:
 # docs/benchmarks.md); without it one row (it keeps the activations unquantized; oneDNN's int8 matmul is slower)

@@ -23,8 +23,8 @@ from torch import nn
 
 from sluice.kernels import cpp_build, cpu_isa, options
 
-# Measured on CPU against oneDNN's bf16 matmul, weights streamed from memory (docs/benchmarks.md, "GEMVs in
-# memory order"): ours wins up to MAX_GEMV_ROWS on every shape, and beyond only while its x rows (re-read for
+# Measured on CPU against oneDNN's bf16 matmul, weights streamed from memory (docs/benchmarks.md,
+# cpu_tiers): ours wins up to MAX_GEMV_ROWS on every shape, and beyond only while its x rows (re-read for
 # every 4 weight rows) stay in L2.
 MAX_GEMV_ROWS = 32
 MAX_GEMV_X = 64 * 2048  # past MAX_GEMV_ROWS, up to 64 rows while rows x in_features is at most this (256 KB)
@@ -40,7 +40,8 @@ WIDEN_ELEMENTS_FEW_ROWS = 1 << 19
 def gemv_serves(rows: int, in_features: int) -> bool:
     """Whether our GEMV takes `rows` rows of a bf16 linear with `in_features` inputs: past MAX_GEMV_ROWS_FP32 rows
     only where oneDNN multiplies bf16 with AVX512-BF16 and has no AMX tiles (with AMX its matmul is the faster one
-    there, docs/benchmarks.md "GEMV row limit with AMX"; with no bf16 instructions its fp32 one, `widened_linear`)."""
+    there, docs/benchmarks.md, "llama.cpp vs Sluice on CPU, amx tier"; with no bf16 instructions its fp32 one,
+    `widened_linear`)."""
     if rows > MAX_GEMV_ROWS_FP32 and (not onednn_bf16() or onednn_amx()):
         return rows <= gemm_rows()
     return 1 <= rows <= MAX_GEMV_ROWS or (rows <= 64 and rows * in_features <= MAX_GEMV_X)
@@ -54,9 +55,10 @@ def _gemv():
 @functools.cache
 def gemm_rows() -> int:
     """The most rows past MAX_GEMV_ROWS_FP32 that the GEMV call takes with its AVX2 GEMM (csrc/bf16_gemm_avx2.h):
-    its limit on the avx2 tier where oneDNN has no bf16 instructions (there faster than `widened_linear` at the
-    lower of these row counts and level at the top, docs/benchmarks.md "AVX2 bf16 decode at 17-64 rows"), else 0 (on the avx512 tier oneDNN's fp32 matmul has
-    AVX-512 FMAs; with bf16 instructions its own matmul serves)."""
+    its limit on the avx2 tier where oneDNN has no bf16 instructions (there faster than `widened_linear` at
+    the lower of these row counts and level at the top, docs/benchmarks.md, "llama.cpp vs Sluice on CPU, avx2
+    tier"), else 0 (on the avx512 tier oneDNN's fp32 matmul has AVX-512 FMAs; with bf16 instructions its own
+    matmul serves)."""
     ext = _gemv()
     if ext is None or onednn_bf16() or cpu_isa.tier() != "avx2":
         return 0

@@ -9,13 +9,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import redis
 from tqdm.auto import tqdm
 
 from sluice.contract.batch import BatchStore, TransitionError, new_batch_id
 from sluice.contract.events import notify
 from sluice.contract.jobs import QUEUES
 from sluice.contract.queues import drop_unclaimed
+from sluice.contract.redis_conn import connect
 from sluice.contract.schemas import (
     CHAT,
     COMPLETIONS,
@@ -92,7 +92,7 @@ class Client:
 
     def __init__(self, redis_url: str | None = None, settings: Settings | None = None) -> None:
         self.settings = settings or get_settings()
-        self.connection = redis.Redis.from_url(redis_url or self.settings.redis_url)
+        self.connection = connect(redis_url or self.settings.redis_url)
         self.batches = BatchStore(self.connection)
         self.output_roots = self.settings.output_root_urls()
 

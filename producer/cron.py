@@ -24,6 +24,7 @@ from rq.cron import CronJob, CronScheduler
 from rq.exceptions import StopRequested
 from rq.utils import now
 
+from sluice.contract.redis_conn import connect
 from sluice.contract.rq_adapter import set_cron_jobs
 from sluice.contract.schemas import Priority
 from sluice.contract.settings import default_redis_url, get_settings, output_url_if_set
@@ -233,7 +234,7 @@ def make_client(redis_url: str) -> Any:
 def tick_job(name: str) -> list[str] | None:
     """Tick a pipeline by name (usable as an rq job on a stock rq worker)."""
     redis_url = get_settings().redis_url
-    connection = Redis.from_url(redis_url)
+    connection = connect(redis_url)
     return tick(connection, get_pipeline(connection, name), make_client(redis_url))
 
 
@@ -347,14 +348,14 @@ def add_command(
                                 priority=priority)  # fmt: skip
     except (ValidationError, ValueError) as exc:
         raise typer.BadParameter(str(exc)) from None
-    add_pipeline(Redis.from_url(redis_url), pipeline)
+    add_pipeline(connect(redis_url), pipeline)
     typer.echo(f"added cron pipeline {name}")
 
 
 @cron_app.command("list")
 def list_command(redis_url: str = RedisURL, as_json: bool = typer.Option(False, "--json")) -> None:
     """List cron pipelines with their last tick and how many objects they processed."""
-    connection = Redis.from_url(redis_url)
+    connection = connect(redis_url)
     rows = []
     for p in list_pipelines(connection):
         state = {_text(k): _text(v) for k, v in connection.hgetall(state_key(p.name)).items()}
@@ -373,7 +374,7 @@ def list_command(redis_url: str = RedisURL, as_json: bool = typer.Option(False, 
 @cron_app.command("remove")
 def remove_command(name: str, redis_url: str = RedisURL) -> None:
     """Remove a cron pipeline (objects it already processed stay recorded)."""
-    if not remove_pipeline(Redis.from_url(redis_url), name):
+    if not remove_pipeline(connect(redis_url), name):
         raise typer.BadParameter(f"no cron pipeline named {name!r}")
     typer.echo(f"removed cron pipeline {name}")
 
@@ -381,7 +382,7 @@ def remove_command(name: str, redis_url: str = RedisURL) -> None:
 @cron_app.command("tick")
 def tick_command(name: str, redis_url: str = RedisURL) -> None:
     """Tick one pipeline now and print the ids of the batches it submitted."""
-    connection = Redis.from_url(redis_url)
+    connection = connect(redis_url)
     try:
         pipeline = get_pipeline(connection, name)
     except KeyError as exc:
@@ -400,7 +401,7 @@ def run_command(
     poll: float = typer.Option(5.0, help="seconds between checks for new pipelines"),
 ) -> None:
     """Run the cron scheduler process (several may run at once; each object is still processed once)."""
-    connection = Redis.from_url(redis_url)
+    connection = connect(redis_url)
     PipelineScheduler(connection, make_client(redis_url), poll_s=poll).start()
 
 

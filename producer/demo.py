@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from sluice.contract.redis_conn import connect
 from sluice.contract.schemas import Batch, BatchStatus, OutputRecord
 from sluice.contract.settings import get_settings
 from sluice.producer.client import Client
@@ -36,7 +37,7 @@ console = Console()
 def reachable(url: str) -> bool:
     """True if a Redis server answers PING at url."""
     try:
-        return bool(redis.Redis.from_url(url, socket_connect_timeout=1).ping())
+        return bool(connect(url, socket_connect_timeout=1).ping())
     except (redis.RedisError, OSError):
         return False
 

@@ -14,6 +14,7 @@ import typer
 
 from sluice.contract.jobs import QUEUES
 from sluice.contract.logs import configure as configure_logging
+from sluice.contract.redis_conn import connect
 from sluice.contract.settings import Settings, get_settings, stay_off_the_hub
 from sluice.engine import LLM, weight_reserve
 from sluice.worker import collector, engine_flags
@@ -65,7 +66,7 @@ def start(
         engine_args.setdefault("enable_lora", True)
     metrics = start_metrics(metrics_port, model)
     llm = load(model, engine_args)
-    connection = redis.Redis.from_url(redis_url or settings.redis_url)
+    connection = connect(redis_url or settings.redis_url)
     become_ready(metrics, llm, connection)
     for adapter in adapters.names():
         announce(connection, adapter)

@@ -15,10 +15,12 @@ from rq.serializers import JSONSerializer
 from sluice.contract.batch import BatchStore, TransitionError, progress_key
 from sluice.contract.events import notify
 from sluice.contract.jobs import shard_job_id
+from sluice.contract.redis_conn import connect, wait_for_replica
 from sluice.contract.schemas import Batch, BatchStatus, LineError, OutputRecord, Request, RequestCounts
 from sluice.contract.settings import Settings, WebhookSettings, get_settings
 from sluice.contract.storage import OutputNotAllowed, Storage, object_lines, open_output
 from sluice.worker.faults import faults
+from sluice.worker.lease import attempt_key, committed_token
 from sluice.worker.responses import ABORT_CODES, error_record
 from sluice.worker.shard_run import shard_key
 from sluice.worker.terminal import OUTPUT_NOT_ALLOWED, fail_batch
@@ -38,9 +40,10 @@ def shard_records(
     expired: bool = False,
     failed_shards: list[int] | None = None,
 ) -> Iterator[OutputRecord]:
-    """The records a shard wrote, read a line at a time, or, when it wrote none (dropped, failed), an error per
-    request; ShardLost when neither its output nor its job exists."""
-    key = shard_key(batch_id, shard)
+    """The records the shard's committed attempt wrote, read a line at a time, or, when none committed
+    (dropped, failed), an error per request; ShardLost when neither its output nor its job exists."""
+    token = committed_token(connection, batch_id, shard)
+    key = shard_key(batch_id, shard) if token is None else attempt_key(batch_id, shard, token)
     if storage.exists(key):
         for line in object_lines(storage, key):
             yield OutputRecord.model_validate_json(line)
@@ -107,9 +110,18 @@ def is_expired(batch: Batch) -> bool:
     )
 
 
-def write_outputs(storage: Storage, connection: redis.Redis, batch: Batch) -> tuple[str, str | None, Merged]:
+def closed(connection: redis.Redis, batch_id: str) -> bool:
+    """Whether the batch has ended (or is gone): its files are written once and never again."""
+    batch = BatchStore(connection).get(batch_id)
+    return batch is None or batch.done
+
+
+Written = tuple[str, str | None, Merged]
+
+
+def write_outputs(storage: Storage, connection: redis.Redis, batch: Batch) -> Written | None:
     """Stream the merged records into output.jsonl and errors.jsonl (the latter only when there are errors);
-    neither file changes unless every record was written."""
+    neither file changes unless every record was written, nor once the batch has ended (None)."""
     merged = Merged()
     with (
         storage.writer(f"{batch.id}/output.jsonl") as good,
@@ -117,6 +129,8 @@ def write_outputs(storage: Storage, connection: redis.Redis, batch: Batch) -> tu
     ):
         for record in merge(storage, connection, batch, merged):
             (good if record.error is None else bad).write(record.model_dump_json().encode() + b"\n")
+        if closed(connection, batch.id):
+            return None  # another finalizer ended the batch meanwhile: its files are not written again
         output_file = good.commit()
         error_file = bad.commit() if merged.failed else None
     return output_file, error_file, merged
@@ -170,7 +184,7 @@ def finalize_batch(batch_id: str) -> dict[str, int]:
     """The rq job run once all shards ended (retried with backoff when it raises); the job's entry point, it
     reads Settings once."""
     settings, job = get_settings(), get_current_job()
-    connection = job.connection if job else redis.Redis.from_url(settings.redis_url)
+    connection = job.connection if job else connect(settings.redis_url)
     return finalize(connection, batch_id, settings)
 
 
@@ -208,6 +222,7 @@ def finalize(connection: redis.Redis, batch_id: str, settings: Settings) -> dict
         if batch is None or batch.done:
             return {}
         raise
+    wait_for_replica(connection)  # the final status survives a failover before the webhook announces it
     connection.delete(progress_key(batch_id, "completed"), progress_key(batch_id, "failed"))  # counts are final
     announce(connection, batch, merged, WebhookSettings.of(settings))
     return batch.request_counts.model_dump()

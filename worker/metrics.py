@@ -24,7 +24,7 @@ STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 def process_start_time() -> float:
     """Unix time this process started: now less its age, the boot clock's reading less the start tick in /proc
     (clock ticks). Not /proc/stat's btime, which is whole seconds and drifts from the wall clock (it put starts
-    early: docs/benchmarks.md, cold start). The import time where /proc is missing."""
+    early: docs/benchmarks.md, coldstart). The import time where /proc is missing."""
     try:
         ticks = int(open(f"/proc/{os.getpid()}/stat").read().rsplit(")", 1)[1].split()[19])
         age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
@@ -134,7 +134,7 @@ def warm_up(llm: LLM) -> int:
     """One request of one prompt token and one generated token: a step that runs the model end to end (every
     layer, the LM head, the sampler) and pays the kernels' lazy set-up before the first claim; returns the steps it
     took (1). A decode step too, or a longer prompt, would add a pass over the weights to every start and pay
-    nothing the first request does not pay anyway (milliseconds: docs/benchmarks.md, cold start)."""
+    nothing the first request does not pay anyway (milliseconds: docs/benchmarks.md, coldstart)."""
     llm.add_request("warmup", [1], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
     steps = 0
     while llm.has_unfinished():

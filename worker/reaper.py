@@ -26,6 +26,7 @@ import typer
 from sluice.contract.batch import INDEX, BatchStore, batch_key
 from sluice.contract.jobs import QUEUES, finalize_job_id, shard_job_id
 from sluice.contract.queues import drop_unclaimed, fetch, status
+from sluice.contract.redis_conn import connect
 from sluice.contract.schemas import Batch, BatchStatus
 from sluice.contract.settings import Settings, get_settings
 from sluice.worker import rq_jobs
@@ -137,7 +138,7 @@ def run_command(
     settings = get_settings()
     if interval is not None:
         settings.reaper_interval = interval
-    reaper = Reaper(redis.Redis.from_url(redis_url or settings.redis_url), settings)
+    reaper = Reaper(connect(redis_url or settings.redis_url), settings)
     while True:
         report = reaper.run_once()
         if once:

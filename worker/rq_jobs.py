@@ -28,6 +28,7 @@ from rq.utils import now
 
 from sluice.contract.jobs import FINALIZE, SHARD_FUNCTIONS
 from sluice.contract.queues import queue_for, status
+from sluice.contract.redis_conn import follows_sentinel
 from sluice.contract.rq_adapter import (
     dequeue_now,
     dequeue_waiting,
@@ -41,12 +42,14 @@ from sluice.contract.rq_adapter import (
     new_execution,
     pubsub_error_handler,
     run_job,
+    share_connection,
     start_execution,
 )
 
 ALLOWED_FUNCTIONS = SHARD_FUNCTIONS | {FINALIZE}
 RETRY_POLL_S = 1.0
 PUBSUB_POLL_S = 0.25  # how long the command-channel thread blocks per read; its stop waits this long
+MIN_SOCKET_TIMEOUT_S = 5.0  # above the longest blocking pop this worker makes (its 1 s idle wait)
 REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
 
 
@@ -65,12 +68,17 @@ class JobsWorker(SimpleWorker):
 
     def __init__(self, queues: list[str], connection: redis.Redis, heartbeat_ttl: int = 30, **kwargs: Any):
         kwargs.setdefault("maintenance_interval", heartbeat_ttl)
+        socket_timeout = connection.connection_pool.connection_kwargs.get("socket_timeout")
         super().__init__(queues, connection=connection, serializer=JSONSerializer, **kwargs)
+        if follows_sentinel(connection) and socket_timeout:  # rq raised it; our pops wait 1 s
+            timeout = max(socket_timeout, MIN_SOCKET_TIMEOUT_S)
+            connection.connection_pool.connection_kwargs["socket_timeout"] = timeout
         self.job_heartbeat_ttl = heartbeat_ttl
         self.held: dict[str, Held] = {}
         self.inline: Held | None = None
         self._lock = threading.RLock()
         self._retries = RQScheduler(self.queues, connection, serializer=JSONSerializer, name=f"{self.name}:retries")
+        share_connection(self._retries, connection)
         self._last_retry_poll = 0.0
         self.idle = False
 
@@ -224,7 +232,16 @@ class JobsWorker(SimpleWorker):
         if clock - self._last_retry_poll >= RETRY_POLL_S:
             self._last_retry_poll = clock
             if self._retries.acquire_locks():
+                self._lapse_with_heartbeat(self._retries.acquired_locks)
                 self._retries.enqueue_scheduled_jobs()
+
+    def _lapse_with_heartbeat(self, queue_names: Iterable[str]) -> None:
+        """Give the retry-scheduling locks held the heartbeat's TTL (rq's is a minute): a worker paused or cut
+        off holding them stops moving retries onto the queues, and another takes over within a heartbeat."""
+        with self.connection.pipeline(transaction=False) as pipe:
+            for name in queue_names:
+                pipe.expire(RQScheduler.get_locking_key(name), self.job_heartbeat_ttl)
+            pipe.execute()
 
     def queues_empty(self) -> bool:
         return all(q.count == 0 for q in self.queues)

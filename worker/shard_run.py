@@ -1,7 +1,10 @@
-"""One shard's run through an engine: add its requests, collect one record per custom_id, write shards/{n}.jsonl."""
+"""One shard's run through an engine: add its requests, collect one record per custom_id, write the attempt's
+shards/{n}.{token}.jsonl and commit it under its lease (worker/lease.py)."""
 
 from __future__ import annotations
 
+import json
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,20 +15,29 @@ from pydantic import ValidationError
 from rq import get_current_job
 
 from sluice.contract.batch import BatchStore
+from sluice.contract.redis_conn import connect
 from sluice.contract.responses_api import ResponsesBody
 from sluice.contract.schemas import ChatBody, EmbeddingBody, OutputRecord, Request
 from sluice.contract.settings import Settings, get_settings, stay_off_the_hub
 from sluice.contract.storage import open_output
 from sluice.worker.adapters import Adapters, ServedModels
 from sluice.worker.faults import faults
+from sluice.worker.lease import Commit, attempt_key, begin_attempt, commit, lease_holds
 from sluice.worker.responses import ABORT_CODES, error_record, output_record
 from sluice.worker.terminal import OUTPUT_NOT_ALLOWED, fail_batch, output_problem
 
 if TYPE_CHECKING:
     from sluice.engine import LLM
 
+log = logging.getLogger(__name__)
+
+
+class LeaseLost(RuntimeError):
+    """Another attempt took (or committed) this shard: this attempt's output was discarded."""
+
 
 def shard_key(batch_id: str, shard: int) -> str:
+    """Where shards were written before attempts had tokens (finalize still reads a shard's output there)."""
     return f"{batch_id}/shards/{shard}.jsonl"
 
 
@@ -99,6 +111,7 @@ class ShardRun:
     pending: dict[str, Request] = field(default_factory=dict)
     abort_code: str | None = None
     unreported: list[str] = field(default_factory=list)
+    token: int | None = None
 
     @classmethod
     def from_args(cls, job_id: str, args: tuple | list) -> ShardRun:
@@ -109,6 +122,12 @@ class ShardRun:
     @property
     def done(self) -> bool:
         return not self.pending
+
+    def lease(self, connection: redis.Redis) -> bool:
+        """Take this attempt's lease token; False when an attempt committed the shard already (nothing to
+        run)."""
+        self.token = begin_attempt(connection, self.batch_id, self.shard)
+        return self.token is not None
 
     def start(self, llm: LLM, served: set[str], key: str | None = None) -> None:
         """Add every request to the engine as `{key}/{i}` (key: the rq execution; default the job id); served:
@@ -174,19 +193,33 @@ class ShardRun:
         return prompt, sum(u.get("completion_tokens", u.get("output_tokens", 0)) for u in usages)
 
     def save(self, connection: redis.Redis, settings: Settings) -> dict[str, int]:
-        """Write shards/{n}.jsonl (overwriting a previous run's; refused outside roots) and record the shard's
-        counts."""
+        """Write this attempt's shards/{n}.{token}.jsonl (refused outside roots) and commit it with the
+        shard's counts; LeaseLost (the output discarded) when another attempt took the shard or the batch is
+        closed."""
         assert self.done and len(self.records) == len(self.requests), "a shard is saved only when complete"
-        store = BatchStore(connection)
-        batch = store.get(self.batch_id)
+        if self.token is None and not self.lease(connection):
+            raise LeaseLost(f"shard {self.shard} of {self.batch_id} was committed by another attempt")
+        assert self.token is not None
+        batch = BatchStore(connection).get(self.batch_id)
         faults(settings).before_save()
+        completed, failed = self.counts()
+        storage, key = None, attempt_key(self.batch_id, self.shard, self.token)
         if batch is not None:
             storage = open_output(batch.output_url, settings.output_root_urls(), s3_style=settings.s3_addressing_style)
+            if not lease_holds(connection, self.batch_id, self.shard, self.token):
+                raise LeaseLost(self._discarded(Commit.lease_lost))
             ordered = [self.records[r.custom_id] for r in self.requests]
-            storage.put(shard_key(self.batch_id, self.shard), records_jsonl(ordered))
-        completed, failed = self.counts()
-        store.record_shard(self.batch_id, self.shard, completed, failed, *self.usage())
+            storage.put(key, records_jsonl(ordered))
+        entry = json.dumps([completed, failed, *self.usage()])
+        result = commit(connection, self.batch_id, self.shard, self.token, entry)
+        if result is not Commit.ok:
+            if storage is not None:
+                storage.delete(key)
+            raise LeaseLost(self._discarded(result))
         return {"completed": completed, "failed": failed}
+
+    def _discarded(self, why: Commit) -> str:
+        return f"shard {self.shard} of {self.batch_id}: attempt {self.token} discarded ({why.value})"
 
 
 def records_jsonl(records: Any) -> bytes:
@@ -220,8 +253,10 @@ def run_shard(batch_id: str, shard: int, requests: list[dict[str, Any]]) -> dict
     """The rq job of one shard, runnable by a stock rq worker: generate every request, save the shard (the
     job's entry point: it reads Settings once, for everything below)."""
     settings, job = get_settings(), get_current_job()
-    connection = job.connection if job else redis.Redis.from_url(settings.redis_url)
+    connection = job.connection if job else connect(settings.redis_url)
     run = ShardRun.from_args(job.id if job else f"{batch_id}-shard-{shard}", (batch_id, shard, requests))
+    if not run.lease(connection):
+        return {"completed": 0, "failed": 0}  # committed by an earlier attempt
     reason = stop_reason(BatchStore(connection), batch_id)
     refusal = None if reason else output_refusal(BatchStore(connection), batch_id, settings)
     if refusal:  # permanent for the batch: end it now rather than run requests whose output cannot be kept
@@ -229,10 +264,14 @@ def run_shard(batch_id: str, shard: int, requests: list[dict[str, Any]]) -> dict
         return {"completed": 0, "failed": 0}
     if reason:
         run.fail_all(reason, ABORT_CODES[reason])
+    else:
+        llm = shared_llm(settings)
+        run.start(llm, served_models(llm, settings))
+        while not run.done:
+            for out in llm.step():
+                run.finish(out, model_name(llm))
+    try:
         return run.save(connection, settings)
-    llm = shared_llm(settings)
-    run.start(llm, served_models(llm, settings))
-    while not run.done:
-        for out in llm.step():
-            run.finish(out, model_name(llm))
-    return run.save(connection, settings)
+    except LeaseLost as exc:
+        log.warning("%s", exc)
+        return {"completed": 0, "failed": 0}

@@ -16,6 +16,7 @@ from redis import Redis
 from urllib3.connection import HTTPConnection, HTTPSConnection
 
 from sluice.contract.events import DUE_KEY, as_text, delivery_key, delivery_log, record_attempt
+from sluice.contract.redis_conn import connect
 from sluice.contract.settings import default_redis_url, get_settings
 from sluice.contract.signing import (
     Target,
@@ -204,7 +205,7 @@ def run_command(
     """Run the delivery process (any number of them may share one Redis; webhook fields from Settings)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     hooks = WebhookSettings.of(get_settings())
-    run(Redis.from_url(redis_url), hooks, concurrency=concurrency, poll_s=poll, burst=burst)
+    run(connect(redis_url), hooks, concurrency=concurrency, poll_s=poll, burst=burst)
 
 
 @webhooks_app.command("log")
@@ -213,7 +214,7 @@ def log_command(
     redis_url: str = RedisURL,
 ) -> None:
     """Print a batch's webhook delivery log."""
-    for entry in delivery_log(Redis.from_url(redis_url), batch_id):
+    for entry in delivery_log(connect(redis_url), batch_id):
         typer.echo(json.dumps(entry))
 
 

@@ -22,11 +22,19 @@ from sluice.contract.storage import OutputNotAllowed
 from sluice.worker.adapters import Adapters
 from sluice.worker.background import every, supervised
 from sluice.worker.faults import faults
+from sluice.worker.lease import leases_lost
 from sluice.worker.metrics import shard_finished
 from sluice.worker.outage import OUTAGE, RqOutageFilter
 from sluice.worker.responses import ABORT_CODES
 from sluice.worker.rq_jobs import REDIS_ERRORS, JobsWorker
-from sluice.worker.shard_run import ShardRun, model_name, output_refusal, served_models, stop_reason
+from sluice.worker.shard_run import (
+    LeaseLost,
+    ShardRun,
+    model_name,
+    output_refusal,
+    served_models,
+    stop_reason,
+)
 from sluice.worker.terminal import OUTPUT_NOT_ALLOWED, fail_batch
 
 if TYPE_CHECKING:
@@ -158,6 +166,7 @@ class EngineWorker(JobsWorker):
         if self.runs and clock - self._last_cancel_check >= CANCEL_POLL_S:
             self._last_cancel_check = clock
             self._abort_stopped_batches()
+            self._drop_lost_leases()
 
     def _has_room(self) -> bool:
         return self.llm.num_unfinished() < self.llm.max_num_seqs
@@ -190,6 +199,10 @@ class EngineWorker(JobsWorker):
         run: ShardRun | None = None
         try:
             run = ShardRun.from_args(job.id, job.args)
+            if not run.lease(self.connection):
+                self.log.info("Worker %s: %s was committed by an earlier attempt", self.name, job.id)
+                self.finish(job.id, {"completed": 0, "failed": 0})
+                return
             reason = stop_reason(self.store, run.batch_id)
             refusal = None if reason else output_refusal(self.store, run.batch_id, self.settings)
             if refusal:
@@ -247,6 +260,9 @@ class EngineWorker(JobsWorker):
             summary = run.save(self.connection, self.settings)
         except REDIS_ERRORS:
             raise
+        except LeaseLost as exc:
+            self._discard(job_id, exc)
+            return
         except (OutputNotAllowed, PermissionError) as exc:
             del self.runs[job_id]
             self._refuse_output(job_id, run.batch_id, exc)
@@ -261,6 +277,22 @@ class EngineWorker(JobsWorker):
         self.finish(job_id, summary)
         del self.runs[job_id]
         shard_finished("completed")
+
+    def _drop_lost_leases(self) -> None:
+        """Drop the runs whose shard another attempt took (this worker was cut off or paused meanwhile)."""
+        attempts = {j: (r.batch_id, r.shard, r.token) for j, r in self.runs.items() if r.token is not None}
+        for job_id in leases_lost(self.connection, attempts):
+            run = self.runs[job_id]
+            self._drop_run(job_id)
+            lost = f"shard {run.shard} of {run.batch_id}: attempt {run.token} lost its lease"
+            self._discard(job_id, LeaseLost(lost))
+
+    def _discard(self, job_id: str, exc: LeaseLost) -> None:
+        """Forget a shard whose lease is lost (its job belongs to another attempt now) and log one line."""
+        self.log.warning("Worker %s: %s; %s discarded, taking new work", self.name, exc, job_id)
+        self.runs.pop(job_id, None)
+        self.forget(job_id)
+        shard_finished("discarded")
 
     def _refuse_output(self, job_id: str, batch_id: str, exc: Exception) -> None:
         """The batch's output cannot be written here: the batch fails at once and the job is not retried."""

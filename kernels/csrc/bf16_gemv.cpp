@@ -1,15 +1,15 @@
 // y[M, N] = x[M, K] · W[N, K]ᵀ (+ bias) in bf16 for a few rows of x (decode steps), with AVX512-BF16.
 //
 // At one to a few rows a linear is a pass over its weight: the time is the weight's bytes over the memory
-// bandwidth. oneDNN's bf16 matmul reads a weight at ~16-28 GB/s at one row on this class of CPU, a plain
-// two-thread pass reads ~35-47 GB/s. Here each thread takes blocks of 64 output rows and streams R weight rows
+// bandwidth, and oneDNN's bf16 matmul reads a weight at one row well below what a plain two-thread pass
+// reads (docs/benchmarks.md, cpu_tiers). Each thread takes blocks of 64 output rows and streams R weight rows
 // at a time, 32 bf16 per load, `vdpbf16ps`-ing them pairwise with x rows (four at a time; later passes over the
 // same R weight rows find them in L1) into fp32 accumulators; a masked load takes the tail of K. Up to 12 x rows
-// R is 1: the weight is read in memory order, one stream, which at hidden 768 (rows of 1.5 KB) reads 1.1-1.5x
-// faster than 4-16 rows interleaved (as many short streams); past that R is 4 and the sixteen sums of a 4 x 4
+// R is 1: the weight is read in memory order, one stream, which at hidden 768 (rows of 1.5 KB) reads faster
+// than 4-16 rows interleaved (as many short streams); past that R is 4 and the sixteen sums of a 4 x 4
 // tile are reduced at once by a shuffle tree, after one pass of plain loads over the block in memory order so
-// that the interleaved rows come from cache (over a 125M model's 49 linears, against R = 4 from memory:
-// 1.64/1.42/1.27x at 9/10/12 rows with R = 1, 1.28/1.23/1.25x at 13/14/16 with the pass); the bias added in
+// that the interleaved rows come from cache (faster than R = 4 from memory at 9-16 rows: docs/benchmarks.md,
+// decode_steps); the bias added in
 // fp32, the result rounded to bf16 (round to nearest even), as the matmul does. Every output sums its products
 // in the same order whatever R, so the choice changes speed, not results. The inner loops are a file per ISA
 // tier (kernels/cpu_isa.py): bf16_gemv_avx512bf16.h as above, bf16_gemv_avx2.h (bf16 widened to fp32 by a shift,

@@ -2,7 +2,7 @@
 // (elementwise, rms_norm, paged_attention, bf16_gemv, quant_linear, nf4) and the masked sampler, each file's Python
 // functions on a submodule of its name (kernels.cpp_build.part). Built as separate libraries, a process mapped
 // the same code twice, once in its own library and once in the stack's, and a fresh host compiled it twice: one
-// library touches fewer pages of code and loads once (docs/benchmarks.md, quantized memory). MoE's kernels
+// library touches fewer pages of code and loads once (docs/benchmarks.md, quant_memory). MoE's kernels
 // (moe.cpp, AMX tiles where the tier has them) stay a library of their own.
 #define SLUICE_NO_MODULE
 #include "decode_stack.cpp"

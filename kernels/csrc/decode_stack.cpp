@@ -1,9 +1,10 @@
 // A decode step's whole decoder stack in one call: per layer the same kernels, in the same order, that
 // engine/models/llama.py's DecoderLayer calls one by one from Python (add_rms_norm, the linears' ops, rope_qk,
-// store_kv, paged_attention_cpu, silu_mul), so the results are bitwise the layers', without the ~0.1 ms a layer
-// that ~10 calls from Python (module __call__, dispatch checks, views) cost. With a head (`set_head`), `logits`
+// store_kv, paged_attention_cpu, silu_mul), so the results are bitwise the layers', without what a layer's
+// ~10 calls from Python (module __call__, dispatch checks, views) cost (docs/benchmarks.md, decode_steps).
+// With a head (`set_head`), `logits`
 // also runs what LlamaModel.forward does around the layers: the embedding rows, the step's rotary rows, the final
-// norm and the LM head (~0.1 ms of Python ops a step, each slow on caches the step's weights have just evicted).
+// norm and the LM head (Python ops, each slow on caches the step's weights have just evicted).
 // The kernels' sources are included whole; elementwise.cpp first, as it sets CPU_CAPABILITY (cpu_capability.h)
 // before any ATen vector header is read.
 #pragma once

@@ -7,8 +7,8 @@
 //             their slots of the [Hkv, blocks, block, D] caches in one call (in place of two index_copy_
 //             and their views a layer);
 //   argmax:   the index of each row's first maximum (the first NaN where a row has one), as x.max(-1).indices
-//             gives it (torch's reduction reads a wide vocabulary row slowly: docs/benchmarks.md, "What changed"
-//             under the decode stack).
+//             gives it (torch's reduction reads a wide vocabulary row slowly: docs/benchmarks.md,
+//             decode_steps).
 // at::vec with the CPU capability this file is compiled for gives torch's own vectorized math (Sleef exp).
 #pragma once
 #include "cpu_capability.h"

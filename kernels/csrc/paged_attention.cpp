@@ -150,9 +150,9 @@ static inline void scale_row(float* x, float f, int64_t D) {
 // The tile from position p (up to p1)'s key and value rows (and their scales) asked for while the tile before it
 // is computed; nothing past p1. A
 // sequence's blocks lie anywhere in the pool, where no hardware prefetcher looks (attention at 64 sequences with
-// their KV in DRAM: 12.0 -> 8.4 ms a step). Into L2: into L1 (T0) a tile's 64 lines held the miss buffers that
-// the demand loads wait for (12 layers, 64 sequences x 192 positions from DRAM: 1.28-1.36x T0, both paths;
-// two or four tiles ahead added nothing). Always inlined: GCC deems a function of prefetches alone free of side
+// their KV in DRAM: docs/benchmarks.md, attention_speed). Into L2: into L1 (T0) a tile's 64 lines held the
+// miss buffers that the demand loads wait for (slower than L2 on both paths; two or four tiles ahead added
+// nothing). Always inlined: GCC deems a function of prefetches alone free of side
 // effects and drops the calls.
 template <typename C>
 __attribute__((always_inline)) static inline void prefetch_tile(const Cache& c, const int64_t* table, int64_t hk,

@@ -5,8 +5,8 @@
 // j + block_n / 2 (high nibble); a shorter tail block stores rows 2i and 2i + 1 in byte i; `split` false means
 // every block is stored in pairs). Each thread takes a run of output tiles, dequantizes a tile, w = (q - 8) *
 // scale + zero in fp32 rounded to x's dtype, into a [K, tile] scratch that stays in its L2 and multiplies it
-// with at::mm (oneDNN) straight into the output columns. Tiles of a few MB (L3): each at::mm call costs a fixed
-// ~12 us, so L2-sized tiles spend more in calls than they save in cache misses.
+// with at::mm (oneDNN) straight into the output columns. Tiles of a few MB (L3): each at::mm call has a fixed
+// cost, so L2-sized tiles spend more in calls than they save in cache misses.
 //
 // int8: per-row absmax quantization of the activations in one pass over each row, and the epilogue of
 // `torch._int_mm` (int32 * row scale * column scale, cast, plus bias), rounding exactly as the torch ops did; the
@@ -69,7 +69,7 @@ inline float bnb_factor(float amax) {
 }
 
 // Rows our int8 VNNI kernel takes: measured against oneDNN's (torch._int_mm) streaming a 125M model's int8
-// weights, 1.1-2x at 1-64 rows; above, a GEMM's blocking (oneDNN) wins.
+// weights, faster at 1-64 rows (docs/benchmarks.md, decode_steps); above, a GEMM's blocking (oneDNN) wins.
 constexpr int64_t kVnniMaxRows = 64;
 
 #include "w4a8.h"
@@ -193,8 +193,8 @@ std::vector<torch::Tensor> quantize_rows(torch::Tensor x) {
 // (threshold 0, what a Linear8bitLt gets when it quantizes while loading): each value rounded to fp16 and back,
 // SCB = the row's absmax of those (fp32), codes round(v * bnb_factor(SCB)) to nearest even (an fp16 inf makes the
 // row's codes 0, as torch's cast of their NaN products does here). One pass per row where bitsandbytes' torch
-// ops make seven over the whole weight (in fp16, which this CPU only converts): 1.8 vs 72 ms a 5632 x 2048
-// weight. Finite weights.
+// ops make seven over the whole weight (in fp16, which this CPU only converts; docs/benchmarks.md,
+// coldstart). Finite weights.
 std::vector<torch::Tensor> bnb_int8_rows(torch::Tensor w) {
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.device().is_cpu(), "bnb_int8_rows: a contiguous CPU [N, K]");
   const int64_t N = w.size(0), K = w.size(1);
@@ -486,7 +486,7 @@ torch::Tensor int4_vnni_mm(const torch::Tensor& x, const torch::Tensor& packed, 
 // requantized to int8 with one scale per row, the int8 product by our VNNI kernel (exact int32 sums), rescaled,
 // bias added in fp32, one rounding to bf16. The int8 product does twice a bf16 dot product's work per
 // instruction, which per-group int4 scales (the W4A8 kernel above) spend in conversions once x has many rows;
-// measured over a 125M model's linears, 1.3-1.6x dequantizing to bf16 for oneDNN at 24-512 rows.
+// faster than dequantizing to bf16 for oneDNN at 24-512 rows (docs/benchmarks.md, decode_steps).
 torch::Tensor int4_vnni_int8_mm(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales_zeros,
                                 const c10::optional<torch::Tensor>& bias) {
   check_w4_args("int4_vnni_int8_mm", x, packed, scales_zeros, vnni_supported());

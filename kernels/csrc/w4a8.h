@@ -12,7 +12,7 @@
 // four-way transpose-add of the block's four int32 dot products leaves the 16 group sums; chunks past the last
 // whole block keep group order. Activations are quantized per group of 32 (x ~ d a, absmax / 127, as llama.cpp's
 // q8_0): sum_k w x = sum_g s_g d_g (sum q a - 8 sum a) + z_g sum x. (The - 8 sum a keeps the error that of the
-// centred codes q - 8: summing q a alone would weigh the activations' rounding by q, ~2.7x the error.)
+// centred codes q - 8: summing q a alone would weigh the activations' rounding by q, a larger error.)
 constexpr int64_t kW4Chunk = 128, kW4Group = 32;
 constexpr int64_t kW4Block = 32;  // output rows per parallel task (a multiple of every tile's rows)
 

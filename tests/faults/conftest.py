@@ -1,4 +1,8 @@
-"""Fault-suite fixtures: restartable redis-server (AOF) and moto servers, fast worker processes, result checks."""
+"""Fault-suite fixtures: restartable redis-server (AOF) and moto servers, fast worker processes, result checks.
+
+The worker, finalize and terminal-state faults run twice: against a plain redis-server and through a
+`redis+sentinel://` URL (a primary, its replica and a sentinel on loopback), so every process in them reaches
+Redis through the sentinel's view, as a Sentinel set-up runs them."""
 
 from __future__ import annotations
 
@@ -13,7 +17,8 @@ import pytest
 
 from sluice.contract.schemas import Batch
 from sluice.producer import Client
-from tests.services import free_port, start_worker, wait_for_port
+from tests.fleet.sentinels import SentinelSet, loopback_set
+from tests.services import RedisServer, free_port, start_worker, wait_for_port
 
 # Fast clocks for every worker the fault suite starts: 3 s heartbeats, 1 s retry backoff, 1 s reaper passes.
 FAST = {
@@ -23,6 +28,42 @@ FAST = {
     "SLUICE_SHARD_RETRIES": "30",
     "SLUICE_FINALIZE_RETRIES": "30",
 }
+
+
+SENTINEL_MODULES = {"test_worker_faults", "test_finalize_faults", "test_finalize", "test_terminal_states"}
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Run the tests of SENTINEL_MODULES that use Redis against both set-ups."""
+    module = metafunc.module.__name__.rsplit(".", 1)[-1]
+    if "redis_url" in metafunc.fixturenames and module in SENTINEL_MODULES:
+        metafunc.parametrize("redis_url", ["redis", "sentinel"], indirect=True)
+
+
+@pytest.fixture(scope="session")
+def loopback_sentinels(tmp_path_factory) -> Iterator[SentinelSet]:
+    """A primary, its replica and one sentinel on loopback, for the whole session."""
+    servers = loopback_set(tmp_path_factory.mktemp("sentinel-set"))
+    try:
+        servers.start()
+        yield servers
+    finally:
+        servers.stop()
+
+
+@pytest.fixture
+def redis_url(request, redis_server: RedisServer, monkeypatch) -> str:
+    """The session's Redis (plain, or through its sentinel when parametrized so), emptied for this test, also
+    exported as SLUICE_REDIS_URL."""
+    if getattr(request, "param", "redis") == "sentinel":
+        servers: SentinelSet = request.getfixturevalue("loopback_sentinels")
+        servers.flush()
+        url = servers.url
+    else:
+        redis_server.client().flushall()
+        url = redis_server.url
+    monkeypatch.setenv("SLUICE_REDIS_URL", url)
+    return url
 
 
 @pytest.fixture(autouse=True)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 
 import pytest
-import redis
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
 from sluice.contract.queues import queue_for
+from sluice.contract.redis_conn import connect
 from sluice.contract.settings import Settings
 from sluice.engine import LLM, RequestRejected, SamplingParams
 from sluice.producer import BatchStatus, Client
@@ -36,11 +36,11 @@ def test_engine_rejects_sampling_fields_the_model_cannot_take(llm):
 
 def test_worker_runs_only_sluice_job_functions(llm, redis_url, tmp_path):
     target = tmp_path / "made-by-a-foreign-job"
-    job = queue_for(redis.Redis.from_url(redis_url), "default").enqueue_call("os.makedirs", args=(str(target),))
-    worker = EngineWorker(["default"], llm, redis.Redis.from_url(redis_url), heartbeat_ttl=5, reaper=False)
+    job = queue_for(connect(redis_url), "default").enqueue_call("os.makedirs", args=(str(target),))
+    worker = EngineWorker(["default"], llm, connect(redis_url), heartbeat_ttl=5, reaper=False)
     worker.work(burst=True, logging_level="WARNING")
     assert not os.path.exists(target)
-    job = Job.fetch(job.id, connection=redis.Redis.from_url(redis_url), serializer=JSONSerializer)
+    job = Job.fetch(job.id, connection=connect(redis_url), serializer=JSONSerializer)
     assert job.get_status() == JobStatus.FAILED
     assert "not a Sluice job function" in job.latest_result().exc_string
 
@@ -50,7 +50,7 @@ def test_a_request_that_breaks_the_engine_fails_alone(llm, redis_url, tmp_path):
     lines = [request(i) for i in range(11)] + [request(11, prompt="POISON pill")]
     batch = client.submit_batch(lines, output=tmp_path.as_uri(), shard_size=4)
     settings = Settings(faults="step_error=POISON")  # the worker's faults come from the Settings it is handed
-    worker = EngineWorker(["default"], llm, redis.Redis.from_url(redis_url), heartbeat_ttl=5, reaper=False,
+    worker = EngineWorker(["default"], llm, connect(redis_url), heartbeat_ttl=5, reaper=False,
                           settings=settings)  # fmt: skip
     worker.work(burst=True, logging_level="WARNING")
     done = client.get(batch.id)
@@ -63,7 +63,7 @@ def test_a_request_that_breaks_the_engine_fails_alone(llm, redis_url, tmp_path):
 def test_crash_hand_back_uses_a_retry_with_backoff(llm, redis_url, tmp_path):
     client = Client(redis_url)
     batch = client.submit_batch([request(i, 200) for i in range(2)], output=tmp_path.as_uri(), shard_size=2)
-    worker = EngineWorker(["default"], llm, redis.Redis.from_url(redis_url), heartbeat_ttl=5, reaper=False)
+    worker = EngineWorker(["default"], llm, connect(redis_url), heartbeat_ttl=5, reaper=False)
     worker.bootstrap("WARNING")
     worker._claim()
     [job_id] = list(worker.runs)
