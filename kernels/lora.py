@@ -10,12 +10,19 @@ from __future__ import annotations
 
 import torch
 
+from sluice.kernels.device_path import triton_on
+
 Rows = slice | torch.Tensor
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-             groups: list[tuple[int, Rows]]) -> torch.Tensor:
-    """y [T, out] += per group, x[rows] · a[slot]ᵀ · b[slot]ᵀ; a [slots, R, in], b [slots, out, R]. Returns y."""
+             groups: list[tuple[int, Rows]], token_slots: torch.Tensor | None = None) -> torch.Tensor:
+    """y [T, out] += per group, x[rows] · a[slot]ᵀ · b[slot]ᵀ; a [slots, R, in], b [slots, out, R]. Returns y.
+    On CUDA with triton, one pass per token over `token_slots` (each flat token's slot, -1: none)."""
+    if token_slots is not None and x.is_cuda and triton_on(x.device):
+        from sluice.kernels.triton.lora import add_lora as triton_add_lora
+
+        return triton_add_lora(y, x.contiguous(), a, b, token_slots)
     for slot, rows in groups:
         if isinstance(rows, slice):
             y[rows] += (x[rows] @ a[slot].T) @ b[slot].T

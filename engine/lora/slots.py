@@ -27,6 +27,7 @@ class LoRASlots:
                 self.b[layer, proj] = torch.zeros(max_loras, out, width, dtype=dtype, device=device)
         self.serves: list[set[str]] = [set() for _ in range(max_loras)]  # projections each slot's adapter changes
         self.groups: dict[str, list[tuple[int, Rows]]] = {}
+        self.token_slots: torch.Tensor | None = None  # each flat token's slot (-1: none), for the CUDA kernel
 
     def load(self, slot: int, adapter: LoRAAdapter) -> None:
         """Copy an adapter into a slot (zeros where it has no pair), its scaling folded into B."""
@@ -46,9 +47,11 @@ class LoRASlots:
     def set_step(self, token_slots: list[int] | None, device: torch.device) -> None:
         """The mapping of the coming forward: each flat token's slot (-1 or None throughout: no adapter)."""
         if not token_slots or max(token_slots) < 0:
-            self.groups = {}
+            self.groups, self.token_slots = {}, None
             return
         groups = token_groups(token_slots, device)
+        if device.type == "cuda":
+            self.token_slots = torch.tensor(token_slots, dtype=torch.int32, device=device)
         self.groups = {proj: [g for g in groups if proj in self.serves[g[0]]] for proj in self.shapes}
 
     @property
@@ -61,7 +64,7 @@ class LoRASlots:
         groups = self.groups.get(proj)
         if not groups:
             return y
-        return add_lora(y, x, self.a[layer, proj], self.b[layer, proj], groups)
+        return add_lora(y, x, self.a[layer, proj], self.b[layer, proj], groups, self.token_slots)
 
 
 class LoRALinear(nn.Module):
