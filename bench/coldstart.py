@@ -68,17 +68,20 @@ UNPAUSED = FIRST.replace("collector.pause()\n", "").replace("collector.resume()\
 # pages mapped where the stored bytes serve; the fused projections copied).
 LOAD = START + """import json, sys
 mode = sys.argv[2]
+reservation = None
 if mode == "reserved":
     from sluice.engine import weight_reserve
-    weight_reserve.reserve(sys.argv[1], "BF16", 1 << 40)
+    reservation = weight_reserve.reserve(sys.argv[1], "BF16", 1 << 40)
 import torch
 imported = time.time()
 if mode == "reserved-after":
     from sluice.engine import weight_reserve
-    weight_reserve.reserve(sys.argv[1], "BF16", 1 << 40)._thread.join()
+    reservation = weight_reserve.reserve(sys.argv[1], "BF16", 1 << 40)
+    reservation._thread.join()
 from sluice.engine.models.loader import load_model
 begun = time.time()
-model = load_model(sys.argv[1], torch.bfloat16, torch.device("cpu"), 64, weight_loading="mmap" if mode == "mmap" else "copy")
+model = load_model(sys.argv[1], torch.bfloat16, torch.device("cpu"), 64, weight_loading="mmap" if mode == "mmap" else "copy",
+                   reservation=reservation)
 done = time.time()
 print(json.dumps({"imported": imported - started(), "load": done - begun, "loaded": done - started(), "cpu": cpu()}))
 """

@@ -7,11 +7,16 @@ block's worth of tokens). Their outputs come back as one RequestOutput whose `sa
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from sluice.engine.outputs import RequestOutput
 from sluice.engine.request import Request
 from sluice.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from sluice.engine.pooling import EmbeddingGroup
 
 
 @dataclass(slots=True)
@@ -56,3 +61,48 @@ class SequenceGroup:
 def cumulative_logprob(out: RequestOutput) -> float:
     """Sum of the chosen tokens' logprobs (best_of ranks sequences by it)."""
     return sum(step[tok] for tok, step in zip(out.token_ids, out.logprobs or [], strict=False))
+
+
+class Groups:
+    """The grouped requests in flight (n > 1 and best_of, several embedding inputs), by id and by sequence."""
+
+    def __init__(self) -> None:
+        self.by_id: dict[str, SequenceGroup | EmbeddingGroup] = {}
+        self._of: dict[str, SequenceGroup | EmbeddingGroup] = {}
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.by_id
+
+    def get(self, request_id: str) -> SequenceGroup | EmbeddingGroup | None:
+        """The group a request id names, if it names one."""
+        return self.by_id.get(request_id)
+
+    def add(self, group: SequenceGroup | EmbeddingGroup) -> None:
+        """Track a group and its sequences."""
+        self.by_id[group.request_id] = group
+        self._of.update((seq.request_id, group) for seq in group.sequences)
+
+    def counts_prompt(self, req: Request) -> bool:
+        """Whether a finished sequence's prompt tokens count (a group's prompt counts once, with its first)."""
+        group = self._of.get(req.request_id)
+        return group is None or req is group.sequences[0]
+
+    def start_followers(self, waiting: deque[Request]) -> None:
+        """Queue (first in line) the other sequences of groups whose leader has computed the prompt."""
+        for group in self.by_id.values():
+            if group.followers and group.leader_ready():  # type: ignore[union-attr]
+                for seq in reversed(group.followers):
+                    waiting.appendleft(seq)
+                group.followers = []
+
+    def merge(self, outs: list) -> list:
+        """Outputs of single requests as they are; a group's sequences as one output once all are done."""
+        merged = []
+        for out in outs:
+            group = self._of.pop(out.request_id, None)
+            if group is None:
+                merged.append(out)
+            elif (whole := group.finish(out)) is not None:
+                self.by_id.pop(group.request_id, None)
+                merged.append(whole)
+        return merged

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -13,18 +14,24 @@ from sluice.engine.lora.request import LoRARequest
 from sluice.engine.outputs import EmbeddingOutput, RequestOutput
 from sluice.engine.pooling import PoolingParams, split_inputs
 from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.weight_reserve import WeightReservation
 
 Prompt = str | list[int]
+# Called after every `LLM.step` with the step's outputs and its duration in seconds.
+StepObserver = Callable[[list[RequestOutput | EmbeddingOutput], float], None]
 
 
 class LLM:
     """A model loaded into the engine, with batch generate, chat and stats."""
 
-    def __init__(self, model: str, **kwargs: Any) -> None:
+    def __init__(self, model: str, weight_reservation: WeightReservation | None = None, **kwargs: Any) -> None:
+        """Load `model` with the EngineConfig fields given as keywords; `weight_reservation`: the CPU weight arena
+        reserved for it at the process's start (engine.weight_reserve), taken by the load where it fits."""
         self.config = EngineConfig.from_kwargs(str(model), **kwargs)
-        self.engine = Engine(self.config)
+        self.engine = Engine(self.config, weight_reservation)
         self.tokenizer = self.engine.tokenizer
         self._counter = 0
+        self._observers: list[StepObserver] = []
 
     def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of a conversation (and the tools offered) through the tokenizer's chat template, ready for
@@ -119,8 +126,19 @@ class LLM:
         self.engine.add_request(request_id, prompt, params, lora_request=lora_request)
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine iteration; the outputs of the requests that finished in it."""
-        return self.engine.step()
+        """Run one engine iteration; the outputs of the requests that finished in it (step observers see them)."""
+        if not self._observers:
+            return self.engine.step()
+        start = time.perf_counter()
+        outs = self.engine.step()
+        seconds = time.perf_counter() - start
+        for observe in self._observers:
+            observe(outs, seconds)
+        return outs
+
+    def add_step_observer(self, observer: StepObserver) -> None:
+        """Have `observer(outputs, seconds)` called after every `step` (a worker's metrics, for one)."""
+        self._observers.append(observer)
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its partial output comes back from the next step()."""

@@ -43,6 +43,19 @@ class Proposer:
         if eligible:
             self._propose(eligible)
 
+    def fit(self, batch: ScheduledBatch, running: list[Request]) -> None:
+        """Drop the speculative tokens that did not fit this step's budget (they are dropped, not chunked)."""
+        scheduled = set(map(id, batch.requests))
+        for req in running:
+            if req.spec_token_ids and id(req) not in scheduled:
+                req.spec_token_ids, req.draft_state = [], None
+        for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):
+            if req.spec_token_ids:
+                keep = req.num_computed_tokens + n - req.num_tokens
+                req.spec_token_ids = req.spec_token_ids[: max(0, keep)]
+                if req.draft_state is not None:
+                    req.draft_state = req.draft_state[: max(0, keep)] if keep > 0 else None
+
     def _propose(self, reqs: list[Request]) -> None:
         raise NotImplementedError
 

@@ -9,6 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
+from sluice.engine.block_manager import BlockManager
+from sluice.engine.logits_processors import LogitsProcessors
+from sluice.engine.model_runner import StepLogits
 from sluice.engine.request import Request
 from sluice.engine.sampler import device_tensor, draw, keyed_uniforms, sample_probs
 from sluice.kernels.elementwise import argmax
@@ -36,6 +39,54 @@ class SpecStats:
             "spec_acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
             "spec_mean_accepted_length": (self.accepted + self.steps) / self.steps if self.steps else 0.0,
         }
+
+
+@dataclass(slots=True)
+class Verified:
+    """One request's verify step: the tokens it emits, the target's rows that gave them (raw and processed) and
+    the tokens it had before."""
+
+    req: Request
+    emitted: list[int]
+    logits: torch.Tensor
+    processed: torch.Tensor
+    base: int
+
+
+class SpecVerifier:
+    """A step's speculative verification: the requests' proposals checked against the target's rows (logits
+    processing applied as if each proposal were sampled), counted, and the rejected slots rolled back."""
+
+    def __init__(self, processors: LogitsProcessors, generator: torch.Generator, blocks: BlockManager) -> None:
+        self.processors, self.generator, self.blocks = processors, generator, blocks
+        self.stats = SpecStats()
+
+    def verify(self, reqs: list[Request], rows: StepLogits, index: list[int]) -> list[Verified]:
+        """Verify each listed request's proposals (which are cleared); what each emits."""
+        step_logits = [rows.logits[rows.row_start[i]: rows.row_start[i] + rows.num_rows[i]] for i in index]
+        processed_all = self._processed_rows([reqs[i] for i in index], step_logits)
+        emitted_all = verify([reqs[i] for i in index], processed_all, self.generator)
+        found = []
+        for i, logits, processed, emitted in zip(index, step_logits, processed_all, emitted_all, strict=True):
+            req = reqs[i]
+            self.stats.record(req, len(req.spec_token_ids), len(emitted) - 1)
+            found.append(Verified(req, emitted, logits[: len(emitted)], processed[: len(emitted)], req.num_tokens))
+            req.spec_token_ids, req.draft_state = [], None
+        return found
+
+    def roll_back(self, v: Verified) -> None:
+        """Keep the KV of the accepted proposals of a request that goes on; the rejected slots are freed."""
+        v.req.num_computed_tokens = v.base + len(v.emitted) - 1
+        self.blocks.trim(v.req, v.req.num_tokens)
+
+    def _processed_rows(self, reqs: list[Request], step_logits: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The verify rows with logits processing applied, each row seeing the proposals before it."""
+        if not any(r.params.processed for r in reqs):
+            return step_logits
+        row_reqs = [r for r, lg in zip(reqs, step_logits, strict=True) for _ in range(lg.shape[0])]
+        ahead = [j for lg in step_logits for j in range(lg.shape[0])]
+        processed = self.processors.apply(torch.cat(step_logits), row_reqs, ahead)
+        return list(processed.split([lg.shape[0] for lg in step_logits]))
 
 
 def accept_greedy(spec: list[int], best: list[int]) -> list[int]:

@@ -34,14 +34,12 @@ from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
 
+from sluice.engine.models.fused_layout import FUSED
+
 log = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20  # the arena starts on a huge page boundary (engine.weight_memory)
 SLOT_ALIGNMENT = 64  # bytes: every tensor in the arena starts on a cache line, as the vector kernels read best
-# The linears whose checkpoint parts the native models keep as one (engine.models.llama.LlamaModel.FUSED): their
-# parts are read ahead back to back, in this order, so that the fused weight is one view of the arena.
-FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-         "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
 MADV_DONTNEED, MADV_POPULATE_WRITE = 4, 23  # Linux's values (MADV_POPULATE_WRITE is not in Python's mmap module)
 MAP_ALL_BYTES = 4 << 30  # from this many stored bytes the loader maps the checkpoint (weight_loading auto): no arena
 # Bytes faulted a call. A call holds the process's address-space lock (mmap_lock, read side) throughout, and every
@@ -250,6 +248,7 @@ class Reservation:
         self.slots = slots or {}
         self.ahead = max((s.at + s.nbytes for s in self.slots.values()), default=0)  # the read-ahead part's end
         self._source = {(s.file, s.offset, s.nbytes): name for name, s in self.slots.items()}
+        self.taken_by_arena = False  # `take` handed the map to a weight arena
         self.read: set[str] = set()  # names read so far
         self.taken: set[str] = set()  # names handed to the load (`placed`)
         self.past = -(-self.ahead // mmap.PAGESIZE) * mmap.PAGESIZE  # the first page past the read-ahead part
@@ -370,11 +369,34 @@ def _whole_pages(free: list[tuple[int, int]], kept: list[tuple[int, int]]) -> It
         run = (a, b) if is_free else None
 
 
-_reserved: Reservation | None = None
-_lock = threading.Lock()
-_planned = threading.Event()  # clear while reserve_later's thread has not yet decided
-_planned.set()
-PLAN_WAIT = 30.0  # seconds `take` waits for that decision at most
+PLAN_WAIT = 30.0  # seconds a reservation's user waits at most for reserve_later's thread to decide it
+
+
+class PendingReservation:
+    """The reservation `reserve_later`'s thread decides (None: nothing reserved): what a worker hands to
+    `LLM(weight_reservation=...)` before it is known; `result` waits for the decision."""
+
+    def __init__(self) -> None:
+        self._decided = threading.Event()
+        self._reservation: Reservation | None = None
+
+    def decide(self, reservation: Reservation | None) -> None:
+        """Set the reservation (None: none) and wake whoever waits for it."""
+        self._reservation = reservation
+        self._decided.set()
+
+    def result(self, timeout: float = PLAN_WAIT) -> Reservation | None:
+        """The reservation once decided (None if none, or not decided within `timeout` seconds)."""
+        self._decided.wait(timeout)
+        return self._reservation
+
+
+WeightReservation = Reservation | PendingReservation  # what `LLM(weight_reservation=...)` takes
+
+
+def resolved(reservation: WeightReservation | None) -> Reservation | None:
+    """The reservation itself, a pending one's once decided."""
+    return reservation.result() if isinstance(reservation, PendingReservation) else reservation
 
 
 def key_of(model_dir: str | Path) -> str:
@@ -387,7 +409,6 @@ def reserve(model_dir: str | Path, kept: str, budget: int, map_large: bool = Tru
     and start reading the weights into it (`layout`), or, where they are more than `budget` bytes, faulting in
     `budget` bytes of it; None (nothing done) off Linux, where the folder has no readable safetensors, or where
     the loader will map it (`map_large`: weight_loading auto)."""
-    global _reserved
     if sys.platform != "linux" or kept not in DTYPES:
         return None
     try:
@@ -404,67 +425,55 @@ def reserve(model_dir: str | Path, kept: str, budget: int, map_large: bool = Tru
         passing = sum(s.nbytes + SLOT_ALIGNMENT for s in slots.values() if s.transient) if ahead else 0
         made = nbytes - sum(s.nbytes for s in slots.values() if not s.transient)  # what the load makes, about
         fault = min(made, budget - end) if ahead else min(nbytes, budget)
-        reservation = Reservation(key_of(root), arena_capacity(nbytes) + passing, fault, root, ahead)
+        return Reservation(key_of(root), arena_capacity(nbytes) + passing, fault, root, ahead)
     except (OSError, ValueError, KeyError, TypeError, IndexError):
         return None
-    with _lock:
-        old, _reserved = _reserved, reservation
-    if old is not None:
-        old.close()
-    return reservation
 
 
-def reading_ahead(model_dir: str | Path) -> bool:
+def reading_ahead(reservation: WeightReservation | None, model_dir: str | Path) -> bool:
     """Whether the reservation (once decided) reads the weights of the checkpoint in `model_dir` (so they come
     through the page cache: nothing else need read them ahead)."""
-    _planned.wait(PLAN_WAIT)
-    with _lock:
-        found = _reserved
-    return found is not None and found.key == key_of(model_dir) and bool(found.slots)
+    found = resolved(reservation)
+    return found is not None and found.key == key_of(model_dir) and bool(found.slots) and not found.map.closed
 
 
-def reserve_later(plan: Callable[[], tuple[str | Path, str, int, bool] | None]) -> threading.Thread:
+def reserve_later(plan: Callable[[], tuple[str | Path, str, int, bool] | None]) -> PendingReservation:
     """`reserve(*plan())` from a daemon thread (the plan may import what the caller should not wait for; None:
-    nothing to reserve); `take` waits for it to have decided."""
-    _planned.clear()
+    nothing to reserve); the pending reservation it decides."""
+    pending = PendingReservation()
 
     def run() -> None:
+        found = None
         try:
-            found = plan()
-            if found is not None:
-                reserve(*found)
+            args = plan()
+            if args is not None:
+                found = reserve(*args)
         except Exception:  # a wrong guess costs only the overlap: the arena maps its own
             log.debug("no arena reserved", exc_info=True)
         finally:
-            _planned.set()
+            pending.decide(found)
 
-    thread = threading.Thread(target=run, name="sluice-reserve", daemon=True)
-    thread.start()
-    return thread
+    threading.Thread(target=run, name="sluice-reserve", daemon=True).start()
+    return pending
 
 
-def take(model_dir: str | Path, capacity: int) -> Reservation | None:
-    """The reservation for the checkpoint in `model_dir` if it has room for an arena of `capacity` bytes (it is
-    then the caller's); a reservation for it that is too small is unmapped. Others are left for their model."""
-    global _reserved
-    _planned.wait(PLAN_WAIT)
-    with _lock:
-        found = _reserved
-        if found is None or found.key != key_of(model_dir):
-            return None
-        _reserved = None
+def take(reservation: WeightReservation | None, model_dir: str | Path, capacity: int) -> Reservation | None:
+    """The reservation if it is for the checkpoint in `model_dir` and has room for an arena of `capacity` bytes (it
+    is then the caller's); one for it that is too small is unmapped, one for another model left to its owner."""
+    found = resolved(reservation)
+    if found is None or found.key != key_of(model_dir) or found.taken_by_arena or found.map.closed:
+        return None
     if found.capacity < capacity:
         found.close()
         return None
+    found.taken_by_arena = True
     return found
 
 
-def discard() -> bool:
-    """Unmap the reservation nobody took (its model loaded elsewhere, or not at all); True if there was one."""
-    global _reserved
-    _planned.wait(PLAN_WAIT)
-    with _lock:
-        found, _reserved = _reserved, None
-    if found is not None:
-        found.close()
-    return found is not None
+def discard(reservation: WeightReservation | None) -> bool:
+    """Unmap a reservation no arena took (its model loaded elsewhere, or not at all); True if it unmapped one."""
+    found = resolved(reservation)
+    if found is None or found.taken_by_arena or found.map.closed:
+        return False
+    found.close()
+    return True

@@ -12,7 +12,6 @@ half-written library; a cached library is loaded directly, without running the c
 from __future__ import annotations
 
 import fcntl
-import functools
 import hashlib
 import importlib.util
 import json
@@ -43,14 +42,9 @@ PARTS = ("elementwise", "rms_norm", "paged_attention", "bf16_gemv", "quant_linea
 _built: dict[tuple[str, str], object | None] = {}
 
 
-@functools.cache
 def enabled() -> bool:
-    """False when SLUICE_CPU_KERNEL=0 (kernels.options) asks for the torch implementations (cached: the kernels ask
-    many times a decode step; `options.reset()` after changing it)."""
+    """False when SLUICE_CPU_KERNEL=0 or the engine's config (kernels.options) asks for the torch implementations."""
     return options.current().cpu_kernel
-
-
-options.on_change(enabled.cache_clear)
 
 
 def cache_root() -> Path:

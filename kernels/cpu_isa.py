@@ -109,26 +109,19 @@ def cap_setting() -> str | None:
     return options.current().cpu_isa
 
 
-@functools.cache
+@options.derived
 def tier() -> str:
-    """The tier this process builds and runs its kernels for: the host's, capped by SLUICE_CPU_ISA (read once;
-    `reset()` after changing it)."""
+    """The tier the kernels build and run for: the host's, capped by SLUICE_CPU_ISA or the engine's config
+    (kernels.options; `reset()` after changing the environment)."""
     return cap(host_tier(), cap_setting())
 
 
 def reset() -> None:
     """Forget the options and the chosen tier (and the flags read), so the next `tier()` reads SLUICE_CPU_ISA
     again."""
-    options.reset()
-
-
-def forget_tier() -> None:
-    """Forget the chosen tier and the flags read (kernels.options, when the options change)."""
     tier.cache_clear()
     _cpu_flags.cache_clear()
-
-
-options.on_change(forget_tier)
+    options.reset()
 
 
 def at_least(name: str, chosen: str | None = None) -> bool:

@@ -78,7 +78,7 @@ def int4_linear(w: int4_weights.Int4Weight, bias: torch.Tensor | None):
         if kernel is None or MAX_STACK_TOKENS > int4_weights.w4a8_max_rows(kernel) or not _plain_bf16(bias):
             return None
         return ext.int4_vnni_linear(w.packed, w.scales_zeros, bias)
-    if w.layout != "int4pack" or any(int4_weights._use_tiles(r) for r in _row_counts(w.in_features)):
+    if w.layout != "int4pack" or any(int4_weights.use_tiles(r) for r in _row_counts(w.in_features)):
         return None
     return ext.int4_linear(w.packed, w.scales_zeros, bias, w.out_features, int4_weights.GROUP)
 
@@ -89,13 +89,10 @@ def int8_linear(qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor 
     branch (torch's GEMV for other scale dtypes, the torch dynamic reference when the fused helpers do not
     build)."""
     ext = _ext()
-    if (ext is None or qweight.device.type != "cpu" or int8_weights._fused() is None
-            or int8_weights._gemv_kernel(scales) is None):
+    if ext is None:
         return None
-    rows = _row_counts(qweight.shape[1])
-    gemv = [int8_weights._use_gemv(r, qweight) for r in rows]
-    if (gemv != sorted(gemv, reverse=True)  # the stack runs the GEMV on a prefix of the row counts
-            or not all(g or int8_weights._use_dynamic(r) for g, r in zip(gemv, rows, strict=True))):
+    gemv = int8_weights.stack_branches(qweight, scales, _row_counts(qweight.shape[1]))
+    if gemv is None or gemv != sorted(gemv, reverse=True):  # the stack runs the GEMV on a prefix of the row counts
         return None
     return ext.int8_linear(qweight, scales, bias, sum(gemv))
 

@@ -179,7 +179,8 @@ def cpu_layout() -> tuple[int, bool] | None:
     return next((lay for lay in LAYOUTS if torch.equal(kernel.int4_codes(packed, 64, 80, *lay) + 8, q)), None)
 
 
-def _use_tiles(rows: torch.Tensor) -> bool:
+def use_tiles(rows: torch.Tensor) -> bool:
+    """Whether `int4_linear` runs an int4pack weight on these rows through our tile kernel (else torch's)."""
     return rows.shape[0] > MAX_INT4PACK_ROWS and cpp_build.enabled() and cpu_layout() is not None
 
 
@@ -201,7 +202,7 @@ def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None
         mm = kernel.int4_vnni_mm if rows.shape[0] <= w4a8_max_rows(kernel) else kernel.int4_vnni_int8_mm
         y = mm(rows.contiguous(), w.packed, w.scales_zeros, bias)
         return y.view(*x.shape[:-1], w.out_features)
-    if w.layout == "int4pack" and _use_tiles(rows):
+    if w.layout == "int4pack" and use_tiles(rows):
         y = _tile_kernel().int4_tile_mm(rows.contiguous(), w.packed, w.scales_zeros, GROUP, w.out_features,
                                         *cpu_layout(), TILE_BYTES)
     elif w.layout == "int4pack":

@@ -60,9 +60,9 @@ def _use_gemv(rows: torch.Tensor, qweight: torch.Tensor) -> bool:
 
 def _gemv_kernel(scales: torch.Tensor):
     """Our int8 GEMV (csrc/bf16_gemv.cpp: the bf16 GEMV's memory-order pass, faster than torch's at one row) for bf16 activations and scales, or None (then torch's serves)."""
-    from sluice.kernels.linear import _gemv
+    from sluice.kernels.linear import gemv_extension
 
-    return _gemv() if scales.dtype is torch.bfloat16 else None
+    return gemv_extension() if scales.dtype is torch.bfloat16 else None
 
 
 def _use_dynamic(rows: torch.Tensor) -> bool:
@@ -71,6 +71,16 @@ def _use_dynamic(rows: torch.Tensor) -> bool:
 
 def _fused():
     return cpp_build.part("quant_linear") if cpp_build.enabled() else None
+
+
+def stack_branches(qweight: torch.Tensor, scales: torch.Tensor, rows: list[torch.Tensor]) -> list[bool] | None:
+    """Per batch of rows, True where `int8_linear` runs our int8 GEMV on it and False where the fused dynamic int8
+    matmul; None where either does not build for these weights or some batch takes another branch (what the decode
+    stack needs to run the same products)."""
+    if qweight.device.type != "cpu" or _fused() is None or _gemv_kernel(scales) is None:
+        return None
+    gemv = [_use_gemv(r, qweight) for r in rows]
+    return gemv if all(g or _use_dynamic(r) for g, r in zip(gemv, rows, strict=True)) else None
 
 
 def quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,7 +14,6 @@ Sums are fp32 in a different order than oneDNN's, then rounded to bf16 as it doe
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import torch
@@ -52,7 +51,7 @@ def _gemv():
     return ext if ext is not None and ext.SUPPORTED else None
 
 
-@functools.cache
+@options.derived
 def gemm_rows() -> int:
     """The most rows past MAX_GEMV_ROWS_FP32 that the GEMV call takes with its AVX2 GEMM (csrc/bf16_gemm_avx2.h):
     its limit on the avx2 tier where oneDNN has no bf16 instructions (there faster than `widened_linear` at
@@ -63,6 +62,11 @@ def gemm_rows() -> int:
     if ext is None or onednn_bf16() or cpu_isa.tier() != "avx2":
         return 0
     return getattr(ext, "GEMM_MAX_ROWS", 0)
+
+
+def gemv_extension():
+    """Our C++ bf16 GEMV extension (csrc/bf16_gemv.cpp), or None where it is disabled or not built for this tier."""
+    return _gemv()
 
 
 def gemv_available() -> bool:
@@ -88,7 +92,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-@functools.cache
+@options.derived
 def onednn_bf16() -> bool:
     """Whether oneDNN multiplies bf16 with bf16 instructions here (AVX512-BF16 or AMX, not capped below them by
     ONEDNN_MAX_CPU_ISA); without them its bf16 matmul converts in scalar-ish code."""
@@ -98,7 +102,7 @@ def onednn_bf16() -> bool:
     return ("avx512_bf16" in flags or "amx_bf16" in flags) and allowed
 
 
-@functools.cache
+@options.derived
 def onednn_amx() -> bool:
     """Whether oneDNN multiplies bf16 with AMX tiles here (the CPU has amx_bf16, ONEDNN_MAX_CPU_ISA allows it)."""
     limit = options.current().onednn_max_cpu_isa
@@ -139,9 +143,6 @@ def widen_serves(rows: torch.Tensor, min_rows: int = 1) -> bool:
             and not onednn_bf16() and not torch.is_grad_enabled())
 
 
-options.on_change(onednn_bf16.cache_clear)
-options.on_change(onednn_amx.cache_clear)
-options.on_change(gemm_rows.cache_clear)
 
 
 class Linear(nn.Linear):

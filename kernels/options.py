@@ -1,15 +1,21 @@
 """The kernels' options: the one place below the contract layer that reads the environment.
 
-Read once per process (`current`), or set by the engine from its config (`use`: the worker passes its Settings'
-values down through EngineConfig); the kernel modules read `current()` and never the environment. `reload` reads
-the environment again (tests and benches that change it).
+An engine owns its options (`Engine.kernel_options`: the environment's defaults with what its config sets, the
+worker's Settings passed down through EngineConfig) and makes them `active` for its own calls (loading, each step);
+the kernel modules read `current()` (the active engine's options, else the defaults) and never the environment.
+What a kernel module derives from the options is kept with them (`derived`), so other options derive it again and
+nothing has to be told of a change. `reset` reads the environment again (tests and benches that change it).
 """
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field, replace
+from typing import Any, Generic, TypeVar
 
 CPU_KERNEL = "SLUICE_CPU_KERNEL"
 CPU_ISA = "SLUICE_CPU_ISA"
@@ -26,6 +32,8 @@ class KernelOptions:
     cache_home: str | None = None  # XDG_CACHE_HOME: where built kernels are kept (None: ~/.cache)
     cxx: str = "c++"  # CXX: the C++ compiler
     onednn_max_cpu_isa: str = ""  # ONEDNN_MAX_CPU_ISA: oneDNN's own cap, upper case
+    # What kernel modules derived from these options (`derived`), kept with them.
+    memo: dict[Callable, Any] = field(default_factory=dict, init=False, compare=False, hash=False, repr=False)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> KernelOptions:
@@ -44,40 +52,60 @@ class KernelOptions:
         return replace(self, **given) if given else self
 
 
-_current: list[KernelOptions] = []
-_derived: list[Callable[[], None]] = []  # what kernel modules cached from the options, forgotten when they change
+T = TypeVar("T")
+_defaults: list[KernelOptions] = []
+_active: ContextVar[KernelOptions | None] = ContextVar("sluice_kernel_options", default=None)
 
 
-def on_change(forget: Callable[[], None]) -> None:
-    """Have `forget` called whenever the options change (a kernel module's cache of what it derived from them)."""
-    _derived.append(forget)
+def defaults() -> KernelOptions:
+    """The process's default options: the environment's, read once (or those a test or bench `use`d)."""
+    if not _defaults:
+        _defaults.append(KernelOptions.from_env())
+    return _defaults[0]
 
 
 def current() -> KernelOptions:
-    """This process's options: those last `use`d, else the environment's, read once."""
-    if not _current:
-        _current.append(KernelOptions.from_env())
-    return _current[0]
+    """The options the kernels run with now: the active engine's, else the defaults."""
+    found = _active.get()
+    return found if found is not None else defaults()
+
+
+@contextmanager
+def active(options: KernelOptions) -> Iterator[KernelOptions]:
+    """Run the block (an engine's load or step) with `options` as the kernels' options."""
+    token = _active.set(options)
+    try:
+        yield options
+    finally:
+        _active.reset(token)
+
+
+class derived(Generic[T]):  # noqa: N801 (a decorator, read as one)
+    """`compute()` (which reads `current()`) computed once per options object and kept with it; `cache_clear`
+    forgets it for the current and the default options (a test that changed what it reads besides)."""
+
+    def __init__(self, compute: Callable[[], T]) -> None:
+        self.compute = compute
+        functools.update_wrapper(self, compute)
+
+    def __call__(self) -> T:
+        memo = current().memo
+        if self.compute not in memo:
+            memo[self.compute] = self.compute()
+        return memo[self.compute]
+
+    def cache_clear(self) -> None:
+        """Forget what was derived from the current and the default options."""
+        for options in (current(), defaults()):
+            options.memo.pop(self.compute, None)
 
 
 def use(options: KernelOptions) -> None:
-    """Make `options` this process's (what the kernel modules derived from the previous ones is forgotten)."""
-    _current[:] = [options]
-    for forget in _derived:
-        forget()
-
-
-def configure(**values) -> KernelOptions:
-    """This process's options with the given fields (those not None) replaced: the engine's config passes the
-    values its caller (the worker, from Settings) chose."""
-    options = current().merged(**values)
-    if options != current():
-        use(options)
-    return options
+    """Make `options` the defaults, as an environment that set them would (tests and benches)."""
+    _defaults[:] = [options]
 
 
 def reset() -> None:
-    """Forget the options: the next `current()` reads the environment again (after a test or bench changed it)."""
-    _current.clear()
-    for forget in _derived:
-        forget()
+    """Forget the defaults: the next `current()` outside an engine reads the environment again (after a test or
+    bench changed it)."""
+    _defaults.clear()

@@ -275,12 +275,11 @@ def test_the_prefetch_leaves_the_read_to_a_reservation_that_reads_ahead():
     """The worker's page-cache prefetch reads nothing where the arena's reservation reads the same weights ahead
     (that read fills the page cache too), and reads the files where there is none."""
     argv = ["--model", str(TINY)]
-    weight_reserve.discard()
     assert prefetching.prefetch_argv(argv) == sum(f.stat().st_size for f in weight_files(str(TINY)))
     reservation = weight_reserve.reserve(TINY, "BF16", 1 << 40)
     assert reservation is not None and reservation.slots
-    assert prefetching.prefetch_argv(argv) == 0
-    assert weight_reserve.discard() is True and prefetching.prefetch_argv(argv) > 0
+    assert prefetching.prefetch_argv(argv, reservation) == 0
+    assert weight_reserve.discard(reservation) is True and prefetching.prefetch_argv(argv, reservation) > 0
 
 
 def test_prefetch_reads_the_index_files_within_budget(sharded, tmp_path):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sluice.contract.settings import Settings
-from sluice.engine import LLM
+from sluice.engine import LLM, SamplingParams
 from sluice.kernels import cpp_build, cpu_isa, device_path, options
 from sluice.kernels.options import KernelOptions
 
@@ -38,21 +38,40 @@ def test_no_engine_or_kernel_module_reads_the_environment_but_options():
 
 
 def test_the_engine_config_overrides_the_environment_and_the_kernels_follow(tiny_llama, monkeypatch):
-    """LLM(cpu_kernel=False, device_path=True) turns the C++ kernels off and the flat layout on for this process,
-    whatever the environment says; cached derivations (the enabled flag, the tier) are forgotten."""
+    """LLM(cpu_kernel=False, device_path=True) turns the C++ kernels off and the flat layout on for its engine's
+    work, whatever the environment says; what the kernels derived (the enabled flag, the tier) follows the options
+    in effect; outside the engine the environment's defaults still hold."""
     monkeypatch.delenv("SLUICE_CPU_KERNEL", raising=False)
     monkeypatch.delenv("SLUICE_DEVICE_PATH", raising=False)
     options.reset()
     try:
         assert cpp_build.enabled() and not device_path.flat_layout(torch.device("cpu"))
         llm = LLM(tiny_llama, dtype="float32", device="cpu", cpu_kernel=False, device_path=True)
-        assert not cpp_build.enabled() and options.current().device_path is True
+        with options.active(llm.engine.kernel_options):
+            assert not cpp_build.enabled() and options.current().device_path is True
         assert llm.engine.runner.plan.flat and not llm.engine.runner.plan.fused_attention
-        options.configure(cpu_isa="avx2")
-        assert cpu_isa.tier() in ("avx2", cpu_isa.GENERIC)
+        assert cpp_build.enabled() and options.current().device_path is None  # the defaults: the engine's own
+        with options.active(options.current().merged(cpu_isa="avx2")):
+            assert cpu_isa.tier() in ("avx2", cpu_isa.GENERIC)
     finally:
         options.reset()
     assert cpp_build.enabled()
+
+
+def test_a_step_runs_with_its_engines_options(tiny_llama, monkeypatch):
+    """Each engine's steps run under its own options: two engines in one process, the C++ kernels on for one and
+    off for the other, each step's kernels asked under the options of the engine that steps."""
+    on = LLM(tiny_llama, dtype="float32", device="cpu", cpu_kernel=True)
+    off = LLM(tiny_llama, dtype="float32", device="cpu", cpu_kernel=False)
+    asked: list[bool] = []
+    enabled = cpp_build.enabled
+    monkeypatch.setattr(cpp_build, "enabled", lambda: asked.append(options.current().cpu_kernel) or enabled())
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    for llm, want in ((on, True), (off, False), (on, True)):
+        asked.clear()
+        llm.generate([[1, 2, 3]], params, progress=False)
+        assert asked and set(asked) == {want}
+    assert options.current().cpu_kernel == options.defaults().cpu_kernel  # nothing left behind after a step
 
 
 @pytest.mark.parametrize(("name", "field", "value", "want"), [("SLUICE_CPU_KERNEL", "cpu_kernel", "0", False),

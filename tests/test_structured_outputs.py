@@ -68,7 +68,7 @@ def test_masks_are_filled_during_the_forward_with_the_same_outputs(llm):
     """The plain rows' masks come from the fill started before the forward (none filled after it), and the
     outputs are the ones a fill after the forward gives."""
     params = schema_params(12, greedy=False)
-    structured = llm.engine._structured()
+    structured = llm.engine.intake.structured()
     outs = {}
     for overlap in (False, True):
         structured.overlap = overlap

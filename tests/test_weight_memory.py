@@ -144,11 +144,11 @@ def test_the_arena_is_the_map_reserved_and_faulted_in_before_the_load(mid_llama)
     reservation._thread.join(60)
     assert not reservation.slots and reservation.faulted == reservation.fault == (8 << 20) + 4096
     assert _mapping(reservation.address + reservation.start)["Rss"] * 1024 >= reservation.fault
-    llm = _llm(mid_llama)
+    llm = _llm(mid_llama, weight_reservation=reservation)
     arena = llm.engine.model.weight_arena
     assert arena.data_ptr() == reservation.address + reservation.start
     assert arena.used <= reservation.capacity == arena.capacity
-    assert weight_reserve.discard() is False  # taken: nothing left to unmap
+    assert weight_reserve.discard(reservation) is False  # taken: nothing left to unmap
     plain = _llm(mid_llama, huge_pages=False)
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     prompts = [[5, 9, 2, 7, 11, 3]]
@@ -163,7 +163,7 @@ def test_the_weights_read_ahead_are_the_models_own(mid_llama):
     reservation = _reserve(mid_llama, "BF16")
     stored = weight_reserve.stored_tensors(weight_reserve.safetensors_files(mid_llama))
     assert set(reservation.slots) == set(stored) and reservation.ahead >= sum(t.nbytes for t in stored.values())
-    llm = _llm(mid_llama)
+    llm = _llm(mid_llama, weight_reservation=reservation)
     model, arena = llm.engine.model, llm.engine.model.weight_arena
     assert reservation.taken == set(reservation.slots) == reservation.read
     base = reservation.address + reservation.start
@@ -185,7 +185,7 @@ def test_every_native_architecture_takes_every_tensor_read_ahead(tmp_path, arch)
     where the loader wants them too: nothing is read twice or left untaken, and greedy tokens match a plain load."""
     path = make_checkpoint(tmp_path / arch, arch, dtype=torch.bfloat16)
     reservation = _reserve(path, "BF16")
-    llm = _llm(path)
+    llm = _llm(path, weight_reservation=reservation)
     assert reservation.taken == set(reservation.slots) == reservation.read
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     plain = _llm(path, huge_pages=False)
@@ -201,7 +201,7 @@ def test_a_sharded_checkpoint_is_read_ahead_across_its_files(tmp_path):
     assert len(files) > 2 and (path / "model.safetensors.index.json").is_file()
     reservation = _reserve(path, "BF16")
     assert {s.file for s in reservation.slots.values()} == {f.name for f in files}
-    llm = _llm(path)
+    llm = _llm(path, weight_reservation=reservation)
     assert reservation.taken == set(reservation.slots) == reservation.read
     plain = _llm(path, huge_pages=False)
     for name, p in plain.engine.model.named_parameters():
@@ -217,7 +217,7 @@ def test_a_read_ahead_that_fails_part_way_leaves_the_rest_to_the_loader(mid_llam
     monkeypatch.setattr(weight_reserve, "read_calls", lambda slots: [*calls(slots)[:3], ("gone", 0, [("x", 8)])])
     reservation = _reserve(mid_llama, "BF16")
     reservation._thread.join(60)
-    llm = _llm(mid_llama)
+    llm = _llm(mid_llama, weight_reservation=reservation)
     assert 0 < len(reservation.taken) == len(reservation.read) < len(reservation.slots)
     plain = _llm(mid_llama, huge_pages=False)
     for name, p in plain.engine.model.named_parameters():
@@ -236,7 +236,7 @@ def test_tensors_read_ahead_that_nothing_takes_are_handed_back(mid_llama, tmp_pa
             (tmp_path / f.name).symlink_to(f)
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
     reservation = _reserve(tmp_path, "BF16")
-    llm = _llm(tmp_path)
+    llm = _llm(tmp_path, weight_reservation=reservation)
     arena = llm.engine.model.weight_arena
     assert set(reservation.slots) - reservation.taken == {"model.unused.weight"}
     rss = _mapping(arena.data_ptr())["Rss"] * 1024
@@ -309,7 +309,7 @@ def test_a_prequantized_checkpoints_state_is_read_ahead_and_handed_back(mid_llam
     reservation._thread.join(60)
     if mode == "int4-nf4":  # its fp32 absmax becomes a bf16 copy in the arena: those pages are faulted in ahead
         assert reservation.faulted > -(-reservation.ahead // 4096) * 4096
-    llm = _llm(tmp_path)
+    llm = _llm(tmp_path, weight_reservation=reservation)
     model, arena = llm.engine.model, llm.engine.model.weight_arena
     assert set(reservation.slots) == reservation.read
     assert set(reservation.slots) - reservation.taken == {n for n in reservation.slots if n.endswith(".weight_format")}
@@ -344,7 +344,7 @@ def test_pages_faulted_past_what_the_arena_wrote_are_handed_back(mid_llama):
     reservation = _reserve(mid_llama, "F32")
     reservation._thread.join(60)
     assert not reservation.slots  # no tensor is stored as kept: nothing read ahead, the pages faulted in
-    llm = _llm(mid_llama)
+    llm = _llm(mid_llama, weight_reservation=reservation)
     arena = llm.engine.model.weight_arena
     assert arena.data_ptr() == reservation.address + reservation.start
     llm.generate([[5, 9, 2, 7]], SamplingParams(max_tokens=2, temperature=0))
@@ -356,7 +356,7 @@ def test_a_reservation_that_does_not_fit_is_unmapped_and_another_models_is_left(
     """Too small a reservation (weights guessed at one byte) is unmapped when the load looks for it and the arena
     maps its own; one for another folder is left for that model, and `discard` unmaps it."""
     small = _reserve(mid_llama, "F8_E4M3")
-    arena = _llm(mid_llama).engine.model.weight_arena
+    arena = _llm(mid_llama, weight_reservation=small).engine.model.weight_arena
     assert small.map.closed and arena.prefaulted == 0
     assert arena.data_ptr() != small.address + small.start
     other = tmp_path / "other"
@@ -364,6 +364,6 @@ def test_a_reservation_that_does_not_fit_is_unmapped_and_another_models_is_left(
     for f in mid_llama.iterdir():
         (other / f.name).symlink_to(f)
     elsewhere = _reserve(other, "BF16")
-    assert _llm(mid_llama).engine.model.weight_arena.prefaulted == 0
+    assert _llm(mid_llama, weight_reservation=elsewhere).engine.model.weight_arena.prefaulted == 0
     assert not elsewhere.map.closed
-    assert weight_reserve.discard() is True and elsewhere.map.closed
+    assert weight_reserve.discard(elsewhere) is True and elsewhere.map.closed

@@ -21,6 +21,7 @@ from sluice.worker import collector, engine_flags
 from sluice.worker.adapters import Adapters, AdapterSpecError
 from sluice.worker.background import supervised
 from sluice.worker.metrics import announce, become_ready, start_metrics
+from sluice.worker.prefetch import process_reservation
 from sluice.worker.worker import EngineWorker
 
 MODEL_HELP = f"{engine_flags.field_help('model')} Default: $SLUICE_MODEL."
@@ -85,12 +86,13 @@ def start(
 
 
 def load(model: str, engine_args: dict[str, Any]) -> LLM:
-    """The engine on `model`; the weight arena reserved at the process's start (worker.prefetch.reserve_for) is
-    unmapped afterwards if the load did not take it."""
+    """The engine on `model`, handed the weight arena reserved at the process's start (worker.prefetch.reserve_for),
+    which is unmapped afterwards if the load did not take it."""
+    reservation = process_reservation()
     try:
-        return LLM(model, **engine_args)
+        return LLM(model, weight_reservation=reservation, **engine_args)
     finally:
-        weight_reserve.discard()
+        weight_reserve.discard(reservation)
 
 
 def deliver_webhooks(connection: redis.Redis, settings: Settings, stop: threading.Event) -> None:

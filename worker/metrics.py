@@ -83,19 +83,15 @@ class WorkerMetrics(Readiness):
         self._seen = {"prompt_tokens": 0, "generated_tokens": 0}
 
     def instrument(self, llm: LLM) -> None:
-        """Time every llm.step and count its finished requests and tokens (no change to the worker loop)."""
-        step = llm.step
+        """Time every llm.step and count its finished requests and tokens (a step observer of the LLM's)."""
 
-        def measured_step() -> list:
-            start = time.perf_counter()
-            outs = step()
-            self.step_seconds.observe(time.perf_counter() - start)
+        def observe(outs: list, seconds: float) -> None:
+            self.step_seconds.observe(seconds)
             for out in outs:
                 self.requests.labels("error" if out.error else (out.finish_reason or "unknown")).inc()
             self.sample(llm)
-            return outs
 
-        llm.step = measured_step  # type: ignore[method-assign]
+        llm.add_step_observer(observe)
         self.sample(llm)
 
     def sample(self, llm: LLM) -> None:

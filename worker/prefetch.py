@@ -20,6 +20,7 @@ MEMORY_SHARE = 0.5  # never prefetch (or fault in ahead) more than this share of
 # --dtype → the safetensors dtype the floating weights are kept in
 KEPT = {"bfloat16": "BF16", "bf16": "BF16", "float16": "F16", "fp16": "F16", "half": "F16", "float32": "F32",
         "fp32": "F32"}
+STARTED: list[weight_reserve.PendingReservation] = []  # the process's reservation, once reserve_for started it
 GPU_DEVICES = ("/dev/nvidiactl", "/dev/kfd")  # where present, device auto may well be a GPU: nothing reserved
 
 
@@ -93,11 +94,12 @@ def prefetch_for(argv: Sequence[str]) -> threading.Thread:
     return thread
 
 
-def prefetch_argv(argv: Sequence[str]) -> int:
+def prefetch_argv(argv: Sequence[str], reservation: weight_reserve.WeightReservation | None = None) -> int:
     """Read the weights of the model the command line names through the page cache, unless the arena's
-    reservation reads them (reserve_for); returns the bytes read here."""
+    reservation (default: the process's, reserve_for) reads them; returns the bytes read here."""
     model = model_argument(argv)
-    if not model or weight_reserve.reading_ahead(model):
+    reservation = reservation if reservation is not None else process_reservation()
+    if not model or weight_reserve.reading_ahead(reservation, model):
         return 0
     return read_through(*_plan(model))
 
@@ -149,7 +151,15 @@ def _dtype(argv: Sequence[str], model: Path) -> str:
     return "bfloat16" if stored == "float16" else stored
 
 
-def reserve_for(argv: Sequence[str]) -> threading.Thread:
+def reserve_for(argv: Sequence[str]) -> weight_reserve.PendingReservation:
     """Reserve the CPU weight arena of the model the worker's command line names (arena_plan) from a daemon
-    thread: the main thread goes on to its imports at once."""
-    return weight_reserve.reserve_later(lambda: arena_plan(argv, model_argument(argv)))
+    thread: the main thread goes on to its imports at once. The process's reservation from then on, which the
+    worker hands to its LLM (worker.cli.load)."""
+    pending = weight_reserve.reserve_later(lambda: arena_plan(argv, model_argument(argv)))
+    STARTED[:] = [pending]
+    return pending
+
+
+def process_reservation() -> weight_reserve.PendingReservation | None:
+    """The reservation `reserve_for` started in this process (the worker's entry point), if any."""
+    return STARTED[0] if STARTED else None

@@ -85,6 +85,13 @@ class LoRAManager:
         """Why the adapter cannot run, once its load failed."""
         return self.failed.get(lora.lora_int_id)
 
+    def failed_requests(self, waiting) -> list:
+        """The waiting requests whose adapter failed to load, each given that error."""
+        failed = [r for r in waiting if r.lora_request is not None and r.lora_request.lora_int_id in self.failed]
+        for req in failed:
+            req.error = self.failed[req.lora_request.lora_int_id]
+        return failed
+
     def ready(self, lora: LoRARequest) -> bool:
         """Loaded in host memory (a slot is found at schedule time)."""
         return lora.lora_int_id in self.loaded

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from sluice import kernels
-from sluice.engine import weight_reserve
 from sluice.engine.kv_cache import LayerKVCache
+from sluice.engine.models.fused_layout import FUSED as FUSED_LAYOUT
 from sluice.engine.models.moe import MOE_LAYOUTS, SparseMoe
 from sluice.engine.models.paths import GENERIC, NATIVE_ARCHITECTURES, model_path_for
 from sluice.engine.models.rope import RotaryEmbedding, rope_parameters
@@ -210,7 +210,7 @@ class LlamaModel(nn.Module):
     """Embeddings, decoder stack, final norm and LM head over a flat batch of tokens."""
 
     # Each fused projection of a layer and the checkpoint linears it concatenates, in order (loader, quantization).
-    FUSED = weight_reserve.FUSED  # the worker's read-ahead lays their parts back to back (torch-free: defined there)
+    FUSED = FUSED_LAYOUT  # the worker's read-ahead lays their parts back to back (engine.models.fused_layout)
 
     @staticmethod
     def fused_sizes(c: ModelConfig) -> dict[str, list[int]]:

@@ -328,13 +328,14 @@ def load_model(
     config: ModelConfig | None = None,
     weight_loading: str = "auto",
     huge_pages: bool = True,
+    reservation: weight_reserve.WeightReservation | None = None,
 ) -> LlamaModel:
     """Build our model from an HF folder, reading tensors layer by layer onto `device` (`config`: its
     config.json when the caller has already read it; `weight_loading`: one of WEIGHT_LOADING, for CPU: map
     the file's tensors where they serve as stored (auto: from MAP_ALL_BYTES of weights), always, or never. A
     linear hook reads private copies: what it keeps replaces the weights, and no map outlives the load.
     `huge_pages`: on CPU, private weights in engine.weight_memory's arena, `model.weight_arena`, which its
-    owner settles.)"""
+    owner settles; `reservation`: the map reserved for it at the process's start, engine.weight_reserve.)"""
     if weight_loading not in WEIGHT_LOADING:
         raise ValueError(f"weight_loading must be one of {', '.join(WEIGHT_LOADING)}, got {weight_loading!r}")
     config = config or ModelConfig.from_hf(read_config(path))
@@ -344,7 +345,8 @@ def load_model(
         return load_generic(path, dtype, device, config, linear_hook, huge_pages)
     reader = CheckpointReader(path)
     mode = _weight_mode(reader, weight_loading, linear_hook)
-    arena = _arena(reader, dtype, path) if device.type == "cpu" and mode == "copy" and huge_pages else None
+    in_arena = device.type == "cpu" and mode == "copy" and huge_pages
+    arena = _arena(reader, dtype, path, reservation) if in_arena else None
     reader.arena = arena
     if getattr(linear_hook, "prequantized", False):  # the hook reads its tensors through this reader (so it
         linear_hook.reader = reader  # takes what was read ahead into the arena)
@@ -382,15 +384,16 @@ def _read_weights(model: LlamaModel, reader: CheckpointReader, dtype: torch.dtyp
     assert not left, f"{len(left)} parameter(s) never read from the checkpoint"
 
 
-def _arena(reader: CheckpointReader, dtype: torch.dtype, path: str | Path) -> WeightArena | None:
+def _arena(reader: CheckpointReader, dtype: torch.dtype, path: str | Path,
+           reservation: weight_reserve.WeightReservation | None) -> WeightArena | None:
     """An arena with room for every checkpoint tensor in the dtype the model keeps it (floating ones in `dtype`;
     quantized linears keep fewer bytes than that, their scales a little more), committed only where written:
-    the map reserved for `path` at the worker's start where it has room (engine.weight_reserve); None where the
+    `reservation` where it is the map reserved for `path` at the worker's start and has room (engine.weight_reserve); None where the
     address space cannot be had (the tensors then go to torch's allocator)."""
     nbytes = sum(e.nbytes // e.dtype.itemsize * (dtype.itemsize if e.dtype.is_floating_point else e.dtype.itemsize)
                  for e in reader.entries.values())
     capacity = weight_reserve.arena_capacity(nbytes)
     try:
-        return WeightArena(capacity, weight_reserve.take(path, capacity))
+        return WeightArena(capacity, weight_reserve.take(reservation, path, capacity))
     except OSError:
         return None
