@@ -52,11 +52,6 @@ class SpeculativeConfig:
         if not isinstance(self.disable_by_batch_size, int) or self.disable_by_batch_size < 0:
             raise ValueError(f"speculative disable_by_batch_size must be an integer >= 0, "
                              f"got {self.disable_by_batch_size!r}")
-        if self.max_loras < 1 or not 1 <= self.max_lora_rank <= 128:
-            raise ValueError(f"max_loras must be >= 1 and max_lora_rank in [1, 128], got {self.max_loras} and "
-                             f"{self.max_lora_rank}")
-        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
-            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
         if self.quantization is not None:
             QuantSpec(self.quantization)
 
