@@ -8,20 +8,22 @@ from importlib import import_module
 from typing import TYPE_CHECKING
 
 __all__ = [
-    "LLM", "EmbeddingOutput", "Engine", "EngineConfig", "PoolingParams", "RequestMetrics", "RequestOutput",
-    "RequestRejected", "SamplingParams", "ClassificationOutput",
+    "LLM", "ClassificationOutput", "EmbeddingOutput", "Engine", "EngineConfig", "LoRARequest", "PoolingParams",
+    "RequestMetrics", "RequestOutput", "RequestRejected", "SamplingParams",
 ]
 
 _HOMES = {
     "EngineConfig": "config", "Engine": "engine", "RequestRejected": "engine", "LLM": "llm",
-    "EmbeddingOutput": "outputs", "RequestMetrics": "outputs", "RequestOutput": "outputs", "PoolingParams": "pooling",
-    "SamplingParams": "sampling_params", "ClassificationOutput": "outputs",
+    "LoRARequest": "lora.request", "EmbeddingOutput": "outputs", "RequestMetrics": "outputs",
+    "RequestOutput": "outputs", "PoolingParams": "pooling", "SamplingParams": "sampling_params",
+    "ClassificationOutput": "outputs",
 }
 
 if TYPE_CHECKING:
     from sluice.engine.config import EngineConfig
     from sluice.engine.engine import Engine, RequestRejected
     from sluice.engine.llm import LLM
+    from sluice.engine.lora.request import LoRARequest
     from sluice.engine.outputs import ClassificationOutput, EmbeddingOutput, RequestMetrics, RequestOutput
     from sluice.engine.pooling import PoolingParams
     from sluice.engine.sampling_params import SamplingParams

@@ -120,6 +120,12 @@ class EngineConfig:
     moderation_thresholds: dict[str, float] | None = _opt(
         None, 'Encoder classifiers: /v1/moderations thresholds per category as JSON, e.g. {"toxic": 0.7, '
               '"default": 0.5} (0.5 for a category without one).')
+    enable_lora: bool = _opt(False, "Serve PEFT LoRA adapters (requests name one by LoRARequest); the decoder "
+                                    "projections get adapter slots.")
+    max_loras: int = _opt(1, "LoRA: adapters in working memory at once (requests of more adapters wait).")
+    max_lora_rank: int = _opt(16, "LoRA: the largest adapter rank served (at most 128); slots are sized by it.")
+    max_cpu_loras: int | None = _opt(None, "LoRA: adapters kept loaded in host memory, least recently used "
+                                           "dropped first (default: max_loras).")
     extra: dict[str, Any] = field(default_factory=dict, metadata={"help": "Free-form settings the engine ignores."})
     speculative_config: SpeculativeConfig | None = field(init=False, default=None, repr=False, compare=False)
 
@@ -140,6 +146,11 @@ class EngineConfig:
                              f"{', '.join(WEIGHT_LOADING)}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"unknown logprobs_mode {self.logprobs_mode!r}; choose one of {', '.join(LOGPROBS_MODES)}")
+        if self.max_loras < 1 or not 1 <= self.max_lora_rank <= 128:
+            raise ValueError(f"max_loras must be >= 1 and max_lora_rank in [1, 128], got {self.max_loras} and "
+                             f"{self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
         if self.quantization is not None:
             QuantSpec(self.quantization, self.quant_type, self.double_quant, self.llm_int8_threshold)
         self.speculative_config = SpeculativeConfig.parse(self.speculative) if self.speculative else None

@@ -11,6 +11,8 @@ from sluice.engine.housekeeping import MemoryHousekeeping
 from sluice.engine.json_schema import JsonBounds
 from sluice.engine.kv_cache import bytes_per_token, pool_blocks
 from sluice.engine.logits_processors import LogitsProcessors
+from sluice.engine.lora import LoRAError, LoRAManager, LoRARequest
+from sluice.engine.lora.manager import salt
 from sluice.engine.model_runner import ModelRunner
 from sluice.engine.models.loader import load_model
 from sluice.engine.output_processor import OutputProcessor
@@ -54,8 +56,10 @@ class Engine:
         num_blocks = pool_blocks(config, r.model, r.kv_dtype, r.device, r.max_model_len)
         self.kv_block_bytes = bytes_per_token(r.model, self.kv_dtype) * config.block_size
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.block_manager)
-        self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.kv_dtype, self.device)
+        self.lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank,
+                                config.max_cpu_loras or config.max_loras) if config.enable_lora else None
+        self.scheduler = Scheduler(config, self.block_manager, self.lora)
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.kv_dtype, self.device, self.lora)
         if not config.enforce_eager:
             self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
 
@@ -107,17 +111,34 @@ class Engine:
         return self.intake.encode(prompt)
 
     def add_request(self, request_id: str, prompt: str | list[int] | list[str] | list[list[int]],
-                    params: SamplingParams | PoolingParams | None = None) -> None:
-        """Queue a request (PoolingParams: an embedding of each input); raise RequestRejected if it can never run."""
+                    params: SamplingParams | PoolingParams | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
+        """Queue a request (PoolingParams: an embedding of each input; lora_request: the adapter it runs with);
+        raise RequestRejected if it can never run."""
         if request_id in self.requests or request_id in self.groups:
             raise RequestRejected(f"duplicate request id {request_id!r}")
+        self._admit_adapter(lora_request, params)
         seqs, group = self.intake.requests(request_id, prompt, params or SamplingParams())
         if group is not None:
             self.groups.add(group)
         for seq in seqs:
+            seq.lora_request, seq.cache_salt = lora_request, salt(lora_request)
             self.requests[seq.request_id] = seq
             if group is None or seq not in group.followers:  # followers start once the prompt is computed
                 self.scheduler.add(seq)
+
+    def _admit_adapter(self, lora: LoRARequest | None, params: object) -> None:
+        """Know the request's adapter and start loading it; RequestRejected where it can never run."""
+        if lora is None:
+            return
+        if self.lora is None:
+            raise RequestRejected(f"adapter {lora.lora_name!r}: this engine serves no LoRA adapters (enable_lora)")
+        if isinstance(params, PoolingParams):
+            raise RequestRejected("embedding requests run on the base model: LoRA adapters serve generation")
+        try:
+            self.lora.add(lora)
+        except LoRAError as exc:
+            raise RequestRejected(str(exc)) from exc
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its partial output comes back from the next step()."""
@@ -143,6 +164,10 @@ class Engine:
 
     def step(self) -> list[RequestOutput | EmbeddingOutput]:
         """Run one iteration; return outputs of the requests that finished in it."""
+        if self.lora is not None and self.lora.failed:  # adapters that failed to load: their requests end
+            for req in self.lora.failed_requests(self.scheduler.waiting):
+                self.scheduler.finish(req, "error")
+                self._aborted.append(req)
         done, self._aborted = self._aborted, []
         with options.active(self.kernel_options):
             batch = self._schedule()

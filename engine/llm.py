@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 
 from sluice.engine.config import EngineConfig
 from sluice.engine.engine import Engine
+from sluice.engine.lora.request import LoRARequest
 from sluice.engine.models.bert import is_encoder
 from sluice.engine.models.loader import read_config
 from sluice.engine.outputs import ClassificationOutput, EmbeddingOutput, RequestOutput
@@ -48,18 +49,23 @@ class LLM:
         prompts: Sequence[Prompt] | Prompt,
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         progress: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in prompt order."""
+        """Run every prompt to completion; outputs come back in prompt order. `lora_request`: one adapter for
+        every prompt, or one per prompt (None: the base model)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         plist = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
+        loras = list(lora_request) if isinstance(lora_request, Sequence) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} LoRARequests for {len(prompts)} prompts")
         ids = []
-        for prompt, p in zip(prompts, plist, strict=True):
+        for prompt, p, lora in zip(prompts, plist, loras, strict=True):
             self._counter += 1
             rid = f"gen-{self._counter}"
-            self.engine.add_request(rid, prompt, p)
+            self.engine.add_request(rid, prompt, p, lora_request=lora)
             ids.append(rid)
         return self._drain(ids, progress)
 
@@ -113,24 +119,28 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         progress: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate the assistant reply for each conversation (`tools` go to the chat template)."""
+        """Generate the assistant reply for each conversation (`tools` go to the chat template; `lora_request`
+        as for generate)."""
         if messages_list and isinstance(messages_list[0], dict):
             messages_list = [messages_list]  # type: ignore[list-item]
-        return self.generate([self.encode_chat(m, tools) for m in messages_list], params, progress)
+        return self.generate([self.encode_chat(m, tools) for m in messages_list], params, progress, lora_request)
 
     def score(self, prompts: Sequence[Prompt] | str, data_2: str | Sequence[str] | None = None,
-              progress: bool = False) -> list[Any]:
+              progress: bool = False, lora_request: LoRARequest | None = None) -> list[Any]:
         """vLLM's score with `data_2`: a cross-encoder's relevance of each (data_1, data_2) pair (one side
         may be a single text, paired with every text of the other), as ClassificationOutput (`.score`).
-        Without it, on a generative model: the logits [len, vocab] at every prompt position."""
+        Without it, on a generative model: the logits [len, vocab] at every prompt position (with an
+        adapter: `lora_request`)."""
         if data_2 is not None:
             return self._pool(_pairs(prompts, data_2), PoolingParams(task="score"), "score", progress)
         ids = []
         for prompt in prompts:
             self._counter += 1
             rid = f"score-{self._counter}"
-            self.engine.add_request(rid, prompt, SamplingParams(max_tokens=1, temperature=0))
+            params = SamplingParams(max_tokens=1, temperature=0)
+            self.engine.add_request(rid, prompt, params, lora_request=lora_request)
             self.engine.requests[rid].want_prompt_logits = True
             ids.append(rid)
         return [out.prompt_logits for out in self._drain(ids, progress)]
@@ -141,9 +151,11 @@ class LLM:
         """How many requests may run at once."""
         return self.config.max_num_seqs
 
-    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None) -> None:
-        """Queue a request under request_id; raise RequestRejected if it can never run."""
-        self.engine.add_request(request_id, prompt, params)
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
+        """Queue a request under request_id (with an adapter); raise RequestRejected if it can never run."""
+        adapter = {} if lora_request is None else {"lora_request": lora_request}  # encoders take none
+        self.engine.add_request(request_id, prompt, params, **adapter)
 
     def step(self) -> list[RequestOutput]:
         """Run one engine iteration; the outputs of the requests that finished in it (observers see them)."""

@@ -32,7 +32,7 @@ class ModelRunner:
     """Runs the model over the KV pool (engine.kv_cache's layer caches); turns a ScheduledBatch into logits."""
 
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, lora=None) -> None:
         c = model.config
         self.model, self.block_size, self.device = model, block_size, device
         dtype = model.embed_tokens.weight.dtype
@@ -41,6 +41,7 @@ class ModelRunner:
         self.kv_caches = kv_cache.layer_caches(c, num_blocks, block_size, kv_dtype, dtype, device, self.plan.flat)
         self.graphs = None
         self.buffers: StepBuffers | None = None
+        self.lora = lora  # engine.lora.LoRAManager: maps each step's tokens to their adapters' slots
 
     def _step_buffers(self, tokens: int, seqs: int, width: int) -> StepBuffers:
         """The device path's persistent step inputs, regrown (doubling) only when a step outgrows them."""
@@ -106,10 +107,11 @@ class ModelRunner:
         rows = StepLogits(None, [], [], [])  # type: ignore[arg-type]
         ids, positions, slots, context_lens, logit_idx, hidden_idx = self._layout(batch, rows)
         tables = [r.block_table for r in batch.requests]
+        adapters = self._map_adapters(batch)
         if hidden_idx:
             return self._run_pooled(rows, (ids, positions, slots, context_lens, tables), logit_idx, hidden_idx,
-                                    batch.num_new_tokens)
-        if self.graphs is not None and self.graphs.fits(batch.num_new_tokens):
+                                    batch.num_new_tokens, adapters)
+        if self.graphs is not None and not adapters and self.graphs.fits(batch.num_new_tokens):
             rows.logits = self.graphs.run(ids, positions, slots, context_lens, tables)
             return rows
         if self.plan.flat:
@@ -118,10 +120,20 @@ class ModelRunner:
                                   self.model.config.num_kv_heads)
             rows.logits = self.model(*inputs[:2], self.kv_caches, *inputs[2:], plan=self.plan)
             return rows
-        rows.logits = self._run_paged(ids, positions, slots, logit_idx, batch.num_new_tokens, context_lens, tables)
+        rows.logits = self._run_paged(ids, positions, slots, logit_idx, batch.num_new_tokens, context_lens, tables,
+                                      adapters)
         return rows
 
-    def _run_paged(self, ids, positions, slots, logit_idx, query_lens, context_lens, tables) -> torch.Tensor:
+    def _map_adapters(self, batch: ScheduledBatch) -> bool:
+        """Set the coming forward's token-to-adapter mapping; whether any adapter runs in it (the decode stack and
+        CUDA graphs run the base model only)."""
+        if self.lora is None:
+            return False
+        self.lora.prepare_step([r.lora_request for r in batch.requests], batch.num_new_tokens)
+        return self.lora.slots.active
+
+    def _run_paged(self, ids, positions, slots, logit_idx, query_lens, context_lens, tables,
+                   adapters: bool = False) -> torch.Tensor:
         """Logits of a step over AttentionMetadata, built as the step plan asks (the fused kernel's arguments)."""
         dev = self.device
         # ids, positions and slots in one host-to-tensor copy; no logits index where every row is wanted (decode)
@@ -131,10 +143,10 @@ class ModelRunner:
         every_row = len(logit_idx) == len(ids) and logit_idx == list(range(len(ids)))
         return self.model(flat[0], flat[1], self.kv_caches, meta,
                           None if every_row else torch.tensor(logit_idx, dtype=torch.long, device=dev),
-                          plan=self.plan.for_step(flat[0], meta))
+                          plan=self.plan if adapters else self.plan.for_step(flat[0], meta))
 
     def _run_pooled(self, rows: StepLogits, step: tuple, logit_idx: list[int], hidden_idx: list[int],
-                    query_lens: list[int]) -> StepLogits:
+                    query_lens: list[int], adapters: bool = False) -> StepLogits:
         """A step with pooling requests: final hidden states of both row sets, the LM head only over the sampled
         ones (never a CUDA graph: those replay pure decode)."""
         ids, positions, slots, context_lens, tables = step
@@ -150,6 +162,6 @@ class ModelRunner:
                                           fused=self.plan.fused_attention)
             index = torch.tensor(wanted, dtype=torch.long, device=self.device)
             args = (flat[0], flat[1], self.kv_caches, meta, index)
-            plan = self.plan.for_step(flat[0], meta)
+            plan = self.plan if adapters else self.plan.for_step(flat[0], meta)
         rows.logits, rows.hidden = logits_and_hidden(self.model, args, len(logit_idx), plan)
         return rows

@@ -25,10 +25,11 @@ class Request:
         "request_id", "prompt_token_ids", "output_token_ids", "params", "status", "num_computed_tokens",
         "block_table", "num_cached_tokens", "metrics", "finish_reason", "generator", "logprobs",
         "stop_text_len", "text", "spec_token_ids", "want_prompt_logits", "prompt_logits", "error",
-        "draft_state", "grammar",
+        "draft_state", "grammar", "lora_request", "cache_salt",
     )
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 lora_request: Any = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -51,6 +52,8 @@ class Request:
         self.error: str | None = None
         self.draft_state: object | None = None
         self.grammar: Any = None
+        self.lora_request = lora_request  # engine.lora.LoRARequest, None for the base model
+        self.cache_salt: int | None = None  # seeds the prefix cache's hash chain (an adapter's requests: its id)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -26,9 +26,10 @@ class ScheduledBatch:
 class Scheduler:
     """Running requests first, then waiting ones; chunk what does not fit; preempt the newest."""
 
-    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, lora=None) -> None:
         self.config = config
         self.block_manager = block_manager
+        self.lora = lora  # engine.lora.LoRAManager: a request joins only once its adapter is loaded and has a slot
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -71,8 +72,15 @@ class Scheduler:
         return True
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        if not self.waiting:
+            return
+        held: list[Request] = []  # waiting on their adapter: they keep their place in line
+        adapters = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            if req.lora_request is not None and not self.lora.can_run(req.lora_request, adapters):
+                held.append(self.waiting.popleft())
+                continue
             if not req.block_table and not req.want_prompt_logits:
                 cached = self.block_manager.match_prefix(req)
                 req.num_computed_tokens = cached
@@ -87,6 +95,9 @@ class Scheduler:
             batch.requests.append(req)
             batch.num_new_tokens.append(n)
             budget -= n
+            if req.lora_request is not None:
+                adapters.add(req.lora_request.lora_int_id)
+        self.waiting.extendleft(reversed(held))
 
     def _preempt(self, req: Request, batch: ScheduledBatch) -> None:
         """Free the request's blocks and requeue it at the front to recompute later."""

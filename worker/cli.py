@@ -18,8 +18,9 @@ from sluice.contract.redis_conn import connect
 from sluice.contract.settings import Settings, get_settings, stay_off_the_hub
 from sluice.engine import LLM, weight_reserve
 from sluice.worker import collector, engine_flags
+from sluice.worker.adapters import Adapters, AdapterSpecError
 from sluice.worker.background import supervised
-from sluice.worker.metrics import become_ready, start_metrics
+from sluice.worker.metrics import announce, become_ready, start_metrics
 from sluice.worker.prefetch import process_reservation
 from sluice.worker.worker import EngineWorker
 
@@ -28,6 +29,9 @@ TTL_HELP = "Seconds before a silent worker's shards count as abandoned (default:
 GRACE_HELP = "Seconds to finish in-flight shards after SIGTERM before handing back."
 METRICS_HELP = "Serve Prometheus /metrics, /healthz and /readyz (ready once loaded and warmed) here."
 REDIS_HELP = "Redis URL (default: $SLUICE_REDIS_URL or redis://127.0.0.1:6379/0)"
+LORA_HELP = "A LoRA adapter lines may name as their model: NAME=PATH (a PEFT folder, local or s3://); repeatable."
+LORA_DIR_HELP = ("A folder of PEFT adapter folders (local or s3://), each served under its folder's name, found when "
+                 "a line first names it; repeatable.")
 
 
 def start(
@@ -44,6 +48,8 @@ def start(
     metrics_port: int | None = typer.Option(None, help=METRICS_HELP),
     log_format: str = typer.Option("text", help="text or json (one object per line, with batch/job ids)."),
     redis_url: str | None = typer.Option(None, "--redis-url", help=REDIS_HELP),
+    lora: list[str] | None = typer.Option(None, "--lora", help=LORA_HELP),
+    lora_dir: list[str] | None = typer.Option(None, "--lora-dir", help=LORA_DIR_HELP),
 ) -> None:
     """Run a GPU worker: one engine kept full with shards from the queues."""
     collector.resume()  # imported: the collector runs again, over what is made from here on
@@ -53,13 +59,22 @@ def start(
     if not model:
         raise typer.BadParameter("give --model or set SLUICE_MODEL", param_hint="--model")
     configure_logging(log_format)
+    try:
+        adapters = Adapters.from_flags(lora or [], lora_dir or [], s3_style=settings.s3_addressing_style)
+    except AdapterSpecError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--lora") from None
+    if adapters:
+        engine_args.setdefault("enable_lora", True)
     metrics = start_metrics(metrics_port, model)
     llm = load(model, {**settings.json_bounds(), **engine_args})
     connection = connect(redis_url or settings.redis_url)
     become_ready(metrics, llm, connection)
+    for adapter in adapters.names():
+        announce(connection, adapter)
     ttl = heartbeat_ttl or settings.heartbeat_ttl
     w = EngineWorker(
-        queues.split(","), llm, connection, heartbeat_ttl=ttl, grace=grace, name=name, settings=settings
+        queues.split(","), llm, connection, heartbeat_ttl=ttl, grace=grace, name=name, settings=settings,
+        adapters=adapters,
     )
     stop = threading.Event()
     if webhooks:

@@ -20,6 +20,7 @@ from sluice.contract.schemas import ChatBody, EmbeddingBody, OutputRecord, Reque
 from sluice.contract.settings import Settings, get_settings, stay_off_the_hub
 from sluice.contract.shards import shard_requests
 from sluice.contract.storage import open_output
+from sluice.worker.adapters import Adapters, ServedModels
 from sluice.worker.encoder_responses import encoder_params
 from sluice.worker.faults import faults
 from sluice.worker.lease import Commit, attempt_key, begin_attempt, commit, lease_holds
@@ -69,9 +70,11 @@ class ChatTemplateError(ValueError):
     """A conversation the model's chat template refused or failed to render."""
 
 
-def served_models(llm: LLM, settings: Settings) -> set[str]:
-    """Names requests may give as `model`: the checkpoint folder's name plus SLUICE_SERVED_MODELS."""
-    return {model_name(llm), *settings.served_model_names()}
+def served_models(llm: LLM, settings: Settings, adapters: Adapters | None = None) -> set[str] | ServedModels:
+    """Names requests may give as `model`: the checkpoint folder's name plus SLUICE_SERVED_MODELS, and the
+    worker's LoRA adapters."""
+    names = {model_name(llm), *settings.served_model_names()}
+    return ServedModels(names, adapters) if adapters else names
 
 
 def prepare(llm: LLM, request: Request, served: set[str]) -> tuple[Any, Any]:
@@ -169,7 +172,8 @@ class ShardRun:
 
         try:
             prompt, params = prepare(llm, request, served)
-            llm.add_request(rid, prompt, params)
+            adapter = served.adapter(request.parsed_body().model) if isinstance(served, ServedModels) else None
+            llm.add_request(rid, prompt, params, lora_request=adapter)
         except RequestRejected as exc:
             self.fail(request, "request_rejected", str(exc), 400)
         except ModelNotServed as exc:

@@ -19,6 +19,7 @@ from sluice.contract.rq_adapter import request_worker_stop
 from sluice.contract.schemas import Request
 from sluice.contract.settings import Settings, get_settings
 from sluice.contract.storage import OutputNotAllowed
+from sluice.worker.adapters import Adapters
 from sluice.worker.background import every, supervised
 from sluice.worker.faults import faults
 from sluice.worker.lease import leases_lost
@@ -61,13 +62,14 @@ class EngineWorker(JobsWorker):
         grace: float = 60.0,
         reaper: bool = True,
         settings: Settings | None = None,
+        adapters: Adapters | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(queues, connection, heartbeat_ttl, **kwargs)
         self.settings = settings or get_settings()  # `sluice worker` passes the Settings it read at start
         self.llm = llm
         self.model = model_name(llm)
-        self.served = served_models(llm, self.settings)
+        self.served = served_models(llm, self.settings, adapters)
         self.grace = grace
         self.reaper = reaper
         self.store = BatchStore(connection)
