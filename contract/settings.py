@@ -59,6 +59,12 @@ class Settings(BaseSettings):
     output_roots: str = ""
     cookie_secure: bool = False
     operator_token: SecretStr | None = None
+    image_input_roots: str = ""  # file:// and s3:// roots image_url parts may name (none: only data: URLs)
+    image_allow_https: bool = False
+    image_max_bytes: int = Field(20 * 1024 * 1024, gt=0)
+    image_max_pixels: int = Field(40_000_000, gt=0)
+    image_max_per_request: int = Field(16, ge=0)
+    image_timeout: float = Field(10.0, gt=0)
 
     @model_validator(mode="after")
     def _default_output_url(self) -> Settings:
