@@ -15,6 +15,8 @@ from sluice.engine.kv_cache import bytes_per_token, pool_blocks
 from sluice.engine.logits_processors import LogitsProcessors
 from sluice.engine.model_runner import ModelRunner, StepLogits
 from sluice.engine.models.loader import load_model
+from sluice.engine.multimodal.inputs import MultiModalInputs, with_images
+from sluice.engine.multimodal.processor import MultiModalError, MultiModalProcessor, split_prompt
 from sluice.engine.outputs import EmbeddingOutput, RequestOutput
 from sluice.engine.pooling import (
     EmbeddingGroup,
@@ -75,6 +77,7 @@ class Engine:
         self._group_of: dict[str, SequenceGroup] = {}
         self._aborted: list[Request] = []
         self._pooling: str | None = None
+        self.mm_processor: MultiModalProcessor | None = None
         self.counters = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0, "computed_tokens": 0}
         self.spec_stats = SpecStats()
         self.proposer = self._make_proposer()
@@ -112,25 +115,41 @@ class Engine:
             return self.tokenizer.encode(prompt)
         return [int(t) for t in prompt]
 
-    def add_request(self, request_id: str, prompt: str | list[int] | list[str] | list[list[int]],
+    def add_request(self, request_id: str, prompt: str | list[int] | list[str] | list[list[int]] | dict,
                     params: SamplingParams | PoolingParams | None = None) -> None:
-        """Queue a request (PoolingParams: an embedding of each input); raise RequestRejected if it can never run."""
+        """Queue a request (PoolingParams: an embedding of each input; a dict: a prompt with multi_modal_data);
+        raise RequestRejected if it can never run."""
         params = params or SamplingParams()
         if request_id in self.requests or request_id in self.groups:
             raise RequestRejected(f"duplicate request id {request_id!r}")
         if isinstance(params, PoolingParams):
             self._add_embedding(request_id, prompt, params)
             return
-        ids = self.encode(prompt)
+        ids, mm = self._multimodal(prompt) if isinstance(prompt, dict) else (self.encode(prompt), None)
         self._validate(ids, params)
         if params.n == 1 and (params.best_of or 1) == 1:
-            self._add(Request(request_id, ids, params))
+            self._add(with_images(Request(request_id, ids, params), mm))
             return
         group = SequenceGroup.fan_out(request_id, ids, params)
         for seq in group.sequences:
+            with_images(seq, mm)
             self._add(seq, schedule=seq is group.sequences[0])
             self._group_of[seq.request_id] = group
         self.groups[request_id] = group
+
+    def _multimodal(self, prompt: dict) -> tuple[list[int], MultiModalInputs | None]:
+        """Token ids (image placeholders expanded) and images of a prompt dict (engine.multimodal)."""
+        try:
+            text, images = split_prompt(prompt)
+            if not images:
+                return self.encode(text), None
+            if not hasattr(self.model, "prepare_step"):
+                raise MultiModalError(f"{self.model_config.architecture} takes no images (a text-only model)")
+            if self.mm_processor is None:
+                self.mm_processor = MultiModalProcessor(self.config.model, self.resolved.hf_config, self.tokenizer)
+            return self.mm_processor.process(text, images)
+        except MultiModalError as exc:
+            raise RequestRejected(str(exc)) from exc
 
     def _add_embedding(self, request_id: str, inputs: object, params: PoolingParams) -> None:
         """One PoolingRequest per input (several inputs come back merged into one EmbeddingOutput)."""
@@ -500,4 +519,6 @@ class Engine:
         }
         if self.proposer is not None:
             out.update(self.spec_stats.as_dict())
+        if hasattr(self.model, "encoder_cache"):
+            out.update(self.model.encoder_cache.stats())
         return out

@@ -26,6 +26,7 @@ class Request:
         "block_table", "num_cached_tokens", "metrics", "finish_reason", "generator", "logprobs",
         "stop_text_len", "text", "spec_token_ids", "want_prompt_logits", "prompt_logits", "error",
         "draft_state", "grammar",
+        "cache_salt", "mm_inputs",  # prefix-cache hash seed; a prompt's images (engine.multimodal.inputs)
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -51,6 +52,8 @@ class Request:
         self.error: str | None = None
         self.draft_state: object | None = None
         self.grammar: Any = None
+        self.cache_salt: int | None = None
+        self.mm_inputs: Any = None
 
     @property
     def all_token_ids(self) -> list[int]:
