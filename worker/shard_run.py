@@ -12,10 +12,12 @@ from pydantic import ValidationError
 from rq import get_current_job
 
 from sluice.contract.batch import BatchStore
+from sluice.contract.images import ImageSettings
 from sluice.contract.schemas import ChatBody, EmbeddingBody, OutputRecord, Request
 from sluice.contract.settings import Settings, get_settings, stay_off_the_hub
 from sluice.contract.storage import open_output
 from sluice.worker.faults import faults
+from sluice.worker.images import ImageRefused, with_images
 from sluice.worker.responses import ABORT_CODES, error_record, output_record
 from sluice.worker.terminal import OUTPUT_NOT_ALLOWED, fail_batch, output_problem
 
@@ -78,6 +80,8 @@ def prepare(llm: LLM, request: Request, served: set[str]) -> tuple[Any, Any]:
         raise ChatTemplateError(
             f"the model's chat template failed on these messages: {type(exc).__name__}: {exc}"
         ) from exc
+    if body.image_parts():  # fetched and decoded here, each problem naming its part (worker.images)
+        prompt = with_images(llm, body, prompt, ImageSettings.of(get_settings()))
     return prompt, SamplingParams(**body.sampling_kwargs())
 
 
@@ -123,6 +127,8 @@ class ShardRun:
             self.fail(request, "model_not_found", str(exc))
         except ChatTemplateError as exc:
             self.fail(request, "chat_template_error", str(exc))
+        except ImageRefused as exc:
+            self.fail(request, "invalid_image", str(exc))
         except (ValidationError, ValueError, TypeError) as exc:
             self.fail(request, "invalid_request", str(exc))
         else:
