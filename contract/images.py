@@ -1,9 +1,10 @@
 """Images in chat lines: fetch an image_url part's bytes (data:, file://, s3://, https://) and decode them.
 
-Sources are checked before anything is read: file:// and s3:// must lie under the configured image input roots,
-https:// is off unless allowed and then goes through the webhooks' SSRF guard (every address public or
-allow-listed, the connection made to the checked address) with a timeout and a size limit. Decoding applies the
-EXIF orientation, takes the first frame of an animation, converts to RGB and refuses more pixels than the limit.
+Sources are checked before anything is read: file:// and s3:// must lie under the configured image input
+roots, https:// is off unless allowed and then goes through the webhooks' SSRF guard (every address public or
+allow-listed, the connection made to the checked address) with a timeout and a size limit. Decoding applies
+the EXIF orientation, takes the first frame of an animation, converts to RGB and refuses more pixels than the
+limit.
 """
 
 from __future__ import annotations
@@ -83,8 +84,8 @@ def _data_bytes(url: str, max_bytes: int) -> bytes:
 def _stored_bytes(url: str, settings: ImageSettings) -> bytes:
     roots = settings.roots()
     if not roots or not any(_within(url, root) for root in roots):
-        raise ImageError(f"image {redact_url(url) if '://' in url else url!r} is outside the image input roots"
-                         " (SLUICE_IMAGE_INPUT_ROOTS)")
+        shown = redact_url(url) if "://" in url else url
+        raise ImageError(f"image {shown!r} is outside the image input roots (SLUICE_IMAGE_INPUT_ROOTS)")
     try:
         return read_url(url, settings.image_max_bytes)
     except FileNotFoundError:
@@ -145,7 +146,8 @@ def _get(target: Target, timeout: float, max_bytes: int) -> bytes:
         raise
     except Exception as exc:
         if expired.is_set() or time.monotonic() - started >= timeout:
-            raise ImageError(f"image URL {redact_url(target.url)}: no complete answer in {timeout:g} s") from None
+            raise ImageError(f"image URL {redact_url(target.url)}: no complete answer in {timeout:g} s") \
+                from None
         raise ImageError(f"image URL {redact_url(target.url)} failed: {type(exc).__name__}") from None
     finally:
         timer.cancel()

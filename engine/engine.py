@@ -117,8 +117,8 @@ class Engine:
 
     def add_request(self, request_id: str, prompt: str | list[int] | list[str] | list[list[int]] | dict,
                     params: SamplingParams | PoolingParams | None = None) -> None:
-        """Queue a request (PoolingParams: an embedding of each input; a dict: a prompt with multi_modal_data);
-        raise RequestRejected if it can never run."""
+        """Queue a request (PoolingParams: an embedding of each input; a dict: a prompt with
+        multi_modal_data); raise RequestRejected if it can never run."""
         params = params or SamplingParams()
         if request_id in self.requests or request_id in self.groups:
             raise RequestRejected(f"duplicate request id {request_id!r}")
@@ -146,7 +146,8 @@ class Engine:
             if not hasattr(self.model, "prepare_step"):
                 raise MultiModalError(f"{self.model_config.architecture} takes no images (a text-only model)")
             if self.mm_processor is None:
-                self.mm_processor = MultiModalProcessor(self.config.model, self.resolved.hf_config, self.tokenizer)
+                self.mm_processor = MultiModalProcessor(self.config.model, self.resolved.hf_config,
+                                                        self.tokenizer)
             return self.mm_processor.process(text, images)
         except MultiModalError as exc:
             raise RequestRejected(str(exc)) from exc

@@ -89,7 +89,7 @@ class LLM:
         return self.generate([self._chat_prompt(m, tools) for m in messages_list], params, progress)
 
     def _chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> Prompt:
-        """A conversation's engine prompt: its ids, with its images (engine.multimodal.chat) where it has any."""
+        """A conversation's engine prompt: its ids, with its images (engine.multimodal.chat) if any."""
         if not any(isinstance(m.get("content"), list) for m in messages):
             return self.encode_chat(messages, tools)
         from sluice.contract.images import ImageSettings

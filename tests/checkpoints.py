@@ -120,7 +120,7 @@ def make_checkpoint(path: Path, arch: str = "llama", seed: int = 0, dtype=torch.
     return Path(path)
 
 
-# Qwen2-VL: the special tokens of its chat template and a template that renders image parts as Qwen2-VL's does.
+# Qwen2-VL: the special tokens of its chat template, and a template rendering image parts as Qwen2-VL's does.
 QWEN2_VL_SPECIALS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
 QWEN2_VL_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>"
@@ -131,9 +131,10 @@ QWEN2_VL_TEMPLATE = (
 )
 
 
-def make_qwen2_vl_checkpoint(path: Path, seed: int = 0, dtype=torch.float32, **text_overrides) -> Path:
-    """A tiny random Qwen2-VL (2-layer text, 2-block vision tower), its tokenizer and a Qwen2VLImageProcessorPil
-    preprocessor_config.json whose pixel bounds make an image a few dozen tokens."""
+def make_qwen2_vl_checkpoint(path: Path, seed: int = 0, dtype=torch.float32, vision: dict | None = None,
+                             **text_overrides) -> Path:
+    """A tiny random Qwen2-VL (2-layer text, 2-block vision tower), its tokenizer and a
+    Qwen2VLImageProcessorPil preprocessor_config.json whose pixel bounds make an image at most 16 tokens."""
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil
 
     tokenizer = build_tokenizer()
@@ -146,9 +147,10 @@ def make_qwen2_vl_checkpoint(path: Path, seed: int = 0, dtype=torch.float32, **t
                 bos_token_id=1, eos_token_id=2, pad_token_id=3, tie_word_embeddings=False)
     text.update(text_overrides)
     vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, patch_size=14, spatial_merge_size=2,
-                  temporal_patch_size=2, mlp_ratio=2, in_channels=3)
-    config = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=pad, vision_start_token_id=start,
-                           vision_end_token_id=end, video_token_id=pad + 1, tie_word_embeddings=False)
+                  temporal_patch_size=2, mlp_ratio=2, in_channels=3) | (vision or {})
+    config = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=pad,
+                           vision_start_token_id=start, vision_end_token_id=end, video_token_id=pad + 1,
+                           tie_word_embeddings=False)
     torch.manual_seed(seed)
     model = Qwen2VLForConditionalGeneration(config).to(dtype).eval()
     with torch.no_grad():

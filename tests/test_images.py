@@ -1,4 +1,4 @@
-"""Image parts in chat lines: sources (data:, file://, s3://, https://), decoding, and the chat body schema."""
+"""Image parts in chat lines: sources (data:, file://, s3://, https://), decoding, the chat body schema."""
 
 from __future__ import annotations
 
@@ -100,7 +100,8 @@ def test_s3_urls_under_the_roots_are_read_from_a_real_s3_server(s3_bucket, s3_se
     with pytest.raises(ImageError, match="outside the image input roots"):
         load_image(f"s3://{s3_bucket}/private/x.png", settings)
     with pytest.raises(ImageError, match="over the limit"):
-        load_image(f"s3://{s3_bucket}/catalogue/shoe.png", settings.model_copy(update={"image_max_bytes": 10}))
+        small = settings.model_copy(update={"image_max_bytes": 10})
+        load_image(f"s3://{s3_bucket}/catalogue/shoe.png", small)
 
 
 def test_https_is_off_by_default_and_guarded_when_on():
@@ -140,7 +141,8 @@ def test_chat_bodies_take_image_parts_and_name_each_one():
     assert body.image_parts() == [("messages[1].content[1]", url), ("messages[1].content[2]", "s3://b/k.png")]
     assert body.messages[1].text() == "first second"
     assert body.messages[1].for_template()["content"] == [
-        {"type": "text", "text": "first "}, {"type": "image"}, {"type": "image"}, {"type": "text", "text": "second"}
+        {"type": "text", "text": "first "}, {"type": "image"}, {"type": "image"},
+        {"type": "text", "text": "second"},
     ]
     assert body.messages[0].for_template() == {"role": "system", "content": "describe"}
 

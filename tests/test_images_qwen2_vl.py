@@ -54,8 +54,8 @@ def hf_greedy(qwen2_vl, hf_model, llm, requests: list[dict], max_new_tokens: int
         images = req.get("multi_modal_data", {}).get("image", [])
         ids, _ = llm.engine._multimodal(req)
         with torch.no_grad():
-            gen = hf_model.generate(**hf_inputs(qwen2_vl, hf_model, ids, images), max_new_tokens=max_new_tokens,
-                                    do_sample=False)
+            inputs = hf_inputs(qwen2_vl, hf_model, ids, images)
+            gen = hf_model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
         outs.append(gen[0, len(ids):].tolist())
     return outs
 
@@ -102,7 +102,8 @@ def test_mrope_positions_and_vision_tower_match_transformers(qwen2_vl, hf_model,
     assert torch.equal(positions[:, 0], mm.mrope_positions) and int(delta) == mm.mrope_delta
     with torch.no_grad():
         ref = hf_model.model.visual(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"]).pooler_output
-        ours = llm.engine.model.visual(torch.cat([i.pixel_values for i in mm.items]), [i.grid_thw for i in mm.items])
+        pixels = torch.cat([i.pixel_values for i in mm.items])
+        ours = llm.engine.model.visual(pixels, [i.grid_thw for i in mm.items])
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -116,10 +117,11 @@ def test_greedy_matches_transformers_with_images_mixed_with_text(reference, llm)
 
 def test_greedy_matches_with_prefill_chunked_inside_images(qwen2_vl, reference):
     reqs, ref = reference
-    llm = LLM(str(qwen2_vl), dtype="float32", device="cpu", max_num_batched_tokens=8, enable_prefix_caching=False)
+    llm = LLM(str(qwen2_vl), dtype="float32", device="cpu", max_num_batched_tokens=8,
+              enable_prefix_caching=False)
     outs = llm.generate(reqs, GREEDY, progress=False)
     assert [o.token_ids for o in outs] == ref
-    assert llm.stats()["images_encoded"] == 3  # each distinct image once, though its tokens span several steps
+    assert llm.stats()["images_encoded"] == 3  # each distinct image once, its tokens over several steps
 
 
 def test_greedy_matches_under_preemption(qwen2_vl, reference):
@@ -175,7 +177,8 @@ def test_chat_with_image_parts_is_generate_with_multi_modal_data(llm):
 
     image = noise_image(98, 70, 10)
     text = {"type": "text", "text": "describe "}
-    by_url = [{"role": "user", "content": [text, {"type": "image_url", "image_url": {"url": data_url(encoded(image))}}]}]
+    url_part = {"type": "image_url", "image_url": {"url": data_url(encoded(image))}}
+    by_url = [{"role": "user", "content": [text, url_part]}]
     by_pil = [{"role": "user", "content": [text, {"type": "image_pil", "image_pil": image}]}]
     rendered = llm.tokenizer.apply_chat_template([{"role": "user", "content": [text, {"type": "image"}]}],
                                                  add_generation_prompt=True, tokenize=False)

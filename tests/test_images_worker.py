@@ -17,7 +17,8 @@ from tests.test_images_qwen2_vl import noise_image
 
 @pytest.fixture(scope="module")
 def vl_llm(tmp_path_factory):
-    return LLM(str(make_qwen2_vl_checkpoint(tmp_path_factory.mktemp("qwen2-vl"))), dtype="float32", device="cpu")
+    path = make_qwen2_vl_checkpoint(tmp_path_factory.mktemp("qwen2-vl"))
+    return LLM(str(path), dtype="float32", device="cpu")
 
 
 def chat_line(cid: str, content) -> dict:
@@ -81,7 +82,8 @@ def test_image_lines_match_llm_chat_and_bad_images_fail_alone(vl_llm, redis_url,
 def test_an_image_to_a_text_only_model_is_a_line_error_naming_the_part(tiny_llama, redis_url, tmp_path):
     llm = LLM(str(tiny_llama), dtype="float32", device="cpu")
     url = data_url(encoded(Image.new("RGB", (32, 32), (1, 2, 3))))
-    lines = [chat_line("img", [{"type": "text", "text": "hi"}, image_part(url)]), chat_line("txt", "to be or")]
+    lines = [chat_line("img", [{"type": "text", "text": "hi"}, image_part(url)]),
+             chat_line("txt", "to be or")]
     client, batch_id = run_batch(llm, redis_url, lines, tmp_path)
     assert [r.custom_id for r in client.results(batch_id)] == ["txt"]
     (error,) = client.results(batch_id, errors=True)

@@ -16,17 +16,19 @@ class ImageRefused(ValueError):
     """An image part this worker cannot use: the line becomes an error record naming the part."""
 
 
-def with_images(llm: LLM, body: ChatBody, ids: list[int], settings: ImageSettings) -> list[int] | dict[str, Any]:
-    """The engine prompt of a rendered chat line: its ids, with its images as multi_modal_data where it has any."""
+def with_images(llm: LLM, body: ChatBody, ids: list[int],
+                settings: ImageSettings) -> list[int] | dict[str, Any]:
+    """The engine prompt of a rendered chat line: its ids, with its images as multi_modal_data if any."""
     parts = body.image_parts()
     if not parts:
         return ids
     if not llm.takes_images():
-        raise ImageRefused(f"{parts[0][0]}: this model takes no images (a text-only model); send text only or "
-                           "use a vision-language model")
+        raise ImageRefused(f"{parts[0][0]}: this model takes no images (a text-only model); send text only "
+                           "or use a vision-language model")
     if len(parts) > settings.image_max_per_request:
-        raise ImageRefused(f"{parts[settings.image_max_per_request][0]}: more than "
-                           f"{settings.image_max_per_request} images in one request (SLUICE_IMAGE_MAX_PER_REQUEST)")
+        limit = settings.image_max_per_request
+        raise ImageRefused(f"{parts[limit][0]}: more than {limit} images in one request "
+                           "(SLUICE_IMAGE_MAX_PER_REQUEST)")
     images = []
     for name, url in parts:
         try:

@@ -1,9 +1,10 @@
-"""Qwen2-VL natively: the vision tower and merger, and the Qwen2 language model with M-RoPE over our paged cache.
+"""Qwen2-VL natively: the vision tower and merger, and the Qwen2 language model with M-RoPE over our paged
+cache.
 
-Each step the runner hands the model its batch (`prepare_step`) before the forward: the vision tower encodes, in
-one batched call, the images of the requests being prefilled whose tokens this step covers and that the encoder
-cache lacks; their embeddings replace the image placeholder rows of the flat batch (a chunk that ends inside an
-image takes the slice it covers), and every token gets its (t, h, w) M-RoPE position.
+Each step the runner hands the model its batch (`prepare_step`) before the forward: the vision tower encodes,
+in one batched call, the images of the requests being prefilled whose tokens this step covers and that the
+encoder cache lacks; their embeddings replace the image placeholder rows of the flat batch (a chunk that ends
+inside an image takes the slice it covers), and every token gets its (t, h, w) M-RoPE position.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(dim, dim * 3, bias=True)
         self.proj = nn.Linear(dim, dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                lengths: list[int]) -> torch.Tensor:
         """x [N, dim] of images laid end to end (`lengths` patches each)."""
         n = x.shape[0]
         q, k, v = self.qkv(x).reshape(n, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
@@ -81,7 +83,8 @@ class VisionTransformer(nn.Module):
         super().__init__()
         dim, heads = cfg["embed_dim"], cfg["num_heads"]
         self.merge = cfg.get("spatial_merge_size", 2)
-        self.patch_dim = cfg.get("in_channels", 3) * cfg.get("temporal_patch_size", 2) * cfg["patch_size"] ** 2
+        channels, frames = cfg.get("in_channels", 3), cfg.get("temporal_patch_size", 2)
+        self.patch_dim = channels * frames * cfg["patch_size"] ** 2
         self.patch_embed = nn.Linear(self.patch_dim, dim, bias=False)  # the checkpoint's Conv3d, flattened
         self.blocks = nn.ModuleList(VisionBlock(dim, heads, int(dim * cfg.get("mlp_ratio", 4)))
                                     for _ in range(cfg["depth"]))
@@ -95,8 +98,9 @@ class VisionTransformer(nn.Module):
         """cos, sin [N, head_dim] of every patch's (h, w) position, patches in merge-block order."""
         m, ids = self.merge, []
         for t, h, w in grids:
-            hpos = torch.arange(h).unsqueeze(1).expand(-1, w).reshape(h // m, m, w // m, m).permute(0, 2, 1, 3)
-            wpos = torch.arange(w).unsqueeze(0).expand(h, -1).reshape(h // m, m, w // m, m).permute(0, 2, 1, 3)
+            blocks = (h // m, m, w // m, m)
+            hpos = torch.arange(h).unsqueeze(1).expand(-1, w).reshape(blocks).permute(0, 2, 1, 3)
+            wpos = torch.arange(w).unsqueeze(0).expand(h, -1).reshape(blocks).permute(0, 2, 1, 3)
             ids.append(torch.stack([hpos.flatten(), wpos.flatten()], -1).repeat(t, 1))
         pos = torch.cat(ids).to(device)
         freqs = (pos[..., None].float() * self.inv_freq).flatten(1)  # [N, 2 * spatial/2]: h's, then w's
@@ -115,7 +119,7 @@ class VisionTransformer(nn.Module):
 
 @dataclass(slots=True)
 class StepInputs:
-    """What `prepare_step` found for the next forward: M-RoPE positions [3, T] and image rows and embeddings."""
+    """What `prepare_step` found for the next forward: M-RoPE positions [3, T], image rows, embeddings."""
 
     positions: torch.Tensor
     rows: torch.Tensor | None
@@ -123,7 +127,7 @@ class StepInputs:
 
 
 class Qwen2VLModel(LlamaModel):
-    """The Qwen2 language model over the paged cache with M-RoPE positions and image embeddings in its input."""
+    """The Qwen2 language model over the paged cache, M-RoPE positions and image embeddings in its input."""
 
     cuda_graphs = False
 
@@ -179,13 +183,15 @@ class Qwen2VLModel(LlamaModel):
             assert self.visual is not None
             device = self.embed_tokens.weight.device
             items = list(todo.values())
-            embeds = self.visual(torch.cat([i.pixel_values for i in items]).to(device), [i.grid_thw for i in items])
+            pixels = torch.cat([i.pixel_values for i in items]).to(device)
+            embeds = self.visual(pixels, [i.grid_thw for i in items])
             for item, emb in zip(items, embeds.split([i.length for i in items]), strict=True):
                 found[item.content_hash] = emb
                 self.encoder_cache.put(item.content_hash, emb)
         return found
 
-    def _mrope_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def _mrope_cos_sin(self, positions: torch.Tensor,
+                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, 1, head_dim]: frequency section i of the rotary dims takes axis i % 3's positions."""
         out = []
         for table in (self.rope.cos, self.rope.sin):
@@ -194,7 +200,8 @@ class Qwen2VLModel(LlamaModel):
             out.append(torch.cat([mixed, mixed], -1).to(dtype)[:, None, :])
         return out[0], out[1]
 
-    def hidden_states(self, input_ids, positions, kv_caches, meta, indices, stack=False, plan=None) -> torch.Tensor:
+    def hidden_states(self, input_ids, positions, kv_caches, meta, indices, stack=False,
+                      plan=None) -> torch.Tensor:
         """Final-norm hidden states of the selected flat positions, image rows taking their embeddings."""
         step, self._step = self._step, None
         x = self.embed_tokens(input_ids)
@@ -218,7 +225,8 @@ def _vision_weight(reader, name: str, param: torch.Tensor, dtype) -> torch.Tenso
 
 def load_qwen2_vl(path: str | Path, hf_config: dict[str, Any], config: ModelConfig, dtype: torch.dtype,
                   device: torch.device, max_positions: int) -> Qwen2VLModel:
-    """Qwen2-VL from an HF folder: the language model as the native loader reads Qwen2, then the vision tower."""
+    """Qwen2-VL from an HF folder: the language model as the native loader reads Qwen2, then its vision
+    tower."""
     from sluice.engine.models.loader import CheckpointReader, _read_weights, skip_init
     from sluice.engine.models.rope import RotaryEmbedding
 

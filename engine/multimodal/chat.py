@@ -24,7 +24,8 @@ def chat_images(messages: list[dict[str, Any]], settings: ImageSettings) -> tupl
     out, images = [], []
     for i, message in enumerate(messages):
         content = message.get("content")
-        if not isinstance(content, list) or not any(p.get("type") in ("image_url", "image_pil") for p in content):
+        kinds = [p.get("type") for p in content] if isinstance(content, list) else []
+        if "image_url" not in kinds and "image_pil" not in kinds:
             out.append(message)
             continue
         parts = []

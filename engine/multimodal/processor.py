@@ -41,7 +41,8 @@ class ImageProcessor:
 
         path = Path(model_path) / "preprocessor_config.json"
         if not path.is_file():
-            raise FileNotFoundError(f"no preprocessor_config.json in {model_path}: the image processor's settings")
+            raise FileNotFoundError(f"no preprocessor_config.json (the image processor's settings) in "
+                                    f"{model_path}")
         self.processor = Qwen2VLImageProcessorPil(**_processor_kwargs(json.loads(path.read_text())))
         self.merge_size = int(self.processor.merge_size)
 
@@ -81,8 +82,8 @@ class MultiModalProcessor:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         slots = [i for i, t in enumerate(ids) if t == self.image_token_id]
         if len(slots) != len(images):
-            raise MultiModalError(f"the prompt has {len(slots)} image placeholder(s) but {len(images)} image(s) "
-                                  "were given (one placeholder per image)")
+            raise MultiModalError(f"the prompt has {len(slots)} image placeholder(s) but {len(images)} "
+                                  "image(s) were given (one placeholder per image)")
         expanded: list[int] = []
         items: list[ImageItem] = []
         cursor = 0
@@ -96,7 +97,8 @@ class MultiModalProcessor:
             cursor = slot + 1
         expanded += ids[cursor:]
         positions, delta = mrope_positions(expanded, items, self.images.merge_size)
-        return expanded, MultiModalInputs(items, positions, delta, image_salt([i.content_hash for i in items]))
+        salt = image_salt([i.content_hash for i in items])
+        return expanded, MultiModalInputs(items, positions, delta, salt)
 
 
 def _rgb(image):
