@@ -40,6 +40,8 @@ def checkpoint() -> Path:
     if not (path / "config.json").is_file():
         make_qwen2_vl_checkpoint(path, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                                  num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048,
+                                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                  "mrope_section": [4, 6, 6]},
                                  vision=dict(depth=4, embed_dim=128, num_heads=4, hidden_size=256))
         Qwen2VLImageProcessorPil(min_pixels=224 * 224, max_pixels=448 * 448, patch_size=14, merge_size=2,
                                  temporal_patch_size=2).save_pretrained(path)

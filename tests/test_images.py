@@ -155,3 +155,50 @@ def test_malformed_image_parts_are_refused_by_name():
         Message.model_validate({"role": "user", "content": [{"type": "image_url"}]})
     with pytest.raises(ValidationError, match="input_audio"):
         Message.model_validate({"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]})
+
+
+@pytest.fixture
+def image_server():
+    """A local HTTP server: /ok.png an image, /big.png over a small limit, /slow.png never answering in time."""
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    body = encoded(gradient())
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path == "/slow.png":
+                time.sleep(1.5)
+            if self.path == "/missing.png":
+                self.send_response(404)
+                self.end_headers()
+                return
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body * (50 if self.path == "/big.png" else 1))
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server.server_address[1]
+    server.shutdown()
+
+
+def test_fetch_reads_within_the_size_limit_and_the_timeout(image_server):
+    from sluice.contract.images import _get
+    from sluice.contract.signing import Target
+
+    def target(path: str) -> Target:
+        return Target(f"http://127.0.0.1:{image_server}{path}", "http", "127.0.0.1", image_server, path,
+                      "127.0.0.1")
+
+    assert decode_image(_get(target("/ok.png"), 5.0, 1 << 20), 10_000).size == (40, 24)
+    with pytest.raises(ImageError, match="over the limit of 1000 bytes"):
+        _get(target("/big.png"), 5.0, 1000)
+    with pytest.raises(ImageError, match="HTTP 404"):
+        _get(target("/missing.png"), 5.0, 1 << 20)
+    with pytest.raises(ImageError, match="no complete answer in 0.5 s"):
+        _get(target("/slow.png"), 0.5, 1 << 20)
