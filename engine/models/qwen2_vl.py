@@ -45,8 +45,9 @@ class VisionAttention(nn.Module):
         cos, sin = cos[:, None].float(), sin[:, None].float()
         q = (q.float() * cos + rotate_half(q.float()) * sin).to(v.dtype)
         k = (k.float() * cos + rotate_half(k.float()) * sin).to(v.dtype)
-        outs = [F.scaled_dot_product_attention(qi.transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1))
-                for qi, ki, vi in zip(q.split(lengths), k.split(lengths), v.split(lengths), strict=True)]
+        heads_first = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)]  # 4D: torch's fused CPU kernel
+        outs = [F.scaled_dot_product_attention(qi, ki, vi)[0]
+                for qi, ki, vi in zip(*(t.split(lengths, dim=2) for t in heads_first), strict=True)]
         return self.proj(torch.cat([o.transpose(0, 1) for o in outs]).reshape(n, -1))
 
 
