@@ -143,6 +143,7 @@ def test_one_image_in_many_prompts_is_encoded_once_and_images_salt_the_prefix_ca
     outs = llm.generate(reqs, GREEDY, progress=False)
     stats = llm.stats()
     assert stats["images_encoded"] == 1 and stats["encoder_cache_hits"] >= 1
+    assert len(llm.engine.mm_processor._patches) == 1  # and preprocessed once
     assert len({tuple(o.token_ids) for o in outs}) == 1
     other = {"prompt": prompt("describe", 1), "multi_modal_data": {"image": noise_image(112, 112, 8)}}
     ref = hf_greedy(qwen2_vl, hf_model, llm, [other])

@@ -10,6 +10,7 @@ reaches for video processing).
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from sluice.engine.multimodal.inputs import ImageItem, MultiModalInputs, mrope_p
 __all__ = ["MultiModalError", "MultiModalProcessor", "is_vision_language", "text_config_of"]
 
 MAX_IMAGES_PER_PROMPT = 16
+PATCH_CACHE_SIZE = 64  # preprocessed images kept by content hash (the same image in many lines)
 
 
 class MultiModalError(ValueError):
@@ -67,6 +69,18 @@ class MultiModalProcessor:
         self.image_token_id = int(hf_config["image_token_id"])
         self.tokenizer = tokenizer
         self.max_images = max_images
+        self._patches: OrderedDict[str, tuple[torch.Tensor, tuple[int, int, int]]] = OrderedDict()
+
+    def patches(self, image, key: str) -> tuple[torch.Tensor, tuple[int, int, int]]:
+        """Patches and grid of an image by content hash: an image seen among the last PATCH_CACHE_SIZE is
+        not preprocessed again."""
+        found = self._patches.get(key)
+        if found is None:
+            found = self._patches[key] = self.images(image)
+            if len(self._patches) > PATCH_CACHE_SIZE:
+                self._patches.popitem(last=False)
+        self._patches.move_to_end(key)
+        return found
 
     def tokens_per_image(self, grid: tuple[int, int, int]) -> int:
         """Placeholder tokens an image of this patch grid takes."""
@@ -89,10 +103,11 @@ class MultiModalProcessor:
         cursor = 0
         for slot, image in zip(slots, images, strict=True):
             rgb = _rgb(image)
-            pixels, grid = self.images(rgb)
+            key = image_hash(rgb)
+            pixels, grid = self.patches(rgb, key)
             expanded += ids[cursor:slot]
             n = self.tokens_per_image(grid)
-            items.append(ImageItem(image_hash(rgb), pixels, grid, len(expanded), n))
+            items.append(ImageItem(key, pixels, grid, len(expanded), n))
             expanded += [self.image_token_id] * n
             cursor = slot + 1
         expanded += ids[cursor:]
