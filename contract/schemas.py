@@ -36,6 +36,7 @@ Finite = Annotated[float, Field(allow_inf_nan=False)]
 Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]
 StopText = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+MAX_IMAGE_URL_CHARS = 30_000_000
 
 
 class BodyError(ValueError):
@@ -218,13 +219,34 @@ class CompletionBody(SamplingBody):
         return self.logprobs
 
 
-class ContentPart(BaseModel):
+class TextPart(BaseModel):
     """A text part of a chat message's content."""
 
     model_config = ConfigDict(extra="forbid")
 
     type: Literal["text"]
     text: str
+
+
+class ImageUrl(BaseModel):
+    """The image_url member of an image part: a data:, file://, s3:// or https:// URL and a detail hint."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str = Field(min_length=1, max_length=MAX_IMAGE_URL_CHARS)
+    detail: Literal["low", "high", "auto"] = "auto"
+
+
+class ImagePart(BaseModel):
+    """An image part of a chat message's content (OpenAI's image_url content part)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 
 class FunctionCall(BaseModel):
@@ -267,11 +289,20 @@ class Message(BaseModel):
         """The message content as plain text."""
         if isinstance(self.content, str) or self.content is None:
             return self.content or ""
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content if isinstance(part, TextPart))
+
+    def image_urls(self) -> list[str]:
+        """The URLs of the message's image parts, in order."""
+        if not isinstance(self.content, list):
+            return []
+        return [part.image_url.url for part in self.content if isinstance(part, ImagePart)]
 
     def for_template(self) -> dict[str, Any]:
         """The message as a chat template reads it (tool calls and tool results included)."""
         out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.image_urls():
+            out["content"] = [{"type": "image"} if isinstance(p, ImagePart) else p.model_dump()
+                              for p in self.content or []]
         if self.tool_calls:
             out["tool_calls"] = [
                 {"id": c.id, "type": "function",
@@ -315,6 +346,12 @@ class ChatBody(SamplingBody):
             message = "a forced tool_choice cannot be combined with response_format or structured_outputs"
             raise BodyError("tool_choice", message)
         return self
+
+    def image_parts(self) -> list[tuple[str, str]]:
+        """(name, url) of every image part in order, named messages[i].content[j] for per-part errors."""
+        return [(f"messages[{i}].content[{j}]", part.image_url.url)
+                for i, m in enumerate(self.messages) if isinstance(m.content, list)
+                for j, part in enumerate(m.content) if isinstance(part, ImagePart)]
 
     def chosen_tools(self) -> ToolChoice:
         """tool_choice as OpenAI defaults it: auto when tools are given, none otherwise."""

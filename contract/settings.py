@@ -63,6 +63,12 @@ class Settings(BaseSettings):
     max_enqueued_tokens: int = Field(0, ge=0)  # per project, estimated as JSON bytes / 4; 0: no cap
     json_max_number_digits: int | None = Field(None, gt=0)  # the engine's json_max_number_digits (default 32)
     json_max_string_chars: int | None = Field(None, gt=0)  # the engine's json_max_string_chars (default 8192)
+    image_input_roots: str = ""  # file:// and s3:// roots image_url parts may name (none: only data: URLs)
+    image_allow_https: bool = False
+    image_max_bytes: int = Field(20 * 1024 * 1024, gt=0)
+    image_max_pixels: int = Field(40_000_000, gt=0)
+    image_max_per_request: int = Field(16, ge=0)
+    image_timeout: float = Field(10.0, gt=0)
 
     @model_validator(mode="after")
     def _default_output_url(self) -> Settings:

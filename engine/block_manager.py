@@ -71,7 +71,7 @@ class BlockManager:
             return 0
         tokens = req.all_token_ids
         num_full = (len(tokens) - 1) // self.block_size
-        parent: int | None = req.cache_salt
+        parent: int | None = req.cache_salt  # a salted request shares blocks only with its own salt
         for i in range(num_full):
             chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
             h = self.chain_hash(parent, chunk)

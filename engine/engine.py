@@ -110,11 +110,11 @@ class Engine:
         """Token ids of a prompt (strings through the tokenizer)."""
         return self.intake.encode(prompt)
 
-    def add_request(self, request_id: str, prompt: str | list[int] | list[str] | list[list[int]],
+    def add_request(self, request_id: str, prompt: str | list[int] | list[str] | list[list[int]] | dict,
                     params: SamplingParams | PoolingParams | None = None,
                     lora_request: LoRARequest | None = None) -> None:
-        """Queue a request (PoolingParams: an embedding of each input; lora_request: the adapter it runs with);
-        raise RequestRejected if it can never run."""
+        """Queue a request (PoolingParams: an embedding of each input; a dict: a prompt with multi_modal_data;
+        lora_request: the adapter it runs with); raise RequestRejected if it can never run."""
         if request_id in self.requests or request_id in self.groups:
             raise RequestRejected(f"duplicate request id {request_id!r}")
         self._admit_adapter(lora_request, params)
@@ -122,7 +122,7 @@ class Engine:
         if group is not None:
             self.groups.add(group)
         for seq in seqs:
-            seq.lora_request, seq.cache_salt = lora_request, salt(lora_request)
+            seq.lora_request, seq.cache_salt = lora_request, salt(lora_request, seq.cache_salt)
             self.requests[seq.request_id] = seq
             if group is None or seq not in group.followers:  # followers start once the prompt is computed
                 self.scheduler.add(seq)
@@ -226,4 +226,6 @@ class Engine:
         }
         if self.proposer is not None:
             out.update(self.spec_stats.as_dict())
+        if hasattr(self.model, "encoder_cache"):  # a vision-language model's images encoded and reused
+            out.update(self.model.encoder_cache.stats())
         return out

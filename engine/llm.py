@@ -18,7 +18,7 @@ from sluice.engine.pooling import PoolingParams, split_inputs
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.weight_reserve import WeightReservation
 
-Prompt = str | list[int]
+Prompt = str | list[int] | dict  # a dict: {"prompt" | "prompt_token_ids", "multi_modal_data": {"image": ...}}
 # Called after every `LLM.step` with the step's outputs and its duration in seconds.
 StepObserver = Callable[[list[RequestOutput | EmbeddingOutput], float], None]
 
@@ -53,7 +53,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order. `lora_request`: one adapter for
         every prompt, or one per prompt (None: the base model)."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str | dict) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         plist = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
         if len(plist) != len(prompts):
@@ -121,11 +121,28 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate the assistant reply for each conversation (`tools` go to the chat template; `lora_request`
-        as for generate)."""
+        """Generate the assistant reply for each conversation (`tools` go to the chat template; image_url and
+        image_pil parts go to a vision-language model, URLs fetched as SLUICE_IMAGE_* allows; `lora_request` as
+        for generate)."""
         if messages_list and isinstance(messages_list[0], dict):
             messages_list = [messages_list]  # type: ignore[list-item]
-        return self.generate([self.encode_chat(m, tools) for m in messages_list], params, progress, lora_request)
+        return self.generate([self._chat_prompt(m, tools) for m in messages_list], params, progress,
+                             lora_request)
+
+    def _chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> Prompt:
+        """A conversation's engine prompt: its ids, with its images (engine.multimodal.chat) if any."""
+        if not any(isinstance(m.get("content"), list) for m in messages):
+            return self.encode_chat(messages, tools)
+        from sluice.contract.images import ImageSettings
+        from sluice.contract.settings import get_settings
+        from sluice.engine.multimodal.chat import chat_images, image_prompt
+
+        rendered, images = chat_images(messages, ImageSettings.of(get_settings()))
+        return image_prompt(self.encode_chat(rendered, tools), images)
+
+    def takes_images(self) -> bool:
+        """Whether the model takes images in its prompts (a vision-language model)."""
+        return hasattr(self.engine.model, "prepare_step")
 
     def score(self, prompts: Sequence[Prompt] | str, data_2: str | Sequence[str] | None = None,
               progress: bool = False, lora_request: LoRARequest | None = None) -> list[Any]:

@@ -105,6 +105,8 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> StepLogits:
         """One forward pass over every scheduled request's new tokens."""
         rows = StepLogits(None, [], [], [])  # type: ignore[arg-type]
+        if hasattr(self.model, "prepare_step"):  # vision-language models: image embeddings, M-RoPE positions
+            self.model.prepare_step(batch)
         ids, positions, slots, context_lens, logit_idx, hidden_idx = self._layout(batch, rows)
         tables = [r.block_table for r in batch.requests]
         adapters = self._map_adapters(batch)

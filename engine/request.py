@@ -25,7 +25,8 @@ class Request:
         "request_id", "prompt_token_ids", "output_token_ids", "params", "status", "num_computed_tokens",
         "block_table", "num_cached_tokens", "metrics", "finish_reason", "generator", "logprobs",
         "stop_text_len", "text", "spec_token_ids", "want_prompt_logits", "prompt_logits", "error",
-        "draft_state", "grammar", "lora_request", "cache_salt",
+        "draft_state", "grammar", "lora_request",
+        "cache_salt", "mm_inputs",  # the prefix cache's hash seed (adapter, images); the prompt's images
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -53,7 +54,8 @@ class Request:
         self.draft_state: object | None = None
         self.grammar: Any = None
         self.lora_request = lora_request  # engine.lora.LoRARequest, None for the base model
-        self.cache_salt: int | None = None  # seeds the prefix cache's hash chain (an adapter's requests: its id)
+        self.cache_salt: int | None = None
+        self.mm_inputs: Any = None
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -13,6 +13,8 @@ from sluice.engine.groups import SequenceGroup
 from sluice.engine.json_schema import JsonBounds
 from sluice.engine.logits_processors import LogitsProcessors
 from sluice.engine.models.llama import ModelConfig
+from sluice.engine.multimodal.inputs import MultiModalInputs, with_images
+from sluice.engine.multimodal.processor import MultiModalError, MultiModalProcessor, split_prompt
 from sluice.engine.pooling import (
     EmbeddingGroup,
     PoolingError,
@@ -77,6 +79,7 @@ class RequestIntake:
     device: torch.device
     json_bounds: JsonBounds | None = None  # the length bounds of a JSON schema's values (engine.json_schema)
     pooling: str | None = None
+    mm_processor: MultiModalProcessor | None = None  # a vision-language model's, made on the first image
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a prompt (strings through the tokenizer)."""
@@ -88,10 +91,11 @@ class RequestIntake:
                  params: SamplingParams | PoolingParams) -> tuple[list[Request], Group | None]:
         """The requests to add (with their grammar matchers) and the group that merges their outputs, if any;
         raise RequestRejected if the request can never run."""
+        mm = None
         if isinstance(params, PoolingParams):
             seqs, group = self._embedding(request_id, prompt, params)
         else:
-            ids = self.encode(prompt)  # type: ignore[arg-type]
+            ids, mm = self._multimodal(prompt) if isinstance(prompt, dict) else (self.encode(prompt), None)
             check_prompt(ids, params, self.model_config.vocab_size, self.max_model_len, self.capacity)
             if params.n == 1 and (params.best_of or 1) == 1:
                 seqs, group = [Request(request_id, ids, params)], None
@@ -99,8 +103,23 @@ class RequestIntake:
                 group = SequenceGroup.fan_out(request_id, ids, params)
                 seqs = group.sequences
         for req in seqs:
+            with_images(req, mm)
             self._attach_grammar(req)
         return seqs, group
+
+    def _multimodal(self, prompt: dict) -> tuple[list[int], MultiModalInputs | None]:
+        """Token ids (image placeholders expanded) and images of a prompt dict (engine.multimodal)."""
+        try:
+            text, images = split_prompt(prompt)
+            if not images:
+                return self.encode(text), None
+            if not hasattr(self.model, "prepare_step"):
+                raise MultiModalError(f"{self.model_config.architecture} takes no images (a text-only model)")
+            if self.mm_processor is None:
+                self.mm_processor = MultiModalProcessor(self.model_dir, self.hf_config, self.tokenizer)
+            return self.mm_processor.process(text, images)
+        except MultiModalError as exc:
+            raise RequestRejected(str(exc)) from exc
 
     def _embedding(self, request_id: str, inputs: object,
                    params: PoolingParams) -> tuple[list[Request], EmbeddingGroup | None]:

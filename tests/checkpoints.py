@@ -193,3 +193,49 @@ def sentence_transformers_files(folder: Path, mode: str, normalize: bool = True,
     if max_seq_length is not None:
         (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": max_seq_length}))
     return folder
+
+
+# Qwen2-VL: the special tokens of its chat template, and a template rendering image parts as Qwen2-VL's does.
+QWEN2_VL_SPECIALS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
+QWEN2_VL_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+    "{% if p['type'] == 'image' or p['type'] == 'image_url' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% else %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def make_qwen2_vl_checkpoint(path: Path, seed: int = 0, dtype=torch.float32, vision: dict | None = None,
+                             **text_overrides) -> Path:
+    """A tiny random Qwen2-VL (2-layer text, 2-block vision tower), its tokenizer and a
+    Qwen2VLImageProcessorPil preprocessor_config.json whose pixel bounds make an image at most 16 tokens."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil
+
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": QWEN2_VL_SPECIALS})
+    tokenizer.chat_template = QWEN2_VL_TEMPLATE
+    start, end, pad = tokenizer.convert_tokens_to_ids(QWEN2_VL_SPECIALS)
+    text = dict(vocab_size=len(tokenizer) + 4, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+                bos_token_id=1, eos_token_id=2, pad_token_id=3, tie_word_embeddings=False)
+    text.update(text_overrides)
+    vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, patch_size=14, spatial_merge_size=2,
+                  temporal_patch_size=2, mlp_ratio=2, in_channels=3) | (vision or {})
+    config = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=pad,
+                           vision_start_token_id=start, vision_end_token_id=end, video_token_id=pad + 1,
+                           tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = Qwen2VLForConditionalGeneration(config).to(dtype).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 1:
+                p.normal_(0, 0.2 if p.dim() > 1 else 0.1)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=3).save_pretrained(path)
+    processor = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112, patch_size=14,
+                                         merge_size=2, temporal_patch_size=2)
+    processor.save_pretrained(path)
+    return path

@@ -15,6 +15,7 @@ from pydantic import ValidationError
 from rq import get_current_job
 
 from sluice.contract.batch import BatchStore
+from sluice.contract.images import ImageSettings
 from sluice.contract.redis_conn import connect
 from sluice.contract.schemas import ChatBody, EmbeddingBody, OutputRecord, Request, ResponsesBody
 from sluice.contract.settings import Settings, get_settings, stay_off_the_hub
@@ -23,6 +24,7 @@ from sluice.contract.storage import open_output
 from sluice.worker.adapters import Adapters, ServedModels
 from sluice.worker.encoder_responses import encoder_params
 from sluice.worker.faults import faults
+from sluice.worker.images import ImageRefused, with_images
 from sluice.worker.lease import Commit, attempt_key, begin_attempt, commit, lease_holds
 from sluice.worker.responses import ABORT_CODES, error_record, output_record
 from sluice.worker.terminal import OUTPUT_NOT_ALLOWED, fail_batch, output_problem
@@ -99,6 +101,8 @@ def prepare(llm: LLM, request: Request, served: set[str]) -> tuple[Any, Any]:
         raise ChatTemplateError(
             f"the model's chat template failed on these messages: {type(exc).__name__}: {exc}"
         ) from exc
+    if body.image_parts():  # fetched and decoded here, each problem naming its part (worker.images)
+        prompt = with_images(llm, body, prompt, ImageSettings.of(get_settings()))
     return prompt, SamplingParams(**body.sampling_kwargs())
 
 
@@ -180,6 +184,8 @@ class ShardRun:
             self.fail(request, "model_not_found", str(exc), 400)
         except ChatTemplateError as exc:
             self.fail(request, "chat_template_error", str(exc), 400)
+        except ImageRefused as exc:
+            self.fail(request, "invalid_image", str(exc), 400)
         except (ValidationError, ValueError, TypeError) as exc:
             self.fail(request, "invalid_request", str(exc), 400)
         else:

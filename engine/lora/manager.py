@@ -159,9 +159,12 @@ def _parent(layer: nn.Module, proj: str) -> tuple[nn.Module, str]:
     return getattr(layer, block), name
 
 
-def salt(lora: LoRARequest | None) -> int | None:
-    """The prefix cache's chain seed for a request: blocks computed under one adapter never serve another."""
-    return None if lora is None else hash(("lora", lora.lora_int_id, lora.lora_path))
+def salt(lora: LoRARequest | None, other: int | None = None) -> int | None:
+    """The prefix cache's chain seed for a request: blocks computed under one adapter never serve another
+    (`other`: a seed the request has already, its images')."""
+    if lora is None:
+        return other
+    return hash(("lora", lora.lora_int_id, lora.lora_path, other))
 
 
 __all__ = ["LoRAManager", "LoRAError", "LoRARequest", "salt"]

@@ -33,6 +33,7 @@ from sluice.engine import weight_reserve
 from sluice.engine.models.llama import LlamaModel, ModelConfig
 from sluice.engine.models.paths import GENERIC
 from sluice.engine.models.rope import RotaryEmbedding
+from sluice.engine.multimodal.config import is_vision_language
 from sluice.engine.weight_memory import WeightArena
 
 LinearHook = Callable[[str, nn.Linear], nn.Module]
@@ -339,6 +340,10 @@ def load_model(
     if weight_loading not in WEIGHT_LOADING:
         raise ValueError(f"weight_loading must be one of {', '.join(WEIGHT_LOADING)}, got {weight_loading!r}")
     config = config or ModelConfig.from_hf(read_config(path))
+    if is_vision_language(hf := read_config(path)):  # the vision tower and M-RoPE (models.qwen2_vl)
+        from sluice.engine.models.qwen2_vl import load_qwen2_vl
+
+        return load_qwen2_vl(path, hf, config, dtype, device, max_positions)
     if config.path == GENERIC:  # transformers' own modules with our attention (models.generic)
         from sluice.engine.models.generic import load_generic
 

@@ -1,0 +1,136 @@
+"""Images in the continuous batch: the engine vs transformers' static batched generate on a random
+Qwen2-VL, and the same image in every line against distinct images (the encoder cache).
+
+python bench/vision.py [--images 64] [--new-tokens 32] [--hf-batch 16]
+
+A random Qwen2-VL (text: hidden 256 x 4 layers; vision: 4 blocks of width 128) whose image processor keeps
+images between 224x224 and 448x448 pixels (64 to 256 tokens each); images of 224 to 640 px with mixed aspect
+ratios, one caption prompt each, greedy, fp32 on CPU. Runs, in one process:
+1. transformers' `generate` over the requests in static batches of --hf-batch (left-padded), then the engine
+   over all of them; outputs compared token for token; requests per second of each.
+2. prefill only (max_tokens=1): 64 distinct images, then one image in all 64 lines (prefix caching off, then
+   on); prompt tokens per second and the encoder cache's count of images encoded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from common import ROOT  # noqa: F401  (puts the repository on the path)
+from PIL import Image
+
+from sluice.engine import LLM, SamplingParams
+
+PAD = "<|vision_start|><|image_pad|><|vision_end|>"
+PROMPT = f"<|user|>{PAD} describe the image\n<|assistant|>"
+
+
+def checkpoint() -> Path:
+    """The bench's random Qwen2-VL, built once into the temp folder."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    from tests.checkpoints import make_qwen2_vl_checkpoint
+
+    path = Path(tempfile.gettempdir()) / "sluice-bench-qwen2-vl"
+    if not (path / "config.json").is_file():
+        make_qwen2_vl_checkpoint(path, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                                 num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048,
+                                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                  "mrope_section": [4, 6, 6]},
+                                 vision=dict(depth=4, embed_dim=128, num_heads=4, hidden_size=256))
+        Qwen2VLImageProcessorPil(min_pixels=224 * 224, max_pixels=448 * 448, patch_size=14, merge_size=2,
+                                 temporal_patch_size=2).save_pretrained(path)
+    return path
+
+
+def images(n: int, seed: int = 0) -> list[Image.Image]:
+    """n smooth random images of 224 to 640 px per side."""
+    rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        w, h = rng.randint(224, 640), rng.randint(224, 640)
+        small = torch.randint(0, 256, (1, 3, 8, 8), generator=g).float()
+        big = torch.nn.functional.interpolate(small, size=(h, w), mode="bilinear").clamp(0, 255)
+        out.append(Image.fromarray(big[0].permute(1, 2, 0).to(torch.uint8).numpy()))
+    return out
+
+
+def hf_generate(path: Path, llm: LLM, imgs: list[Image.Image], new_tokens: int,
+                batch: int) -> list[list[int]]:
+    """transformers' greedy generate in static, left-padded batches: each request's new tokens."""
+    from transformers import AutoImageProcessor, Qwen2VLForConditionalGeneration
+
+    model = Qwen2VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    proc = AutoImageProcessor.from_pretrained(path)
+    image_id = model.config.image_token_id
+    outs = []
+    for i in range(0, len(imgs), batch):
+        part = imgs[i:i + batch]
+        ids = [llm.engine._multimodal({"prompt": PROMPT, "multi_modal_data": {"image": im}})[0]
+               for im in part]
+        width = max(map(len, ids))
+        input_ids = torch.tensor([[3] * (width - len(x)) + x for x in ids])
+        mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
+        pixels = proc(images=part, return_tensors="pt")
+        with torch.no_grad():
+            gen = model.generate(
+                input_ids=input_ids, attention_mask=mask, pixel_values=pixels["pixel_values"],
+                image_grid_thw=pixels["image_grid_thw"], mm_token_type_ids=(input_ids == image_id).int(),
+                max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=3)
+        outs += gen[:, width:].tolist()
+    return outs
+
+
+def prefill_rate(path: Path, imgs: list[Image.Image], prefix_caching: bool) -> tuple[float, int]:
+    """(prompt tokens per second, images encoded) of prefilling one request per image."""
+    llm = LLM(str(path), dtype="float32", device="cpu", enable_prefix_caching=prefix_caching)
+    reqs = [{"prompt": PROMPT, "multi_modal_data": {"image": im}} for im in imgs]
+    start = time.perf_counter()
+    outs = llm.generate(reqs, SamplingParams(max_tokens=1, temperature=0), progress=False)
+    seconds = time.perf_counter() - start
+    return sum(len(o.prompt_token_ids) for o in outs) / seconds, llm.stats()["images_encoded"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--images", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--hf-batch", type=int, default=16)
+    args = p.parse_args()
+    torch.manual_seed(0)
+    path = checkpoint()
+    imgs = images(args.images)
+    llm = LLM(str(path), dtype="float32", device="cpu")
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
+    t = time.perf_counter()
+    ref = hf_generate(path, llm, imgs, args.new_tokens, args.hf_batch)
+    hf_s = time.perf_counter() - t
+    reqs = [{"prompt": PROMPT, "multi_modal_data": {"image": im}} for im in imgs]
+    t = time.perf_counter()
+    outs = llm.generate(reqs, params, progress=False)
+    ours_s = time.perf_counter() - t
+    equal = sum(o.token_ids == r for o, r in zip(outs, ref, strict=True))
+    tokens = sum(len(o.prompt_token_ids) for o in outs)
+    print("| system | seconds | requests/s | outputs equal |\n|---|---|---|---|")
+    print(f"| transformers generate, static batches of {args.hf_batch} | {hf_s:.1f} | "
+          f"{len(imgs) / hf_s:.2f} | - |")
+    print(f"| sluice engine | {ours_s:.1f} | {len(imgs) / ours_s:.2f} | {equal}/{len(imgs)} |")
+    print(f"speed-up {hf_s / ours_s:.2f}x; prompt tokens {tokens}")
+    distinct, n_distinct = prefill_rate(path, imgs, prefix_caching=False)
+    same, n_same = prefill_rate(path, [imgs[0]] * len(imgs), prefix_caching=False)
+    cached, n_cached = prefill_rate(path, [imgs[0]] * len(imgs), prefix_caching=True)
+    print("\n| prefill (max_tokens=1) | prompt tokens/s | images encoded | vs distinct |\n|---|---|---|---|")
+    print(f"| {len(imgs)} distinct images | {distinct:.0f} | {n_distinct} | 1.00x |")
+    print(f"| one image in {len(imgs)} lines, prefix caching off | {same:.0f} | {n_same} | "
+          f"{same / distinct:.2f}x |")
+    print(f"| one image in {len(imgs)} lines, prefix caching on | {cached:.0f} | {n_cached} | "
+          f"{cached / distinct:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,201 @@
+"""Images in chat lines: fetch an image_url part's bytes (data:, file://, s3://, https://) and decode them.
+
+Sources are checked before anything is read: file:// and s3:// must lie under the configured image input
+roots, https:// is off unless allowed and then goes through the webhooks' SSRF guard (every address public or
+allow-listed, the connection made to the checked address) with a timeout and a size limit. Decoding applies
+the EXIF orientation, takes the first frame of an animation, converts to RGB and refuses more pixels than the
+limit.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import hashlib
+import io
+import re
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pydantic import BaseModel, Field
+from urllib3.connection import HTTPConnection, HTTPSConnection
+
+from sluice.contract.signing import Target, UnsafeWebhookURL, redact_url, resolve_target
+from sluice.contract.storage import _within, read_url
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+    from sluice.contract.settings import Settings
+
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
+_DATA_URL = re.compile(r"data:image/(png|jpeg|jpg|webp|gif);base64,", re.IGNORECASE)
+
+
+class ImageError(ValueError):
+    """An image part that cannot be used (its source is refused, unreadable, too large or undecodable)."""
+
+
+class ImageSettings(BaseModel):
+    """Where images may come from and how large they may be; `of(settings)` takes SLUICE_IMAGE_* fields."""
+
+    image_input_roots: str = ""
+    image_allow_https: bool = False
+    image_max_bytes: int = Field(20 * 1024 * 1024, gt=0)
+    image_max_pixels: int = Field(40_000_000, gt=0)
+    image_max_per_request: int = Field(16, ge=0)
+    image_timeout: float = Field(10.0, gt=0)
+    webhook_allow: str = ""
+
+    @classmethod
+    def of(cls, settings: Settings) -> ImageSettings:
+        """The image fields of settings (plus the SSRF allow-list the webhooks use)."""
+        return cls(**settings.model_dump(include=set(cls.model_fields)))
+
+    def roots(self) -> list[str]:
+        """The file:// and s3:// roots image URLs may name (none by default)."""
+        return [r.strip() for r in self.image_input_roots.split(",") if r.strip()]
+
+
+@dataclass(frozen=True)
+class LoadedImage:
+    """A decoded RGB image and the hash of its pixels (the encoder and prefix caches key on it)."""
+
+    image: Image.Image
+    content_hash: str
+
+
+def _data_bytes(url: str, max_bytes: int) -> bytes:
+    match = _DATA_URL.match(url)
+    if match is None:
+        raise ImageError("a data URL must be data:image/<png|jpeg|webp|gif>;base64,<data>")
+    payload = url[match.end():]
+    if len(payload) > (max_bytes * 4) // 3 + 4:
+        raise ImageError(f"image data is over the limit of {max_bytes} bytes")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise ImageError("image data URL is not valid base64") from None
+
+
+def _stored_bytes(url: str, settings: ImageSettings) -> bytes:
+    roots = settings.roots()
+    if not roots or not any(_within(url, root) for root in roots):
+        shown = redact_url(url) if "://" in url else url
+        raise ImageError(f"image {shown!r} is outside the image input roots (SLUICE_IMAGE_INPUT_ROOTS)")
+    try:
+        return read_url(url, settings.image_max_bytes)
+    except FileNotFoundError:
+        raise ImageError(f"no such image: {url}") from None
+    except ValueError as exc:
+        raise ImageError(str(exc)) from None
+    except Exception as exc:  # storage errors (permissions, S3) become the line's error
+        raise ImageError(f"image {url} could not be read: {type(exc).__name__}") from None
+
+
+def _connection(target: Target, timeout: float) -> HTTPConnection:
+    if target.scheme == "https":
+        return HTTPSConnection(target.address, target.port, timeout=timeout, server_hostname=target.host,
+                               assert_hostname=target.host)
+    return HTTPConnection(target.address, target.port, timeout=timeout)
+
+
+def _cut(conn: HTTPConnection, expired: threading.Event) -> None:
+    expired.set()
+    if conn.sock is not None:
+        with contextlib.suppress(OSError):
+            conn.sock.close()
+
+
+def _https_bytes(url: str, settings: ImageSettings) -> bytes:
+    if not settings.image_allow_https:
+        raise ImageError("https image URLs are off; set SLUICE_IMAGE_ALLOW_HTTPS=1 to fetch them")
+    if not url.startswith("https://"):
+        raise ImageError("image URLs must be https://, data:, file:// or s3://")
+    try:
+        target = resolve_target(url, settings.webhook_allow)
+    except UnsafeWebhookURL as exc:
+        raise ImageError(f"image URL refused: {exc}".replace("webhook", "image")) from None
+    return _get(target, settings.image_timeout, settings.image_max_bytes)
+
+
+def _get(target: Target, timeout: float, max_bytes: int) -> bytes:
+    """GET the checked target within timeout seconds in all, refusing a body over max_bytes."""
+    conn, expired = _connection(target, timeout), threading.Event()
+    timer = threading.Timer(timeout, _cut, args=(conn, expired))
+    timer.daemon = True
+    started = time.monotonic()
+    try:
+        timer.start()
+        conn.request("GET", target.request_uri, headers={"host": target.host_header, "connection": "close",
+                                                        "user-agent": "sluice-images/0.1"},
+                     preload_content=False)
+        response = conn.getresponse()
+        if response.status != 200:
+            raise ImageError(f"image URL {redact_url(target.url)} answered HTTP {response.status}")
+        body = bytearray()
+        for chunk in response.stream(64 * 1024):
+            body += chunk
+            if len(body) > max_bytes:
+                raise ImageError(f"image at {redact_url(target.url)} is over the limit of {max_bytes} bytes")
+        return bytes(body)
+    except ImageError:
+        raise
+    except Exception as exc:
+        if expired.is_set() or time.monotonic() - started >= timeout:
+            raise ImageError(f"image URL {redact_url(target.url)}: no complete answer in {timeout:g} s") \
+                from None
+        raise ImageError(f"image URL {redact_url(target.url)} failed: {type(exc).__name__}") from None
+    finally:
+        timer.cancel()
+        conn.close()
+
+
+def fetch_image_bytes(url: str, settings: ImageSettings) -> bytes:
+    """The encoded bytes an image URL names, after checking its scheme, place and size."""
+    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+    if scheme == "data":
+        data = _data_bytes(url, settings.image_max_bytes)
+    elif scheme in ("file", "s3"):
+        data = _stored_bytes(url, settings)
+    elif scheme in ("https", "http"):
+        data = _https_bytes(url, settings)
+    else:
+        raise ImageError(f"image URL scheme {scheme or 'empty'!r} is not one of data, file, s3, https")
+    if len(data) > settings.image_max_bytes:
+        raise ImageError(f"image is {len(data)} bytes, over the limit of {settings.image_max_bytes}")
+    return data
+
+
+def decode_image(data: bytes, max_pixels: int) -> Image.Image:
+    """Decode PNG/JPEG/WebP/GIF bytes: EXIF orientation applied, first frame, RGB, at most max_pixels."""
+    from PIL import Image, ImageOps, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as img:
+            width, height = img.size
+            if width * height > max_pixels:
+                raise ImageError(f"image is {width}x{height} pixels, over the limit of {max_pixels}")
+            img.seek(0)
+            img.load()
+            return ImageOps.exif_transpose(img).convert("RGB")
+    except ImageError:
+        raise
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
+        raise ImageError(f"image does not decode as PNG, JPEG, WebP or GIF: {type(exc).__name__}") from None
+
+
+def image_hash(image: Image.Image) -> str:
+    """A hash of an RGB image's size and pixels (equal images from different sources hash equal)."""
+    digest = hashlib.blake2b(f"{image.width}x{image.height}:".encode(), digest_size=16)
+    digest.update(image.tobytes())
+    return digest.hexdigest()
+
+
+def load_image(url: str, settings: ImageSettings) -> LoadedImage:
+    """Fetch and decode the image an image_url names."""
+    image = decode_image(fetch_image_bytes(url, settings), settings.image_max_pixels)
+    return LoadedImage(image, image_hash(image))
