@@ -121,6 +121,8 @@ def test_output_files_are_deleted_when_output_expires_after_comes(llm, redis_url
     assert not list((tmp_path / batch.id).rglob("*.jsonl"))
     gone = client.get(batch.id)
     assert gone.output_file is None and gone.error_file is None
+    with pytest.raises(ValueError, match=f"{batch.id}/input.jsonl is gone"):
+        client.resume(batch.id)
 
 
 @pytest.mark.parametrize("spec", [
