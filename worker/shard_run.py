@@ -222,7 +222,7 @@ class ShardRun:
         """Write this attempt's shards/{n}.{token}.jsonl (refused outside roots) and commit it with the
         shard's counts; LeaseLost (the output discarded) when another attempt took the shard or the batch is
         closed."""
-        assert self.loaded, "a shard read from a slice is saved only after load(): else its lines would vanish"
+        assert self.loaded, "a shard read from a slice is saved only after load() (else its lines vanish)"
         assert self.done and len(self.records) == len(self.requests), "a shard is saved only when complete"
         if self.token is None and not self.lease(connection):
             raise LeaseLost(f"shard {self.shard} of {self.batch_id} was committed by another attempt")
