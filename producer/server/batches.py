@@ -160,8 +160,8 @@ class BatchApi:
             "usage": self.usage(batch),
         }
 
-    def create(self, key: ApiKey, body: CreateBatch) -> dict[str, Any]:
-        """Validate the input file's lines and enqueue its shards on the ordinary queues."""
+    def batch_input(self, key: ApiKey, body: CreateBatch) -> FileRecord:
+        """The batch's input file, refused (400) unless it is a batch file whose lines use body.endpoint."""
         source = self.files.get(key.project, body.input_file_id)
         if source.purpose != "batch":
             raise APIError(
@@ -176,6 +176,11 @@ class BatchApi:
                 param="endpoint",
                 code="invalid_url",
             )
+        return source
+
+    def create(self, key: ApiKey, body: CreateBatch) -> dict[str, Any]:
+        """Validate the input file's lines and enqueue its shards on the ordinary queues."""
+        source = self.batch_input(key, body)
         try:
             window_seconds(body.completion_window)
             metadata = check_metadata(body.metadata)
