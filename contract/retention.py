@@ -1,6 +1,7 @@
 """Output retention: when a batch's output and error files are due for deletion (OpenAI's
 `output_expires_after`).  A sorted set in Redis holds each batch id with its due time; the reaper deletes the
-files of the done batches that are due."""
+files of the done batches that are due, and with them the batch's stored input (`{batch_id}/input.jsonl`, a
+copy of user data kept with the outputs), so a batch submitted from memory cannot be resumed after that."""
 
 from __future__ import annotations
 

@@ -236,6 +236,10 @@ class Client:
         if batch.input_file != MEMORY:
             return input_lines(batch.input_file, self.settings)
         storage = open_output(batch.output_url, self.output_roots, s3_style=self.settings.s3_addressing_style)
+        if not storage.exists(input_key(batch.id)):
+            raise ValueError(f"batch {batch.id} was submitted from memory and its stored input "
+                             f"{input_key(batch.id)} is gone (deleted with its outputs): it cannot be "
+                             "resumed")
         return (json.dumps({"method": "POST", **stored_line(line)}).encode()
                 for line in iter_lines(storage.open(input_key(batch.id))) if line.strip())
 

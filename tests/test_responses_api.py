@@ -245,38 +245,38 @@ def test_response_objects_from_engine_outputs():
 @pytest.mark.parametrize(
     ("body", "param", "named"),
     [
-        ({"previous_response_id": "resp_1"}, "body.previous_response_id", "previous_response_id"),
-        ({"background": True}, "body.background", "background"),
-        ({"store": True}, "body.store", "store"),
-        ({"reasoning": {"effort": "low"}}, "body.reasoning", "reasoning"),
-        ({"include": ["message.output_text.logprobs"]}, "body.include", "include"),
-        ({"stream": True}, "body.stream", "stream"),
-        ({"truncation": "auto"}, "body.truncation", "truncation"),
-        ({"tools": [{"type": "web_search"}]}, "body.tools.0.type", "web_search"),
-        ({"tool_choice": {"type": "file_search"}}, "body.tool_choice", "file_search"),
-        ({"tool_choice": "required"}, "body", "tool_choice"),
-        ({"text": {"verbosity": "low"}}, "body.text.verbosity", "verbosity"),
-        ({"text": {"format": {"type": "json_schema", "name": "m"}}}, "body.text.format", "schema"),
+        ({"previous_response_id": "resp_1"}, "previous_response_id", "previous_response_id"),
+        ({"background": True}, "background", "background"),
+        ({"store": True}, "store", "store"),
+        ({"reasoning": {"effort": "low"}}, "reasoning", "reasoning"),
+        ({"include": ["message.output_text.logprobs"]}, "include", "include"),
+        ({"stream": True}, "stream", "stream"),
+        ({"truncation": "auto"}, "truncation", "truncation"),
+        ({"tools": [{"type": "web_search"}]}, "tools.0.type", "web_search"),
+        ({"tool_choice": {"type": "file_search"}}, "tool_choice", "file_search"),
+        ({"tool_choice": "required"}, None, "tool_choice"),
+        ({"text": {"verbosity": "low"}}, "text.verbosity", "verbosity"),
+        ({"text": {"format": {"type": "json_schema", "name": "m"}}}, "text.format", "schema"),
         (
             {
                 "input": [
                     {"role": "user", "content": [{"type": "input_image", "image_url": "https://x/a.png"}]}
                 ]
             },
-            "body.input.0.message.content.0.input_image",
+            "input.0.message.content.0.input_image",
             "input_image",
         ),
         (
             {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "file-1"}]}]},
-            "body.input.0.message.content.0",
+            "input.0.message.content.0",
             "input_file",
         ),
-        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "body.input.0", "item_reference"),
-        ({"conversation": "conv_1"}, "body.conversation", "conversation"),
-        ({"prompt": {"id": "pmpt_1"}}, "body.prompt", "prompt"),
-        ({"input": ""}, "body.input", "input"),
-        ({"max_output_tokens": 0}, "body.max_output_tokens", "max_output_tokens"),
-        ({"frequency_penalty": 1}, "body.frequency_penalty", "frequency_penalty"),
+        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0", "item_reference"),
+        ({"conversation": "conv_1"}, "conversation", "conversation"),
+        ({"prompt": {"id": "pmpt_1"}}, "prompt", "prompt"),
+        ({"input": ""}, "input", "input"),
+        ({"max_output_tokens": 0}, "max_output_tokens", "max_output_tokens"),
+        ({"frequency_penalty": 1}, "frequency_penalty", "frequency_penalty"),
     ],
 )
 def test_fields_not_served_are_per_line_errors_naming_them(body, param, named):
@@ -285,10 +285,16 @@ def test_fields_not_served_are_per_line_errors_naming_them(body, param, named):
         json.dumps(line("bad", **{"input": "hi", **body})).encode(),
     ]
     checked = validate_lines(raw, Settings())
-    assert [r.custom_id for r in checked.requests] == ["ok"]
-    (error,) = checked.errors
-    assert error.line == 2 and error.param == param and error.code == "invalid_request", error
-    assert named in error.message and "line 2" in error.message
+    assert not checked.errors, checked.errors
+    ok, bad = checked.requests
+    assert ok.custom_id == "ok" and ok.answer() is None and ok.body["input"]
+    record = bad.answer()
+    assert bad.custom_id == record.custom_id == "bad" and record.response.status_code == 400
+    error = record.response.body["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    assert error["param"] == param and error["code"] in ("invalid_value", "unknown_parameter"), error
+    assert named in error["message"] and "line 2" in error["message"]
+    assert (record.error.code, record.error.message) == (error["code"], error["message"])
 
 
 def test_unused_values_of_fields_not_served_are_accepted():
@@ -338,7 +344,9 @@ def test_responses_through_the_http_batch_api(stack, llm):
     assert done.status == "completed", done
     records = [json.loads(x) for x in client.files.content(done.output_file_id).text.splitlines()]
     records += [json.loads(x) for x in client.files.content(done.error_file_id).text.splitlines()]
-    bodies = {r["custom_id"]: r["response"]["body"] for r in records if r["response"]}
+    bodies = {r["custom_id"]: r["response"]["body"] for r in records if r["response"]["status_code"] == 200}
+    refused = {r["custom_id"]: r["response"]["status_code"] for r in records if r["error"]}
+    assert refused == {"not-served-model": 400}
     check_records(bodies, {r["custom_id"]: r["error"] for r in records if r["error"]}, llm)
     assert done.usage.input_tokens == sum(b["usage"]["input_tokens"] for b in bodies.values())
     assert done.usage.output_tokens == sum(b["usage"]["output_tokens"] for b in bodies.values())

@@ -14,6 +14,7 @@ from rq.serializers import JSONSerializer
 from typer.testing import CliRunner
 
 from sluice.cli.main import app
+from sluice.contract.batch import BatchStore
 from sluice.contract.jobs import shard_job_id
 from sluice.contract.settings import Settings
 from sluice.contract.storage import read_url
@@ -45,6 +46,7 @@ def run_first_shard(llm, client: Client, batch_id: str) -> None:
     queued)."""
     shard = Job.fetch(shard_job_id(batch_id, 0), connection=client.connection, serializer=JSONSerializer)
     run = ShardRun.from_args(shard.id, shard.args)
+    run.load(BatchStore(client.connection), Settings())
     run.start(llm, served_models(llm, Settings()))
     while not run.done:
         for out in llm.engine.step():
@@ -121,6 +123,8 @@ def test_output_files_are_deleted_when_output_expires_after_comes(llm, redis_url
     assert not list((tmp_path / batch.id).rglob("*.jsonl"))
     gone = client.get(batch.id)
     assert gone.output_file is None and gone.error_file is None
+    with pytest.raises(ValueError, match=f"{batch.id}/input.jsonl is gone"):
+        client.resume(batch.id)
 
 
 @pytest.mark.parametrize("spec", [

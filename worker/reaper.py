@@ -9,7 +9,8 @@ worker's maintenance would, so nothing waits for a worker to come back; then, fo
 - all shards ended but the batch is not done (finalize lost, stuck, failed for good): finalized here;
   when that fails too and rq has no retry left for it, the batch ends `failed` (`cancelled` if cancelling).
 A condition must hold on two passes an interval apart before the reaper acts, so it never races a live worker.
-Each pass also deletes the output and error files of done batches whose `output_expires_after` has come.
+Each pass also deletes the output and error files of done batches whose `output_expires_after` has come, with
+the copy of their input stored beside them.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from sluice.contract.redis_conn import connect
 from sluice.contract.retention import due_output_expiry, forget_output_expiry
 from sluice.contract.schemas import Batch, BatchStatus
 from sluice.contract.settings import Settings, get_settings
+from sluice.contract.shards import input_key
 from sluice.contract.storage import open_output
 from sluice.worker import rq_jobs
 from sluice.worker.finalize import finalize
@@ -74,8 +76,8 @@ class Reaper:
         return report
 
     def delete_due_outputs(self) -> int:
-        """Delete the files (output, errors, shard outputs) of the done batches whose output expiry has come;
-        returns how many batches lost theirs."""
+        """Delete the files (output, errors, shard outputs, stored input) of the done batches whose output
+        expiry has come; returns how many batches lost theirs."""
         deleted = 0
         for batch_id in due_output_expiry(self.connection, time.time()):
             batch = self.store.get(batch_id)
@@ -91,7 +93,8 @@ class Reaper:
         """Remove a batch's files from storage and their locations from its record."""
         storage = open_output(batch.output_url, self.settings.output_root_urls(),
                               s3_style=self.settings.s3_addressing_style)  # fmt: skip
-        files = [f"{batch.id}/output.jsonl", f"{batch.id}/errors.jsonl", *storage.keys(f"{batch.id}/shards/")]
+        files = [f"{batch.id}/output.jsonl", f"{batch.id}/errors.jsonl", input_key(batch.id),
+                 *storage.keys(f"{batch.id}/shards/")]  # fmt: skip
         for key in files:
             storage.delete(key)
 

@@ -120,6 +120,7 @@ class ShardRun:
     unreported: list[str] = field(default_factory=list)
     token: int | None = None
     payload: dict[str, Any] | list[dict[str, Any]] | None = None
+    loaded: bool = True  # False until load() reads the requests of a slice
 
     def __post_init__(self) -> None:
         self._carry_answers()
@@ -138,7 +139,7 @@ class ShardRun:
         from the slice of the batch's stored input (or, in a job that carries them, from the job itself)."""
         batch_id, shard, payload = args
         if isinstance(payload, dict):
-            return cls(job_id, batch_id, int(shard), [], payload=payload)
+            return cls(job_id, batch_id, int(shard), [], payload=payload, loaded=False)
         return cls(job_id, batch_id, int(shard), [Request.trusted(r) for r in payload])
 
     def load(self, store: BatchStore, settings: Settings) -> None:
@@ -146,6 +147,7 @@ class ShardRun:
         requests when the batch is gone)."""
         if not isinstance(self.payload, dict) or self.requests:
             return
+        self.loaded = True
         batch = store.get(self.batch_id)
         if batch is not None:
             roots, style = settings.output_root_urls(), settings.s3_addressing_style
@@ -233,6 +235,7 @@ class ShardRun:
         """Write this attempt's shards/{n}.{token}.jsonl (refused outside roots) and commit it with the
         shard's counts; LeaseLost (the output discarded) when another attempt took the shard or the batch is
         closed."""
+        assert self.loaded, "a shard read from a slice is saved only after load() (else its lines vanish)"
         assert self.done and len(self.records) == len(self.requests), "a shard is saved only when complete"
         if self.token is None and not self.lease(connection):
             raise LeaseLost(f"shard {self.shard} of {self.batch_id} was committed by another attempt")

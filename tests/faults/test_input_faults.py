@@ -18,6 +18,8 @@ from rq.serializers import JSONSerializer
 from sluice.contract.batch import BatchStore
 from sluice.contract.jobs import shard_job_id
 from sluice.contract.schemas import Batch, BatchStatus
+from sluice.contract.shards import shard_requests
+from sluice.contract.storage import open_storage
 from sluice.producer.client import Client
 from sluice.producer.cron import CronPipeline, idempotency_key, processed, tick
 from tests.test_webhooks import ROOT
@@ -197,7 +199,8 @@ def test_submit_refuses_a_model_that_is_not_served(redis_url, tmp_path, monkeypa
                                 output=tmp_path.as_uri())  # fmt: skip
     assert batch.status == BatchStatus.in_progress and not batch.errors
     job = Job.fetch(shard_job_id(batch.id, 0), connection=client.connection, serializer=JSONSerializer)
-    (carried,) = [r for r in job.args[2] if "record" in r]
+    stored = shard_requests(open_storage(tmp_path.as_uri()), job.args[2])
+    (carried,) = [r.model_dump() for r in stored if r.record is not None]
     error = carried["record"]["response"]["body"]["error"]
     assert carried["custom_id"] == "b" and carried["record"]["response"]["status_code"] == 400
     assert (error["code"], error["param"]) == ("model_not_found", "model")
