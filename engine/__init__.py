@@ -14,7 +14,7 @@ __all__ = [
 
 _HOMES = {
     "EngineConfig": "config", "Engine": "engine", "RequestRejected": "engine", "LLM": "llm",
-    "LoRARequest": "lora.request", "EmbeddingOutput": "outputs", "RequestMetrics": "outputs",
+    "LoRARequest": "lora.lora_request", "EmbeddingOutput": "outputs", "RequestMetrics": "outputs",
     "RequestOutput": "outputs", "PoolingParams": "pooling", "SamplingParams": "sampling_params",
     "ClassificationOutput": "outputs",
 }
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from sluice.engine.config import EngineConfig
     from sluice.engine.engine import Engine, RequestRejected
     from sluice.engine.llm import LLM
-    from sluice.engine.lora.request import LoRARequest
+    from sluice.engine.lora.lora_request import LoRARequest
     from sluice.engine.outputs import ClassificationOutput, EmbeddingOutput, RequestMetrics, RequestOutput
     from sluice.engine.pooling import PoolingParams
     from sluice.engine.sampling_params import SamplingParams

@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 
 from sluice.engine.config import EngineConfig
 from sluice.engine.engine import Engine
-from sluice.engine.lora.request import LoRARequest
+from sluice.engine.lora.lora_request import LoRARequest
 from sluice.engine.models.bert import is_encoder
 from sluice.engine.models.loader import read_config
 from sluice.engine.outputs import ClassificationOutput, EmbeddingOutput, RequestOutput

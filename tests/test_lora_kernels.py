@@ -10,7 +10,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # conftest sets it before triton can load 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from sluice.kernels.lora import add_lora, token_groups  # noqa: E402
+from sluice.kernels.lora_groups import add_lora, token_groups  # noqa: E402
 
 SLOTS = [-1, 2, 2, 0, -1, 1, 1, 1, 0, 2, -1, 3]  # contiguous runs and scattered tokens of each slot
 
@@ -40,7 +40,7 @@ def test_torch_groups_match_the_per_token_reference():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_triton_kernel_matches_the_per_token_reference(dtype):
     pytest.importorskip("triton", reason="triton cannot be imported on this platform")
-    from sluice.kernels.triton.lora import add_lora as triton_add_lora
+    from sluice.kernels.triton.lora_bgmv import add_lora as triton_add_lora
 
     x, a, b, y, want = case(dtype)
     slots = torch.tensor(SLOTS, dtype=torch.int32)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from sluice.contract.storage import S3_STYLE, open_storage
 from sluice.engine.lora.adapter import CONFIG, WEIGHTS
-from sluice.engine.lora.request import LoRARequest
+from sluice.engine.lora.lora_request import LoRARequest
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}$")
 S3 = "s3://"

@@ -24,8 +24,8 @@ from sluice.contract.storage import open_output
 from sluice.worker.adapters import Adapters, ServedModels
 from sluice.worker.encoder_responses import encoder_params
 from sluice.worker.faults import faults
-from sluice.worker.images import ImageRefused, with_images
 from sluice.worker.lease import Commit, attempt_key, begin_attempt, commit, lease_holds
+from sluice.worker.line_images import ImageRefused, with_images
 from sluice.worker.responses import ABORT_CODES, error_record, output_record
 from sluice.worker.terminal import OUTPUT_NOT_ALLOWED, fail_batch, output_problem
 

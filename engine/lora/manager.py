@@ -10,7 +10,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from torch import nn
 
 from sluice.engine.lora.adapter import LoRAAdapter, LoRAError, check_base, check_config, read_adapter
-from sluice.engine.lora.request import LoRARequest
+from sluice.engine.lora.lora_request import LoRARequest
 from sluice.engine.lora.slots import LoRALinear, LoRASlots, projection_shapes
 
 PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from sluice.engine.lora.adapter import PROJECTIONS, LoRAAdapter
-from sluice.kernels.lora import Rows, add_lora, token_groups
+from sluice.kernels.lora_groups import Rows, add_lora, token_groups
 
 
 class LoRASlots:

@@ -14,7 +14,7 @@ from sluice.engine.models.fused_layout import FUSED as FUSED_LAYOUT
 from sluice.engine.models.moe import MOE_LAYOUTS, SparseMoe
 from sluice.engine.models.paths import GENERIC, NATIVE_ARCHITECTURES, model_path_for
 from sluice.engine.models.rope import RotaryEmbedding, rope_parameters
-from sluice.engine.multimodal.config import text_config_of
+from sluice.engine.multimodal.vl_config import text_config_of
 from sluice.kernels import decode_stack, dispatch
 from sluice.kernels.linear import Linear, linear
 

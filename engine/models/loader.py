@@ -33,7 +33,7 @@ from sluice.engine import weight_reserve
 from sluice.engine.models.llama import LlamaModel, ModelConfig
 from sluice.engine.models.paths import GENERIC
 from sluice.engine.models.rope import RotaryEmbedding
-from sluice.engine.multimodal.config import is_vision_language
+from sluice.engine.multimodal.vl_config import is_vision_language
 from sluice.engine.weight_memory import WeightArena
 
 LinearHook = Callable[[str, nn.Linear], nn.Module]

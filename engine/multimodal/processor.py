@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from sluice.engine.multimodal.config import is_vision_language, text_config_of
 from sluice.engine.multimodal.inputs import ImageItem, MultiModalInputs, mrope_positions
+from sluice.engine.multimodal.vl_config import is_vision_language, text_config_of
 
 __all__ = ["MultiModalError", "MultiModalProcessor", "is_vision_language", "text_config_of"]
 
