@@ -1,11 +1,13 @@
 """`sluice doctor`: what a user pastes into a bug report (CPU flags and tier, C++ kernels, versions, device);
-`--build` compiles every CPU kernel for the chosen tier ahead of time (an image build, a fleet's first start)."""
+`--build` compiles every CPU kernel for the chosen tier ahead of time (an image build, a fleet's first start)
+unless the wheel's prebuilt object serves it."""
 
 from __future__ import annotations
 
 import importlib.metadata
 import json
 import platform
+from pathlib import Path
 
 import typer
 
@@ -22,8 +24,6 @@ def _version(dist: str) -> str:
 
 
 def _cpu_model() -> str:
-    from pathlib import Path
-
     info = Path("/proc/cpuinfo")
     lines = info.read_text(errors="replace").splitlines() if info.exists() else []
     return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")),
@@ -39,16 +39,35 @@ def _device() -> str:
 
 
 def kernel_report(build: bool = False) -> list[dict[str, object]]:
-    """Per CPU kernel: name, whether its library is built for the chosen tier, and where (built now with `build`)."""
+    """Per CPU kernel library: where the chosen tier's object comes from (the wheel's prebuilt one, built here, or
+    the torch fallback), whether it is ready, and its path (built now with `build` where not prebuilt)."""
     from sluice.kernels import cpp_build
 
     rows = []
     for source, name in sorted(cpp_build.EXTENSIONS.items()):
-        path = cpp_build.library_path(name, source)
-        if build and not path.exists():
+        wheel, why = cpp_build.prebuilt_path(name, source)
+        cached = cpp_build.library_path(name, source)
+        if build and wheel is None and not cached.exists():
             cpp_build.load(name, source)
-        rows.append({"kernel": name, "source": source, "built": path.exists(), "path": str(path)})
+        rows.append({"kernel": name, "source": source, "origin": _origin(wheel, cached),
+                     "built": wheel is not None or cached.exists(), "path": str(wheel or cached),
+                     "prebuilt": "matches" if wheel is not None else why})
     return rows
+
+
+def _origin(wheel: Path | None, cached: Path) -> str:
+    """'prebuilt (wheel)', 'built here (cache)', or why the torch implementations serve instead."""
+    from sluice.kernels import cpp_build
+
+    if not cpp_build.enabled():
+        return "torch fallback (SLUICE_CPU_KERNEL=0)"
+    if wheel is not None:
+        return "prebuilt (wheel)"
+    if cached.exists():
+        return "built here (cache)"
+    if cpp_build.compiler() is None:
+        return "torch fallback (no prebuilt object matches and no C++ compiler)"
+    return "not built yet: builds here on first use"
 
 
 def model_report(model: str) -> dict[str, str]:
@@ -99,6 +118,6 @@ def doctor(
             continue
         typer.echo(f"{key}: {' '.join(value) if isinstance(value, list) else value}")
     for row in info["kernels"]:
-        typer.echo(f"kernel {row['kernel']}: {'built' if row['built'] else 'not built'} {row['path']}")
+        typer.echo(f"kernel {row['kernel']}: {row['origin']} {row['path']}")
     if build and not all(row["built"] for row in info["kernels"]) and info["cpu_kernels_enabled"]:
         raise typer.Exit(1)

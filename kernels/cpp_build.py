@@ -21,7 +21,10 @@ import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -40,6 +43,9 @@ CORE = "cpu_kernels.cpp"
 PARTS = ("elementwise", "rms_norm", "paged_attention", "bf16_gemv", "quant_linear", "nf4", "decode_stack",
          "masked_sample")
 _built: dict[tuple[str, str], object | None] = {}
+# The wheel's objects: prebuilt/<tier>/<module>.so and prebuilt/manifest.json (absent in a source checkout).
+PREBUILT = Path(__file__).parent / "prebuilt"
+MANIFEST = "manifest.json"
 
 
 def enabled() -> bool:
@@ -124,6 +130,99 @@ def library_path(name: str, source: str, tier: str | None = None) -> Path:
     return cache_root() / versioned / f"{versioned}.so"
 
 
+def source_hash(source: str) -> str:
+    """A hash of `source` and every csrc/ file it includes, names and contents."""
+    return hashlib.sha256(b"".join(f.encode() + b"\0" + (CSRC / f).read_bytes() for f in _sources(source))).hexdigest()
+
+
+def python_abi() -> str:
+    """The running Python's extension ABI (cpython-311-x86_64-linux-gnu)."""
+    return sysconfig.get_config_var("SOABI") or sys.implementation.cache_tag
+
+
+def prebuilt_flags(tier: str) -> list[str]:
+    """The flags of the wheel's object for `tier`: the tier's own and the optional features (VNNI) the tier may
+    use, as on a CPU that has them (a CPU without them gets other `cflags`, so builds its own)."""
+    return BASE_CFLAGS + cpu_isa.compile_flags(tier, frozenset(cpu for cpu, _, _ in cpu_isa.OPTIONAL))
+
+
+def prebuilt_objects() -> list[tuple[str, str, str]]:
+    """(name, source, object tier) of every object a wheel carries: each library for each tier, the `amx` tier
+    served by the `avx512_bf16` object where the library has no AMX code (`object_tier`)."""
+    return [(name, source, t) for source, name in sorted(EXTENSIONS.items())
+            for t in dict.fromkeys(object_tier(tier, source) for tier in cpu_isa.TIERS)]
+
+
+@functools.cache
+def _manifest(folder: Path) -> dict | None:
+    path = folder / MANIFEST
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def prebuilt_path(name: str, source: str, tier: str | None = None) -> tuple[Path | None, str]:
+    """The wheel's object for `name` at `tier` (default: the chosen one) where its manifest matches the running
+    torch, Python ABI, kernel sources and this CPU's flags for the tier; else None and why not."""
+    tier = object_tier(cpu_isa.tier() if tier is None else tier, source)
+    manifest = _manifest(PREBUILT)
+    if manifest is None:
+        return None, "no prebuilt objects installed (a source install)"
+    if manifest["torch"] != _torch_version():
+        return None, f"the wheel's objects are for torch {manifest['torch']}, not {_torch_version()}"
+    if manifest["python_abi"] != python_abi():
+        return None, f"the wheel's objects are for {manifest['python_abi']}, not {python_abi()}"
+    entry = next((e for e in manifest["objects"] if e["name"] == name and e["tier"] == tier), None)
+    if entry is None:
+        return None, f"the wheel has no {tier} object for {name}"
+    if entry["source_hash"] != source_hash(source):
+        return None, "the kernel sources differ from the wheel's"
+    if entry["flags"] != cflags(tier):
+        return None, f"this CPU's {tier} flags differ from the wheel's ({' '.join(entry['flags'])})"
+    path = PREBUILT / entry["file"]
+    return (path, "prebuilt (wheel)") if path.is_file() else (None, f"{path} is missing")
+
+
+def compile_command(module: str, source: str, tier: str, target: Path) -> list[str]:
+    """The compiler command that builds `source` as the extension `module` for `tier` into `target`, as torch's
+    JIT build would (its includes, C++ standard and libraries) with the tier's explicit `prebuilt_flags`."""
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    includes = [*include_paths("cpu"), sysconfig.get_path("include", scheme="posix_prefix")]
+    cmd = [compiler() or options.current().cxx, "-shared", "-fPIC", "-std=c++20",
+           f"-DTORCH_EXTENSION_NAME={module}", "-DTORCH_API_INCLUDE_EXTENSION_H"]
+    cmd += [arg for path in includes for arg in ("-isystem", path)]
+    cmd += [*prebuilt_flags(tier), str(CSRC / source), "-o", str(target), "-fopenmp"]
+    return cmd + [f"-L{path}" for path in library_paths("cpu")] + ["-lc10", "-ltorch_cpu", "-ltorch", "-ltorch_python"]
+
+
+def compile_prebuilt(out: Path, jobs: int | None = None) -> dict:
+    """Compile every library for every tier (`prebuilt_objects`) into `out`/<tier>/ and write `out`/manifest.json:
+    the package build's step for a platform wheel. Nothing is imported (a host may lack the tier's instructions)."""
+    if compiler() is None:
+        raise RuntimeError(f"building the prebuilt kernels needs a C++ compiler: {options.current().cxx} not found")
+    entries = []
+    for name, source, tier in prebuilt_objects():
+        digest = source_hash(source)
+        entries.append({"name": name, "source": source, "tier": tier, "source_hash": digest,
+                        "file": f"{tier}/{name}_{tier}_{digest[:16]}.so", "flags": prebuilt_flags(tier)})
+
+    def compile_one(entry: dict) -> None:
+        target = out / entry["file"]
+        target.parent.mkdir(parents=True, exist_ok=True)
+        start = time.monotonic()
+        cmd = compile_command(target.stem, entry["source"], entry["tier"], target)
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"compiling {entry['file']} failed: {' '.join(cmd)}\n{result.stderr[-4000:]}")
+        print(f"compiled {entry['file']} in {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
+
+    with ThreadPoolExecutor(jobs or os.cpu_count() or 1) as pool:
+        list(pool.map(compile_one, entries))
+    manifest = {"torch": _torch_version(), "python_abi": python_abi(), "compiler_version": compiler_version(),
+                "objects": entries}
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    return manifest
+
+
 def _import(module: str, path: Path):
     """Import the extension `module` from its shared object `path` (no compiler, no ninja)."""
     if module in sys.modules:
@@ -133,6 +232,27 @@ def _import(module: str, path: Path):
     spec.loader.exec_module(ext)
     sys.modules[module] = ext
     return ext
+
+
+@contextmanager
+def _visible_build(versioned: str, source: str, tier: str, folder: Path, why: str):
+    """Say on stderr what is compiled, for which tier, where, why, and about how long, with a progress display
+    (the compiler runs once per library: its bar completes when the library is built, the clock runs meanwhile)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True)
+    parts = f" ({len(PARTS)} parts: {', '.join(PARTS)})" if source == CORE else ""
+    console.print(f"sluice: compiling the C++ CPU kernels {versioned}{parts} for the {tier} tier into {folder}, "
+                  f"about a minute, once per machine ({why}; a wheel's prebuilt objects skip this)",
+                  markup=False, highlight=False, soft_wrap=True)
+    columns = [SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn()]
+    start = time.monotonic()
+    with Progress(*columns, console=console, transient=False) as progress:
+        task = progress.add_task(f"{source} [{tier}]", total=1)
+        yield
+        progress.update(task, completed=1)
+    console.print(f"sluice: built {versioned} in {time.monotonic() - start:.0f} s", markup=False, highlight=False)
 
 
 @contextmanager
@@ -147,7 +267,7 @@ def _build_lock(root: Path, versioned: str):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _build(versioned: str, source: str, tier: str, final: Path):
+def _build(versioned: str, source: str, tier: str, final: Path, why: str = ""):
     """Compile into a fresh temporary folder, record how, and publish it as `final` by one rename."""
     from torch.utils.cpp_extension import load as torch_load
 
@@ -155,8 +275,9 @@ def _build(versioned: str, source: str, tier: str, final: Path):
         shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f"{versioned}.tmp", dir=final.parent))
     try:
-        ext = torch_load(name=versioned, sources=[str(CSRC / source)], extra_cflags=cflags(tier),
-                         extra_ldflags=["-fopenmp"], build_directory=str(tmp), verbose=False)
+        with _visible_build(versioned, source, tier, final.parent, why):
+            ext = torch_load(name=versioned, sources=[str(CSRC / source)], extra_cflags=cflags(tier),
+                             extra_ldflags=["-fopenmp"], build_directory=str(tmp), verbose=False)
         record = {"tier": tier, "flags": cflags(tier), "compiler": compiler(), "compiler_version": compiler_version(),
                   "torch": _torch_version(), "sources": _sources(source)}
         (tmp / "build.json").write_text(json.dumps(record, indent=1))
@@ -169,8 +290,12 @@ def _build(versioned: str, source: str, tier: str, final: Path):
 
 
 def build(name: str, source: str, tier: str | None = None):
-    """The extension `name` from csrc/`source` for `tier` (default: the chosen one), built once per cache."""
+    """The extension `name` from csrc/`source` for `tier` (default: the chosen one): the wheel's prebuilt object
+    where it matches, else built once per cache."""
     tier = object_tier(cpu_isa.tier() if tier is None else tier, source)
+    wheel, why = prebuilt_path(name, source, tier)
+    if wheel is not None:
+        return _import(wheel.stem, wheel)
     versioned = build_name(name, source, tier)
     path = cache_root() / versioned / f"{versioned}.so"
     if path.exists():
@@ -178,7 +303,7 @@ def build(name: str, source: str, tier: str | None = None):
     with _build_lock(cache_root(), versioned):
         if path.exists():  # another process built it while we waited
             return _import(versioned, path)
-        return _build(versioned, source, tier, path.parent)
+        return _build(versioned, source, tier, path.parent, why)
 
 
 def part(name: str, tier: str | None = None):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import shutil
 import socket
 import subprocess
@@ -31,6 +32,8 @@ from sluice.producer.client import Client
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ROOT / "examples" / "prompts.jsonl"
 TIMEOUT_S = 1800
+# the worker's line once its model is loaded, its C++ kernels built or loaded and one step warmed (worker.metrics)
+READY = re.compile(r"ready in ([0-9.]+) s \(process start")
 console = Console()
 
 
@@ -86,6 +89,12 @@ def local_redis(url: str) -> Iterator[str]:
             yield url
         finally:
             stop(proc)
+
+
+def ready_seconds(log: Path) -> float | None:
+    """The worker's seconds from process start to ready (its "ready in" log line), None before it is ready."""
+    found = READY.search(log.read_text(errors="replace")) if log.exists() else None
+    return float(found.group(1)) if found else None
 
 
 @contextlib.contextmanager
@@ -146,8 +155,17 @@ def show(records: list[OutputRecord], prompts: dict[str, str], count: int = 6) -
     console.print(table)
 
 
-def summary(batch: Batch, records: list[OutputRecord], wall: float) -> None:
+def generation_seconds(wall: float, worker_offset: float, ready: float | None) -> float:
+    """The batch's seconds after the worker was ready: the wall time less the worker's start (its process
+    start to its "ready in" line: model load, kernel build or load, warm-up) and whatever preceded its spawn."""
+    return wall - worker_offset - (ready or 0.0)
+
+
+def summary(batch: Batch, records: list[OutputRecord], wall: float, worker_offset: float,
+            ready: float | None) -> None:
+    """The table after the run: counts, tokens/s with and without the worker's start, wall time, output."""
     tokens = sum(r.response.body["usage"]["completion_tokens"] for r in records if r.response)
+    serving = generation_seconds(wall, worker_offset, ready)
     table = Table(title="Summary", show_header=False)
     for key, value in [
         ("batch", batch.id),
@@ -158,7 +176,9 @@ def summary(batch: Batch, records: list[OutputRecord], wall: float) -> None:
             f"{batch.request_counts.failed} failed)",
         ),
         ("completion tokens", str(tokens)),
-        ("tokens/s (end to end)", f"{tokens / wall:.1f}"),
+        ("worker start (load, kernels, warm-up)", "-" if ready is None else f"{ready:.1f} s"),
+        ("tokens/s (worker ready to batch done)", f"{tokens / serving:.1f}" if serving > 0 else "-"),
+        ("tokens/s (end to end, start included)", f"{tokens / wall:.1f}"),
         ("wall time", f"{wall:.1f} s"),
         ("output", batch.output_file or "-"),
     ]:
@@ -192,12 +212,14 @@ def main() -> int:
         if batch.status == BatchStatus.failed:
             raise SystemExit(f"batch failed validation: {batch.errors}")
         console.print(f"submitted {batch.request_counts.total} requests as batch [bold]{batch.id}[/]")
-        with worker(url, results / "demo-worker.log", roots, settings.demo_model) as proc:
-            batch = wait(client, batch, proc, results / "demo-worker.log")
+        log = results / "demo-worker.log"
+        worker_offset = time.monotonic() - start
+        with worker(url, log, roots, settings.demo_model) as proc:
+            batch = wait(client, batch, proc, log)
         wall = time.monotonic() - start
         records = list(client.results(batch.id))
     show(records, prompt_texts())
-    summary(batch, records, wall)
+    summary(batch, records, wall, worker_offset, ready_seconds(log))
     return 0 if batch.status == BatchStatus.completed and len(records) == batch.request_counts.total else 1
 
 
