@@ -89,7 +89,7 @@ def rss() -> int:
     return 0
 
 
-def main() -> None:
+def parse_args():
     p = base_parser(__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--adapters", type=int, default=8)
@@ -98,56 +98,65 @@ def main() -> None:
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--registered", type=int, default=100)
     p.add_argument("--rounds", type=int, default=3)
-    args = p.parse_args()
-    torch.set_num_threads(args.threads)
-    from sluice.engine import LLM
-    from sluice.engine.lora import LoRARequest
-    from sluice.engine.lora.adapter import check_base, read_adapter
-    from sluice.engine.lora.slots import projection_shapes
+    return p.parse_args()
 
-    base = bench_model()
-    root = Path(tempfile.mkdtemp(prefix="sluice-lora-bench-"))
-    adapters = [write_adapter(root / f"a{i}", args.rank, i) for i in range(args.adapters)]
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(4, 32000, (args.prompt,), generator=g).tolist() for _ in range(args.batch)]
-    requests = [LoRARequest(f"a{i}", i + 1, str(a)) for i, a in enumerate(adapters)]
-    mixed = [requests[i % args.adapters] for i in range(args.batch)]
-    plain = LLM(base, dtype="bfloat16")
-    tuned = LLM(base, dtype="bfloat16", enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank)
+
+def decode_rounds(args, base: Path, prompts, mixed) -> tuple[list[tuple[float, float]], object]:
+    """Per round, (base alone, adapters mixed) decode tok/s; the adapter engine (kept for the memory rows)."""
+    from sluice.engine import LLM
+
+    plain = LLM(base, dtype="bfloat16", enable_prefix_caching=False)  # both runs of a batch prefill
+    tuned = LLM(base, dtype="bfloat16", enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank,
+                enable_prefix_caching=False)
     decode_rate(tuned, prompts[:2], mixed[:2], 4)  # warm both
     decode_rate(plain, prompts[:2], None, 4)
     rows = []
     for r in range(args.rounds):
-        base_rate = decode_rate(plain, prompts, None, args.new)
-        lora_rate = decode_rate(tuned, prompts, mixed, args.new)
-        rows.append((base_rate, lora_rate))
-        print(f"round {r}: base {base_rate:.1f} tok/s, {args.adapters} adapters mixed {lora_rate:.1f} tok/s")
-    ratio = statistics.median(b / a for a, b in rows)
-    del plain
-    hf = peft_rate(base, adapters, prompts, args.new)
-    lora_med = statistics.median(b for _, b in rows)
-    # memory: many adapters registered, max_loras slots active
+        rows.append((decode_rate(plain, prompts, None, args.new), decode_rate(tuned, prompts, mixed, args.new)))
+        print(f"round {r}: base {rows[-1][0]:.1f} tok/s, {args.adapters} adapters mixed {rows[-1][1]:.1f} tok/s")
+    return rows, tuned
+
+
+def memory_and_load(args, tuned, root: Path, prompt: list[int]) -> tuple[int, int, float]:
+    """RSS growth over `registered` adapters run one after another, one adapter's bytes, its cold load ms."""
+    from sluice.engine.lora import LoRARequest
+    from sluice.engine.lora.adapter import check_base, read_adapter
+    from sluice.engine.lora.slots import projection_shapes
+
     many = [write_adapter(root / f"m{i}", args.rank, 1000 + i) for i in range(args.registered)]
     before = rss()
     for i, a in enumerate(many):
-        tuned.generate([prompts[0][:16]], None, progress=False,
-                       lora_request=LoRARequest(f"m{i}", 100 + i, str(a)))
+        tuned.generate([prompt], None, progress=False, lora_request=LoRARequest(f"m{i}", 100 + i, str(a)))
     grown = rss() - before
-    one = read_adapter("m0", many[0], args.rank).nbytes
-    shapes = projection_shapes(tuned.engine.model.config)
-    loads = []
+    shapes, loads = projection_shapes(tuned.engine.model.config), []
     for i, a in enumerate(many[:20]):
         t = time.perf_counter()
         check_base(read_adapter(f"m{i}", a, args.rank), BENCH_CONFIG["num_hidden_layers"], shapes)
         loads.append(time.perf_counter() - t)
-    cold = statistics.median(loads) * 1000
+    return grown, read_adapter("m0", many[0], args.rank).nbytes, statistics.median(loads) * 1000
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    from sluice.engine.lora import LoRARequest
+
+    base, root = bench_model(), Path(tempfile.mkdtemp(prefix="sluice-lora-bench-"))
+    adapters = [write_adapter(root / f"a{i}", args.rank, i) for i in range(args.adapters)]
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(4, 32000, (args.prompt,), generator=g).tolist() for _ in range(args.batch)]
+    requests = [LoRARequest(f"a{i}", i + 1, str(a)) for i, a in enumerate(adapters)]
+    rows, tuned = decode_rounds(args, base, prompts, [requests[i % args.adapters] for i in range(args.batch)])
+    hf = peft_rate(base, adapters, prompts, args.new)
+    grown, one, cold = memory_and_load(args, tuned, root, prompts[0][:16])
+    lora_med = statistics.median(b for _, b in rows)
     body = table(
         ["what", "value"],
         [[f"B={args.batch} decode tok/s, base model alone (median of {args.rounds})",
           f"{statistics.median(a for a, _ in rows):.1f}"],
          [f"B={args.batch} decode tok/s, {args.adapters} rank-{args.rank} adapters (all linears) mixed",
           f"{lora_med:.1f}"],
-         ["mixed / base alone (median of per-round ratios)", f"{ratio:.2f}x"],
+         ["mixed / base alone (median of per-round ratios)", f"{statistics.median(b / a for a, b in rows):.2f}x"],
          [f"transformers + PEFT, one adapter at a time (set_adapter, batches of {args.batch // args.adapters})",
           f"{hf:.1f}"],
          ["mixed / transformers + PEFT", f"{lora_med / hf:.2f}x"],

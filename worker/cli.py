@@ -59,12 +59,7 @@ def start(
     if not model:
         raise typer.BadParameter("give --model or set SLUICE_MODEL", param_hint="--model")
     configure_logging(log_format)
-    try:
-        adapters = Adapters.from_flags(lora or [], lora_dir or [], s3_style=settings.s3_addressing_style)
-    except AdapterSpecError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--lora") from None
-    if adapters:
-        engine_args.setdefault("enable_lora", True)
+    adapters = served_adapters(lora or [], lora_dir or [], settings, engine_args)
     metrics = start_metrics(metrics_port, model)
     llm = load(model, {**settings.json_bounds(), **engine_args})
     connection = connect(redis_url or settings.redis_url)
@@ -83,6 +78,18 @@ def start(
         w.work(burst=burst)
     finally:
         stop.set()
+
+
+def served_adapters(lora: list[str], lora_dir: list[str], settings: Settings,
+                    engine_args: dict[str, Any]) -> Adapters:
+    """The --lora / --lora-dir adapters (any of them turns enable_lora on)."""
+    try:
+        adapters = Adapters.from_flags(lora, lora_dir, s3_style=settings.s3_addressing_style)
+    except AdapterSpecError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--lora") from None
+    if adapters:
+        engine_args.setdefault("enable_lora", True)
+    return adapters
 
 
 def load(model: str, engine_args: dict[str, Any]) -> LLM:
