@@ -12,6 +12,7 @@ half-written library; a cached library is loaded directly, without running the c
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import importlib.util
 import json
