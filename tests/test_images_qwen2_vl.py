@@ -173,7 +173,8 @@ def test_bad_image_requests_are_rejected_by_name_and_the_rest_still_run(llm, tin
 
 
 def test_chat_with_image_parts_is_generate_with_multi_modal_data(llm):
-    from sluice.contract.images import ImageError
+    from sluice.contract.images import ImageError, ImageSettings, load_image
+    from sluice.engine.multimodal.image_decode import ImageError as EngineImageError
     from tests.test_images import data_url, encoded
 
     image = noise_image(98, 70, 10)
@@ -189,5 +190,7 @@ def test_chat_with_image_parts_is_generate_with_multi_modal_data(llm):
     assert outs[0].token_ids == outs[1].token_ids == outs[2].token_ids
     assert outs[0].prompt_token_ids == outs[2].prompt_token_ids
     bad = [{"role": "user", "content": [text, {"type": "image_url", "image_url": {"url": "s3://b/k.png"}}]}]
-    with pytest.raises(ImageError, match=r"messages\[0\]\.content\[1\]: .*outside the image input roots"):
+    with pytest.raises(EngineImageError, match=r"messages\[0\]\.content\[1\]: .*outside the image input roots"):
         llm.chat(bad, GREEDY, progress=False)
+    with pytest.raises(ImageError, match=r"messages\[0\]\.content\[1\]: .*outside the image input roots"):
+        llm.chat(bad, GREEDY, progress=False, image_loader=lambda url: load_image(url, ImageSettings()).image)
