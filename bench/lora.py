@@ -89,7 +89,7 @@ def rss() -> int:
     return 0
 
 
-def main() -> None:
+def parse_args():
     p = base_parser(__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--adapters", type=int, default=8)
@@ -98,22 +98,11 @@ def main() -> None:
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--registered", type=int, default=100)
     p.add_argument("--rounds", type=int, default=3)
-    args = p.parse_args()
-    torch.set_num_threads(args.threads)
-    from sluice.engine import LLM
-    from sluice.engine.lora import LoRARequest
-    from sluice.engine.lora.adapter import check_base, read_adapter
-    from sluice.engine.lora.slots import projection_shapes
+    return p.parse_args()
 
-    base = bench_model()
-    root = Path(tempfile.mkdtemp(prefix="sluice-lora-bench-"))
-    adapters = [write_adapter(root / f"a{i}", args.rank, i) for i in range(args.adapters)]
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(4, 32000, (args.prompt,), generator=g).tolist() for _ in range(args.batch)]
-    requests = [LoRARequest(f"a{i}", i + 1, str(a)) for i, a in enumerate(adapters)]
-    mixed = [requests[i % args.adapters] for i in range(args.batch)]
-    plain = LLM(base, dtype="bfloat16")
-    tuned = LLM(base, dtype="bfloat16", enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank)
+
+def decode_rounds(plain, tuned, prompts: list, mixed: list, args) -> list[tuple[float, float]]:
+    """(base alone, adapters mixed) decode tok/s of each round, both engines warmed first."""
     decode_rate(tuned, prompts[:2], mixed[:2], 4)  # warm both
     decode_rate(plain, prompts[:2], None, 4)
     rows = []
@@ -122,11 +111,16 @@ def main() -> None:
         lora_rate = decode_rate(tuned, prompts, mixed, args.new)
         rows.append((base_rate, lora_rate))
         print(f"round {r}: base {base_rate:.1f} tok/s, {args.adapters} adapters mixed {lora_rate:.1f} tok/s")
-    ratio = statistics.median(b / a for a, b in rows)
-    del plain
-    hf = peft_rate(base, adapters, prompts, args.new)
-    lora_med = statistics.median(b for _, b in rows)
-    # memory: many adapters registered, max_loras slots active
+    return rows
+
+
+def memory_and_loads(tuned, root: Path, prompts: list, args) -> tuple[int, int, float]:
+    """RSS growth with many adapters registered (max_loras slots active), one adapter's bytes, and the median
+    cold load in ms."""
+    from sluice.engine.lora import LoRARequest
+    from sluice.engine.lora.adapter import check_base, read_adapter
+    from sluice.engine.lora.slots import projection_shapes
+
     many = [write_adapter(root / f"m{i}", args.rank, 1000 + i) for i in range(args.registered)]
     before = rss()
     for i, a in enumerate(many):
@@ -140,7 +134,34 @@ def main() -> None:
         t = time.perf_counter()
         check_base(read_adapter(f"m{i}", a, args.rank), BENCH_CONFIG["num_hidden_layers"], shapes)
         loads.append(time.perf_counter() - t)
-    cold = statistics.median(loads) * 1000
+    return grown, one, statistics.median(loads) * 1000
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    from sluice.engine import LLM
+    from sluice.engine.lora import LoRARequest
+
+    base = bench_model()
+    root = Path(tempfile.mkdtemp(prefix="sluice-lora-bench-"))
+    adapters = [write_adapter(root / f"a{i}", args.rank, i) for i in range(args.adapters)]
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(4, 32000, (args.prompt,), generator=g).tolist() for _ in range(args.batch)]
+    requests = [LoRARequest(f"a{i}", i + 1, str(a)) for i, a in enumerate(adapters)]
+    mixed = [requests[i % args.adapters] for i in range(args.batch)]
+    plain = LLM(base, dtype="bfloat16")
+    tuned = LLM(base, dtype="bfloat16", enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank)
+    rows = decode_rounds(plain, tuned, prompts, mixed, args)
+    del plain
+    hf = peft_rate(base, adapters, prompts, args.new)
+    grown, one, cold = memory_and_loads(tuned, root, prompts, args)
+    report(args, rows, hf, grown, one, cold)
+
+
+def report(args, rows: list[tuple[float, float]], hf: float, grown: int, one: int, cold: float) -> None:
+    ratio = statistics.median(b / a for a, b in rows)
+    lora_med = statistics.median(b for _, b in rows)
     body = table(
         ["what", "value"],
         [[f"B={args.batch} decode tok/s, base model alone (median of {args.rounds})",
@@ -155,7 +176,6 @@ def main() -> None:
           f"{grown / 2**20:.1f} MiB = {grown / one:.1f} adapters of {one / 2**20:.1f} MiB"],
          [f"cold load of a rank-{args.rank} adapter (read + checked, median of 20)", f"{cold:.1f} ms"]])
     record("LoRA adapters (bench/lora.py)", body)
-
 
 if __name__ == "__main__":
     main()
