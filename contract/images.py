@@ -53,7 +53,7 @@ class ImageSettings(BaseModel):
 
     @classmethod
     def of(cls, settings: Settings) -> ImageSettings:
-        """The image fields of settings (plus the SSRF allow-list the webhooks use and the S3 addressing style)."""
+        """The image fields of settings (plus the webhooks' SSRF allow-list and the S3 addressing style)."""
         return cls(**settings.model_dump(include=set(cls.model_fields)))
 
     def roots(self) -> list[str]:

@@ -124,11 +124,12 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate the assistant reply for each conversation (`tools` go to the chat template; image_url and
         image_pil parts go to a vision-language model, image_url ones read by `image_loader` (URL -> PIL
-        image; by default data: URLs only, engine.multimodal.image_decode); `lora_request` as for generate)."""
+        image; by default data: URLs only, engine.multimodal.image_decode); `lora_request` as for
+        generate)."""
         if messages_list and isinstance(messages_list[0], dict):
             messages_list = [messages_list]  # type: ignore[list-item]
-        return self.generate([self._chat_prompt(m, tools, image_loader) for m in messages_list], params, progress,
-                             lora_request)
+        prompts = [self._chat_prompt(m, tools, image_loader) for m in messages_list]
+        return self.generate(prompts, params, progress, lora_request)
 
     def _chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                      image_loader: Callable[[str], Any] | None = None) -> Prompt:

@@ -81,7 +81,8 @@ def reference(qwen2_vl, hf_model, llm):
 
 def test_pixels_and_placeholders_follow_the_checkpoints_processor(qwen2_vl, llm):
     images = [noise_image(112, 112, 1), noise_image(60, 90, 2)]
-    ids, mm = llm.engine.intake._multimodal({"prompt": prompt("compare", 2), "multi_modal_data": {"image": images}})
+    ids, mm = llm.engine.intake._multimodal({"prompt": prompt("compare", 2),
+                                             "multi_modal_data": {"image": images}})
     ref = AutoImageProcessor.from_pretrained(qwen2_vl)(images=images, return_tensors="pt")
     assert torch.equal(torch.cat([i.pixel_values for i in mm.items]), ref["pixel_values"])
     assert [list(i.grid_thw) for i in mm.items] == ref["image_grid_thw"].tolist()
@@ -95,7 +96,8 @@ def test_pixels_and_placeholders_follow_the_checkpoints_processor(qwen2_vl, llm)
 
 def test_mrope_positions_and_vision_tower_match_transformers(qwen2_vl, hf_model, llm):
     images = [noise_image(112, 84, 4), noise_image(70, 140, 5)]
-    ids, mm = llm.engine.intake._multimodal({"prompt": prompt("compare", 2), "multi_modal_data": {"image": images}})
+    ids, mm = llm.engine.intake._multimodal({"prompt": prompt("compare", 2),
+                                             "multi_modal_data": {"image": images}})
     inputs = hf_inputs(qwen2_vl, hf_model, ids, images)
     positions, delta = hf_model.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"],
                                                      inputs["image_grid_thw"])
@@ -190,7 +192,8 @@ def test_chat_with_image_parts_is_generate_with_multi_modal_data(llm):
     assert outs[0].token_ids == outs[1].token_ids == outs[2].token_ids
     assert outs[0].prompt_token_ids == outs[2].prompt_token_ids
     bad = [{"role": "user", "content": [text, {"type": "image_url", "image_url": {"url": "s3://b/k.png"}}]}]
-    with pytest.raises(EngineImageError, match=r"messages\[0\]\.content\[1\]: .*outside the image input roots"):
+    outside = r"messages\[0\]\.content\[1\]: .*outside the image input roots"
+    with pytest.raises(EngineImageError, match=outside):
         llm.chat(bad, GREEDY, progress=False)
-    with pytest.raises(ImageError, match=r"messages\[0\]\.content\[1\]: .*outside the image input roots"):
+    with pytest.raises(ImageError, match=outside):
         llm.chat(bad, GREEDY, progress=False, image_loader=lambda url: load_image(url, ImageSettings()).image)

@@ -74,7 +74,8 @@ def start(
     _work(w, connection, settings, webhooks, burst)
 
 
-def _adapters(lora: list[str], lora_dir: list[str], settings: Settings, engine_args: dict[str, Any]) -> Adapters:
+def _adapters(lora: list[str], lora_dir: list[str], settings: Settings,
+              engine_args: dict[str, Any]) -> Adapters:
     """The --lora / --lora-dir adapters (LoRA switched on in engine_args where there are any)."""
     try:
         adapters = Adapters.from_flags(lora, lora_dir, cache=adapter_cache(settings.xdg_cache_home),

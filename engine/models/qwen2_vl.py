@@ -225,7 +225,8 @@ def _vision_weight(reader, name: str, param: torch.Tensor, dtype) -> torch.Tenso
 
 def load_vision_tower(model: Qwen2VLModel, reader, hf_config: dict[str, Any], dtype: torch.dtype,
                       device: torch.device) -> None:
-    """Read Qwen2-VL's vision tower from the checkpoint `reader` (engine.models.loader) into `model.visual`."""
+    """Read Qwen2-VL's vision tower from the checkpoint `reader` (engine.models.loader) into
+    `model.visual`."""
     visual = VisionTransformer(hf_config["vision_config"])
     prefix = "visual." if any(n.startswith("visual.") for n in reader.names()) else "model.visual."
     state = {}

@@ -70,6 +70,6 @@ def load_data_url(url: str) -> Image.Image:
     """The image of a data: URL under the default limits; other schemes need the contract's loader."""
     if not url.lower().startswith("data:"):
         shown = url.split("?", 1)[0]
-        raise ImageError(f"image {shown!r} is outside the image input roots: LLM.chat reads data: URLs itself "
-                         "and file://, s3:// or https:// ones through image_loader (contract.images)")
+        raise ImageError(f"image {shown!r} is outside the image input roots: LLM.chat reads data: URLs "
+                         "itself and file://, s3:// or https:// ones through image_loader (contract.images)")
     return decode_image(data_url_bytes(url, MAX_BYTES), MAX_PIXELS)
