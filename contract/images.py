@@ -24,7 +24,7 @@ from pydantic import BaseModel, Field
 from urllib3.connection import HTTPConnection, HTTPSConnection
 
 from sluice.contract.signing import Target, UnsafeWebhookURL, redact_url, resolve_target
-from sluice.contract.storage import _within, read_url
+from sluice.contract.storage import S3_STYLE, read_url, within
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -49,10 +49,11 @@ class ImageSettings(BaseModel):
     image_max_per_request: int = Field(16, ge=0)
     image_timeout: float = Field(10.0, gt=0)
     webhook_allow: str = ""
+    s3_addressing_style: str = S3_STYLE
 
     @classmethod
     def of(cls, settings: Settings) -> ImageSettings:
-        """The image fields of settings (plus the SSRF allow-list the webhooks use)."""
+        """The image fields of settings (plus the webhooks' SSRF allow-list and the S3 addressing style)."""
         return cls(**settings.model_dump(include=set(cls.model_fields)))
 
     def roots(self) -> list[str]:
@@ -83,11 +84,11 @@ def _data_bytes(url: str, max_bytes: int) -> bytes:
 
 def _stored_bytes(url: str, settings: ImageSettings) -> bytes:
     roots = settings.roots()
-    if not roots or not any(_within(url, root) for root in roots):
+    if not roots or not any(within(url, root) for root in roots):
         shown = redact_url(url) if "://" in url else url
         raise ImageError(f"image {shown!r} is outside the image input roots (SLUICE_IMAGE_INPUT_ROOTS)")
     try:
-        return read_url(url, settings.image_max_bytes)
+        return read_url(url, settings.image_max_bytes, s3_style=settings.s3_addressing_style)
     except FileNotFoundError:
         raise ImageError(f"no such image: {url}") from None
     except ValueError as exc:

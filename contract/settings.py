@@ -16,6 +16,12 @@ def default_output_url(data_home: str | None = None) -> str:
     return (Path(data).expanduser().resolve() / "sluice" / "results").as_uri()
 
 
+def adapter_cache(cache_home: str | None = None) -> Path:
+    """Where adapters fetched from S3 are kept: $XDG_CACHE_HOME/sluice/adapters, else
+    ~/.cache/sluice/adapters."""
+    return Path(cache_home or Path.home() / ".cache") / "sluice" / "adapters"
+
+
 class Settings(BaseSettings):
     """Everything the producer, CLI and worker read from the environment (nothing else reads it)."""
 
@@ -23,6 +29,7 @@ class Settings(BaseSettings):
 
     redis_url: str = "redis://127.0.0.1:6379/0"
     xdg_data_home: str | None = Field(None, validation_alias="XDG_DATA_HOME")
+    xdg_cache_home: str | None = Field(None, validation_alias="XDG_CACHE_HOME")
     output_url: str = ""
     webhook_url: str | None = None
     webhook_secret: SecretStr | None = None

@@ -397,7 +397,8 @@ def object_lines(storage: Storage, key: str) -> Iterator[bytes]:
         yield from iter_lines(stream, chunk=256 * 1024)
 
 
-def _within(url: str, root: str) -> bool:
+def within(url: str, root: str) -> bool:
+    """Whether url lies under root (an s3:// root's bucket may be a glob)."""
     parts, base = urlsplit(url), urlsplit(root)
     if parts.scheme == "s3" or base.scheme == "s3":
         if parts.scheme != base.scheme or not fnmatch.fnmatchcase(parts.netloc, base.netloc):
@@ -410,7 +411,7 @@ def _within(url: str, root: str) -> bool:
 def check_output_url(url: str, roots: list[str]) -> str:
     """url if it is a file:// (no host) or s3:// location inside one of roots (s3 buckets may be globs)."""
     open_storage(url)
-    if not any(_within(url, root) for root in roots):
+    if not any(within(url, root) for root in roots):
         raise OutputNotAllowed(
             f"output {url!r} is outside the allowed output roots ({', '.join(roots)}); see SLUICE_OUTPUT_ROOTS"
         )

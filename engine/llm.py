@@ -120,24 +120,26 @@ class LLM:
         progress: bool = True,
         tools: list[dict[str, Any]] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        image_loader: Callable[[str], Any] | None = None,
     ) -> list[RequestOutput]:
         """Generate the assistant reply for each conversation (`tools` go to the chat template; image_url and
-        image_pil parts go to a vision-language model, URLs fetched as SLUICE_IMAGE_* allows; `lora_request` as
-        for generate)."""
+        image_pil parts go to a vision-language model, image_url ones read by `image_loader` (URL -> PIL
+        image; by default data: URLs only, engine.multimodal.image_decode); `lora_request` as for
+        generate)."""
         if messages_list and isinstance(messages_list[0], dict):
             messages_list = [messages_list]  # type: ignore[list-item]
-        return self.generate([self._chat_prompt(m, tools) for m in messages_list], params, progress,
-                             lora_request)
+        prompts = [self._chat_prompt(m, tools, image_loader) for m in messages_list]
+        return self.generate(prompts, params, progress, lora_request)
 
-    def _chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> Prompt:
+    def _chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                     image_loader: Callable[[str], Any] | None = None) -> Prompt:
         """A conversation's engine prompt: its ids, with its images (engine.multimodal.chat) if any."""
         if not any(isinstance(m.get("content"), list) for m in messages):
             return self.encode_chat(messages, tools)
-        from sluice.contract.images import ImageSettings
-        from sluice.contract.settings import get_settings
         from sluice.engine.multimodal.chat import chat_images, image_prompt
+        from sluice.engine.multimodal.image_decode import load_data_url
 
-        rendered, images = chat_images(messages, ImageSettings.of(get_settings()))
+        rendered, images = chat_images(messages, image_loader or load_data_url)
         return image_prompt(self.encode_chat(rendered, tools), images)
 
     def takes_images(self) -> bool:

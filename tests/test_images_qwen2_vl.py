@@ -52,7 +52,7 @@ def hf_greedy(qwen2_vl, hf_model, llm, requests: list[dict], max_new_tokens: int
     outs = []
     for req in requests:
         images = req.get("multi_modal_data", {}).get("image", [])
-        ids, _ = llm.engine._multimodal(req)
+        ids, _ = llm.engine.intake._multimodal(req)
         with torch.no_grad():
             inputs = hf_inputs(qwen2_vl, hf_model, ids, images)
             gen = hf_model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
@@ -81,7 +81,8 @@ def reference(qwen2_vl, hf_model, llm):
 
 def test_pixels_and_placeholders_follow_the_checkpoints_processor(qwen2_vl, llm):
     images = [noise_image(112, 112, 1), noise_image(60, 90, 2)]
-    ids, mm = llm.engine._multimodal({"prompt": prompt("compare", 2), "multi_modal_data": {"image": images}})
+    ids, mm = llm.engine.intake._multimodal({"prompt": prompt("compare", 2),
+                                             "multi_modal_data": {"image": images}})
     ref = AutoImageProcessor.from_pretrained(qwen2_vl)(images=images, return_tensors="pt")
     assert torch.equal(torch.cat([i.pixel_values for i in mm.items]), ref["pixel_values"])
     assert [list(i.grid_thw) for i in mm.items] == ref["image_grid_thw"].tolist()
@@ -95,7 +96,8 @@ def test_pixels_and_placeholders_follow_the_checkpoints_processor(qwen2_vl, llm)
 
 def test_mrope_positions_and_vision_tower_match_transformers(qwen2_vl, hf_model, llm):
     images = [noise_image(112, 84, 4), noise_image(70, 140, 5)]
-    ids, mm = llm.engine._multimodal({"prompt": prompt("compare", 2), "multi_modal_data": {"image": images}})
+    ids, mm = llm.engine.intake._multimodal({"prompt": prompt("compare", 2),
+                                             "multi_modal_data": {"image": images}})
     inputs = hf_inputs(qwen2_vl, hf_model, ids, images)
     positions, delta = hf_model.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"],
                                                      inputs["image_grid_thw"])
@@ -143,7 +145,7 @@ def test_one_image_in_many_prompts_is_encoded_once_and_images_salt_the_prefix_ca
     outs = llm.generate(reqs, GREEDY, progress=False)
     stats = llm.stats()
     assert stats["images_encoded"] == 1 and stats["encoder_cache_hits"] >= 1
-    assert len(llm.engine.mm_processor._patches) == 1  # and preprocessed once
+    assert len(llm.engine.intake.mm_processor._patches) == 1  # and preprocessed once
     assert len({tuple(o.token_ids) for o in outs}) == 1
     other = {"prompt": prompt("describe", 1), "multi_modal_data": {"image": noise_image(112, 112, 8)}}
     ref = hf_greedy(qwen2_vl, hf_model, llm, [other])
@@ -173,7 +175,8 @@ def test_bad_image_requests_are_rejected_by_name_and_the_rest_still_run(llm, tin
 
 
 def test_chat_with_image_parts_is_generate_with_multi_modal_data(llm):
-    from sluice.contract.images import ImageError
+    from sluice.contract.images import ImageError, ImageSettings, load_image
+    from sluice.engine.multimodal.image_decode import ImageError as EngineImageError
     from tests.test_images import data_url, encoded
 
     image = noise_image(98, 70, 10)
@@ -189,5 +192,8 @@ def test_chat_with_image_parts_is_generate_with_multi_modal_data(llm):
     assert outs[0].token_ids == outs[1].token_ids == outs[2].token_ids
     assert outs[0].prompt_token_ids == outs[2].prompt_token_ids
     bad = [{"role": "user", "content": [text, {"type": "image_url", "image_url": {"url": "s3://b/k.png"}}]}]
-    with pytest.raises(ImageError, match=r"messages\[0\]\.content\[1\]: .*outside the image input roots"):
+    outside = r"messages\[0\]\.content\[1\]: .*outside the image input roots"
+    with pytest.raises(EngineImageError, match=outside):
         llm.chat(bad, GREEDY, progress=False)
+    with pytest.raises(ImageError, match=outside):
+        llm.chat(bad, GREEDY, progress=False, image_loader=lambda url: load_image(url, ImageSettings()).image)

@@ -7,6 +7,8 @@ import pytest
 import redis
 from PIL import Image
 
+from sluice.contract.images import ImageSettings, load_image
+from sluice.contract.settings import Settings
 from sluice.engine import LLM, SamplingParams
 from sluice.producer import BatchStatus, Client
 from sluice.worker.worker import EngineWorker
@@ -62,8 +64,10 @@ def test_image_lines_match_llm_chat_and_bad_images_fail_alone(vl_llm, redis_url,
     client, batch_id = run_batch(vl_llm, redis_url, lines, tmp_path)
 
     records = {r.custom_id: r for r in client.results(batch_id)}
+    images = ImageSettings.of(Settings())  # the worker's SLUICE_IMAGE_* settings
     want = vl_llm.chat([[{"role": "user", "content": v}] for v in good.values()],
-                       SamplingParams(max_tokens=6, temperature=0), progress=False)
+                       SamplingParams(max_tokens=6, temperature=0), progress=False,
+                       image_loader=lambda url: load_image(url, images).image)
     assert set(records) == set(good)
     for (cid, _), out in zip(good.items(), want, strict=True):
         body = records[cid].response.body

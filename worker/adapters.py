@@ -8,11 +8,11 @@ adapters all serve every adapter in it, including ones added after they started.
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 import threading
 from pathlib import Path
 
+from sluice.contract.settings import adapter_cache
 from sluice.contract.storage import S3_STYLE, open_storage
 from sluice.engine.lora.adapter import CONFIG, WEIGHTS
 from sluice.engine.lora.lora_request import LoRARequest
@@ -32,8 +32,7 @@ class Adapters:
                  cache: str | Path | None = None, s3_style: str = S3_STYLE) -> None:
         self.named = dict(named or {})
         self.dirs = [d.rstrip("/") for d in dirs or []]
-        self.cache = Path(cache or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-                          / "sluice" / "adapters")
+        self.cache = Path(cache or adapter_cache())
         self.s3_style = s3_style
         self._requests: dict[str, LoRARequest] = {}
         self._lock = threading.Lock()

@@ -15,7 +15,7 @@ import typer
 from sluice.contract.jobs import QUEUES
 from sluice.contract.logs import configure as configure_logging
 from sluice.contract.redis_conn import connect
-from sluice.contract.settings import Settings, get_settings, stay_off_the_hub
+from sluice.contract.settings import Settings, adapter_cache, get_settings, stay_off_the_hub
 from sluice.engine import LLM, weight_reserve
 from sluice.worker import collector, engine_flags
 from sluice.worker.adapters import Adapters, AdapterSpecError
@@ -59,7 +59,7 @@ def start(
     if not model:
         raise typer.BadParameter("give --model or set SLUICE_MODEL", param_hint="--model")
     configure_logging(log_format)
-    adapters = served_adapters(lora or [], lora_dir or [], settings, engine_args)
+    adapters = _adapters(lora or [], lora_dir or [], settings, engine_args)
     metrics = start_metrics(metrics_port, model)
     llm = load(model, {**settings.json_bounds(), **engine_args})
     connection = connect(redis_url or settings.redis_url)
@@ -71,6 +71,24 @@ def start(
         queues.split(","), llm, connection, heartbeat_ttl=ttl, grace=grace, name=name, settings=settings,
         adapters=adapters,
     )
+    _work(w, connection, settings, webhooks, burst)
+
+
+def _adapters(lora: list[str], lora_dir: list[str], settings: Settings,
+              engine_args: dict[str, Any]) -> Adapters:
+    """The --lora / --lora-dir adapters (LoRA switched on in engine_args where there are any)."""
+    try:
+        adapters = Adapters.from_flags(lora, lora_dir, cache=adapter_cache(settings.xdg_cache_home),
+                                       s3_style=settings.s3_addressing_style)
+    except AdapterSpecError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--lora") from None
+    if adapters:
+        engine_args.setdefault("enable_lora", True)
+    return adapters
+
+
+def _work(w: EngineWorker, connection: redis.Redis, settings: Settings, webhooks: bool, burst: bool) -> None:
+    """Run the worker, with webhook delivery in a supervised background thread while it runs."""
     stop = threading.Event()
     if webhooks:
         supervised("webhooks", lambda stop: deliver_webhooks(connection, settings, stop), stop)
@@ -78,18 +96,6 @@ def start(
         w.work(burst=burst)
     finally:
         stop.set()
-
-
-def served_adapters(lora: list[str], lora_dir: list[str], settings: Settings,
-                    engine_args: dict[str, Any]) -> Adapters:
-    """The --lora / --lora-dir adapters (any of them turns enable_lora on)."""
-    try:
-        adapters = Adapters.from_flags(lora, lora_dir, s3_style=settings.s3_addressing_style)
-    except AdapterSpecError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--lora") from None
-    if adapters:
-        engine_args.setdefault("enable_lora", True)
-    return adapters
 
 
 def load(model: str, engine_args: dict[str, Any]) -> LLM:

@@ -79,9 +79,11 @@ def served_models(llm: LLM, settings: Settings, adapters: Adapters | None = None
     return ServedModels(names, adapters) if adapters else names
 
 
-def prepare(llm: LLM, request: Request, served: set[str]) -> tuple[Any, Any]:
+def prepare(llm: LLM, request: Request, served: set[str],
+            images: ImageSettings | None = None) -> tuple[Any, Any]:
     """The prompt (a chat rendered through the model's template) and sampling parameters of a request (an
-    embeddings request: its inputs and pooling parameters)."""
+    embeddings request: its inputs and pooling parameters); image parts read as `images` allows (the worker's
+    SLUICE_IMAGE_* settings; their defaults where none are given)."""
     from sluice.engine import PoolingParams, SamplingParams
 
     body = request.parsed_body()
@@ -102,7 +104,7 @@ def prepare(llm: LLM, request: Request, served: set[str]) -> tuple[Any, Any]:
             f"the model's chat template failed on these messages: {type(exc).__name__}: {exc}"
         ) from exc
     if body.image_parts():  # fetched and decoded here, each problem naming its part (worker.images)
-        prompt = with_images(llm, body, prompt, ImageSettings.of(get_settings()))
+        prompt = with_images(llm, body, prompt, images or ImageSettings())
     return prompt, SamplingParams(**body.sampling_kwargs())
 
 
@@ -165,19 +167,21 @@ class ShardRun:
         self.token = begin_attempt(connection, self.batch_id, self.shard)
         return self.token is not None
 
-    def start(self, llm: LLM, served: set[str], key: str | None = None) -> None:
+    def start(self, llm: LLM, served: set[str], key: str | None = None,
+              images: ImageSettings | None = None) -> None:
         """Add every request to the engine as `{key}/{i}` (key: the rq execution; default the job id); served:
-        the model names it answers to (served_models)."""
+        the model names it answers to (served_models); images: what image parts may be read (prepare)."""
         for i, request in enumerate(self.requests):
             if request.custom_id not in self.records:
-                self.add(llm, f"{key or self.job_id}/{i}", request, served)
+                self.add(llm, f"{key or self.job_id}/{i}", request, served, images)
 
-    def add(self, llm: LLM, rid: str, request: Request, served: set[str]) -> None:
+    def add(self, llm: LLM, rid: str, request: Request, served: set[str],
+            images: ImageSettings | None = None) -> None:
         """Add one request to the engine as rid; one it cannot run (or even render) becomes an error record."""
         from sluice.engine import RequestRejected  # torch: see shared_llm
 
         try:
-            prompt, params = prepare(llm, request, served)
+            prompt, params = prepare(llm, request, served, images)
             adapter = served.adapter(request.parsed_body().model) if isinstance(served, ServedModels) else None
             llm.add_request(rid, prompt, params, lora_request=adapter)
         except RequestRejected as exc:
@@ -309,7 +313,7 @@ def run_shard(batch_id: str, shard: int, requests: dict[str, Any] | list[dict[st
         run.fail_all(reason, ABORT_CODES[reason])
     else:
         llm = shared_llm(settings)
-        run.start(llm, served_models(llm, settings))
+        run.start(llm, served_models(llm, settings), images=ImageSettings.of(settings))
         while not run.done:
             for out in llm.step():
                 run.finish(out, model_name(llm))

@@ -14,6 +14,7 @@ from rq.job import Job
 from rq.queue import Queue
 
 from sluice.contract.batch import BatchStore
+from sluice.contract.images import ImageSettings
 from sluice.contract.jobs import SHARD_FUNCTIONS
 from sluice.contract.rq_adapter import request_worker_stop
 from sluice.contract.schemas import Request
@@ -70,6 +71,7 @@ class EngineWorker(JobsWorker):
         self.llm = llm
         self.model = model_name(llm)
         self.served = served_models(llm, self.settings, adapters)
+        self.images = ImageSettings.of(self.settings)  # what image parts may be read (shard_run.prepare)
         self.grace = grace
         self.reaper = reaper
         self.store = BatchStore(connection)
@@ -212,7 +214,7 @@ class EngineWorker(JobsWorker):
             if reason:
                 run.fail_all(reason, ABORT_CODES[reason])
             else:
-                run.start(self.llm, self.served, key=execution.id)
+                run.start(self.llm, self.served, key=execution.id, images=self.images)
         except REDIS_ERRORS:
             self._abort_pending(run)
             self.forget(job.id)
@@ -368,7 +370,7 @@ class EngineWorker(JobsWorker):
             new = f"{base}~{next(self._fresh_ids)}"
             run.pending.pop(old)
             self.owner.pop(old, None)
-            run.add(self.llm, new, request, self.served)
+            run.add(self.llm, new, request, self.served, self.images)
             if new in run.pending:
                 self.owner[new] = job_id
         while self.llm.has_unfinished():

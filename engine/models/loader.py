@@ -341,13 +341,19 @@ def load_model(
         raise ValueError(f"weight_loading must be one of {', '.join(WEIGHT_LOADING)}, got {weight_loading!r}")
     config = config or ModelConfig.from_hf(read_config(path))
     if is_vision_language(hf := read_config(path)):  # the vision tower and M-RoPE (models.qwen2_vl)
-        from sluice.engine.models.qwen2_vl import load_qwen2_vl
-
-        return load_qwen2_vl(path, hf, config, dtype, device, max_positions)
+        return _load_vision_language(path, hf, config, dtype, device, max_positions)
     if config.path == GENERIC:  # transformers' own modules with our attention (models.generic)
         from sluice.engine.models.generic import load_generic
 
         return load_generic(path, dtype, device, config, linear_hook, huge_pages)
+    return _load_native(path, config, dtype, device, max_positions, linear_hook, weight_loading, huge_pages,
+                        reservation)
+
+
+def _load_native(path: str | Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 max_positions: int, linear_hook: LinearHook | None, weight_loading: str, huge_pages: bool,
+                 reservation: weight_reserve.WeightReservation | None) -> LlamaModel:
+    """Our own LlamaModel read from the checkpoint (load_model's native path)."""
     reader = CheckpointReader(path)
     mode = _weight_mode(reader, weight_loading, linear_hook)
     in_arena = device.type == "cpu" and mode == "copy" and huge_pages
@@ -356,13 +362,29 @@ def load_model(
     if getattr(linear_hook, "prequantized", False):  # the hook reads its tensors through this reader (so it
         linear_hook.reader = reader  # takes what was read ahead into the arena)
     model = build_model(config)
-    _read_weights(model, reader, dtype, device, linear_hook, mode, arena)
+    read_weights(model, reader, dtype, device, linear_hook, mode, arena)
     if getattr(linear_hook, "quantizes_head", False):
         model.lm_head = linear_hook("lm_head", _head(model))
     model.rope = RotaryEmbedding(config.head_dim, max_positions, config.rope).to(device)
     if arena is not None:
         arena.adopt(model)
         model.weight_arena = arena  # for its owner to settle once it runs
+    return model.eval()
+
+
+def _load_vision_language(path: str | Path, hf_config: dict, config: ModelConfig, dtype: torch.dtype,
+                          device: torch.device, max_positions: int) -> LlamaModel:
+    """Qwen2-VL from an HF folder: the language model as the native path reads Qwen2, then its vision tower
+    (models.qwen2_vl)."""
+    from sluice.engine.models.qwen2_vl import Qwen2VLModel, load_vision_tower
+
+    section = config.rope.get("mrope_section") or [16, 24, 24]
+    with skip_init():
+        model = Qwen2VLModel(config, 1, section)
+    reader = CheckpointReader(path)
+    read_weights(model, reader, dtype, device, None, "copy", None)
+    load_vision_tower(model, reader, hf_config, dtype, device)
+    model.rope = RotaryEmbedding(config.head_dim, max_positions, config.rope).to(device)
     return model.eval()
 
 
@@ -374,7 +396,7 @@ def _weight_mode(reader: CheckpointReader, weight_loading: str, linear_hook: Lin
     return mode
 
 
-def _read_weights(model: LlamaModel, reader: CheckpointReader, dtype: torch.dtype, device: torch.device,
+def read_weights(model: LlamaModel, reader: CheckpointReader, dtype: torch.dtype, device: torch.device,
                   linear_hook: LinearHook | None, mode: str, arena: WeightArena | None) -> None:
     """Every parameter of `model` read from the checkpoint in place of its placeholder (asserts none is left)."""
     placeholders = list(model.parameters())

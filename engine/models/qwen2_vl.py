@@ -10,7 +10,6 @@ inside an image takes the slice it covers), and every token gets its (t, h, w) M
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -224,18 +223,10 @@ def _vision_weight(reader, name: str, param: torch.Tensor, dtype) -> torch.Tenso
     return tensor.reshape(param.shape)
 
 
-def load_qwen2_vl(path: str | Path, hf_config: dict[str, Any], config: ModelConfig, dtype: torch.dtype,
-                  device: torch.device, max_positions: int) -> Qwen2VLModel:
-    """Qwen2-VL from an HF folder: the language model as the native loader reads Qwen2, then its vision
-    tower."""
-    from sluice.engine.models.loader import CheckpointReader, _read_weights, skip_init
-    from sluice.engine.models.rope import RotaryEmbedding
-
-    section = (config.rope.get("mrope_section") or [16, 24, 24])
-    with skip_init():
-        model = Qwen2VLModel(config, 1, section)
-    reader = CheckpointReader(path)
-    _read_weights(model, reader, dtype, device, None, "copy", None)
+def load_vision_tower(model: Qwen2VLModel, reader, hf_config: dict[str, Any], dtype: torch.dtype,
+                      device: torch.device) -> None:
+    """Read Qwen2-VL's vision tower from the checkpoint `reader` (engine.models.loader) into
+    `model.visual`."""
     visual = VisionTransformer(hf_config["vision_config"])
     prefix = "visual." if any(n.startswith("visual.") for n in reader.names()) else "model.visual."
     state = {}
@@ -245,5 +236,3 @@ def load_qwen2_vl(path: str | Path, hf_config: dict[str, Any], config: ModelConf
     visual.load_state_dict(state)
     model.visual = visual.to(device=device, dtype=dtype)
     model.visual.inv_freq = model.visual.inv_freq.float()
-    model.rope = RotaryEmbedding(config.head_dim, max_positions, config.rope).to(device)
-    return model.eval()

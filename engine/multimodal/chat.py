@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from sluice.contract.images import ImageError, ImageSettings, load_image
+from sluice.engine.multimodal.image_decode import ImageError, load_data_url
+
+ImageLoader = Callable[[str], Any]  # an image URL -> its decoded PIL image, raising a ValueError it refuses
 
 
-def _image_of(part: dict[str, Any], settings: ImageSettings):
+def _image_of(part: dict[str, Any], load: ImageLoader):
     """The PIL image of an image_url (OpenAI) or image_pil (vLLM) content part."""
     if part["type"] == "image_pil":
         return part["image_pil"]
@@ -15,12 +18,14 @@ def _image_of(part: dict[str, Any], settings: ImageSettings):
     url = ref.get("url") if isinstance(ref, dict) else ref
     if not isinstance(url, str):
         raise ImageError("an image_url part needs image_url.url")
-    return load_image(url, settings).image
+    return load(url)
 
 
-def chat_images(messages: list[dict[str, Any]], settings: ImageSettings) -> tuple[list[dict[str, Any]], list]:
+def chat_images(messages: list[dict[str, Any]],
+                load: ImageLoader = load_data_url) -> tuple[list[dict[str, Any]], list]:
     """Messages with each image part as {"type": "image"} (what chat templates render as the model's image
-    placeholder), and the images in order; ImageError names the part (messages[i].content[j])."""
+    placeholder), and the images in order (image_url ones read by `load`); the error names the part
+    (messages[i].content[j])."""
     out, images = [], []
     for i, message in enumerate(messages):
         content = message.get("content")
@@ -34,9 +39,9 @@ def chat_images(messages: list[dict[str, Any]], settings: ImageSettings) -> tupl
                 parts.append(part)
                 continue
             try:
-                images.append(_image_of(part, settings))
-            except ImageError as exc:
-                raise ImageError(f"messages[{i}].content[{j}]: {exc}") from None
+                images.append(_image_of(part, load))
+            except ValueError as exc:  # ImageError, or the loader's own (contract.images.ImageError)
+                raise type(exc)(f"messages[{i}].content[{j}]: {exc}") from None
             parts.append({"type": "image"})
         out.append({**message, "content": parts})
     return out, images

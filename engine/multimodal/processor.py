@@ -89,7 +89,7 @@ class MultiModalProcessor:
 
     def process(self, prompt: str | list[int], images: Sequence) -> tuple[list[int], MultiModalInputs]:
         """Token ids with each image placeholder expanded, and the prompt's MultiModalInputs."""
-        from sluice.contract.images import image_hash
+        from sluice.engine.multimodal.image_decode import image_hash
 
         if len(images) > self.max_images:
             raise MultiModalError(f"{len(images)} images in one prompt, over the limit of {self.max_images}")
