@@ -157,9 +157,12 @@ def test_embedding_lines_are_validated_and_bad_ones_name_the_field():
         embedding_line("ok", input=["a", "b"]), embedding_line("empty", input=[]),
         embedding_line("format", encoding_format="hex"), embedding_line("extra", truncate=True))]
     checked = validate_lines(raw, Settings())
-    assert [r.custom_id for r in checked.requests] == ["ok"]
-    assert [(e.line, e.param) for e in checked.errors] == [
-        (2, "body.input"), (3, "body.encoding_format"), (4, "body.truncate")]
+    assert not checked.errors  # a bad body is its own line's 400; the file is fine
+    assert [r.custom_id for r in checked.requests if r.answer() is None] == ["ok"]
+    refused = [(r.custom_id, r.answer()) for r in checked.requests if r.answer() is not None]
+    assert [(cid, a.response.status_code, a.response.body["error"]["param"]) for cid, a in refused] == [
+        ("empty", 400, "input"), ("format", 400, "encoding_format"), ("extra", 400, "truncate")]
+    assert all(f"line {n}" in a.response.body["error"]["message"] for n, (_, a) in zip((2, 3, 4), refused, strict=True))
 
 
 @pytest.fixture(scope="module")

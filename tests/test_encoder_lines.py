@@ -120,10 +120,13 @@ def test_rerank_score_and_moderation_lines_are_validated_by_field():
         line("mod-empty", "/v1/moderations", input=[]),
         line("mod-extra", "/v1/moderations", input="x", threshold=0.3))]
     checked = validate_lines(raw, Settings())
-    assert [r.custom_id for r in checked.requests] == ["ok"]
-    assert [(e.line, e.param) for e in checked.errors] == [
-        (2, "body.documents"), (3, "body.top_n"), (4, "body"), (5, "body.input"), (6, "body.threshold")]
-    assert "give one, or as many on each side" in checked.errors[2].message
+    assert not checked.errors  # a bad body is its own line's 400; the file is fine
+    assert [r.custom_id for r in checked.requests if r.answer() is None] == ["ok"]
+    refused = {r.custom_id: r.answer().response for r in checked.requests if r.answer() is not None}
+    assert {cid: (resp.status_code, resp.body["error"]["param"]) for cid, resp in refused.items()} == {
+        "no-docs": (400, "documents"), "top": (400, "top_n"), "uneven": (400, None), "mod-empty": (400, "input"),
+        "mod-extra": (400, "threshold")}
+    assert "give one, or as many on each side" in refused["uneven"].body["error"]["message"]
 
 
 LABELS = {0: "toxic", 1: "hate", 2: "insult"}
