@@ -21,15 +21,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, Field
-from urllib3.connection import HTTPConnection, HTTPSConnection
 
-from sluice.contract.signing import Target, UnsafeWebhookURL, redact_url, resolve_target
 from sluice.contract.storage import S3_STYLE, read_url, within
 
 if TYPE_CHECKING:
     from PIL import Image
+    from urllib3.connection import HTTPConnection
 
     from sluice.contract.settings import Settings
+    from sluice.contract.signing import Target
 
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
 _DATA_URL = re.compile(r"data:image/(png|jpeg|jpg|webp|gif);base64,", re.IGNORECASE)
@@ -83,6 +83,8 @@ def _data_bytes(url: str, max_bytes: int) -> bytes:
 
 
 def _stored_bytes(url: str, settings: ImageSettings) -> bytes:
+    from sluice.contract.signing import redact_url  # the signing and HTTP modules load where URLs are fetched
+
     roots = settings.roots()
     if not roots or not any(within(url, root) for root in roots):
         shown = redact_url(url) if "://" in url else url
@@ -98,6 +100,8 @@ def _stored_bytes(url: str, settings: ImageSettings) -> bytes:
 
 
 def _connection(target: Target, timeout: float) -> HTTPConnection:
+    from urllib3.connection import HTTPConnection, HTTPSConnection
+
     if target.scheme == "https":
         return HTTPSConnection(target.address, target.port, timeout=timeout, server_hostname=target.host,
                                assert_hostname=target.host)
@@ -116,6 +120,8 @@ def _https_bytes(url: str, settings: ImageSettings) -> bytes:
         raise ImageError("https image URLs are off; set SLUICE_IMAGE_ALLOW_HTTPS=1 to fetch them")
     if not url.startswith("https://"):
         raise ImageError("image URLs must be https://, data:, file:// or s3://")
+    from sluice.contract.signing import UnsafeWebhookURL, resolve_target
+
     try:
         target = resolve_target(url, settings.webhook_allow)
     except UnsafeWebhookURL as exc:
@@ -125,6 +131,8 @@ def _https_bytes(url: str, settings: ImageSettings) -> bytes:
 
 def _get(target: Target, timeout: float, max_bytes: int) -> bytes:
     """GET the checked target within timeout seconds in all, refusing a body over max_bytes."""
+    from sluice.contract.signing import redact_url
+
     conn, expired = _connection(target, timeout), threading.Event()
     timer = threading.Timer(timeout, _cut, args=(conn, expired))
     timer.daemon = True
