@@ -144,11 +144,12 @@ def test_int8_layer_cache_reads_only_long_sequences_blocks_into_a_copy():
     assert isinstance(cache.step, StepBlocks)
 
 
-# How far the two paths' logits may differ (fp32: summation order; bf16: the torch path rounds its dequantized
+# How far the two paths' logits may differ (fp32: summation order, which on the avx2 tier's 8-lane sums reaches
+# 1e-4 at the test model's logits, hence twice that; bf16: the torch path rounds its dequantized
 # copy to bf16, so four bf16 ulps at the test model's logits, all under 1 in magnitude). A position counts as
 # agreeing when both paths pick the same token, or when the kernel's pick is within TIE_MARGIN (twice that: two
 # logits each off by it) of the torch path's maximum, a near-tie another summation order may break the other way.
-LOGIT_DIFF = {"float32": 1e-4, "bfloat16": 4 * 2**-8}
+LOGIT_DIFF = {"float32": 2e-4, "bfloat16": 4 * 2**-8}
 TIE_MARGIN = {dtype: 2 * diff for dtype, diff in LOGIT_DIFF.items()}
 
 
