@@ -52,7 +52,8 @@ class Engine:
         self.max_model_len, self.eos_token_ids = r.max_model_len, r.eos_token_ids
         hook = linear_hook(config, self.device, self.dtype, r.hf_config)
         self.model = load_model(config.model, self.dtype, self.device, self.max_model_len, hook, r.model,
-                                config.weight_loading, config.huge_pages, weight_reservation)
+                                config.weight_loading, config.huge_pages, weight_reservation,
+                                r.hf_config)
         num_blocks = pool_blocks(config, r.model, r.kv_dtype, r.device, r.max_model_len)
         self.kv_block_bytes = bytes_per_token(r.model, self.kv_dtype) * config.block_size
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)

@@ -175,7 +175,7 @@ def load_draft(cfg: SpeculativeConfig, engine_config: EngineConfig, target: Mode
     _check_vocab(draft, target, target_vocab, cfg.model, hf_config)
     config = replace(engine_config, model=cfg.model, quantization=cfg.quantization, speculative=None)
     return load_model(cfg.model, dtype, device, max_model_len, linear_hook(config, device, dtype, hf_config), draft,
-                      engine_config.weight_loading, engine_config.huge_pages)
+                      engine_config.weight_loading, engine_config.huge_pages, hf_config=hf_config)
 
 
 def _check_vocab(draft: ModelConfig, target: ModelConfig, target_vocab: dict, path: str, hf_config: dict) -> None:

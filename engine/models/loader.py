@@ -330,17 +330,20 @@ def load_model(
     weight_loading: str = "auto",
     huge_pages: bool = True,
     reservation: weight_reserve.WeightReservation | None = None,
+    hf_config: dict | None = None,
 ) -> LlamaModel:
     """Build our model from an HF folder, reading tensors layer by layer onto `device` (`config`: its
     config.json when the caller has already read it; `weight_loading`: one of WEIGHT_LOADING, for CPU: map
     the file's tensors where they serve as stored (auto: from MAP_ALL_BYTES of weights), always, or never. A
     linear hook reads private copies: what it keeps replaces the weights, and no map outlives the load.
     `huge_pages`: on CPU, private weights in engine.weight_memory's arena, `model.weight_arena`, which its
-    owner settles; `reservation`: the map reserved for it at the process's start, engine.weight_reserve.)"""
+    owner settles; `reservation`: the map reserved for it at the process's start, engine.weight_reserve;
+    `hf_config`: its config.json when the caller has read it.)"""
     if weight_loading not in WEIGHT_LOADING:
         raise ValueError(f"weight_loading must be one of {', '.join(WEIGHT_LOADING)}, got {weight_loading!r}")
-    config = config or ModelConfig.from_hf(read_config(path))
-    if is_vision_language(hf := read_config(path)):  # the vision tower and M-RoPE (models.qwen2_vl)
+    hf = hf_config if hf_config is not None else read_config(path)
+    config = config or ModelConfig.from_hf(hf)
+    if is_vision_language(hf):  # the vision tower and M-RoPE (models.qwen2_vl)
         return _load_vision_language(path, hf, config, dtype, device, max_positions)
     if config.path == GENERIC:  # transformers' own modules with our attention (models.generic)
         from sluice.engine.models.generic import load_generic
