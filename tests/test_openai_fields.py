@@ -225,7 +225,7 @@ def test_logprobs_mode_reports_raw_or_processed_values(speculative):
                             presence_penalty=0.5, logprobs=3)
     seen: dict[str, list] = {}
     for mode in ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"):
-        engine.config.logprobs_mode = mode
+        engine.outputs.logprobs_mode = mode  # what the output processor reports (engine.output_processor)
         out = llm.generate("KING HENRY:\nWhat say you?\n", params, progress=False)[0]
         ref = _reference(llm, out, bias, 0.5, 0.7, mode)
         for i, step in enumerate(out.logprobs):
