@@ -41,7 +41,7 @@ def test_validation_names_line_code_and_field():
         line("c", "/v1/chat/completions", messages=[{"role": "user", "content": "hi"}], temperature=3),
         line("d", prompt=["two", "prompts"]),
         line("e", prompt="x", frequency_penalti=0.5),
-        line("f", "/v1/moderations"),
+        line("f", "/v1/images/generations"),  # an endpoint batch lines cannot name
         b"",
         line(
             "g",

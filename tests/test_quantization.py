@@ -247,7 +247,7 @@ def test_int4_linears_are_packed_for_the_cpu_kernel_at_load(ckpt, monkeypatch):
     freed): the same logits as a model whose linears pack at their first forward."""
     llm = LLM(ckpt, dtype="bfloat16", device="cpu", quantization="int4", double_quant=True)
     assert all(p.state is None and p.absmax is not None for p in quantized_parts(llm))
-    monkeypatch.setattr("sluice.engine.engine.pack_4bit_for_cpu", lambda model: 0)
+    monkeypatch.setattr("sluice.engine.housekeeping.pack_4bit_for_cpu", lambda model: 0)
     lazy = LLM(ckpt, dtype="bfloat16", device="cpu", quantization="int4", double_quant=True)
     assert all(p.state is not None and p.absmax is None for p in quantized_parts(lazy))
     for a, b in zip(llm.score(PROMPTS), lazy.score(PROMPTS), strict=True):
