@@ -59,6 +59,7 @@ def zombie_returns(fleet: Fleet, cut, heal) -> None:
     fleet.workers["w2"].send_signal(signal.SIGSTOP)  # w1 claims first
     client, batch, ids = submit(fleet, 12, 8, shard_size=2)
     wait_until(lambda: fleet.holding("w1"), 60, "w1 to hold a shard", poll=0.02)
+    time.sleep(1.5)  # w1 has read its slice and run it: it is in its slow save when cut off
     cut()
     fleet.workers["w2"].send_signal(signal.SIGCONT)
     wait_until(lambda: client.get(batch.id).done, 120, "the batch to end without w1")
