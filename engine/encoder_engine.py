@@ -1,8 +1,9 @@
 """The engine of encoder checkpoints (BERT, RoBERTa, XLM-R): embeddings, class probabilities and pair scores.
 
 An encoder keeps no KV cache and sees every token of a sequence at once, so a sequence is never chunked: each
-step takes waiting sequences, whole, up to the token budget (max_num_batched_tokens, at least one full-length
-sequence) and max_num_seqs, runs one forward over their tokens concatenated (engine.models.bert), and pools
+step takes the oldest waiting sequence and the waiting ones nearest its length, whole, up to the token budget
+(max_num_batched_tokens, at least one full-length sequence) and max_num_seqs (similar lengths: little padding
+in attention), runs one forward over their tokens concatenated (engine.models.bert), and pools
 (sentence-transformers' Pooling and Normalize: engine.pooling.EncoderPooling) or classifies each sequence. A
 request of several inputs (a list of texts, or a query's pairs with its documents) finishes when all have run.
 The surface is Engine's: add_request / step / abort / has_unfinished / stats.
@@ -27,6 +28,7 @@ from sluice.engine.resolved import resolve_device, resolve_dtype
 from sluice.engine.tokenizer import load_tokenizer
 
 Pair = tuple[str, str]
+SCHEDULE_WINDOW = 1024  # waiting sequences a step picks from
 
 
 @dataclass(slots=True)
@@ -195,19 +197,35 @@ class EncoderEngine:
         return [self._output(r) for r in done]
 
     def _schedule(self) -> list[EncoderSequence]:
-        """Waiting sequences in order, whole, while the token budget and max_num_seqs allow."""
-        batch: list[EncoderSequence] = []
-        tokens = 0
-        while self.waiting and len(batch) < self.config.max_num_seqs:
-            seq = self.waiting[0]
-            if seq.request.finish_reason is not None:  # aborted
-                self.waiting.popleft()
-                continue
-            if tokens + len(seq.token_ids) > self.token_budget:
+        """The oldest waiting sequence and, from the first SCHEDULE_WINDOW waiting ones, those nearest its
+        length, whole, while the token budget and max_num_seqs allow: a step of similar lengths pads its
+        attention little, and the oldest sequence always runs."""
+        window = [s for s in self._take_window() if s.request.finish_reason is None]
+        if not window:
+            return []
+        head = window[0]
+        ranked = sorted(window, key=lambda s: len(s.token_ids))
+        lo = hi = next(i for i, s in enumerate(ranked) if s is head)
+        hi += 1
+        tokens, n0 = len(head.token_ids), len(head.token_ids)
+        while hi - lo < self.config.max_num_seqs:
+            left = len(ranked[lo - 1].token_ids) if lo > 0 else None
+            right = len(ranked[hi].token_ids) if hi < len(ranked) else None
+            if right is not None and tokens + right <= self.token_budget and (
+                    left is None or right - n0 < n0 - left):
+                hi, tokens = hi + 1, tokens + right
+            elif left is not None and tokens + left <= self.token_budget:
+                lo, tokens = lo - 1, tokens + left
+            else:
                 break
-            batch.append(self.waiting.popleft())
-            tokens += len(seq.token_ids)
+        batch = ranked[lo:hi]
+        chosen = {id(s) for s in batch}
+        self.waiting.extendleft(reversed([s for s in window if id(s) not in chosen]))
         return batch
+
+    def _take_window(self) -> list[EncoderSequence]:
+        """The first SCHEDULE_WINDOW waiting sequences, off the queue."""
+        return [self.waiting.popleft() for _ in range(min(SCHEDULE_WINDOW, len(self.waiting)))]
 
     def _run(self, batch: list[EncoderSequence]) -> list[EncoderRequest]:
         """One forward over the batch, sorted by length (engine.models.bert.AttentionPlan); the requests whose

@@ -98,6 +98,25 @@ def test_one_request_of_many_inputs_comes_back_as_one_output_in_order(encoders):
         len(llm.tokenizer.encode(t)) for t in TEXTS)
 
 
+def test_a_step_runs_the_oldest_input_and_the_waiting_ones_nearest_its_length(encoders):
+    llm = LLM(str(encoders("bert")), dtype="float32", device="cpu", max_num_batched_tokens=90,
+              max_model_len=32)
+    lens = {"a": 30, "b": 5, "c": 29, "d": 6, "e": 28, "f": 7, "g": 27}
+    alone = {rid: llm.embed([list(range(10, 10 + n))], progress=False)[0].embedding for rid, n in lens.items()}
+    for rid, n in lens.items():
+        llm.engine.add_request(rid, list(range(10, 10 + n)), PoolingParams())
+    llm.engine.abort("g")
+    steps = []
+    while llm.engine.has_unfinished():
+        steps.append({o.request_id: o for o in llm.engine.step()})
+    # a (oldest) with c and e (nearest, 87 of 90 tokens), g's abort reported; then b (oldest left) with d and f
+    assert [sorted(s) for s in steps] == [["a", "c", "e", "g"], ["b", "d", "f"]]
+    assert steps[0]["g"].finish_reason == "abort"
+    for rid in lens.keys() - {"g"}:
+        out = next(s[rid] for s in steps if rid in s)
+        torch.testing.assert_close(torch.tensor(out.embedding), torch.tensor(alone[rid]), atol=1e-5, rtol=0)
+
+
 def test_too_long_inputs_are_refused_by_name_and_the_rest_run(encoders):
     path = sentence_transformers_files(encoders("roberta"), "pooling_mode_cls_token", max_seq_length=20)
     llm = LLM(str(path), dtype="float32", device="cpu")

@@ -100,8 +100,8 @@ class EncoderConfig:
 @dataclass(slots=True)
 class PaddedGroup:
     """Consecutive sequences of similar length, from flat row `start` on (`num_tokens` rows), padded to
-    `width`: the flat row of each padded slot and the [size, width] mask of the real ones (both None when
-    every sequence is `width` long: the rows are read in place)."""
+    `width`: the flat row of each padded slot, the [size, width] mask of the real ones and the padded slot of
+    each real token, in order (all None when every sequence is `width` long: the rows are read in place)."""
 
     start: int
     num_tokens: int
@@ -109,6 +109,7 @@ class PaddedGroup:
     width: int
     index: torch.Tensor | None
     valid: torch.Tensor | None
+    slots: torch.Tensor | None
 
 
 class AttentionPlan:
@@ -141,12 +142,13 @@ class AttentionPlan:
     def _group(start: int, lens: list[int], device: torch.device) -> PaddedGroup:
         width, total = lens[-1], sum(lens)
         if lens[0] == width:
-            return PaddedGroup(start, total, len(lens), width, None, None)
+            return PaddedGroup(start, total, len(lens), width, None, None, None)
         cols = torch.arange(width)
         valid = cols[None, :] < torch.tensor(lens)[:, None]
         firsts = torch.tensor([start, *lens[:-1]]).cumsum(0)
         index = torch.where(valid, firsts[:, None] + cols[None, :], start).flatten()
-        return PaddedGroup(start, total, len(lens), width, index.to(device), valid.to(device))
+        slots = valid.flatten().nonzero().flatten()
+        return PaddedGroup(start, total, len(lens), width, index.to(device), valid.to(device), slots.to(device))
 
     def attend(self, qkv: torch.Tensor, num_heads: int, scale: float) -> torch.Tensor:
         """Attention of each token over its own sequence's tokens: qkv [tokens, 3 * hidden] (query, key and
@@ -159,10 +161,10 @@ class AttentionPlan:
             mask = None if g.valid is None else g.valid[:, None, None, :]
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).transpose(1, 2)
             dest = out[g.start: g.start + g.num_tokens]
-            if g.valid is None:
+            if g.slots is None:
                 dest.view(g.size, g.width, num_heads, -1).copy_(o)
             else:
-                dest.copy_(o[g.valid].view(g.num_tokens, hidden))
+                torch.index_select(o.reshape(g.size * g.width, hidden), 0, g.slots, out=dest)
         return out
 
 
