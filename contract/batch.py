@@ -127,7 +127,8 @@ class BatchStore:
         TokenQuota(self.connection).release_shard(batch_id, shard)
 
     def record_progress(self, batch_id: str, completed: list[str], failed: list[str], ttl: int = 7 * 86400) -> None:
-        """Count finished requests by custom_id as they finish (a re-run request moves, never counts twice)."""
+        """Count finished requests by custom_id as they finish (a re-run request moves, never counts
+        twice)."""
         ok, bad = progress_key(batch_id, "completed"), progress_key(batch_id, "failed")
         with self.connection.pipeline(transaction=True) as pipe:
             for ids, into, out in ((completed, ok, bad), (failed, bad, ok)):

@@ -1,4 +1,5 @@
-"""Standard Webhooks signing and verification (through the `standardwebhooks` library), and the safety check for webhook target URLs."""
+"""Standard Webhooks signing and verification (through the `standardwebhooks` library), and the safety check
+for webhook target URLs."""
 
 from __future__ import annotations
 
@@ -81,7 +82,8 @@ def sign_headers(
 
 
 def verify(secret: str | bytes, headers: Mapping[str, str], body: bytes | str) -> Any:
-    """Check a delivery's signature and timestamp (within Standard Webhooks' tolerance); the parsed JSON body."""
+    """Check a delivery's signature and timestamp (within Standard Webhooks' tolerance); the parsed JSON
+    body."""
     try:
         return _webhook(secret).verify(body, dict(headers))
     except StandardWebhooksError as exc:
@@ -214,7 +216,8 @@ _PLAIN_SEGMENT = re.compile(r"[a-z_.~-]{0,24}")
 
 
 def redact_url(url: str) -> str:
-    """url without what may be a secret: no user:password, query values and token-like path segments as ***."""
+    """url without what may be a secret: no user:password, query values and token-like path segments as
+    ***."""
     try:
         parts = parse_url(url)
     except LocationParseError:

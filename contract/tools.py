@@ -1,5 +1,5 @@
-"""OpenAI's tools and tool_choice: the request models, the output constraint each choice implies, and tool calls
-parsed out of generated text (Hermes/Qwen `<tool_call>` JSON, Llama 3.x bare JSON)."""
+"""OpenAI's tools and tool_choice: the request models, the output constraint each choice implies, and tool
+calls parsed out of generated text (Hermes/Qwen `<tool_call>` JSON, Llama 3.x bare JSON)."""
 
 from __future__ import annotations
 
