@@ -341,7 +341,8 @@ class Client:
         return batch
 
     def cancel(self, batch_id: str) -> Batch:
-        """Cancel: drop queued shards, abort running requests; the batch ends `cancelled`, partial results kept."""
+        """Cancel: drop queued shards, abort running requests; the batch ends `cancelled`, partial results
+        kept."""
         batch = self.get(batch_id)
         if batch.status == BatchStatus.cancelling:
             return batch

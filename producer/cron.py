@@ -284,8 +284,8 @@ class PipelineScheduler(CronScheduler):
         return min(super().calculate_sleep_interval(), self.poll_s)
 
     def request_stop(self, signum: int, frame: Any) -> None:
-        """SIGTERM/SIGINT: stop after the tick in flight (a flag, not an exception raised inside boto3 or redis
-        code that may swallow it); a second signal interrupts the tick."""
+        """SIGTERM/SIGINT: stop after the tick in flight (a flag, not an exception raised inside boto3 or
+        redis code that may swallow it); a second signal interrupts the tick."""
         if self._stopping:
             raise StopRequested()
         log.info("cron scheduler %s: stop requested (signal %s)", self.name, signum)

@@ -1,4 +1,5 @@
-"""The Batches API over the producer Client: create from an uploaded file, retrieve, list, cancel; per project."""
+"""The Batches API over the producer Client: create from an uploaded file, retrieve, list, cancel; per
+project."""
 
 from __future__ import annotations
 
@@ -121,7 +122,8 @@ class BatchApi:
         return file_id
 
     def usage(self, batch: Batch) -> dict[str, Any]:
-        """OpenAI's usage object: summed over the output file once done (cached), over finished shards before."""
+        """OpenAI's usage object: summed over the output file once done (cached), over finished shards
+        before."""
         cached = self.connection.get(USAGE + batch.id) if batch.done else None
         if cached is not None:
             tokens = json.loads(cached)

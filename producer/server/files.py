@@ -1,4 +1,5 @@
-"""The Files API: uploads streamed to storage, listing, retrieval, streamed content, deletion; owned by a project."""
+"""The Files API: uploads streamed to storage, listing, retrieval, streamed content, deletion; owned by a
+project."""
 
 from __future__ import annotations
 

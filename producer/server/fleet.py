@@ -1,4 +1,5 @@
-"""The fleet as Redis shows it: queue depths, started/failed registries, live rq workers, batches by status."""
+"""The fleet as Redis shows it: queue depths, started/failed registries, live rq workers, batches by
+status."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The server's /metrics (fleet totals, never per project): queue depths and registries per queue, live workers, batches by status (read at scrape)."""
+"""The server's /metrics (fleet totals, never per project): queue depths and registries per queue, live
+workers, batches by status (read at scrape)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Dashboard sessions: a random id in the cookie, mapped in Redis (with a TTL) to an API key id, never the key;
-and the same-origin checks that guard login, logout and cookie-authenticated routes."""
+"""Dashboard sessions: a random id in the cookie, mapped in Redis (with a TTL) to an API key id, never the
+key; and the same-origin checks that guard login, logout and cookie-authenticated routes."""
 
 from __future__ import annotations
 
@@ -76,7 +76,8 @@ def set_session_cookie(response: Response, session_id: str, secure: bool) -> Non
 
 
 async def security_headers(request: Request, call_next):
-    """No framing, no sniffing, no referrer to other sites; HTML answers get a restrictive CSP with a nonce."""
+    """No framing, no sniffing, no referrer to other sites; HTML answers get a restrictive CSP with a
+    nonce."""
     nonce = secrets.token_urlsafe(16)
     request.state.csp_nonce = nonce
     response = await call_next(request)
