@@ -1,4 +1,5 @@
-"""The worker's command line, `python -m sluice.worker ...` and `sluice worker ...`: one engine fed from the queues.
+"""The worker's command line, `python -m sluice.worker ...` and `sluice worker ...`: one engine fed from the
+queues.
 
 The engine flags (--dtype, --max-num-seqs, --speculative, ...) are generated from `EngineConfig`'s fields.
 """
@@ -109,7 +110,8 @@ def load(model: str, engine_args: dict[str, Any]) -> LLM:
 
 
 def deliver_webhooks(connection: redis.Redis, settings: Settings, stop: threading.Event) -> None:
-    """The webhook delivery loop; its modules (urllib3, signing) load here, in its own thread, off the start-up."""
+    """The webhook delivery loop; its modules (urllib3, signing) load here, in its own thread, off the
+    start-up."""
     from sluice.contract.signing import WebhookSettings
     from sluice.worker import webhooks as delivery
 

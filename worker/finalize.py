@@ -1,4 +1,5 @@
-"""The finalize job: merge shard outputs into output.jsonl / errors.jsonl, one line per custom_id; final status."""
+"""The finalize job: merge shard outputs into output.jsonl / errors.jsonl, one line per custom_id; final
+status."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ MISSING = {JobStatus.CANCELED: "batch_cancelled", JobStatus.FAILED: "shard_faile
 
 
 class ShardLost(LookupError):
-    """A shard that wrote no output and has no rq job either: its requests are unknown (submit was cut short)."""
+    """A shard that wrote no output and has no rq job either: its requests are unknown (submit was cut
+    short)."""
 
 
 def shard_records(
@@ -65,7 +67,8 @@ def shard_records(
 
 @dataclass
 class Merged:
-    """What streaming a batch's records taught: counts, lost shards, expiry, and the record of a batch of one."""
+    """What streaming a batch's records taught: counts, lost shards, expiry, and the record of a batch of
+    one."""
 
     completed: int = 0
     failed: int = 0
@@ -138,8 +141,8 @@ def write_outputs(storage: Storage, connection: redis.Redis, batch: Batch) -> Wr
 
 
 def write_or_fail(connection: redis.Redis, batch: Batch, settings: Settings) -> tuple[str, str | None, Merged] | None:
-    """write_outputs, or None when this worker may not write the output (outside the settings' output roots, not
-    writable): the batch is then failed for good (no retry, no reaper loop)."""
+    """write_outputs, or None when this worker may not write the output (outside the settings' output roots,
+    not writable): the batch is then failed for good (no retry, no reaper loop)."""
     try:
         storage = open_output(batch.output_url, settings.output_root_urls(), s3_style=settings.s3_addressing_style)
         return write_outputs(storage, connection, batch)
@@ -161,7 +164,8 @@ def final_status(batch: Batch, merged: Merged) -> BatchStatus:
 
 
 def batch_errors(batch: Batch, merged: Merged) -> list[LineError]:
-    """Why a batch did not run all its requests, as batch-level errors (the error file has the per-request ones)."""
+    """Why a batch did not run all its requests, as batch-level errors (the error file has the per-request
+    ones)."""
     errors = []
     if merged.lost:
         message = f"shards {merged.lost} were never enqueued (the submit stopped part way); their requests are in neither file"
@@ -224,7 +228,8 @@ def finalize(connection: redis.Redis, batch_id: str, settings: Settings) -> dict
             return {}
         raise
     wait_for_replica(connection)  # the final status survives a failover before the webhook announces it
-    connection.delete(progress_key(batch_id, "completed"), progress_key(batch_id, "failed"))  # counts are final
+    # counts are final
+    connection.delete(progress_key(batch_id, "completed"), progress_key(batch_id, "failed"))
     announce_batch(connection, batch, merged, WebhookSettings.of(settings))
     return batch.request_counts.model_dump()
 

@@ -148,7 +148,8 @@ class Reaper:
                 report["finalize_failed"] += 1
 
     def seen(self, subject: str, condition: str) -> bool:
-        """True when condition was already seen for subject at least one interval ago (the first call marks it)."""
+        """True when condition was already seen for subject at least one interval ago (the first call marks
+        it)."""
         key = f"{SEEN}{condition}:{subject}"
         if self.connection.set(key, time.time(), nx=True, ex=max(1, int(self.interval * 4))):
             return False

@@ -64,7 +64,8 @@ class Held:
 
 
 class JobsWorker(SimpleWorker):
-    """An rq worker holding any number of jobs; heartbeats come from a thread, so a slow step never loses one."""
+    """An rq worker holding any number of jobs; heartbeats come from a thread, so a slow step never loses
+    one."""
 
     def __init__(self, queues: list[str], connection: redis.Redis, heartbeat_ttl: int = 30, **kwargs: Any):
         kwargs.setdefault("maintenance_interval", heartbeat_ttl)
@@ -198,7 +199,8 @@ class JobsWorker(SimpleWorker):
             del self.held[job_id]
 
     def forget(self, job_id: str) -> None:
-        """Stop holding a job without telling rq (Redis is down): it comes back as abandoned, with a retry used."""
+        """Stop holding a job without telling rq (Redis is down): it comes back as abandoned, with a retry
+        used."""
         with self._lock:
             self.held.pop(job_id, None)
 

@@ -177,7 +177,8 @@ class ShardRun:
 
     def add(self, llm: LLM, rid: str, request: BatchRequest, served: set[str],
             images: ImageSettings | None = None) -> None:
-        """Add one request to the engine as rid; one it cannot run (or even render) becomes an error record."""
+        """Add one request to the engine as rid; one it cannot run (or even render) becomes an error
+        record."""
         from sluice.engine import RequestRejected  # torch: see shared_llm
 
         try:

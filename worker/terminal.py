@@ -1,4 +1,5 @@
-"""Ending a batch for good from the worker side: `failed` (or `cancelled` while cancelling), the reason in its errors."""
+"""Ending a batch for good from the worker side: `failed` (or `cancelled` while cancelling), the reason in its
+errors."""
 
 from __future__ import annotations
 

@@ -112,7 +112,8 @@ class EngineWorker(JobsWorker):
             supervised("reaper", every(reaper.interval, reaper.run_once), stop)
 
     def request_stop(self, signum: int, frame: Any) -> None:
-        """SIGTERM/SIGINT: stop claiming, finish in-flight shards within the grace period; twice: hand back now."""
+        """SIGTERM/SIGINT: stop claiming, finish in-flight shards within the grace period; twice: hand back
+        now."""
         self.log.info("Worker %s: stop requested (signal %s), %d shard(s) in flight", self.name, signum, len(self.runs))
         request_worker_stop(self)
         self.stop_deadline = time.monotonic() + self.grace if self.stop_deadline is None else time.monotonic()
@@ -174,7 +175,8 @@ class EngineWorker(JobsWorker):
         return self.llm.num_unfinished() < self.llm.max_num_seqs
 
     def _claim(self) -> bool:
-        """Take jobs from the queues (in priority order) while the engine has room; polls at most every 50 ms."""
+        """Take jobs from the queues (in priority order) while the engine has room; polls at most every 50
+        ms."""
         clock = time.monotonic()
         if self.runs and clock - self._last_claim < CLAIM_POLL_S:
             return False
@@ -188,7 +190,8 @@ class EngineWorker(JobsWorker):
         return claimed
 
     def _start(self, job: Job, queue: Queue) -> None:
-        """Mark the job started through rq; a shard joins the engine, finalize runs inline, others are refused."""
+        """Mark the job started through rq; a shard joins the engine, finalize runs inline, others are
+        refused."""
         if not self.allowed(job):
             self.refuse(job, queue)
             return
