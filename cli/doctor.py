@@ -39,8 +39,9 @@ def _device() -> str:
 
 
 def kernel_report(build: bool = False) -> list[dict[str, object]]:
-    """Per CPU kernel library: where the chosen tier's object comes from (the wheel's prebuilt one, built here, or
-    the torch fallback), whether it is ready, and its path (built now with `build` where not prebuilt)."""
+    """Per CPU kernel library: where the chosen tier's object comes from (the wheel's prebuilt one, built
+    here, or the torch fallback), whether it is ready, and its path (built now with `build` where not
+    prebuilt)."""
     from sluice.kernels import cpp_build
 
     rows = []
