@@ -82,7 +82,8 @@ def build_metadata(
 
 
 def _fused_args(idx, starts, query_lens, context_lens, block_tables) -> tuple[torch.Tensor, ...]:
-    """(query starts, query lens, contexts, block tables zero-padded to the widest): two host-to-tensor copies."""
+    """(query starts, query lens, contexts, block tables zero-padded to the widest): two host-to-tensor
+    copies."""
     width = max(len(block_tables[i]) for i in idx)
     tables = torch.tensor([block_tables[i] + [0] * (width - len(block_tables[i])) for i in idx], dtype=torch.long)
     per_seq = torch.tensor([[xs[i] for i in idx] for xs in (starts, query_lens, context_lens)], dtype=torch.long)
@@ -169,8 +170,8 @@ def paged_attention(
 
 
 def _long_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
-    """Prefills and prefill chunks: fresh ones of similar lengths in padded batches (kernels.prefill), the rest
-    one SDPA each over its gathered context."""
+    """Prefills and prefill chunks: fresh ones of similar lengths in padded batches (kernels.prefill), the
+    rest one SDPA each over its gathered context."""
     for batch in meta.padded_prefills:
         prefill.attend(q, k, v, out, batch, scale)
     for s in meta.long_seqs:

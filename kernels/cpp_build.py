@@ -1,12 +1,12 @@
 """Build the C++ CPU kernels in csrc/ once per ISA tier into a per-user cache; no toolchain or a compile error
 means torch fallbacks.
 
-Each extension is one shared object per tier (kernels.cpu_isa), compiled with that tier's explicit flags (never
--march=native) from the installed package's csrc/, under a key of its sources, the tier's flags, the compiler
-(path, size, mtime), torch and Python: a cache on a shared volume or baked into an image never hands an older CPU
-an instruction it lacks, and never a library built for another torch. Builds happen in a temporary folder under
-an flock and are published by one rename, so N workers starting together build once and never load a
-half-written library; a cached library is loaded directly, without running the compiler or ninja.
+Each extension is one shared object per tier (kernels.cpu_isa), compiled with that tier's explicit flags
+(never -march=native) from the installed package's csrc/, under a key of its sources, the tier's flags, the
+compiler (path, size, mtime), torch and Python: a cache on a shared volume or baked into an image never hands
+an older CPU an instruction it lacks, and never a library built for another torch. Builds happen in a
+temporary folder under an flock and are published by one rename, so N workers starting together build once and
+never load a half-written library; a cached library is loaded directly, without running the compiler or ninja.
 """
 
 from __future__ import annotations
@@ -66,7 +66,8 @@ def cflags(tier: str) -> list[str]:
 
 
 def compiler() -> str | None:
-    """The C++ compiler torch's build would use ($CXX, else c++), resolved on PATH; None when there is none."""
+    """The C++ compiler torch's build would use ($CXX, else c++), resolved on PATH; None when there is
+    none."""
     found = shutil.which(options.current().cxx)
     return None if found is None else os.path.realpath(found)
 
@@ -109,16 +110,18 @@ def _torch_version() -> str:
 
 
 def object_tier(tier: str, source: str) -> str:
-    """The tier whose object serves `tier` for `source`: itself, except `amx` where no source it includes has AMX
-    code (then the avx512_bf16 object, the same code without the tile flags: one build fewer per kernel)."""
+    """The tier whose object serves `tier` for `source`: itself, except `amx` where no source it includes has
+    AMX code (then the avx512_bf16 object, the same code without the tile flags: one build fewer per
+    kernel)."""
     if tier == "amx" and not any("__AMX" in (CSRC / f).read_text() for f in _sources(source)):
         return "avx512_bf16"
     return tier
 
 
 def build_name(name: str, source: str, tier: str | None = None) -> str:
-    """The extension's module name and cache folder: `name`, the tier of its object, and a hash of the sources it
-    includes, the flags, the compiler, torch and Python (not the checkout's path: one cache serves every install)."""
+    """The extension's module name and cache folder: `name`, the tier of its object, and a hash of the sources
+    it includes, the flags, the compiler, torch and Python (not the checkout's path: one cache serves every
+    install)."""
     tier = object_tier(cpu_isa.tier() if tier is None else tier, source)
     key = b"".join(f.encode() + b"\0" + (CSRC / f).read_bytes() for f in _sources(source))
     key += "\0".join([*cflags(tier), _compiler_identity(), _torch_version(), sys.version]).encode()
@@ -142,8 +145,8 @@ def python_abi() -> str:
 
 
 def prebuilt_flags(tier: str) -> list[str]:
-    """The flags of the wheel's object for `tier`: the tier's own and the optional features (VNNI) the tier may
-    use, as on a CPU that has them (a CPU without them gets other `cflags`, so builds its own)."""
+    """The flags of the wheel's object for `tier`: the tier's own and the optional features (VNNI) the tier
+    may use, as on a CPU that has them (a CPU without them gets other `cflags`, so builds its own)."""
     return BASE_CFLAGS + cpu_isa.compile_flags(tier, frozenset(cpu for cpu, _, _ in cpu_isa.OPTIONAL))
 
 
@@ -161,8 +164,8 @@ def _manifest(folder: Path) -> dict | None:
 
 
 def prebuilt_path(name: str, source: str, tier: str | None = None) -> tuple[Path | None, str]:
-    """The wheel's object for `name` at `tier` (default: the chosen one) where its manifest matches the running
-    torch, Python ABI, kernel sources and this CPU's flags for the tier; else None and why not."""
+    """The wheel's object for `name` at `tier` (default: the chosen one) where its manifest matches the
+    running torch, Python ABI, kernel sources and this CPU's flags for the tier; else None and why not."""
     tier = object_tier(cpu_isa.tier() if tier is None else tier, source)
     manifest = _manifest(PREBUILT)
     if manifest is None:
@@ -183,8 +186,9 @@ def prebuilt_path(name: str, source: str, tier: str | None = None) -> tuple[Path
 
 
 def compile_command(module: str, source: str, tier: str, target: Path) -> list[str]:
-    """The compiler command that builds `source` as the extension `module` for `tier` into `target`, as torch's
-    JIT build would (its includes, C++ standard and libraries) with the tier's explicit `prebuilt_flags`."""
+    """The compiler command that builds `source` as the extension `module` for `tier` into `target`, as
+    torch's JIT build would (its includes, C++ standard and libraries) with the tier's explicit
+    `prebuilt_flags`."""
     from torch.utils.cpp_extension import include_paths, library_paths
 
     includes = [*include_paths("cpu"), sysconfig.get_path("include", scheme="posix_prefix")]
@@ -196,8 +200,9 @@ def compile_command(module: str, source: str, tier: str, target: Path) -> list[s
 
 
 def compile_prebuilt(out: Path, jobs: int | None = None) -> dict:
-    """Compile every library for every tier (`prebuilt_objects`) into `out`/<tier>/ and write `out`/manifest.json:
-    the package build's step for a platform wheel. Nothing is imported (a host may lack the tier's instructions)."""
+    """Compile every library for every tier (`prebuilt_objects`) into `out`/<tier>/ and write
+    `out`/manifest.json: the package build's step for a platform wheel. Nothing is imported (a host may lack
+    the tier's instructions)."""
     if compiler() is None:
         raise RuntimeError(f"building the prebuilt kernels needs a C++ compiler: {options.current().cxx} not found")
     entries = []
@@ -238,7 +243,8 @@ def _import(module: str, path: Path):
 @contextmanager
 def _visible_build(versioned: str, source: str, tier: str, folder: Path, why: str):
     """Say on stderr what is compiled, for which tier, where, why, and about how long, with a progress display
-    (the compiler runs once per library: its bar completes when the library is built, the clock runs meanwhile)."""
+    (the compiler runs once per library: its bar completes when the library is built, the clock runs
+    meanwhile)."""
     from rich.console import Console
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
@@ -291,8 +297,8 @@ def _build(versioned: str, source: str, tier: str, final: Path, why: str = ""):
 
 
 def build(name: str, source: str, tier: str | None = None):
-    """The extension `name` from csrc/`source` for `tier` (default: the chosen one): the wheel's prebuilt object
-    where it matches, else built once per cache."""
+    """The extension `name` from csrc/`source` for `tier` (default: the chosen one): the wheel's prebuilt
+    object where it matches, else built once per cache."""
     tier = object_tier(cpu_isa.tier() if tier is None else tier, source)
     wheel, why = prebuilt_path(name, source, tier)
     if wheel is not None:
@@ -308,15 +314,15 @@ def build(name: str, source: str, tier: str | None = None):
 
 
 def part(name: str, tier: str | None = None):
-    """The submodule `name` (one of PARTS: csrc/`name`.cpp's functions) of the core library for `tier`, or None
-    when that library cannot be built (the caller falls back to torch)."""
+    """The submodule `name` (one of PARTS: csrc/`name`.cpp's functions) of the core library for `tier`, or
+    None when that library cannot be built (the caller falls back to torch)."""
     core = load(EXTENSIONS[CORE], CORE, tier)
     return None if core is None else getattr(core, name)
 
 
 def load(name: str, source: str, tier: str | None = None):
-    """The extension `name` built from csrc/`source` for `tier` (cached per process), or None when it cannot be
-    built (no compiler, a compile error: the caller falls back to torch)."""
+    """The extension `name` built from csrc/`source` for `tier` (cached per process), or None when it cannot
+    be built (no compiler, a compile error: the caller falls back to torch)."""
     key = (name, cpu_isa.tier() if tier is None else tier)
     if key not in _built:
         try:

@@ -1,4 +1,5 @@
-"""A decoder layer's elementwise steps: one fused C++ pass each on CPU (csrc/elementwise.cpp), torch elsewhere.
+"""A decoder layer's elementwise steps: one fused C++ pass each on CPU (csrc/elementwise.cpp), torch
+elsewhere.
 
 `rope_qk` rotates the query and key heads of a fused qkv projection and returns them contiguous; `silu_mul`
 is SwiGLU's silu(gate) * up; `store_kv` copies a step's keys and values to their cache slots; `argmax` picks
@@ -67,8 +68,9 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
-    """Index of each row's first maximum (the first NaN where a row has one) of x [rows, n]: x.max(-1).indices,
-    by one C++ pass per row on CPU (torch's reduction reads a bf16 vocabulary row slowly)."""
+    """Index of each row's first maximum (the first NaN where a row has one) of x [rows, n]:
+    x.max(-1).indices, by one C++ pass per row on CPU (torch's reduction reads a bf16 vocabulary row
+    slowly)."""
     if _fused(x) and x.dim() == 2 and x.shape[1] > 0 and x.is_contiguous():
         return _ext().argmax_rows(x)
     return x.max(-1).indices

@@ -1,7 +1,7 @@
-"""Sparse MoE experts on CPU in one C++ call per layer (csrc/moe.cpp): the (token, slot) pairs of a top-k routing
-grouped by expert in C++, each expert's rows streamed once for all of its tokens, fp32 sums; bf16 experts multiply
-as AMX tiles (csrc/moe_amx.h) where the tier has them and both widths are multiples of 32 (the holder's `amx`),
-else as `vdpbf16ps` or fp32 vector tiles; torch elsewhere.
+"""Sparse MoE experts on CPU in one C++ call per layer (csrc/moe.cpp): the (token, slot) pairs of a top-k
+routing grouped by expert in C++, each expert's rows streamed once for all of its tokens, fp32 sums; bf16
+experts multiply as AMX tiles (csrc/moe_amx.h) where the tier has them and both widths are multiples of 32
+(the holder's `amx`), else as `vdpbf16ps` or fp32 vector tiles; torch elsewhere.
 
 `moe_reference` is the fp64 reference the kernel is tested against (tests/test_generic_models.py).
 """

@@ -61,7 +61,8 @@ def default_splits(num_seqs: int, num_kv_heads: int, longest_context: int, block
 def build_flat_metadata(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
                         slot_mapping: list[int], device: torch.device, num_kv_heads: int,
                         num_splits: int | None = None) -> FlatMetadata:
-    """One step's FlatMetadata on `device` from host lists, in buffers of its own (tests and one-off calls)."""
+    """One step's FlatMetadata on `device` from host lists, in buffers of its own (tests and one-off
+    calls)."""
     assert len(query_lens) == len(context_lens) == len(block_tables)
     tokens, width = len(slot_mapping), max((len(t) for t in block_tables), default=1) or 1
     buffers = StepBuffers(tokens, len(query_lens), width, device)
@@ -70,9 +71,9 @@ def build_flat_metadata(query_lens: list[int], context_lens: list[int], block_ta
 
 
 class StepBuffers:
-    """Persistent inputs of device-path steps: host buffers (pinned on CUDA) filled in place each step, then one
-    non-blocking copy per field into static device tensors whose addresses never change (CUDA graphs replay on
-    them). Off CUDA the host buffers are the device tensors and nothing is copied.
+    """Persistent inputs of device-path steps: host buffers (pinned on CUDA) filled in place each step, then
+    one non-blocking copy per field into static device tensors whose addresses never change (CUDA graphs
+    replay on them). Off CUDA the host buffers are the device tensors and nothing is copied.
 
     The host buffers are rewritten only once the previous step's copies out of them are done: an event
     recorded after them is queried first (a step that sampled already waited for it) and waited on only when

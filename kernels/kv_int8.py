@@ -34,7 +34,8 @@ def dequantize_blocks(cache: torch.Tensor, scales: torch.Tensor, blocks: torch.T
 
 
 def fused_args(groups: list[ShortGroup]) -> tuple[torch.Tensor, ...]:
-    """The fused kernel's (query starts, query lens, contexts, block tables) of the sequences in padded groups."""
+    """The fused kernel's (query starts, query lens, contexts, block tables) of the sequences in padded
+    groups."""
     starts, lens, ctxs, tables = [], [], [], []
     for g in groups:
         rows = torch.arange(g.valid.shape[0], device=g.valid.device)

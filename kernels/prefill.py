@@ -1,11 +1,11 @@
 """Fresh prefills (a sequence whose whole context is this step's queries) attended in padded batches.
 
-One scaled_dot_product_attention per sequence and layer leaves the CPU's kernel mostly idle on short sequences;
-sequences of similar length padded into one call run several times faster, the padding bounded by `MAX_PADDING`
-of the real tokens. Padding sits after each sequence's tokens, so the causal mask alone keeps a real query off
-it (the padding queries' rows are dropped): SDPA runs with `is_causal` and no mask tensor, skipping the masked
-blocks and the mask's conversion in every call. The batches are planned once per step (`plan`) and served to
-every layer (`attend`).
+One scaled_dot_product_attention per sequence and layer leaves the CPU's kernel mostly idle on short
+sequences; sequences of similar length padded into one call run several times faster, the padding bounded by
+`MAX_PADDING` of the real tokens. Padding sits after each sequence's tokens, so the causal mask alone keeps a
+real query off it (the padding queries' rows are dropped): SDPA runs with `is_causal` and no mask tensor,
+skipping the masked blocks and the mask's conversion in every call. The batches are planned once per step
+(`plan`) and served to every layer (`attend`).
 """
 
 from __future__ import annotations

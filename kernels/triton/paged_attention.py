@@ -28,7 +28,8 @@ def dot_precision(dtype: torch.dtype) -> str:
 def _query_rows(q_ptr, query_start, query_len, seq_len, tile_seq, tile_q0, tile, kvh, stride_qt, stride_qh,
                 GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
                 BLOCK_D: tl.constexpr):
-    """One tile's query rows (a block of one sequence's queries times the KV head's group) and their layout."""
+    """One tile's query rows (a block of one sequence's queries times the KV head's group) and their
+    layout."""
     b = tl.load(tile_seq + tile)
     q0 = tl.load(tile_q0 + tile)
     qs = tl.load(query_start + b)
@@ -50,7 +51,8 @@ def _query_rows(q_ptr, query_start, query_len, seq_len, tile_seq, tile_q0, tile,
 @triton.jit
 def _kv_tile(k_cache, v_cache, k_scale, v_scale, block_tables, q, b, kvh, n0, end, d, dmask, stride_ch, stride_bt,
              HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, INT8: tl.constexpr):
-    """Keys and values at positions [n0, n0 + BLOCK_N) below `end`, read through the block table in q's dtype."""
+    """Keys and values at positions [n0, n0 + BLOCK_N) below `end`, read through the block table in q's
+    dtype."""
     pos = n0 + tl.arange(0, BLOCK_N)
     pmask = pos < end
     blk = tl.load(block_tables + b.to(tl.int64) * stride_bt + pos // PAGE, mask=pmask, other=0).to(tl.int64)
@@ -73,7 +75,8 @@ def _kv_tile(k_cache, v_cache, k_scale, v_scale, block_tables, q, b, kvh, n0, en
 
 @triton.jit
 def _softmax_step(q, k, v, pos, pmask, rows, qpos, scale, m_i, l_i, acc, PRECISION: tl.constexpr):
-    """One key tile's causal, masked update of the running max, sum and output accumulator (online softmax)."""
+    """One key tile's causal, masked update of the running max, sum and output accumulator (online
+    softmax)."""
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
     keep = rows[:, None] & pmask[None, :] & (pos[None, :] <= qpos[:, None])
     s = tl.where(keep, s, float("-inf"))
