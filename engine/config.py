@@ -1,4 +1,5 @@
-"""Engine configuration: the settings `LLM` and the worker take, each with its default and help, validated once.
+"""Engine configuration: the settings `LLM` and the worker take, each with its default and help, validated
+once.
 
 `LLM` filters its keyword arguments against EngineConfig's fields; the CLI builds worker flags from them.
 """
@@ -19,9 +20,9 @@ KV_CACHE_DTYPES = ("auto", "int8", *DTYPES)
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 
 METHODS = ("draft", "ngram")
-# Measured on CPU with the bundled pair (docs/benchmarks.md, "Speculative decoding"): the drafts gain up to this
-# many running requests and not beyond, where a larger target's compute-bound step would lose; n-gram lookup
-# costs nothing to propose but verifying still grows with the batch.
+# Measured on CPU with the bundled pair (docs/benchmarks.md, "Speculative decoding"): the drafts gain up to
+# this many running requests and not beyond, where a larger target's compute-bound step would lose; n-gram
+# lookup costs nothing to propose but verifying still grows with the batch.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 
 

@@ -189,7 +189,8 @@ class Engine:
     def _run(self, batch: ScheduledBatch) -> list[Request]:
         """Run the model over a scheduled batch and process its outputs; the requests it finished."""
         structured = self.processors.structured
-        if structured is not None and structured.overlap:  # next tokens' grammar masks fill while the forward runs
+        # next tokens' grammar masks fill while the forward runs
+        if structured is not None and structured.overlap:
             structured.fill_ahead(self.outputs.sampled_plainly(batch.requests, batch.num_new_tokens))
         step_logits = self.runner.run(batch)
         for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):

@@ -1,5 +1,5 @@
-"""Logits processing before sampling: min_tokens, logit_bias, presence/frequency/repetition penalties, then the
-grammar mask of structured outputs.
+"""Logits processing before sampling: min_tokens, logit_bias, presence/frequency/repetition penalties, then
+the grammar mask of structured outputs.
 
 Each is one batched tensor op over the rows that need it. Per-request output-token counts live on the device
 and are brought up to date, once per step, by one scatter of the tokens each request emitted since its last
@@ -100,9 +100,9 @@ class LogitsProcessors:
 
     def sample(self, logits: torch.Tensor, reqs: list[Request],
                generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A token per row of `reqs` (each samples its next token) and the processed logits it was drawn from: by
-        the C++ sampler, which takes the grammar's bitmask as it is (then None: no row may ask for logprobs), or
-        by `apply` and the torch sampler."""
+        """A token per row of `reqs` (each samples its next token) and the processed logits it was drawn from:
+        by the C++ sampler, which takes the grammar's bitmask as it is (then None: no row may ask for
+        logprobs), or by `apply` and the torch sampler."""
         if any(r.params.logprobs is not None for r in reqs):
             processed = self.apply(logits, reqs)
             return sample(processed, reqs, generator), processed
@@ -131,7 +131,8 @@ class LogitsProcessors:
 
     def _min_tokens(self, out: torch.Tensor, reqs: list[Request], ahead: list[int], rows: list[int]) -> None:
         pairs = [(i, t) for i in rows if len(reqs[i].output_token_ids) + ahead[i] < reqs[i].params.min_tokens
-                 and reqs[i].grammar is None for t in self._stop_ids(reqs[i])]  # a grammar decides its own end
+                 # a grammar decides its own end
+                 and reqs[i].grammar is None for t in self._stop_ids(reqs[i])]
         if pairs:
             r, t = zip(*pairs, strict=True)
             out.index_put_((self._index(list(r)), self._index(list(t))), torch.tensor(float("-inf"), device=out.device))

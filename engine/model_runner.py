@@ -25,11 +25,13 @@ class StepLogits:
     row_start: list[int]
     num_rows: list[int]
     first_pos: list[int]
-    hidden: torch.Tensor | None = None  # final hidden states of pooling requests' rows (their row_start's rows)
+    # final hidden states of pooling requests' rows (their row_start's rows)
+    hidden: torch.Tensor | None = None
 
 
 class ModelRunner:
-    """Runs the model over the KV pool (engine.kv_cache's layer caches); turns a ScheduledBatch into logits."""
+    """Runs the model over the KV pool (engine.kv_cache's layer caches); turns a ScheduledBatch into
+    logits."""
 
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
                  device: torch.device, lora=None) -> None:
@@ -68,7 +70,8 @@ class ModelRunner:
                 warnings.warn(f"decode steps run eagerly: CUDA graph capture failed ({e})", stacklevel=2)
 
     def _rows(self, req: Request, start: int, n: int) -> tuple[int, int]:
-        """First position and count of the positions whose logits (pooling: hidden states) this step must return."""
+        """First position and count of the positions whose logits (pooling: hidden states) this step must
+        return."""
         if isinstance(req, PoolingRequest):
             return req.pool_rows(start, n)
         if req.want_prompt_logits:
@@ -77,7 +80,8 @@ class ModelRunner:
         return first, max(0, start + n - first)
 
     def _layout(self, batch: ScheduledBatch, rows: StepLogits) -> tuple[list[int], ...]:
-        """The flat step: (ids, positions, slots, context lens, logits index, pooled-hidden index); rows filled in."""
+        """The flat step: (ids, positions, slots, context lens, logits index, pooled-hidden index); rows
+        filled in."""
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -127,8 +131,8 @@ class ModelRunner:
         return rows
 
     def _map_adapters(self, batch: ScheduledBatch) -> bool:
-        """Set the coming forward's token-to-adapter mapping; whether any adapter runs in it (the decode stack and
-        CUDA graphs run the base model only)."""
+        """Set the coming forward's token-to-adapter mapping; whether any adapter runs in it (the decode stack
+        and CUDA graphs run the base model only)."""
         if self.lora is None:
             return False
         self.lora.prepare_step([r.lora_request for r in batch.requests], batch.num_new_tokens)
@@ -136,9 +140,11 @@ class ModelRunner:
 
     def _run_paged(self, ids, positions, slots, logit_idx, query_lens, context_lens, tables,
                    adapters: bool = False) -> torch.Tensor:
-        """Logits of a step over AttentionMetadata, built as the step plan asks (the fused kernel's arguments)."""
+        """Logits of a step over AttentionMetadata, built as the step plan asks (the fused kernel's
+        arguments)."""
         dev = self.device
-        # ids, positions and slots in one host-to-tensor copy; no logits index where every row is wanted (decode)
+        # ids, positions and slots in one host-to-tensor copy; no logits index where every row is wanted
+        # (decode)
         flat = torch.tensor([ids, positions, slots], dtype=torch.long, device=dev)
         meta = kernels.build_metadata(query_lens, context_lens, tables, flat[2], self.block_size, dev,
                                       fused=self.plan.fused_attention)
@@ -149,8 +155,8 @@ class ModelRunner:
 
     def _run_pooled(self, rows: StepLogits, step: tuple, logit_idx: list[int], hidden_idx: list[int],
                     query_lens: list[int], adapters: bool = False) -> StepLogits:
-        """A step with pooling requests: final hidden states of both row sets, the LM head only over the sampled
-        ones (never a CUDA graph: those replay pure decode)."""
+        """A step with pooling requests: final hidden states of both row sets, the LM head only over the
+        sampled ones (never a CUDA graph: those replay pure decode)."""
         ids, positions, slots, context_lens, tables = step
         wanted = logit_idx + hidden_idx
         if self.plan.flat:

@@ -8,7 +8,8 @@ at once (full blocks stay in the prefix cache for later prompts).
 Which pooling a checkpoint takes (`pooler_for`), in order:
 1. a sentence-transformers `modules.json` whose Pooling module's `config.json` sets `pooling_mode_lasttoken`,
    `pooling_mode_mean_tokens` or `pooling_mode_cls_token` (Qwen3-Embedding ships one: last token);
-2. a bare decoder (`architectures` names a `...Model`, no LM head, as e5-mistral's `MistralModel`): last token;
+2. a bare decoder (`architectures` names a `...Model`, no LM head, as e5-mistral's `MistralModel`): last
+   token;
 3. otherwise mean over the prompt's tokens.
 The pooled vector is L2-normalized (vLLM's default for embeddings; OpenAI's are unit length); `dimensions`
 keeps the first d components (Matryoshka) and normalizes again.
@@ -222,15 +223,15 @@ def segment_sums(hidden: torch.Tensor, starts: list[int], counts: list[int]) -> 
 
 
 def can_pool(model: torch.nn.Module) -> bool:
-    """Whether the model gives final hidden states: the native forward's own, or a transformers model's (generic
-    path) through a hook on its base model."""
+    """Whether the model gives final hidden states: the native forward's own, or a transformers model's
+    (generic path) through a hook on its base model."""
     return hasattr(model, "hidden_states") or hasattr(getattr(model, "hf", None), "base_model")
 
 
 def logits_and_hidden(model: torch.nn.Module, args: tuple, num_logits: int,
                       plan: object) -> tuple[torch.Tensor, torch.Tensor]:
-    """One forward over `args` (ids, positions, kv caches, metadata, rows index): the logits of the index's first
-    `num_logits` rows and the final hidden states of the rest."""
+    """One forward over `args` (ids, positions, kv caches, metadata, rows index): the logits of the index's
+    first `num_logits` rows and the final hidden states of the rest."""
     *step, index = args
     if hasattr(model, "hidden_states"):
         hidden = model.hidden_states(*step, index, plan=plan)
@@ -289,7 +290,8 @@ class EmbeddingGroup:
     done: dict[str, EmbeddingOutput] = field(default_factory=dict)
 
     def finish(self, out: EmbeddingOutput) -> EmbeddingOutput | None:
-        """Keep one input's output; the merged output once all are done (the first failure names the error)."""
+        """Keep one input's output; the merged output once all are done (the first failure names the
+        error)."""
         self.done[out.request_id] = out
         if len(self.done) < len(self.sequences):
             return None

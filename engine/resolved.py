@@ -1,4 +1,5 @@
-"""What the engine derives once at start-up from its config, the checkpoint's config.json and the tokenizer."""
+"""What the engine derives once at start-up from its config, the checkpoint's config.json and the
+tokenizer."""
 
 from __future__ import annotations
 
@@ -48,7 +49,8 @@ class ResolvedConfig:
 
     @classmethod
     def resolve(cls, config: EngineConfig) -> ResolvedConfig:
-        """Read config.json and resolve every 'auto' setting; EOS ids from config.json and generation_config.json."""
+        """Read config.json and resolve every 'auto' setting; EOS ids from config.json and
+        generation_config.json."""
         hf_config = read_config(config.model)
         model = ModelConfig.from_hf(hf_config)
         device = resolve_device(config.device)

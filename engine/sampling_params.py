@@ -104,5 +104,6 @@ class SamplingParams:
 
     @property
     def processed(self) -> bool:
-        """True when the logits need any processing before sampling (penalties, bias, min_tokens, structure)."""
+        """True when the logits need any processing before sampling (penalties, bias, min_tokens,
+        structure)."""
         return self.adjusted or self.structured_outputs is not None

@@ -1,6 +1,8 @@
-"""Speculative proposers (n-gram lookup, draft model): each attaches up to k proposed tokens to running requests.
+"""Speculative proposers (n-gram lookup, draft model): each attaches up to k proposed tokens to running
+requests.
 
-Proposers only propose; `engine.verification` verifies and the engine appends and rolls back (vLLM v1's split).
+Proposers only propose; `engine.verification` verifies and the engine appends and rolls back (vLLM v1's
+split).
 """
 
 from __future__ import annotations
@@ -145,7 +147,8 @@ class DraftProposer(Proposer):
             req.draft_state = torch.stack(probs[i]) if probs[i] else None
 
     def _allocate(self, s: Request) -> bool:
-        """Blocks for the shadow's uncomputed tokens, if the draft pool has them; False (no allocation) if not."""
+        """Blocks for the shadow's uncomputed tokens, if the draft pool has them; False (no allocation) if
+        not."""
         n = s.num_tokens - s.num_computed_tokens
         if not self.blocks.can_allocate(self.blocks.blocks_needed(s, n)):
             return False

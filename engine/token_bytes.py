@@ -1,4 +1,5 @@
-"""The raw bytes behind each token id, for logprobs (OpenAI reports every token as text plus its UTF-8 bytes)."""
+"""The raw bytes behind each token id, for logprobs (OpenAI reports every token as text plus its UTF-8
+bytes)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ def byte_decoder() -> dict[str, int]:
 
 
 class TokenBytes:
-    """Token id -> bytes for a Hugging Face tokenizer (byte-level BPE, SentencePiece byte fallback, or other)."""
+    """Token id -> bytes for a Hugging Face tokenizer (byte-level BPE, SentencePiece byte fallback, or
+    other)."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer

@@ -1,4 +1,5 @@
-"""Which forward a checkpoint takes: our native Llama-family one, or transformers' own modules on our paged KV."""
+"""Which forward a checkpoint takes: our native Llama-family one, or transformers' own modules on our paged
+KV."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ _forced: list[bool] = []  # forced_generic() nesting
 
 @contextmanager
 def forced_generic() -> Iterator[None]:
-    """Within it, models load on the generic path even where the native one serves them (parity tests, bench)."""
+    """Within it, models load on the generic path even where the native one serves them (parity tests,
+    bench)."""
     _forced.append(True)
     try:
         yield
@@ -38,7 +40,8 @@ def native_architecture(cfg: dict[str, Any]) -> str | None:
 
 
 def model_path_for(cfg: dict[str, Any]) -> tuple[str, str]:
-    """(NATIVE or GENERIC, why) for a config.json dict; ValueError naming the feature where neither path serves it."""
+    """(NATIVE or GENERIC, why) for a config.json dict; ValueError naming the feature where neither path
+    serves it."""
     arch = native_architecture(cfg)
     rope = rope_parameters(cfg)["rope_type"]
     act = cfg.get("hidden_act", "silu")

@@ -1,6 +1,6 @@
-"""Quantization of weights: LLM.int8() and NF4/FP4 linears in bitsandbytes' format (quantized while loading, or
-read pre-quantized; ours on CPU, bitsandbytes' elsewhere) and weight-only int8/int4 linears. The int8 KV cache is
-engine.kv_cache's."""
+"""Quantization of weights: LLM.int8() and NF4/FP4 linears in bitsandbytes' format (quantized while loading,
+or read pre-quantized; ours on CPU, bitsandbytes' elsewhere) and weight-only int8/int4 linears. The int8 KV
+cache is engine.kv_cache's."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Write pre-quantized checkpoints in transformers' bitsandbytes format, so they load without re-quantizing."""
+"""Write pre-quantized checkpoints in transformers' bitsandbytes format, so they load without
+re-quantizing."""
 
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ WEIGHTS = "model.safetensors"
 
 
 def serialized(part: nn.Module) -> dict[str, torch.Tensor]:
-    """A quantized linear's tensors as bitsandbytes serializes them (an LLM.int8() linear: `weight` (CB), `bias`,
-    `SCB` and the `weight_format` marker 0, row-major, that Linear8bitLt writes beside them)."""
+    """A quantized linear's tensors as bitsandbytes serializes them (an LLM.int8() linear: `weight` (CB),
+    `bias`, `SCB` and the `weight_format` marker 0, row-major, that Linear8bitLt writes beside them)."""
     state = {k: v.contiguous() for k, v in part.state_dict().items()}
     if isinstance(part, LLMInt8Linear):
         state["weight_format"] = torch.tensor(0, dtype=torch.uint8)

@@ -1,4 +1,5 @@
-"""What to quantize and how: the engine's settings or a checkpoint's `quantization_config`, checked up front."""
+"""What to quantize and how: the engine's settings or a checkpoint's `quantization_config`, checked up
+front."""
 
 from __future__ import annotations
 
@@ -78,7 +79,8 @@ class QuantSpec:
 
 
 def resolve_spec(config, hf_config: dict[str, Any]) -> QuantSpec | None:
-    """The checkpoint's own quantization if it has one (a different request is an error), else the config's."""
+    """The checkpoint's own quantization if it has one (a different request is an error), else the
+    config's."""
     qc = hf_config.get("quantization_config")
     if qc:
         spec = QuantSpec.from_hf(qc)
