@@ -1,4 +1,5 @@
-"""Real services for tests: a redis-server process and moto's standalone S3 server, each on a free loopback port."""
+"""Real services for tests: a redis-server process and moto's standalone S3 server, each on a free loopback
+port."""
 
 from __future__ import annotations
 

@@ -89,8 +89,9 @@ def test_a_missing_tensor_is_named(tmp_path, sharded):
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
 def test_tokenizer_does_what_autotokenizer_does(tmp_path, arch):
-    """Ids, EOS, decoding (special tokens kept or skipped), the vocabulary and the chat template (as text and as
-    ids) equal AutoTokenizer's; llama and mistral folders are read without transformers, the rest through it."""
+    """Ids, EOS, decoding (special tokens kept or skipped), the vocabulary and the chat template (as text and
+    as ids) equal AutoTokenizer's; llama and mistral folders are read without transformers, the rest through
+    it."""
     path = make_checkpoint(tmp_path / arch, arch)
     ours, auto = load_tokenizer(path), AutoTokenizer.from_pretrained(path)
     text = "to be or not to be, that is the question. don't ( ) ! ?"
@@ -116,8 +117,8 @@ def _ids(rendered):
 
 
 def test_a_folder_transformers_would_rewrite_goes_through_autotokenizer(tmp_path):
-    """A chat template kept in tokenizer_config.json is used; add_bos_token (which makes transformers rewrite the
-    post-processor) or a tokenizer class of the model's own sends the folder to AutoTokenizer."""
+    """A chat template kept in tokenizer_config.json is used; add_bos_token (which makes transformers rewrite
+    the post-processor) or a tokenizer class of the model's own sends the folder to AutoTokenizer."""
     path = make_checkpoint(tmp_path / "llama", "llama")
     config_file = path / "tokenizer_config.json"
     config = json.loads(config_file.read_text())
@@ -171,9 +172,9 @@ def test_worker_start_path_imports_no_framework_it_does_not_serve_with():
     assert modules_imported_by(code, NOT_ON_THE_START_PATH) == []
 
 
-# What a worker's start never imports: frameworks it does not serve with, webhook delivery and signing (loaded by
-# the delivery thread and at a batch's end), Prometheus (only with --metrics-port) and rq's cron (croniter: the
-# producer's scheduler).
+# What a worker's start never imports: frameworks it does not serve with, webhook delivery and signing (loaded
+# by the delivery thread and at a batch's end), Prometheus (only with --metrics-port) and rq's cron (croniter:
+# the producer's scheduler).
 NOT_ON_THE_START_PATH = (
     "transformers", "rich", "torch._dynamo", "torch._inductor", "bitsandbytes", "jinja2", "urllib3",
     "standardwebhooks", "sluice.contract.signing", "sluice.worker.webhooks", "prometheus_client", "croniter",
@@ -182,8 +183,9 @@ NOT_ON_THE_START_PATH = (
 
 
 def test_a_real_worker_start_imports_only_what_serving_needs(redis_url):
-    """`python -m sluice.worker --burst` on the bundled model, run to ready and out against a real redis-server
-    (empty queues, no metrics port, no webhooks), has imported none of NOT_ON_THE_START_PATH when it exits."""
+    """`python -m sluice.worker --burst` on the bundled model, run to ready and out against a real
+    redis-server (empty queues, no metrics port, no webhooks), has imported none of NOT_ON_THE_START_PATH when
+    it exits."""
     argv = ["--model", str(TINY), "--dtype", "bfloat16", "--device", "cpu", "--burst", "--no-webhooks",
             "--redis-url", redis_url]
     code = (
@@ -201,9 +203,9 @@ def test_a_real_worker_start_imports_only_what_serving_needs(redis_url):
 
 @pytest.mark.parametrize("module, command", [("sluice.worker", []), ("sluice.cli.main", ["worker"])])
 def test_a_real_worker_loads_into_the_arena_it_reserved_before_importing_torch(redis_url, module, command):
-    """`python -m sluice.worker` and `sluice worker` map the weight arena and read the weights into it while they
-    import torch (engine.weight_reserve); the load takes every tensor from there: the arena logs the checkpoint's
-    MB as read ahead and taken, and nothing past them written but the rotary tables."""
+    """`python -m sluice.worker` and `sluice worker` map the weight arena and read the weights into it while
+    they import torch (engine.weight_reserve); the load takes every tensor from there: the arena logs the
+    checkpoint's MB as read ahead and taken, and nothing past them written but the rotary tables."""
     argv = [*command, "--model", str(TINY), "--dtype", "bfloat16", "--device", "cpu", "--burst", "--no-webhooks",
             "--redis-url", redis_url]
     code = (
@@ -225,7 +227,8 @@ def test_a_real_worker_loads_into_the_arena_it_reserved_before_importing_torch(r
 
 def test_the_arena_plan_reads_the_command_line_without_torch(tmp_path):
     """The worker reserves an arena only where the load will make one (CPU, no quantization at load, no map of
-    the file, huge pages on), floating weights in the --dtype's size (auto: the checkpoint's; fp16 as bf16)."""
+    the file, huge pages on), floating weights in the --dtype's size (auto: the checkpoint's; fp16 as
+    bf16)."""
     cpu = ["--model", str(TINY), "--device", "cpu"]
     plan = arena_plan([*cpu, "--dtype", "float32"], str(TINY))
     assert plan is not None and plan[:2] == (str(TINY), "F32") and plan[2] > 0 and plan[3] is True
@@ -240,8 +243,8 @@ def test_the_arena_plan_reads_the_command_line_without_torch(tmp_path):
 
 @pytest.mark.parametrize("entry", ["import sluice.cli.main", "import runpy; runpy.run_module('sluice.worker')"])
 def test_worker_entry_points_pause_the_collector_over_their_imports(entry):
-    """`sluice worker` and `python -m sluice.worker` turn the cyclic collector off before their first import (its
-    full collections rescan every module object torch made: a large share of the imports' time); `start`
+    """`sluice worker` and `python -m sluice.worker` turn the cyclic collector off before their first import
+    (its full collections rescan every module object torch made: a large share of the imports' time); `start`
     turns it back on with the objects alive then frozen, once; elsewhere resume changes nothing."""
     code = (
         "import gc, sys\n"
@@ -272,8 +275,8 @@ def test_model_argument_from_command_line_or_environment(monkeypatch):
 
 
 def test_the_prefetch_leaves_the_read_to_a_reservation_that_reads_ahead():
-    """The worker's page-cache prefetch reads nothing where the arena's reservation reads the same weights ahead
-    (that read fills the page cache too), and reads the files where there is none."""
+    """The worker's page-cache prefetch reads nothing where the arena's reservation reads the same weights
+    ahead (that read fills the page cache too), and reads the files where there is none."""
     argv = ["--model", str(TINY)]
     assert prefetching.prefetch_argv(argv) == sum(f.stat().st_size for f in local_weight_files(str(TINY)))
     reservation = weight_reserve.reserve(TINY, "BF16", 1 << 40)
@@ -296,7 +299,8 @@ def test_prefetch_reads_the_index_files_within_budget(sharded, tmp_path):
 
 
 def test_warm_up_runs_the_model_once_end_to_end():
-    """The warm-up is one step through the whole model: a one-token prompt, one token sampled, nothing left."""
+    """The warm-up is one step through the whole model: a one-token prompt, one token sampled, nothing
+    left."""
     llm = LLM(str(TINY), dtype="float32", device="cpu", max_model_len=64, max_num_seqs=2)
     assert warm_up(llm) == 1
     assert not llm.engine.has_unfinished() and llm.engine.counters["generated_tokens"] == 1
@@ -426,9 +430,9 @@ def test_a_quantizing_load_maps_nothing_and_bad_modes_are_refused(aligned):
 
 
 def test_an_int8_start_imports_neither_bitsandbytes_nor_the_compiler():
-    """An int8 (LLM.int8()) model on CPU loads and generates without importing bitsandbytes (whose import wraps its
-    default ops in torch.compile, pulling in torch._dynamo and inductor: seconds of every quantized start) or
-    torch._dynamo, and torch.compile stays torch's own."""
+    """An int8 (LLM.int8()) model on CPU loads and generates without importing bitsandbytes (whose import
+    wraps its default ops in torch.compile, pulling in torch._dynamo and inductor: seconds of every quantized
+    start) or torch._dynamo, and torch.compile stays torch's own."""
     code = (
         "import sys, torch; real = torch.compile\n"
         "from sluice.engine import LLM, SamplingParams\n"
@@ -445,8 +449,9 @@ def test_an_int8_start_imports_neither_bitsandbytes_nor_the_compiler():
 
 
 def test_process_start_time_is_when_the_process_started():
-    """The time-to-ready gauge's origin lies between the parent's clock just before it started a child and just
-    after the child answered (btime-based stamps put it ~1 s early on this VM: whole seconds, drifting)."""
+    """The time-to-ready gauge's origin lies between the parent's clock just before it started a child and
+    just after the child answered (btime-based stamps put it ~1 s early on this VM: whole seconds,
+    drifting)."""
     code = "from sluice.worker.metrics import process_start_time; print(repr(process_start_time()))"
     before = time.time()
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)

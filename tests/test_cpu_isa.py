@@ -26,7 +26,8 @@ TINY = '#include <pybind11/pybind11.h>\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
 
 @pytest.fixture
 def tier_env(monkeypatch, request):
-    """Set SLUICE_CPU_ISA (or unset it with None) for one test, the chosen tier read again before and after."""
+    """Set SLUICE_CPU_ISA (or unset it with None) for one test, the chosen tier read again before and
+    after."""
     def set_cap(value: str | None) -> str:
         if value is None:
             monkeypatch.delenv(cpu_isa.ENV, raising=False)
@@ -67,7 +68,8 @@ print(json.dumps({"tier": cpu_isa.tier(), "kernels": linear.gemv_serves(4, 256) 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="emulates an x86-64 CPU on an x86-64 host")
 def test_an_avx2_only_cpu_gets_the_avx2_tier_and_runs_its_kernels(tmp_path):
     """Under QEMU's Haswell (AVX2, no AVX-512) on whatever host this is: the tier comes from what the CPU
-    reports, and the C++ kernels built for it run; an instruction above AVX2 would kill the process (SIGILL)."""
+    reports, and the C++ kernels built for it run; an instruction above AVX2 would kill the process
+    (SIGILL)."""
     qemu = shutil.which("qemu-x86_64")
     assert qemu, "qemu-x86_64 not found: apt-get install qemu-user (.ci/run installs it)"
     env = {k: v for k, v in os.environ.items() if k != cpu_isa.ENV}
@@ -95,7 +97,8 @@ def test_sluice_cpu_isa_caps_the_tier_and_never_raises_it(tier_env):
 
 
 def test_each_tier_compiles_with_its_own_explicit_flags():
-    """Never -march=native; the avx2 tier names no AVX-512 flag; VNNI joins the avx512 tier only where present."""
+    """Never -march=native; the avx2 tier names no AVX-512 flag; VNNI joins the avx512 tier only where
+    present."""
     for name in cpu_isa.TIERS:
         flags = cpp_build.BASE_CFLAGS + cpu_isa.compile_flags(name, SAPPHIRE)
         assert not any(f.startswith(("-march", "-mtune=native")) for f in flags)
@@ -147,8 +150,8 @@ print("ANSWER", ext.ANSWER, flush=True)
 
 
 def test_workers_starting_together_build_once_and_all_load(tmp_path):
-    """Three processes load one uncached extension at once: one compiles (in a temporary folder, published by a
-    rename), the others wait on the lock and load its library; a stale half-build is cleared first."""
+    """Three processes load one uncached extension at once: one compiles (in a temporary folder, published by
+    a rename), the others wait on the lock and load its library; a stale half-build is cleared first."""
     src = tmp_path / "src"
     src.mkdir()
     (src / "tiny.cpp").write_text(TINY)
@@ -211,7 +214,8 @@ def test_doctor_build_compiles_every_kernel_for_the_tier(tier_env):
 
 
 def test_doctor_says_which_path_a_model_takes_and_why(tmp_path):
-    """A native architecture is native, another known one generic, a refused one refused, each with its reason."""
+    """A native architecture is native, another known one generic, a refused one refused, each with its
+    reason."""
     from tests.checkpoints import make_checkpoint
 
     runner = CliRunner()

@@ -155,8 +155,8 @@ def test_schedulers_process_each_object_once_across_restart_and_concurrency(redi
 
 
 def test_an_idle_scheduler_leaves_within_2_s_of_sigterm(redis_url, redis, tmp_path):
-    """SIGTERM while the scheduler sleeps between ticks (a pipeline due in an hour): out in 2 s, exit code 0, and
-    unregistered from rq's scheduler registry."""
+    """SIGTERM while the scheduler sleeps between ticks (a pipeline due in an hour): out in 2 s, exit code 0,
+    and unregistered from rq's scheduler registry."""
     (tmp_path / "in").mkdir()
     cli(redis_url, "add", "idle", "--every", "1h", "--input", f"file://{tmp_path}/in/*.jsonl")
     proc = subprocess.Popen([sys.executable, "-m", "sluice.producer.cron", "run", "--poll", "30", "--redis-url",

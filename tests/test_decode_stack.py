@@ -1,5 +1,5 @@
-"""The decoder stack in one C++ call (kernels.decode_stack) against the Python layers it stands in for: bitwise
-the same logits, KV writes and greedy tokens, and used only where every layer and the step fit."""
+"""The decoder stack in one C++ call (kernels.decode_stack) against the Python layers it stands in for:
+bitwise the same logits, KV writes and greedy tokens, and used only where every layer and the step fit."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ WIDE = dict(hidden_size=128, intermediate_size=192)  # head_dim 32: the bf16 att
 
 @pytest.fixture
 def stack_calls(monkeypatch) -> list[int]:
-    """The token count of every step that ran on a stack (its layers only, or with the model's ends: `logits`)."""
+    """The token count of every step that ran on a stack (its layers only, or with the model's ends:
+    `logits`)."""
     calls = []
     run, logits = decode_stack.DecodeStack.run, decode_stack.DecodeStack.logits
 
@@ -72,13 +73,15 @@ MODELS = {  # (arch, overrides, quantization)
     "int4-llama": ("llama", WIDE, "int4_weight_only"),
     "int4-qwen2-bias": ("qwen2", {}, "int4_weight_only"),
     "int8-llama": ("llama", WIDE, "int8_weight_only"),  # the int8 GEMV to 4 rows, the dynamic int8 matmul above
-    "int8-qwen2-bias-odd": ("qwen2", dict(intermediate_size=200), "int8_weight_only"),  # down: 200 % 16, no GEMV
+    # down: 200 % 16, no GEMV
+    "int8-qwen2-bias-odd": ("qwen2", dict(intermediate_size=200), "int8_weight_only"),
     "llm-int8-llama": ("llama", WIDE, "int8"),  # LLM.int8(): outlier columns at llm_int8_threshold (OUTLIERS)
     "llm-int8-qwen2-bias": ("qwen2", {}, "int8"),
     "nf4-llama": ("llama", WIDE, "int4"),  # bitsandbytes-format NF4, our 4-bit GEMV
     "nf4-qwen2-bias": ("qwen2", {}, "int4"),
 }
-OUTLIERS = 1.0  # LLM.int8()'s threshold in these tests: most steps have outlier columns (6.0: hardly any here)
+# LLM.int8()'s threshold in these tests: most steps have outlier columns (6.0: hardly any here)
+OUTLIERS = 1.0
 
 
 def make_llm(checkpoint_factory, model: str, **kw) -> LLM:
@@ -98,8 +101,8 @@ def llm_int8_stacks() -> bool:
 @pytest.mark.parametrize("query_lens", [[1], [1, 2], [1] * 8 + [3, 5]], ids=["1", "3", "16"])
 def test_logits_and_kv_writes_are_bitwise_the_layers(checkpoint_factory, monkeypatch, stack_calls, model,
                                                      query_lens):
-    """Decode and verify steps of 1, 3 and 16 tokens over random caches: the same logits and cache contents, bf16
-    and weight-only quantized."""
+    """Decode and verify steps of 1, 3 and 16 tokens over random caches: the same logits and cache contents,
+    bf16 and weight-only quantized."""
     llm = make_llm(checkpoint_factory, model)
     stacked = MODELS[model][2] != "int8" or llm_int8_stacks()
     assert (llm.engine.model._decode_stack(llm.engine.runner.kv_caches) is not None) == stacked
@@ -107,8 +110,9 @@ def test_logits_and_kv_writes_are_bitwise_the_layers(checkpoint_factory, monkeyp
 
 
 def test_llm_int8_steps_with_outlier_columns_are_bitwise_the_layers(checkpoint_factory, monkeypatch, stack_calls):
-    """LLM.int8() on the stack where it serves: steps whose activations have outlier columns (counted in the Python
-    layers' run) give the layers' logits and KV writes bit for bit, and so does a step with none (threshold 0)."""
+    """LLM.int8() on the stack where it serves: steps whose activations have outlier columns (counted in the
+    Python layers' run) give the layers' logits and KV writes bit for bit, and so does a step with none
+    (threshold 0)."""
     arch, overrides, _ = MODELS["llm-int8-llama"]
     path = checkpoint_factory(arch, **overrides)
     if not llm_int8_stacks():
@@ -138,9 +142,10 @@ def test_llm_int8_steps_with_outlier_columns_are_bitwise_the_layers(checkpoint_f
 @pytest.mark.parametrize("query_lens", [[1] * 17, [1] * 30 + [2, 3, 5], [1] * 64], ids=["17", "40", "64"])
 def test_past_16_tokens_only_bf16_stacks_where_the_gemm_serves(checkpoint_factory, monkeypatch, stack_calls, model,
                                                                query_lens):
-    """Steps of 17 to 64 tokens run on the stack only where every linear is bf16 and our GEMV call serves bf16 rows
-    past 16 (the avx2 tier's GEMM, `linear.gemm_rows`; SLUICE_CPU_ISA=avx2 with oneDNN held to AVX2), there bitwise
-    the Python layers' logits and KV writes; anywhere else (quantized linears, other tiers) the Python layers."""
+    """Steps of 17 to 64 tokens run on the stack only where every linear is bf16 and our GEMV call serves bf16
+    rows past 16 (the avx2 tier's GEMM, `linear.gemm_rows`; SLUICE_CPU_ISA=avx2 with oneDNN held to AVX2),
+    there bitwise the Python layers' logits and KV writes; anywhere else (quantized linears, other tiers) the
+    Python layers."""
     quantization = MODELS[model][2]
     llm = make_llm(checkpoint_factory, model)
     stack = llm.engine.model._decode_stack(llm.engine.runner.kv_caches)
@@ -154,8 +159,8 @@ def test_past_16_tokens_only_bf16_stacks_where_the_gemm_serves(checkpoint_factor
 
 
 def against_the_layers(llm: LLM, monkeypatch, stack_calls: list[int], query_lens: list[int], stacked: bool) -> None:
-    """One step over random caches on the stack (if `stacked`, else the Python layers: asserted) and on the Python
-    layers: the same logits and cache contents."""
+    """One step over random caches on the stack (if `stacked`, else the Python layers: asserted) and on the
+    Python layers: the same logits and cache contents."""
     caches = llm.engine.runner.kv_caches
     g = torch.Generator().manual_seed(1)
     for c in caches:
@@ -180,8 +185,8 @@ def against_the_layers(llm: LLM, monkeypatch, stack_calls: list[int], query_lens
                                              ("nf4-llama", False)])
 def test_model_ends_run_on_the_stack_where_every_row_is_wanted(checkpoint_factory, monkeypatch, model, tied):
     """Every row wanted (decode, verify): the embedding, final norm and LM head (tied or its own, quantized or
-    not) run inside the stack's `logits`, bitwise what the stack's layers plus the Python ends give; a subset of
-    rows keeps the Python ends."""
+    not) run inside the stack's `logits`, bitwise what the stack's layers plus the Python ends give; a subset
+    of rows keeps the Python ends."""
     llm = make_llm(checkpoint_factory, model, tie_word_embeddings=tied)
     stack = llm.engine.model._decode_stack(llm.engine.runner.kv_caches)
     if MODELS[model][2] == "int8" and not llm_int8_stacks():
@@ -205,8 +210,8 @@ def test_model_ends_run_on_the_stack_where_every_row_is_wanted(checkpoint_factor
 
 
 def test_used_for_short_queries_only(checkpoint_factory, stack_calls):
-    """Up to `decode_stack.max_tokens()` tokens of short queries (16; a bf16 stack's to 64 where the avx2 tier's GEMM
-    serves those rows); a long query (prefill) or one token more runs the Python layers."""
+    """Up to `decode_stack.max_tokens()` tokens of short queries (16; a bf16 stack's to 64 where the avx2
+    tier's GEMM serves those rows); a long query (prefill) or one token more runs the Python layers."""
     llm = LLM(checkpoint_factory("llama"), **KV)
     most = decode_stack.max_tokens()
     assert most == max(16, linear_kernels.gemm_rows())

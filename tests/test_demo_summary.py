@@ -16,8 +16,8 @@ TINY = Path(__file__).resolve().parent.parent / "models" / "sluice-tiny"
 
 
 def test_the_worker_start_comes_from_its_ready_line_and_is_left_out(tmp_path, caplog, redis_url):
-    """The seconds a worker logs when it becomes ready (the line the demo's worker log holds) are read back, and
-    the generation time is the wall time less them and whatever preceded the worker's spawn."""
+    """The seconds a worker logs when it becomes ready (the line the demo's worker log holds) are read back,
+    and the generation time is the wall time less them and whatever preceded the worker's spawn."""
     log = tmp_path / "demo-worker.log"
     assert ready_seconds(log) is None
     log.write_text("2026-12-07 12:00:00 INFO sluice.worker: loading\n")

@@ -1,5 +1,6 @@
-"""The docs as a reference: benchmarks.md one current table per benchmark, architecture.md placing every module
-and C++ file, no work-log words in docs, bench/ or the packages' comments, benchmark pointers that resolve."""
+"""The docs as a reference: benchmarks.md one current table per benchmark, architecture.md placing every
+module and C++ file, no work-log words in docs, bench/ or the packages' comments, benchmark pointers that
+resolve."""
 
 from __future__ import annotations
 

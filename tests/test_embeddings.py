@@ -1,5 +1,5 @@
-"""/v1/embeddings: pooled prefill hidden states against transformers, in the engine's continuous batch, through the
-offline API, batch files (Client + worker) and the HTTP Batch API."""
+"""/v1/embeddings: pooled prefill hidden states against transformers, in the engine's continuous batch,
+through the offline API, batch files (Client + worker) and the HTTP Batch API."""
 
 from __future__ import annotations
 
@@ -92,7 +92,8 @@ def test_pooling_rule_reads_sentence_transformers_then_architecture(tmp_path):
         pooler_for(tmp_path, {})
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt_neox"])  # gpt_neox: the generic path's logits and hidden states
+# gpt_neox: the generic path's logits and hidden states
+@pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
 def test_embeddings_share_the_step_with_generation_and_keep_no_kv(checkpoint_factory, arch):
     llm = LLM(str(checkpoint_factory(arch)), dtype="float32", device="cpu")
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -226,7 +227,8 @@ def test_fresh_prefills_in_padded_batches_match_one_attention_each():
 
 
 def test_embeddings_on_the_device_path_match_the_default_path(tiny_llama):
-    """The flat layout (CUDA's path, Triton interpreted here): pooled rows and sampled rows from one forward."""
+    """The flat layout (CUDA's path, Triton interpreted here): pooled rows and sampled rows from one
+    forward."""
     kw = dict(dtype="float32", device="cpu", max_num_batched_tokens=40, max_num_seqs=8)
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     base = LLM(str(tiny_llama), device_path=False, **kw)

@@ -1,4 +1,5 @@
-"""EngineConfig: every field documented, bad options refused at construction, config.json read once per model."""
+"""EngineConfig: every field documented, bad options refused at construction, config.json read once per
+model."""
 
 from __future__ import annotations
 

@@ -216,7 +216,8 @@ def test_generic_path_runs_sibling_linears_as_one_product(checkpoint_factory, mo
 
 
 def transformers_forwards(llm: LLM) -> None:
-    """Put back transformers' own forwards where use_our_kernels fused a decoder layer, an attention or a rotary slot."""
+    """Put back transformers' own forwards where use_our_kernels fused a decoder layer, an attention or a
+    rotary slot."""
     for mod in llm.engine.model.hf.modules():
         if type(mod).__name__.endswith(("DecoderLayer", "Attention")):
             generic.restore_forward(mod)
@@ -233,7 +234,8 @@ def test_generic_path_fuses_llama_shaped_modules_bit_for_bit(arch, checkpoint_fa
         fused, plain = (LLM(path, dtype="bfloat16", device="cpu", max_num_batched_tokens=48) for _ in range(2))
     transformers_forwards(plain)
     for layer in fused.engine.model.hf.model.layers:  # qwen3's attention (q/k norms) is not Llama's: only its layer
-        assert inspect.unwrap(type(layer).forward) is generic._decoder_layer_forward  # (transformers wraps it)
+        # (transformers wraps it)
+        assert inspect.unwrap(type(layer).forward) is generic._decoder_layer_forward
         assert (type(layer.self_attn).forward is generic._attention_forward) == (arch == "llama")
         rope = type(layer.self_attn._kernel_funcs[generic.ROPE_SLOT]).forward
         assert rope is generic.fused_rope
@@ -296,8 +298,8 @@ def test_generic_path_quantizes_as_the_native_path_does(method, checkpoint_facto
     assert len(parts) == 7 * 4 and {type(p).__name__ for p in parts} == {QUANT_LINEARS[method]}
     head = generic.engine.model.hf.lm_head
     assert (type(head).__name__ == QUANT_LINEARS[method]) == method.endswith("weight_only")
-    # the same quantized weights through the same kernels: measured bit-identical on CPU; the bound leaves room for
-    # another kernel order elsewhere
+    # the same quantized weights through the same kernels: measured bit-identical on CPU; the bound leaves
+    # room for another kernel order elsewhere
     errors = [((a.float() - b.float()).norm() / b.float().norm()).item()
               for a, b in zip(generic.score(prompts), native.score(prompts), strict=True)]
     assert max(errors) < 1e-3
@@ -306,9 +308,9 @@ def test_generic_path_quantizes_as_the_native_path_does(method, checkpoint_facto
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
 
 
-# Logits relative error vs the unquantized generic model (bf16), measured on these random checkpoints (gemma2 /
-# phi3): int8 3.5% / 2.0%, nf4 34% / 20%, int8_weight_only 3.7% / 2.3%, int4_weight_only 27% / 21%, as the native
-# path's (tests/test_quantization.py); bounds: measured + ~35%.
+# Logits relative error vs the unquantized generic model (bf16), measured on these random checkpoints (gemma2
+# / phi3): int8 3.5% / 2.0%, nf4 34% / 20%, int8_weight_only 3.7% / 2.3%, int4_weight_only 27% / 21%, as the
+# native path's (tests/test_quantization.py); bounds: measured + ~35%.
 GENERIC_MAX_REL_ERR = {"int8": 0.05, "int4": 0.45, "int8_weight_only": 0.05, "int4_weight_only": 0.36}
 
 
@@ -348,7 +350,8 @@ def test_int4_experts_off_the_block_width_are_zero_padded(method, bound, checkpo
 @pytest.mark.parametrize(("dtype", "bound"), [(torch.float32, 1e-5), (torch.bfloat16, 4e-3)])
 @pytest.mark.parametrize(("hidden", "inner", "tokens"), [(96, 48, 9), (128, 64, 40)])
 def test_moe_kernel_matches_fp64_on_every_tier(cpu_tier, dtype, bound, hidden, inner, tokens):
-    # 96 x 48: widths off every vector size (the loops' tails); 128 x 64: whole AMX tiles, experts past 16 tokens
+    # 96 x 48: widths off every vector size (the loops' tails); 128 x 64: whole AMX tiles, experts past 16
+    # tokens
     g = torch.Generator().manual_seed(0)
     n_experts, k = 5, 2
     gate, up, down = ([torch.randn(*s, generator=g) * 0.2 for _ in range(n_experts)]
@@ -360,9 +363,11 @@ def test_moe_kernel_matches_fp64_on_every_tier(cpu_tier, dtype, bound, hidden, i
     weights_in = [[w.to(dtype) for w in ws] for ws in (gate, up, down)]
     held = moe_kernel.experts(*weights_in)
     assert held is not None, f"csrc/moe.cpp did not build for {cpu_tier}"
-    assert held.amx == (cpu_tier == "amx" and dtype is torch.bfloat16 and inner % 32 == 0)  # AMX where it serves
+    # AMX where it serves
+    assert held.amx == (cpu_tier == "amx" and dtype is torch.bfloat16 and inner % 32 == 0)
     got = held.forward(x, ids, weights)
-    rounded = dtype is torch.bfloat16 and moe_kernel.bf16_hidden(held)  # silu(gate) * up in bf16, as HF's experts
+    # silu(gate) * up in bf16, as HF's experts
+    rounded = dtype is torch.bfloat16 and moe_kernel.bf16_hidden(held)
     want = moe_kernel.moe_reference(x, ids, weights, *weights_in, torch.bfloat16 if rounded else torch.float64)
     assert got.dtype == dtype and got.shape == want.shape
     assert ((got.double() - want).norm() / want.norm()).item() < bound
@@ -370,8 +375,9 @@ def test_moe_kernel_matches_fp64_on_every_tier(cpu_tier, dtype, bound, hidden, i
 
 @pytest.mark.parametrize(("width", "budget"), [(48, 32), (64, 256)])
 def test_native_moe_runs_its_experts_in_one_cpp_call_in_bf16(width, budget, checkpoint_factory):
-    # width 48: steps of up to CPP_MAX_TOKENS tokens take the C++ vector tiles, chunks of 32 keep every step there;
-    # width 64 (hidden 64): whole AMX tiles where the tier has them, which take the prefill's longer steps too
+    # width 48: steps of up to CPP_MAX_TOKENS tokens take the C++ vector tiles, chunks of 32 keep every step
+    # there; width 64 (hidden 64): whole AMX tiles where the tier has them, which take the prefill's longer
+    # steps too
     path = checkpoint_factory("qwen3_moe", moe_intermediate_size=width)
     llm = LLM(path, dtype="bfloat16", device="cpu", max_num_batched_tokens=budget)
     prompts = random_prompts(3, 20, 60)

@@ -25,7 +25,8 @@ ADAPTERS = {  # name: (rank, alpha, targets, rsLoRA)
 
 def make_adapter(base: Path, out: Path, rank: int, alpha: int, targets: list[str], rslora: bool = False,
                  seed: int = 0, **extra) -> Path:
-    """A PEFT LoRA adapter of `base` with random A and B (so it changes the output), saved as PEFT saves it."""
+    """A PEFT LoRA adapter of `base` with random A and B (so it changes the output), saved as PEFT saves
+    it."""
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora,
@@ -171,8 +172,8 @@ def test_an_engine_without_lora_refuses_adapters(lora_case):
 
 
 def effective_weights(llm: LLM) -> dict[str, torch.Tensor]:
-    """Each decoder projection's weight as the engine's (quantized) linear applies it, read by an identity probe,
-    split into the checkpoint's own linears."""
+    """Each decoder projection's weight as the engine's (quantized) linear applies it, read by an identity
+    probe, split into the checkpoint's own linears."""
     from sluice.engine.lora.slots import LoRALinear, projection_shapes
 
     model, names = llm.engine.model, {"self_attn.qkv_proj": ["q_proj", "k_proj", "v_proj"],
@@ -197,7 +198,8 @@ def effective_weights(llm: LLM) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("quantization", ["int8", "int8_weight_only", "int4"])
 def test_adapters_on_quantized_bases_match_the_dequantized_base(lora_case, quantization, tmp_path):
     """Every prompt position's logits with the adapter equal PEFT's merge into the dequantized base (the
-    weights the quantized linears apply, read by an identity probe), far closer than the adapter's own effect."""
+    weights the quantized linears apply, read by an identity probe), far closer than the adapter's own
+    effect."""
     base, adapters, requests, prompts, *_ = lora_case
     llm = LLM(base, dtype="float32", device="cpu", quantization=quantization, enable_lora=True, max_loras=3,
               max_lora_rank=16)

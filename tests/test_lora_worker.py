@@ -1,5 +1,6 @@
-"""LoRA adapters named by batch lines' `model`, served by a real worker process: --lora NAME=PATH and --lora-dir
-folders (local and s3://), mixed with base-model lines in one shard, unknown names a per-line error."""
+"""LoRA adapters named by batch lines' `model`, served by a real worker process: --lora NAME=PATH and
+--lora-dir folders (local and s3://), mixed with base-model lines in one shard, unknown names a per-line
+error."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""n > 1 and best_of (offline LLM door): sequences share the prompt's KV blocks and equal separate requests."""
+"""n > 1 and best_of (offline LLM door): sequences share the prompt's KV blocks and equal separate
+requests."""
 
 from __future__ import annotations
 

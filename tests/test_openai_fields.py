@@ -186,7 +186,8 @@ def test_tool_calls_are_parsed_in_hermes_and_llama_formats():
 
 
 def test_tools_reach_the_chat_template(llm):
-    """Offline door: LLM.chat(tools=...) renders the tools through the model's template (when it reads them)."""
+    """Offline door: LLM.chat(tools=...) renders the tools through the model's template (when it reads
+    them)."""
     template = llm.tokenizer.chat_template
     llm.tokenizer.chat_template = ("{% for t in tools or [] %}TOOL {{ t['function']['name'] }}\n{% endfor %}"
                                    "{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
@@ -215,8 +216,9 @@ def _reference(llm, out, bias: dict[int, float], presence: float, temperature: f
 @pytest.mark.parametrize("speculative", [None, {"method": "draft", "model": str(ROOT / "models" / "sluice-tiny-draft"),
                                                "num_speculative_tokens": 3}])
 def test_logprobs_mode_reports_raw_or_processed_values(speculative):
-    """vLLM's logprobs_mode: raw_* are the model's (logit_bias does not move them), processed_* carry logit_bias,
-    presence_penalty and temperature; *_logits are the values before log_softmax. On plain and speculative steps."""
+    """vLLM's logprobs_mode: raw_* are the model's (logit_bias does not move them), processed_* carry
+    logit_bias, presence_penalty and temperature; *_logits are the values before log_softmax. On plain and
+    speculative steps."""
     llm = LLM(str(TINY), dtype="float32", device="cpu", max_num_seqs=4, logprobs_mode="processed_logprobs",
               speculative=speculative)
     engine = llm.engine
@@ -233,7 +235,8 @@ def test_logprobs_mode_reports_raw_or_processed_values(speculative):
             for t, value in step.items():
                 assert value == pytest.approx(ref[i, t].item(), abs=2e-4), (mode, i, t)
         seen[mode] = out
-    assert len({tuple(o.token_ids) for o in seen.values()}) == 1  # the mode changes what is reported, not sampled
+    # the mode changes what is reported, not sampled
+    assert len({tuple(o.token_ids) for o in seen.values()}) == 1
     raw, processed = seen["raw_logprobs"].logprobs, seen["processed_logprobs"].logprobs
     tok = seen["raw_logprobs"].token_ids[0]
     assert abs(raw[0][tok] - processed[0][tok]) > 0.05  # logit_bias and temperature moved processed, not raw

@@ -136,7 +136,8 @@ def test_sigkilled_worker_loses_nothing(tiny_llama, redis_url, tmp_path):
     try:
         wait_until_running_shards(client, batch.id, "victim")
         survivor = start_worker(tiny_llama, redis_url, tmp_path / "survivor.log", *args, "--name", "survivor")
-        os.kill(victim.pid, signal.SIGSTOP)  # frozen first: no shard of its can finish between listing and kill
+        # frozen first: no shard of its can finish between listing and kill
+        os.kill(victim.pid, signal.SIGSTOP)
         killed = started_shards_of(client, "victim")
         os.kill(victim.pid, signal.SIGKILL)
         victim.wait()

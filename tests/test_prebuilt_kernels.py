@@ -32,7 +32,8 @@ print(json.dumps({"answer": ext.ANSWER, "file": ext.__file__, "compiler": cpp_bu
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory) -> Path:
-    """A csrc/ folder with the one-line extension and its objects compiled for every tier (once per module)."""
+    """A csrc/ folder with the one-line extension and its objects compiled for every tier (once per
+    module)."""
     root = tmp_path_factory.mktemp("tiny")
     (root / "csrc").mkdir()
     (root / "csrc" / "tiny.cpp").write_text(TINY)
@@ -86,8 +87,9 @@ def test_a_matching_object_loads_with_no_compiler_and_compiles_nothing(prebuilt,
 
 @pytest.mark.parametrize("change", ["torch", "source", "flags"])
 def test_a_mismatched_object_is_not_loaded_and_the_build_says_so(prebuilt, tmp_path, change):
-    """Another torch in the manifest, an edited source, or other flags for the tier: the library builds into the
-    cache, with a line naming it, the tier, the cache folder, about how long, and why the wheel's did not serve."""
+    """Another torch in the manifest, an edited source, or other flags for the tier: the library builds into
+    the cache, with a line naming it, the tier, the cache folder, about how long, and why the wheel's did not
+    serve."""
     csrc, folder, manifest = prebuilt
     if change == "torch":
         manifest["torch"] = "2.0.0+cpu"

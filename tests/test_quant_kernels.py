@@ -1,5 +1,6 @@
-"""The C++ weight-only quantized kernels (int4: our int8 x int4 VNNI product and bf16 tiles, the tile dequant +
-matmul on torch's int4pack layout; fused int8 activation quantization and rescale) against the dequantized-weight
+"""The C++ weight-only quantized kernels (int4: our int8 x int4 VNNI product and bf16 tiles, the tile dequant
++ matmul on torch's int4pack layout; fused int8 activation quantization and rescale) against the
+  dequantized-weight
 reference, their dispatch by row count, and the engine's greedy output with them against the torch paths they
 replace."""
 
@@ -109,10 +110,10 @@ def test_bf16_int4_weights_take_our_vnni_layout_and_keep_every_code(cpu_tier):
 def test_our_int8_x_int4_product_is_the_w4a8_sum_and_close_to_the_dequantized_weight(monkeypatch, with_bias,
                                                                                        cpu_tier):
     """On every tier, every tile shape (4 weight rows x 1-4 x rows, N tails), K tails (padded chunks, partial
-    blocks of four chunks) and an all-zero group: the W4A8 kernel computes the W4A8 sum to fp32 rounding (then one
-    bf16 rounding), within 1% of the unquantized activations' product; int4_linear runs it to MAX_VNNI_ROWS rows
-    and the product requantized to int8 per row above (within 2%; a spy) where the tier has VNNI, at every row
-    count without it (w4a8_avx2.h)."""
+    blocks of four chunks) and an all-zero group: the W4A8 kernel computes the W4A8 sum to fp32 rounding (then
+    one bf16 rounding), within 1% of the unquantized activations' product; int4_linear runs it to
+    MAX_VNNI_ROWS rows and the product requantized to int8 per row above (within 2%; a spy) where the tier has
+    VNNI, at every row count without it (w4a8_avx2.h)."""
     torch.manual_seed(0)
     kernel, calls = int4.vnni_kernel(), []
     assert kernel is not None and kernel.VNNI == ("-mavx512vnni" in cpu_isa.compile_flags(cpu_tier))
@@ -205,9 +206,9 @@ def test_our_int8_gemv_serves_bf16_rows_and_rounds_as_torchs(monkeypatch, cpu_ti
 
 @pytest.mark.skipif(int8._fused() is None, reason="no C++ toolchain")
 def test_int8_mm_is_the_exact_int32_product_on_every_tier(cpu_tier):
-    """int8 x int8 -> int32 through `int8_mm` equals the int32 reference on every tier, extreme codes included:
-    VNNI where the tier has it, else ours (int8_mm_avx2.h), never oneDNN's saturating non-VNNI product; and the
-    dynamic int8 linear built on it is within int8 rounding of the dequantized weight."""
+    """int8 x int8 -> int32 through `int8_mm` equals the int32 reference on every tier, extreme codes
+    included: VNNI where the tier has it, else ours (int8_mm_avx2.h), never oneDNN's saturating non-VNNI
+    product; and the dynamic int8 linear built on it is within int8 rounding of the dequantized weight."""
     fused = int8._fused()
     assert fused.VNNI == ("-mavx512vnni" in cpu_isa.compile_flags(cpu_tier))
     g = torch.Generator().manual_seed(1)
@@ -226,8 +227,9 @@ def test_int8_mm_is_the_exact_int32_product_on_every_tier(cpu_tier):
 
 
 def test_the_torch_int8_path_is_exact_where_onednn_saturates(monkeypatch):
-    """Without our kernels the dynamic int8 product is torch._int_mm only where oneDNN sums exactly (VNNI), else
-    fp64: within int8 rounding of the dequantized weight on any host (ONEDNN_MAX_CPU_ISA=AVX2 included)."""
+    """Without our kernels the dynamic int8 product is torch._int_mm only where oneDNN sums exactly (VNNI),
+    else fp64: within int8 rounding of the dequantized weight on any host (ONEDNN_MAX_CPU_ISA=AVX2
+    included)."""
     monkeypatch.setattr(int8, "_fused", lambda: None)
     g = torch.Generator().manual_seed(2)
     qweight, scales = torch.randint(-127, 128, (200, 384), dtype=torch.int8, generator=g), torch.rand(200) / 50
@@ -241,9 +243,10 @@ def test_the_torch_int8_path_is_exact_where_onednn_saturates(monkeypatch):
 
 @pytest.mark.skipif(int8._fused() is None, reason="no C++ toolchain")
 def test_our_int8_matmul_is_exact_at_every_tile_and_serves_the_dynamic_rows(monkeypatch, cpu_tier):
-    """int8 x int8 -> int32 by our kernel (VNNI where the tier has it, int8_mm_avx2.h without) equals the int32
-    product at every tile shape (1-8 weight rows x 1-4 x rows, N and K tails, extreme codes), and the dynamic int8
-    path runs it for bf16 rows from one row (VNNI) or past the GEMV's rows (without) to VNNI_MAX_ROWS and above."""
+    """int8 x int8 -> int32 by our kernel (VNNI where the tier has it, int8_mm_avx2.h without) equals the
+    int32 product at every tile shape (1-8 weight rows x 1-4 x rows, N and K tails, extreme codes), and the
+    dynamic int8 path runs it for bf16 rows from one row (VNNI) or past the GEMV's rows (without) to
+    VNNI_MAX_ROWS and above."""
     torch.manual_seed(0)
     fused = int8._fused()
     ours = fused.int8_mm_vnni if fused.VNNI else fused.int8_mm
@@ -262,9 +265,9 @@ def test_our_int8_matmul_is_exact_at_every_tile_and_serves_the_dynamic_rows(monk
 @pytest.mark.skipif(int8._fused() is None, reason="no C++ toolchain")
 def test_our_int8_matmul_is_exact_at_extreme_codes_and_tails(cpu_tier):
     """The VNNI product flips each weight's sign bit (w + 128 as the u8 operand) and subtracts 128 x each
-    activation row's sum: exact against float64 sums and torch._int_mm's (where it is exact) with weights of only
-    -128/-127/127 and activations of +-127/-128, K off multiples of 64 (the masked tail: a flipped masked-off
-    weight lane, 0x80, meets a 0 activation lane), one row and many, N off every tile width."""
+    activation row's sum: exact against float64 sums and torch._int_mm's (where it is exact) with weights of
+    only -128/-127/127 and activations of +-127/-128, K off multiples of 64 (the masked tail: a flipped
+    masked-off weight lane, 0x80, meets a 0 activation lane), one row and many, N off every tile width."""
     fused = int8._fused()
     ours = fused.int8_mm_vnni if fused.VNNI else fused.int8_mm
     g = torch.Generator().manual_seed(3)
@@ -319,9 +322,9 @@ def test_int8_weight_only_greedy_output_is_unchanged_by_the_fused_kernels(checkp
     assert fused == greedy_tokens(path, "int8_weight_only")
 
 
-# bf16 logits of the tiny model (all under 1 in magnitude) from the tiles and from int4pack: both dequantize the
-# same int4 codes, summing in another order, so they may differ by a few bf16 ulps. A position agrees when both
-# pick the same token or the tiles' pick is within TIE_MARGIN of int4pack's maximum (a near-tie).
+# bf16 logits of the tiny model (all under 1 in magnitude) from the tiles and from int4pack: both dequantize
+# the same int4 codes, summing in another order, so they may differ by a few bf16 ulps. A position agrees when
+# both pick the same token or the tiles' pick is within TIE_MARGIN of int4pack's maximum (a near-tie).
 INT4_LOGIT_DIFF = 4 * 2**-8
 TIE_MARGIN = 2 * INT4_LOGIT_DIFF
 
@@ -338,7 +341,8 @@ def test_int4_weight_only_argmax_is_unchanged_by_the_tiles_teacher_forced(checkp
     int4pack kernel's greedy continuations scored through the tiles (prefill and decode) and through int4pack
     alone; logits within INT4_LOGIT_DIFF and every position's argmax the same, near-ties within TIE_MARGIN."""
     path = checkpoint_factory("llama", **DIMS)
-    monkeypatch.setattr(int4, "layout_for", lambda device, dtype: "int4pack")  # torch's layout, not our VNNI one
+    # torch's layout, not our VNNI one
+    monkeypatch.setattr(int4, "layout_for", lambda device, dtype: "int4pack")
     monkeypatch.setattr(int4, "MAX_INT4PACK_ROWS", 1 << 30)  # the int4pack kernel alone, as before the tiles
     sequences = [p + t for p, t in zip(PROMPTS, greedy_tokens(path, "int4_weight_only"), strict=True)]
     plain = int4_scores(path, sequences)
@@ -354,10 +358,10 @@ def test_int4_weight_only_argmax_is_unchanged_by_the_tiles_teacher_forced(checkp
 @pytest.mark.skipif(int8._fused() is None, reason="no C++ toolchain")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
 def test_int8_quantization_while_loading_gives_bitsandbytes_own_bits(dtype, monkeypatch):
-    """Our one-pass row quantization is bitsandbytes' int8_vectorwise_quant of the fp16 copy bit for bit (codes
-    and row absmax): K with a tail, a zero row, a value past fp16's range (its row's codes 0), a row of tiny
-    values, and ties that the fast-math compiler would round differently had the factor been folded; so is the
-    torch fallback (no C++ kernels); the int8 linears built while loading on CPU use it."""
+    """Our one-pass row quantization is bitsandbytes' int8_vectorwise_quant of the fp16 copy bit for bit
+    (codes and row absmax): K with a tail, a zero row, a value past fp16's range (its row's codes 0), a row of
+    tiny values, and ties that the fast-math compiler would round differently had the factor been folded; so
+    is the torch fallback (no C++ kernels); the int8 linears built while loading on CPU use it."""
     import bitsandbytes as bnb
 
     from sluice.engine.quantization import linears
@@ -418,9 +422,9 @@ def test_nf4_and_fp4_quantization_while_loading_gives_bitsandbytes_own_bits(monk
 
 
 def test_int8_prefill_rows_widen_the_dequantized_weight_where_onednn_has_no_bf16(monkeypatch):
-    """With oneDNN capped below its bf16 instructions, bf16 int8 rows from WIDEN_MIN_ROWS multiply the dequantized
-    weight in fp32 (W8A16, no dynamic int8 product): within one bf16 rounding of fp64 x · (q · scale) + bias, for any
-    slice of the weight; one row fewer keeps the dynamic int8 product."""
+    """With oneDNN capped below its bf16 instructions, bf16 int8 rows from WIDEN_MIN_ROWS multiply the
+    dequantized weight in fp32 (W8A16, no dynamic int8 product): within one bf16 rounding of fp64 x · (q ·
+    scale) + bias, for any slice of the weight; one row fewer keeps the dynamic int8 product."""
     from sluice.kernels import linear as linear_kernels
     from sluice.kernels import options
 
@@ -447,10 +451,11 @@ def test_int8_prefill_rows_widen_the_dequantized_weight_where_onednn_has_no_bf16
 
 @needs_kernel
 def test_int4_prefill_rows_widen_the_dequantized_weight_where_onednn_has_no_bf16(monkeypatch, cpu_tier):
-    """On every tier the vnni layout dequantizes to exactly int4.dequantize's fp32 (any slice of rows). With oneDNN
-    capped below its bf16 instructions, on tiers without VNNI, bf16 rows from int4.WIDEN_MIN_ROWS multiply that
-    dequantized weight in fp32: within one bf16 rounding of fp64 x · w + bias, for any slice of the
-    weight; one row fewer keeps the W4A8 product. With VNNI the requantized int8 product keeps every such row."""
+    """On every tier the vnni layout dequantizes to exactly int4.dequantize's fp32 (any slice of rows). With
+    oneDNN capped below its bf16 instructions, on tiers without VNNI, bf16 rows from int4.WIDEN_MIN_ROWS
+    multiply that dequantized weight in fp32: within one bf16 rounding of fp64 x · w + bias, for any slice of
+    the weight; one row fewer keeps the W4A8 product. With VNNI the requantized int8 product keeps every such
+    row."""
     from sluice.kernels import linear as linear_kernels
     from sluice.kernels import options
 
@@ -488,11 +493,11 @@ def test_int4_prefill_rows_widen_the_dequantized_weight_where_onednn_has_no_bf16
 
 
 def test_llm_int8_epilogue_passes_are_bitsandbytes_arithmetic_on_every_tier(cpu_tier):
-    """LLM.int8()'s bf16 epilogue in C++ on every x86 tier (16 lanes on AVX512-VNNI, 8 on AVX2): the dequant is
-    bitsandbytes' own int8_mm_dequant op bit for bit, and the outlier pass gives the outlier columns' products
-    summed in fp32 in column order, added to the output and rounded once; at N tails of both widths, row counts
-    past and within the passes' blocks of rows, up to every column an outlier, with and without bias; on the
-    generic tier neither is built (the torch ops serve)."""
+    """LLM.int8()'s bf16 epilogue in C++ on every x86 tier (16 lanes on AVX512-VNNI, 8 on AVX2): the dequant
+    is bitsandbytes' own int8_mm_dequant op bit for bit, and the outlier pass gives the outlier columns'
+    products summed in fp32 in column order, added to the output and rounded once; at N tails of both widths,
+    row counts past and within the passes' blocks of rows, up to every column an outlier, with and without
+    bias; on the generic tier neither is built (the torch ops serve)."""
     import bitsandbytes  # noqa: F401  (its ops)
 
     fused = int8._fused()

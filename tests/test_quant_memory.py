@@ -1,4 +1,5 @@
-"""Quantized CPU memory: the LLM.int8() product keeps no per-shape oneDNN state, and no float copy of a weight."""
+"""Quantized CPU memory: the LLM.int8() product keeps no per-shape oneDNN state, and no float copy of a
+weight."""
 
 from __future__ import annotations
 
@@ -20,11 +21,11 @@ TINY = ROOT / "models" / "sluice-tiny"
 
 
 def test_int8_outlier_product_is_bitsandbytes_arithmetic():
-    """Our LLM.int8() linear with outlier columns gives bitsandbytes' int8 product dequantized (its own op), plus
-    the outlier inputs times their dequantized weight columns (its own op, rounded to bf16) summed in float32 and
-    rounded once (where bitsandbytes' default kernel runs a bf16 `addmm`, one oneDNN primitive per shape), for
-    several row, output and outlier counts: where our C++ pass serves (x86, AVX2 and up) the products summed
-    in column order, bit for bit, else torch's float32 `addmm`."""
+    """Our LLM.int8() linear with outlier columns gives bitsandbytes' int8 product dequantized (its own op),
+    plus the outlier inputs times their dequantized weight columns (its own op, rounded to bf16) summed in
+    float32 and rounded once (where bitsandbytes' default kernel runs a bf16 `addmm`, one oneDNN primitive per
+    shape), for several row, output and outlier counts: where our C++ pass serves (x86, AVX2 and up) the
+    products summed in column order, bit for bit, else torch's float32 `addmm`."""
     ops = torch.ops.bitsandbytes
     ours = int8_weights._fused() is not None and int8_weights._fused().BNB_INT8_EPILOGUE
     g = torch.Generator().manual_seed(0)
@@ -122,10 +123,10 @@ def mid_llama(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_a_quantized_load_keeps_no_float_copy_of_its_weights(mid_llama, mode):
-    """After an int8 (LLM.int8()) or int4 (NF4) load, no quantized linear holds a floating-point tensor the size
-    of its weight (its parameters and buffers: codes, scales, absmax), and the process's private memory grew
-    by the model's own tensors and a few MiB (tokenizer, tables), after load and after serving a request: the
-    full-precision weights the load read, and any transient float copy made while quantizing, are released
+    """After an int8 (LLM.int8()) or int4 (NF4) load, no quantized linear holds a floating-point tensor the
+    size of its weight (its parameters and buffers: codes, scales, absmax), and the process's private memory
+    grew by the model's own tensors and a few MiB (tokenizer, tables), after load and after serving a request:
+    the full-precision weights the load read, and any transient float copy made while quantizing, are released
     (a float copy of the linears would add more than twice this slack)."""
     out = subprocess.run([sys.executable, "-c", FLOAT_COPY_CHECK, str(mid_llama), mode], cwd=ROOT,
                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -90,8 +90,8 @@ WEIGHT_ONLY = {  # method: (linear class, bytes per weight, logits error bound, 
 
 
 def stored(p: torch.nn.Module) -> tuple[int, int, int]:
-    """(bytes of weight codes, in_features, out_features) of a weight-only linear, int4's as padded by its layout
-    (ours: columns to 128; torch's int4pack: rows to 16)."""
+    """(bytes of weight codes, in_features, out_features) of a weight-only linear, int4's as padded by its
+    layout (ours: columns to 128; torch's int4pack: rows to 16)."""
     if isinstance(p, Int8WeightOnlyLinear):
         return p.qweight.numel(), p.qweight.shape[1], p.qweight.shape[0]
     if p.layout == "vnni":
@@ -193,9 +193,10 @@ def test_transformers_bitsandbytes_checkpoint_loads_and_matches(ckpt, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(got, ours, strict=True))
     with torch.no_grad():
         ref = hf(torch.tensor([PROMPTS[1]])).logits[0].float()
-    # transformers runs bitsandbytes' CPU kernel (bf16 code table, bf16 dot products), we run ours (fp32 table and
-    # FMAs): both as close to the fp64 product (tests/test_nf4.py), each rounding every linear's output to bf16 on
-    # its own, which this random model's chained linears compound (docs/benchmarks.md, int4 without bitsandbytes)
+    # transformers runs bitsandbytes' CPU kernel (bf16 code table, bf16 dot products), we run ours (fp32 table
+    # and FMAs): both as close to the fp64 product (tests/test_nf4.py), each rounding every linear's output to
+    # bf16 on its own, which this random model's chained linears compound (docs/benchmarks.md, int4 without
+    # bitsandbytes)
     assert rel_err(loaded.score([PROMPTS[1]]), [ref]) < 2e-2
     assert rel_err([got[1]], [ref]) < 2e-2
 
@@ -283,9 +284,9 @@ def audited(code: str, args: list[str], cwd, env: dict[str, str]) -> list[str]:
 
 
 def test_a_quantized_worker_never_asks_the_hub(ckpt, tmp_path, redis_server):
-    """A worker on a pre-quantized int4 checkpoint (on CPU bitsandbytes is never imported) looks up no host but
-    loopback from process start to exit; importing bitsandbytes with the Hub online does, where its CPU backend
-    asks the Hub for a kernel (HF `kernels` installed, an AVX512-BF16 CPU)."""
+    """A worker on a pre-quantized int4 checkpoint (on CPU bitsandbytes is never imported) looks up no host
+    but loopback from process start to exit; importing bitsandbytes with the Hub online does, where its CPU
+    backend asks the Hub for a kernel (HF `kernels` installed, an AVX512-BF16 CPU)."""
     quantize(ckpt, tmp_path / "int4", "int4", dtype="bfloat16")
     env = {k: v for k, v in worker_env(redis_server.url).items() if k not in ("HF_HUB_OFFLINE", "PYTHONPATH")}
     args = ["--model", str(tmp_path / "int4"), "--dtype", "bfloat16", "--device", "cpu", "--burst", "--no-webhooks"]
@@ -317,9 +318,10 @@ def int8_inputs(dtype: torch.dtype) -> list[tuple[torch.Tensor, int]]:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_int8_activation_rows_are_bitsandbytes_own(dtype, monkeypatch):
-    """Our LLM.int8() activation quantization (C++, and the torch ops where it does not build) gives bitsandbytes'
-    int8_vectorwise_quant(x.half(), threshold) bit for bit: codes, row absmax and outlier columns, one row or
-    several, no outlier or some, a zero row, a value past fp16's range, tiny values, thresholds 0, 6 and 1.5."""
+    """Our LLM.int8() activation quantization (C++, and the torch ops where it does not build) gives
+    bitsandbytes' int8_vectorwise_quant(x.half(), threshold) bit for bit: codes, row absmax and outlier
+    columns, one row or several, no outlier or some, a zero row, a value past fp16's range, tiny values,
+    thresholds 0, 6 and 1.5."""
     from sluice.kernels import int8_weights
 
     cases = int8_inputs(dtype)
@@ -339,10 +341,10 @@ def test_int8_activation_rows_are_bitsandbytes_own(dtype, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_int8_linear_computes_what_bitsandbytes_linear8bitlt_does(dtype):
-    """Our LLM.int8() linear against bitsandbytes' Linear8bitLt on the same CB, SCB, bias and inputs: bit for bit
-    where no column holds an outlier (threshold 0, or none past it); with outlier columns our product of them runs
-    in float32 where bitsandbytes' runs a bf16 `addmm` (another summation order): every value within one bf16 step
-    of its (relative 2^-7), most equal; in float32 bit for bit."""
+    """Our LLM.int8() linear against bitsandbytes' Linear8bitLt on the same CB, SCB, bias and inputs: bit for
+    bit where no column holds an outlier (threshold 0, or none past it); with outlier columns our product of
+    them runs in float32 where bitsandbytes' runs a bf16 `addmm` (another summation order): every value within
+    one bf16 step of its (relative 2^-7), most equal; in float32 bit for bit."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(96, 200, generator=g) * 0.05
     cb, scb, _ = bnb.functional.int8_vectorwise_quant(w.half())
@@ -409,6 +411,6 @@ def test_int8_checkpoint_holds_what_bitsandbytes_writes_and_transformers_loads_i
     assert any(isinstance(m, bnb.nn.Linear8bitLt) for m in hf.modules())
     with torch.no_grad():
         ref = hf(torch.tensor([PROMPTS[1]])).logits[0].float()
-    # the same int8 arithmetic but for the outlier columns' summation order (float32 here, bf16 in bitsandbytes),
-    # and transformers' attention: bound as the 4-bit round trip's above
+    # the same int8 arithmetic but for the outlier columns' summation order (float32 here, bf16 in
+    # bitsandbytes), and transformers' attention: bound as the 4-bit round trip's above
     assert rel_err(LLM(tmp_path, dtype="bfloat16", device="cpu").score([PROMPTS[1]]), [ref]) < 1e-2

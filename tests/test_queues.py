@@ -1,4 +1,5 @@
-"""Cancelling a batch's unclaimed shards against a worker claiming one at the same moment (real redis-server)."""
+"""Cancelling a batch's unclaimed shards against a worker claiming one at the same moment (real
+redis-server)."""
 
 from __future__ import annotations
 

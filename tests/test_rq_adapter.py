@@ -1,5 +1,5 @@
-"""contract/rq_adapter.py against the installed rq: the supported versions, the private names it reaches and what
-they do for the worker and the cron scheduler (real redis-server)."""
+"""contract/rq_adapter.py against the installed rq: the supported versions, the private names it reaches and
+what they do for the worker and the cron scheduler (real redis-server)."""
 
 from __future__ import annotations
 
@@ -142,7 +142,8 @@ def test_the_undocumented_steps_exist_with_the_signatures_the_adapter_calls():
 
 def test_a_job_s_way_through_the_adapter_s_steps(redis_url):
     """Queued: in its queue, read as (queue, queued); dequeued: still there (intermediate list) until started;
-    started: out of both lists, in the started registry until its execution ends; failed unrun with a message."""
+    started: out of both lists, in the started registry until its execution ends; failed unrun with a
+    message."""
     connection = redis.Redis.from_url(redis_url)
     job = queue_for(connection, "default").enqueue_call(FINALIZE, args=("batch_y",))
     queue = queue_for(connection, "default")

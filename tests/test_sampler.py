@@ -1,5 +1,5 @@
-"""The device sampler's counter-based noise: keyed by (seed, position, stream), uniform, batch-independent; the
-C++ sampler that masks, scales, draws and takes the argmax in one pass picks the torch path's tokens."""
+"""The device sampler's counter-based noise: keyed by (seed, position, stream), uniform, batch-independent;
+the C++ sampler that masks, scales, draws and takes the argmax in one pass picks the torch path's tokens."""
 
 from __future__ import annotations
 
@@ -90,7 +90,8 @@ def test_fused_sampler_picks_the_torch_paths_tokens(dtype):
 
 
 def test_fused_sampler_leaves_filtering_rows_to_torch():
-    """top-p, top-k and min-p need the sorted distribution: the fused sampler declines, the torch path samples."""
+    """top-p, top-k and min-p need the sorted distribution: the fused sampler declines, the torch path
+    samples."""
     logits = torch.randn(2, 64)
     for params in (SamplingParams(top_p=0.9), SamplingParams(top_k=5), SamplingParams(min_p=0.1)):
         reqs = [Request("a", [1], SamplingParams()), Request("b", [1], params)]

@@ -1,4 +1,5 @@
-"""OpenAI's sampling fields in the engine (offline LLM door): logprobs as bytes, logit_bias, penalties, min_tokens."""
+"""OpenAI's sampling fields in the engine (offline LLM door): logprobs as bytes, logit_bias, penalties,
+min_tokens."""
 
 from __future__ import annotations
 
@@ -129,7 +130,8 @@ def test_bad_values_are_named():
 
 
 def test_logprobs_are_the_models_raw_distribution_before_bias_and_penalties(llm):
-    """vLLM's default (logprobs_mode raw_logprobs): what the model gave, not what logit_bias/penalties sampled from."""
+    """vLLM's default (logprobs_mode raw_logprobs): what the model gave, not what logit_bias/penalties sampled
+    from."""
     target = llm.tokenizer.encode(" king", add_special_tokens=False)[0]
     params = SamplingParams(max_tokens=4, temperature=0, logit_bias={target: 100}, presence_penalty=2.0, logprobs=2)
     out = llm.generate(PROMPTS[0], params, progress=False)[0]

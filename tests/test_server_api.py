@@ -54,7 +54,8 @@ def test_file_to_batch_to_results(stack):
 
 
 def test_usage_grows_with_finished_shards_while_in_progress(stack):
-    """The Batch object's usage is summed over the shards finished so far, not zero until the batch is done."""
+    """The Batch object's usage is summed over the shards finished so far, not zero until the batch is
+    done."""
     client = stack.openai(stack.key("usage"))
     lines = [completion(i, max_tokens=32, ignore_eos=True) for i in range(64)]
     uploaded = client.files.create(file=jsonl(lines), purpose="batch")
@@ -325,8 +326,8 @@ def test_every_route_through_the_openai_package_answers_its_types(stack):
 
 
 def test_request_counts_move_while_a_shard_runs_and_never_double_count(stack):
-    """One shard of four requests of very different lengths: completed moves (1, 2 or 3) before the shard is saved;
-    a request recorded again (a retried shard) or moved from failed to completed counts once."""
+    """One shard of four requests of very different lengths: completed moves (1, 2 or 3) before the shard is
+    saved; a request recorded again (a retried shard) or moved from failed to completed counts once."""
     from redis import Redis
 
     from sluice.contract.batch import BatchStore, shards_key
@@ -345,8 +346,8 @@ def test_request_counts_move_while_a_shard_runs_and_never_double_count(stack):
         if counts.completed == 4:
             break
         time.sleep(0.1)
-    # the worker flushes counts every second and the whole shard may take little more: one value between 0 and 4
-    # seen before the shard was saved shows the counts moving while it ran
+    # the worker flushes counts every second and the whole shard may take little more: one value between 0 and
+    # 4 seen before the shard was saved shows the counts moving while it ran
     assert {1, 2, 3} & seen, f"completed seen while the shard ran: {sorted(seen)}"
     assert wait_status(client, batch.id, {"completed"}).request_counts.completed == 4
     store = BatchStore(connection)

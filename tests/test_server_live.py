@@ -1,4 +1,5 @@
-"""The dashboard in a real headless Chromium (selenium) and Prometheus metrics, while a batch runs on a real worker."""
+"""The dashboard in a real headless Chromium (selenium) and Prometheus metrics, while a batch runs on a real
+worker."""
 
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ return {status: r.dataset.status, percent: Number(r.dataset.percent), shown: r.q
 
 
 def row_state(browser, batch_id: str) -> dict | None:
-    """The batch's row as the page shows it now (read in one script, so a refresh in between cannot interfere)."""
+    """The batch's row as the page shows it now (read in one script, so a refresh in between cannot
+    interfere)."""
     return browser.execute_script(ROW_STATE, batch_id)
 
 

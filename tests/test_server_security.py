@@ -1,6 +1,7 @@
-"""The server without a worker: dashboard sessions (never the key in the cookie, POST-only sign-in and sign-out
-from the server's own page), security headers, header-only API keys, files list filtering and order, /metrics
-behind an operator token, escaped logs, and OpenAI-shaped 503s while Redis is down (real server, real redis)."""
+"""The server without a worker: dashboard sessions (never the key in the cookie, POST-only sign-in and
+sign-out from the server's own page), security headers, header-only API keys, files list filtering and order,
+/metrics behind an operator token, escaped logs, and OpenAI-shaped 503s while Redis is down (real server, real
+redis)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The import graph (read with ast, every import at any depth) has no cycles and its arrows point one way; functions
-stay short."""
+"""The import graph (read with ast, every import at any depth) has no cycles and its arrows point one way;
+functions stay short."""
 
 from __future__ import annotations
 
@@ -144,7 +144,8 @@ def test_imports_point_one_way():
 
 
 def test_no_module_imports_a_bare_folder_name():
-    """Every import of our own code goes through `sluice.`: the bare folder names are not importable once installed."""
+    """Every import of our own code goes through `sluice.`: the bare folder names are not importable once
+    installed."""
     bare = sorted(
         f"{module}: {name}"
         for module, path in module_files().items()
@@ -155,8 +156,8 @@ def test_no_module_imports_a_bare_folder_name():
 
 
 def test_tests_and_benchmarks_import_no_bare_folder_name_even_in_child_code():
-    """Tests and benchmarks, including the code strings they hand to child processes, import our code as `sluice.`
-    (a bare `kernels` would be Hugging Face's distribution, and the other bare names nothing)."""
+    """Tests and benchmarks, including the code strings they hand to child processes, import our code as
+    `sluice.` (a bare `kernels` would be Hugging Face's distribution, and the other bare names nothing)."""
     pattern = re.compile(rf"(?:^\s*|[\"';] *)(?:from|import) ({'|'.join(PACKAGES)})\b", re.M)
     found = [
         f"{path.relative_to(ROOT)}: {match.group(0).strip()}"
@@ -172,7 +173,8 @@ SHARED_BASENAMES = {"__init__.py", "conftest.py"}
 
 
 def shared_basenames(paths: list[Path]) -> dict[str, list[str]]:
-    """Basename → the files that carry it, for every basename held by more than one file (bar SHARED_BASENAMES)."""
+    """Basename → the files that carry it, for every basename held by more than one file (bar
+    SHARED_BASENAMES)."""
     holders: dict[str, list[str]] = {}
     for path in paths:
         if path.name not in SHARED_BASENAMES:
@@ -320,9 +322,9 @@ def rq_class_privates(target: str) -> set[str]:
 
 
 def rq_reaches(sources: dict[str, str], steps: tuple[str, ...]) -> list[str]:
-    """'file:line what' wherever a source reaches an rq step of the adapter's, a private rq name on an object that
-    is not its own (`job._x`, `getattr(w, "_x")`), or, in a class built on an rq class, one of that class's
-    private names through `self` (or a `def` of one: an override)."""
+    """'file:line what' wherever a source reaches an rq step of the adapter's, a private rq name on an object
+    that is not its own (`job._x`, `getattr(w, "_x")`), or, in a class built on an rq class, one of that
+    class's private names through `self` (or a `def` of one: an override)."""
     import rq
 
     everywhere = set().union(*(private_names(p.read_text()) for p in Path(rq.__file__).parent.rglob("*.py")))
@@ -395,7 +397,8 @@ S3_OPENERS = ("open_storage", "open_output", "split_url", "read_url", "url_lines
 
 
 def calls_without_s3_style(source: str) -> list[str]:
-    """Calls of the storage openers that pass no S3 addressing style (`s3_style=`, or every positional one)."""
+    """Calls of the storage openers that pass no S3 addressing style (`s3_style=`, or every positional
+    one)."""
     import inspect
 
     from sluice.contract import storage
@@ -422,14 +425,15 @@ def test_every_storage_opened_outside_the_contract_gets_the_s3_style_from_settin
 
 
 PATCHED_LIBRARIES = ("torch", "bitsandbytes")
-# The monkeypatches left (issue 30: none). The two that deferred bitsandbytes' torch.compile and dynamo imports
-# went with bitsandbytes' import on CPU: LLM.int8() runs our kernels there (engine/quantization/int8_cpu.py);
-# where bitsandbytes still serves, it is a plain import.
+# The monkeypatches left (issue 30: none). The two that deferred bitsandbytes' torch.compile and dynamo
+# imports went with bitsandbytes' import on CPU: LLM.int8() runs our kernels there
+# (engine/quantization/int8_cpu.py); where bitsandbytes still serves, it is a plain import.
 KNOWN_PATCHES: set[tuple[str, str]] = set()
 
 
 def library_names(tree: ast.Module) -> set[str]:
-    """Names bound to torch or bitsandbytes, or to anything imported from them (modules, classes, functions)."""
+    """Names bound to torch or bitsandbytes, or to anything imported from them (modules, classes,
+    functions)."""
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -476,8 +480,8 @@ def test_the_patch_check_sees_every_way_of_patching_a_library():
 
 
 def test_no_module_patches_a_library_beyond_the_known_patches():
-    """No module (engine/ and kernels/ above all) assigns attributes on torch or bitsandbytes (or their classes),
-    save the patches listed in KNOWN_PATCHES, which may only shrink."""
+    """No module (engine/ and kernels/ above all) assigns attributes on torch or bitsandbytes (or their
+    classes), save the patches listed in KNOWN_PATCHES, which may only shrink."""
     files = [p for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py"))]
     found = {(str(p.relative_to(ROOT)), patch) for p in files for patch in library_patches(p.read_text())}
     assert len(files) > 100
@@ -485,8 +489,8 @@ def test_no_module_patches_a_library_beyond_the_known_patches():
 
 
 def test_models_are_built_without_their_random_init_and_without_patching_torch():
-    """build_model skips nn.init through a TorchFunctionMode: no random number is drawn (the generator's state is
-    unchanged), nn.init's functions stay torch's own, and outside the mode they initialise again."""
+    """build_model skips nn.init through a TorchFunctionMode: no random number is drawn (the generator's state
+    is unchanged), nn.init's functions stay torch's own, and outside the mode they initialise again."""
     import torch
 
     from sluice.engine.models.llama import ModelConfig

@@ -1,4 +1,5 @@
-"""Every Triton kernel under TRITON_INTERPRET=1 (fp32/fp16: the interpreter has no bf16 dot) vs the torch reference."""
+"""Every Triton kernel under TRITON_INTERPRET=1 (fp32/fp16: the interpreter has no bf16 dot) vs the torch
+reference."""
 
 from __future__ import annotations
 
@@ -118,7 +119,8 @@ def test_int8_kv_dequantized_in_registers(group):
 def test_kv_store_skips_padding_slots(dtype):
     t = 12
     k = torch.randn(t, HK, D).to(dtype)
-    v = torch.randn(t, 3 * HK * D).to(dtype)[:, HK * D: 2 * HK * D].view(t, HK, D)  # a view of a fused qkv row
+    # a view of a fused qkv row
+    v = torch.randn(t, 3 * HK * D).to(dtype)[:, HK * D: 2 * HK * D].view(t, HK, D)
     slots = torch.randperm(NB * BS)[:t]
     slots[[3, 7, 11]] = -1
     kc, vc = caches(dtype)

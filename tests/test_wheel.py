@@ -33,7 +33,8 @@ SOURCES = ("pyproject.toml", "setup.py", "build_backend", "MANIFEST.in", "README
 PYTHON = Path(getattr(sys, "_base_executable", sys.executable))
 
 TINY = ROOT / "models" / "sluice-tiny"
-# the first test builds the wheel (seven compiles; on a loaded 2-core host longer than the suite's default limit)
+# the first test builds the wheel (seven compiles; on a loaded 2-core host longer than the suite's default
+# limit)
 pytestmark = pytest.mark.timeout(5400)
 TAG = f"-cp{sys.version_info.major}{sys.version_info.minor}-cp{sys.version_info.major}{sys.version_info.minor}-linux_x86_64.whl"
 MANIFEST = "sluice/kernels/prebuilt/manifest.json"
@@ -77,9 +78,9 @@ def _run_both(*cmd: str | Path, cwd: Path | None = None, env: dict | None = None
 
 @pytest.fixture(scope="session")
 def wheel() -> Path:
-    """The wheel `pip wheel` builds from a copy of the sources (the checkout stays free of build output), kept in
-    tmp per source tree, torch and Python: it compiles every kernel library for every tier, so it is built once
-    per change of the sources, never twice for the same ones."""
+    """The wheel `pip wheel` builds from a copy of the sources (the checkout stays free of build output), kept
+    in tmp per source tree, torch and Python: it compiles every kernel library for every tier, so it is built
+    once per change of the sources, never twice for the same ones."""
     cache = Path(tempfile.gettempdir()) / f"sluice-wheel-{_sources_key()}"
     found = sorted(cache.glob("sluice-*.whl"))
     if found:
@@ -127,7 +128,8 @@ def _setuptools_builds_wheels() -> bool:
 
 
 def _venv_base() -> Path:
-    """A venv with the wheel's dependencies, the newest transformers and `kernels`, cached in tmp per pyproject."""
+    """A venv with the wheel's dependencies, the newest transformers and `kernels`, cached in tmp per
+    pyproject."""
     key = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + str(PYTHON).encode()).hexdigest()[:12]
     venv = Path(tempfile.gettempdir()) / f"sluice-wheel-venv-{key}"
     if not (venv / ".ready").is_file():
@@ -189,7 +191,8 @@ def test_the_wheel_carries_one_prebuilt_object_per_tier_and_a_manifest(wheel):
 
 
 def _env(cache: Path, **extra: str) -> dict[str, str]:
-    """The environment of a process in the wheel's venv: nothing of this checkout's, `cache` as the kernel cache."""
+    """The environment of a process in the wheel's venv: nothing of this checkout's, `cache` as the kernel
+    cache."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV", "TORCH_EXTENSIONS"))}
     return env | {"TORCH_EXTENSIONS_DIR": str(cache / "torch"), "XDG_CACHE_HOME": str(cache), "HF_HUB_OFFLINE": "1",
                   **extra}
@@ -209,9 +212,9 @@ print(json.dumps({"tokens": out[0].token_ids, "compiler": cpp_build.compiler(), 
 
 
 def test_installed_wheel_generates_on_its_prebuilt_kernels_with_no_compiler(installed, tmp_path):
-    """With CXX naming no compiler and an empty kernel cache, the first generate on the bundled model loads the
-    wheel's object for this CPU's tier, compiles nothing (no compiler, no torch cpp_extension, nothing cached),
-    `sluice doctor` says "prebuilt (wheel)" for every library, and the tokens are this checkout's."""
+    """With CXX naming no compiler and an empty kernel cache, the first generate on the bundled model loads
+    the wheel's object for this CPU's tier, compiles nothing (no compiler, no torch cpp_extension, nothing
+    cached), `sluice doctor` says "prebuilt (wheel)" for every library, and the tokens are this checkout's."""
     cache = tmp_path / "cache"
     env = _env(cache, CXX=str(tmp_path / "no-such-compiler"))
     work = tmp_path / "elsewhere"
@@ -236,9 +239,9 @@ def test_installed_wheel_generates_on_its_prebuilt_kernels_with_no_compiler(inst
 
 def test_installed_wheel_with_a_mismatched_manifest_builds_visibly_beside_current_transformers(installed, tmp_path):
     """From a folder outside the checkout, the wheel's objects with another torch in their manifest: the hub's
-    `kernels` is importable as itself, our bare names are not, the attention kernel builds from the venv's copy of
-    csrc/ into the kernel cache with a line saying so (tier, where, about how long, why), carries every attention
-    call, and the greedy tokens are the ones this checkout's engine gives."""
+    `kernels` is importable as itself, our bare names are not, the attention kernel builds from the venv's
+    copy of csrc/ into the kernel cache with a line saying so (tier, where, about how long, why), carries
+    every attention call, and the greedy tokens are the ones this checkout's engine gives."""
     model = make_checkpoint(tmp_path / "tiny-llama", "llama")
     prompt = "to be or not to be"
     site = next(installed.glob("lib/python*/site-packages"))

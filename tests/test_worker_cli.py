@@ -1,4 +1,5 @@
-"""The worker's flags come from EngineConfig's fields: every settable field has one, typed, and reaches LLM."""
+"""The worker's flags come from EngineConfig's fields: every settable field has one, typed, and reaches
+LLM."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Fault-suite fixtures: restartable redis-server (AOF) and moto servers, fast worker processes, result checks.
+"""Fault-suite fixtures: restartable redis-server (AOF) and moto servers, fast worker processes, result
+checks.
 
 The worker, finalize and terminal-state faults run twice: against a plain redis-server and through a
 `redis+sentinel://` URL (a primary, its replica and a sentinel on loopback), so every process in them reaches
@@ -163,7 +164,8 @@ class MotoProcess:
 
 @pytest.fixture
 def moto(s3_server, monkeypatch) -> Iterator[MotoProcess]:
-    """A private moto server (sharing moto's in-process state with the session one), AWS_* env pointed at it."""
+    """A private moto server (sharing moto's in-process state with the session one), AWS_* env pointed at
+    it."""
     server = MotoProcess()
     server.start()
     monkeypatch.setenv("AWS_ENDPOINT_URL", server.endpoint)

@@ -1,5 +1,6 @@
 """Finalize streams: memory bounded by a shard's chunk, not by the batch's outputs; a lost shard (a submit cut
-short) fails the batch, through finalize or the reaper, never leaving it stuck or its requests silently missing."""
+short) fails the batch, through finalize or the reaper, never leaving it stuck or its requests silently
+missing."""
 
 from __future__ import annotations
 

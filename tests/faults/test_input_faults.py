@@ -1,4 +1,5 @@
-"""Input faults against real redis-server, moto and HTTP servers: unreadable inputs, odd names, files mid-write."""
+"""Input faults against real redis-server, moto and HTTP servers: unreadable inputs, odd names, files
+mid-write."""
 
 from __future__ import annotations
 

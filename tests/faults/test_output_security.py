@@ -62,7 +62,8 @@ def test_submit_refuses_an_output_outside_the_roots(redis_url, tmp_path, monkeyp
 
 
 def test_the_worker_refuses_to_write_outside_its_roots(redis_url, tmp_path, monkeypatch):
-    """A batch record that names another place (roots changed, record forged in Redis) gets no file written."""
+    """A batch record that names another place (roots changed, record forged in Redis) gets no file
+    written."""
     connection = Redis.from_url(redis_url)
     evil = tmp_path / "evil"
     store = BatchStore(connection)

@@ -1,4 +1,5 @@
-"""Real faults against real processes: SIGKILL/SIGTERM loops, Redis and S3 outages, a full disk, lost dequeues.
+"""Real faults against real processes: SIGKILL/SIGTERM loops, Redis and S3 outages, a full disk, lost
+dequeues.
 
 Every test ends with each custom_id exactly once in the output or error file and every batch terminal.
 The counts of these runs are in docs/reliability.md.
@@ -109,7 +110,8 @@ def limit_file_size(limit: int):
 
 
 def test_full_disk_while_running_then_freed(tiny_llama, redis_url, tmp_path):
-    """The kernel refuses every write past 0 bytes (EFBIG, as on a full disk) until the test lifts the limit."""
+    """The kernel refuses every write past 0 bytes (EFBIG, as on a full disk) until the test lifts the
+    limit."""
     import subprocess
     import sys
 
@@ -122,7 +124,8 @@ def test_full_disk_while_running_then_freed(tiny_llama, redis_url, tmp_path):
     worker = subprocess.Popen(cmd, env=worker_env(redis_url, **FAST), stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL, preexec_fn=limit_file_size(0))
     try:
-        # (request_counts move as requests finish, before their shard is saved: only the retry tells a failed save)
+        # (request_counts move as requests finish, before their shard is saved: only the retry tells a failed
+        # save)
         wait_until(lambda: _failed_once(client, batch.id), 180, "a shard save to fail")
         resource.prlimit(worker.pid, resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
         wait_until(lambda: client.get(batch.id).done, 180, "the batch")
