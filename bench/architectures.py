@@ -5,10 +5,10 @@ python bench/architectures.py [--batch 32] [--prompt 64] [--tokens 64] [--headli
     [--archs llama,...] [--threads N] [--clock wall|cpu] [--moe-shape small|qwen3]
 MoE headline only: --headlines moe --archs ''.
 
-Ratios are taken within the run; the machine is shared, so absolute tok/s move between runs. On a loaded machine
-`--threads 1 --clock cpu` counts tokens per second of this process's CPU time: every parallel region of a
-multi-threaded step waits for its slowest thread, which other processes deschedule, so wall-clock rates there
-measure the load more than the code (docs/benchmarks.md).
+Ratios are taken within the run; the machine is shared, so absolute tok/s move between runs. On a loaded
+machine `--threads 1 --clock cpu` counts tokens per second of this process's CPU time: every parallel region
+of a multi-threaded step waits for its slowest thread, which other processes deschedule, so wall-clock rates
+there measure the load more than the code (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ from tests.checkpoints import make_checkpoint  # noqa: E402
 
 ARCHS = ["llama", "qwen3", "mixtral", "qwen3_moe", "gemma2", "gemma3_text", "phi3", "olmo2", "granite", "gpt_neox",
          "qwen2_moe", "starcoder2"]
-# Bigger than the test checkpoints so matmuls, not Python, set the pace; still minutes for all archs on 2 cores.
+# Bigger than the test checkpoints so matmuls, not Python, set the pace; still minutes for all archs on 2
+# cores.
 SIZE = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
             num_key_value_heads=4, max_position_embeddings=1024)
 MOE = dict(moe_intermediate_size=256, num_experts=8, num_local_experts=8, num_experts_per_tok=2)
@@ -47,7 +48,8 @@ PER_ARCH = {"gemma2": dict(head_dim=64, query_pre_attn_scalar=64, sliding_window
             "gemma3_text": dict(head_dim=64, query_pre_attn_scalar=64, sliding_window=64),
             "qwen3": dict(head_dim=64), "qwen3_moe": dict(head_dim=64, **MOE), "mixtral": MOE,
             "qwen2_moe": dict(MOE, shared_expert_intermediate_size=512),
-            "gpt_neox": dict(num_key_value_heads=None)}  # no GQA: a stray key count would size the KV pool wrong
+            # no GQA: a stray key count would size the KV pool wrong
+            "gpt_neox": dict(num_key_value_heads=None)}
 
 
 CLOCK = {"wall": time.perf_counter, "cpu": time.process_time}
@@ -84,8 +86,8 @@ def prompts(batch: int, length: int) -> list[list[int]]:
 
 
 def engine_tps(path: Path, batch: int, length: int, tokens: int, generic: bool = False, cpp_moe: bool = True) -> float:
-    """Output tok/s of our engine on `batch` prompts, `tokens` each (warm-up excluded); `cpp_moe=False`: the MoE
-    blocks' torch grouping instead of the C++ experts."""
+    """Output tok/s of our engine on `batch` prompts, `tokens` each (warm-up excluded); `cpp_moe=False`: the
+    MoE blocks' torch grouping instead of the C++ experts."""
     if generic:
         with forced_generic():
             llm = LLM(str(path), dtype="bfloat16", device="cpu")
@@ -141,7 +143,8 @@ def generic_headline(a) -> None:
 
 
 def moe_headline(a) -> None:
-    """Native MoE (C++ experts, then the torch grouping: SLUICE_CPU_KERNEL=0 semantics per block) vs HF generate."""
+    """Native MoE (C++ experts, then the torch grouping: SLUICE_CPU_KERNEL=0 semantics per block) vs HF
+    generate."""
     moe = moe_checkpoint(a.moe_shape, a.root)
     ours, torch_moe, ref = alternated([lambda: engine_tps(moe, a.batch, a.prompt, a.tokens),
                                        lambda: engine_tps(moe, a.batch, a.prompt, a.tokens, cpp_moe=False),

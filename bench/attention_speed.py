@@ -62,7 +62,8 @@ def theirs(q, layer, tables, ctx, out):
 
 
 def timed_passes(layers: list, tables: torch.Tensor, batch: int, ctx: int, passes: int) -> tuple[dict, dict]:
-    """Each attention's outputs and its per-pass times in ms over every layer, the two interleaved per pass."""
+    """Each attention's outputs and its per-pass times in ms over every layer, the two interleaved per
+    pass."""
     q = torch.randn(batch, H, D, dtype=torch.bfloat16)
     outs = {fn: torch.empty_like(q) for fn in (ours, theirs)}
     ms: dict = {fn: [] for fn in outs}

@@ -1,7 +1,7 @@
-"""Worker cold start, in one run: bare `import torch`, a raw read of each checkpoint's weight files, a real worker's
-process start → ready, and an offline start's ready → first token, for the bundled model, a ~1 GB bf16 checkpoint
-and its int8 and int4 pre-quantized versions, every start in the same page-cache state as the read it is set
-against.
+"""Worker cold start, in one run: bare `import torch`, a raw read of each checkpoint's weight files, a real
+worker's process start → ready, and an offline start's ready → first token, for the bundled model, a ~1 GB
+bf16 checkpoint and its int8 and int4 pre-quantized versions, every start in the same page-cache state as the
+read it is set against.
 
 python bench/coldstart.py [--hidden 2048 --layers 12] [--rounds 3] [--cold] [--threads N] [--variants tiny,...]
     [--baseline REF] [--no-record]
@@ -42,8 +42,8 @@ def started():
     return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"))
 """
 TORCH = START + "import json, torch\nprint(json.dumps({'ready': time.time() - started(), 'cpu': cpu()}))\n"
-# The first token, offline: the worker's imports (its entry point's collector pause included), its engine on its
-# defaults and its warm-up, then one one-token request timed from there (not through the queue).
+# The first token, offline: the worker's imports (its entry point's collector pause included), its engine on
+# its defaults and its warm-up, then one one-token request timed from there (not through the queue).
 FIRST = START + """import json, sys
 from sluice.worker import collector
 collector.pause()
@@ -62,10 +62,10 @@ print(json.dumps({"ready": ready - started(), "cpu": ready_cpu, "first": first -
 """
 # The same offline start without the worker's collector pause: what its imports cost before (for comparison).
 UNPAUSED = FIRST.replace("collector.pause()\n", "").replace("collector.resume()\n", "")
-# The 1 GB load alone, process start → weights loaded, the arena's ways compared: `copy` (a fresh arena: the reader
-# threads fault its pages in), `reserved` (engine.weight_reserve before `import torch`: the weights read into it meanwhile,
-# as the worker does), `reserved-after` (the same made after the import: the reads not overlapped), `mmap` (the file's
-# pages mapped where the stored bytes serve; the fused projections copied).
+# The 1 GB load alone, process start → weights loaded, the arena's ways compared: `copy` (a fresh arena: the
+# reader threads fault its pages in), `reserved` (engine.weight_reserve before `import torch`: the weights
+# read into it meanwhile, as the worker does), `reserved-after` (the same made after the import: the reads not
+# overlapped), `mmap` (the file's pages mapped where the stored bytes serve; the fused projections copied).
 LOAD = START + """import json, sys
 mode = sys.argv[2]
 reservation = None
@@ -156,8 +156,8 @@ def prequantized(src: Path, mode: str) -> Path:
 
 
 def child(code: str, *args: str, path: str = "") -> str:
-    """Run code in a fresh interpreter outside the checkout (`path`: first on its PYTHONPATH); its last line of
-    output."""
+    """Run code in a fresh interpreter outside the checkout (`path`: first on its PYTHONPATH); its last line
+    of output."""
     out = subprocess.run([sys.executable, "-c", code, *args], cwd=tempfile.gettempdir(),
                          env=baseline_env(path), capture_output=True, text=True, timeout=2400)
     if out.returncode:
@@ -183,8 +183,8 @@ def redis_server() -> tuple[subprocess.Popen, str]:
 
 
 def worker_ready(model: Path, redis_url: str, path: str = "") -> float:
-    """A real `python -m sluice.worker --burst` on model (bf16, CPU, empty queues): the seconds from its process
-    start to ready that it logs (its time-to-ready gauge: imported, loaded, warmed up, announced)."""
+    """A real `python -m sluice.worker --burst` on model (bf16, CPU, empty queues): the seconds from its
+    process start to ready that it logs (its time-to-ready gauge: imported, loaded, warmed up, announced)."""
     cmd = [sys.executable, "-m", "sluice.worker", "--model", str(model), "--dtype", "bfloat16", "--device", "cpu",
            "--burst", "--no-webhooks", "--redis-url", redis_url]
     out = subprocess.run(cmd, cwd=tempfile.gettempdir(), env=baseline_env(path), capture_output=True,

@@ -3,14 +3,14 @@
 SLUICE_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python bench/cpu_tiers.py [--rows 1,4,16,32]
     [--engine 1,8] [--gen 32] [--paths 4,8,16,32,64]
 
-Times the bench model's 48 decoder linears (bf16 weights, out of cache as in a decode step) through our bf16 GEMV
-against F.linear (oneDNN), and the int8 weight-only GEMV at one row against torch's `_weight_int8pack_mm`, each
-pair alternated `--rounds` times (best of each): ratios on a noisy shared host are only meaningful within a run.
-The table names the tier the kernels were built for and torch's own CPU capability. `--engine B,...` adds the
-engine's bf16 decode tok/s on the ~125M bench model (bench/llamacpp.py's measure: B x 128 prompt tokens, `--gen`
-generated), our kernels against `SLUICE_CPU_KERNEL=0` (the torch fallbacks), alternated each round. `--paths R,...`
-times only the bf16 paths (the GEMV's narrow and widened-x tiles, `widened_linear`, the avx2 tier's GEMM) on the
-48 linears and the LM head at each row count.
+Times the bench model's 48 decoder linears (bf16 weights, out of cache as in a decode step) through our bf16
+GEMV against F.linear (oneDNN), and the int8 weight-only GEMV at one row against torch's
+`_weight_int8pack_mm`, each pair alternated `--rounds` times (best of each): ratios on a noisy shared host are
+only meaningful within a run. The table names the tier the kernels were built for and torch's own CPU
+capability. `--engine B,...` adds the engine's bf16 decode tok/s on the ~125M bench model (bench/llamacpp.py's
+measure: B x 128 prompt tokens, `--gen` generated), our kernels against `SLUICE_CPU_KERNEL=0` (the torch
+fallbacks), alternated each round. `--paths R,...` times only the bf16 paths (the GEMV's narrow and widened-x
+tiles, `widened_linear`, the avx2 tier's GEMM) on the 48 linears and the LM head at each row count.
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ def bf16_rows(rows: int, rounds: int) -> tuple[float, float]:
 
 def bf16_paths(rows: int, rounds: int) -> dict[str, float]:
     """ms for the 48 linears and the LM head at `rows` rows on each bf16 path: the GEMV's narrow tiles, its
-    widened-x tiles (the avx2 tier's; the same as narrow on avx512_bf16), and `widened_linear` (oneDNN fp32)."""
+    widened-x tiles (the avx2 tier's; the same as narrow on avx512_bf16), and `widened_linear` (oneDNN
+    fp32)."""
     weights = [torch.randn(n, k).to(torch.bfloat16) for n, k in [*LINEARS, (32000, 768)]]
     xs = {k: torch.randn(rows, k).to(torch.bfloat16) for _, k in LINEARS}
     gemv = linear_kernels._gemv()

@@ -4,11 +4,12 @@ python bench/decode_steps.py [--batches 1,4,8,32,64] [--modes bf16,int8,int4] [-
 
 Whole-run ratios (bench/llamacpp.py's best-of-rounds) swing by +-20% here when the host's load changes between
 runs. This one keeps every mode's engine loaded with the same B decoding sequences and alternates modes every
-`--steps` decode steps, `--blocks` times, so each mode sees the same host; it reports the median step. A second
-table times the int8 x int8 matmul of the dynamic int8 path, ours (AVX512-VNNI) against torch._int_mm, over
-the bench model's 48 decoder linears (weights out of cache, as in a decode step); a third the int4 linears, ours
-(int8 x int4 by VNNI on our layout) against torch's int4pack path. `--pages` instead times each mode's step with
-its weights in huge pages (the default) against the same engine on 4 KB pages (huge_pages=False), alternating.
+`--steps` decode steps, `--blocks` times, so each mode sees the same host; it reports the median step. A
+second table times the int8 x int8 matmul of the dynamic int8 path, ours (AVX512-VNNI) against torch._int_mm,
+over the bench model's 48 decoder linears (weights out of cache, as in a decode step); a third the int4
+linears, ours (int8 x int4 by VNNI on our layout) against torch's int4pack path. `--pages` instead times each
+mode's step with its weights in huge pages (the default) against the same engine on 4 KB pages
+(huge_pages=False), alternating.
 """
 
 from __future__ import annotations
@@ -66,9 +67,9 @@ def int8_matmuls(rows: list[int]) -> list[list]:
 
 
 def int4_matmuls(rows: list[int]) -> list[list]:
-    """ms for the model's 49 int4 linears (LM head included) at each row count: torch's int4pack path (its GEMV to
-    MAX_INT4PACK_ROWS rows, our tiles on its layout above), ours on our VNNI layout (the int8 x int4 product to
-    MAX_VNNI_ROWS rows, bf16 tiles above), ratio; [] without VNNI."""
+    """ms for the model's 49 int4 linears (LM head included) at each row count: torch's int4pack path (its
+    GEMV to MAX_INT4PACK_ROWS rows, our tiles on its layout above), ours on our VNNI layout (the int8 x int4
+    product to MAX_VNNI_ROWS rows, bf16 tiles above), ratio; [] without VNNI."""
     if int4_weights.vnni_kernel() is None:
         return []
     torch.manual_seed(0)
@@ -86,7 +87,8 @@ def int4_matmuls(rows: list[int]) -> list[list]:
 
 
 def pages(model, modes: list[str], batches: list[int], blocks: int, steps: int) -> None:
-    """Each mode's median step with its weights in huge pages against 4 KB pages, alternating in one process."""
+    """Each mode's median step with its weights in huge pages against 4 KB pages, alternating in one
+    process."""
     rows = []
     for b in batches:
         for m in modes:

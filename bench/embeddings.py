@@ -1,6 +1,6 @@
-"""Embeddings batch throughput: the engine (LLM.embed, one continuous batch) vs a sentence-transformers-style loop
-(transformers AutoModel, inputs sorted by length as sentence-transformers' encode does, padded batches of --batch,
-the same pooling) and a naive `model(**batch)` loop (the same, in input order), all in one run.
+"""Embeddings batch throughput: the engine (LLM.embed, one continuous batch) vs a sentence-transformers-style
+loop (transformers AutoModel, inputs sorted by length as sentence-transformers' encode does, padded batches of
+--batch, the same pooling) and a naive `model(**batch)` loop (the same, in input order), all in one run.
 
 python bench/embeddings.py [--num-requests 256] [--batch 32] [--rounds 2] [--min-len 16] [--max-len 256]
 Rounds alternate the two; the model is the ~125M random Llama of bench/common.py (bf16), pooled by mean (its

@@ -1,13 +1,13 @@
-"""One decode step of the bench's Llama (batch 32), native forward vs generic path, replayed: where the generic path's
-extra time goes on CPU (bf16, one thread, process CPU time).
+"""One decode step of the bench's Llama (batch 32), native forward vs generic path, replayed: where the
+generic path's extra time goes on CPU (bf16, one thread, process CPU time).
 
 python bench/generic_step.py [--batch 32] [--rounds 5] [--parts]
 
-Captures the model call of one decode step of each engine (batch `--batch`, after 20 generated tokens) and replays
-it, the systems alternated `--rounds` times (median): native, generic, and generic with transformers' own forwards put
-back where `use_our_kernels` fused a decoder layer, an attention or a rotary slot ("generic, transformers' forwards").
-`--parts`: each system's time per step inside its decoder layers, attention, MLP and linears (timers around module
-forwards: they add their own small cost to both).
+Captures the model call of one decode step of each engine (batch `--batch`, after 20 generated tokens) and
+replays it, the systems alternated `--rounds` times (median): native, generic, and generic with transformers'
+own forwards put back where `use_our_kernels` fused a decoder layer, an attention or a rotary slot ("generic,
+transformers' forwards"). `--parts`: each system's time per step inside its decoder layers, attention, MLP and
+linears (timers around module forwards: they add their own small cost to both).
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from sluice.engine.models import generic as generic_module
 
 
 def engine(path: Path, generic: bool, transformers_forwards: bool = False) -> LLM:
-    """An engine on `path`, forced onto the generic path if asked, with transformers' forwards put back if asked."""
+    """An engine on `path`, forced onto the generic path if asked, with transformers' forwards put back if
+    asked."""
     if not generic:
         return LLM(str(path), dtype="bfloat16", device="cpu")
     with forced_generic():
@@ -65,7 +66,8 @@ def step_us(model, args, kwargs, n: int = 100) -> float:
 
 
 def timers(systems: dict) -> dict[str, float]:
-    """Wrap the parts of every system's model with CPU timers; returns their totals (seconds), filled as they run."""
+    """Wrap the parts of every system's model with CPU timers; returns their totals (seconds), filled as they
+    run."""
     acc: dict[str, float] = collections.defaultdict(float)
 
     def wrap(mod, name):

@@ -122,7 +122,8 @@ def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
 
 
 def greedy_exactness(dev: torch.device, small: bool) -> dict:
-    """Greedy tokens of the bundled model: ours vs transformers (full forward per token), fp32 (must match) and bf16."""
+    """Greedy tokens of the bundled model: ours vs transformers (full forward per token), fp32 (must match)
+    and bf16."""
     from transformers import AutoModelForCausalLM
 
     ps = prompts(4 if small else 8, 12, 8192, seed=1)
@@ -145,7 +146,8 @@ def greedy_exactness(dev: torch.device, small: bool) -> dict:
 
 @torch.no_grad()
 def hf_greedy(hf, prompt: list[int], new: int, dev: torch.device) -> list[int]:
-    """Greedy tokens from transformers' full forward at each step (EOS is just another token, as ignore_eos)."""
+    """Greedy tokens from transformers' full forward at each step (EOS is just another token, as
+    ignore_eos)."""
     ids = torch.tensor([prompt], device=dev)
     for _ in range(new):
         ids = torch.cat([ids, hf(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)

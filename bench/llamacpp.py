@@ -2,13 +2,14 @@
 
 python bench/llamacpp.py [--batches 1,8,32,64] [--rounds 2] [--modes bf16,int8,int4] [--prompt 128] [--gen 128]
 
-Builds llama.cpp once per ISA tier from the llama-cpp-python sdist (its vendored source, GGML_NATIVE=OFF plus the
-flags of the tier our kernels run, kernels.cpu_isa, so both sides use the same instructions; AMX off: its AMX path
-crashes on our VMs) into ~/.cache/sluice-llamacpp/build-<tier>; for an AVX2 comparison on any host run it with
-SLUICE_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2. It converts the ~125M benchmark model to GGUF bf16/q8_0/q4_0 with the
-vendored convert_hf_to_gguf.py and llama-quantize, then runs llama.cpp and `Engine` back to back at each
-batch size of each mode, every round, on B sequences x 128 random prompt tokens, 128 generated tokens. Both report decode tok/s only
-(B * 128 / time of the generation steps); each cell is the best of the rounds.
+Builds llama.cpp once per ISA tier from the llama-cpp-python sdist (its vendored source, GGML_NATIVE=OFF plus
+the flags of the tier our kernels run, kernels.cpu_isa, so both sides use the same instructions; AMX off: its
+AMX path crashes on our VMs) into ~/.cache/sluice-llamacpp/build-<tier>; for an AVX2 comparison on any host
+run it with SLUICE_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2. It converts the ~125M
+benchmark model to GGUF bf16/q8_0/q4_0 with the vendored convert_hf_to_gguf.py and llama-quantize, then runs
+llama.cpp and `Engine` back to back at each batch size of each mode, every round, on B sequences x 128 random
+prompt tokens, 128 generated tokens. Both report decode tok/s only (B * 128 / time of the generation steps);
+each cell is the best of the rounds.
 """
 
 from __future__ import annotations
@@ -107,7 +108,8 @@ c.main()
 
 
 def gguf(model: Path, kind: str, bin_dir: Path) -> Path:
-    """The benchmark model as GGUF of the given type (bf16, q8_0 straight from the converter, q4_0 quantized)."""
+    """The benchmark model as GGUF of the given type (bf16, q8_0 straight from the converter, q4_0
+    quantized)."""
     out = CACHE / f"{model.name}-{kind}.gguf"
     if out.is_file():
         return out
@@ -130,7 +132,8 @@ def llamacpp(bin_dir: Path, model: Path, batches: list[int], threads: int) -> di
         check=True, capture_output=True, text=True)
     rows = [json.loads(line[line.index('{"'):]) for line in res.stdout.splitlines() if '{"' in line]
     got = {r["pl"]: (r["speed_tg"], r["speed_pp"]) for r in rows}
-    if set(got) != set(batches):  # its log lines may share a line with the JSON: say so rather than drop a row
+    # its log lines may share a line with the JSON: say so rather than drop a row
+    if set(got) != set(batches):
         raise RuntimeError(f"llama-batched-bench gave rows {sorted(got)} for {batches}: {res.stdout[-2000:]}")
     return got
 
@@ -190,7 +193,8 @@ def main() -> None:
     best: dict[tuple[str, str, int], tuple[float, float]] = {}
     for r in range(args.rounds):
         for m in modes:
-            for b in batches:  # llama.cpp and ours back to back at each shape: the host's load moves by the minute
+            # llama.cpp and ours back to back at each shape: the host's load moves by the minute
+            for b in batches:
                 for pl, tps in llamacpp(bin_dir, ggufs[m], [b], args.threads).items():
                     keep_best(best, ("llama", m, pl), tps)
                 keep_best(best, ("sluice", m, b), sluice(llms[m], b, seed=r))

@@ -1,6 +1,6 @@
-"""Where a batch-32 decode step of the native MoE forward goes (torch profiler, bf16, CPU): the router, the experts
-(grouping, products and combine: one C++ call, or the torch grouping's ops), attention, norms, the LM head and the
-rest of the engine step, per decode step.
+"""Where a batch-32 decode step of the native MoE forward goes (torch profiler, bf16, CPU): the router, the
+experts (grouping, products and combine: one C++ call, or the torch grouping's ops), attention, norms, the LM
+head and the rest of the engine step, per decode step.
 
 python bench/moe_profile.py [--batch 32] [--prompt 32] [--tokens 32] [--threads N] [--torch-grouping] [--shape ...]
 """
@@ -33,8 +33,8 @@ CPU = defaultdict(float)  # thread CPU seconds per labelled part (the engine's f
 
 
 def labelled(owner, name: str, label: str) -> None:
-    """Wrap owner.name (a method or a module's function) in a profiler range called `label` that also adds up its
-    thread CPU time (this script only)."""
+    """Wrap owner.name (a method or a module's function) in a profiler range called `label` that also adds up
+    its thread CPU time (this script only)."""
     fn = getattr(owner, name)
 
     def wrapper(*args, **kwargs):
@@ -91,8 +91,8 @@ def step_all(llm: LLM, limit: int) -> int:
 
 
 def report(prof, steps: int) -> None:
-    """Per decode step: each labelled part's thread CPU time and profiler wall time (inclusive; the profiler's own
-    overhead is in both), then the top ops by self time."""
+    """Per decode step: each labelled part's thread CPU time and profiler wall time (inclusive; the profiler's
+    own overhead is in both), then the top ops by self time."""
     wall = {ev.key: ev.cpu_time_total / steps for ev in prof.key_averages() if ev.key in ("step", *PARTS)}
     print(f"{steps} decode steps; per step: thread CPU us (share of the step), profiler wall us")
     for k in ("step", *PARTS):

@@ -46,7 +46,8 @@ def lines_for(reqs, prefix: str = "r") -> list[dict]:
 
 
 def run_pipeline(model: Path, reqs, args, redis_url: str, out_dir: Path) -> tuple[int, float]:
-    """Output tokens and seconds (best of the rounds) from submit to `completed` through one worker process."""
+    """Output tokens and seconds (best of the rounds) from submit to `completed` through one worker
+    process."""
     log = out_dir.parent / "worker.log"
     threads = str(args.threads)
     worker = start_worker(

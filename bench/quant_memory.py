@@ -1,11 +1,11 @@
-"""Resident memory of quantized modes against bf16 on the ~125M Llama (bf16 embeddings), after the warm-up step
-and after a 40-prompt batch, next to what the weights' bytes alone would give.
+"""Resident memory of quantized modes against bf16 on the ~125M Llama (bf16 embeddings), after the warm-up
+step and after a 40-prompt batch, next to what the weights' bytes alone would give.
 
 python bench/quant_memory.py [--modes bf16,int8,int4] [--requests 40] [--maps] [--bnb-base] [--no-record]
 
---maps also prints, per mode, the mappings whose resident bytes grew most from the imports to after the warm-up
-(libraries' code, [heap], [anon]) in MiB. --bnb-base imports bitsandbytes before the base in every mode (as
-this bench did before LLM.int8() ran without it: to compare with those runs).
+--maps also prints, per mode, the mappings whose resident bytes grew most from the imports to after the
+warm-up (libraries' code, [heap], [anon]) in MiB. --bnb-base imports bitsandbytes before the base in every
+mode (as this bench did before LLM.int8() ran without it: to compare with those runs).
 """
 
 from __future__ import annotations
@@ -89,7 +89,8 @@ def measure(mode: str, requests: int, bnb_base: bool = False) -> dict:
     from sluice.engine import LLM, SamplingParams
     from sluice.worker.metrics import warm_up
 
-    path, base, maps = bench_model(), resident(), mappings()  # the process before the engine: Python, torch, bnb
+    # the process before the engine: Python, torch, bnb
+    path, base, maps = bench_model(), resident(), mappings()
     llm = LLM(str(path), dtype="bfloat16", device="cpu", kv_cache_memory_gb=KV_GB, **MODES[mode])
     grown = lambda: {k: v - base[k] for k, v in resident().items()}  # noqa: E731
     out = {"mode": mode, "weights": weight_bytes(llm.engine.model)[0], "load": grown()}

@@ -68,7 +68,8 @@ def batch_of(prompts: list[list[int]], b: int, offset: int) -> list[list[int]]:
 
 
 def run_cell(llm: LLM, prompts: list[list[int]], b: int, params: list[SamplingParams]) -> tuple[float, int, dict]:
-    """Seconds and output tokens of decoding `prompts` b at a time (batch 1: four prompts one after another)."""
+    """Seconds and output tokens of decoding `prompts` b at a time (batch 1: four prompts one after
+    another)."""
     groups = [batch_of(prompts, 1, i) for i in range(4)] if b == 1 else [batch_of(prompts, b, 0)]
     before = dict(llm.stats())
     seconds, tokens = 0.0, 0
@@ -101,7 +102,8 @@ def parse_args():
 
 
 def target_and_draft(args) -> tuple[Path, Path]:
-    """--target/--draft, else the bundled pair, else the benchmark model; a truncated draft where none is given."""
+    """--target/--draft, else the bundled pair, else the benchmark model; a truncated draft where none is
+    given."""
     bundled = ROOT / "models" / "sluice-tiny"
     if args.target:
         target, draft = Path(args.target), Path(args.draft) if args.draft else None
@@ -126,7 +128,8 @@ def speculation_modes(draft: Path, k: int) -> dict[str, dict | None]:
 
 def fastest_rounds(llms: dict[str, LLM], workloads: dict[str, list[list[int]]], cells: list[tuple],
                    rounds: int, max_tokens: int) -> dict[tuple, tuple]:
-    """Each (mode, workload, sampling, batch)'s fastest of `rounds` interleaved rounds (no draft on 'copy')."""
+    """Each (mode, workload, sampling, batch)'s fastest of `rounds` interleaved rounds (no draft on
+    'copy')."""
     best: dict[tuple, tuple] = {}
     for _ in range(rounds):
         for cell in cells:

@@ -4,10 +4,10 @@ python bench/structured_speed.py [--batch 32] [--max-tokens 64] [--rounds 2] [--
     [--samplers cpp,torch]
 Each request is constrained to a JSON schema whose one string property is free text, so constrained requests
 decode about as long as unconstrained ones; rounds alternate unconstrained, constrained with the mask filled
-after the forward, and constrained with it filled on the grammar thread while the forward runs, each with the C++
-sampler (kernels/masked_sample.py: mask, temperature, noise and argmax in one pass on the model's logits; the
-engine's default on CPU) and with the torch sampler (a float32 copy masked by xgrammar, then sampler.sample).
-`--model bench` is common.bench_model's random ~125M Llama (vocabulary 32000)."""
+after the forward, and constrained with it filled on the grammar thread while the forward runs, each with the
+C++ sampler (kernels/masked_sample.py: mask, temperature, noise and argmax in one pass on the model's logits;
+the engine's default on CPU) and with the torch sampler (a float32 copy masked by xgrammar, then
+sampler.sample). `--model bench` is common.bench_model's random ~125M Llama (vocabulary 32000)."""
 
 from __future__ import annotations
 
@@ -64,7 +64,8 @@ def use_sampler(name: str) -> None:
 
 
 def measure(llm: LLM, args) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
-    """Per sampler and mode: totals [tokens, wall s, CPU s, s from logits to tokens] and each round's wall rate."""
+    """Per sampler and mode: totals [tokens, wall s, CPU s, s from logits to tokens] and each round's wall
+    rate."""
     timer = Timed(llm)
     structured = llm.engine.processors.structured
     names = [(sampler, name) for sampler in args.samplers.split(",") for name in MODES]

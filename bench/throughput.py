@@ -103,7 +103,8 @@ def parse_args():
 
 
 def hf_rows(path, reqs: list, args) -> list[list]:
-    """Rows of the Hugging Face baselines on `reqs`: static batching, generate_batch, one request at a time."""
+    """Rows of the Hugging Face baselines on `reqs`: static batching, generate_batch, one request at a
+    time."""
     rows = []
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     with torch.inference_mode():

@@ -1,8 +1,8 @@
 """torch.compile of the decoder layers' MLP (inductor, dynamic shapes) against the eager engine, decode tok/s.
 
 The MLP (gate_up, silu * up, down) is the part of a layer inductor can take whole: norms, rope, KV store and
-attention are our C++ kernels, opaque to dynamo, so compiling a full layer only breaks the graph around each of
-them. Same model, same process, interleaved rounds; eager is the reference path.
+attention are our C++ kernels, opaque to dynamo, so compiling a full layer only breaks the graph around each
+of them. Same model, same process, interleaved rounds; eager is the reference path.
 
 python bench/torch_compile.py [--batches 1,64] [--rounds 2]
 """

