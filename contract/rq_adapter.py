@@ -22,9 +22,11 @@ from rq.scheduler import RQScheduler
 from rq.worker import BaseWorker
 
 # rq's undocumented worker steps: only this module calls them (tests/test_structure.py)
-STEPS = ("prepare_execution", "prepare_job_execution", "cleanup_execution", "handle_job_failure", "perform_job",
+STEPS = ("prepare_execution", "prepare_job_execution", "cleanup_execution", "handle_job_failure",
+         "perform_job",
          "execute_job", "maintain_heartbeats", "dequeue_job_and_maintain_ttl", "run_maintenance_tasks",
-         "should_run_maintenance_tasks", "dequeue_any", "intermediate_queue_key", "redis_job_namespace_prefix")
+         "should_run_maintenance_tasks", "dequeue_any", "intermediate_queue_key",
+         "redis_job_namespace_prefix")
 SUPPORTED = ((3, 0), (4, 0))  # [lowest, first unsupported) major.minor, as pyproject's `rq>=3.0,<4`
 if TYPE_CHECKING:  # rq.cron imports croniter: the producer's scheduler needs it, a worker's start does not
     from rq.cron import CronJob, CronScheduler
@@ -83,7 +85,8 @@ def start_execution(worker: BaseWorker, job: Job) -> Execution:
     return execution
 
 
-def end_execution(worker: BaseWorker, job: Job, execution: Execution, pipeline: redis.client.Pipeline) -> None:
+def end_execution(worker: BaseWorker, job: Job, execution: Execution,
+                  pipeline: redis.client.Pipeline) -> None:
     """Drop a run's execution record and started-registry entry (queued on pipeline), leaving the job as it
     is."""
     worker.cleanup_execution(job, pipeline=pipeline, execution=execution)

@@ -97,7 +97,8 @@ class StructuredOutputs(BaseModel):
 
     def structured(self) -> dict[str, Any]:
         """The engine's structured_outputs keyword arguments."""
-        return {"json" if k == "json_" else k: v for k, v in self.model_dump().items() if v not in (None, False)}
+        return {"json" if k == "json_" else k: v for k, v in self.model_dump().items()
+                if v not in (None, False)}
 
 
 class SamplingBody(BaseModel):
