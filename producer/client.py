@@ -260,7 +260,8 @@ class Client:
             return self._fail(batch.id, [LineError(code="enqueue_failed", message=message)], 0)
         with spool:
             try:
-                checked = validate_lines(input_lines(input, settings), settings, into=spool, answered=answered)
+                checked = validate_lines(input_lines(input, settings), settings, into=spool,
+                                         answered=answered)
             except Exception as exc:
                 message = f"cannot read input {batch.input_file}: {type(exc).__name__}: {exc}"
                 return self._fail(batch.id, [LineError(code="input_unreadable", message=message)], 0)

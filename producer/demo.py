@@ -102,7 +102,8 @@ def ready_seconds(log: Path) -> float | None:
 @contextlib.contextmanager
 def worker_process(url: str, log: Path, output_roots: str, model: Path) -> Iterator[subprocess.Popen]:
     """One burst worker process on model allowed to write under output_roots, its output in log."""
-    cmd = ["env", f"SLUICE_OUTPUT_ROOTS={output_roots}", sys.executable, "-m", "sluice.worker", "--redis-url", url]
+    cmd = ["env", f"SLUICE_OUTPUT_ROOTS={output_roots}", sys.executable, "-m", "sluice.worker", "--redis-url",
+           url]
     cmd += ["--queues", "high,default,low"]
     cmd += ["--model", str(model), "--device", "cpu", "--dtype", "float32", "--burst"]
     with log.open("w") as out:

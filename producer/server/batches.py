@@ -43,8 +43,8 @@ class CreateBatch(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     input_file_id: str = Field(max_length=128)
-    endpoint: Literal["/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses", "/v1/rerank",
-                      "/v1/score", "/v1/moderations"]
+    endpoint: Literal["/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses",
+                      "/v1/rerank", "/v1/score", "/v1/moderations"]
     completion_window: str = "24h"
     metadata: dict[str, str] | None = None
     output_expires_after: dict[str, Any] | None = None

@@ -57,7 +57,8 @@ def same_origin(request: Request) -> bool:
     origin = request.headers.get("origin") or request.headers.get("referer")
     if not origin or origin == "null":
         return False
-    hosts = {h.strip().lower() for h in (request.headers.get("x-forwarded-host") or "").split(",") if h.strip()}
+    hosts = {h.strip().lower() for h in (request.headers.get("x-forwarded-host") or "").split(",")
+             if h.strip()}
     hosts.add((request.headers.get("host") or "").lower())
     return urlsplit(origin).netloc.lower() in hosts - {""}
 
