@@ -95,7 +95,8 @@ def parameters() -> list[inspect.Parameter]:
     out = []
     for f in _settable():
         annotation, option = _option(f, hints[f.name], docs.get(f.name, ""))
-        out.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=annotation))
+        out.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=option,
+                                     annotation=annotation))
     return out
 
 

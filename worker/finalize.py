@@ -140,14 +140,17 @@ def write_outputs(storage: Storage, connection: redis.Redis, batch: Batch) -> Wr
     return output_file, error_file, merged
 
 
-def write_or_fail(connection: redis.Redis, batch: Batch, settings: Settings) -> tuple[str, str | None, Merged] | None:
+def write_or_fail(connection: redis.Redis, batch: Batch,
+                  settings: Settings) -> tuple[str, str | None, Merged] | None:
     """write_outputs, or None when this worker may not write the output (outside the settings' output roots,
     not writable): the batch is then failed for good (no retry, no reaper loop)."""
     try:
-        storage = open_output(batch.output_url, settings.output_root_urls(), s3_style=settings.s3_addressing_style)
+        storage = open_output(batch.output_url, settings.output_root_urls(),
+                              s3_style=settings.s3_addressing_style)
         return write_outputs(storage, connection, batch)
     except (OutputNotAllowed, PermissionError) as exc:
-        fail_batch(connection, batch.id, OUTPUT_NOT_ALLOWED, f"the batch's output could not be written: {exc}", settings)
+        fail_batch(connection, batch.id, OUTPUT_NOT_ALLOWED,
+                   f"the batch's output could not be written: {exc}", settings)
         return None
 
 

@@ -118,7 +118,8 @@ class Reaper:
         now = time.time()
         if batch.status == BatchStatus.validating:
             if now - batch.created_at > self.settings.validating_timeout:
-                self.fail(batch.id, "validation_interrupted", "the batch was still validating; its producer stopped")
+                self.fail(batch.id, "validation_interrupted",
+                          "the batch was still validating; its producer stopped")
                 report["validating_failed"] += 1
             return
         shard_ids = [shard_job_id(batch.id, n) for n in range(batch.num_shards)]
@@ -167,7 +168,8 @@ reaper_app = typer.Typer(help="The reaper: drives stuck batches to a terminal st
 @reaper_app.command("run")
 def run_command(
     redis_url: str = typer.Option(None, help="Redis URL (default: $SLUICE_REDIS_URL)."),
-    interval: float = typer.Option(None, help="Seconds between passes (default $SLUICE_REAPER_INTERVAL, 30)."),
+    interval: float = typer.Option(None,
+                                   help="Seconds between passes (default $SLUICE_REAPER_INTERVAL, 30)."),
     once: bool = typer.Option(False, "--once", help="One pass, then exit."),
 ) -> None:
     """Run the reaper (any number may share one Redis; one acts per interval)."""

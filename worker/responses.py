@@ -91,7 +91,8 @@ def completion_logprobs(out: Any, n: int) -> dict[str, Any] | None:
     return {
         "tokens": tokens,
         "token_logprobs": [max(step[tok], MIN_LOGPROB) for tok, step in steps],
-        "top_logprobs": [{token_text(raw[t]): max(lp, MIN_LOGPROB) for t, lp in _top(step, n)} for _, step in steps],
+        "top_logprobs": [{token_text(raw[t]): max(lp, MIN_LOGPROB) for t, lp in _top(step, n)}
+                         for _, step in steps],
         "text_offset": offsets[: len(tokens)],
     }
 

@@ -78,7 +78,8 @@ class JobsWorker(SimpleWorker):
         self.held: dict[str, Held] = {}
         self.inline: Held | None = None
         self._lock = threading.RLock()
-        self._retries = RQScheduler(self.queues, connection, serializer=JSONSerializer, name=f"{self.name}:retries")
+        self._retries = RQScheduler(self.queues, connection, serializer=JSONSerializer,
+                                    name=f"{self.name}:retries")
         share_connection(self._retries, connection)
         self._last_retry_poll = 0.0
         self.idle = False
@@ -107,7 +108,8 @@ class JobsWorker(SimpleWorker):
         except REDIS_ERRORS:
             raise
         except Exception as exc:  # an unreadable job (not JSON, no such function) is dropped, not fatal
-            self.log.error("Worker %s: dropped unreadable job %s: %s", self.name, getattr(exc, "job_id", "?"), exc)
+            self.log.error("Worker %s: dropped unreadable job %s: %s", self.name, getattr(exc, "job_id", "?"),
+                           exc)
             return None
 
     def wait_for_job(self, timeout: int = 1) -> tuple[Job, Queue] | None:
@@ -120,7 +122,8 @@ class JobsWorker(SimpleWorker):
         except (StopRequested, *REDIS_ERRORS):  # a stop signal while idle ends the loop (worker.request_stop)
             raise
         except Exception as exc:
-            self.log.error("Worker %s: dropped unreadable job %s: %s", self.name, getattr(exc, "job_id", "?"), exc)
+            self.log.error("Worker %s: dropped unreadable job %s: %s", self.name, getattr(exc, "job_id", "?"),
+                           exc)
             return None
         finally:
             self.idle = False
@@ -147,7 +150,8 @@ class JobsWorker(SimpleWorker):
             if held is None:
                 self.held[job.id] = Held(job, queue, execution, time.monotonic())
                 return execution
-            self.log.warning("Worker %s: %s came back while held; keeping the run in flight", self.name, job.id)
+            self.log.warning("Worker %s: %s came back while held; keeping the run in flight", self.name,
+                             job.id)
             with self.connection.pipeline() as pipe:
                 end_execution(self, held.job, held.execution, pipe)
                 pipe.execute()

@@ -250,7 +250,8 @@ class ShardRun:
         completed, failed = self.counts()
         storage, key = None, attempt_key(self.batch_id, self.shard, self.token)
         if batch is not None:
-            storage = open_output(batch.output_url, settings.output_root_urls(), s3_style=settings.s3_addressing_style)
+            storage = open_output(batch.output_url, settings.output_root_urls(),
+                                  s3_style=settings.s3_addressing_style)
             if not lease_holds(connection, self.batch_id, self.shard, self.token):
                 raise LeaseLost(self._discarded(Commit.lease_lost))
             ordered = [self.records[r.custom_id] for r in self.requests]
