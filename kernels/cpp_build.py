@@ -87,7 +87,8 @@ def compiler_version() -> str:
     if path is None:
         return "none"
     try:
-        return subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout.splitlines()[0]
+        return subprocess.run([path, "--version"], capture_output=True, text=True,
+                              timeout=30).stdout.splitlines()[0]
     except (OSError, subprocess.SubprocessError, IndexError):
         return "unknown"
 
@@ -136,7 +137,8 @@ def library_path(name: str, source: str, tier: str | None = None) -> Path:
 
 def source_hash(source: str) -> str:
     """A hash of `source` and every csrc/ file it includes, names and contents."""
-    return hashlib.sha256(b"".join(f.encode() + b"\0" + (CSRC / f).read_bytes() for f in _sources(source))).hexdigest()
+    return hashlib.sha256(b"".join(f.encode() + b"\0" + (CSRC / f).read_bytes()
+                                   for f in _sources(source))).hexdigest()
 
 
 def python_abi() -> str:
@@ -196,7 +198,8 @@ def compile_command(module: str, source: str, tier: str, target: Path) -> list[s
            f"-DTORCH_EXTENSION_NAME={module}", "-DTORCH_API_INCLUDE_EXTENSION_H"]
     cmd += [arg for path in includes for arg in ("-isystem", path)]
     cmd += [*prebuilt_flags(tier), str(CSRC / source), "-o", str(target), "-fopenmp"]
-    return cmd + [f"-L{path}" for path in library_paths("cpu")] + ["-lc10", "-ltorch_cpu", "-ltorch", "-ltorch_python"]
+    return cmd + [f"-L{path}" for path in library_paths("cpu")] + ["-lc10", "-ltorch_cpu", "-ltorch",
+                                                                   "-ltorch_python"]
 
 
 def compile_prebuilt(out: Path, jobs: int | None = None) -> dict:
@@ -204,7 +207,8 @@ def compile_prebuilt(out: Path, jobs: int | None = None) -> dict:
     `out`/manifest.json: the package build's step for a platform wheel. Nothing is imported (a host may lack
     the tier's instructions)."""
     if compiler() is None:
-        raise RuntimeError(f"building the prebuilt kernels needs a C++ compiler: {options.current().cxx} not found")
+        raise RuntimeError(
+            f"building the prebuilt kernels needs a C++ compiler: {options.current().cxx} not found")
     entries = []
     for name, source, tier in prebuilt_objects():
         digest = source_hash(source)
@@ -259,7 +263,8 @@ def _visible_build(versioned: str, source: str, tier: str, folder: Path, why: st
         task = progress.add_task(f"{source} [{tier}]", total=1)
         yield
         progress.update(task, completed=1)
-    console.print(f"sluice: built {versioned} in {time.monotonic() - start:.0f} s", markup=False, highlight=False)
+    console.print(f"sluice: built {versioned} in {time.monotonic() - start:.0f} s", markup=False,
+                  highlight=False)
 
 
 @contextmanager
@@ -285,7 +290,8 @@ def _build(versioned: str, source: str, tier: str, final: Path, why: str = ""):
         with _visible_build(versioned, source, tier, final.parent, why):
             ext = torch_load(name=versioned, sources=[str(CSRC / source)], extra_cflags=cflags(tier),
                              extra_ldflags=["-fopenmp"], build_directory=str(tmp), verbose=False)
-        record = {"tier": tier, "flags": cflags(tier), "compiler": compiler(), "compiler_version": compiler_version(),
+        record = {"tier": tier, "flags": cflags(tier), "compiler": compiler(),
+                  "compiler_version": compiler_version(),
                   "torch": _torch_version(), "sources": _sources(source)}
         (tmp / "build.json").write_text(json.dumps(record, indent=1))
         os.rename(tmp, final)

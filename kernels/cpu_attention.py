@@ -31,5 +31,5 @@ def paged_attention_cpu(q, k_cache, v_cache, out, qstart, qlen, ctx, block_table
     An int8 cache comes with its fp16 scales [Hkv, blocks, block]; `chunk` > 0 caps the positions one thread
     attends per sequence and kv head (0: split long contexts only when sequences leave threads idle).
     """
-    _build().paged_attention_cpu(q.contiguous(), k_cache, v_cache, out, qstart, qlen, ctx, block_tables, scale,
-                                 k_scale, v_scale, chunk)
+    _build().paged_attention_cpu(q.contiguous(), k_cache, v_cache, out, qstart, qlen, ctx, block_tables,
+                                 scale, k_scale, v_scale, chunk)

@@ -64,7 +64,8 @@ def bf16_stack_linear(weight: torch.Tensor, bias: torch.Tensor | None):
     """sluice.kernels.linear.Linear's weights as a stack linear (our GEMV at every row count), or None where
     the GEMV would not serve them."""
     ext = _ext()
-    return ext.bf16_linear(weight, bias) if ext is not None and _plain_bf16(weight) and _plain_bf16(bias) else None
+    return ext.bf16_linear(weight,
+                           bias) if ext is not None and _plain_bf16(weight) and _plain_bf16(bias) else None
 
 
 def int4_stack_linear(w: int4_weights.Int4Weight, bias: torch.Tensor | None):
@@ -118,7 +119,8 @@ def nf4_stack_linear(codes: torch.Tensor, absmax: torch.Tensor, table: torch.Ten
     [out, in / 2], bf16 absmax [out, in / 64], the fp32 code table) as a stack linear: the 4-bit GEMV its
     forward runs below nf4.TILE_MIN_ROWS rows, or None where the tensors are not the kernel's."""
     ext = _ext()
-    if (ext is None or codes.dtype is not torch.uint8 or codes.device.type != "cpu" or not codes.is_contiguous()
+    if (ext is None or codes.dtype is not torch.uint8 or codes.device.type != "cpu"
+        or not codes.is_contiguous()
             or not _plain_bf16(absmax) or table.dtype is not torch.float32 or not table.is_contiguous()
             or not _plain_bf16(bias)):
         return None
@@ -159,8 +161,8 @@ class DecodeStack:
     def __init__(self, stack, has_head: bool = False, max_tokens: int = MAX_STACK_TOKENS) -> None:
         self._stack, self.has_head, self.max_tokens = stack, has_head, max_tokens
 
-    def logits(self, ids: torch.Tensor, positions: torch.Tensor, rope_tables: tuple[torch.Tensor, torch.Tensor],
-               meta: AttentionMetadata) -> torch.Tensor:
+    def logits(self, ids: torch.Tensor, positions: torch.Tensor,
+               rope_tables: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         """Logits [T, vocab] of every token of a step that `step_fits` (the stack has a head): the embedding,
         the layers, the final norm and the LM head as LlamaModel.forward runs them; rope_tables: cos and sin
         [positions, D] in bf16."""

@@ -42,7 +42,8 @@ class StepPlan:
         return self
 
 
-def plan(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, flat_model: bool = False) -> StepPlan:
+def plan(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype,
+         flat_model: bool = False) -> StepPlan:
     """The plan of a runner on `device` with a model in `dtype` over a `kv_dtype` pool; `flat_model`: the
     model needs FlatMetadata wherever it runs (the generic path's windowed layers)."""
     cpu = device.type == "cpu"

@@ -59,7 +59,8 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
              slot_mapping: torch.Tensor) -> bool:
     """Copy keys/values [T, Hkv, D] to their slots of the [Hkv, blocks, block, D] caches in one C++ call;
     False (nothing written) where it does not serve: another device, dtypes that differ, other strides."""
-    ok = (_fused(k) and k.dtype == v.dtype == k_cache.dtype == v_cache.dtype and slot_mapping.dtype == torch.long
+    ok = (_fused(k) and k.dtype == v.dtype == k_cache.dtype == v_cache.dtype
+          and slot_mapping.dtype == torch.long
           and k_cache.is_contiguous() and v_cache.is_contiguous() and slot_mapping.is_contiguous()
           and all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in (k, v)))
     if ok:

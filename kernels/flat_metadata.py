@@ -90,9 +90,11 @@ class StepBuffers:
                  "token_seq": tokens, "query_start": seqs, "query_len": seqs, "seq_len": seqs,
                  "tile_seq": tokens + seqs, "tile_q0": tokens + seqs}
         pin = device.type == "cuda"
-        self.host = {name: torch.zeros(n, dtype=torch.long if name in self.LONG else torch.int32, pin_memory=pin)
+        self.host = {name: torch.zeros(n, dtype=torch.long if name in self.LONG else torch.int32,
+                                       pin_memory=pin)
                      for name, n in sizes.items()}
-        self.host["block_tables"] = torch.zeros(seqs, max(1, max_blocks_per_seq), dtype=torch.int32, pin_memory=pin)
+        self.host["block_tables"] = torch.zeros(seqs, max(1, max_blocks_per_seq), dtype=torch.int32,
+                                                pin_memory=pin)
         self.view = {name: t.numpy() for name, t in self.host.items()}
         self.dev = self.host if device.type == "cpu" else {n: torch.zeros_like(t, device=device)
                                                             for n, t in self.host.items()}
@@ -104,7 +106,8 @@ class StepBuffers:
 
     def load(self, ids: list[int], positions: list[int], slots: list[int], logits_index: list[int],
              query_lens: list[int], context_lens: list[int], block_tables: list[list[int]], num_kv_heads: int,
-             pad_to: int | None = None, num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor, FlatMetadata, torch.Tensor]:
+             pad_to: int | None = None,
+             num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor, FlatMetadata, torch.Tensor]:
         """(input ids, positions, FlatMetadata, logits index) on the device for one step.
 
         `pad_to` pads a pure-decode step to that many sequences (query length 1, seq_len 0, slot -1: rows that
@@ -173,9 +176,10 @@ class StepBuffers:
         these views once); width None: the full block-table width."""
         d, n, s, nt = self.dev, tokens, seqs, num_tiles
         meta = FlatMetadata(
-            slot_mapping=d["slot_mapping"][:n], query_start=d["query_start"][:s], query_len=d["query_len"][:s],
+            slot_mapping=d["slot_mapping"][:n], query_start=d["query_start"][:s],
+            query_len=d["query_len"][:s],
             seq_len=d["seq_len"][:s], block_tables=d["block_tables"][:s, :width],
-            token_seq=d["token_seq"][:n], tile_seq=d["tile_seq"][:nt], tile_q0=d["tile_q0"][:nt], block_q=block_q,
-            num_splits=num_splits,
+            token_seq=d["token_seq"][:n], tile_seq=d["tile_seq"][:nt], tile_q0=d["tile_q0"][:nt],
+            block_q=block_q, num_splits=num_splits,
         )
         return d["input_ids"][:n], d["positions"][:n], meta, d["logits_index"][:rows]

@@ -146,7 +146,8 @@ def bnb_int8_outliers(out: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
     in fp32 in column order, added to out in fp32 and rounded once. One C++ pass where the tier has it (AVX2
     and up); False where not (the caller adds them with torch ops)."""
     fused = _fused()
-    return fused is not None and rows.device.type == "cpu" and fused.bnb_int8_outliers(out, rows, cols, cb, scb)
+    return fused is not None and rows.device.type == "cpu" and fused.bnb_int8_outliers(
+        out, rows, cols, cb, scb)
 
 
 def exact_int8_mm(xq: torch.Tensor, qweight: torch.Tensor) -> torch.Tensor:
@@ -180,7 +181,8 @@ def int_mm_exact() -> bool:
     fp64 (exact for int8 products) instead."""
     flags = cpu_isa.cpu_flags()
     limit = options.current().onednn_max_cpu_isa
-    return ("avx512_vnni" in flags or "avx_vnni" in flags) and (limit in ("", "ALL", "DEFAULT") or "VNNI" in limit
+    return ("avx512_vnni" in flags or "avx_vnni" in flags) and (limit in ("", "ALL", "DEFAULT")
+                                                                or "VNNI" in limit
                                                                   or "BF16" in limit or "AMX" in limit
                                                                   or "AVX10" in limit)
 
@@ -195,7 +197,8 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         return w8a16_linear(x, qweight, scales, bias)
     if _use_gemv(rows, qweight):
         ours = _gemv_kernel(scales) if rows.dtype is torch.bfloat16 else None
-        y = (ours.int8_gemv if ours is not None else torch._weight_int8pack_mm)(rows.contiguous(), qweight, scales)
+        y = (ours.int8_gemv if ours is not None
+             else torch._weight_int8pack_mm)(rows.contiguous(), qweight, scales)
     elif linear_kernels.widen_serves(rows, WIDEN_MIN_ROWS):
         y, bias = linear_kernels.widened_linear(rows, qweight, bias, scales), None
     elif _use_dynamic(rows):

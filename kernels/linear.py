@@ -80,7 +80,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """x [..., in] · weight [out, in]ᵀ (+ bias), as F.linear. (Checks ordered cheapest-first and the extension
     resolved once: this runs for every linear of a decode step.)"""
     rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    if (gemv_serves(rows.shape[0], rows.shape[1]) and rows.dtype is torch.bfloat16 and weight.dtype is torch.bfloat16
+    if (gemv_serves(rows.shape[0], rows.shape[1]) and rows.dtype is torch.bfloat16
+        and weight.dtype is torch.bfloat16
             and rows.device.type == "cpu" and (bias is None or bias.dtype is torch.bfloat16)
             and rows.stride(-1) == 1 and weight.is_contiguous() and not torch.is_grad_enabled()):
         ext = _gemv()
@@ -128,7 +129,8 @@ def widened_product(x: torch.Tensor, shape: tuple[int, int], widen: Callable[[in
     x32, (out_features, in_features) = x.float(), shape
     elements = WIDEN_ELEMENTS_FEW_ROWS if x32.numel() <= 64 * x32.shape[-1] else WIDEN_ELEMENTS
     step = max(1, elements // in_features)
-    parts = [F.linear(x32, widen(i, min(i + step, out_features)), None if bias is None else bias[i:i + step].float())
+    parts = [F.linear(x32, widen(i, min(i + step, out_features)),
+                      None if bias is None else bias[i:i + step].float())
              for i in range(0, out_features, step)]
     return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)).to(x.dtype)
 

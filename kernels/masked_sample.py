@@ -22,7 +22,8 @@ def serves(logits: torch.Tensor) -> bool:
             and logits.dtype in (torch.float32, torch.bfloat16, torch.float16) and _ext() is not None)
 
 
-def masked_sample(logits: torch.Tensor, temps: torch.Tensor, keys: torch.Tensor, bitmask: torch.Tensor | None = None,
+def masked_sample(logits: torch.Tensor, temps: torch.Tensor, keys: torch.Tensor,
+                  bitmask: torch.Tensor | None = None,
                   mask_rows: torch.Tensor | None = None, mask_vocab: int = 0) -> torch.Tensor | None:
     """Token ids [R] from logits [R, n]: the first allowed maximum where temps[r] <= 0, else the exponential
     race argmax softmax(x / T) / -log(u) with u hashed from keys[r] (sampler.keyed_uniform's (lo, hi, pos,

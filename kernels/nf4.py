@@ -35,7 +35,8 @@ def shape_error(out_features: int, in_features: int) -> str | None:
     return None
 
 
-def dequantize(codes: torch.Tensor, absmax: torch.Tensor, table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def dequantize(codes: torch.Tensor, absmax: torch.Tensor, table: torch.Tensor,
+               dtype: torch.dtype) -> torch.Tensor:
     """The weight [out, in] in `dtype`: table[code] * absmax in fp32, rounded once (torch ops, any device)."""
     n = codes.shape[0]
     idx = torch.stack((codes >> 4, codes & 15), -1).view(n, -1).long()
