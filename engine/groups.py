@@ -36,7 +36,8 @@ class SequenceGroup:
         seqs = []
         for k in range(count):
             child = replace(params, n=1, best_of=None, seed=None if params.seed is None else params.seed + k,
-                            logprobs=params.logprobs if params.logprobs is not None or count == params.n else 0)
+                            logprobs=params.logprobs if params.logprobs is not None or count == params.n
+                            else 0)
             seqs.append(Request(f"{request_id}#{k}", prompt_token_ids, child))
         return cls(request_id, params, seqs, seqs[1:])
 

@@ -127,7 +127,8 @@ class StepBlocks:
         """(blocks to dequantize, their renumbered metadata, the fused kernel's arguments or None) of this
         step: the fused kernel takes the short queries where the step plan built `meta` for it."""
         if self.meta is not meta:
-            self.used, self.compact, self.fused = compact_metadata(meta, num_blocks, meta.fused_short is not None)
+            self.used, self.compact, self.fused = compact_metadata(meta, num_blocks,
+                                                                   meta.fused_short is not None)
             self.meta = meta
         return self.used, self.compact, self.fused
 
@@ -138,7 +139,8 @@ class Int8LayerKVCache:
 
     __slots__ = ("k", "v", "k_scale", "v_scale", "dtype", "step", "flat")
 
-    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device, step: StepBlocks, flat: bool) -> None:
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device, step: StepBlocks,
+                 flat: bool) -> None:
         self.k, self.v = (kv_zeros(shape, torch.int8, device) for _ in range(2))
         self.k_scale, self.v_scale = (kv_zeros(shape[:3], SCALE_DTYPE, device) for _ in range(2))
         self.dtype, self.step, self.flat = dtype, step, flat

@@ -47,7 +47,8 @@ class TokenCounts:
         self.prompt[slot].zero_()
         self.counted[req.request_id] = 0
         if req.params.repetition_penalty != 1:
-            self.prompt[slot].index_fill_(0, device_tensor(req.prompt_token_ids, torch.int64, self.device), True)
+            self.prompt[slot].index_fill_(0, device_tensor(req.prompt_token_ids, torch.int64, self.device),
+                                          True)
         return slot
 
     def sync(self, reqs: list[Request]) -> dict[str, int]:
@@ -61,8 +62,10 @@ class TokenCounts:
             toks += new
             self.counted[req.request_id] = len(req.output_token_ids)
         if toks:
-            index = (device_tensor(rows, torch.int64, self.device), device_tensor(toks, torch.int64, self.device))
-            self.counts.index_put_(index, torch.ones(len(toks), dtype=torch.int32, device=self.device), accumulate=True)
+            index = (device_tensor(rows, torch.int64, self.device),
+                     device_tensor(toks, torch.int64, self.device))
+            self.counts.index_put_(index, torch.ones(len(toks), dtype=torch.int32, device=self.device),
+                                   accumulate=True)
         return {r.request_id: self.slots[r.request_id] for r in reqs}
 
     def release(self, req: Request) -> None:
@@ -135,11 +138,13 @@ class LogitsProcessors:
                  and reqs[i].grammar is None for t in self._stop_ids(reqs[i])]
         if pairs:
             r, t = zip(*pairs, strict=True)
-            out.index_put_((self._index(list(r)), self._index(list(t))), torch.tensor(float("-inf"), device=out.device))
+            out.index_put_((self._index(list(r)), self._index(list(t))),
+                           torch.tensor(float("-inf"), device=out.device))
 
     def _stop_ids(self, req: Request) -> list[int]:
         p = req.params
-        return [t for t in {*p.stop_token_ids, *([] if p.ignore_eos else self.eos_token_ids)} if t < self.vocab]
+        return [t for t in {*p.stop_token_ids, *([] if p.ignore_eos else self.eos_token_ids)}
+                if t < self.vocab]
 
     def _logit_bias(self, out: torch.Tensor, reqs: list[Request], rows: list[int]) -> None:
         triples = [(i, t, v) for i in rows for t, v in (reqs[i].params.logit_bias or {}).items()]

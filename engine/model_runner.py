@@ -40,7 +40,8 @@ class ModelRunner:
         dtype = model.embed_tokens.weight.dtype
         # the flat layout on every device where the model asks for it (the generic path's windowed layers)
         self.plan = dispatch.plan(device, dtype, kv_dtype, getattr(model, "needs_flat_metadata", False))
-        self.kv_caches = kv_cache.layer_caches(c, num_blocks, block_size, kv_dtype, dtype, device, self.plan.flat)
+        self.kv_caches = kv_cache.layer_caches(c, num_blocks, block_size, kv_dtype, dtype, device,
+                                               self.plan.flat)
         self.graphs = None
         self.buffers: StepBuffers | None = None
         self.lora = lora  # engine.lora.LoRAManager: maps each step's tokens to their adapters' slots
@@ -115,19 +116,19 @@ class ModelRunner:
         tables = [r.block_table for r in batch.requests]
         adapters = self._map_adapters(batch)
         if hidden_idx:
-            return self._run_pooled(rows, (ids, positions, slots, context_lens, tables), logit_idx, hidden_idx,
-                                    batch.num_new_tokens, adapters)
+            return self._run_pooled(rows, (ids, positions, slots, context_lens, tables), logit_idx,
+                                    hidden_idx, batch.num_new_tokens, adapters)
         if self.graphs is not None and not adapters and self.graphs.fits(batch.num_new_tokens):
             rows.logits = self.graphs.run(ids, positions, slots, context_lens, tables)
             return rows
         if self.plan.flat:
             buffers = self._step_buffers(len(ids), len(tables), max(len(t) for t in tables))
-            inputs = buffers.load(ids, positions, slots, logit_idx, batch.num_new_tokens, context_lens, tables,
-                                  self.model.config.num_kv_heads)
+            inputs = buffers.load(ids, positions, slots, logit_idx, batch.num_new_tokens, context_lens,
+                                  tables, self.model.config.num_kv_heads)
             rows.logits = self.model(*inputs[:2], self.kv_caches, *inputs[2:], plan=self.plan)
             return rows
-        rows.logits = self._run_paged(ids, positions, slots, logit_idx, batch.num_new_tokens, context_lens, tables,
-                                      adapters)
+        rows.logits = self._run_paged(ids, positions, slots, logit_idx, batch.num_new_tokens, context_lens,
+                                      tables, adapters)
         return rows
 
     def _map_adapters(self, batch: ScheduledBatch) -> bool:
@@ -166,8 +167,8 @@ class ModelRunner:
             args, plan = (*inputs[:2], self.kv_caches, *inputs[2:]), self.plan
         else:
             flat = torch.tensor([ids, positions, slots], dtype=torch.long, device=self.device)
-            meta = kernels.build_metadata(query_lens, context_lens, tables, flat[2], self.block_size, self.device,
-                                          fused=self.plan.fused_attention)
+            meta = kernels.build_metadata(query_lens, context_lens, tables, flat[2], self.block_size,
+                                          self.device, fused=self.plan.fused_attention)
             index = torch.tensor(wanted, dtype=torch.long, device=self.device)
             args = (flat[0], flat[1], self.kv_caches, meta, index)
             plan = self.plan if adapters else self.plan.for_step(flat[0], meta)

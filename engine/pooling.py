@@ -29,7 +29,8 @@ from sluice.engine.sampling_params import SamplingParams
 
 POOLING_TYPES = ("mean", "last", "cls")
 TASKS = ("embed", "classify", "score")
-_ST_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
+_ST_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean",
+             "pooling_mode_cls_token": "cls"}
 # A prefill only: no proposals (the speculative budget is max_tokens - 1) and nothing sampled.
 _PREFILL_ONLY = SamplingParams(max_tokens=1, temperature=0.0)
 
@@ -68,7 +69,8 @@ def _sentence_transformers_pooling(folder: Path) -> str | None:
         if module.get("type", "").endswith("Pooling"):
             config = json.loads((folder / module.get("path", "") / "config.json").read_text())
             chosen = [mode for key, mode in _ST_MODES.items() if config.get(key)]
-            unknown = sorted(k for k, v in config.items() if k.startswith("pooling_mode") and v and k not in _ST_MODES)
+            unknown = sorted(k for k, v in config.items() if k.startswith("pooling_mode") and v
+                             and k not in _ST_MODES)
             if unknown or len(chosen) != 1:
                 raise PoolingError(f"{modules.parent.name}: sentence-transformers pooling {unknown or chosen} is not "
                                    f"supported (one of {', '.join(_ST_MODES)})")
@@ -172,7 +174,8 @@ class PoolingRequest(Request):
 
     __slots__ = ("pooling", "pooling_params", "pooled", "embedding")
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: PoolingParams, pooling: str) -> None:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: PoolingParams,
+                 pooling: str) -> None:
         super().__init__(request_id, prompt_token_ids, _PREFILL_ONLY)
         self.pooling_params, self.pooling = params, params.pooling or pooling
         self.want_prompt_logits = self.pooling != "last"  # every row is needed: no prefix-cache hits

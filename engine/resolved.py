@@ -62,7 +62,8 @@ class ResolvedConfig:
 
     def with_eos(self, eos_token_id: int | None) -> ResolvedConfig:
         """The same, with the tokenizer's EOS id among the EOS ids."""
-        return self if eos_token_id is None else replace(self, eos_token_ids=self.eos_token_ids | {eos_token_id})
+        return self if eos_token_id is None else replace(self,
+                                                         eos_token_ids=self.eos_token_ids | {eos_token_id})
 
 
 def _max_model_len(config: EngineConfig, c: ModelConfig) -> int:

@@ -131,13 +131,15 @@ def sample(logits: torch.Tensor, reqs: list[Request], generator: torch.Generator
 
 
 def fused_sample(logits: torch.Tensor, reqs: list[Request], generator: torch.Generator,
-                 mask: tuple[list[int], torch.Tensor] | None = None, mask_vocab: int = 0) -> torch.Tensor | None:
+                 mask: tuple[list[int], torch.Tensor] | None = None,
+                 mask_vocab: int = 0) -> torch.Tensor | None:
     """`sample`'s tokens from logits before the grammar's mask, by one C++ pass per row that masks (rows,
     bitmask: row i for reqs[i]), scales, draws and takes the argmax; None where it does not serve (another
     device, no kernel, a sampled row that filters by top-k, top-p or min-p): then mask the logits and call
     `sample`."""
-    if not masked_sample.serves(logits) or any(not r.params.greedy and (r.params.top_k > 0 or r.params.top_p < 1
-                                                                        or r.params.min_p > 0) for r in reqs):
+    if not masked_sample.serves(logits) or any(not r.params.greedy
+                                               and (r.params.top_k > 0 or r.params.top_p < 1
+                                                    or r.params.min_p > 0) for r in reqs):
         return None
     temps = torch.tensor([0.0 if r.params.greedy else max(r.params.temperature, 1e-5) for r in reqs])
     if all(r.params.greedy for r in reqs):  # as `sample`: no draw from the generator
@@ -157,7 +159,8 @@ def processed_logits(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     return _filter(logits.float(), reqs)
 
 
-def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor, n: int, normalize: bool = True) -> list[dict[int, float]]:
+def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor, n: int,
+                 normalize: bool = True) -> list[dict[int, float]]:
     """The sampled token's logprob plus the top-n of the row's distribution, per row (`normalize` False: the
     logits' own values, vLLM's *_logits modes)."""
     logp = logits.float().log_softmax(-1) if normalize else logits.float()

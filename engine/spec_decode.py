@@ -133,7 +133,8 @@ class DraftProposer(Proposer):
             if not active:
                 break
             batch = ScheduledBatch([shadows[i] for i in active],
-                                   [shadows[i].num_tokens - shadows[i].num_computed_tokens for i in active], [])
+                                   [shadows[i].num_tokens - shadows[i].num_computed_tokens for i in active],
+                                   [])
             tokens, q = self._sample(self.runner.run(batch).logits, [reqs[i] for i in active],
                                      [shadows[i].num_tokens for i in active])
             for j, i in enumerate(active):
@@ -177,11 +178,12 @@ def load_draft(cfg: SpeculativeConfig, engine_config: EngineConfig, target: Mode
     draft = ModelConfig.from_hf(hf_config)
     _check_vocab(draft, target, target_vocab, cfg.model, hf_config)
     config = replace(engine_config, model=cfg.model, quantization=cfg.quantization, speculative=None)
-    return load_model(cfg.model, dtype, device, max_model_len, linear_hook(config, device, dtype, hf_config), draft,
-                      engine_config.weight_loading, engine_config.huge_pages, hf_config=hf_config)
+    return load_model(cfg.model, dtype, device, max_model_len, linear_hook(config, device, dtype, hf_config),
+                      draft, engine_config.weight_loading, engine_config.huge_pages, hf_config=hf_config)
 
 
-def _check_vocab(draft: ModelConfig, target: ModelConfig, target_vocab: dict, path: str, hf_config: dict) -> None:
+def _check_vocab(draft: ModelConfig, target: ModelConfig, target_vocab: dict, path: str,
+                 hf_config: dict) -> None:
     if draft.vocab_size != target.vocab_size:
         raise ValueError(f"draft model {path} has vocab_size {draft.vocab_size}, the target has "
                          f"{target.vocab_size}: a draft must share the target's tokenizer")

@@ -93,7 +93,8 @@ class StructuredOutputManager:
             if so.regex is not None:
                 return self.compiler.compile_regex(so.regex)
             if so.choice is not None:
-                return self.compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in so.choice))
+                return self.compiler.compile_grammar(
+                    "root ::= " + " | ".join(json.dumps(c) for c in so.choice))
             return self.compiler.compile_grammar(so.grammar)
         except GrammarError:
             raise
@@ -119,8 +120,8 @@ class StructuredOutputManager:
         if self.ahead_bitmask.shape[0] < len(reqs):
             self.ahead_bitmask = self.xgr.allocate_token_bitmask(len(reqs), self.vocab)
         bitmask = self.ahead_bitmask[: len(reqs)]
-        done = self._thread.submit(self.batcher.batch_fill_next_token_bitmask, [reqs[i].grammar for i in rows],
-                                   bitmask, rows)
+        done = self._thread.submit(self.batcher.batch_fill_next_token_bitmask,
+                                   [reqs[i].grammar for i in rows], bitmask, rows)
         self._ahead = _Ahead([id(r) for r in reqs], rows, bitmask, done)
 
     def _settle(self) -> _Ahead | None:

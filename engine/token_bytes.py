@@ -13,7 +13,8 @@ HEX_BYTE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 @cache
 def byte_decoder() -> dict[str, int]:
     """GPT-2's byte-level alphabet inverted: the printable character that stands for each byte -> the byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
     chars, extra = {}, 0
     for b in range(256):
         if b in printable:

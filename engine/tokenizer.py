@@ -95,7 +95,8 @@ class Tokenizer:
     def convert_ids_to_tokens(self, ids: int | list[int]) -> str | None | list[str | None]:
         """The vocabulary piece of each id (None for an id outside the vocabulary), as transformers
         answers."""
-        return self.backend.id_to_token(ids) if isinstance(ids, int) else [self.backend.id_to_token(i) for i in ids]
+        return self.backend.id_to_token(ids) if isinstance(ids, int) else [self.backend.id_to_token(i)
+                                                                           for i in ids]
 
     def convert_tokens_to_ids(self, tokens: str | list[str]) -> int | None | list[int | None]:
         """The id of each vocabulary piece (None for an unknown one)."""
@@ -108,7 +109,8 @@ class Tokenizer:
         """The conversation through the folder's chat template: its text, or its token ids when
         tokenize=True."""
         if self.chat_template is None:
-            raise ValueError("this tokenizer has no chat template (chat_template.jinja or tokenizer_config.json)")
+            raise ValueError(
+                "this tokenizer has no chat template (chat_template.jinja or tokenizer_config.json)")
         text = _compile(self.chat_template).render(
             messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens, **kwargs
         )
@@ -135,9 +137,11 @@ def _compile(template: str) -> Any:
 
     def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
                sort_keys: bool = False) -> str:
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

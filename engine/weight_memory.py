@@ -188,7 +188,8 @@ class WeightArena:
             self.settled.set()
             return
         if background:
-            threading.Thread(target=self._collapse_behind, args=(end,), name="sluice-huge-pages", daemon=True).start()
+            threading.Thread(target=self._collapse_behind, args=(end,), name="sluice-huge-pages",
+                             daemon=True).start()
         else:
             self._collapse(end)
 
@@ -208,7 +209,8 @@ class WeightArena:
                 if quiet is not None:
                     quiet.wait(COLLAPSE_PACE)
                 if madvise(base + at, min(COLLAPSE_SPAN, end - at), MADV_COLLAPSE) != 0:
-                    log.debug("MADV_COLLAPSE: errno %d (khugepaged may collapse the weights later)", ctypes.get_errno())
+                    log.debug("MADV_COLLAPSE: errno %d (khugepaged may collapse the weights later)",
+                              ctypes.get_errno())
                     break
         finally:
             self.settled.set()

@@ -212,7 +212,8 @@ def read_calls(slots: dict[str, Slot]) -> list[tuple[str, int, list[tuple[str | 
     for name, s in sorted(slots.items(), key=lambda kv: (kv[1].file, kv[1].offset)):
         call = calls[-1] if calls else None
         gap = s.offset - end if call is not None and call[0] == s.file else -1
-        if call is None or not 0 <= gap <= GAP or size + gap + s.nbytes > READ_CALL or len(call[2]) + 2 > IOV_MAX:
+        if call is None or not 0 <= gap <= GAP or size + gap + s.nbytes > READ_CALL or len(
+            call[2]) + 2 > IOV_MAX:
             calls.append((s.file, s.offset, [(name, s.nbytes)]))
             size = s.nbytes
         else:
@@ -305,7 +306,8 @@ class Reservation:
                     _preadv_all(fds[file], bufs, offset)
                     del bufs
                     names = [name for name, _ in parts if name is not None]
-                    self.faulted = max(self.faulted, *(self.slots[n].at + self.slots[n].nbytes for n in names))
+                    self.faulted = max(self.faulted,
+                                       *(self.slots[n].at + self.slots[n].nbytes for n in names))
                     with self._done:
                         self.read.update(names)
                         self._done.notify_all()
@@ -345,10 +347,12 @@ class Reservation:
         tensors nobody took lie on; returns the bytes handed back."""
         self._stop.set()
         self._thread.join()
-        spans = [(s.at, s.at + s.nbytes) for name, s in self.slots.items() if s.transient or name not in self.taken]
+        spans = [(s.at, s.at + s.nbytes) for name, s in self.slots.items() if s.transient
+                 or name not in self.taken]
         spans.append((used, max(used, self.faulted)))
         madvise, released = _madvise(), 0
-        kept = [(s.at, s.at + s.nbytes) for name, s in self.slots.items() if name in self.taken and not s.transient]
+        kept = [(s.at, s.at + s.nbytes) for name, s in self.slots.items() if name in self.taken
+                and not s.transient]
         for first, end in _whole_pages(spans, kept):
             madvise(self.address + self.start + first, end - first, MADV_DONTNEED)
             released += end - first
@@ -422,7 +426,8 @@ def reserve(model_dir: str | Path, kept: str, budget: int, map_large: bool = Tru
         root = Path(model_dir)
         tensors = stored_tensors(safetensors_files(root))
         nbytes = kept_bytes(((t.dtype, t.nbytes) for t in tensors.values()), DTYPES[kept][0])
-        if not nbytes or budget <= 0 or (map_large and sum(t.nbytes for t in tensors.values()) >= MAP_ALL_BYTES):
+        if not nbytes or budget <= 0 or (map_large
+                                         and sum(t.nbytes for t in tensors.values()) >= MAP_ALL_BYTES):
             return None
         slots, end = layout(tensors, kept)
         if end > budget:  # without the transient ones, else none

@@ -80,13 +80,15 @@ def read_adapter(name: str, path: str | Path, max_rank: int = MAX_RANK) -> LoRAA
         layer, block, module, which = int(m[1]), m[2], m[3], m[4]
         local = f"{block}.{module}"
         if local not in PARTS:
-            raise LoRAError(f"adapter {name!r}: target module {module!r} is not served (q/k/v/o/gate/up/down)")
+            raise LoRAError(
+                f"adapter {name!r}: target module {module!r} is not served (q/k/v/o/gate/up/down)")
         proj, part = PARTS[local]
         pairs.setdefault((layer, proj, part), {})[which] = tensor
     adapter = LoRAAdapter(name, str(folder))
     for where, ab in pairs.items():
         if set(ab) != {"A", "B"}:
-            raise LoRAError(f"adapter {name!r}: layer {where[0]} {where[1]} part {where[2]} lacks lora_A or lora_B")
+            raise LoRAError(
+                f"adapter {name!r}: layer {where[0]} {where[1]} part {where[2]} lacks lora_A or lora_B")
         a, b = ab["A"], ab["B"]
         if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
             raise LoRAError(f"adapter {name!r}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} of layer "

@@ -29,7 +29,8 @@ class LoRAManager:
         self.max_cpu_loras = max(max_cpu_loras, max_loras)
         self.num_layers, self.shapes = c.num_layers, projection_shapes(c)
         weight = model.embed_tokens.weight
-        self.slots = LoRASlots(max_loras, max_lora_rank, self.shapes, c.num_layers, weight.dtype, weight.device)
+        self.slots = LoRASlots(max_loras, max_lora_rank, self.shapes, c.num_layers, weight.dtype,
+                               weight.device)
         self.device = weight.device
         for i, layer in enumerate(model.layers):
             for proj in PROJECTIONS:
@@ -89,7 +90,8 @@ class LoRAManager:
 
     def failed_requests(self, waiting) -> list:
         """The waiting requests whose adapter failed to load, each given that error."""
-        failed = [r for r in waiting if r.lora_request is not None and r.lora_request.lora_int_id in self.failed]
+        failed = [r for r in waiting if r.lora_request is not None
+                  and r.lora_request.lora_int_id in self.failed]
         for req in failed:
             req.error = self.failed[req.lora_request.lora_int_id]
         return failed

@@ -14,8 +14,8 @@ class LoRASlots:
     """Per (layer, projection): A [max_loras, parts * max_rank, in] and B [max_loras, out, parts * max_rank];
     part p of a fused projection owns rank rows [p * max_rank, (p + 1) * max_rank) and its own output rows."""
 
-    def __init__(self, max_loras: int, max_rank: int, shapes: dict[str, list[tuple[int, int]]], num_layers: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, max_loras: int, max_rank: int, shapes: dict[str, list[tuple[int, int]]],
+                 num_layers: int, dtype: torch.dtype, device: torch.device) -> None:
         self.max_loras, self.max_rank, self.shapes = max_loras, max_rank, shapes
         self.a: dict[tuple[int, str], torch.Tensor] = {}
         self.b: dict[tuple[int, str], torch.Tensor] = {}

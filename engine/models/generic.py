@@ -64,7 +64,8 @@ def check_generic(cfg: dict[str, Any]) -> str:
     """The class the generic path builds for this config.json; ValueError naming what it cannot serve."""
     archs = cfg.get("architectures") or [cfg.get("model_type")]
     if cfg.get("auto_map"):
-        raise ValueError(f"{archs[0]} needs trust_remote_code (custom modeling code), which Sluice does not run")
+        raise ValueError(
+            f"{archs[0]} needs trust_remote_code (custom modeling code), which Sluice does not run")
     conf = _hf_config(cfg)
     cls = _causal_lm_class(conf)
     if cfg.get("architectures") and cls.__name__ not in archs:
@@ -77,7 +78,8 @@ def check_generic(cfg: dict[str, Any]) -> str:
         raise ValueError(f"{cls.__name__} is not supported: {reason}")
     other = sorted(set(getattr(text, "layer_types", None) or []) - set(ATTENTION_LAYER_TYPES))
     if other:
-        raise ValueError(f"{cls.__name__} is not supported: layer types {', '.join(other)} (only attention layers)")
+        raise ValueError(
+            f"{cls.__name__} is not supported: layer types {', '.join(other)} (only attention layers)")
     if not getattr(cls, "_supports_attention_backend", False):
         raise ValueError(f"{cls.__name__} is not supported: its attention does not go through transformers' "
                          f"attention interface")
@@ -133,13 +135,15 @@ _STEP: contextvars.ContextVar[Step] = contextvars.ContextVar("sluice_generic_ste
 
 
 def paged_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                            attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                            attention_mask: torch.Tensor | None, scaling: float | None = None,
+                            dropout: float = 0.0,
                             sliding_window: int | None = None, softcap: float | None = None,
                             **kwargs) -> tuple[torch.Tensor, None]:
     """transformers attention implementation: query/key/value [1, heads, T, D] of the packed step; writes the
     keys/values into this layer's paged cache and attends over each token's cached context ([1, T, H, D])."""
     if query.shape[0] != 1:
-        raise RuntimeError(f"{ATTN_IMPL} runs one packed sequence per forward, got a batch of {query.shape[0]}")
+        raise RuntimeError(
+            f"{ATTN_IMPL} runs one packed sequence per forward, got a batch of {query.shape[0]}")
     if kwargs.get("s_aux") is not None or kwargs.get("is_causal") is False:
         raise ValueError("attention sinks / non-causal attention are not supported on the generic path")
     q = query[0].transpose(0, 1).contiguous()
@@ -303,8 +307,9 @@ def _llama_layer_source() -> str:
     return inspect.getsource(LlamaDecoderLayer.forward)
 
 
-def _decoder_layer_forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, cache=None,
-                           use_cache: bool | None = False, position_embeddings=None, **kwargs) -> torch.Tensor:
+def _decoder_layer_forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None,
+                           cache=None, use_cache: bool | None = False, position_embeddings=None,
+                           **kwargs) -> torch.Tensor:
     """LlamaDecoderLayer.forward with the attention's residual added inside the post-attention norm: one
     kernels.add_rms_norm pass (the sum rounded to the activations' dtype first, as transformers' add), as the
     native forward does."""
@@ -312,8 +317,8 @@ def _decoder_layer_forward(self, hidden_states: torch.Tensor, attention_mask=Non
                              position_ids=position_ids, cache=cache, use_cache=use_cache,
                              position_embeddings=position_embeddings, **kwargs)
     norm, shape = self.post_attention_layernorm, hidden_states.shape
-    x, h = kernels.add_rms_norm(hidden_states.reshape(-1, shape[-1]), attn.reshape(-1, shape[-1]), norm.weight,
-                                norm.variance_epsilon)
+    x, h = kernels.add_rms_norm(hidden_states.reshape(-1, shape[-1]), attn.reshape(-1, shape[-1]),
+                                norm.weight, norm.variance_epsilon)
     return x.view(shape) + self.mlp(h.view(shape))
 
 
@@ -324,8 +329,8 @@ def _llama_attention_source() -> str:
     return inspect.getsource(LlamaAttention.forward)
 
 
-def _attention_forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, cache=None,
-                       **kwargs) -> tuple[torch.Tensor, None]:
+def _attention_forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
+                       cache=None, **kwargs) -> tuple[torch.Tensor, None]:
     """LlamaAttention.forward over a q/k/v SiblingGroup whose rotary slot runs `fused_rope`: the same
     products, rotation and attention, without the [1, H, T, D] layout and the attention interface's lookup in
     between."""
@@ -393,9 +398,11 @@ class SiblingGroup:
     def rebase(self, first: nn.Linear) -> None:
         """Point the concatenation at the storage its first member's weight (and bias) now lies in: after
         WeightArena.adopt moved the members' views of it."""
-        self.weight = first.weight.as_strided(self.weight.shape, self.weight.stride(), first.weight.storage_offset())
+        self.weight = first.weight.as_strided(self.weight.shape, self.weight.stride(),
+                                              first.weight.storage_offset())
         if self.bias is not None:
-            self.bias = first.bias.as_strided(self.bias.shape, self.bias.stride(), first.bias.storage_offset())
+            self.bias = first.bias.as_strided(self.bias.shape, self.bias.stride(),
+                                              first.bias.storage_offset())
 
 
 class SiblingLinear(Linear):
@@ -442,7 +449,8 @@ ROPE_SLOT = "rotary_pos_emb"
 def _rope_fits(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """Whether q [1, H, T, D], k [1, Hkv, T, D] and cos/sin [1, T, D] are the call `fused_rope` serves (whole
     heads rotated, one packed sequence)."""
-    return (q.dim() == k.dim() == 4 and cos.dim() == sin.dim() == 3 and q.shape[0] == k.shape[0] == cos.shape[0] == 1
+    return (q.dim() == k.dim() == 4 and cos.dim() == sin.dim() == 3
+            and q.shape[0] == k.shape[0] == cos.shape[0] == 1
             and cos.shape[1:] == sin.shape[1:] == (q.shape[2], q.shape[3]) and k.shape[2:] == q.shape[2:]
             and q.dtype == k.dtype == cos.dtype == sin.dtype)
 
@@ -529,7 +537,8 @@ def use_our_kernels(model: nn.Module) -> nn.Module:
         elif _swiglu(mod) and _same_source(mod, _llama_mlp_source):
             mod.__class__ = with_forward(type(mod), _swiglu_forward)
     for mod in model.modules():  # after the norms and the rotary: what these forwards build on is in place
-        if _fused_norm(getattr(mod, "post_attention_layernorm", None)) and _same_source(mod, _llama_layer_source):
+        if _fused_norm(getattr(mod, "post_attention_layernorm",
+                               None)) and _same_source(mod, _llama_layer_source):
             mod.__class__ = with_forward(type(mod), _decoder_layer_forward)
         elif _qkv_attention(mod) and _same_source(mod, _llama_attention_source):
             mod.__class__ = with_forward(type(mod), _attention_forward)
@@ -555,7 +564,8 @@ def _swiglu(mod: nn.Module) -> bool:
     """Whether `mod` has SiLU as act_fn and gate_proj/up_proj as one SiblingGroup, gate first."""
     gate, up = getattr(mod, "gate_proj", None), getattr(mod, "up_proj", None)
     act = type(getattr(mod, "act_fn", None)).__name__
-    return (act in ("SiLUActivation", "SiLU") and isinstance(gate, SiblingLinear) and isinstance(up, SiblingLinear)
+    return (act in ("SiLUActivation", "SiLU") and isinstance(gate, SiblingLinear)
+            and isinstance(up, SiblingLinear)
             and gate.group is up.group and gate.index == 0 and len(gate.group.sizes) == 2)
 
 
@@ -588,7 +598,8 @@ def load_generic(path: str | Path, dtype: torch.dtype, device: torch.device, con
     from transformers import AutoModelForCausalLM
 
     register()
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=ATTN_IMPL).to(device).eval()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
+                                              attn_implementation=ATTN_IMPL).to(device).eval()
     if linear_hook is not None:
         linear_hook.quantize_module(hf, config.architecture)
     model = GenericModel(use_our_kernels(hf), config).eval()

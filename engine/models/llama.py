@@ -69,7 +69,8 @@ class ModelConfig:
         family = ARCHITECTURES[arch]
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
-        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", family in ("mistral", "mixtral")) else None
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window",
+                                                      family in ("mistral", "mixtral")) else None
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -104,7 +105,8 @@ def _moe_fields(family: str, cfg: dict[str, Any]) -> dict[str, Any]:
         return dict(num_experts=n, num_experts_per_tok=cfg["num_experts_per_tok"],
                     moe_intermediate_size=cfg["moe_intermediate_size"],
                     norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
-                    moe_layers=tuple(i for i in range(layers) if n > 0 and i not in dense and (i + 1) % step == 0))
+                    moe_layers=tuple(i for i in range(layers) if n > 0 and i not in dense
+                                     and (i + 1) % step == 0))
     return {}
 
 
@@ -197,8 +199,8 @@ class DecoderLayer(nn.Module):
         qkv, o, gate_up, down = (stack_linear(p) for p in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj))
         if None in (qkv, o, gate_up, down):
             return None
-        return [self.input_layernorm.weight, qkv, o, self.post_attention_layernorm.weight, gate_up, down, cache.k,
-                cache.v]
+        return [self.input_layernorm.weight, qkv, o, self.post_attention_layernorm.weight, gate_up, down,
+                cache.k, cache.v]
 
 
 def stack_linear(p: nn.Module):
@@ -245,7 +247,8 @@ class LlamaModel(nn.Module):
         stack = self._decode_stack(kv_caches, len(input_ids)) if plan.decode_stack else None
         if stack is not None and stack.has_head and logits_indices is None:
             return stack.logits(input_ids, positions, self.rope.tables(dtype), meta)
-        return self.compute_logits(self.hidden_states(input_ids, positions, kv_caches, meta, logits_indices, stack))
+        return self.compute_logits(self.hidden_states(input_ids, positions, kv_caches, meta, logits_indices,
+                                                      stack))
 
     def compute_logits(self, x: torch.Tensor) -> torch.Tensor:
         """The LM head over final hidden states."""

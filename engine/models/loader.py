@@ -88,7 +88,8 @@ def read_header(file: Path) -> dict[str, TensorEntry]:
     return entries
 
 
-WEIGHT_LOADING = ("auto", "mmap", "copy")  # mapped from MAP_ALL_BYTES, else read / mapped where the dtype matches / read
+WEIGHT_LOADING = ("auto", "mmap",
+                  "copy")  # mapped from MAP_ALL_BYTES, else read / mapped where the dtype matches / read
 # From this size auto maps the checkpoint: copying it would take seconds and twice the memory, and the page
 # cache is shared by every worker on the host. Below it auto reads every tensor into the huge-page arena
 # (engine.weight_memory: faster decode steps than over 4 KB pages, page-cache maps included), on cache lines
@@ -183,7 +184,8 @@ class CheckpointReader:
         reach the file; the map lives as long as any tensor viewing it."""
         if file not in self._maps:
             with open(file, "rb") as f:
-                self._maps[file] = torch.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY), dtype=torch.uint8)
+                self._maps[file] = torch.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY),
+                                                    dtype=torch.uint8)
         return self._maps[file]
 
     def mapped(self, names: list[str]) -> torch.Tensor | None:
@@ -193,7 +195,8 @@ class CheckpointReader:
         es = [self.entries[n] for n in names]
         first, shape = es[0], es[0].shape
         if len(es) > 1:
-            alike = all(e.file == first.file and e.dtype == first.dtype and e.shape and e.shape[1:] == shape[1:]
+            alike = all(e.file == first.file and e.dtype == first.dtype and e.shape
+                        and e.shape[1:] == shape[1:]
                         for e in es)
             if not alike or any(a.offset + a.nbytes != b.offset for a, b in itertools.pairwise(es)):
                 return None
@@ -208,7 +211,8 @@ class CheckpointReader:
         dtype)."""
         e = self.entries[name]
         if tuple(out.shape) != e.shape:
-            raise ValueError(f"checkpoint tensor {name} has shape {list(e.shape)}, the model expects {list(out.shape)}")
+            raise ValueError(
+                f"checkpoint tensor {name} has shape {list(e.shape)}, the model expects {list(out.shape)}")
         if out.dtype != e.dtype:
             out.copy_(self.get(name))
         elif e.nbytes:
@@ -254,7 +258,8 @@ def _read_param(reader: CheckpointReader, names: list[str], dtype, device: torch
 
 def _check_shape(name: str, param: nn.Parameter, expected: torch.Size) -> nn.Parameter:
     if param.shape != expected:
-        raise ValueError(f"checkpoint {name} has shape {list(param.shape)}, the model expects {list(expected)}")
+        raise ValueError(
+            f"checkpoint {name} has shape {list(param.shape)}, the model expects {list(expected)}")
     return param
 
 
@@ -275,8 +280,8 @@ def _load_layer(layer: nn.Module, reader, i: int, dtype, device, hook: LinearHoo
     for name, mod in list(layer.named_modules()):
         if isinstance(mod, nn.Linear):
             if not getattr(hook, "prequantized", False):
-                _load_linear(mod, reader, prefix, LlamaModel.FUSED.get(name, (name,)), dtype, device, weight_loading,
-                             None if hook is not None else arena)
+                _load_linear(mod, reader, prefix, LlamaModel.FUSED.get(name, (name,)), dtype, device,
+                             weight_loading, None if hook is not None else arena)
             if hook is not None:
                 parent, _, attr = name.rpartition(".")
                 setattr(layer.get_submodule(parent), attr, hook(f"{prefix}{name}", mod))
@@ -425,7 +430,8 @@ def _arena(reader: CheckpointReader, dtype: torch.dtype, path: str | Path,
     written: `reservation` where it is the map reserved for `path` at the worker's start and has room
     (engine.weight_reserve); None where the address space cannot be had (the tensors then go to torch's
     allocator)."""
-    nbytes = sum(e.nbytes // e.dtype.itemsize * (dtype.itemsize if e.dtype.is_floating_point else e.dtype.itemsize)
+    nbytes = sum(e.nbytes // e.dtype.itemsize * (dtype.itemsize if e.dtype.is_floating_point
+                                                 else e.dtype.itemsize)
                  for e in reader.entries.values())
     capacity = weight_reserve.arena_capacity(nbytes)
     try:

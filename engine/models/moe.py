@@ -56,7 +56,8 @@ class Expert(nn.Module):
 class SparseMoe(nn.Module):
     """Top-k of `num_experts` SwiGLU experts per token, weights renormalised over the k where `norm_topk`."""
 
-    def __init__(self, hidden: int, inner: int, num_experts: int, top_k: int, norm_topk: bool, layout: str) -> None:
+    def __init__(self, hidden: int, inner: int, num_experts: int, top_k: int, norm_topk: bool,
+                 layout: str) -> None:
         super().__init__()
         _, names, self.fp32_weights = MOE_LAYOUTS[layout]
         self.gate = Router(num_experts, hidden)

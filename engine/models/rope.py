@@ -85,7 +85,8 @@ class RotaryEmbedding(torch.nn.Module):
         typed = self._typed
         return typed[1:] if typed is not None and typed[0] is self.cos and typed[1].dtype == dtype else None
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, q: torch.Tensor,
+                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q [T, H, D] and k [T, Hkv, D] to their positions."""
         cos, sin = self.cos_sin(positions, q.dtype)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)

@@ -16,7 +16,8 @@ from sluice.engine.quantization.spec import QuantSpec, check_shapes, resolve_spe
 __all__ = ["FusedLinear", "QuantSpec", "linear_hook", "pack_4bit_for_cpu", "save_quantized"]
 
 
-def linear_hook(config, device: torch.device, dtype: torch.dtype, hf_config: dict | None = None) -> LinearHook | None:
+def linear_hook(config, device: torch.device, dtype: torch.dtype,
+                hf_config: dict | None = None) -> LinearHook | None:
     """The loader hook for the config's (or the checkpoint's) quantization, checked before any weight loads;
     `hf_config` is the checkpoint's config.json when the caller has already read it."""
     hf_config = hf_config if hf_config is not None else read_config(config.model)

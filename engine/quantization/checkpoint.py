@@ -35,7 +35,8 @@ def quantized_linears(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
     out: dict[str, dict[str, torch.Tensor]] = {}
     for i, layer in enumerate(model.layers):
         for name, mod in layer.named_modules():
-            if ".parts." in name or not isinstance(mod, FusedLinear | nn.Linear | LLMInt8Linear | Linear4bitCpu):
+            if ".parts." in name or not isinstance(mod,
+                                                   FusedLinear | nn.Linear | LLMInt8Linear | Linear4bitCpu):
                 continue
             parts = mod.parts if isinstance(mod, FusedLinear) else [mod]
             for hf_name, part in zip(part_names(f"model.layers.{i}.{name}"), parts, strict=True):
@@ -49,7 +50,8 @@ def save_quantized(src: str | Path, dst: str | Path, spec: QuantSpec, dtype: tor
     quantization_config = spec.hf_config(dtype)
     hf_config = read_config(src)
     if hf_config.get("quantization_config"):
-        raise ValueError(f"{src} is already quantized ({hf_config['quantization_config'].get('quant_method')})")
+        raise ValueError(
+            f"{src} is already quantized ({hf_config['quantization_config'].get('quant_method')})")
     c = ModelConfig.from_hf(hf_config)
     cpu = torch.device("cpu")
     check_shapes(spec, c, cpu)

@@ -84,14 +84,16 @@ def dynamic_map() -> torch.Tensor:
     return torch.tensor(sorted([*data, 0.0, 1.0]), dtype=torch.float32)
 
 
-def quantize_blockwise(a: torch.Tensor, blocksize: int = NESTED_BLOCKSIZE) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_blockwise(a: torch.Tensor,
+                       blocksize: int = NESTED_BLOCKSIZE) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 values to 8-bit codes of `dynamic_map` and an absmax per block, as bitsandbytes' CPU
     quantize_blockwise does: each value times the reciprocal of its block's absmax, clamped to [-1, 1], looked
     up in a table of 65536 evenly spaced values (`_lookup`) that holds each one's nearest code; a block of
     zeros gets code 0."""
     n = a.numel()
     blocks = -(n // -blocksize)
-    padded = torch.nn.functional.pad(a.reshape(-1).float(), (0, blocks * blocksize - n)).view(blocks, blocksize)
+    padded = torch.nn.functional.pad(a.reshape(-1).float(),
+                                     (0, blocks * blocksize - n)).view(blocks, blocksize)
     absmax = padded.abs().amax(1)  # the zeros padding a short block change no maximum
     inverse = torch.where(absmax > 0, 1.0 / absmax, 0.0)
     scaled = (padded * inverse[:, None]).clamp_(-1.0, 1.0)
@@ -114,7 +116,8 @@ def _lookup() -> torch.Tensor:
     return torch.searchsorted(midpoints, values).to(torch.uint8)
 
 
-def dequantize_blockwise(q: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, blocksize: int) -> torch.Tensor:
+def dequantize_blockwise(q: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor,
+                         blocksize: int) -> torch.Tensor:
     """code[q] * its block's absmax in fp32 (bitsandbytes' dequantize_blockwise on CPU)."""
     n = q.numel()
     values = torch.nn.functional.pad(code.float()[q.reshape(-1).long()], (0, -n % blocksize))
@@ -147,12 +150,14 @@ class State4bit:
         meta = json.loads(bytes(stats[keys[0]].to(torch.uint8).tolist()).decode("utf-8"))
         nested = None
         if "nested_absmax" in stats:
-            nested = {"absmax": stats["nested_absmax"].float(), "quant_map": stats["nested_quant_map"].float(),
-                      "blocksize": int(meta["nested_blocksize"]), "dtype": meta.get("nested_dtype", "float32"),
-                      "offset": float(meta["nested_offset"])}
-        return cls(quant_type=meta["quant_type"], shape=tuple(meta["shape"]), dtype=getattr(torch, meta["dtype"]),
-                   absmax=stats["absmax"], quant_map=stats["quant_map"].float(), blocksize=int(meta["blocksize"]),
-                   nested=nested)
+            nested = {"absmax": stats["nested_absmax"].float(),
+                      "quant_map": stats["nested_quant_map"].float(),
+                      "blocksize": int(meta["nested_blocksize"]),
+                      "dtype": meta.get("nested_dtype", "float32"), "offset": float(meta["nested_offset"])}
+        return cls(quant_type=meta["quant_type"], shape=tuple(meta["shape"]),
+                   dtype=getattr(torch, meta["dtype"]),
+                   absmax=stats["absmax"], quant_map=stats["quant_map"].float(),
+                   blocksize=int(meta["blocksize"]), nested=nested)
 
     def as_dict(self) -> dict[str, torch.Tensor]:
         """The tensors bitsandbytes' Params4bit saves beside `weight` (its
@@ -192,8 +197,8 @@ def quantize_4bit(w: torch.Tensor, quant_type: str, nested: bool) -> tuple[torch
         offset = absmax.mean()
         codes, nested_absmax = quantize_blockwise(absmax - offset)
         state.absmax = codes
-        state.nested = {"absmax": nested_absmax, "quant_map": dynamic_map().clone(), "blocksize": NESTED_BLOCKSIZE,
-                        "dtype": "float32", "offset": offset.item()}
+        state.nested = {"absmax": nested_absmax, "quant_map": dynamic_map().clone(),
+                        "blocksize": NESTED_BLOCKSIZE, "dtype": "float32", "offset": offset.item()}
     return packed.view(-1, 1), state
 
 
@@ -221,7 +226,8 @@ class Linear4bitCpu(nn.Module):
     as they are; until `pack()` the module holds bitsandbytes' state (and saves it as bitsandbytes does),
     after it the absmax in bf16 [out, in / 64] (the rest of the state dropped)."""
 
-    def __init__(self, packed: torch.Tensor, state: State4bit, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+    def __init__(self, packed: torch.Tensor, state: State4bit, bias: torch.Tensor | None,
+                 dtype: torch.dtype) -> None:
         super().__init__()
         self.out_features, self.in_features = state.shape
         err = nf4_kernels.shape_error(*state.shape)
@@ -244,7 +250,8 @@ class Linear4bitCpu(nn.Module):
         if self.state is None:
             return False
         absmax = self.state.absmax_fp32().view(self.out_features, self.in_features // BLOCKSIZE)
-        into = empty(absmax.shape, torch.bfloat16) if empty is not None and absmax.device.type == "cpu" else None
+        into = empty(absmax.shape,
+                     torch.bfloat16) if empty is not None and absmax.device.type == "cpu" else None
         self.absmax = into.copy_(absmax) if into is not None else absmax.to(torch.bfloat16).contiguous()
         self.state = None
         return True
@@ -264,7 +271,8 @@ class Linear4bitCpu(nn.Module):
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         """bitsandbytes' Linear4bit keys: weight (the packed codes [n, 1]), weight.<state>, bias."""
         if self.state is None:
-            raise RuntimeError("a packed 4-bit linear no longer holds bitsandbytes' state: save before packing")
+            raise RuntimeError(
+                "a packed 4-bit linear no longer holds bitsandbytes' state: save before packing")
         destination[prefix + "weight"] = self.codes.reshape(-1, 1)
         for key, value in self.state.as_dict().items():
             destination[f"{prefix}weight.{key}"] = value

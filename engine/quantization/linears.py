@@ -179,7 +179,8 @@ def _quantize_4bit(spec: QuantSpec, w: torch.Tensor) -> tuple[torch.Tensor, Any]
     if w.device.type == "cpu":
         return four_bit.quantize_4bit(w, spec.quant_type, spec.double_quant)
     F = _bnb().functional
-    return F.quantize_4bit(w, blocksize=BLOCKSIZE, compress_statistics=spec.double_quant, quant_type=spec.quant_type)
+    return F.quantize_4bit(w, blocksize=BLOCKSIZE, compress_statistics=spec.double_quant,
+                           quant_type=spec.quant_type)
 
 
 class ZeroPadded(nn.Module):
