@@ -24,7 +24,8 @@ def openai_body(body: dict[str, Any]) -> BaseModel:
     from openai.types import Completion, CreateEmbeddingResponse
     from openai.types.chat import ChatCompletion
 
-    kinds = {"chat.completion": ChatCompletion, "text_completion": Completion, "list": CreateEmbeddingResponse}
+    kinds = {"chat.completion": ChatCompletion, "text_completion": Completion,
+             "list": CreateEmbeddingResponse}
     cls = kinds[body["object"]]
     parsed = cls.model_validate(body, strict=True)
     _no_extra(parsed, cls.__name__)

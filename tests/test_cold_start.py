@@ -99,7 +99,8 @@ def test_tokenizer_does_what_autotokenizer_does(tmp_path, arch):
     ids = auto.encode(text) + [auto.eos_token_id]
     assert isinstance(ours, Tokenizer) == (arch in ("llama", "mistral"))
     assert ours.encode(text) == auto.encode(text)
-    assert ours(text, add_special_tokens=False)["input_ids"] == auto(text, add_special_tokens=False)["input_ids"]
+    assert ours(text, add_special_tokens=False)["input_ids"] == auto(text,
+                                                                     add_special_tokens=False)["input_ids"]
     assert [ours.bos_token_id, ours.eos_token_id, ours.pad_token_id] == [auto.bos_token_id, auto.eos_token_id,
                                                                         auto.pad_token_id]
     for skip in (True, False):
@@ -152,7 +153,8 @@ def test_engine_start_imports_neither_transformers_nor_the_compiler():
 def modules_imported_by(code: str, modules: tuple[str, ...]) -> list[str]:
     """Which of `modules` a fresh interpreter running `code` has imported by its end."""
     code += f"import json; print(json.dumps(sorted(m for m in {list(modules)!r} if m in sys.modules)))\n"
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -206,8 +208,8 @@ def test_a_real_worker_loads_into_the_arena_it_reserved_before_importing_torch(r
     """`python -m sluice.worker` and `sluice worker` map the weight arena and read the weights into it while
     they import torch (engine.weight_reserve); the load takes every tensor from there: the arena logs the
     checkpoint's MB as read ahead and taken, and nothing past them written but the rotary tables."""
-    argv = [*command, "--model", str(TINY), "--dtype", "bfloat16", "--device", "cpu", "--burst", "--no-webhooks",
-            "--redis-url", redis_url]
+    argv = [*command, "--model", str(TINY), "--dtype", "bfloat16", "--device", "cpu", "--burst",
+            "--no-webhooks", "--redis-url", redis_url]
     code = (
         "import runpy, sys\n"
         f"sys.argv = ['sluice', *{argv!r}]\n"
@@ -233,15 +235,16 @@ def test_the_arena_plan_reads_the_command_line_without_torch(tmp_path):
     plan = arena_plan([*cpu, "--dtype", "float32"], str(TINY))
     assert plan is not None and plan[:2] == (str(TINY), "F32") and plan[2] > 0 and plan[3] is True
     assert arena_plan([*cpu, "--dtype=bf16", "--weight-loading", "copy"], str(TINY))[1::2] == ("BF16", False)
-    for extra in (["--quantization", "int8"], ["--no-huge-pages"], ["--weight-loading", "mmap"], ["--device", "cuda"],
-                  ["--dtype", "float8"]):
+    for extra in (["--quantization", "int8"], ["--no-huge-pages"], ["--weight-loading", "mmap"],
+                  ["--device", "cuda"], ["--dtype", "float8"]):
         assert arena_plan([*cpu, *extra], str(TINY)) is None, extra
     assert arena_plan(cpu, str(tmp_path)) is None and arena_plan(cpu, None) is None
     (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "float16"}))
     assert arena_plan(["--device", "cpu"], str(tmp_path))[1] == "BF16"
 
 
-@pytest.mark.parametrize("entry", ["import sluice.cli.main", "import runpy; runpy.run_module('sluice.worker')"])
+@pytest.mark.parametrize("entry",
+                         ["import sluice.cli.main", "import runpy; runpy.run_module('sluice.worker')"])
 def test_worker_entry_points_pause_the_collector_over_their_imports(entry):
     """`sluice worker` and `python -m sluice.worker` turn the cyclic collector off before their first import
     (its full collections rescan every module object torch made: a large share of the imports' time); `start`
@@ -253,8 +256,8 @@ def test_worker_entry_points_pause_the_collector_over_their_imports(entry):
         "print(gc.isenabled(), 'torch' in sys.modules, 'sluice.worker.cli' in sys.modules)\n"
         "print(collector.resume(), gc.isenabled(), gc.get_freeze_count() > 1000, collector.resume())\n"
     )
-    out = subprocess.run([sys.executable, "-c", code, "worker", "--help"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run([sys.executable, "-c", code, "worker", "--help"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-2:] == ["False True True", "True True True False"]
     in_tests = subprocess.run([sys.executable, "-c", "import gc; from sluice.worker import collector; "
@@ -416,7 +419,8 @@ def test_auto_copies_small_checkpoints_and_maps_large_ones(aligned, tmp_path, mo
     monkeypatch.setattr(loader, "MAP_ALL_BYTES", (tmp_path / "model.safetensors").stat().st_size - 4096)
     large = load_model(tmp_path, torch.bfloat16, torch.device("cpu"), 64, weight_loading="auto")
     assert file in _mapped_files(large.layers[1].mlp.down_proj.weight)
-    for (name, a), b, c in zip(auto.named_parameters(), mmapped.parameters(), large.parameters(), strict=True):
+    for (name, a), b, c in zip(auto.named_parameters(), mmapped.parameters(), large.parameters(),
+                               strict=True):
         assert torch.equal(a, b) and torch.equal(a, c), name
 
 
@@ -443,7 +447,8 @@ def test_an_int8_start_imports_neither_bitsandbytes_nor_the_compiler():
         "assert len(out[0].token_ids) == 4 and torch.compile is real\n"
         "print('bitsandbytes' in sys.modules, 'torch._dynamo' in sys.modules, 'torch._inductor' in sys.modules)\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines() == ["False False", "False False False"]
 

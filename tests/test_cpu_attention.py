@@ -121,9 +121,11 @@ def test_int8_layer_cache_reads_only_long_sequences_blocks_into_a_copy():
     c = SimpleNamespace(num_kv_heads=2, head_dim=D, num_layers=1)  # all layer_caches reads of a ModelConfig
     query_lens, context_lens = [1, 5, 40, 1], [30, 70, 90, 1]
     tables = layout(context_lens)
-    slots = torch.tensor([t[p // BS] * BS + p % BS for q, n, t in zip(query_lens, context_lens, tables, strict=True)
+    slots = torch.tensor([t[p // BS] * BS + p % BS
+                          for q, n, t in zip(query_lens, context_lens, tables, strict=True)
                           for p in range(n - q, n)])
-    past = torch.tensor([t[p // BS] * BS + p % BS for q, n, t in zip(query_lens, context_lens, tables, strict=True)
+    past = torch.tensor([t[p // BS] * BS + p % BS
+                         for q, n, t in zip(query_lens, context_lens, tables, strict=True)
                          for p in range(n - q)])
     torch.manual_seed(0)
     outs = []
@@ -169,7 +171,8 @@ def test_engine_argmax_with_int8_kv_is_unchanged_by_the_kernel_teacher_forced(ch
     monkeypatch.setattr(int8_cache, "paged_attention_cpu", lambda *a: calls.append(1) or real(*a))
     prompts = [[1, *range(5, 5 + n)] for n in (6, 30, 70)]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    kw = dict(dtype=dtype, device="cpu", kv_cache_dtype="int8", kv_cache_memory_gb=0.002, max_num_batched_tokens=16)
+    kw = dict(dtype=dtype, device="cpu", kv_cache_dtype="int8", kv_cache_memory_gb=0.002,
+              max_num_batched_tokens=16)
     fused_llm = LLM(ckpt, **kw)
     sequences = [p + o.token_ids for p, o in zip(prompts, fused_llm.generate(prompts, params, progress=False),
                                                   strict=True)]

@@ -73,8 +73,8 @@ def test_an_avx2_only_cpu_gets_the_avx2_tier_and_runs_its_kernels(tmp_path):
     qemu = shutil.which("qemu-x86_64")
     assert qemu, "qemu-x86_64 not found: apt-get install qemu-user (.ci/run installs it)"
     env = {k: v for k, v in os.environ.items() if k != cpu_isa.ENV}
-    done = subprocess.run([qemu, "-cpu", "Haswell", sys.executable, "-c", EMULATED_PROBE], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run([qemu, "-cpu", "Haswell", sys.executable, "-c", EMULATED_PROBE], env=env,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     assert seen["tier"] == "avx2" and seen["kernels"] is True

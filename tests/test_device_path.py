@@ -53,7 +53,8 @@ def runner(path, kv: str) -> ModelRunner:
     for cache in r.kv_caches:
         for name in ("k", "v"):
             t = getattr(cache, name)
-            t.copy_(torch.randint(-100, 100, t.shape, generator=g) if kv == "int8" else torch.randn(t.shape, generator=g))
+            t.copy_(torch.randint(-100, 100, t.shape, generator=g) if kv == "int8"
+                    else torch.randn(t.shape, generator=g))
         if kv == "int8":
             cache.k_scale.fill_(0.01)
             cache.v_scale.fill_(0.02)

@@ -68,7 +68,8 @@ def test_silu_mul_is_within_ulps_of_the_fp64_swiglu(dtype, tokens, inter):
     assert got.dtype == dtype and got.shape == (tokens, inter)
     assert ulps(got, want, dtype).max().item() <= SILU_ULPS[dtype]
     gate, up = gate_up.chunk(2, dim=-1)
-    assert ulps(torch.nn.functional.silu(gate) * up, want, dtype).max().item() <= SILU_ULPS[dtype], "torch's too"
+    assert ulps(torch.nn.functional.silu(gate) * up, want,
+                dtype).max().item() <= SILU_ULPS[dtype], "torch's too"
 
 
 def test_kernels_off_takes_the_torch_path(monkeypatch, request):

@@ -22,7 +22,8 @@ from tests.test_engine import random_prompts
 from tests.tiers import tier_fixture
 
 # The architectures beyond the dense native four, and the path each takes (Mixtral and Qwen3-MoE: native MoE).
-ARCH_PATHS = {"gemma2": GENERIC, "gemma3_text": GENERIC, "phi3": GENERIC, "olmo2": GENERIC, "granite": GENERIC,
+ARCH_PATHS = {"gemma2": GENERIC, "gemma3_text": GENERIC, "phi3": GENERIC, "olmo2": GENERIC,
+              "granite": GENERIC,
               "gpt_neox": GENERIC, "qwen2_moe": GENERIC, "starcoder2": GENERIC, "mixtral": NATIVE,
               "qwen3_moe": NATIVE}
 GREEDY = SamplingParams(max_tokens=24, temperature=0)
@@ -37,7 +38,8 @@ def hf_model(path):
 
 def hf_greedy(path, prompts, max_new_tokens=24) -> list[list[int]]:
     model = hf_model(path)
-    return [model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False)[0, len(p):].tolist()
+    return [model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens,
+                           do_sample=False)[0, len(p):].tolist()
             for p in prompts]
 
 
@@ -116,7 +118,8 @@ def test_speculative_decoding_with_generic_target_and_draft(checkpoint_factory):
 def test_model_path_for_says_which_path_and_why(checkpoint_factory):
     llama = read_config(checkpoint_factory("llama"))
     assert model_path_for(llama)[0] == NATIVE
-    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 256}
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+            "original_max_position_embeddings": 256}
     path, why = model_path_for({**llama, "rope_parameters": yarn})
     assert path == GENERIC and "yarn" in why
     path, why = model_path_for(read_config(checkpoint_factory("gemma2")))
@@ -140,13 +143,14 @@ def test_unservable_models_are_refused_naming_the_feature(cfg, feature):
 
 def test_length_dependent_rope_is_capped_at_its_original_context(checkpoint_factory):
     cfg = read_config(checkpoint_factory("phi3"))
-    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [4.0] * 8,
-            "original_max_position_embeddings": 256}
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
+            "long_factor": [4.0] * 8, "original_max_position_embeddings": 256}
     c = ModelConfig.from_hf({**cfg, "rope_parameters": rope, "original_max_position_embeddings": 256})
     assert c.path == GENERIC and c.max_position_embeddings == 256
 
 
-@pytest.mark.parametrize(("method", "linear"), [("int8_weight_only", "Int8WeightOnlyLinear"), ("int8", "LLMInt8Linear")])
+@pytest.mark.parametrize(("method", "linear"),
+                         [("int8_weight_only", "Int8WeightOnlyLinear"), ("int8", "LLMInt8Linear")])
 def test_native_moe_quantizes_every_expert_and_keeps_the_router(method, linear, checkpoint_factory):
     path = checkpoint_factory("qwen3_moe")
     prompts = random_prompts(3, 20, 60)
@@ -157,7 +161,8 @@ def test_native_moe_quantizes_every_expert_and_keeps_the_router(method, linear, 
         assert type(layer.mlp.gate).__name__ == "Router"
     got = llm.score(prompts)
     # bound: the error measured on this random checkpoint plus a margin (docs/benchmarks.md)
-    errors = [((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(got, ref, strict=True)]
+    errors = [((a.float() - b.float()).norm() / b.float().norm()).item()
+              for a, b in zip(got, ref, strict=True)]
     assert 0 < max(errors) < 0.03
 
 
@@ -211,7 +216,8 @@ def test_generic_path_runs_sibling_linears_as_one_product(checkpoint_factory, mo
     monkeypatch.setattr(generic, "linear", real)
     want = plain.score(prompts[:1])
     assert ((got[0].float() - want[0].float()).norm() / want[0].float().norm()).item() < 1e-2
-    outs = [o.token_ids for o in fused.generate(prompts, SamplingParams(max_tokens=8, temperature=0), progress=False)]
+    outs = [o.token_ids
+            for o in fused.generate(prompts, SamplingParams(max_tokens=8, temperature=0), progress=False)]
     assert all(len(o) == 8 for o in outs)
 
 
@@ -231,7 +237,8 @@ def test_generic_path_fuses_llama_shaped_modules_bit_for_bit(arch, checkpoint_fa
     path = checkpoint_factory(arch)
     prompts = random_prompts(4, 20, 60)
     with forced_generic():
-        fused, plain = (LLM(path, dtype="bfloat16", device="cpu", max_num_batched_tokens=48) for _ in range(2))
+        fused, plain = (LLM(path, dtype="bfloat16", device="cpu", max_num_batched_tokens=48)
+                        for _ in range(2))
     transformers_forwards(plain)
     for layer in fused.engine.model.hf.model.layers:  # qwen3's attention (q/k norms) is not Llama's: only its layer
         # (transformers wraps it)
@@ -259,7 +266,8 @@ def test_fused_rope_only_replaces_a_rotary_that_computes_llamas():
         return q * cos[:, None] + rot(q) * sin[:, None], k * cos[:, None] + rot(k) * sin[:, None]
 
     def llama(q, k, cos, sin):
-        return q * cos[:, None] + rotate_half(q) * sin[:, None], k * cos[:, None] + rotate_half(k) * sin[:, None]
+        return q * cos[:, None] + rotate_half(q) * sin[:, None], k * cos[:,
+                                                                         None] + rotate_half(k) * sin[:, None]
 
     class Slot(torch.nn.Module):
         def __init__(self, fn):
@@ -270,7 +278,8 @@ def test_fused_rope_only_replaces_a_rotary_that_computes_llamas():
             return self.fn(*args)
 
     for dtype in (torch.bfloat16, torch.float32):
-        assert generic._same_rope(apply_rotary_pos_emb, functools.partial(generic.fused_rope, Slot(llama)), dtype, 64)
+        assert generic._same_rope(apply_rotary_pos_emb, functools.partial(generic.fused_rope, Slot(llama)),
+                                  dtype, 64)
         slot = Slot(interleaved)
         assert not generic._same_rope(slot, functools.partial(generic.fused_rope, slot), dtype, 64)
 
@@ -283,7 +292,8 @@ QUANT_LINEARS = {"int8": "LLMInt8Linear", "int4": "Linear4bitCpu", "int8_weight_
 def quantized_linears(llm: LLM) -> list[torch.nn.Module]:
     """The linears of a generic-path model's decoder layers, none of them left a plain nn.Linear."""
     mods = [m for m in llm.engine.model.hf.model.layers.modules()]
-    assert not any(type(m) in (torch.nn.Linear, Linear) for m in mods), "a decoder linear was left unquantized"
+    assert not any(type(m) in (torch.nn.Linear, Linear)
+                   for m in mods), "a decoder linear was left unquantized"
     return [m for m in mods if type(m).__name__ in QUANT_LINEARS.values()]
 
 
@@ -338,7 +348,8 @@ def test_int4_experts_off_the_block_width_are_zero_padded(method, bound, checkpo
     experts = [e for layer in llm.engine.model.layers for e in layer.mlp.experts]
     assert all(e.down_proj.pad == 64 - 48 for e in experts)  # input columns to whole blocks / groups
     if method == "int4":  # our CPU 4-bit kernel takes any row count: gate/up keep their 48 rows, unpadded
-        assert all(type(e.gate_proj).__name__ == "Linear4bitCpu" and e.gate_proj.out_features == 48 for e in experts)
+        assert all(type(e.gate_proj).__name__ == "Linear4bitCpu" and e.gate_proj.out_features == 48
+                   for e in experts)
     errors = [((a.float() - b.float()).norm() / b.float().norm()).item()
               for a, b in zip(llm.score(prompts), ref, strict=True)]
     print(f"{method} experts of width 48: logits relative error vs bf16 {max(errors):.4f}")
@@ -368,7 +379,8 @@ def test_moe_kernel_matches_fp64_on_every_tier(cpu_tier, dtype, bound, hidden, i
     got = held.forward(x, ids, weights)
     # silu(gate) * up in bf16, as HF's experts
     rounded = dtype is torch.bfloat16 and moe_kernel.bf16_hidden(held)
-    want = moe_kernel.moe_reference(x, ids, weights, *weights_in, torch.bfloat16 if rounded else torch.float64)
+    want = moe_kernel.moe_reference(x, ids, weights, *weights_in,
+                                    torch.bfloat16 if rounded else torch.float64)
     assert got.dtype == dtype and got.shape == want.shape
     assert ((got.double() - want).norm() / want.norm()).item() < bound
 
@@ -388,5 +400,6 @@ def test_native_moe_runs_its_experts_in_one_cpp_call_in_bf16(width, budget, chec
     for b in blocks:
         b.cpp_experts = False  # the torch grouping, which rounds each expert's output to bf16
     want = llm.score(prompts)
-    errors = [((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(got, want, strict=True)]
+    errors = [((a.float() - b.float()).norm() / b.float().norm()).item()
+              for a, b in zip(got, want, strict=True)]
     assert max(errors) < 0.02

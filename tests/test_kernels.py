@@ -41,7 +41,8 @@ def layout(query_lens, context_lens, seed=0):
 
 def caches(dtype, seed=1):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(HK, NB, BS, D, generator=g).to(dtype), torch.randn(HK, NB, BS, D, generator=g).to(dtype))
+    return (torch.randn(HK, NB, BS, D, generator=g).to(dtype),
+            torch.randn(HK, NB, BS, D, generator=g).to(dtype))
 
 
 def dense_reference(q, kc, vc, query_lens, context_lens, tables):
@@ -84,8 +85,8 @@ def test_fused_cpu_kernel_matches_reference(dtype, tol, cpu_tier):
     k_new = kc.view(HK, -1, D)[:, slots].transpose(0, 1)
     v_new = vc.view(HK, -1, D)[:, slots].transpose(0, 1)
     dev = torch.device("cpu")
-    plain = paged_attention(q, k_new, v_new, kc, vc, build_metadata(QUERY_LENS, CONTEXT_LENS, tables, slots, BS, dev),
-                            D**-0.5)
+    plain = paged_attention(q, k_new, v_new, kc, vc,
+                            build_metadata(QUERY_LENS, CONTEXT_LENS, tables, slots, BS, dev), D**-0.5)
     meta = build_metadata(QUERY_LENS, CONTEXT_LENS, tables, slots, BS, dev, fused=True)
     assert meta.fused_short is not None and not meta.short_groups
     fused = paged_attention(q, k_new, v_new, kc, vc, meta, D**-0.5)
@@ -113,7 +114,8 @@ def test_int8_linear_matches_dequantized_weights_on_every_path(dtype, tol, monke
     reference with x as the path sees it (its int8 codes on the dynamic path), plus fp32 sums."""
     gemv_rows, int_mm_rows = [], []
     real, real_dynamic = torch._weight_int8pack_mm, int8_weights.dynamic_int8_mm
-    monkeypatch.setattr(torch, "_weight_int8pack_mm", lambda x, w, s: gemv_rows.append(x.shape[0]) or real(x, w, s))
+    monkeypatch.setattr(torch, "_weight_int8pack_mm",
+                        lambda x, w, s: gemv_rows.append(x.shape[0]) or real(x, w, s))
     monkeypatch.setattr(int8_weights, "dynamic_int8_mm",
                         lambda x, *a: int_mm_rows.append(x.shape[0]) or real_dynamic(x, *a))
     # ours for bf16 rows, where it builds
@@ -121,7 +123,8 @@ def test_int8_linear_matches_dequantized_weights_on_every_path(dtype, tol, monke
     if ours is not None:
         spy = type("Spy", (), {"int8_gemv": staticmethod(lambda x, w, s: gemv_rows.append(x.shape[0])
                                                            or ours.int8_gemv(x, w, s))})()
-        monkeypatch.setattr(int8_weights, "_gemv_kernel", lambda scales: spy if scales.dtype is torch.bfloat16 else None)
+        monkeypatch.setattr(int8_weights, "_gemv_kernel",
+                            lambda scales: spy if scales.dtype is torch.bfloat16 else None)
     ours = cpp_build.enabled() and cpu_isa.at_least("avx2")  # our exact int8 product: VNNI or AVX2 madd
     gemv = [1, 3] if dtype == torch.float32 else [] if ours else [1]  # the GEMV's row counts at K = 384
     torch.manual_seed(0)
@@ -181,7 +184,8 @@ def test_fused_add_rms_norm_matches_hf_rounding(dtype, tol, width, cpu_tier):
     if dtype == torch.bfloat16:
         assert (out != want).float().mean().item() < 0.01, "a rare last-bit difference from the sum order at most"
     same, normed = rms_norm.add_rms_norm(x, None, weight, 1e-6)
-    assert same is x and (normed.float() - rms_norm.rms_norm_reference(x, weight, 1e-6).float()).abs().max() < tol
+    assert same is x and (normed.float() - rms_norm.rms_norm_reference(x, weight,
+                                                                       1e-6).float()).abs().max() < tol
 
 
 def gemv_tier() -> bool:
@@ -260,7 +264,8 @@ def test_bf16_rows_past_the_fp32_gemv_limit_widen_where_onednn_has_no_bf16(monke
 
     ext, calls = linear_kernels._gemv(), []
     if ext is not None:
-        spy = type("Spy", (), {"SUPPORTED": True, "GEMM_MAX_ROWS": ext.GEMM_MAX_ROWS, "bf16_gemv": staticmethod(
+        spy = type("Spy", (),
+                   {"SUPPORTED": True, "GEMM_MAX_ROWS": ext.GEMM_MAX_ROWS, "bf16_gemv": staticmethod(
             lambda x, w, b: calls.append(x.shape[0]) or ext.bf16_gemv(x, w, b))})()
         monkeypatch.setattr(linear_kernels, "_gemv", lambda: spy)
     g = torch.Generator().manual_seed(rows)
@@ -274,7 +279,8 @@ def test_bf16_rows_past_the_fp32_gemv_limit_widen_where_onednn_has_no_bf16(monke
     finally:
         options.reset()
     assert gemm == (64 if ext is not None and cpu_isa.tier() == "avx2" else 0)
-    assert calls == ([rows] if ext is not None and rows <= max(linear_kernels.MAX_GEMV_ROWS_FP32, gemm) else [])
+    assert calls == ([rows] if ext is not None and rows <= max(linear_kernels.MAX_GEMV_ROWS_FP32, gemm)
+                     else [])
     assert ((got.double() - want).abs() <= want.abs() * 2**-8 + 1e-5 * 200**0.5).all()
 
 
@@ -348,7 +354,8 @@ def test_every_cpu_kernel_builds_where_a_compiler_exists(source, cpu_tier):
     if not cpp_build.enabled() or shutil.which(cpp_build.options.current().cxx) is None:
         pytest.skip("SLUICE_CPU_KERNEL=0 or no C++ compiler: the torch paths serve")
     if source in cpp_build.EXTENSIONS:
-        assert cpp_build.load(cpp_build.EXTENSIONS[source], source) is not None, f"csrc/{source} did not build (see the warning)"
+        assert cpp_build.load(cpp_build.EXTENSIONS[source],
+                              source) is not None, f"csrc/{source} did not build (see the warning)"
         return
     name = source.removesuffix(".cpp")
     assert name in cpp_build.PARTS and source in cpp_build._sources(cpp_build.CORE), (

@@ -53,7 +53,8 @@ def merged_greedy(base: Path, adapter: Path | None, prompts: list[list[int]]) ->
 
 def prompts_of(n: int, seed: int = 3, lo: int = 3, hi: int = 60) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(4, 400, (int(k),), generator=g).tolist() for k in torch.randint(lo, hi, (n,), generator=g)]
+    return [torch.randint(4, 400, (int(k),), generator=g).tolist()
+            for k in torch.randint(lo, hi, (n,), generator=g)]
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +137,8 @@ def test_bad_adapters_are_rejected_by_name_and_the_rest_run(lora_case, tmp_path)
              "big": (too_big, "exceeds max_lora_rank (16)")}
     for i, (name, (path, reason)) in enumerate(cases.items()):
         with pytest.raises(RequestRejected, match=rf"adapter .{name}.*{re.escape(reason)}"):
-            engine.add_request(f"bad-{name}", prompts[0], GREEDY, lora_request=LoRARequest(name, 50 + i, str(path)))
+            engine.add_request(f"bad-{name}", prompts[0], GREEDY,
+                               lora_request=LoRARequest(name, 50 + i, str(path)))
     engine.add_request("good", prompts[1], GREEDY, lora_request=requests["qv4"])
     engine.add_request("base", prompts[2], GREEDY)
     engine.add_request("wrong", prompts[3], GREEDY, lora_request=LoRARequest("wrong", 60, str(wrong_base)))
@@ -177,7 +179,8 @@ def effective_weights(llm: LLM) -> dict[str, torch.Tensor]:
     from sluice.engine.lora.slots import LoRALinear, projection_shapes
 
     model, names = llm.engine.model, {"self_attn.qkv_proj": ["q_proj", "k_proj", "v_proj"],
-                                      "self_attn.o_proj": ["o_proj"], "mlp.gate_up_proj": ["gate_proj", "up_proj"],
+                                      "self_attn.o_proj": ["o_proj"],
+                                      "mlp.gate_up_proj": ["gate_proj", "up_proj"],
                                       "mlp.down_proj": ["down_proj"]}
     shapes = projection_shapes(model.config)
     out = {}

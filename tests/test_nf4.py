@@ -40,7 +40,8 @@ def reference_weight(packed: torch.Tensor, stats: dict[str, torch.Tensor]) -> to
         nb = meta["nested_blocksize"]
         codes = stats["nested_quant_map"].double()[stats["absmax"].long()]
         scale = stats["nested_absmax"].double().repeat_interleave(nb)[: codes.numel()]
-        absmax = (codes * scale).float().double() + torch.tensor(meta["nested_offset"], dtype=torch.float32).double()
+        absmax = (codes * scale).float().double() + torch.tensor(meta["nested_offset"],
+                                                                 dtype=torch.float32).double()
     b = packed.view(torch.uint8).reshape(-1)
     idx = torch.stack((b >> 4, b & 15), -1).reshape(-1).long()
     values = stats["quant_map"].double()[idx] * absmax.repeat_interleave(meta["blocksize"])
@@ -48,7 +49,8 @@ def reference_weight(packed: torch.Tensor, stats: dict[str, torch.Tensor]) -> to
 
 
 def weight(out_f: int, in_f: int, seed: int = 0) -> torch.Tensor:
-    w = (torch.randn(out_f, in_f, generator=torch.Generator().manual_seed(seed)) / in_f**0.5).to(torch.bfloat16)
+    w = (torch.randn(out_f, in_f,
+                     generator=torch.Generator().manual_seed(seed)) / in_f**0.5).to(torch.bfloat16)
     w[0, :64] = 0  # a block of zeros
     return w
 
@@ -113,8 +115,10 @@ def packed_linear(out_f: int, in_f: int, quant_type: str, nested: bool, bias: bo
     weight."""
     w = weight(out_f, in_f, seed)
     packed, stats = bnb_state(w, quant_type, nested)
-    b = torch.randn(out_f, generator=torch.Generator().manual_seed(seed + 1)).to(torch.bfloat16) if bias else None
-    mod = four_bit.Linear4bitCpu(packed, four_bit.State4bit.from_dict(copy.deepcopy(stats)), b, torch.bfloat16)
+    b = torch.randn(out_f,
+                    generator=torch.Generator().manual_seed(seed + 1)).to(torch.bfloat16) if bias else None
+    mod = four_bit.Linear4bitCpu(packed, four_bit.State4bit.from_dict(copy.deepcopy(stats)), b,
+                                 torch.bfloat16)
     assert mod.pack()
     return mod, reference_weight(packed, stats), b
 
@@ -181,7 +185,8 @@ def test_our_linear_and_bitsandbytes_linear4bit_are_equally_close_to_the_fp64_pr
     theirs = bnb.nn.Linear4bit(512, 256, bias=False, compute_dtype=torch.bfloat16, compress_statistics=True,
                                quant_type="nf4", device="meta")
     theirs.weight = bnb.nn.Params4bit(packed.clone(), requires_grad=False, quant_state=state, blocksize=64,
-                                      compress_statistics=True, quant_type="nf4", module=theirs, bnb_quantized=True)
+                                      compress_statistics=True, quant_type="nf4", module=theirs,
+                                      bnb_quantized=True)
     theirs.quant_state = state
     ours = four_bit.Linear4bitCpu(packed.clone(), four_bit.State4bit.from_dict(stats), None, torch.bfloat16)
     ref = reference_weight(packed, stats)
@@ -212,7 +217,7 @@ def test_a_cpu_int4_engine_never_imports_bitsandbytes(checkpoint_factory, tmp_pa
                               num_key_value_heads=1)
     quantize(ckpt, tmp_path / "int4", "int4", "nf4", True, dtype="bfloat16")
     for path, mode in ((tmp_path / "int4", "prequantized"), (ckpt, "load")):
-        run = subprocess.run([sys.executable, "-c", FRESH, str(path), mode], cwd=tmp_path, capture_output=True,
-                             text=True, timeout=600)
+        run = subprocess.run([sys.executable, "-c", FRESH, str(path), mode], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=600)
         assert run.returncode == 0, run.stderr[-3000:]
         assert "TOKENS 4 BNB False" in run.stdout, (mode, run.stdout[-2000:])

@@ -67,7 +67,8 @@ def check_bad_batch_fails_at_submit(client: Client, path, output: str) -> None:
 def shard_workers(client: Client, batch_id: str, shards: int) -> set[str]:
     """The names of the workers that ran the batch's shards."""
     return {
-        Job.fetch(shard_job_id(batch_id, n), connection=client.connection, serializer=JSONSerializer).worker_name
+        Job.fetch(shard_job_id(batch_id, n), connection=client.connection,
+                  serializer=JSONSerializer).worker_name
         for n in range(shards)
     }
 

@@ -42,7 +42,8 @@ def test_int4_tiles_match_the_dequantized_weight(monkeypatch, dtype, tol, with_b
     monkeypatch.setattr(int4, "MAX_INT4PACK_ROWS", 0)  # every row count through the tiles
     monkeypatch.setattr(int4, "TILE_BYTES", 64 * 128 * 4)  # several tiles per thread, the last one short
     tiles, real = [], int4._tile_kernel().int4_tile_mm
-    spy = type("Spy", (), {"int4_tile_mm": staticmethod(lambda x, *a: tiles.append(x.shape[0]) or real(x, *a))})
+    spy = type("Spy", (),
+               {"int4_tile_mm": staticmethod(lambda x, *a: tiles.append(x.shape[0]) or real(x, *a))})
     monkeypatch.setattr(int4, "_tile_kernel", lambda: spy)
     torch.manual_seed(0)
     for out_features in (90, 200, 333):  # none a multiple of the tile or of the packer's 64-row block
@@ -62,7 +63,8 @@ def test_int4_tiles_match_the_dequantized_weight(monkeypatch, dtype, tol, with_b
 @needs_kernel
 def test_int4_rows_past_the_threshold_take_the_tiles_and_agree_with_int4pack(monkeypatch):
     tiles, real = [], int4._tile_kernel().int4_tile_mm
-    spy = type("Spy", (), {"int4_tile_mm": staticmethod(lambda x, *a: tiles.append(x.shape[0]) or real(x, *a))})
+    spy = type("Spy", (),
+               {"int4_tile_mm": staticmethod(lambda x, *a: tiles.append(x.shape[0]) or real(x, *a))})
     monkeypatch.setattr(int4, "_tile_kernel", lambda: spy)
     torch.manual_seed(0)
     packed = int4.pack(torch.randn(256, 256), torch.bfloat16, "int4pack")
@@ -70,7 +72,8 @@ def test_int4_rows_past_the_threshold_take_the_tiles_and_agree_with_int4pack(mon
     for m in (1, limit, limit + 1, 64):
         x = torch.randn(m, 256).bfloat16()
         got = int4.int4_linear(x, packed)
-        pack_mm = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed.packed, int4.GROUP, packed.scales_zeros)
+        pack_mm = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed.packed, int4.GROUP,
+                                                             packed.scales_zeros)
         assert rel_err(got, pack_mm.double()) < 1e-2
     assert tiles == [limit + 1, 64], "int4pack up to MAX_INT4PACK_ROWS rows, the tiles above"
 
@@ -119,7 +122,8 @@ def test_our_int8_x_int4_product_is_the_w4a8_sum_and_close_to_the_dequantized_we
     assert kernel is not None and kernel.VNNI == ("-mavx512vnni" in cpu_isa.compile_flags(cpu_tier))
     spy = type("Spy", (), {
         "VNNI": kernel.VNNI, "W4A8": True,
-        "int4_vnni_mm": staticmethod(lambda x, *a: calls.append(("mm", x.shape[0])) or kernel.int4_vnni_mm(x, *a)),
+        "int4_vnni_mm": staticmethod(lambda x, *a: calls.append(("mm", x.shape[0]))
+                                     or kernel.int4_vnni_mm(x, *a)),
         "int4_vnni_int8_mm": staticmethod(
             lambda x, *a: calls.append(("int8", x.shape[0])) or kernel.int4_vnni_int8_mm(x, *a))})
     monkeypatch.setattr(int4, "_tile_kernel", lambda: spy)
@@ -198,7 +202,8 @@ def test_our_int8_gemv_serves_bf16_rows_and_rounds_as_torchs(monkeypatch, cpu_ti
             assert (got.double() - want).abs().max() <= (theirs.double() - want).abs().max() * 1.01 + 1e-3, (n, k, m)
     assert calls == list(range(1, int8.BF16_GEMV_ROWS + 1)) * 3
     for k in (40, 200):  # any K (torch's GEMV needs K % 16 == 0): exact to bf16 rounding
-        qweight, scales = torch.randint(-128, 128, (50, k), dtype=torch.int8), torch.rand(50).to(torch.bfloat16)
+        qweight, scales = torch.randint(-128, 128, (50, k),
+                                        dtype=torch.int8), torch.rand(50).to(torch.bfloat16)
         x = torch.randn(3, k, dtype=torch.bfloat16)
         want = (x.double() @ qweight.double().T) * scales.double()
         assert rel_err(ext.int8_gemv(x, qweight, scales), want) < 4e-3
@@ -232,7 +237,8 @@ def test_the_torch_int8_path_is_exact_where_onednn_saturates(monkeypatch):
     included)."""
     monkeypatch.setattr(int8, "_fused", lambda: None)
     g = torch.Generator().manual_seed(2)
-    qweight, scales = torch.randint(-127, 128, (200, 384), dtype=torch.int8, generator=g), torch.rand(200) / 50
+    qweight, scales = torch.randint(-127, 128, (200, 384), dtype=torch.int8,
+                                    generator=g), torch.rand(200) / 50
     rows = torch.randn(5, 384, generator=g).to(torch.bfloat16)
     want = rows.double() @ (qweight.double() * scales.double()[:, None]).T
     assert rel_err(int8.dynamic_int8_mm(rows, qweight, scales.to(torch.bfloat16)), want) < 2e-2
@@ -289,11 +295,13 @@ def test_our_int8_matmul_is_exact_at_extreme_codes_and_tails(cpu_tier):
 
 def _dynamic_rows_take_our_int8_mm(monkeypatch, fused) -> None:
     calls, real = [], fused.int8_mm
-    spy = type("Spy", (), {"quantize_rows": staticmethod(fused.quantize_rows), "int8_rescale": staticmethod(fused.int8_rescale),
+    spy = type("Spy", (), {"quantize_rows": staticmethod(fused.quantize_rows),
+                           "int8_rescale": staticmethod(fused.int8_rescale),
                            "int8_mm": staticmethod(lambda x, w: calls.append(x.shape[0]) or real(x, w)),
                            "VNNI": fused.VNNI})
     monkeypatch.setattr(int8, "_fused", lambda: spy)
-    qweight, scales = torch.randint(-127, 128, (96, 256), dtype=torch.int8), (torch.rand(96) / 50).to(torch.bfloat16)
+    qweight, scales = torch.randint(-127, 128, (96, 256),
+                                    dtype=torch.int8), (torch.rand(96) / 50).to(torch.bfloat16)
     first = int8.gemv_rows(torch.bfloat16) + 1
     assert first == (1 if fused.VNNI or cpu_isa.at_least("avx2") else int8.BF16_GEMV_ROWS + 1)
     for m in (first, 8, fused.VNNI_MAX_ROWS, fused.VNNI_MAX_ROWS + 1):
@@ -463,7 +471,8 @@ def test_int4_prefill_rows_widen_the_dequantized_weight_where_onednn_has_no_bf16
     kernel, calls, limit = int4.vnni_kernel(), [], int4.WIDEN_MIN_ROWS
     spy = type("Spy", (), {
         "VNNI": kernel.VNNI, "W4A8": True, "int4_vnni_dequant": staticmethod(kernel.int4_vnni_dequant),
-        "int4_vnni_mm": staticmethod(lambda x, *a: calls.append(("mm", x.shape[0])) or kernel.int4_vnni_mm(x, *a)),
+        "int4_vnni_mm": staticmethod(lambda x, *a: calls.append(("mm", x.shape[0]))
+                                     or kernel.int4_vnni_mm(x, *a)),
         "int4_vnni_int8_mm": staticmethod(
             lambda x, *a: calls.append(("int8", x.shape[0])) or kernel.int4_vnni_int8_mm(x, *a))})
     monkeypatch.setattr(int4, "_tile_kernel", lambda: spy)
@@ -506,12 +515,14 @@ def test_llm_int8_epilogue_passes_are_bitsandbytes_arithmetic_on_every_tier(cpu_
         return
     assert fused.BNB_INT8_EPILOGUE
     g = torch.Generator().manual_seed(0)
-    for m, k, n, spikes in ((1, 64, 48, 1), (3, 40, 17, 2), (16, 96, 333, 5), (65, 64, 100, 0), (9, 64, 40, 64),
+    for m, k, n, spikes in ((1, 64, 48, 1), (3, 40, 17, 2), (16, 96, 333, 5), (65, 64, 100, 0),
+                            (9, 64, 40, 64),
                             (20, 128, 24, 100)):  # blocks of 8 rows and a rest; every column an outlier
         acc = torch.randint(-(2**20), 2**20, (m, n), generator=g, dtype=torch.int32)
         row, col = torch.rand(m, generator=g) * 8, torch.rand(n, generator=g) * 0.2
         for bias in (None, torch.randn(n, generator=g).to(torch.bfloat16)):
-            want = torch.ops.bitsandbytes.int8_mm_dequant.default(acc, row, col, dtype=torch.bfloat16, bias=bias)
+            want = torch.ops.bitsandbytes.int8_mm_dequant.default(acc, row, col, dtype=torch.bfloat16,
+                                                                  bias=bias)
             assert torch.equal(fused.bnb_int8_dequant(acc, row, col, bias), want), (m, n, bias is None)
         x = torch.randn(m, k, generator=g).to(torch.bfloat16)
         cb = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)

@@ -30,7 +30,8 @@ def test_int8_outlier_product_is_bitsandbytes_arithmetic():
     ours = int8_weights._fused() is not None and int8_weights._fused().BNB_INT8_EPILOGUE
     g = torch.Generator().manual_seed(0)
     for out_features in (96, 100):
-        cb, scb = ops.int8_vectorwise_quant.default((torch.randn(out_features, 64, generator=g) * 0.05).half())[:2]
+        cb, scb = ops.int8_vectorwise_quant.default((torch.randn(out_features, 64,
+                                                                 generator=g) * 0.05).half())[:2]
         for rows, spikes in ((1, 2), (3, 1), (17, 5), (40, 0), (70, 12)):
             a = torch.randn(rows, 64, generator=g).to(torch.bfloat16)
             a[:, :spikes] *= 40  # columns with an outlier
@@ -118,7 +119,8 @@ def mid_llama(tmp_path_factory) -> Path:
     from tests.checkpoints import make_checkpoint
 
     return make_checkpoint(tmp_path_factory.mktemp("mid"), dtype=torch.bfloat16, hidden_size=512,
-                           intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4)
+                           intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8,
+                           num_key_value_heads=4)
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
@@ -129,7 +131,8 @@ def test_a_quantized_load_keeps_no_float_copy_of_its_weights(mid_llama, mode):
     the full-precision weights the load read, and any transient float copy made while quantizing, are released
     (a float copy of the linears would add more than twice this slack)."""
     out = subprocess.run([sys.executable, "-c", FLOAT_COPY_CHECK, str(mid_llama), mode], cwd=ROOT,
-                         capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                         capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["linears"] == 6 * 7 and got["float_copies"] == [], got

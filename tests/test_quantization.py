@@ -211,7 +211,8 @@ def test_int8_kv_cache_close_to_fp32_and_holds_twice_the_tokens(ckpt):
     assert err < 0.02
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     got, want = (llm.generate(PROMPTS, params, progress=False) for llm in (int8, plain))
-    same = sum(a == b for g, w in zip(got, want, strict=True) for a, b in zip(g.token_ids, w.token_ids, strict=True))
+    same = sum(a == b for g, w in zip(got, want, strict=True)
+               for a, b in zip(g.token_ids, w.token_ids, strict=True))
     assert same >= 0.8 * len(PROMPTS) * params.max_tokens
     c = ModelConfig.from_hf(read_config(ckpt))
     bf16 = LLM(ckpt, **{**kw, "dtype": "bfloat16"})
@@ -289,7 +290,8 @@ def test_a_quantized_worker_never_asks_the_hub(ckpt, tmp_path, redis_server):
     backend asks the Hub for a kernel (HF `kernels` installed, an AVX512-BF16 CPU)."""
     quantize(ckpt, tmp_path / "int4", "int4", dtype="bfloat16")
     env = {k: v for k, v in worker_env(redis_server.url).items() if k not in ("HF_HUB_OFFLINE", "PYTHONPATH")}
-    args = ["--model", str(tmp_path / "int4"), "--dtype", "bfloat16", "--device", "cpu", "--burst", "--no-webhooks"]
+    args = ["--model", str(tmp_path / "int4"), "--dtype", "bfloat16", "--device", "cpu", "--burst",
+            "--no-webhooks"]
     assert audited(WORKER, args, tmp_path, env) == ["WORKER 0 False", "HOSTS []"]
     asks, online = audited(BNB, [], tmp_path, env | {"HF_HUB_OFFLINE": "0"})
     assert online == ("HOSTS ['huggingface.co']" if asks == "ASKS True" else "HOSTS []"), (asks, online)
@@ -381,11 +383,12 @@ def test_an_int8_engine_on_cpu_never_imports_bitsandbytes(ckpt, tmp_path):
     """A fresh process loads int8 (LLM.int8()) models on CPU, quantized while loading and pre-quantized (our
     checkpoint in transformers' bitsandbytes format), generates, and has not imported bitsandbytes."""
     quantize(ckpt, tmp_path, "int8", dtype="bfloat16")
-    out = subprocess.run([sys.executable, "-c", NO_BNB, str(ckpt), str(tmp_path)], capture_output=True, text=True,
-                         timeout=600)
+    out = subprocess.run([sys.executable, "-c", NO_BNB, str(ckpt), str(tmp_path)], capture_output=True,
+                         text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     linears = 7 * ModelConfig.from_hf(read_config(ckpt)).num_layers
-    assert [line for line in out.stdout.splitlines() if line.startswith("RUN")] == [f"RUN {linears} [4, 4] False"] * 2
+    assert [line for line in out.stdout.splitlines()
+            if line.startswith("RUN")] == [f"RUN {linears} [4, 4] False"] * 2
 
 
 def test_int8_checkpoint_holds_what_bitsandbytes_writes_and_transformers_loads_it(ckpt, tmp_path):

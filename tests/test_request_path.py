@@ -65,7 +65,8 @@ def test_a_request_is_validated_at_the_edge_and_rebuilt_without_validation(monke
     prompt, params = prepare(None, completion, served=set())
     assert prompt == "hi" and params.max_tokens == 3
     assert completion.parsed_body() is completion.parsed_body()
-    assert counts == {"CompletionBody": 2, "ChatBody": 1}, "the worker builds the typed body once, and keeps it"
+    assert counts == {"CompletionBody": 2,
+                      "ChatBody": 1}, "the worker builds the typed body once, and keeps it"
 
 
 def test_a_forged_body_fails_only_its_own_request_in_the_worker():

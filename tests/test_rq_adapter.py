@@ -160,7 +160,8 @@ def test_a_job_s_way_through_the_adapter_s_steps(redis_url):
     assert dequeued.id == job.id and rq_adapter.in_queue(connection, queue, job.id)
     assert rq_adapter.dequeue_now(worker) is None
     execution = rq_adapter.start_execution(worker, dequeued)
-    assert not rq_adapter.in_queue(connection, queue, job.id) and origin_and_status() == [b"default", b"started"]
+    assert not rq_adapter.in_queue(connection, queue,
+                                   job.id) and origin_and_status() == [b"default", b"started"]
     assert job.id in queue.started_job_registry
     with connection.pipeline() as pipe:
         rq_adapter.end_execution(worker, dequeued, execution, pipe)

@@ -77,14 +77,15 @@ def test_fused_sampler_picks_the_torch_paths_tokens(dtype):
     torch.manual_seed(0)
     logits = (torch.randn(rows, vocab + 7) * 4).to(dtype)
     logits[::7, vocab:] = 50.0  # past the bitmask: only the torch path's own rule keeps or drops these
-    reqs = [Request(str(i), [1, 2], SamplingParams(temperature=(0.0, 0.3, 1.0, 1.7)[i % 4], top_k=(i % 11 == 5),
-                                                   seed=None if i % 3 == 0 else i)) for i in range(rows)]
+    reqs = [Request(str(i), [1, 2],
+                    SamplingParams(temperature=(0.0, 0.3, 1.0, 1.7)[i % 4], top_k=(i % 11 == 5),
+                                   seed=None if i % 3 == 0 else i)) for i in range(rows)]
     bitmask = torch.randint(-(2**31), 2**31, (rows, (vocab + 31) // 32), dtype=torch.int32)
     bitmask[1::5] = 0  # rows that allow nothing below `vocab`
     for masked in ([], [i for i in range(rows) if i % 4 != 1]):
         assert masked_sample.serves(logits)
-        fused = fused_sample(logits, reqs, torch.Generator().manual_seed(9), (masked, bitmask) if masked else None,
-                             vocab)
+        fused = fused_sample(logits, reqs, torch.Generator().manual_seed(9),
+                             (masked, bitmask) if masked else None, vocab)
         expected = _torch_path(logits, reqs, torch.Generator().manual_seed(9), masked, bitmask, vocab)
         assert torch.equal(fused, expected)
 

@@ -59,7 +59,8 @@ def test_usage_grows_with_finished_shards_while_in_progress(stack):
     client = stack.openai(stack.key("usage"))
     lines = [completion(i, max_tokens=32, ignore_eos=True) for i in range(64)]
     uploaded = client.files.create(file=jsonl(lines), purpose="batch")
-    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions",
+                                  completion_window="24h")
     running = []
     while (seen := client.batches.retrieve(batch.id)).status in ("validating", "in_progress"):
         if seen.status == "in_progress" and seen.usage and seen.usage.output_tokens:
@@ -288,7 +289,8 @@ def typed_list(raw, model, paged: bool = True) -> list:
     body = json.loads(raw.text)
     assert body["object"] == "list", body
     if paged:  # cursor pages (files, batches); the models list has none
-        assert isinstance(body["has_more"], bool) and body["first_id"] == (body["data"][0]["id"] if body["data"] else None)
+        assert isinstance(body["has_more"],
+                          bool) and body["first_id"] == (body["data"][0]["id"] if body["data"] else None)
     return [model.model_validate(item) for item in body["data"]]
 
 
@@ -302,7 +304,8 @@ def test_every_route_through_the_openai_package_answers_its_types(stack):
     upload = typed(raw.files.create(file=jsonl(lines), purpose="batch"), FileObject)
     assert upload.purpose == "batch" and upload.status == "processed"
     assert typed(raw.files.retrieve(upload.id), FileObject) == upload
-    assert [f.id for f in typed_list(raw.files.list(purpose="batch", limit=5, order="asc"), FileObject)] == [upload.id]
+    assert [f.id for f in typed_list(raw.files.list(purpose="batch", limit=5, order="asc"),
+                                     FileObject)] == [upload.id]
     assert raw.files.content(upload.id).text.splitlines() == [json.dumps(line) for line in lines]
     batch = typed(raw.batches.create(input_file_id=upload.id, endpoint="/v1/completions",
                                      completion_window="24h", metadata={"k": "v"}), Batch)  # fmt: skip

@@ -124,10 +124,12 @@ def check_output_link(browser, wait, link: str, secret: str) -> None:
     assert cookie["httpOnly"] and cookie["sameSite"] == "Strict" and secret not in cookie["value"]
     assert requests.get(link, cookies={"sluice_session": cookie["value"]}).status_code == 200
     api_link = link.replace("/dashboard/files/", "/v1/files/")
-    assert requests.get(api_link, cookies={"sluice_session": cookie["value"]}).status_code == 401, "API: header only"
+    assert requests.get(api_link,
+                        cookies={"sluice_session": cookie["value"]}).status_code == 401, "API: header only"
     browser.find_element(By.ID, "logout").click()
     wait.until(lambda d: d.find_elements(By.ID, "key"))
-    assert requests.get(link, cookies={"sluice_session": cookie["value"]}).status_code == 401, "logout ends it"
+    assert requests.get(link,
+                        cookies={"sluice_session": cookie["value"]}).status_code == 401, "logout ends it"
 
 
 def test_dashboard_shows_live_progress(stack, browser, tmp_path):

@@ -33,8 +33,8 @@ def bare_env(redis_url: str, **extra: str) -> dict[str, str]:
 
 
 def launch_worker(cwd: Path, env: dict[str, str], metrics_port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "sluice.worker", "--model", str(MODEL), "--dtype", "float32", "--device", "cpu",
-           "--max-num-seqs", "8", "--metrics-port", str(metrics_port)]  # fmt: skip
+    cmd = [sys.executable, "-m", "sluice.worker", "--model", str(MODEL), "--dtype", "float32", "--device",
+           "cpu", "--max-num-seqs", "8", "--metrics-port", str(metrics_port)]  # fmt: skip
     with open(cwd / "worker.log", "ab") as log:
         return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT)
 

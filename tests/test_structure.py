@@ -112,8 +112,8 @@ def top(module: str) -> str:
 
 def test_graph_is_read():
     graph = import_graph()
-    names = {"sluice.engine.engine", "sluice.contract.batch", "sluice.producer.client", "sluice.worker.worker",
-             "sluice.cli.main"}
+    names = {"sluice.engine.engine", "sluice.contract.batch", "sluice.producer.client",
+             "sluice.worker.worker", "sluice.cli.main"}
     assert names <= set(graph)
     assert "sluice.contract.batch" in graph["sluice.worker.worker"]
     assert "sluice.producer.client" in graph["sluice.cli.batch_commands"]
@@ -282,12 +282,14 @@ def test_the_function_length_count_sees_long_and_nested_functions():
     body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES - 1))
     assert long_functions(f"@decorator\ndef fits():\n{body}") == []
     assert long_functions(f"def long():\n{body}    return 0\n") == [f"<source>:1 long ({MAX_FUNCTION_LINES + 1} lines)"]
-    nested = "class C:\n    async def outer(self):\n        def inner():\n" + body.replace("    ", "            ")
+    nested = "class C:\n    async def outer(self):\n        def inner():\n" + body.replace(
+        "    ", "            ")
     assert [f.split()[1] for f in long_functions(nested + "            return 0\n")] == ["outer", "inner"]
 
 
 def test_functions_are_at_most_40_lines():
-    tracked = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True, check=True)
+    tracked = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True,
+                             check=True)
     paths = [ROOT / name for name in tracked.stdout.split()]
     assert len(paths) > 100, "git ls-files lists the tracked Python files"
     offenders = [f for path in paths if path.is_file()
@@ -297,7 +299,8 @@ def test_functions_are_at_most_40_lines():
 
 def private_names(source: str) -> set[str]:
     """The `_name`s (dunders aside) a source defines or reaches as attributes."""
-    found = {node.attr if isinstance(node, ast.Attribute) else node.name for node in ast.walk(ast.parse(source))
+    found = {node.attr if isinstance(node, ast.Attribute) else node.name
+             for node in ast.walk(ast.parse(source))
              if isinstance(node, ast.Attribute | ast.FunctionDef | ast.AsyncFunctionDef)}  # fmt: skip
     return {name for name in found if name.startswith("_") and not name.startswith("__")}
 
@@ -336,7 +339,8 @@ def rq_reaches(sources: dict[str, str], steps: tuple[str, ...]) -> list[str]:
             for node in ast.walk(tree):
                 if isinstance(node, ast.ClassDef):
                     names = [getattr(b, "id", None) for b in node.bases]
-                    inherited = [rq_class_privates(imported[n]) if n in imported else classes.get(n) for n in names]
+                    inherited = [rq_class_privates(imported[n]) if n in imported else classes.get(n)
+                                 for n in names]
                     if any(i is not None for i in inherited):
                         classes[node.name] = set().union(*(i for i in inherited if i is not None))
     return [f"{file}:{line} {what}" for file, tree in trees.items()
@@ -405,7 +409,8 @@ def calls_without_s3_style(source: str) -> list[str]:
 
     found = []
     for node in ast.walk(ast.parse(source)):
-        name = getattr(node, "func", None) and (getattr(node.func, "id", None) or getattr(node.func, "attr", None))
+        name = getattr(node, "func",
+                       None) and (getattr(node.func, "id", None) or getattr(node.func, "attr", None))
         if name in S3_OPENERS:
             position = list(inspect.signature(getattr(storage, name)).parameters).index("s3_style")
             if len(node.args) <= position and "s3_style" not in [k.arg for k in node.keywords]:
@@ -417,8 +422,10 @@ def test_every_storage_opened_outside_the_contract_gets_the_s3_style_from_settin
     """The S3 addressing style is Settings' (SLUICE_S3_ADDRESSING_STYLE), passed down: every call that opens a
     storage outside contract/storage.py names one."""
     sample = "open_storage(url)\nsplit_url(u, s3_style=s)\nread_url(u, None, s)\nS3Storage(b, 'p')\nfoo(u)\n"
-    assert [f.split(" ", 1)[1] for f in calls_without_s3_style(sample)] == ["open_storage(url)", "S3Storage(b, 'p')"]
-    files = [p for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py")) if p.name != "storage.py"]
+    assert [f.split(" ", 1)[1] for f in calls_without_s3_style(sample)] == ["open_storage(url)",
+                                                                            "S3Storage(b, 'p')"]
+    files = [p for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py"))
+             if p.name != "storage.py"]
     found = {str(p.relative_to(ROOT)): calls_without_s3_style(p.read_text()) for p in files}
     assert sum(map(len, found.values())) == 0, {k: v for k, v in found.items() if v}
     assert len(files) > 100
@@ -462,9 +469,11 @@ def library_patches(source: str) -> list[str]:
         targets = {ast.Assign: lambda n: n.targets, ast.AugAssign: lambda n: [n.target],
                    ast.AnnAssign: lambda n: [n.target], ast.Delete: lambda n: n.targets}.get(type(node), lambda n: [])(node)  # fmt: skip
         found += [ast.unparse(t) for t in targets if isinstance(t, ast.Attribute) and owned(t.value)]
-        found += [ast.unparse(t) for t in targets if isinstance(t, ast.Subscript) and ast.unparse(t.value) == "sys.modules"
+        found += [ast.unparse(t) for t in targets if isinstance(t, ast.Subscript)
+                  and ast.unparse(t.value) == "sys.modules"
                   and any(lib in ast.unparse(t.slice) for lib in PATCHED_LIBRARIES)]  # fmt: skip
-        if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("setattr", "delattr") and node.args:
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("setattr",
+                                                                             "delattr") and node.args:
             found += [ast.unparse(node)] if owned(node.args[0]) else []
     return found
 
@@ -499,7 +508,8 @@ def test_models_are_built_without_their_random_init_and_without_patching_torch()
     before = {name: getattr(torch.nn.init, name) for name in dir(torch.nn.init)}
     state = torch.random.get_rng_state()
     model = build_model(ModelConfig.from_hf(read_config(str(ROOT / "models" / "sluice-tiny"))))
-    assert torch.equal(torch.random.get_rng_state(), state) and sum(p.numel() for p in model.parameters()) > 10**6
+    assert torch.equal(torch.random.get_rng_state(),
+                       state) and sum(p.numel() for p in model.parameters()) > 10**6
     with skip_init():
         weight = torch.full((4, 4), 7.0)
         torch.nn.init.kaiming_uniform_(weight, a=5**0.5)

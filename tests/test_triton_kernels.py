@@ -77,7 +77,8 @@ def check_attention(query_lens, context_lens, group, dtype, splits, int8=False, 
     n = sum(query_lens)
     assert (got[:n].float() - want.float()).abs().max().item() < TOL[dtype]
     assert (flat[:n].float() - want.float()).abs().max().item() < TOL[dtype]
-    assert torch.equal(got[n:], torch.zeros_like(got[n:])) and torch.equal(flat[n:], torch.zeros_like(flat[n:]))
+    assert torch.equal(got[n:], torch.zeros_like(got[n:])) and torch.equal(flat[n:],
+                                                                           torch.zeros_like(flat[n:]))
 
 
 @pytest.mark.parametrize("group", [1, 3, 4])

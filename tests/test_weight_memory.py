@@ -39,7 +39,8 @@ def _collapse_supported() -> bool:
 def mid_llama(tmp_path_factory) -> Path:
     """A bf16 llama of ~20 MB: several huge pages of weights."""
     return make_checkpoint(tmp_path_factory.mktemp("mid"), dtype=torch.bfloat16, hidden_size=512,
-                           intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4)
+                           intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
+                           num_key_value_heads=4)
 
 
 def _llm(path: Path, **kw) -> LLM:
@@ -63,14 +64,16 @@ def test_weights_live_in_one_arena_of_huge_pages_and_decode_the_same(mid_llama, 
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     prompts = [[5, 9, 2, 7, 11, 3], [8, 1, 4]]
     assert not arena.settled.is_set()
-    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in plain.generate(prompts, params)]
+    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids
+                                                                    for o in plain.generate(prompts, params)]
     assert arena.settled.wait(60)
     assert arena.collapse_nice == COLLAPSE_NICE > os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     smaps = _mapping(arena.data_ptr())
     assert smaps["Rss"] * 1024 <= arena.used + 2 * HUGE_PAGE < arena.capacity  # the slack is never committed
     if _collapse_supported():
         assert smaps["AnonHugePages"] * 1024 >= (arena.used // HUGE_PAGE - 1) * HUGE_PAGE
-    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in plain.generate(prompts, params)]
+    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids
+                                                                    for o in plain.generate(prompts, params)]
 
 
 @pytest.mark.parametrize("pace", [60.0, 0.01])
@@ -98,7 +101,8 @@ def test_the_huge_page_collapse_waits_while_the_engine_has_work(mid_llama, monke
 
 def test_a_draft_models_weights_settle_too(mid_llama):
     """A draft model loads into an arena of its own, settled with the target's after the first step."""
-    llm = _llm(mid_llama, speculative={"method": "draft", "model": str(mid_llama), "num_speculative_tokens": 2})
+    llm = _llm(mid_llama,
+               speculative={"method": "draft", "model": str(mid_llama), "num_speculative_tokens": 2})
     arenas = [llm.engine.model.weight_arena, llm.engine.proposer.runner.model.weight_arena]
     assert arenas[0] is not arenas[1] and not any(a.settled.is_set() for a in arenas)
     llm.generate([[5, 9, 2, 7]], SamplingParams(max_tokens=4, temperature=0))
@@ -153,7 +157,8 @@ def test_the_arena_is_the_map_reserved_and_faulted_in_before_the_load(mid_llama)
     plain = _llm(mid_llama, huge_pages=False)
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     prompts = [[5, 9, 2, 7, 11, 3]]
-    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in plain.generate(prompts, params)]
+    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids
+                                                                    for o in plain.generate(prompts, params)]
     assert arena.prefaulted == reservation.fault  # the first step settled the arena, its reservation finished
 
 
@@ -176,7 +181,8 @@ def test_the_weights_read_ahead_are_the_models_own(mid_llama):
     plain = _llm(mid_llama, huge_pages=False)
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     prompts = [[5, 9, 2, 7, 11, 3]]
-    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in plain.generate(prompts, params)]
+    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids
+                                                                    for o in plain.generate(prompts, params)]
     for name, p in plain.engine.model.named_parameters():
         assert torch.equal(p, model.get_parameter(name)), name
 
@@ -199,7 +205,8 @@ def test_a_sharded_checkpoint_is_read_ahead_across_its_files(tmp_path):
     """A checkpoint in several safetensors files (an index naming them) is read ahead file by file; the load
     takes every tensor where it lies and decodes as one loaded without."""
     path = make_checkpoint(tmp_path / "sharded", dtype=torch.bfloat16, hidden_size=256, intermediate_size=768,
-                           num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, max_shard_size="2MB")
+                           num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                           max_shard_size="2MB")
     files = weight_reserve.safetensors_files(path)
     assert len(files) > 2 and (path / "model.safetensors.index.json").is_file()
     reservation = _reserve(path, "BF16")
@@ -217,7 +224,8 @@ def test_a_read_ahead_that_fails_part_way_leaves_the_rest_to_the_loader(mid_llam
     the checkpoint's."""
     calls = weight_reserve.read_calls
     monkeypatch.setattr(weight_reserve, "READ_CALL", 1 << 16)
-    monkeypatch.setattr(weight_reserve, "read_calls", lambda slots: [*calls(slots)[:3], ("gone", 0, [("x", 8)])])
+    monkeypatch.setattr(weight_reserve, "read_calls",
+                        lambda slots: [*calls(slots)[:3], ("gone", 0, [("x", 8)])])
     reservation = _reserve(mid_llama, "BF16")
     reservation._thread.join(60)
     llm = _llm(mid_llama, weight_reservation=reservation)
@@ -305,7 +313,8 @@ def test_a_prequantized_checkpoints_state_is_read_ahead_and_handed_back(mid_llam
     are a plain load's."""
     from sluice.cli.quantize import quantize
 
-    quant = {"int8": ("int8", "nf4", False), "int4-nf4": ("int4", "nf4", False), "int4-fp4-double": ("int4", "fp4", True)}
+    quant = {"int8": ("int8", "nf4", False), "int4-nf4": ("int4", "nf4", False),
+             "int4-fp4-double": ("int4", "fp4", True)}
     quantize(mid_llama, tmp_path, *quant[mode], dtype="bfloat16")
     reservation = _reserve(tmp_path, "BF16")
     passing = {n: s for n, s in reservation.slots.items() if s.transient}
@@ -317,7 +326,8 @@ def test_a_prequantized_checkpoints_state_is_read_ahead_and_handed_back(mid_llam
     llm = _llm(tmp_path, weight_reservation=reservation)
     model, arena = llm.engine.model, llm.engine.model.weight_arena
     assert set(reservation.slots) == reservation.read
-    assert set(reservation.slots) - reservation.taken == {n for n in reservation.slots if n.endswith(".weight_format")}
+    assert set(reservation.slots) - reservation.taken == {n for n in reservation.slots
+                                                          if n.endswith(".weight_format")}
     assert all(arena.holds(t) and not arena.passing(t) for t in [*model.parameters(), *model.buffers()])
     plain = _llm(tmp_path, huge_pages=False)
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)

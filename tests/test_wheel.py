@@ -26,8 +26,8 @@ from sluice.kernels import cpp_build, cpu_isa
 from tests.checkpoints import make_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = ("pyproject.toml", "setup.py", "build_backend", "MANIFEST.in", "README.md", "sluice", "engine", "kernels",
-           "contract", "producer", "worker", "cli")
+SOURCES = ("pyproject.toml", "setup.py", "build_backend", "MANIFEST.in", "README.md", "sluice", "engine",
+           "kernels", "contract", "producer", "worker", "cli")
 # The Python the wheel's venv runs on: the one running the tests (torch's CPU wheel on this disk is for it; a
 # second version would pull torch's CUDA build, several GB, from the registry).
 PYTHON = Path(getattr(sys, "_base_executable", sys.executable))
@@ -71,7 +71,8 @@ def _run(*cmd: str | Path, cwd: Path | None = None, env: dict | None = None) -> 
 
 
 def _run_both(*cmd: str | Path, cwd: Path | None = None, env: dict | None = None) -> tuple[str, str]:
-    result = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=2400)
+    result = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True,
+                            timeout=2400)
     assert result.returncode == 0, f"{cmd}: {result.stdout[-2000:]}\n{result.stderr[-4000:]}"
     return result.stdout, result.stderr
 
@@ -163,7 +164,8 @@ def test_the_wheel_carries_every_kernel_source_and_header(wheel):
     csrc = sorted(p.name for p in (ROOT / "kernels" / "csrc").iterdir() if p.is_file())
     assert any(name.endswith(".h") for name in csrc) and any(name.endswith(".cpp") for name in csrc)
     assert [n for n in csrc if f"sluice/kernels/csrc/{n}" not in names] == []
-    assert not any(n.split("/")[0] in ("engine", "kernels", "worker", "producer", "contract", "cli") for n in names)
+    assert not any(n.split("/")[0] in ("engine", "kernels", "worker", "producer", "contract", "cli")
+                   for n in names)
 
 
 def test_the_wheel_carries_one_prebuilt_object_per_tier_and_a_manifest(wheel):
@@ -193,9 +195,10 @@ def test_the_wheel_carries_one_prebuilt_object_per_tier_and_a_manifest(wheel):
 def _env(cache: Path, **extra: str) -> dict[str, str]:
     """The environment of a process in the wheel's venv: nothing of this checkout's, `cache` as the kernel
     cache."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV", "TORCH_EXTENSIONS"))}
-    return env | {"TORCH_EXTENSIONS_DIR": str(cache / "torch"), "XDG_CACHE_HOME": str(cache), "HF_HUB_OFFLINE": "1",
-                  **extra}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PYTHON", "VIRTUAL_ENV", "TORCH_EXTENSIONS"))}
+    return env | {"TORCH_EXTENSIONS_DIR": str(cache / "torch"), "XDG_CACHE_HOME": str(cache),
+                  "HF_HUB_OFFLINE": "1", **extra}
 
 
 PREBUILT_CHILD = """
@@ -237,7 +240,8 @@ def test_installed_wheel_generates_on_its_prebuilt_kernels_with_no_compiler(inst
     assert got["tokens"] == ours[0].token_ids and len(got["tokens"]) == 8
 
 
-def test_installed_wheel_with_a_mismatched_manifest_builds_visibly_beside_current_transformers(installed, tmp_path):
+def test_installed_wheel_with_a_mismatched_manifest_builds_visibly_beside_current_transformers(
+    installed, tmp_path):
     """From a folder outside the checkout, the wheel's objects with another torch in their manifest: the hub's
     `kernels` is importable as itself, our bare names are not, the attention kernel builds from the venv's
     copy of csrc/ into the kernel cache with a line saying so (tier, where, about how long, why), carries

@@ -36,7 +36,8 @@ scalars = st.one_of(
     st.text(max_size=20),
 )
 json_values = st.recursive(
-    scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
     max_leaves=12,
 )  # fmt: skip
 messages = st.lists(

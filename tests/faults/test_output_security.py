@@ -67,8 +67,8 @@ def test_the_worker_refuses_to_write_outside_its_roots(redis_url, tmp_path, monk
     connection = Redis.from_url(redis_url)
     evil = tmp_path / "evil"
     store = BatchStore(connection)
-    store.create(Batch(id="batch_forged", status=BatchStatus.in_progress, output_url=evil.as_uri(), num_shards=1,
-                       created_at=time.time()))  # fmt: skip
+    store.create(Batch(id="batch_forged", status=BatchStatus.in_progress, output_url=evil.as_uri(),
+                       num_shards=1, created_at=time.time()))  # fmt: skip
     monkeypatch.setenv("SLUICE_OUTPUT_ROOTS", (tmp_path / "allowed").as_uri())
     forged = BatchRequest(custom_id="a", url="/v1/completions", body={"prompt": "x"})
     run = ShardRun("batch_forged-shard-0", "batch_forged", 0, [forged])
@@ -88,8 +88,8 @@ def test_the_storage_root_guard_holds_under_python_O(tmp_path):
         "try:\n    FileStorage(Path(sys.argv[1])).put('../escaped', b'x')\n"
         "except ValueError as e:\n    print('refused', e)\n"
     )
-    out = subprocess.run([sys.executable, "-O", "-c", code, str(tmp_path / "root")], cwd=ROOT, capture_output=True,
-                         text=True, check=True)  # fmt: skip
+    out = subprocess.run([sys.executable, "-O", "-c", code, str(tmp_path / "root")], cwd=ROOT,
+                         capture_output=True, text=True, check=True)  # fmt: skip
     assert out.stdout.startswith("refused") and not (tmp_path / "escaped").exists()
 
 
