@@ -30,8 +30,8 @@ from sluice.engine.models.loader import read_config
 sys.path.append(str(Path(__file__).resolve().parent.parent))  # tests/, after site-packages (HF's `kernels`)
 from tests.checkpoints import make_checkpoint  # noqa: E402
 
-ARCHS = ["llama", "qwen3", "mixtral", "qwen3_moe", "gemma2", "gemma3_text", "phi3", "olmo2", "granite", "gpt_neox",
-         "qwen2_moe", "starcoder2"]
+ARCHS = ["llama", "qwen3", "mixtral", "qwen3_moe", "gemma2", "gemma3_text", "phi3", "olmo2", "granite",
+         "gpt_neox", "qwen2_moe", "starcoder2"]
 # Bigger than the test checkpoints so matmuls, not Python, set the pace; still minutes for all archs on 2
 # cores.
 SIZE = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
@@ -76,7 +76,8 @@ def moe_checkpoint(shape: str, root: Path) -> Path:
         return checkpoint("qwen3_moe", root)
     path = root / f"qwen3_moe-{shape}"
     if not (path / "config.json").is_file():
-        make_checkpoint(path, "qwen3_moe", dtype=torch.bfloat16, **{**SIZE, "head_dim": 64, **MOE_SHAPES[shape]})
+        make_checkpoint(path, "qwen3_moe", dtype=torch.bfloat16,
+                        **{**SIZE, "head_dim": 64, **MOE_SHAPES[shape]})
     return path
 
 
@@ -85,7 +86,8 @@ def prompts(batch: int, length: int) -> list[list[int]]:
     return torch.randint(4, 400, (batch, length), generator=g).tolist()
 
 
-def engine_tps(path: Path, batch: int, length: int, tokens: int, generic: bool = False, cpp_moe: bool = True) -> float:
+def engine_tps(path: Path, batch: int, length: int, tokens: int, generic: bool = False,
+               cpp_moe: bool = True) -> float:
     """Output tok/s of our engine on `batch` prompts, `tokens` each (warm-up excluded); `cpp_moe=False`: the
     MoE blocks' torch grouping instead of the C++ experts."""
     if generic:
@@ -98,7 +100,8 @@ def engine_tps(path: Path, batch: int, length: int, tokens: int, generic: bool =
             if hasattr(block, "cpp_experts"):
                 block.cpp_experts = False
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
-    llm.generate(prompts(2, length), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), progress=False)
+    llm.generate(prompts(2, length), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+                 progress=False)
     outs, secs = timed(lambda: llm.generate(prompts(batch, length), params, progress=False))
     return sum(len(o.token_ids) for o in outs) / secs
 
@@ -130,7 +133,8 @@ def llama_headline(a) -> None:
                                       lambda: engine_tps(llama, a.batch, a.prompt, a.tokens, True),
                                       lambda: hf_tps(llama, a.batch, a.prompt, a.tokens)], a.repeats)
     print(f"llama batch {a.batch}: native {native:.0f} tok/s, generic {generic:.0f} ({generic / native:.2f}x native),"
-          f" HF static generate {hf:.0f} (generic {generic / hf:.2f}x, native {native / hf:.2f}x)", flush=True)
+          f" HF static generate {hf:.0f} (generic {generic / hf:.2f}x, native {native / hf:.2f}x)",
+          flush=True)
 
 
 def generic_headline(a) -> None:
@@ -175,9 +179,11 @@ def main() -> None:
     p.add_argument("--archs", default=",".join(ARCHS), help="per-architecture table ('' skips it)")
     p.add_argument("--repeats", type=int, default=3, help="alternated runs of each headline system (median)")
     p.add_argument("--root", type=Path, default=DEFAULT_ROOT)
-    p.add_argument("--moe-shape", choices=list(MOE_SHAPES), default=DEFAULT_MOE_SHAPE, help="the MoE headline's shape")
+    p.add_argument("--moe-shape", choices=list(MOE_SHAPES), default=DEFAULT_MOE_SHAPE,
+                   help="the MoE headline's shape")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    p.add_argument("--clock", choices=list(CLOCK), default="wall", help="cpu: tok/s per second of process CPU time")
+    p.add_argument("--clock", choices=list(CLOCK), default="wall",
+                   help="cpu: tok/s per second of process CPU time")
     a = p.parse_args()
     global clock
     clock = CLOCK[a.clock]

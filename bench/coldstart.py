@@ -170,8 +170,8 @@ def redis_server() -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-           "--appendonly", "no", "--dir", tempfile.gettempdir()]
+    cmd = [shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind", "127.0.0.1",
+           "--save", "", "--appendonly", "no", "--dir", tempfile.gettempdir()]
     process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     for _ in range(300):
         with socket.socket() as s:
@@ -185,8 +185,8 @@ def redis_server() -> tuple[subprocess.Popen, str]:
 def worker_ready(model: Path, redis_url: str, path: str = "") -> float:
     """A real `python -m sluice.worker --burst` on model (bf16, CPU, empty queues): the seconds from its
     process start to ready that it logs (its time-to-ready gauge: imported, loaded, warmed up, announced)."""
-    cmd = [sys.executable, "-m", "sluice.worker", "--model", str(model), "--dtype", "bfloat16", "--device", "cpu",
-           "--burst", "--no-webhooks", "--redis-url", redis_url]
+    cmd = [sys.executable, "-m", "sluice.worker", "--model", str(model), "--dtype", "bfloat16", "--device",
+           "cpu", "--burst", "--no-webhooks", "--redis-url", redis_url]
     out = subprocess.run(cmd, cwd=tempfile.gettempdir(), env=baseline_env(path), capture_output=True,
                          text=True,
                          timeout=2400)
@@ -251,8 +251,10 @@ def measure_loads(model: Path, rounds: int) -> str:
             got = json.loads(child(LOAD, str(model), mode))
             best[mode] = {k: min(v, got[k]) for k, v in best[mode].items()}
             print(mode, got, flush=True)
-    rows = [[mode, *(f"{b[k]:.2f}" for k in ("imported", "load", "loaded", "cpu"))] for mode, b in best.items()]
-    return table(["arena", "start → torch imported s", "load_model s", "start → loaded s", "CPU s to loaded"], rows)
+    rows = [[mode, *(f"{b[k]:.2f}" for k in ("imported", "load", "loaded", "cpu"))]
+            for mode, b in best.items()]
+    return table(["arena", "start → torch imported s", "load_model s", "start → loaded s", "CPU s to loaded"],
+                 rows)
 
 
 def result_rows(best: dict[str, dict[str, float]], variants: list[tuple[str, Path, str]]) -> list[list[str]]:
@@ -263,10 +265,11 @@ def result_rows(best: dict[str, dict[str, float]], variants: list[tuple[str, Pat
         b = best[name]
         size = sum(f.stat().st_size for f in weight_files(model)) / 1e9
         target = torch_s + (0.0 if model == TINY else b["read"])
-        worker = [f"{b['ready']:.2f}", f"{b['ready'] / target:.2f}x"] if b["ready"] < float("inf") else ["-", "-"]
+        worker = [f"{b['ready']:.2f}",
+                  f"{b['ready'] / target:.2f}x"] if b["ready"] < float("inf") else ["-", "-"]
         rows.append([name, f"{size:.2f}", f"{b['read']:.2f}", *worker,
-                     f"{b['offline']:.2f}", f"{b['cpu']:.2f}", f"{b['cpu'] / torch_cpu:.2f}x", f"{b['first']:.3f}",
-                     "yes" if b["transformers"] else "no"])
+                     f"{b['offline']:.2f}", f"{b['cpu']:.2f}", f"{b['cpu'] / torch_cpu:.2f}x",
+                     f"{b['first']:.3f}", "yes" if b["transformers"] else "no"])
     return rows
 
 
@@ -277,10 +280,13 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--cold", action="store_true", help="Drop the page cache before each read and start.")
     p.add_argument("--no-record", action="store_true")
-    p.add_argument("--variants", default="tiny,bf16,int8,int4", help="Which starts to measure (comma-separated; tiny-unpaused: the "
+    p.add_argument("--variants", default="tiny,bf16,int8,int4",
+                   help="Which starts to measure (comma-separated; tiny-unpaused: the "
                    "offline start of the bundled model without the collector pause).")
-    p.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS of the measured processes (0: unset).")
-    p.add_argument("--loads", action="store_true", help="Only the bf16 load's ways (LOADS), best of the rounds.")
+    p.add_argument("--threads", type=int, default=0,
+                   help="OMP_NUM_THREADS of the measured processes (0: unset).")
+    p.add_argument("--loads", action="store_true",
+                   help="Only the bf16 load's ways (LOADS), best of the rounds.")
     args = add_baseline(p).parse_args()  # a plain parser: the baseline's starts alternate with this code's
     bf16 = checkpoint(args.hidden, args.layers)
     if args.loads:
@@ -290,13 +296,14 @@ def main() -> None:
              "int8": ("int8, pre-quantized", lambda: prequantized(bf16, "int8")),
              "int4": ("int4 (NF4), pre-quantized", lambda: prequantized(bf16, "int4"))}
     every["tiny-unpaused"] = ("sluice-tiny" + UNPAUSED_ROW, lambda: TINY)
-    variants = with_baseline([(every[k][0], every[k][1](), "") for k in args.variants.split(",")], args.baseline)
+    variants = with_baseline([(every[k][0], every[k][1](), "") for k in args.variants.split(",")],
+                             args.baseline)
     if args.threads:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the children's (this process has imported torch)
     rows = result_rows(measure(variants, args.rounds, args.cold), variants)
     headers = ["checkpoint", "weights GB", "raw read s", "worker start → ready s", "ready / target",
-               "offline start → ready s", "CPU s to ready", "CPU vs import torch", "ready → first token s (offline)",
-               "transformers imported"]
+               "offline start → ready s", "CPU s to ready", "CPU vs import torch",
+               "ready → first token s (offline)", "transformers imported"]
     cache = "cold" if args.cold else "warm"
     threads = f", OMP_NUM_THREADS={args.threads}" if args.threads else ""
     record(f"{SECTION}, page cache {cache}, hidden {args.hidden} x {args.layers} layers{threads}",

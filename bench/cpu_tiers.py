@@ -134,7 +134,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--engine", default="", help="batch sizes for the engine's decode tok/s, e.g. 1,8")
     parser.add_argument("--gen", type=int, default=32)
-    parser.add_argument("--paths", default="", help="row counts for the bf16 paths alone (ms per path), e.g. 8,64")
+    parser.add_argument("--paths", default="",
+                        help="row counts for the bf16 paths alone (ms per path), e.g. 8,64")
     args = parser.parse_args()
     if linear_kernels._gemv() is None:
         raise SystemExit(f"no bf16 GEMV on tier {cpu_isa.tier()}")
@@ -142,7 +143,8 @@ def main() -> None:
           f"{torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads\n")
     if args.paths:
         for rows in (int(r) for r in args.paths.split(",")):
-            print(f"| {rows} rows | " + " | ".join(f"{k} {v:.1f} ms" for k, v in bf16_paths(rows, args.rounds).items()))
+            print(f"| {rows} rows | " + " | ".join(f"{k} {v:.1f} ms"
+                                                   for k, v in bf16_paths(rows, args.rounds).items()))
         return
     print("| op | rows | torch ms | ours ms | ours × |\n|---|---|---|---|---|")
     for rows in (int(r) for r in args.rows.split(",")):
@@ -152,7 +154,8 @@ def main() -> None:
     print(f"| int8 weight-only (_weight_int8pack_mm) | 1 | {theirs:.2f} | {ours:.2f} | {theirs / ours:.2f} |")
     if args.engine:
         print("\n| B | bf16 decode tok/s, SLUICE_CPU_KERNEL=0 | ours | ours × |\n|---|---|---|---|")
-        for b, off, on in engine_decode([int(b) for b in args.engine.split(",")], max(2, args.rounds // 5), args.gen):
+        for b, off, on in engine_decode([int(b) for b in args.engine.split(",")], max(2, args.rounds // 5),
+                                        args.gen):
             print(f"| {b} | {off:.1f} | {on:.1f} | {on / off:.2f} |")
 
 

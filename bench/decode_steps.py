@@ -28,7 +28,8 @@ from sluice.kernels import int4_weights, int8_weights
 LINEARS = [(1280, 768), (768, 768), (4096, 768), (768, 2048)] * 12  # qkv, o, gate_up, down of 12 layers
 
 
-def step_times(model, engines: dict[str, tuple[str, bool]], batch: int, blocks: int, steps: int) -> dict[str, float]:
+def step_times(model, engines: dict[str, tuple[str, bool]], batch: int, blocks: int,
+               steps: int) -> dict[str, float]:
     """Median decode-step seconds per engine (name: mode, huge pages), each decoding the same `batch` random
     prompts."""
     llms = {name: load(model, m, [batch], huge_pages=huge) for name, (m, huge) in engines.items()}
@@ -75,7 +76,8 @@ def int4_matmuls(rows: list[int]) -> list[list]:
     torch.manual_seed(0)
     shapes = [(n, k) for n, k in LINEARS] + [(32000, 768)]
     dense = [torch.randn(s) * 0.02 for s in shapes]
-    layouts = {lay: [int4_weights.pack(w, torch.bfloat16, lay) for w in dense] for lay in ("int4pack", "vnni")}
+    layouts = {lay: [int4_weights.pack(w, torch.bfloat16, lay) for w in dense]
+               for lay in ("int4pack", "vnni")}
     del dense
     table_rows = []
     for m in rows:
@@ -99,7 +101,8 @@ def pages(model, modes: list[str], batches: list[int], blocks: int, steps: int) 
         f"\n\nMedian decode step (ms) of B sequences past a {PROMPT}-token random prompt: per mode, the engine with "
         f"its weights in one arena of transparent huge pages (engine.weight_memory, the default) and the same "
         f"engine with huge_pages=False loaded side by side, alternating every {steps} steps, {blocks} times; "
-        "bench/llamacpp.py's model. Modes: " + ", ".join(f"{m} = quantization={MODES[m][0]!r}" for m in modes) + ".")
+        "bench/llamacpp.py's model. Modes: " + ", ".join(f"{m} = quantization={MODES[m][0]!r}"
+                                                         for m in modes) + ".")
     record("Decode step, weights in huge pages vs 4 KB pages", body)
 
 
@@ -125,7 +128,8 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     modes = args.modes.split(",")
-    assert modes[0] == "bf16" and all(m in MODES for m in modes), f"modes: bf16 first, then of {sorted(MODES)}"
+    assert modes[0] == "bf16" and all(m in MODES
+                                      for m in modes), f"modes: bf16 first, then of {sorted(MODES)}"
     batches = [int(b) for b in args.batches.split(",")]
     model = bench_model()
     if args.pages:
@@ -139,7 +143,8 @@ def main() -> None:
     body = table(headers, rows) + (
         f"\n\nMedian decode step (ms) of B sequences past a {PROMPT}-token random prompt, the modes' engines loaded "
         f"side by side and alternating every {args.steps} steps, {args.blocks} times; bench/llamacpp.py's model "
-        f"({GEN}-token runs there). Modes: " + ", ".join(f"{m} = quantization={MODES[m][0]!r}" for m in modes) + ".")
+        f"({GEN}-token runs there). Modes: " + ", ".join(f"{m} = quantization={MODES[m][0]!r}"
+                                                         for m in modes) + ".")
     matmuls = int8_matmuls([1, 2, 4, 8, 16, 32, 64])
     if matmuls:
         body += "\n\n" + table(["rows", "torch._int_mm ms", "ours (VNNI) ms", "ours ×"], matmuls) + (

@@ -95,13 +95,15 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--prompt", type=int, default=32)
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--parts", action="store_true", help="time per part of the step instead of the alternated runs")
+    p.add_argument("--parts", action="store_true",
+                   help="time per part of the step instead of the alternated runs")
     p.add_argument("--root", type=Path, default=Path(tempfile.gettempdir()) / "sluice-bench-archs")
     a = p.parse_args()
     torch.set_num_threads(1)
     path = checkpoint("llama", a.root)
     systems = {label: capture(engine(path, *flags), a.batch, a.prompt) for label, flags in
-               (("native", (False,)), ("generic", (True,)), ("generic, transformers' forwards", (True, True)))}
+               (("native", (False,)), ("generic", (True,)),
+                ("generic, transformers' forwards", (True, True)))}
     acc = timers(systems) if a.parts else None
     runs: dict[str, list[float]] = {label: [] for label in systems}
     for _ in range(a.rounds):

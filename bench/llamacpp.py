@@ -37,8 +37,8 @@ CMAKE_BASE = [  # no network, no server, static binaries; ISA flags per tier (TI
     "-DBUILD_SHARED_LIBS=OFF",
 ]
 AVX2_CMAKE = ["-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_BMI2=ON",
-              "-DGGML_AVX512=OFF", "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF", "-DGGML_AVX512_VBMI=OFF",
-              "-DGGML_AVX_VNNI=OFF"]
+              "-DGGML_AVX512=OFF", "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF",
+              "-DGGML_AVX512_VBMI=OFF", "-DGGML_AVX_VNNI=OFF"]
 TIER_CMAKE = {  # llama.cpp built for the same ISA tier as our kernels (kernels.cpu_isa); AMX stays off (its AMX
     # path crashes on our VMs), so the amx tier's llama.cpp is the avx512_bf16 build
     "avx2": AVX2_CMAKE,
@@ -161,7 +161,8 @@ def sluice(llm: LLM, batch: int, seed: int) -> tuple[float, float]:
 
 def load(model: Path, mode: str, batches: list[int], **engine_args) -> LLM:
     llm = LLM(str(model), dtype="bfloat16", device="cpu", quantization=MODES[mode][0],
-              max_num_seqs=max(batches), max_model_len=PROMPT + GEN + 16, enable_prefix_caching=False, **engine_args)
+              max_num_seqs=max(batches), max_model_len=PROMPT + GEN + 16, enable_prefix_caching=False,
+              **engine_args)
     sluice(llm, 2, seed=-1)  # warm-up: kernels built, allocator primed
     arena = getattr(llm.engine.model, "weight_arena", None)
     if arena is not None:

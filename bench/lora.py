@@ -32,12 +32,13 @@ def write_adapter(folder: Path, rank: int, seed: int) -> Path:
     for layer in range(BENCH_CONFIG["num_hidden_layers"]):
         for name, (out, inp) in shapes.items():
             key = f"base_model.model.model.layers.{layer}.{name}"
-            tensors[f"{key}.lora_A.weight"] = (torch.randn(rank, inp, generator=g) / inp**0.5).to(torch.bfloat16)
+            tensors[f"{key}.lora_A.weight"] = (torch.randn(rank, inp,
+                                                           generator=g) / inp**0.5).to(torch.bfloat16)
             tensors[f"{key}.lora_B.weight"] = (torch.randn(out, rank, generator=g) * 0.01).to(torch.bfloat16)
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(folder / "adapter_model.safetensors"))
-    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": TARGETS, "bias": "none",
-              "task_type": "CAUSAL_LM", "base_model_name_or_path": "bench"}
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": TARGETS,
+              "bias": "none", "task_type": "CAUSAL_LM", "base_model_name_or_path": "bench"}
     (folder / "adapter_config.json").write_text(json.dumps(config))
     return folder
 
@@ -113,7 +114,8 @@ def decode_rounds(args, base: Path, prompts, mixed) -> tuple[list[tuple[float, f
     decode_rate(plain, prompts[:2], None, 4)
     rows = []
     for r in range(args.rounds):
-        rows.append((decode_rate(plain, prompts, None, args.new), decode_rate(tuned, prompts, mixed, args.new)))
+        rows.append((decode_rate(plain, prompts, None, args.new),
+                     decode_rate(tuned, prompts, mixed, args.new)))
         print(f"round {r}: base {rows[-1][0]:.1f} tok/s, {args.adapters} adapters mixed {rows[-1][1]:.1f} tok/s")
     return rows, tuned
 
@@ -157,7 +159,8 @@ def main() -> None:
           f"{statistics.median(a for a, _ in rows):.1f}"],
          [f"B={args.batch} decode tok/s, {args.adapters} rank-{args.rank} adapters (all linears) mixed",
           f"{lora_med:.1f}"],
-         ["mixed / base alone (median of per-round ratios)", f"{statistics.median(b / a for a, b in rows):.2f}x"],
+         ["mixed / base alone (median of per-round ratios)",
+          f"{statistics.median(b / a for a, b in rows):.2f}x"],
          [f"transformers + PEFT, one adapter at a time (set_adapter, batches of {args.batch // args.adapters})",
           f"{hf:.1f}"],
          ["mixed / transformers + PEFT", f"{lora_med / hf:.2f}x"],

@@ -23,10 +23,12 @@ from sluice.engine.kv_cache import LayerKVCache
 from sluice.engine.models import llama, moe
 from sluice.kernels import linear as linear_mod
 
-PARTS = {"model forward": (llama.LlamaModel, "forward"), "decoder layers": (llama.LlamaModel, "hidden_states"),
+PARTS = {"model forward": (llama.LlamaModel, "forward"),
+         "decoder layers": (llama.LlamaModel, "hidden_states"),
          "moe block": (moe.SparseMoe, "forward"), "router": (moe.SparseMoe, "route"),
          "attention": (llama.Attention, "forward"), "linears": (linear_mod.Linear, "forward"),
-         "q/k norms": (llama.RMSNorm, "forward"), "rope": (kernels, "rope_qk"), "kv write": (LayerKVCache, "write"),
+         "q/k norms": (llama.RMSNorm, "forward"), "rope": (kernels, "rope_qk"),
+         "kv write": (LayerKVCache, "write"),
          "paged attention": (LayerKVCache, "attend"), "residual+norm": (llama.RMSNorm, "add"),
          "lm head": (llama.LlamaModel, "compute_logits")}
 CPU = defaultdict(float)  # thread CPU seconds per labelled part (the engine's forward runs on this thread)
@@ -53,7 +55,8 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=32)
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=0)
-    p.add_argument("--torch-grouping", action="store_true", help="the MoE blocks' torch grouping, not the C++ call")
+    p.add_argument("--torch-grouping", action="store_true",
+                   help="the MoE blocks' torch grouping, not the C++ call")
     p.add_argument("--shape", choices=list(arch.MOE_SHAPES), default=arch.DEFAULT_MOE_SHAPE)
     p.add_argument("--root", type=Path, default=arch.DEFAULT_ROOT)
     a = p.parse_args()

@@ -25,7 +25,8 @@ def linears(out_f: int, in_f: int) -> tuple[torch.nn.Module, torch.nn.Module]:
     """bitsandbytes' Linear4bit and ours over one random NF4 weight."""
     w = (torch.randn(out_f, in_f) / in_f**0.5).to(torch.bfloat16)
     packed, st = F.quantize_4bit(w, blocksize=64, compress_statistics=False, quant_type="nf4")
-    theirs = bnb.nn.Linear4bit(in_f, out_f, bias=False, compute_dtype=torch.bfloat16, quant_type="nf4", device="meta")
+    theirs = bnb.nn.Linear4bit(in_f, out_f, bias=False, compute_dtype=torch.bfloat16, quant_type="nf4",
+                               device="meta")
     theirs.weight = bnb.nn.Params4bit(packed.clone(), requires_grad=False, quant_state=copy.deepcopy(st),
                                       blocksize=64, quant_type="nf4", module=theirs, bnb_quantized=True)
     theirs.quant_state = theirs.weight.quant_state
@@ -58,7 +59,8 @@ def main() -> None:
                 # alternated
                 times = [(per_call(theirs, x, n), per_call(ours, x, n)) for _ in range(args.rounds)]
                 a, b = min(t[0] for t in times), min(t[1] for t in times)
-                print(f"| {out_f} x {in_f} | {rows} | {a * 1e6:.0f} | {b * 1e6:.0f} | {b / a:.2f}x |", flush=True)
+                print(f"| {out_f} x {in_f} | {rows} | {a * 1e6:.0f} | {b * 1e6:.0f} | {b / a:.2f}x |",
+                      flush=True)
 
 
 if __name__ == "__main__":

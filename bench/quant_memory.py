@@ -67,7 +67,8 @@ def grown_mappings(before: dict[str, float], top: int = 6) -> dict[str, float]:
 
 def kv_bytes(llm) -> int:
     """Resident bytes of the KV pool's memory maps (the pages the batch's tokens touched)."""
-    starts = {t.data_ptr() for c in llm.engine.runner.kv_caches for t in (getattr(c, "k", None), getattr(c, "v", None))
+    starts = {t.data_ptr() for c in llm.engine.runner.kv_caches
+              for t in (getattr(c, "k", None), getattr(c, "v", None))
               if t is not None}
     total, inside = 0, False
     for line in open("/proc/self/smaps"):
@@ -117,8 +118,10 @@ def report(results: list[dict]) -> str:
             for when in ("load", "ready", "batch", "batch_no_kv"):
                 row += [f"{r[when][kind] / 2**20:.0f}", f"{r[when][kind] / base[when][kind]:.3f}x"]
             rows.append(row + [f"{r['kv'] / 2**20:.0f}"])
-    headers = ["mode", "resident", "weights MiB", "weights' share", "after load MiB", "vs bf16", "after warm-up MiB",
-               "vs bf16", "after batch MiB", "vs bf16", "after batch less KV pages MiB", "vs bf16", "KV pages MiB"]
+    headers = ["mode", "resident", "weights MiB", "weights' share", "after load MiB", "vs bf16",
+               "after warm-up MiB",
+               "vs bf16", "after batch MiB", "vs bf16", "after batch less KV pages MiB", "vs bf16",
+               "KV pages MiB"]
     return table(headers, rows) + NOTES
 
 
@@ -135,10 +138,12 @@ def main() -> None:
         requests = int(args[args.index("--requests") + 1])
     results = []
     for mode in modes.split(","):
-        cmd = [sys.executable, __file__, "--worker", mode, str(requests), *(["--bnb-base"] if "--bnb-base" in args else [])]
+        cmd = [sys.executable, __file__, "--worker", mode, str(requests),
+               *(["--bnb-base"] if "--bnb-base" in args else [])]
         res = subprocess.run(cmd, capture_output=True, text=True, check=True)
         results.append(json.loads(res.stdout.strip().splitlines()[-1]))
-        print(results[-1] if "--maps" in args else {k: v for k, v in results[-1].items() if k != "maps"}, flush=True)
+        print(results[-1] if "--maps" in args else {k: v for k, v in results[-1].items() if k != "maps"},
+              flush=True)
     record(f"Quantized resident memory, 125M Llama, {requests}-prompt batch", report(results))
 
 

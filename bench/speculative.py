@@ -67,7 +67,8 @@ def batch_of(prompts: list[list[int]], b: int, offset: int) -> list[list[int]]:
     return [prompts[(offset + i) % len(prompts)] for i in range(b)]
 
 
-def run_cell(llm: LLM, prompts: list[list[int]], b: int, params: list[SamplingParams]) -> tuple[float, int, dict]:
+def run_cell(llm: LLM, prompts: list[list[int]], b: int,
+             params: list[SamplingParams]) -> tuple[float, int, dict]:
     """Seconds and output tokens of decoding `prompts` b at a time (batch 1: four prompts one after
     another)."""
     groups = [batch_of(prompts, 1, i) for i in range(4)] if b == 1 else [batch_of(prompts, b, 0)]
@@ -83,7 +84,8 @@ def run_cell(llm: LLM, prompts: list[list[int]], b: int, params: list[SamplingPa
 
 def sampling(kind: str, max_tokens: int, n: int) -> list[SamplingParams]:
     if kind == "sampled":
-        return [SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=i, ignore_eos=True) for i in range(n)]
+        return [SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=i, ignore_eos=True)
+                for i in range(n)]
     return [SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)] * n
 
 
@@ -120,7 +122,8 @@ def speculation_modes(draft: Path, k: int) -> dict[str, dict | None]:
     return {
         "none": None,
         "draft bf16": drafted | {"disable_by_batch_size": ALWAYS},
-        "draft int8_weight_only": drafted | {"quantization": "int8_weight_only", "disable_by_batch_size": ALWAYS},
+        "draft int8_weight_only": drafted | {"quantization": "int8_weight_only",
+                                             "disable_by_batch_size": ALWAYS},
         "draft int8_weight_only, default threshold": drafted | {"quantization": "int8_weight_only"},
         "ngram": {"method": "ngram", "num_speculative_tokens": k, "disable_by_batch_size": ALWAYS},
     }
@@ -163,8 +166,8 @@ def result_rows(modes: list[str], cells: list[tuple], best: dict[tuple, tuple]) 
 
 def report(rows: list[list], target: Path, draft: Path, args) -> str:
     """The recorded table and the paragraph saying how it was measured."""
-    body = table(["speculation", "prompts", "sampling", "batch", "output tok/s", "ms per token (each sequence)",
-                  "speed-up vs none", "acceptance"], rows)
+    body = table(["speculation", "prompts", "sampling", "batch", "output tok/s",
+                  "ms per token (each sequence)", "speed-up vs none", "acceptance"], rows)
     return body + (f"\n\nTarget `{target.name}`, draft `{draft.name}`, k={args.k}, {args.max_tokens} tokens per "
                    f"request (ignore_eos), {args.dtype} on CPU, best of {args.rounds} interleaved rounds. 'text': the "
                    "demo's completion prompts; 'copy': six of them joined, then the passage's first 16 tokens again; "
@@ -181,7 +184,8 @@ def main() -> None:
     target, draft = target_and_draft(args)
     sizes = [int(s) for s in args.batch_sizes.split(",")]
     modes = speculation_modes(draft, args.k)
-    llms = {mode: LLM(str(target), dtype=args.dtype, device="cpu", speculative=spec) for mode, spec in modes.items()}
+    llms = {mode: LLM(str(target), dtype=args.dtype, device="cpu", speculative=spec)
+            for mode, spec in modes.items()}
     tok = llms["none"].tokenizer
     text = text_prompts(tok, llms["none"].engine.model_config.vocab_size)
     workloads = {"text": text, "copy": copy_prompts(text)}

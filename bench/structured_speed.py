@@ -90,7 +90,8 @@ def rows_of(totals, rates) -> list[list]:
     for (sampler, name), t in totals.items():
         base, base_rates = totals[sampler, "unconstrained"], rates[sampler, "unconstrained"]
         per_round = statistics.median(r / b for r, b in zip(rates[sampler, name], base_rates, strict=True))
-        rows.append([f"{name} ({sampler} sampler)", int(t[0]), t[0] / t[1], (t[0] / t[1]) / (base[0] / base[1]),
+        rows.append([f"{name} ({sampler} sampler)", int(t[0]), t[0] / t[1],
+                     (t[0] / t[1]) / (base[0] / base[1]),
                      per_round, (base[2] / base[0]) / (t[2] / t[0]), t[3] / t[1]])
     return rows
 
@@ -110,8 +111,10 @@ def main() -> None:
               max_num_seqs=args.batch)
     run(llm, 2, 4, True)  # warm-up: compiles the grammar, builds kernels
     totals, rates = measure(llm, args)
-    body = table(["requests", "tokens", "tokens/s", "vs unconstrained (total wall)", "median per-round wall ratio",
-                  "vs unconstrained (CPU s per token)", "share of time from logits to tokens"], rows_of(totals, rates))
+    body = table(["requests", "tokens", "tokens/s", "vs unconstrained (total wall)",
+                  "median per-round wall ratio",
+                  "vs unconstrained (CPU s per token)", "share of time from logits to tokens"],
+                 rows_of(totals, rates))
     title = f"Structured outputs: decode throughput at batch {args.batch} ({Path(model).name}, {args.device})"
     record(title, body)
 

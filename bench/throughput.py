@@ -43,8 +43,8 @@ def run_engine(path, reqs):
 
 
 def gen_config(max_new: int) -> GenerationConfig:
-    return GenerationConfig(max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False, eos_token_id=None,
-                            pad_token_id=0)
+    return GenerationConfig(max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)
 
 
 def run_hf_sequential(model, reqs):
@@ -110,7 +110,8 @@ def hf_rows(path, reqs: list, args) -> list[list]:
     with torch.inference_mode():
         model.generate(torch.tensor([reqs[0][0][:8]]), generation_config=gen_config(2))
         t2, d2 = run_hf_static(model, reqs, args.hf_batch_size)
-        rows.append([f"HF generate() static batch {args.hf_batch_size}, left padding", len(reqs), t2, d2, t2 / d2])
+        rows.append([f"HF generate() static batch {args.hf_batch_size}, left padding", len(reqs), t2, d2,
+                     t2 / d2])
         print(rows[-1], flush=True)
         if not args.skip_generate_batch:
             n_cb = min(args.generate_batch_requests or len(reqs), len(reqs))
@@ -142,7 +143,8 @@ def main() -> None:
              f"bf16, {len(reqs)} requests, prompt U{shape[0]}, max_tokens U{shape[1]}, ignore_eos, greedy, seed 0. "
              f"Engine: {info['steps']} steps, KV utilization (tokens held / slots allocated to running requests) "
              f"mean {info['kv_util_mean']:.3f}, min {info['kv_util_min']:.3f}; peak {info['peak_blocks']} blocks.")
-    record("Mixed workload (engine vs HF static batching)" if args.mixed else "Throughput (engine vs Hugging Face)", body)
+    record("Mixed workload (engine vs HF static batching)" if args.mixed
+           else "Throughput (engine vs Hugging Face)", body)
 
 
 if __name__ == "__main__":

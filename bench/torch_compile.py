@@ -51,7 +51,8 @@ def main() -> None:
             for b in batches:
                 best[mode, b] = max(best[mode, b], sluice(llm, b, seed=r))
         print(r, {k: round(v, 1) for k, v in best.items()}, flush=True)
-    rows = [[b, best["eager", b], best["compiled", b], best["compiled", b] / best["eager", b]] for b in batches]
+    rows = [[b, best["eager", b], best["compiled", b], best["compiled", b] / best["eager", b]]
+            for b in batches]
     body = table(["B", "eager tok/s", "compiled MLP tok/s", "compiled / eager"], rows)
     body += (f"\n\nDecode tok/s, bf16, B x 128 random prompt tokens, 128 generated, best of {args.rounds} interleaved "
              f"rounds. First calls of the compiled MLP (compilation) took {compile_s:.0f} s. Eager runs our bf16 "

