@@ -132,8 +132,8 @@ def llama_headline(a) -> None:
     native, generic, hf = alternated([lambda: engine_tps(llama, a.batch, a.prompt, a.tokens),
                                       lambda: engine_tps(llama, a.batch, a.prompt, a.tokens, True),
                                       lambda: hf_tps(llama, a.batch, a.prompt, a.tokens)], a.repeats)
-    print(f"llama batch {a.batch}: native {native:.0f} tok/s, generic {generic:.0f} ({generic / native:.2f}x native),"
-          f" HF static generate {hf:.0f} (generic {generic / hf:.2f}x, native {native / hf:.2f}x)",
+    print(f"llama batch {a.batch}: native {native:.0f} tok/s, generic {generic:.0f} ({generic / native:.2f}x "
+          f"native), HF static generate {hf:.0f} (generic {generic / hf:.2f}x, native {native / hf:.2f}x)",
           flush=True)
 
 
@@ -142,7 +142,8 @@ def generic_headline(a) -> None:
     llama = checkpoint("llama", a.root)
     native, generic = alternated([lambda: engine_tps(llama, a.batch, a.prompt, a.tokens),
                                   lambda: engine_tps(llama, a.batch, a.prompt, a.tokens, True)], a.repeats)
-    print(f"llama batch {a.batch}: native {native:.0f} tok/s, generic {generic:.0f} ({generic / native:.2f}x native)",
+    print(f"llama batch {a.batch}: native {native:.0f} tok/s, generic {generic:.0f} ({generic / native:.2f}x "
+          "native)",
           flush=True)
 
 
@@ -153,15 +154,17 @@ def moe_headline(a) -> None:
     ours, torch_moe, ref = alternated([lambda: engine_tps(moe, a.batch, a.prompt, a.tokens),
                                        lambda: engine_tps(moe, a.batch, a.prompt, a.tokens, cpp_moe=False),
                                        lambda: hf_tps(moe, a.batch, a.prompt, a.tokens)], a.repeats)
-    print(f"qwen3_moe ({a.moe_shape}) batch {a.batch}: native MoE {ours:.0f} tok/s (torch grouping {torch_moe:.0f}: C++ experts "
-          f"{ours / torch_moe:.2f}x), HF static generate {ref:.0f} ({ours / ref:.2f}x)", flush=True)
+    print(f"qwen3_moe ({a.moe_shape}) batch {a.batch}: native MoE {ours:.0f} tok/s (torch grouping "
+          f"{torch_moe:.0f}: C++ experts {ours / torch_moe:.2f}x), HF static generate {ref:.0f} "
+          f"({ours / ref:.2f}x)", flush=True)
 
 
 def table(a) -> None:
     """The per-architecture rows (single measurements); nothing where `--archs ''`."""
     if not a.archs:
         return
-    print("| architecture | path | tok/s batch 1 | tok/s batch 32 | HF generate batch 32 |\n|---|---|---|---|---|")
+    print("| architecture | path | tok/s batch 1 | tok/s batch 32 | HF generate batch 32 "
+          "|\n|---|---|---|---|---|")
     for arch in filter(None, a.archs.split(",")):
         path = checkpoint(arch, a.root)
         one, many = (engine_tps(path, b, a.prompt, a.tokens) for b in (1, a.batch))
@@ -175,7 +178,8 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--headlines", default="llama,moe",
-                   help="which alternated headline comparisons to run (generic: generic vs native on Llama alone)")
+                   help="which alternated headline comparisons to run (generic: generic vs native on Llama "
+                        "alone)")
     p.add_argument("--archs", default=",".join(ARCHS), help="per-architecture table ('' skips it)")
     p.add_argument("--repeats", type=int, default=3, help="alternated runs of each headline system (median)")
     p.add_argument("--root", type=Path, default=DEFAULT_ROOT)

@@ -230,8 +230,8 @@ def _round(row: dict, model: Path, cold: bool, url: str, paused: bool = True, pa
                        ("first", got["first"])):
         row[key] = min(row[key], value)
     row["transformers"] = got["transformers"]
-    print(f"{model.name}{' (baseline)' if path else ''}: read {read:.2f} s, worker ready {ready:.2f} s, offline ready {got['ready']:.2f} s, "
-          f"first token +{got['first']:.3f} s", flush=True)
+    print(f"{model.name}{' (baseline)' if path else ''}: read {read:.2f} s, worker ready {ready:.2f} s, "
+          f"offline ready {got['ready']:.2f} s, first token +{got['first']:.3f} s", flush=True)
 
 
 def with_baseline(variants: list[tuple[str, Path, str]], ref: str) -> list[tuple[str, Path, str]]:

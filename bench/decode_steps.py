@@ -98,10 +98,11 @@ def pages(model, modes: list[str], batches: list[int], blocks: int, steps: int) 
             rows.append([b, m, med["4k"] * 1e3, med["huge"] * 1e3, med["4k"] / med["huge"]])
             print(rows[-1], flush=True)
     body = table(["B", "mode", "4 KB pages step ms", "huge pages step ms", "huge ×"], rows) + (
-        f"\n\nMedian decode step (ms) of B sequences past a {PROMPT}-token random prompt: per mode, the engine with "
-        f"its weights in one arena of transparent huge pages (engine.weight_memory, the default) and the same "
-        f"engine with huge_pages=False loaded side by side, alternating every {steps} steps, {blocks} times; "
-        "bench/llamacpp.py's model. Modes: " + ", ".join(f"{m} = quantization={MODES[m][0]!r}"
+        f"\n\nMedian decode step (ms) of B sequences past a {PROMPT}-token random prompt: per mode, the "
+        "engine with its weights in one arena of transparent huge pages (engine.weight_memory, the default) "
+        f"and the same engine with huge_pages=False loaded side by side, alternating every {steps} steps, "
+        f"{blocks} times; bench/llamacpp.py's model. Modes: " + ", ".join(f"{m} = "
+                                                                          f"quantization={MODES[m][0]!r}"
                                                          for m in modes) + ".")
     record("Decode step, weights in huge pages vs 4 KB pages", body)
 
@@ -141,22 +142,25 @@ def main() -> None:
         print(rows[-1], flush=True)
     headers = ["B", *(f"{m} step ms" for m in modes), *(f"{m} / bf16 speed" for m in modes[1:])]
     body = table(headers, rows) + (
-        f"\n\nMedian decode step (ms) of B sequences past a {PROMPT}-token random prompt, the modes' engines loaded "
-        f"side by side and alternating every {args.steps} steps, {args.blocks} times; bench/llamacpp.py's model "
-        f"({GEN}-token runs there). Modes: " + ", ".join(f"{m} = quantization={MODES[m][0]!r}"
+        f"\n\nMedian decode step (ms) of B sequences past a {PROMPT}-token random prompt, the modes' engines "
+        f"loaded side by side and alternating every {args.steps} steps, {args.blocks} times; "
+        f"bench/llamacpp.py's model ({GEN}-token runs there). Modes: " + ", ".join(f"{m} = "
+                                                                                   f"quantization={MODES[m][0]!r}"
                                                          for m in modes) + ".")
     matmuls = int8_matmuls([1, 2, 4, 8, 16, 32, 64])
     if matmuls:
         body += "\n\n" + table(["rows", "torch._int_mm ms", "ours (VNNI) ms", "ours ×"], matmuls) + (
-            "\n\nThe int8 x int8 -> int32 matmuls of the dynamic int8 path over the model's 48 decoder linears "
-            "(int8 weights, 75 MB, read from memory each pass), best of 5 x 10 passes; both give the same exact sums.")
+            "\n\nThe int8 x int8 -> int32 matmuls of the dynamic int8 path over the model's 48 decoder "
+            "linears (int8 weights, 75 MB, read from memory each pass), best of 5 x 10 passes; both give the "
+            "same exact sums.")
     matmuls = int4_matmuls([1, 2, 4, 8, 16, 32, 64])
     if matmuls:
         body += "\n\n" + table(["rows", "torch int4pack ms", "ours (VNNI layout) ms", "ours ×"], matmuls) + (
-            "\n\nThe int4 weight-only linears of the model, LM head included (49, 62 MB with scales and zeros), "
-            "best of 5 x 10 passes: torch's `_weight_int4pack_mm_for_cpu` to 16 rows and our tiles on its layout "
-            "above, against ours: activations quantized to int8 per group of 32 and multiplied by `vpdpbusd` to 16 "
-            "rows, above it weight blocks requantized to int8 per row times x quantized per row (VNNI).")
+            "\n\nThe int4 weight-only linears of the model, LM head included (49, 62 MB with scales and "
+            "zeros), best of 5 x 10 passes: torch's `_weight_int4pack_mm_for_cpu` to 16 rows and our tiles "
+            "on its layout above, against ours: activations quantized to int8 per group of 32 and multiplied "
+            "by `vpdpbusd` to 16 rows, above it weight blocks requantized to int8 per row times x quantized "
+            "per row (VNNI).")
     record("Decode step by quantization mode (fine interleave)", body)
 
 

@@ -162,8 +162,8 @@ def decoder_bench(args) -> None:
              rate[k] / rate["hf"]] for k in seconds]
     body = table(["path", "inputs", "tokens", "tokens/s", "inputs/s", "vs sentence-transformers-style"], rows)
     body += f"\n\nLowest cosine between the two sides' embeddings: {cos:.5f} (bf16 both)."
-    record(f"Embeddings: batch throughput vs a sentence-transformers-style loop ({args.min_len}-{args.max_len} "
-           f"tokens, CPU, bf16)", body)
+    record("Embeddings: batch throughput vs a sentence-transformers-style loop "
+           f"({args.min_len}-{args.max_len} tokens, CPU, bf16)", body)
 
 
 def main() -> None:

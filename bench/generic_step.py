@@ -115,7 +115,8 @@ def main() -> None:
         return
     native = statistics.median(runs["native"])
     for label, us in runs.items():
-        print(f"{label:34s} {statistics.median(us):6.0f} us/step ({native / statistics.median(us):.2f}x native speed)")
+        print(f"{label:34s} {statistics.median(us):6.0f} us/step ({native / statistics.median(us):.2f}x "
+              "native speed)")
 
 
 if __name__ == "__main__":

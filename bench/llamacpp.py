@@ -228,12 +228,15 @@ def report(best, modes, batches, args) -> str:
                 bf16 = best[("sluice", "bf16", b)][phase]
                 row += [best[("sluice", m, b)][phase] / bf16 for m in modes if m != "bf16"]
             rows.append(row)
-    note = (f"\n\nRows `B`: decode tok/s (B x {GEN} generated tokens / generation time); rows `prefill B`: prefill "
-            f"tok/s (B x {PROMPT} random prompt tokens / time to every sequence's first token; llama.cpp's S_PP), {args.threads} threads, best of {args.rounds} rounds (llama.cpp and ours back to back at each B), random ~125M Llama "
-            "(hidden 768, 12 layers, 12/4 heads, inter 2048, vocab 32000) from the same safetensors. llama.cpp: "
-            f"`llama-batched-bench` from the llama-cpp-python sdist's vendored source, built for the {cpu_isa.tier()} "
-            f"tier as our kernels are (GGML_NATIVE=OFF, AMX off; torch's CPU capability "
-            f"{torch.backends.cpu.get_cpu_capability()}). Sluice modes: " + ", ".join(f"{m} = quantization={MODES[m][0]!r}" for m in modes)
+    note = (f"\n\nRows `B`: decode tok/s (B x {GEN} generated tokens / generation time); rows `prefill B`: "
+            f"prefill tok/s (B x {PROMPT} random prompt tokens / time to every sequence's first token; "
+            f"llama.cpp's S_PP), {args.threads} threads, best of {args.rounds} rounds (llama.cpp and ours "
+            "back to back at each B), random ~125M Llama (hidden 768, 12 layers, 12/4 heads, inter 2048, "
+            "vocab 32000) from the same safetensors. llama.cpp: `llama-batched-bench` from the "
+            f"llama-cpp-python sdist's vendored source, built for the {cpu_isa.tier()} tier as our kernels "
+            "are (GGML_NATIVE=OFF, AMX off; torch's CPU capability "
+            f"{torch.backends.cpu.get_cpu_capability()}). Sluice modes: " + ", ".join(f"{m} = "
+                                                                                      f"quantization={MODES[m][0]!r}" for m in modes)
             + ".")
     return table(headers, rows) + note
 

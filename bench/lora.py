@@ -116,7 +116,8 @@ def decode_rounds(args, base: Path, prompts, mixed) -> tuple[list[tuple[float, f
     for r in range(args.rounds):
         rows.append((decode_rate(plain, prompts, None, args.new),
                      decode_rate(tuned, prompts, mixed, args.new)))
-        print(f"round {r}: base {rows[-1][0]:.1f} tok/s, {args.adapters} adapters mixed {rows[-1][1]:.1f} tok/s")
+        print(f"round {r}: base {rows[-1][0]:.1f} tok/s, {args.adapters} adapters mixed {rows[-1][1]:.1f} "
+              "tok/s")
     return rows, tuned
 
 
@@ -161,7 +162,8 @@ def main() -> None:
           f"{lora_med:.1f}"],
          ["mixed / base alone (median of per-round ratios)",
           f"{statistics.median(b / a for a, b in rows):.2f}x"],
-         [f"transformers + PEFT, one adapter at a time (set_adapter, batches of {args.batch // args.adapters})",
+         ["transformers + PEFT, one adapter at a time (set_adapter, batches of "
+          f"{args.batch // args.adapters})",
           f"{hf:.1f}"],
          ["mixed / transformers + PEFT", f"{lora_med / hf:.2f}x"],
          [f"RSS growth after {args.registered} adapters registered and run (max_loras {args.adapters})",

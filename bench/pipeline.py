@@ -159,12 +159,13 @@ def main() -> None:
     ]
     body = table(["path", "requests", "output tokens", "seconds", "output tok/s", "× engine"], rows)
     body += (
-        f"\n\nWorkload: {what}, {args.dtype} on {args.device}, {len(reqs)} requests, ignore_eos, greedy, seed 0; "
-        f"best of {args.rounds} round(s) each. "
-        "End to end is timed from submit_batch to the batch reading `completed` (validation, rq jobs, the worker's "
-        "engine loop, shard write, finalize merge), with the worker's model already loaded and warmed.\n\n"
-        f"Producer enqueue rate: {args.enqueue_requests} requests ({enq_bytes / 1e6:.1f} MB JSONL) validated "
-        f"and enqueued in {enq_dt:.2f} s = {args.enqueue_requests / enq_dt:,.0f} requests/s (shards of 256)."
+        f"\n\nWorkload: {what}, {args.dtype} on {args.device}, {len(reqs)} requests, ignore_eos, greedy, "
+        f"seed 0; best of {args.rounds} round(s) each. "
+        "End to end is timed from submit_batch to the batch reading `completed` (validation, rq jobs, the "
+        "worker's engine loop, shard write, finalize merge), with the worker's model already loaded and "
+        f"warmed.\n\nProducer enqueue rate: {args.enqueue_requests} requests ({enq_bytes / 1e6:.1f} MB "
+        f"JSONL) validated and enqueued in {enq_dt:.2f} s = {args.enqueue_requests / enq_dt:,.0f} requests/s "
+        "(shards of 256)."
     )
     record("Pipeline", body)
 

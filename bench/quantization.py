@@ -167,18 +167,19 @@ def report(results: list[dict], args) -> str:
     body = table(["mode", "weights MiB", "weights ×bf16", "linears ×bf16", "KV B/token", "KV ×bf16",
                   f"KV blocks in {KV_GB} GiB", "output tok/s", "tok/s ×bf16", "load s", "loaded anon MiB",
                   "load peak anon MiB", "VmHWM MiB", "sluice-tiny ppl"], rows)
-    body += (f"\n\nModel: random Llama ~125M (bf16 weights {base['weight_bytes'] / 2**20:.0f} MiB, decoder linears "
-             f"{base['linear_bytes'] / 2**20:.0f} MiB), CPU, bitsandbytes {_bnb_version()}; workload of "
-             f"bench/throughput.py with {args.num_requests} requests (prompt U(32,512), max_tokens U(16,256), "
-             "greedy, ignore_eos). Weights count parameters, buffers and bitsandbytes quantization state "
-             "(absmax, code, SCB). Each mode runs in its own process; throughput is the best of "
-             f"{args.rounds} interleaved runs (the 2-core machine is shared with other jobs, so absolute tok/s "
-             "vary). Load: the engine's loader and hook alone, after bitsandbytes is imported; 'loaded anon' and "
-             "'load peak anon' are the anonymous RSS after loading and its peak while loading (sampled every 2 ms), "
-             "above the RSS before; the safetensors file is mmapped and its page-cache pages are not counted. "
-             "VmHWM is the whole process's peak RSS after loading, torch and the mapped file included. Perplexity: "
-             f"models/sluice-tiny, {args.ppl_windows} held-out windows of 255 tokens via LLM.score, prefill in "
-             f"chunks of {PPL_CHUNK} tokens so that the KV cache is read.")
+    body += (f"\n\nModel: random Llama ~125M (bf16 weights {base['weight_bytes'] / 2**20:.0f} MiB, decoder "
+             f"linears {base['linear_bytes'] / 2**20:.0f} MiB), CPU, bitsandbytes {_bnb_version()}; workload "
+             f"of bench/throughput.py with {args.num_requests} requests (prompt U(32,512), max_tokens "
+             "U(16,256), greedy, ignore_eos). Weights count parameters, buffers and bitsandbytes "
+             "quantization state (absmax, code, SCB). Each mode runs in its own process; throughput is the "
+             f"best of {args.rounds} interleaved runs (the 2-core machine is shared with other jobs, so "
+             "absolute tok/s vary). Load: the engine's loader and hook alone, after bitsandbytes is "
+             "imported; 'loaded anon' and 'load peak anon' are the anonymous RSS after loading and its peak "
+             "while loading (sampled every 2 ms), above the RSS before; the safetensors file is mmapped and "
+             "its page-cache pages are not counted. VmHWM is the whole process's peak RSS after loading, "
+             f"torch and the mapped file included. Perplexity: models/sluice-tiny, {args.ppl_windows} "
+             f"held-out windows of 255 tokens via LLM.score, prefill in chunks of {PPL_CHUNK} tokens so that "
+             "the KV cache is read.")
     return body
 
 

@@ -168,13 +168,13 @@ def report(rows: list[list], target: Path, draft: Path, args) -> str:
     """The recorded table and the paragraph saying how it was measured."""
     body = table(["speculation", "prompts", "sampling", "batch", "output tok/s",
                   "ms per token (each sequence)", "speed-up vs none", "acceptance"], rows)
-    return body + (f"\n\nTarget `{target.name}`, draft `{draft.name}`, k={args.k}, {args.max_tokens} tokens per "
-                   f"request (ignore_eos), {args.dtype} on CPU, best of {args.rounds} interleaved rounds. 'text': the "
-                   "demo's completion prompts; 'copy': six of them joined, then the passage's first 16 tokens again; "
-                   "'sampled': temperature 0.8, a seed per request. Batch 1 decodes four prompts one after another. "
-                   "'default threshold' is the int8 draft as configured out of the box (disable_by_batch_size="
-                   f"{DEFAULT_DISABLE_BY_BATCH_SIZE}): above it a step runs without speculation. The other rows "
-                   "speculate at every batch size.")
+    return body + (f"\n\nTarget `{target.name}`, draft `{draft.name}`, k={args.k}, {args.max_tokens} tokens "
+                   f"per request (ignore_eos), {args.dtype} on CPU, best of {args.rounds} interleaved "
+                   "rounds. 'text': the demo's completion prompts; 'copy': six of them joined, then the "
+                   "passage's first 16 tokens again; 'sampled': temperature 0.8, a seed per request. Batch 1 "
+                   "decodes four prompts one after another. 'default threshold' is the int8 draft as "
+                   f"configured out of the box (disable_by_batch_size={DEFAULT_DISABLE_BY_BATCH_SIZE}): "
+                   "above it a step runs without speculation. The other rows speculate at every batch size.")
 
 
 def main() -> None:

@@ -93,7 +93,8 @@ def parse_args():
                    help="HF one-at-a-time is slow: measure its rate on this many requests")
     p.add_argument("--skip-generate-batch", action="store_true")
     p.add_argument("--mixed", action="store_true",
-                   help="the mixed workload: 64 requests, prompts 32-384, 16-192 new tokens, vs HF static batching")
+                   help="the mixed workload: 64 requests, prompts 32-384, 16-192 new tokens, vs HF static "
+                        "batching")
     p.add_argument("--generate-batch-requests", type=int, default=None,
                    help="run HF generate_batch on the first N requests only (it is slow on CPU)")
     args = p.parse_args()
@@ -139,10 +140,11 @@ def main() -> None:
     ours = tokens / dt
     body = table(["system", "requests", "output tokens", "seconds", "output tok/s", "sluice ×"],
                  [r + [ours / r[-1]] for r in rows])
-    body += (f"\n\nWorkload: random Llama ~125M (hidden 768, 12 layers, 12/4 heads, inter 2048, vocab 32000), "
-             f"bf16, {len(reqs)} requests, prompt U{shape[0]}, max_tokens U{shape[1]}, ignore_eos, greedy, seed 0. "
-             f"Engine: {info['steps']} steps, KV utilization (tokens held / slots allocated to running requests) "
-             f"mean {info['kv_util_mean']:.3f}, min {info['kv_util_min']:.3f}; peak {info['peak_blocks']} blocks.")
+    body += ("\n\nWorkload: random Llama ~125M (hidden 768, 12 layers, 12/4 heads, inter 2048, vocab "
+             f"32000), bf16, {len(reqs)} requests, prompt U{shape[0]}, max_tokens U{shape[1]}, ignore_eos, "
+             f"greedy, seed 0. Engine: {info['steps']} steps, KV utilization (tokens held / slots allocated "
+             f"to running requests) mean {info['kv_util_mean']:.3f}, min {info['kv_util_min']:.3f}; peak "
+             f"{info['peak_blocks']} blocks.")
     record("Mixed workload (engine vs HF static batching)" if args.mixed
            else "Throughput (engine vs Hugging Face)", body)
 

@@ -54,10 +54,10 @@ def main() -> None:
     rows = [[b, best["eager", b], best["compiled", b], best["compiled", b] / best["eager", b]]
             for b in batches]
     body = table(["B", "eager tok/s", "compiled MLP tok/s", "compiled / eager"], rows)
-    body += (f"\n\nDecode tok/s, bf16, B x 128 random prompt tokens, 128 generated, best of {args.rounds} interleaved "
-             f"rounds. First calls of the compiled MLP (compilation) took {compile_s:.0f} s. Eager runs our bf16 "
-             "GEMV at decode row counts and one fused silu * up pass; inductor's code replaces them with its own "
-             "matmul calls and an elementwise kernel.")
+    body += (f"\n\nDecode tok/s, bf16, B x 128 random prompt tokens, 128 generated, best of {args.rounds} "
+             f"interleaved rounds. First calls of the compiled MLP (compilation) took {compile_s:.0f} s. "
+             "Eager runs our bf16 GEMV at decode row counts and one fused silu * up pass; inductor's code "
+             "replaces them with its own matmul calls and an elementwise kernel.")
     record("torch.compile of the MLP vs eager (decode tok/s)", body)
 
 

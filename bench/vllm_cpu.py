@@ -245,10 +245,11 @@ def report(results: dict[tuple[str, str], list[float]], args) -> str:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), "unknown CPU")
     note = (f"\n\nHost: {cpu}, {os.cpu_count()} cores, {args.threads} threads per engine; {VLLM} ({TORCH}, "
-            f"LD_PRELOAD tcmalloc + libiomp5, VLLM_CPU_KVCACHE_SPACE={KV_SPACE_GIB}) against Sluice from this "
-            f"checkout, bf16, the random ~125M Llama (bench/common.py). Medians of {args.rounds} round(s), vLLM and "
-            "Sluice back to back per workload; every request of a workload submitted at once, greedy, ignore_eos. "
-            "`generated/s`: new tokens / wall time; `total/s`: (prompt + new tokens) / wall time.")
+            f"LD_PRELOAD tcmalloc + libiomp5, VLLM_CPU_KVCACHE_SPACE={KV_SPACE_GIB}) against Sluice from "
+            f"this checkout, bf16, the random ~125M Llama (bench/common.py). Medians of {args.rounds} "
+            "round(s), vLLM and Sluice back to back per workload; every request of a workload submitted at "
+            "once, greedy, ignore_eos. `generated/s`: new tokens / wall time; `total/s`: (prompt + new "
+            "tokens) / wall time.")
     headers = ["workload", "vLLM generated/s", "Sluice generated/s", "×", "vLLM total/s", "Sluice total/s",
                "×"]
     return table(headers, rows) + note

@@ -199,7 +199,8 @@ def resolve_target(url: str, allow: str) -> Target:
                 inner = embedded_ipv4(address)
                 shown = f"{address} (IPv4 {inner} inside)" if inner else str(address)
                 raise UnsafeWebhookURL(
-                    f"webhook host {host!r} resolves to internal address {shown}; allow it with SLUICE_WEBHOOK_ALLOW"
+                    f"webhook host {host!r} resolves to internal address {shown}; allow it with "
+                    "SLUICE_WEBHOOK_ALLOW"
                 )
     return Target(url, parts.scheme, host, port, parts.request_uri, str(addresses[0]))
 

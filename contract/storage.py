@@ -417,7 +417,8 @@ def check_output_url(url: str, roots: list[str]) -> str:
     open_storage(url)
     if not any(within(url, root) for root in roots):
         raise OutputNotAllowed(
-            f"output {url!r} is outside the allowed output roots ({', '.join(roots)}); see SLUICE_OUTPUT_ROOTS"
+            f"output {url!r} is outside the allowed output roots ({', '.join(roots)}); see "
+            "SLUICE_OUTPUT_ROOTS"
         )
     return url
 

@@ -109,7 +109,8 @@ class EngineConfig:
                                "copy-on-write; below that, copy), mmap (at any size), copy (each read "
                                "into private memory).")
     huge_pages: bool = _opt(True, "CPU: private weights in one arena collapsed into transparent huge pages "
-                                  "after loading (faster decode steps where they stream weights: docs/benchmarks.md).")
+                                  "after loading (faster decode steps where they stream weights: "
+                                  "docs/benchmarks.md).")
     cpu_kernel: bool | None = _opt(None, "CPU: our C++ kernels; off runs torch's implementations (default: "
                                          "SLUICE_CPU_KERNEL, on).")
     cpu_isa: str | None = _opt(None, "CPU: cap on the ISA tier the C++ kernels are built for: avx2, avx512, "
@@ -161,8 +162,8 @@ class EngineConfig:
             raise ValueError(
                 f"unknown logprobs_mode {self.logprobs_mode!r}; choose one of {', '.join(LOGPROBS_MODES)}")
         if self.max_loras < 1 or not 1 <= self.max_lora_rank <= 128:
-            raise ValueError(f"max_loras must be >= 1 and max_lora_rank in [1, 128], got {self.max_loras} and "
-                             f"{self.max_lora_rank}")
+            raise ValueError(f"max_loras must be >= 1 and max_lora_rank in [1, 128], got {self.max_loras} "
+                             f"and {self.max_lora_rank}")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
         if self.quantization is not None:

@@ -72,8 +72,8 @@ def _sentence_transformers_pooling(folder: Path) -> str | None:
             unknown = sorted(k for k, v in config.items() if k.startswith("pooling_mode") and v
                              and k not in _ST_MODES)
             if unknown or len(chosen) != 1:
-                raise PoolingError(f"{modules.parent.name}: sentence-transformers pooling {unknown or chosen} is not "
-                                   f"supported (one of {', '.join(_ST_MODES)})")
+                raise PoolingError(f"{modules.parent.name}: sentence-transformers pooling "
+                                   f"{unknown or chosen} is not supported (one of {', '.join(_ST_MODES)})")
             return chosen[0]
     return None
 

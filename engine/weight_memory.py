@@ -108,8 +108,9 @@ class WeightArena:
         released = reservation.finish(self.used)
         self.prefaulted = reservation.faulted
         taken = [reservation.slots[n] for n in reservation.taken]
-        log.info("weight arena: %d MB written, %d MB of it faulted in ahead at the start, %d MB of tensors read "
-                 "ahead and taken, %d MB read ahead for the load to rebuild (handed back)", self.used >> 20,
+        log.info("weight arena: %d MB written, %d MB of it faulted in ahead at the start, %d MB of tensors "
+                 "read ahead and taken, %d MB read ahead for the load to rebuild (handed back)",
+                 self.used >> 20,
                  min(self.prefaulted, self.used) >> 20, sum(s.nbytes for s in taken if not s.transient) >> 20,
                  sum(s.nbytes for s in taken if s.transient) >> 20)
         return released

@@ -254,8 +254,8 @@ def _visible_build(versioned: str, source: str, tier: str, folder: Path, why: st
 
     console = Console(stderr=True)
     parts = f" ({len(PARTS)} parts: {', '.join(PARTS)})" if source == CORE else ""
-    console.print(f"sluice: compiling the C++ CPU kernels {versioned}{parts} for the {tier} tier into {folder}, "
-                  f"about a minute, once per machine ({why}; a wheel's prebuilt objects skip this)",
+    console.print(f"sluice: compiling the C++ CPU kernels {versioned}{parts} for the {tier} tier into "
+                  f"{folder}, about a minute, once per machine ({why}; a wheel's prebuilt objects skip this)",
                   markup=False, highlight=False, soft_wrap=True)
     columns = [SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn()]
     start = time.monotonic()

@@ -218,8 +218,8 @@ def test_a_real_worker_loads_into_the_arena_it_reserved_before_importing_torch(r
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    found = re.search(r"weight arena: (\d+) MB written, (\d+) MB of it faulted in ahead at the start, (\d+) MB of "
-                      r"tensors read ahead and taken", out.stdout + out.stderr)
+    found = re.search(r"weight arena: (\d+) MB written, (\d+) MB of it faulted in ahead at the start, (\d+) "
+                      r"MB of tensors read ahead and taken", out.stdout + out.stderr)
     assert found is not None, out.stderr[-3000:]
     written, ahead, taken = (int(g) for g in found.groups())
     stored = weight_reserve.stored_tensors(weight_reserve.safetensors_files(TINY))
@@ -445,7 +445,8 @@ def test_an_int8_start_imports_neither_bitsandbytes_nor_the_compiler():
         "print('bitsandbytes' in sys.modules, 'torch._dynamo' in sys.modules)\n"
         "out = llm.generate(['O Romeo'], SamplingParams(max_tokens=4, temperature=0), progress=False)\n"
         "assert len(out[0].token_ids) == 4 and torch.compile is real\n"
-        "print('bitsandbytes' in sys.modules, 'torch._dynamo' in sys.modules, 'torch._inductor' in sys.modules)\n"
+        "print('bitsandbytes' in sys.modules, 'torch._dynamo' in sys.modules, 'torch._inductor' in "
+        "sys.modules)\n"
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                             timeout=300)

@@ -359,7 +359,8 @@ def test_every_cpu_kernel_builds_where_a_compiler_exists(source, cpu_tier):
         return
     name = source.removesuffix(".cpp")
     assert name in cpp_build.PARTS and source in cpp_build._sources(cpp_build.CORE), (
-        f"csrc/{source} is neither a library in cpp_build.EXTENSIONS nor one of the core library's PARTS: add it")
+        f"csrc/{source} is neither a library in cpp_build.EXTENSIONS nor one of the core library's PARTS: "
+        "add it")
     part = cpp_build.part(name)
     assert part is not None and any(not k.startswith("__") for k in vars(part)), f"{name}: no functions bound"
 

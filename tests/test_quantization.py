@@ -270,8 +270,9 @@ def hook(event, args):
 sys.addaudithook(hook)
 atexit.register(lambda: print("HOSTS", sorted(set(hosts)), flush=True))
 """
-WORKER = ("import runpy\nsys.argv[0] = 'sluice.worker'\ntry:\n    runpy.run_module('sluice.worker', run_name='__main__')\n"
-          "except SystemExit as e:\n    print('WORKER', e.code, 'bitsandbytes' in sys.modules)\n")
+WORKER = ("import runpy\nsys.argv[0] = 'sluice.worker'\ntry:\n    runpy.run_module('sluice.worker', "
+          "run_name='__main__')\nexcept SystemExit as e:\n    print('WORKER', e.code, 'bitsandbytes' in "
+          "sys.modules)\n")
 BNB = ("import bitsandbytes, importlib.util\nfrom bitsandbytes.functional import has_avx512bf16\n"
        "print('ASKS', has_avx512bf16() and importlib.util.find_spec('kernels') is not None)\n")
 

@@ -281,7 +281,8 @@ def long_functions(source: str, filename: str = "<source>") -> list[str]:
 def test_the_function_length_count_sees_long_and_nested_functions():
     body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES - 1))
     assert long_functions(f"@decorator\ndef fits():\n{body}") == []
-    assert long_functions(f"def long():\n{body}    return 0\n") == [f"<source>:1 long ({MAX_FUNCTION_LINES + 1} lines)"]
+    assert long_functions(f"def long():\n{body}    return 0\n") == ["<source>:1 long "
+                                                                    f"({MAX_FUNCTION_LINES + 1} lines)"]
     nested = "class C:\n    async def outer(self):\n        def inner():\n" + body.replace(
         "    ", "            ")
     assert [f.split()[1] for f in long_functions(nested + "            return 0\n")] == ["outer", "inner"]
@@ -371,10 +372,10 @@ def _rq_reaches_in(tree: ast.Module, classes: dict[str, set[str]], everywhere: s
 
 def test_the_rq_reach_check_sees_private_names_steps_and_overrides():
     sample = {
-        "a.py": "from rq import SimpleWorker\nclass W(SimpleWorker):\n    def _install_signal_handlers(self): pass\n"
-                "    def go(self, job):\n        self._own = 1\n        self._stop_requested = True\n"
-                "        self.perform_job(job)\n        job._status\n        getattr(job, '_data')\n"
-                "    def perform_job(self, job): pass\n",
+        "a.py": "from rq import SimpleWorker\nclass W(SimpleWorker):\n    def "
+                "_install_signal_handlers(self): pass\n    def go(self, job):\n        self._own = 1\n       "
+                " self._stop_requested = True\n        self.perform_job(job)\n        job._status\n        "
+                "getattr(job, '_data')\n    def perform_job(self, job): pass\n",
         "b.py": "from a import W\nclass V(W):\n    def run(self):\n        return self._finalize_success\n",
         "c.py": "class Plain:\n    def _stop_requested(self): return self._data\n",
     }
@@ -479,10 +480,10 @@ def library_patches(source: str) -> list[str]:
 
 
 def test_the_patch_check_sees_every_way_of_patching_a_library():
-    sample = ("import torch\nimport torch.nn as tnn\nfrom torch import nn\nimport bitsandbytes as bnb\nimport sys\n"
-              "torch.compile = f\ntnn.functional.relu = g\nnn.Linear.forward += h\nsetattr(torch, 'x', 1)\n"
-              "bnb.nn.Linear4bit.forward = k\ndel torch.x\nsys.modules['torch._dynamo'] = None\nb = _bnb()\n"
-              "b.functional.q: int = 1\nmod.weight = w\nstate.dtype = torch.float16\nsetattr(mod, 'x', torch)\n")  # fmt: skip
+    sample = ("import torch\nimport torch.nn as tnn\nfrom torch import nn\nimport bitsandbytes as "
+              "bnb\nimport sys\ntorch.compile = f\ntnn.functional.relu = g\nnn.Linear.forward += "
+              "h\nsetattr(torch, 'x', 1)\nbnb.nn.Linear4bit.forward = k\ndel "
+              "torch.x\nsys.modules['torch._dynamo'] = None\nb = _bnb()\nb.functional.q: int = 1\nmod.weight = w\nstate.dtype = torch.float16\nsetattr(mod, 'x', torch)\n")  # fmt: skip
     assert library_patches(sample) == [
         "torch.compile", "tnn.functional.relu", "nn.Linear.forward", "bnb.nn.Linear4bit.forward", "torch.x",
         "sys.modules['torch._dynamo']", "b.functional.q", "setattr(torch, 'x', 1)"]  # fmt: skip

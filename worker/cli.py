@@ -31,8 +31,8 @@ GRACE_HELP = "Seconds to finish in-flight shards after SIGTERM before handing ba
 METRICS_HELP = "Serve Prometheus /metrics, /healthz and /readyz (ready once loaded and warmed) here."
 REDIS_HELP = "Redis URL (default: $SLUICE_REDIS_URL or redis://127.0.0.1:6379/0)"
 LORA_HELP = "A LoRA adapter lines may name as their model: NAME=PATH (a PEFT folder, local or s3://); repeatable."
-LORA_DIR_HELP = ("A folder of PEFT adapter folders (local or s3://), each served under its folder's name, found when "
-                 "a line first names it; repeatable.")
+LORA_DIR_HELP = ("A folder of PEFT adapter folders (local or s3://), each served under its folder's name, "
+                 "found when a line first names it; repeatable.")
 
 
 def start(

@@ -175,14 +175,14 @@ def batch_errors(batch: Batch, merged: Merged) -> list[LineError]:
         errors.append(LineError(code="shards_lost", message=message))
     if merged.failed_shards:
         message = (
-            f"shards {merged.failed_shards} failed on every attempt (see the workers' logs); their requests are in "
-            "the error file with code shard_failed"
+            f"shards {merged.failed_shards} failed on every attempt (see the workers' logs); their requests "
+            "are in the error file with code shard_failed"
         )
         errors.append(LineError(code="shard_failed", message=message))
     if merged.expired:
         message = (
-            f"the completion window ({batch.completion_window}) ended before {merged.expired} requests ran; they are "
-            "in the error file with code batch_expired"
+            f"the completion window ({batch.completion_window}) ended before {merged.expired} requests ran; "
+            "they are in the error file with code batch_expired"
         )
         errors.append(LineError(code="batch_expired", message=message))
     return errors

@@ -111,8 +111,8 @@ def check_base(adapter: LoRAAdapter, num_layers: int, shapes: dict[str, list[tup
         out, inp = shapes[proj][part]
         if pair.a.shape[1] != inp or pair.b.shape[0] != out:
             raise LoRAError(f"adapter {adapter.name!r}: layer {layer} {proj} part {part} is "
-                            f"{pair.b.shape[0]}x{pair.a.shape[1]} but the base model's is {out}x{inp}: an adapter "
-                            "for another base")
+                            f"{pair.b.shape[0]}x{pair.a.shape[1]} but the base model's is {out}x{inp}: an "
+                            "adapter for another base")
 
 
 def check_config(name: str, path: str | Path, max_rank: int = MAX_RANK) -> dict:
@@ -183,8 +183,8 @@ def _weights(name: str, folder: Path) -> dict[str, torch.Tensor]:
     file = folder / WEIGHTS
     if not file.is_file():
         if (folder / "adapter_model.bin").is_file():
-            raise LoRAError(f"adapter {name!r}: adapter_model.bin is a pickle, which is never loaded; save the "
-                            "adapter with safetensors (PEFT's default)")
+            raise LoRAError(f"adapter {name!r}: adapter_model.bin is a pickle, which is never loaded; save "
+                            "the adapter with safetensors (PEFT's default)")
         raise LoRAError(f"adapter {name!r}: {folder} has no {WEIGHTS}")
     try:
         return load_file(str(file))

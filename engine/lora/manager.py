@@ -49,8 +49,8 @@ class LoRAManager:
         config)."""
         known = self.known.get(lora.lora_int_id)
         if known is not None and (known.lora_name, known.lora_path) != (lora.lora_name, lora.lora_path):
-            raise LoRAError(f"adapter {lora.lora_name!r}: lora_int_id {lora.lora_int_id} already names adapter "
-                            f"{known.lora_name!r} ({known.lora_path})")
+            raise LoRAError(f"adapter {lora.lora_name!r}: lora_int_id {lora.lora_int_id} already names "
+                            f"adapter {known.lora_name!r} ({known.lora_path})")
         if lora.lora_int_id in self.failed:
             raise LoRAError(self.failed[lora.lora_int_id])
         if known is None:

@@ -161,7 +161,8 @@ def step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: f
     cache = step.caches[i]
     if k.shape[1:] != cache.k.shape[::3]:
         raise ValueError(f"layer {i} keys are {list(k.shape[1:])} per token, the KV pool holds "
-                         f"{list(cache.k.shape[::3])} (heads, head dim): an attention the generic path does not model")
+                         f"{list(cache.k.shape[::3])} (heads, head dim): an attention the generic path does "
+                         "not model")
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     cache.write(k, v, step.meta.slot_mapping)
     window = sliding_window or step.windows[i]
@@ -268,7 +269,8 @@ class GenericModel(nn.Module):
             _STEP.reset(token)
         if step.calls != len(kv_caches):
             raise ValueError(f"{self.config.architecture} ran {step.calls} attention layers for "
-                             f"{len(kv_caches)} KV caches: layers outside the attention interface are not supported")
+                             f"{len(kv_caches)} KV caches: layers outside the attention interface are not "
+                             "supported")
         return out.logits[0]
 
 

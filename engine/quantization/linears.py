@@ -258,8 +258,8 @@ class Quantizer:
         widths off the 4-bit kernels' blocks are zero-padded there. Returns how many it swapped."""
         if self.prequantized:
             raise ValueError(f"{architecture} runs on the generic path, which quantizes while loading: a "
-                             f"pre-quantized bitsandbytes checkpoint is not supported there (load the unquantized "
-                             f"one with quantization={self.spec.method!r})")
+                             "pre-quantized bitsandbytes checkpoint is not supported there (load the "
+                             f"unquantized one with quantization={self.spec.method!r})")
         head = model.get_output_embeddings()
         chosen = [(name, mod) for name, mod in model.named_modules()
                   if type(mod) is nn.Linear and (mod is not head or self.quantizes_head)]

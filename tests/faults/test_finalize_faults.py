@@ -152,7 +152,8 @@ def test_submit_killed_while_validating_is_failed_by_the_reaper(redis_url, tmp_p
     client = Client(redis_url)
     code = (
         "import sys; from sluice.producer import Client; "
-        f"Client({redis_url!r}).submit_batch((line for line in sys.stdin.buffer), output={tmp_path.as_uri()!r})"
+        f"Client({redis_url!r}).submit_batch((line for line in sys.stdin.buffer), "
+        f"output={tmp_path.as_uri()!r})"
     )
     producer = subprocess.Popen(
         [sys.executable, "-c", code], stdin=subprocess.PIPE, env=worker_env(redis_url)

@@ -153,8 +153,8 @@ def test_cron_does_not_record_an_object_whose_batch_is_still_validating(redis_ur
 
 
 RAISING_TEMPLATE = (
-    "{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('system messages are not supported') }}"
-    "{% endif %}{{ m.content }}{% endfor %}"
+    "{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('system messages are not "
+    "supported') }}{% endif %}{{ m.content }}{% endfor %}"
 )
 
 
