@@ -3,8 +3,8 @@ worker's process start → ready, and an offline start's ready → first token, 
 bf16 checkpoint and its int8 and int4 pre-quantized versions, every start in the same page-cache state as the
 read it is set against.
 
-python bench/coldstart.py [--hidden 2048 --layers 12] [--rounds 3] [--cold] [--threads N] [--variants tiny,...]
-    [--baseline REF] [--no-record]
+python bench/coldstart.py [--hidden 2048 --layers 12] [--rounds 3] [--cold] [--threads N]
+    [--variants tiny,...] [--baseline REF] [--no-record]
 
 --baseline REF (a git revision) adds, after each variant, the same start with the code of REF (common.py's
 `baseline_tree`, put first on the children's PYTHONPATH), alternated with this checkout's in every round: an
@@ -84,23 +84,24 @@ loading = "mmap" if mode == "mmap" else "copy"
 model = load_model(sys.argv[1], torch.bfloat16, torch.device("cpu"), 64, weight_loading=loading,
                    reservation=reservation)
 done = time.time()
-print(json.dumps({"imported": imported - started(), "load": done - begun, "loaded": done - started(), "cpu": cpu()}))
+print(json.dumps({"imported": imported - started(), "load": done - begun, "loaded": done - started(),
+                  "cpu": cpu()}))
 """
 LOADS = ("copy", "reserved", "reserved-after", "mmap")
 READY = re.compile(r"ready in ([0-9.]+) s")
 NOTES = """
 
 Each column is the best of the rounds, rounds interleaved. `import torch` is a bare `python -c "import torch"`
-(process start → imported); raw read reads every weight file once (16 MB reads); worker start → ready is a real
-`python -m sluice.worker --model M --dtype bfloat16 --device cpu --burst --no-webhooks` against a local
+(process start → imported); raw read reads every weight file once (16 MB reads); worker start → ready is a
+real `python -m sluice.worker --model M --dtype bfloat16 --device cpu --burst --no-webhooks` against a local
 redis-server, its logged time to ready (process start → imported, `LLM(...)`, its one-step warm-up, its model
 announced: where it starts claiming); `ready / target` sets it against `import torch` for the bundled model
 and against `import torch` + raw read for the others (target: 1.25x). The offline columns are a second process
 doing the worker's start (its imports, collector pause included, `LLM(...)`, the warm-up) in-process, then one
 one-token request: first token is from that ready to the token, offline (not through a queue). CPU s is the
 process's own user + system CPU time up to ready (for `import torch`: up to imported), which other
-processes' load on the host moves far less than the wall clock. The page cache
-is warm (each file read once before) unless `--cold`, which drops each file before the raw read and each start.
+processes' load on the host moves far less than the wall clock. The page cache is warm (each file read once
+before) unless `--cold`, which drops each file before the raw read and each start.
 Kernels are built beforehand (one unmeasured start). A shared 2-core VM: compare ratios within one run."""
 
 

@@ -1,7 +1,7 @@
 """Our CPU kernels on one ISA tier against the torch op they replace, in one process, alternated.
 
-SLUICE_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python bench/cpu_tiers.py [--rows 1,4,16,32]
-    [--engine 1,8] [--gen 32] [--paths 4,8,16,32,64]
+SLUICE_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python bench/cpu_tiers.py
+    [--rows 1,4,16,32] [--engine 1,8] [--gen 32] [--paths 4,8,16,32,64]
 
 Times the bench model's 48 decoder linears (bf16 weights, out of cache as in a decode step) through our bf16
 GEMV against F.linear (oneDNN), and the int8 weight-only GEMV at one row against torch's
@@ -90,8 +90,9 @@ def int8_one_row(rounds: int) -> tuple[float, float]:
     scales = [torch.rand(n).to(torch.bfloat16) for n, _ in LINEARS]
     xs = {k: torch.randn(1, k).to(torch.bfloat16) for _, k in LINEARS}
     gemv = int8_weights._gemv_kernel(scales[0])
-    theirs = lambda: [torch.ops.aten._weight_int8pack_mm(xs[q.shape[1]], q, s) for q, s in zip(qs, scales, strict=True)]  # noqa: E731
-    ours = lambda: [gemv.int8_gemv(xs[q.shape[1]], q, s) for q, s in zip(qs, scales, strict=True)]  # noqa: E731
+    pairs = list(zip(qs, scales, strict=True))
+    theirs = lambda: [torch.ops.aten._weight_int8pack_mm(xs[q.shape[1]], q, s) for q, s in pairs]  # noqa: E731
+    ours = lambda: [gemv.int8_gemv(xs[q.shape[1]], q, s) for q, s in pairs]  # noqa: E731
     times = {"torch": float("inf"), "ours": float("inf")}
     with torch.inference_mode():
         for _ in range(rounds):

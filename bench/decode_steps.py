@@ -1,6 +1,7 @@
 """Decode-step time of our quantized modes against bf16, interleaved finely enough for a noisy shared host.
 
-python bench/decode_steps.py [--batches 1,4,8,32,64] [--modes bf16,int8,int4] [--blocks 12] [--steps 8] [--pages]
+python bench/decode_steps.py [--batches 1,4,8,32,64] [--modes bf16,int8,int4] [--blocks 12] [--steps 8]
+    [--pages]
 
 Whole-run ratios (bench/llamacpp.py's best-of-rounds) swing by +-20% here when the host's load changes between
 runs. This one keeps every mode's engine loaded with the same B decoding sequences and alternates modes every
@@ -129,13 +130,11 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     modes = args.modes.split(",")
-    assert modes[0] == "bf16" and all(m in MODES
-                                      for m in modes), f"modes: bf16 first, then of {sorted(MODES)}"
+    assert modes[0] == "bf16" and set(modes) <= set(MODES), f"modes: bf16 first, then of {sorted(MODES)}"
     batches = [int(b) for b in args.batches.split(",")]
-    model = bench_model()
     if args.pages:
-        return pages(model, modes, batches, args.blocks, args.steps)
-    rows = []
+        return pages(bench_model(), modes, batches, args.blocks, args.steps)
+    model, rows = bench_model(), []
     for b in batches:
         med = step_times(model, {m: (m, True) for m in modes}, b, args.blocks, args.steps)
         rows.append([b, *(med[m] * 1e3 for m in modes), *(med["bf16"] / med[m] for m in modes[1:])])
@@ -144,9 +143,8 @@ def main() -> None:
     body = table(headers, rows) + (
         f"\n\nMedian decode step (ms) of B sequences past a {PROMPT}-token random prompt, the modes' engines "
         f"loaded side by side and alternating every {args.steps} steps, {args.blocks} times; "
-        f"bench/llamacpp.py's model ({GEN}-token runs there). Modes: " + ", ".join(f"{m} = "
-                                                                                   f"quantization={MODES[m][0]!r}"
-                                                         for m in modes) + ".")
+        f"bench/llamacpp.py's model ({GEN}-token runs there). Modes: "
+        + ", ".join(f"{m} = quantization={MODES[m][0]!r}" for m in modes) + ".")
     matmuls = int8_matmuls([1, 2, 4, 8, 16, 32, 64])
     if matmuls:
         body += "\n\n" + table(["rows", "torch._int_mm ms", "ours (VNNI) ms", "ours ×"], matmuls) + (

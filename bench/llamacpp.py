@@ -1,6 +1,7 @@
 """Decode tok/s of llama.cpp (`llama-batched-bench`) vs our engine on the same weights, shapes and threads.
 
-python bench/llamacpp.py [--batches 1,8,32,64] [--rounds 2] [--modes bf16,int8,int4] [--prompt 128] [--gen 128]
+python bench/llamacpp.py [--batches 1,8,32,64] [--rounds 2] [--modes bf16,int8,int4] [--prompt 128]
+    [--gen 128]
 
 Builds llama.cpp once per ISA tier from the llama-cpp-python sdist (its vendored source, GGML_NATIVE=OFF plus
 the flags of the tier our kernels run, kernels.cpu_isa, so both sides use the same instructions; AMX off: its
@@ -39,8 +40,9 @@ CMAKE_BASE = [  # no network, no server, static binaries; ISA flags per tier (TI
 AVX2_CMAKE = ["-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_BMI2=ON",
               "-DGGML_AVX512=OFF", "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF",
               "-DGGML_AVX512_VBMI=OFF", "-DGGML_AVX_VNNI=OFF"]
-TIER_CMAKE = {  # llama.cpp built for the same ISA tier as our kernels (kernels.cpu_isa); AMX stays off (its AMX
-    # path crashes on our VMs), so the amx tier's llama.cpp is the avx512_bf16 build
+# llama.cpp built for the same ISA tier as our kernels (kernels.cpu_isa); AMX stays off (its AMX path crashes
+# on our VMs), so the amx tier's llama.cpp is the avx512_bf16 build
+TIER_CMAKE = {
     "avx2": AVX2_CMAKE,
     "avx512": [*AVX2_CMAKE[:5], "-DGGML_AVX512=ON", "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=OFF",
                "-DGGML_AVX512_VBMI=OFF", "-DGGML_AVX_VNNI=OFF"],
@@ -235,9 +237,8 @@ def report(best, modes, batches, args) -> str:
             "vocab 32000) from the same safetensors. llama.cpp: `llama-batched-bench` from the "
             f"llama-cpp-python sdist's vendored source, built for the {cpu_isa.tier()} tier as our kernels "
             "are (GGML_NATIVE=OFF, AMX off; torch's CPU capability "
-            f"{torch.backends.cpu.get_cpu_capability()}). Sluice modes: " + ", ".join(f"{m} = "
-                                                                                      f"quantization={MODES[m][0]!r}" for m in modes)
-            + ".")
+            f"{torch.backends.cpu.get_cpu_capability()}). Sluice modes: "
+            + ", ".join(f"{m} = quantization={MODES[m][0]!r}" for m in modes) + ".")
     return table(headers, rows) + note
 
 

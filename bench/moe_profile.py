@@ -2,7 +2,8 @@
 experts (grouping, products and combine: one C++ call, or the torch grouping's ops), attention, norms, the LM
 head and the rest of the engine step, per decode step.
 
-python bench/moe_profile.py [--batch 32] [--prompt 32] [--tokens 32] [--threads N] [--torch-grouping] [--shape ...]
+python bench/moe_profile.py [--batch 32] [--prompt 32] [--tokens 32] [--threads N] [--torch-grouping]
+    [--shape ...]
 """
 
 from __future__ import annotations

@@ -132,7 +132,8 @@ def model_and_workload(args, work: Path) -> tuple[Path, list, str]:
         vocab = json.loads((model / "config.json").read_text())["vocab_size"]
         reqs = workload(args.num_requests, prompt_range=(8, 64), out_range=(4, 32), vocab=vocab)
         return model, reqs, "tiny random Llama (4 layers, hidden 64)"
-    return bench_model(), workload(args.num_requests), "random Llama ~125M, prompt U(32,512), max_tokens U(16,256)"
+    return (bench_model(), workload(args.num_requests),
+            "random Llama ~125M, prompt U(32,512), max_tokens U(16,256)")
 
 
 def main() -> None:

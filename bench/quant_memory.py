@@ -24,14 +24,14 @@ NOTES = """
 
 Resident is what the engine adds to the process's VmRSS (weights, KV pages touched, scratch; the imports
 before `LLM(...)` are subtracted), each mode in its own process, after `LLM(...)` and the worker's one-step
-warm-up, then after a batch of prompts (32-512 tokens, 16-64 new tokens each, greedy); bitsandbytes is imported
-before the base in the modes whose engine imports it on CPU (int4). `weights' share` is the mode's weight bytes (parameters, buffers and quantization
-state) over bf16's. `KV pages` is what the KV pool's maps hold resident after the batch (the pages its tokens
-touched, kept for the prefix cache: the same bytes in every mode, a bf16 KV cache), `less KV pages` the rest.
-VmRSS rows count every resident page; RssAnon rows only the process's private ones, without the pages of
-mapped files: the code of libtorch and the other libraries that each mode's first calls touched, clean pages of
-the page cache shared with every process that maps the same library. The target is resident within 5% of the
-weights' share."""
+warm-up, then after a batch of prompts (32-512 tokens, 16-64 new tokens each, greedy); bitsandbytes is
+imported before the base in the modes whose engine imports it on CPU (int4). `weights' share` is the mode's
+weight bytes (parameters, buffers and quantization state) over bf16's. `KV pages` is what the KV pool's maps
+hold resident after the batch (the pages its tokens touched, kept for the prefix cache: the same bytes in
+every mode, a bf16 KV cache), `less KV pages` the rest. VmRSS rows count every resident page; RssAnon rows
+only the process's private ones, without the pages of mapped files: the code of libtorch and the other
+libraries that each mode's first calls touched, clean pages of the page cache shared with every process that
+maps the same library. The target is resident within 5% of the weights' share."""
 
 
 def rss_bytes(field: str = "VmRSS") -> int:

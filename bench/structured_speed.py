@@ -1,7 +1,7 @@
 """Decode throughput with structured outputs vs the same prompts unconstrained, both in one run.
 
-python bench/structured_speed.py [--batch 32] [--max-tokens 64] [--rounds 2] [--model models/sluice-tiny|bench]
-    [--samplers cpp,torch]
+python bench/structured_speed.py [--batch 32] [--max-tokens 64] [--rounds 2]
+    [--model models/sluice-tiny|bench] [--samplers cpp,torch]
 Each request is constrained to a JSON schema whose one string property is free text, so constrained requests
 decode about as long as unconstrained ones; rounds alternate unconstrained, constrained with the mask filled
 after the forward, and constrained with it filled on the grammar thread while the forward runs, each with the

@@ -53,8 +53,8 @@ from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
 cfg = json.loads(sys.argv[1])
-llm = LLM(cfg["model"], dtype="bfloat16", max_model_len=cfg["max_model_len"], max_num_seqs=cfg["max_num_seqs"],
-          enable_prefix_caching=cfg["prefix_caching"], seed=0)
+llm = LLM(cfg["model"], dtype="bfloat16", max_model_len=cfg["max_model_len"],
+          max_num_seqs=cfg["max_num_seqs"], enable_prefix_caching=cfg["prefix_caching"], seed=0)
 print(json.dumps({"ready": True}), flush=True)
 for line in sys.stdin:
     reqs = json.loads(line)

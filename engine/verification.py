@@ -27,7 +27,8 @@ class SpecStats:
 
     def record(self, req: Request, proposed: int, accepted: int) -> None:
         """Count one verify step of `req` in the totals and in the request's metrics."""
-        self.proposed, self.accepted, self.steps = self.proposed + proposed, self.accepted + accepted, self.steps + 1
+        self.proposed, self.accepted = self.proposed + proposed, self.accepted + accepted
+        self.steps += 1
         m = req.metrics
         m.spec_proposed, m.spec_accepted, m.spec_steps = (m.spec_proposed + proposed,
                                                           m.spec_accepted + accepted, m.spec_steps + 1)

@@ -41,10 +41,12 @@ from sluice.engine.models.fused_layout import FUSED
 log = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20  # the arena starts on a huge page boundary (engine.weight_memory)
-SLOT_ALIGNMENT = 64  # bytes: every tensor in the arena starts on a cache line, as the vector kernels read best
+# bytes: every tensor in the arena starts on a cache line, as the vector kernels read best
+SLOT_ALIGNMENT = 64
 # Linux's values (MADV_POPULATE_WRITE is not in Python's mmap module)
 MADV_DONTNEED, MADV_POPULATE_WRITE = 4, 23
-MAP_ALL_BYTES = 4 << 30  # from this many stored bytes the loader maps the checkpoint (weight_loading auto): no arena
+# from this many stored bytes the loader maps the checkpoint (weight_loading auto): no arena
+MAP_ALL_BYTES = 4 << 30
 # Bytes faulted a call. A call holds the process's address-space lock (mmap_lock, read side) throughout, and
 # every mmap/mprotect of the importing thread (dlopen of torch's libraries) waits for it to end: short calls
 # keep those waits short (docs/benchmarks.md, coldstart); `finish` waits for at most one.

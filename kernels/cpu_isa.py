@@ -3,9 +3,9 @@
 Tiers, each a superset of the one before: `avx2` (AVX2 + FMA + F16C + BMI2), `avx512` (F/BW/VL/DQ, VNNI where
 the CPU has it), `avx512_bf16` (plus AVX512-BF16 and VNNI), `amx` (plus AMX tile/bf16/int8). A host without
 AVX2 (or not x86) gets `generic`: the kernels build without ISA flags and serve their scalar / at::vec paths.
-`SLUICE_CPU_ISA=avx2|avx512|avx512_bf16|amx` caps the tier (read here: kernels/ may not import the settings), so
-a capped process never runs an instruction above it, whatever its CPU has. Every Python condition that picks a
-tier-specific path asks `tier()` / `at_least()`, never the CPU directly.
+`SLUICE_CPU_ISA=avx2|avx512|avx512_bf16|amx` caps the tier (read here: kernels/ may not import the
+settings), so a capped process never runs an instruction above it, whatever its CPU has. Every Python
+condition that picks a tier-specific path asks `tier()` / `at_least()`, never the CPU directly.
 """
 
 from __future__ import annotations

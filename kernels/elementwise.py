@@ -38,7 +38,8 @@ def rope_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: 
     """Rotated queries [T, H, D] and keys [T, Hkv, D] from qkv [T, H + 2 Hkv, D]; cos/sin [T, 1, D]."""
     d = qkv.shape[-1]
     # fp32 stays on torch: the compiler may contract x * cos + r * sin into one FMA, which rounds differently
-    if _fused(qkv, (torch.bfloat16, torch.float16)) and qkv.stride(-1) == 1 and qkv.stride(1) == d and cos.shape[-1] == d and d % 2 == 0:
+    if (_fused(qkv, (torch.bfloat16, torch.float16)) and qkv.stride(-1) == 1 and qkv.stride(1) == d
+            and cos.shape[-1] == d and d % 2 == 0):
         c, s = cos.reshape(-1, d), sin.reshape(-1, d)
         if c.dtype == qkv.dtype and c.is_contiguous() and s.is_contiguous():
             q, k = _ext().rope_qk(qkv, c, s, num_heads, num_kv_heads)

@@ -120,7 +120,8 @@ class StepBuffers:
             assert n == s and all(q == 1 for q in query_lens) and s <= pad_to <= self.max_seqs
             n = s = pad_to
         width = max((len(t) for t in block_tables), default=1) or 1
-        assert s <= self.max_seqs and width <= self.view["block_tables"].shape[1], "step larger than the buffers"
+        fits = s <= self.max_seqs and width <= self.view["block_tables"].shape[1]
+        assert fits, "step larger than the buffers"
         self._fill_tokens(ids, positions, slots, n)
         self._fill_sequences(query_lens, context_lens, block_tables, s, n)
         seq, q0, block_q = tiles(self.view["query_len"][:s].tolist())

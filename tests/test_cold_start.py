@@ -129,8 +129,8 @@ def test_a_folder_transformers_would_rewrite_goes_through_autotokenizer(tmp_path
     chat = [{"role": "user", "content": "hello"}]
     ours = load_tokenizer(path)
     assert isinstance(ours, Tokenizer)
-    assert ours.apply_chat_template(chat, tokenize=False) == AutoTokenizer.from_pretrained(path).apply_chat_template(
-        chat, tokenize=False)
+    theirs = AutoTokenizer.from_pretrained(path)
+    assert ours.apply_chat_template(chat, tokenize=False) == theirs.apply_chat_template(chat, tokenize=False)
     for extra in ({"add_bos_token": True}, {"tokenizer_class": "LlamaTokenizer"}):
         config_file.write_text(json.dumps(config | extra))
         assert not isinstance(load_tokenizer(path), Tokenizer)
@@ -298,7 +298,8 @@ def test_prefetch_reads_the_index_files_within_budget(sharded, tmp_path):
     assert thread is not None
     thread.join(30)
     assert not thread.is_alive()
-    assert prefetch(str(tmp_path / "missing")) is None and prefetch("org/hub-model") is None and prefetch(None) is None
+    assert (prefetch(str(tmp_path / "missing")) is None and prefetch("org/hub-model") is None
+            and prefetch(None) is None)
 
 
 def test_warm_up_runs_the_model_once_end_to_end():

@@ -158,7 +158,8 @@ def test_workers_starting_together_build_once_and_all_load(tmp_path):
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
     stale = tmp_path / "cache" / "sluice" / "kernels"
     stale.mkdir(parents=True)
-    code = f"import sys; from pathlib import Path; from sluice.kernels import cpp_build; cpp_build.CSRC = Path({str(src)!r}); print(cpp_build.build_name('sluice_tiny', 'tiny.cpp', 'avx2'))"
+    code = ("import sys; from pathlib import Path; from sluice.kernels import cpp_build; cpp_build.CSRC = "
+            f"Path({str(src)!r}); print(cpp_build.build_name('sluice_tiny', 'tiny.cpp', 'avx2'))")
     versioned = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                                check=True).stdout.split()[-1]
     (stale / f"{versioned}.tmpkilled").mkdir()  # what a SIGKILLed build leaves
@@ -198,7 +199,8 @@ def test_doctor_prints_the_tier_flags_kernels_and_versions(tier_env):
     tier_env("avx2")
     info = json.loads(runner.invoke(app, ["doctor", "--json"]).output)
     assert info["tier"] == cpu_isa.cap(host, "avx2") and info["tier_cap"] == "avx2"
-    assert set(info["cpu_flags"]) <= cpu_isa.cpu_flags() and info["kernel_cache"] == str(cpp_build.cache_root())
+    assert (set(info["cpu_flags"]) <= cpu_isa.cpu_flags()
+            and info["kernel_cache"] == str(cpp_build.cache_root()))
     assert all(f"_{cpp_build.object_tier(info['tier'], k['source'])}_" in Path(k["path"]).name
                for k in info["kernels"])
 

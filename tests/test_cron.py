@@ -81,7 +81,7 @@ def test_cli_add_list_remove(redis_url, redis):
                               redis_url])  # fmt: skip
     assert bad.exit_code != 0
     refused = CliRunner().invoke(cron_app, ["add", "y", "--every", "1m", "--input", "s3://b/*",
-                                            "--webhook", "http://10.0.0.1/", "--redis-url", redis_url])  # fmt: skip
+                                            "--webhook", "http://10.0.0.1/", "--redis-url", redis_url])
     assert refused.exit_code != 0
 
 

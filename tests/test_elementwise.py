@@ -34,8 +34,8 @@ MANTISSA = {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}
 
 
 def ulps(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """|got - want| in units in the last place of `dtype` at want's magnitude (fp64; subnormals at the smallest
-    normal's spacing)."""
+    """|got - want| in units in the last place of `dtype` at want's magnitude (fp64; subnormals at the
+    smallest normal's spacing)."""
     tiny = torch.finfo(dtype).tiny
     exponent = torch.floor(torch.log2(want.abs().clamp(min=tiny)))
     return (got.double() - want).abs() / torch.exp2(exponent - MANTISSA[dtype])

@@ -187,7 +187,8 @@ def test_embeddings_through_client_and_worker_with_generation_in_the_batch(tiny,
     bodies = {r.custom_id: r.response.body for r in client.results(batch.id)}
     errors = {r.custom_id: r.error.model_dump() for r in client.results(batch.id, errors=True)}
     assert openai_body(bodies.pop("gen")).choices[0].finish_reason == "length"
-    assert response_text(bodies["many"]) == f"3 embedding(s) of {len(bodies['many']['data'][0]['embedding'])} values"
+    assert (response_text(bodies["many"]) == "3 embedding(s) of "
+                                             f"{len(bodies['many']['data'][0]['embedding'])} values")
     check_embeddings(bodies, errors, tiny, 1e-5)
 
 

@@ -205,7 +205,8 @@ def test_generic_path_runs_sibling_linears_as_one_product(checkpoint_factory, mo
         attn, mlp = layer.self_attn, layer.mlp
         qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
         assert all(isinstance(p, SiblingLinear) and p.group is attn.q_proj.group for p in qkv)
-        assert attn.v_proj.weight.data_ptr() == attn.q_proj.group.weight[-attn.v_proj.out_features:].data_ptr()
+        assert (
+            attn.v_proj.weight.data_ptr() == attn.q_proj.group.weight[-attn.v_proj.out_features:].data_ptr())
         assert mlp.gate_proj.group is mlp.up_proj.group
         assert type(mlp).forward is generic._swiglu_forward  # the fused SwiGLU
     products = []
@@ -240,8 +241,8 @@ def test_generic_path_fuses_llama_shaped_modules_bit_for_bit(arch, checkpoint_fa
         fused, plain = (LLM(path, dtype="bfloat16", device="cpu", max_num_batched_tokens=48)
                         for _ in range(2))
     transformers_forwards(plain)
-    for layer in fused.engine.model.hf.model.layers:  # qwen3's attention (q/k norms) is not Llama's: only its layer
-        # (transformers wraps it)
+    # qwen3's attention (q/k norms) is not Llama's: only its layer (transformers wraps it)
+    for layer in fused.engine.model.hf.model.layers:
         assert inspect.unwrap(type(layer).forward) is generic._decoder_layer_forward
         assert (type(layer.self_attn).forward is generic._attention_forward) == (arch == "llama")
         rope = type(layer.self_attn._kernel_funcs[generic.ROPE_SLOT]).forward

@@ -118,8 +118,7 @@ def test_int8_linear_matches_dequantized_weights_on_every_path(dtype, tol, monke
                         lambda x, w, s: gemv_rows.append(x.shape[0]) or real(x, w, s))
     monkeypatch.setattr(int8_weights, "dynamic_int8_mm",
                         lambda x, *a: int_mm_rows.append(x.shape[0]) or real_dynamic(x, *a))
-    # ours for bf16 rows, where it builds
-    ours = int8_weights._gemv_kernel(torch.ones(1, dtype=torch.bfloat16))
+    ours = int8_weights._gemv_kernel(torch.ones(1, dtype=torch.bfloat16))  # ours for bf16 rows where built
     if ours is not None:
         spy = type("Spy", (), {"int8_gemv": staticmethod(lambda x, w, s: gemv_rows.append(x.shape[0])
                                                            or ours.int8_gemv(x, w, s))})()
@@ -141,7 +140,8 @@ def test_int8_linear_matches_dequantized_weights_on_every_path(dtype, tol, monke
                 seen = int8_reference(x, qweight, scales, bias, quantize_x=m not in gemv or k % 16 != 0)
                 bound = (seen.abs() + bias.double().abs()) * 2**-7 + 1e-4
                 assert ((got.double() - seen).abs() <= bound).all(), (k, m)
-    assert dtype == torch.float32 or int8_weights.dynamic_from_one_row() == ours, "bf16 takes ours where it builds"
+    assert (dtype == torch.float32
+            or int8_weights.dynamic_from_one_row() == ours), "bf16 takes ours where it builds"
     assert gemv_rows == gemv, "the int8 GEMV serves few rows, and only when in_features % 16 == 0"
     dynamic = [] if dtype == torch.float32 else [m for k in (384, 100) for m in (1, 3, 5, 40)
                                                  if m not in gemv or k % 16]
@@ -154,7 +154,7 @@ def test_int4_linear_matches_its_dequantized_weight(dtype, tol, cpu_tier):
     weight, bias = torch.randn(90, 128), torch.randn(90).to(dtype)  # 90: padded to 96 rows for the CPU packer
     packed = int4_weights.pack(weight, dtype)
     deq = int4_weights.dequantize(packed, torch.float64)
-    assert (deq - weight.double()).abs().max() <= 0.6 * (weight.max() - weight.min()) / 15, "codes round to nearest"
+    assert (deq - weight.double()).abs().max() <= 0.6 * (weight.max() - weight.min()) / 15, "round to nearest"
     q, _ = int4_weights.quantize_int4(weight)
     assert torch.equal(int4_weights.codes(packed), q), "packing keeps every code"
     for m in (1, 5, 40):
@@ -180,9 +180,10 @@ def test_fused_add_rms_norm_matches_hf_rounding(dtype, tol, width, cpu_tier):
     total, out = rms_norm.add_rms_norm(x, delta, weight, 1e-6)
     assert torch.equal(total, x + delta), "the residual sum rounds like `x + delta`"
     want = rms_norm.rms_norm_reference(x + delta, weight, 1e-6)
-    assert out.dtype == dtype and (out.float() - want.float()).abs().max().item() < tol * want.abs().max().item()
+    assert (out.dtype == dtype
+            and (out.float() - want.float()).abs().max().item() < tol * want.abs().max().item())
     if dtype == torch.bfloat16:
-        assert (out != want).float().mean().item() < 0.01, "a rare last-bit difference from the sum order at most"
+        assert (out != want).float().mean().item() < 0.01, "a rare last-bit difference from the sum order"
     same, normed = rms_norm.add_rms_norm(x, None, weight, 1e-6)
     assert same is x and (normed.float() - rms_norm.rms_norm_reference(x, weight,
                                                                        1e-6).float()).abs().max() < tol
@@ -372,7 +373,8 @@ llm = LLM({model!r}, dtype="bfloat16", device="cpu", quantization={quantization!
 out = llm.generate(["O Romeo, Romeo, wherefore art thou Romeo? " * 3, "a rose"],
                    SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), progress=False)
 assert [len(o.token_ids) for o in out] == [4, 4]
-print(json.dumps(sorted({{os.path.realpath(line.split()[-1]) for line in open("/proc/self/maps") if "/sluice_" in line}})))
+maps = [line.split()[-1] for line in open("/proc/self/maps") if "/sluice_" in line]
+print(json.dumps(sorted({{os.path.realpath(path) for path in maps}})))
 """
 
 

@@ -202,8 +202,10 @@ def test_our_linear_and_bitsandbytes_linear4bit_are_equally_close_to_the_fp64_pr
 FRESH = """
 import sys
 from sluice.engine import LLM, SamplingParams
-llm = LLM(sys.argv[1], dtype="bfloat16", device="cpu", **({"quantization": "int4"} if sys.argv[2] == "load" else {}))
-out = llm.generate([[1, 5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), progress=False)
+llm = LLM(sys.argv[1], dtype="bfloat16", device="cpu",
+          **({"quantization": "int4"} if sys.argv[2] == "load" else {}))
+out = llm.generate([[1, 5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+                   progress=False)
 print("TOKENS", len(out[0].token_ids), "BNB", "bitsandbytes" in sys.modules)
 """
 

@@ -78,7 +78,8 @@ def check_records(bodies: dict[str, dict], errors: dict[str, dict], llm_tokenize
     assert all(len(e.top_logprobs) == 2 and bytes(e.bytes).decode() == e.token for e in chat.logprobs.content)
     done = parsed["completion-logprobs"].choices[0]
     assert "".join(done.logprobs.tokens) == done.text and len(done.logprobs.token_logprobs) == 6
-    assert done.logprobs.text_offset == sorted(done.logprobs.text_offset) and len(done.logprobs.top_logprobs[0]) <= 3
+    assert (done.logprobs.text_offset == sorted(done.logprobs.text_offset)
+            and len(done.logprobs.top_logprobs[0]) <= 3)
     schema = parsed["schema"].choices[0]
     assert schema.finish_reason == "stop"
     jsonschema.validate(json.loads(schema.message.content), SCHEMA)

@@ -199,7 +199,8 @@ def test_our_int8_gemv_serves_bf16_rows_and_rounds_as_torchs(monkeypatch, cpu_ti
             x = torch.randn(m, k, dtype=torch.bfloat16)
             want = (x.double() @ qweight.double().T) * scales.double()
             got, theirs = int8.int8_linear(x, qweight, scales), torch._weight_int8pack_mm(x, qweight, scales)
-            assert (got.double() - want).abs().max() <= (theirs.double() - want).abs().max() * 1.01 + 1e-3, (n, k, m)
+            err, their_err = (got.double() - want).abs().max(), (theirs.double() - want).abs().max()
+            assert err <= their_err * 1.01 + 1e-3, (n, k, m)
     assert calls == list(range(1, int8.BF16_GEMV_ROWS + 1)) * 3
     for k in (40, 200):  # any K (torch's GEMV needs K % 16 == 0): exact to bf16 rounding
         qweight, scales = torch.randint(-128, 128, (50, k),
@@ -462,8 +463,7 @@ def test_int4_prefill_rows_widen_the_dequantized_weight_where_onednn_has_no_bf16
     """On every tier the vnni layout dequantizes to exactly int4.dequantize's fp32 (any slice of rows). With
     oneDNN capped below its bf16 instructions, on tiers without VNNI, bf16 rows from int4.WIDEN_MIN_ROWS
     multiply that dequantized weight in fp32: within one bf16 rounding of fp64 x · w + bias, for any slice of
-    the weight; one row fewer keeps the W4A8 product. With VNNI the requantized int8 product keeps every such
-    row."""
+    the weight; one row fewer keeps the W4A8 product. With VNNI the requantized int8 product serves them."""
     from sluice.kernels import linear as linear_kernels
     from sluice.kernels import options
 

@@ -89,8 +89,8 @@ def tensors(obj):
             yield value
 
 base = anon()
-llm = LLM(sys.argv[1], dtype="bfloat16", device="cpu", max_model_len=96, max_num_seqs=2, quantization=sys.argv[2],
-          kv_cache_memory_gb=0.05)
+llm = LLM(sys.argv[1], dtype="bfloat16", device="cpu", max_model_len=96, max_num_seqs=2,
+          quantization=sys.argv[2], kv_cache_memory_gb=0.05)
 model, float_copies, linears = llm.engine.model, [], 0
 held = {t.data_ptr(): t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]}
 for mod in model.modules():
@@ -108,8 +108,8 @@ after_load = anon() - base
 out = llm.generate(["O Romeo, Romeo"] * 2, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
                    progress=False)
 assert [len(o.token_ids) for o in out] == [4, 4]
-print(json.dumps({"linears": linears, "float_copies": float_copies, "weights": sum(held.values()), "load": after_load,
-                  "served": anon() - base}))
+print(json.dumps({"linears": linears, "float_copies": float_copies, "weights": sum(held.values()),
+                  "load": after_load, "served": anon() - base}))
 """
 
 

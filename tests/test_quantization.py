@@ -70,7 +70,8 @@ def test_quantized_modes_load_generate_and_stay_close(ckpt, reference, mode):
     assert all(isinstance(p, kind) and getattr(p, codes).dtype == storage for p in parts)
     assert isinstance(llm.engine.model.layers[0].self_attn.qkv_proj, FusedLinear)
     model = llm.engine.model
-    assert model.embed_tokens.weight.dtype == model.lm_head.weight.dtype == model.norm.weight.dtype == torch.bfloat16
+    dtypes = {model.embed_tokens.weight.dtype, model.lm_head.weight.dtype, model.norm.weight.dtype}
+    assert dtypes == {torch.bfloat16}
     if mode == "int8":
         assert parts[0].threshold == 6.0 and parts[0].SCB.dtype == torch.float32
     else:  # packed at load: bf16 absmax [out, in / 64], bitsandbytes' state (nested or not) dropped
@@ -171,7 +172,8 @@ def test_prequantized_checkpoint_round_trips_without_requantizing(ckpt, tmp_path
     monkeypatch.setattr(qlinears, "quantized_linear", refuse)
     monkeypatch.setattr("sluice.engine.quantization.check_device", lambda *a: None)
     loaded = LLM(tmp_path, dtype="bfloat16", device="cpu")
-    assert loaded.engine.config.quantization is None and len(quantized_parts(loaded)) == len(quantized_parts(direct))
+    assert (loaded.engine.config.quantization is None
+            and len(quantized_parts(loaded)) == len(quantized_parts(direct)))
     for a, b in zip(loaded.score(PROMPTS), direct.score(PROMPTS), strict=True):
         assert torch.equal(a, b)
     got, want = (llm.generate(PROMPTS, GREEDY, progress=False) for llm in (loaded, direct))
@@ -239,7 +241,8 @@ def test_unquantizable_shape_and_requantizing_fail_with_reasons(checkpoint_facto
     with pytest.raises(ValueError, match="already quantized as int4"):
         LLM(tmp_path, dtype="bfloat16", device="cpu", quantization="int8")
     config = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps(config | {"quantization_config": {"quant_method": "gptq"}}))
+    gptq = config | {"quantization_config": {"quant_method": "gptq"}}
+    (tmp_path / "config.json").write_text(json.dumps(gptq))
     with pytest.raises(ValueError, match="quant_method='gptq'; only bitsandbytes"):
         LLM(tmp_path, dtype="bfloat16", device="cpu")
 

@@ -316,7 +316,8 @@ def test_every_route_through_the_openai_package_answers_its_types(stack):
     assert cancelled.status in ("cancelling", "cancelled") and cancelled.cancelling_at is not None
     done = wait_status(stack.openai(raw._client.api_key), batch.id, {"cancelled"}, timeout=120)
     done = typed(raw.batches.retrieve(done.id), Batch)
-    assert done.request_counts.total == 12 and done.request_counts.completed + done.request_counts.failed == 12
+    assert (done.request_counts.total == 12
+            and done.request_counts.completed + done.request_counts.failed == 12)
     for file_id in filter(None, (done.output_file_id, done.error_file_id)):
         assert typed(raw.files.retrieve(file_id), FileObject).purpose == "batch_output"
     models = typed_list(raw.models.list(), Model, paged=False)

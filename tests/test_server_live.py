@@ -29,9 +29,11 @@ def scrape(url: str) -> dict[tuple[str, tuple], float]:
 ROW_STATE = """
 const r = document.getElementById(arguments[0]);
 if (!r) return null;
-return {status: r.dataset.status, percent: Number(r.dataset.percent), shown: r.querySelector('.status').textContent,
+return {status: r.dataset.status, percent: Number(r.dataset.percent),
+        shown: r.querySelector('.status').textContent,
         completed: Number(r.querySelector('.completed-count').textContent),
-        width: r.querySelector('.bar span').style.width, output: (r.querySelector('a.output') || {}).href || null};
+        width: r.querySelector('.bar span').style.width,
+        output: (r.querySelector('a.output') || {}).href || null};
 """
 
 

@@ -75,6 +75,7 @@ def test_readme_server_quick_start(tmp_path):
         status, *outputs = run.stdout.strip().splitlines()
         assert status.startswith("completed") and "completed=2" in status, run.stdout
         assert sorted(json.loads(line)["custom_id"] for line in outputs) == ["a", "b"]
-        assert list((tmp_path / "data" / "sluice" / "results").glob("batch_*/output.jsonl")), "the default output"
+        results = tmp_path / "data" / "sluice" / "results"
+        assert list(results.glob("batch_*/output.jsonl")), "the default output"
     finally:
         stop(pids)

@@ -146,7 +146,8 @@ def test_files_list_filters_by_purpose_then_pages_and_honours_order(server):
         for j in range(25):  # newer outputs between and after the uploads
             store.add(FileRecord(id=f"file-out-{i}-{j}", bytes=1,
                                  created_at=int(time.time()) + 1 + i * 30 + j,
-                                 filename="o.jsonl", purpose="batch_output", project="files", url="file:///x"))  # fmt: skip
+                                 filename="o.jsonl", purpose="batch_output", project="files",
+                                 url="file:///x"))
         time.sleep(1.1)
 
     def page(**params) -> dict:
@@ -209,7 +210,8 @@ def test_redis_down_answers_openai_shaped_503s_then_recovers(tmp_path):
             answer = requests.get(url + path, headers=headers, cookies=session)
             assert answer.status_code == 503, (path, answer.status_code, answer.text)
             error = answer.json()["error"]
-            assert error["type"] == "server_error" and error["code"] == "service_unavailable" and error["message"]
+            assert (error["type"] == "server_error" and error["code"] == "service_unavailable"
+                    and error["message"])
         redis_process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
         wait_for_port(port)
         KeyStore(Redis.from_url(redis_url)).create("down")  # the restarted Redis kept nothing

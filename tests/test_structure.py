@@ -309,7 +309,8 @@ def private_names(source: str) -> set[str]:
 def rq_bases(tree: ast.Module) -> dict[str, str]:
     """Name → 'rq.module:Class' for every class the file imports from rq."""
     return {alias.asname or alias.name: f"{node.module}:{alias.name}" for node in ast.walk(tree)
-            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "rq" for alias in node.names}  # fmt: skip
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "rq"
+            for alias in node.names}
 
 
 def rq_class_privates(target: str) -> set[str]:
@@ -357,12 +358,13 @@ def _rq_reaches_in(tree: ast.Module, classes: dict[str, set[str]], everywhere: s
                 if name in steps:  # an override of a step only the adapter may call
                     yield node.lineno, f"{klass.name}: def {name}"
             else:
-                name = node.attr if isinstance(node, ast.Attribute) and getattr(node.value, "id", "") == "self" else ""
+                name = (node.attr if isinstance(node, ast.Attribute)
+                        and getattr(node.value, "id", "") == "self" else "")
             if name in classes[klass.name]:
                 yield node.lineno, f"{klass.name}: {name}"
     for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and (node.attr in steps or node.attr in everywhere and
-                                                getattr(node.value, "id", None) not in ("self", "cls")):  # fmt: skip
+        if isinstance(node, ast.Attribute) and (node.attr in steps or node.attr in everywhere
+                                                and getattr(node.value, "id", None) not in ("self", "cls")):
             yield node.lineno, ast.unparse(node)
         if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("getattr", "setattr", "hasattr"):
             named = [a.value for a in node.args[1:2] if isinstance(a, ast.Constant)]
@@ -449,7 +451,8 @@ def library_names(tree: ast.Module) -> set[str]:
                       if a.name.split(".")[0] in PATCHED_LIBRARIES}  # fmt: skip
         elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in PATCHED_LIBRARIES:
             names |= {a.asname or a.name for a in node.names}
-        elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and "bnb" in getattr(node.value.func, "id", ""):
+        elif (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+              and "bnb" in getattr(node.value.func, "id", "")):
             names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
     return names
 
@@ -467,8 +470,9 @@ def library_patches(source: str) -> list[str]:
 
     found = []
     for node in ast.walk(tree):
-        targets = {ast.Assign: lambda n: n.targets, ast.AugAssign: lambda n: [n.target],
-                   ast.AnnAssign: lambda n: [n.target], ast.Delete: lambda n: n.targets}.get(type(node), lambda n: [])(node)  # fmt: skip
+        kinds = {ast.Assign: lambda n: n.targets, ast.AugAssign: lambda n: [n.target],
+                 ast.AnnAssign: lambda n: [n.target], ast.Delete: lambda n: n.targets}
+        targets = kinds.get(type(node), lambda n: [])(node)
         found += [ast.unparse(t) for t in targets if isinstance(t, ast.Attribute) and owned(t.value)]
         found += [ast.unparse(t) for t in targets if isinstance(t, ast.Subscript)
                   and ast.unparse(t.value) == "sys.modules"
@@ -480,10 +484,11 @@ def library_patches(source: str) -> list[str]:
 
 
 def test_the_patch_check_sees_every_way_of_patching_a_library():
-    sample = ("import torch\nimport torch.nn as tnn\nfrom torch import nn\nimport bitsandbytes as "
-              "bnb\nimport sys\ntorch.compile = f\ntnn.functional.relu = g\nnn.Linear.forward += "
-              "h\nsetattr(torch, 'x', 1)\nbnb.nn.Linear4bit.forward = k\ndel "
-              "torch.x\nsys.modules['torch._dynamo'] = None\nb = _bnb()\nb.functional.q: int = 1\nmod.weight = w\nstate.dtype = torch.float16\nsetattr(mod, 'x', torch)\n")  # fmt: skip
+    sample = ("import torch\nimport torch.nn as tnn\nfrom torch import nn\nimport bitsandbytes as bnb\n"
+              "import sys\ntorch.compile = f\ntnn.functional.relu = g\nnn.Linear.forward += h\n"
+              "setattr(torch, 'x', 1)\nbnb.nn.Linear4bit.forward = k\ndel torch.x\n"
+              "sys.modules['torch._dynamo'] = None\nb = _bnb()\nb.functional.q: int = 1\nmod.weight = w\n"
+              "state.dtype = torch.float16\nsetattr(mod, 'x', torch)\n")
     assert library_patches(sample) == [
         "torch.compile", "tnn.functional.relu", "nn.Linear.forward", "bnb.nn.Linear4bit.forward", "torch.x",
         "sys.modules['torch._dynamo']", "b.functional.q", "setattr(torch, 'x', 1)"]  # fmt: skip

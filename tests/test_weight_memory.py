@@ -125,7 +125,8 @@ def test_adopt_keeps_views_of_one_storage_views_of_one_copy():
     arena = WeightArena(64 * 64 * 4 + 1000 * 2 + 1024)
     moved = arena.adopt(mod)
     assert moved == 64 * 64 * 4 + 1000 * 2
-    assert arena.holds(mod.weight) and arena.holds(mod.codes) and arena.holds(mod.tail) and not arena.holds(mod.big)
+    assert (arena.holds(mod.weight) and arena.holds(mod.codes) and arena.holds(mod.tail)
+            and not arena.holds(mod.big))
     assert mod.tail.untyped_storage().data_ptr() == mod.codes.untyped_storage().data_ptr()
     assert isinstance(mod.weight, nn.Parameter) and mod.weight.data_ptr() % 64 == 0
     for k, v in mod.state_dict().items():
@@ -169,7 +170,8 @@ def test_the_weights_read_ahead_are_the_models_own(mid_llama):
     without."""
     reservation = _reserve(mid_llama, "BF16")
     stored = weight_reserve.stored_tensors(weight_reserve.safetensors_files(mid_llama))
-    assert set(reservation.slots) == set(stored) and reservation.ahead >= sum(t.nbytes for t in stored.values())
+    assert (set(reservation.slots) == set(stored)
+            and reservation.ahead >= sum(t.nbytes for t in stored.values()))
     llm = _llm(mid_llama, weight_reservation=reservation)
     model, arena = llm.engine.model, llm.engine.model.weight_arena
     assert reservation.taken == set(reservation.slots) == reservation.read
@@ -299,7 +301,6 @@ def test_the_read_ahead_layout_and_its_reads():
     assert calls[1] == ("b", 8, [("model.layers.0.mlp.up_proj.weight", 100)])  # the next is 2 MB on: a call
     assert calls[2] == ("b", (2 << 20) + 112, [("model.layers.0.mlp.gate_proj.weight", 100)])
     near = {n: s for n, s in slots.items() if s.file == "a"} | {"x": weight_reserve.Slot("a", 1300, 10, 5000)}
-    # a short stretch read over
     assert weight_reserve.read_calls(near)[0][2][-2:] == [(None, 1300 - 1224), ("x", 10)]
 
 

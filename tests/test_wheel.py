@@ -36,7 +36,8 @@ TINY = ROOT / "models" / "sluice-tiny"
 # the first test builds the wheel (seven compiles; on a loaded 2-core host longer than the suite's default
 # limit)
 pytestmark = pytest.mark.timeout(5400)
-TAG = f"-cp{sys.version_info.major}{sys.version_info.minor}-cp{sys.version_info.major}{sys.version_info.minor}-linux_x86_64.whl"
+PY = f"{sys.version_info.major}{sys.version_info.minor}"
+TAG = f"-cp{PY}-cp{PY}-linux_x86_64.whl"
 MANIFEST = "sluice/kernels/prebuilt/manifest.json"
 
 CHILD = """
@@ -61,7 +62,8 @@ print(json.dumps({
     "tokens": out[0].token_ids, "attention_calls": len(calls), "extension": ext.__file__,
     "sluice": str(Path(sluice.kernels.__file__).parent), "hub_kernels": hub_kernels.__file__,
     "hub_kernels_version": version("kernels"), "transformers": version("transformers"),
-    "bare": {name: importlib.util.find_spec(name) is not None for name in ("engine", "worker", "producer", "contract", "cli")},
+    "bare": {name: importlib.util.find_spec(name) is not None
+             for name in ("engine", "worker", "producer", "contract", "cli")},
 }))
 """
 
@@ -184,7 +186,8 @@ def test_the_wheel_carries_one_prebuilt_object_per_tier_and_a_manifest(wheel):
             entry = objects[name, cpp_build.object_tier(tier, source)]
             assert entry["source_hash"] == cpp_build.source_hash(source)
             assert entry["flags"] == cpp_build.prebuilt_flags(entry["tier"])
-            assert set(cpu_isa.TIER_FLAGS[entry["tier"]]) <= set(entry["flags"]) and "-march=native" not in entry["flags"]
+            assert (set(cpu_isa.TIER_FLAGS[entry["tier"]]) <= set(entry["flags"])
+                    and "-march=native" not in entry["flags"])
             blob = archive.read(f"sluice/kernels/prebuilt/{entry['file']}")
             assert blob[:4] == b"\x7fELF" and entry["file"].startswith(f"{entry['tier']}/")
             digests.add(hashlib.sha256(blob).hexdigest())
@@ -227,7 +230,8 @@ def test_installed_wheel_generates_on_its_prebuilt_kernels_with_no_compiler(inst
     got = json.loads(out.splitlines()[-1])
     assert got["compiler"] is None and not got["compiler_imported"]
     tier = cpp_build.object_tier(got["tier"], cpp_build.CORE)
-    assert got["core"].startswith(str(Path(got["prebuilt"]) / tier)) and got["prebuilt"].startswith(str(installed))
+    assert (got["core"].startswith(str(Path(got["prebuilt"]) / tier))
+            and got["prebuilt"].startswith(str(installed)))
     assert not any(cache.rglob("*.so"))
     doctor = json.loads(_run(installed / "bin" / "sluice", "doctor", "--json", cwd=work, env=env))
     assert doctor["compiler"] is None and doctor["tier"] == got["tier"]
@@ -261,7 +265,8 @@ def test_installed_wheel_with_a_mismatched_manifest_builds_visibly_beside_curren
     got = json.loads(out.splitlines()[-1])
     tier = cpp_build.object_tier(cpu_isa.tier(), cpp_build.CORE)
     root = cache / "sluice" / "kernels"
-    assert f"compiling the C++ CPU kernels sluice_cpu_kernels_{tier}_" in err and f"for the {tier} tier" in err
+    assert (f"compiling the C++ CPU kernels sluice_cpu_kernels_{tier}_" in err
+            and f"for the {tier} tier" in err)
     assert f"into {root}" in err and "about a minute" in err and "torch 2.0.0+cpu" in err
     assert got["extension"].startswith(str(root)), got["extension"]
     assert got["sluice"].startswith(str(installed)) and not got["sluice"].startswith(str(ROOT))

@@ -26,11 +26,13 @@ from sluice.worker.prefetch import process_reservation
 from sluice.worker.worker import EngineWorker
 
 MODEL_HELP = f"{engine_flags.field_help('model')} Default: $SLUICE_MODEL."
-TTL_HELP = "Seconds before a silent worker's shards count as abandoned (default: $SLUICE_HEARTBEAT_TTL or 30)."
+TTL_HELP = ("Seconds before a silent worker's shards count as abandoned (default: $SLUICE_HEARTBEAT_TTL "
+            "or 30).")
 GRACE_HELP = "Seconds to finish in-flight shards after SIGTERM before handing back."
 METRICS_HELP = "Serve Prometheus /metrics, /healthz and /readyz (ready once loaded and warmed) here."
 REDIS_HELP = "Redis URL (default: $SLUICE_REDIS_URL or redis://127.0.0.1:6379/0)"
-LORA_HELP = "A LoRA adapter lines may name as their model: NAME=PATH (a PEFT folder, local or s3://); repeatable."
+LORA_HELP = ("A LoRA adapter lines may name as their model: NAME=PATH (a PEFT folder, local or s3://); "
+             "repeatable.")
 LORA_DIR_HELP = ("A folder of PEFT adapter folders (local or s3://), each served under its folder's name, "
                  "found when a line first names it; repeatable.")
 

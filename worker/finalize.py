@@ -171,7 +171,8 @@ def batch_errors(batch: Batch, merged: Merged) -> list[LineError]:
     ones)."""
     errors = []
     if merged.lost:
-        message = f"shards {merged.lost} were never enqueued (the submit stopped part way); their requests are in neither file"
+        message = (f"shards {merged.lost} were never enqueued (the submit stopped part way); their requests "
+                   "are in neither file")
         errors.append(LineError(code="shards_lost", message=message))
     if merged.failed_shards:
         message = (

@@ -123,7 +123,8 @@ class Reaper:
                 report["validating_failed"] += 1
             return
         shard_ids = [shard_job_id(batch.id, n) for n in range(batch.num_shards)]
-        if batch.status == BatchStatus.in_progress and batch.expires_at is not None and now > batch.expires_at:
+        expired = batch.expires_at is not None and now > batch.expires_at
+        if batch.status == BatchStatus.in_progress and expired:
             if self.seen(batch.id, "expired"):
                 report["shards_expired"] += drop_unclaimed(self.connection, batch.id, batch.num_shards)
         shards = fetch(self.connection, shard_ids)

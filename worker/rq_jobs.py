@@ -138,7 +138,8 @@ class JobsWorker(SimpleWorker):
         execution = start_execution(self, job)
         job.retries_left = None
         job.ended_at = now()
-        message = f"refused: {job.func_name!r} is not a Sluice job function ({', '.join(sorted(ALLOWED_FUNCTIONS))})"
+        allowed = ", ".join(sorted(ALLOWED_FUNCTIONS))
+        message = f"refused: {job.func_name!r} is not a Sluice job function ({allowed})"
         fail_unrun(self, job, queue, message=message, execution=execution)
 
     def claim(self, job: Job, queue: Queue) -> Execution | None:

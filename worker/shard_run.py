@@ -183,7 +183,8 @@ class ShardRun:
 
         try:
             prompt, params = prepare(llm, request, served, images)
-            adapter = served.adapter(request.parsed_body().model) if isinstance(served, ServedModels) else None
+            served_models = isinstance(served, ServedModels)
+            adapter = served.adapter(request.parsed_body().model) if served_models else None
             llm.add_request(rid, prompt, params, lora_request=adapter)
         except RequestRejected as exc:
             self.fail(request, "request_rejected", str(exc), 400)

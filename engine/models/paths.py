@@ -46,14 +46,16 @@ def model_path_for(cfg: dict[str, Any]) -> tuple[str, str]:
     rope = rope_parameters(cfg)["rope_type"]
     act = cfg.get("hidden_act", "silu")
     if arch is not None and rope in NATIVE_ROPE and act == "silu" and not _forced:
-        return NATIVE, f"{arch} runs on the native Llama-family forward (fused kernels, decode stack, native MoE)"
+        return NATIVE, (f"{arch} runs on the native Llama-family forward (fused kernels, decode stack, "
+                        "native MoE)")
     from sluice.engine.models.generic import check_generic
 
     name = check_generic(cfg)
     if arch is not None and _forced:
         return GENERIC, f"{arch}: generic path forced"
     if arch is not None:
-        return GENERIC, f"{arch} with rope_type {rope!r} / hidden_act {act!r}, which the native forward lacks " \
-                        f"(it has {', '.join(NATIVE_ROPE)} / silu): transformers' modules on the paged KV cache"
-    return GENERIC, f"{name} is not a native architecture ({', '.join(NATIVE_ARCHITECTURES)}): transformers' " \
-                    f"modules on the paged KV cache"
+        return GENERIC, (f"{arch} with rope_type {rope!r} / hidden_act {act!r}, which the native forward "
+                         f"lacks (it has {', '.join(NATIVE_ROPE)} / silu): transformers' modules on the "
+                         "paged KV cache")
+    return GENERIC, (f"{name} is not a native architecture ({', '.join(NATIVE_ARCHITECTURES)}): "
+                     "transformers' modules on the paged KV cache")

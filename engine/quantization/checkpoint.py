@@ -67,7 +67,8 @@ def save_quantized(src: str | Path, dst: str | Path, spec: QuantSpec, dtype: tor
     dst.mkdir(parents=True, exist_ok=True)
     save_file(tensors, dst / WEIGHTS, metadata={"format": "pt"})
     for f in src.iterdir():
-        if f.is_file() and not f.name.endswith(".safetensors") and f.name not in ("config.json", f"{WEIGHTS}.index.json"):
+        skipped = ("config.json", f"{WEIGHTS}.index.json")
+        if f.is_file() and not f.name.endswith(".safetensors") and f.name not in skipped:
             shutil.copy2(f, dst / f.name)
     hf_config |= {"quantization_config": quantization_config, "dtype": str(dtype).removeprefix("torch.")}
     (dst / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")

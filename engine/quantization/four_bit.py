@@ -1,14 +1,13 @@
 """bitsandbytes' 4-bit linears (NF4 / FP4, blocks of 64) on CPU without importing bitsandbytes.
 
-bitsandbytes' serialized state is parsed here (`State4bit.from_dict`: packed codes, absmax fp32 or nested, the
-code
-table, the JSON `quant_state.bitsandbytes__nf4|fp4`) and written back in the same form (`State4bit.as_dict`), so a
-checkpoint round-trips; quantizing while loading gives bitsandbytes' own bits (`quantize_4bit`: our C++ blocks
-pass, bitsandbytes' default quantize_4bit with torch ops where it does not build, and its CPU blockwise 8-bit
-quantization of the absmax for double quant). `Linear4bitCpu` multiplies with kernels.nf4, in the checkpoint's
-byte layout; `pack()` (at load: `pack_4bit_for_cpu`) replaces the absmax, nested or fp32, by its bf16 copy
-[out, in / 64] (what bitsandbytes' CPU kernel multiplies with), after which the module no longer holds
-bitsandbytes' state.
+bitsandbytes' serialized state is parsed here (`State4bit.from_dict`: packed codes, absmax fp32 or nested,
+the code table, the JSON `quant_state.bitsandbytes__nf4|fp4`) and written back in the same form
+(`State4bit.as_dict`), so a checkpoint round-trips; quantizing while loading gives bitsandbytes' own bits
+(`quantize_4bit`: our C++ blocks pass, bitsandbytes' default quantize_4bit with torch ops where it does not
+build, and its CPU blockwise 8-bit quantization of the absmax for double quant). `Linear4bitCpu` multiplies
+with kernels.nf4, in the checkpoint's byte layout; `pack()` (at load: `pack_4bit_for_cpu`) replaces the
+absmax, nested or fp32, by its bf16 copy [out, in / 64] (what bitsandbytes' CPU kernel multiplies with), after
+which the module no longer holds bitsandbytes' state.
 """
 
 from __future__ import annotations
@@ -280,7 +279,8 @@ class Linear4bitCpu(nn.Module):
             destination[prefix + "bias"] = self.bias if keep_vars else self.bias.detach()
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, quant_type={self.quant_type}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"quant_type={self.quant_type}")
 
 
 def pack_for_cpu(model: nn.Module, empty: Empty | None = None) -> int:

@@ -206,7 +206,8 @@ def read_linear(spec: QuantSpec, reader: CheckpointReader, name: str, dtype, dev
     stats = {field: get(key) for field, key in reader.fields(f"{name}.weight").items()}
     if stats:
         cpu = torch.device(device).type == "cpu"
-        state = four_bit.State4bit.from_dict(stats) if cpu else _bnb().functional.QuantState.from_dict(stats, device)
+        state = (four_bit.State4bit.from_dict(stats) if cpu
+                 else _bnb().functional.QuantState.from_dict(stats, device))
         return four_bit_module(spec, weight, state, bias, dtype)
     plain = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
     plain.weight, plain.bias = nn.Parameter(weight.to(dtype), requires_grad=False), _bias(bias, dtype)

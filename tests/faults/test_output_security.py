@@ -54,10 +54,11 @@ def test_submit_refuses_an_output_outside_the_roots(redis_url, tmp_path, monkeyp
     client = Client(redis_url)
     with pytest.raises(OutputNotAllowed, match="SLUICE_OUTPUT_ROOTS"):
         client.submit_batch([{"custom_id": "a", "method": "POST", "url": "/v1/completions",
-                              "body": {"prompt": "x"}}], output=(tmp_path / "elsewhere").as_uri())  # fmt: skip
+                              "body": {"prompt": "x"}}],
+                            output=(tmp_path / "elsewhere").as_uri())
     assert client.list() == []
     ok = client.submit_batch([{"custom_id": "a", "method": "POST", "url": "/v1/completions",
-                               "body": {"prompt": "x"}}], output=(tmp_path / "allowed" / "b").as_uri())  # fmt: skip
+                               "body": {"prompt": "x"}}], output=(tmp_path / "allowed" / "b").as_uri())
     assert ok.status == BatchStatus.in_progress
 
 
@@ -78,7 +79,8 @@ def test_the_worker_refuses_to_write_outside_its_roots(redis_url, tmp_path, monk
     assert finalize_batch("batch_forged") == {}  # a permanent error of the batch: no raise, so no retry loop
     batch = store.get("batch_forged")
     assert batch.status == BatchStatus.failed and [e.code for e in batch.errors] == ["output_not_allowed"]
-    assert evil.as_uri() in batch.errors[0].message and (tmp_path / "allowed").as_uri() in batch.errors[0].message
+    assert (evil.as_uri() in batch.errors[0].message
+            and (tmp_path / "allowed").as_uri() in batch.errors[0].message)
     assert not evil.exists()
 
 
@@ -106,7 +108,8 @@ def test_finished_shard_jobs_do_not_keep_prompts_for_days(redis_url, tmp_path, m
     monkeypatch.setenv("SLUICE_RESULT_TTL", "120")
     client = Client(redis_url)
     batch = client.submit_batch([json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions",
-                                             "body": {"prompt": "secret prompt"}})], output=tmp_path.as_uri())  # fmt: skip
+                                             "body": {"prompt": "secret prompt"}})],
+                                output=tmp_path.as_uri())
     job = Job.fetch(shard_job_id(batch.id, 0), connection=client.connection, serializer=JSONSerializer)
     assert job.result_ttl == 120
     assert client.settings.result_ttl == 120 and Client(redis_url).settings.failure_ttl == 7 * 86400
