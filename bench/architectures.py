@@ -163,8 +163,8 @@ def table(a) -> None:
     """The per-architecture rows (single measurements); nothing where `--archs ''`."""
     if not a.archs:
         return
-    print("| architecture | path | tok/s batch 1 | tok/s batch 32 | HF generate batch 32 "
-          "|\n|---|---|---|---|---|")
+    print("| architecture | path | tok/s batch 1 | tok/s batch 32 | HF generate batch 32 |\n"
+          "|---|---|---|---|---|")
     for arch in filter(None, a.archs.split(",")):
         path = checkpoint(arch, a.root)
         one, many = (engine_tps(path, b, a.prompt, a.tokens) for b in (1, a.batch))

@@ -102,9 +102,8 @@ def pages(model, modes: list[str], batches: list[int], blocks: int, steps: int) 
         f"\n\nMedian decode step (ms) of B sequences past a {PROMPT}-token random prompt: per mode, the "
         "engine with its weights in one arena of transparent huge pages (engine.weight_memory, the default) "
         f"and the same engine with huge_pages=False loaded side by side, alternating every {steps} steps, "
-        f"{blocks} times; bench/llamacpp.py's model. Modes: " + ", ".join(f"{m} = "
-                                                                          f"quantization={MODES[m][0]!r}"
-                                                         for m in modes) + ".")
+        f"{blocks} times; bench/llamacpp.py's model. Modes: "
+        + ", ".join(f"{m} = quantization={MODES[m][0]!r}" for m in modes) + ".")
     record("Decode step, weights in huge pages vs 4 KB pages", body)
 
 

@@ -1,6 +1,6 @@
 """LoRA adapters: a decode batch mixing distinct adapters against the base model alone and against
-transformers
-+ PEFT serving the same requests one adapter at a time; memory with many adapters registered; cold load time.
+transformers + PEFT serving the same requests one adapter at a time; memory with many adapters registered;
+cold load time.
 
     python bench/lora.py [--batch 32] [--adapters 8] [--rank 16] [--new 128] [--registered 100]
 """
