@@ -77,8 +77,8 @@ def encoder_inputs(n: int, lo: int, hi: int, cls: int, sep: int, vocab: int, see
 
 
 def time_encoder(llm, hf, inputs: list[list[int]], args, pooling) -> tuple[dict[str, list[float]], float]:
-    """Seconds of each side in each of `args.rounds` rounds (the engine, the sorted loop, the input-order loop,
-    in turn), and the lowest cosine between the engine's embeddings and the sorted loop's."""
+    """Seconds of each side in each of `args.rounds` rounds (the engine, the sorted loop, the input-order
+    loop, in turn), and the lowest cosine between the engine's embeddings and the sorted loop's."""
     llm.embed(inputs[:8], progress=False)  # warm-up
     hf_loop(hf, inputs[:8], args.batch, pooling=pooling.mode, normalize=pooling.normalize)
     seconds: dict[str, list[float]] = {"engine": [], "sorted": [], "naive": []}

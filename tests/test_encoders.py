@@ -102,14 +102,15 @@ def test_a_step_runs_the_oldest_input_and_the_waiting_ones_nearest_its_length(en
     llm = LLM(str(encoders("bert")), dtype="float32", device="cpu", max_num_batched_tokens=90,
               max_model_len=32)
     lens = {"a": 30, "b": 5, "c": 29, "d": 6, "e": 28, "f": 7, "g": 27}
-    alone = {rid: llm.embed([list(range(10, 10 + n))], progress=False)[0].embedding for rid, n in lens.items()}
+    alone = {rid: llm.embed([list(range(10, 10 + n))], progress=False)[0].embedding
+             for rid, n in lens.items()}
     for rid, n in lens.items():
         llm.engine.add_request(rid, list(range(10, 10 + n)), PoolingParams())
     llm.engine.abort("g")
     steps = []
     while llm.engine.has_unfinished():
         steps.append({o.request_id: o for o in llm.engine.step()})
-    # a (oldest) with c and e (nearest, 87 of 90 tokens), g's abort reported; then b (oldest left) with d and f
+    # a (oldest) with c and e (nearest, 87 of 90 tokens), g's abort reported; then b (oldest left), d, f
     assert [sorted(s) for s in steps] == [["a", "c", "e", "g"], ["b", "d", "f"]]
     assert steps[0]["g"].finish_reason == "abort"
     for rid in lens.keys() - {"g"}:

@@ -88,7 +88,8 @@ def test_rerank_batch_through_the_http_batch_api(server, cross_encoder, tmp_path
         assert r["relevance_score"] == pytest.approx(want[r["index"]], abs=1e-5)
         assert r["document"] == {"text": DOCS[r["index"]]}
     top2 = records["top2"]["response"]["body"]["results"]
-    assert top2 == [{"index": r["index"], "relevance_score": r["relevance_score"]} for r in body["results"][:2]]
+    assert top2 == [{"index": r["index"], "relevance_score": r["relevance_score"]}
+                    for r in body["results"][:2]]
     refused = records["no-docs"]["response"]
     assert refused["status_code"] == 400 and refused["body"]["error"]["param"] == "documents"
 
@@ -109,13 +110,15 @@ def test_score_batch_through_the_http_batch_api(server, cross_encoder, tmp_path)
         tokens = sum(len(o.prompt_token_ids) for o in llm.score(text_1, text_2, progress=False))
         assert body["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
     refused = records["uneven"]["response"]
-    assert refused["status_code"] == 400 and "give one, or as many on each side" in refused["body"]["error"]["message"]
+    assert refused["status_code"] == 400
+    assert "give one, or as many on each side" in refused["body"]["error"]["message"]
 
 
 def test_moderation_batch_through_the_http_batch_api(server, moderator, tmp_path):
     from openai.types import ModerationCreateResponse
 
-    probs = [o.probs for o in LLM(str(moderator), dtype="float32", device="cpu").classify(TEXTS, progress=False)]
+    llm = LLM(str(moderator), dtype="float32", device="cpu")
+    probs = [o.probs for o in llm.classify(TEXTS, progress=False)]
     toxic = sorted(p[0] for p in probs)
     thresholds = {"toxic": (toxic[0] + toxic[1]) / 2, "default": 1.0}  # the lowest input alone passes
     lines = [line("one", "/v1/moderations", input=TEXTS[0]), line("many", "/v1/moderations", input=TEXTS),
@@ -126,11 +129,13 @@ def test_moderation_batch_through_the_http_batch_api(server, moderator, tmp_path
     one = ModerationCreateResponse.model_validate(records["one"]["response"]["body"], strict=True)
     assert many.id.startswith("modr-") and len(many.results) == len(TEXTS) and len(one.results) == 1
     assert one.results[0].flagged == many.results[0].flagged
-    assert one.results[0].category_scores.model_dump(by_alias=True)["toxic"] == pytest.approx(probs[0][0], abs=1e-5)
+    one_toxic = one.results[0].category_scores.model_dump(by_alias=True)["toxic"]
+    assert one_toxic == pytest.approx(probs[0][0], abs=1e-5)
     for result, p in zip(many.results, probs, strict=True):
         scores = result.category_scores.model_dump(by_alias=True)
         assert [scores[name] for name in LABELS.values()] == pytest.approx(p, abs=1e-5)
-        assert result.flagged == (p[0] >= thresholds["toxic"]) == result.categories.model_dump(by_alias=True)["toxic"]
+        flagged = p[0] >= thresholds["toxic"]
+        assert result.flagged == flagged == result.categories.model_dump(by_alias=True)["toxic"]
         assert scores["violence"] == 0.0 and result.categories.violence is False
     assert sum(r.flagged for r in many.results) == len(TEXTS) - 1
     refused = records["empty"]["response"]

@@ -148,7 +148,8 @@ class AttentionPlan:
         firsts = torch.tensor([start, *lens[:-1]]).cumsum(0)
         index = torch.where(valid, firsts[:, None] + cols[None, :], start).flatten()
         slots = valid.flatten().nonzero().flatten()
-        return PaddedGroup(start, total, len(lens), width, index.to(device), valid.to(device), slots.to(device))
+        index, valid, slots = (t.to(device) for t in (index, valid, slots))
+        return PaddedGroup(start, total, len(lens), width, index, valid, slots)
 
     def attend(self, qkv: torch.Tensor, num_heads: int, scale: float) -> torch.Tensor:
         """Attention of each token over its own sequence's tokens: qkv [tokens, 3 * hidden] (query, key and
