@@ -1,7 +1,8 @@
-"""LoRA adapters: a decode batch mixing distinct adapters against the base model alone and against transformers
-+ PEFT serving the same requests one adapter at a time; memory with many adapters registered; cold load time.
+"""LoRA adapters: a decode batch mixing distinct adapters against the base model alone (rounds alternate the
+two; the median of per-round ratios) and against transformers + PEFT serving the same requests one adapter at a
+time; resident memory of a fresh engine as many adapters are registered and run; cold load time.
 
-    python bench/lora.py [--batch 32] [--adapters 8] [--rank 16] [--new 128] [--registered 100]
+    python bench/lora.py [--batch 32] [--adapters 8] [--rank 16] [--new 128] [--registered 100] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -117,23 +118,40 @@ def decode_rounds(args, base: Path, prompts, mixed) -> tuple[list[tuple[float, f
     return rows, tuned
 
 
-def memory_and_load(args, tuned, root: Path, prompt: list[int]) -> tuple[int, int, float]:
-    """RSS growth over `registered` adapters run one after another, one adapter's bytes, its cold load ms."""
+def memory_and_load(args, base: Path, root: Path, prompt: list[int]) -> dict[str, float]:
+    """A fresh engine's RSS growth over `registered` adapters run one after another (its slots are allocated
+    when it is made), one adapter's bytes and the slots', an adapter's cold load ms and its copy into a slot."""
+    import gc
+
+    from sluice.engine import LLM, SamplingParams
     from sluice.engine.lora import LoRARequest
     from sluice.engine.lora.adapter import check_base, read_adapter
     from sluice.engine.lora.slots import projection_shapes
 
     many = [write_adapter(root / f"m{i}", args.rank, 1000 + i) for i in range(args.registered)]
+    fresh = LLM(base, dtype="bfloat16", enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank,
+                enable_prefix_caching=False)
+    one_token = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)  # loaded, in a slot, run
+    fresh.generate([prompt], one_token, progress=False)  # the base model warm, no adapter yet
+    gc.collect()
     before = rss()
     for i, a in enumerate(many):
-        tuned.generate([prompt], None, progress=False, lora_request=LoRARequest(f"m{i}", 100 + i, str(a)))
+        fresh.generate([prompt], one_token, progress=False, lora_request=LoRARequest(f"m{i}", 100 + i, str(a)))
+    gc.collect()
     grown = rss() - before
-    shapes, loads = projection_shapes(tuned.engine.model.config), []
+    slots = fresh.engine.lora.slots
+    shapes, loads, copies = projection_shapes(fresh.engine.model.config), [], []
     for i, a in enumerate(many[:20]):
         t = time.perf_counter()
-        check_base(read_adapter(f"m{i}", a, args.rank), BENCH_CONFIG["num_hidden_layers"], shapes)
+        adapter = read_adapter(f"m{i}", a, args.rank)
+        check_base(adapter, BENCH_CONFIG["num_hidden_layers"], shapes)
         loads.append(time.perf_counter() - t)
-    return grown, read_adapter("m0", many[0], args.rank).nbytes, statistics.median(loads) * 1000
+        t = time.perf_counter()
+        slots.load(0, adapter)
+        copies.append(time.perf_counter() - t)
+    return {"grown": grown, "one": read_adapter("m0", many[0], args.rank).nbytes,
+            "slots": sum(t.nbytes for t in [*slots.a.values(), *slots.b.values()]),
+            "load_ms": statistics.median(loads) * 1000, "copy_ms": statistics.median(copies) * 1000}
 
 
 def main() -> None:
@@ -148,7 +166,9 @@ def main() -> None:
     requests = [LoRARequest(f"a{i}", i + 1, str(a)) for i, a in enumerate(adapters)]
     rows, tuned = decode_rounds(args, base, prompts, [requests[i % args.adapters] for i in range(args.batch)])
     hf = peft_rate(base, adapters, prompts, args.new)
-    grown, one, cold = memory_and_load(args, tuned, root, prompts[0][:16])
+    del tuned
+    mem = memory_and_load(args, base, root, prompts[0][:16])
+    grown, one = mem["grown"], mem["one"]
     lora_med = statistics.median(b for _, b in rows)
     body = table(
         ["what", "value"],
@@ -160,9 +180,12 @@ def main() -> None:
          [f"transformers + PEFT, one adapter at a time (set_adapter, batches of {args.batch // args.adapters})",
           f"{hf:.1f}"],
          ["mixed / transformers + PEFT", f"{lora_med / hf:.2f}x"],
+         [f"slots in working memory (max_loras {args.adapters}, allocated with the engine)",
+          f"{mem['slots'] / 2**20:.1f} MiB"],
          [f"RSS growth after {args.registered} adapters registered and run (max_loras {args.adapters})",
           f"{grown / 2**20:.1f} MiB = {grown / one:.1f} adapters of {one / 2**20:.1f} MiB"],
-         [f"cold load of a rank-{args.rank} adapter (read + checked, median of 20)", f"{cold:.1f} ms"]])
+         [f"cold load of a rank-{args.rank} adapter (read + checked, median of 20)", f"{mem['load_ms']:.1f} ms"],
+         ["its copy into a slot (at the step that first runs it, median of 20)", f"{mem['copy_ms']:.1f} ms"]])
     record("LoRA adapters (bench/lora.py)", body)
 
 
