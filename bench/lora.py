@@ -170,22 +170,18 @@ def main() -> None:
     mem = memory_and_load(args, base, root, prompts[0][:16])
     grown, one = mem["grown"], mem["one"]
     lora_med = statistics.median(b for _, b in rows)
-    body = table(
-        ["what", "value"],
-        [[f"B={args.batch} decode tok/s, base model alone (median of {args.rounds})",
-          f"{statistics.median(a for a, _ in rows):.1f}"],
-         [f"B={args.batch} decode tok/s, {args.adapters} rank-{args.rank} adapters (all linears) mixed",
-          f"{lora_med:.1f}"],
-         ["mixed / base alone (median of per-round ratios)", f"{statistics.median(b / a for a, b in rows):.2f}x"],
-         [f"transformers + PEFT, one adapter at a time (set_adapter, batches of {args.batch // args.adapters})",
-          f"{hf:.1f}"],
-         ["mixed / transformers + PEFT", f"{lora_med / hf:.2f}x"],
-         [f"slots in working memory (max_loras {args.adapters}, allocated with the engine)",
-          f"{mem['slots'] / 2**20:.1f} MiB"],
-         [f"RSS growth after {args.registered} adapters registered and run (max_loras {args.adapters})",
-          f"{grown / 2**20:.1f} MiB = {grown / one:.1f} adapters of {one / 2**20:.1f} MiB"],
-         [f"cold load of a rank-{args.rank} adapter (read + checked, median of 20)", f"{mem['load_ms']:.1f} ms"],
-         ["its copy into a slot (at the step that first runs it, median of 20)", f"{mem['copy_ms']:.1f} ms"]])
+    b, n = args.batch, args.adapters
+    speed = table(
+        [f"B={b} decode tok/s: base alone", f"{n} rank-{args.rank} adapters mixed", "mixed / base (median ratio)",
+         f"transformers + PEFT, set_adapter, batches of {b // n}", "mixed / PEFT"],
+        [[f"{statistics.median(a for a, _ in rows):.1f}", f"{lora_med:.1f}",
+          f"{statistics.median(m / a for a, m in rows):.2f}x", f"{hf:.1f}", f"{lora_med / hf:.2f}x"]])
+    memory = table(
+        [f"{args.registered} registered, max_loras {n}: RSS growth", "slots (allocated with the engine)",
+         "cold load (read + checked)", "copy into a slot"],
+        [[f"{grown / 2**20:.1f} MiB = {grown / one:.1f} adapters of {one / 2**20:.1f} MiB",
+          f"{mem['slots'] / 2**20:.1f} MiB", f"{mem['load_ms']:.1f} ms", f"{mem['copy_ms']:.1f} ms"]])
+    body = f"{speed}\n\n{memory}"
     record("LoRA adapters (bench/lora.py)", body)
 
 
