@@ -41,7 +41,7 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     kernel over `mapping` (the step's LoraMapping of `cpu_kernel()`), reading only each part's own rank columns
     of a fused projection (`out_splits`: the parts' output rows)."""
     if token_slots is not None and x.is_cuda and triton_on(x.device):
-        from sluice.kernels.triton.lora_bgmv import add_lora as triton_add_lora
+        from sluice.kernels.triton.lora_bgmv import triton_add_lora
 
         return triton_add_lora(y, x.contiguous(), a, b, token_slots)
     if mapping is not None and cpp_serves(y, x, a, b):

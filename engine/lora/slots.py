@@ -100,8 +100,8 @@ class LoRALinear(nn.Module):
         base, slots = stack_linear(self.base), self.slots
         if base is None or slots.mapping is None:
             return None
-        key = (self.layer, self.proj)
-        return decode_stack.lora_linear(base, slots.mapping, slots.a[key], slots.b[key], slots.out_splits(self.proj))
+        key, splits = (self.layer, self.proj), slots.out_splits(self.proj)
+        return decode_stack.lora_stack_linear(base, slots.mapping, slots.a[key], slots.b[key], splits)
 
 
 def projection_shapes(config) -> dict[str, list[tuple[int, int]]]:
