@@ -1,6 +1,7 @@
-"""LoRA adapters: a decode batch mixing distinct adapters against the base model alone (the two engines' decode
-steps alternated; the median of per-step ratios) and against transformers + PEFT serving the same requests one
-adapter at a time; resident memory of a fresh engine as many adapters are registered and run; cold load time.
+"""LoRA adapters: a decode batch mixing distinct adapters against the base model alone (the two engines'
+decode steps alternated; the median of per-step ratios) and against transformers + PEFT serving the same
+requests one adapter at a time; resident memory of a fresh engine as many adapters are registered and run;
+cold load time.
 
     python bench/lora.py [--batch 32] [--adapters 8] [--rank 16] [--new 128] [--registered 100] [--rounds 40]
 """
@@ -32,12 +33,13 @@ def write_adapter(folder: Path, rank: int, seed: int) -> Path:
     for layer in range(BENCH_CONFIG["num_hidden_layers"]):
         for name, (out, inp) in shapes.items():
             key = f"base_model.model.model.layers.{layer}.{name}"
-            tensors[f"{key}.lora_A.weight"] = (torch.randn(rank, inp, generator=g) / inp**0.5).to(torch.bfloat16)
+            tensors[f"{key}.lora_A.weight"] = (torch.randn(rank, inp,
+                                                           generator=g) / inp**0.5).to(torch.bfloat16)
             tensors[f"{key}.lora_B.weight"] = (torch.randn(out, rank, generator=g) * 0.01).to(torch.bfloat16)
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(folder / "adapter_model.safetensors"))
-    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": TARGETS, "bias": "none",
-              "task_type": "CAUSAL_LM", "base_model_name_or_path": "bench"}
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": TARGETS,
+              "bias": "none", "task_type": "CAUSAL_LM", "base_model_name_or_path": "bench"}
     (folder / "adapter_config.json").write_text(json.dumps(config))
     return folder
 
@@ -88,7 +90,7 @@ def parse_args():
 
 
 def start_batch(llm, prompts, loras, steps: int) -> None:
-    """Queue the batch (adapters loaded first) and run it past its prefill: every later step is a decode step."""
+    """Queue the batch (adapters loaded first) and run it past its prefill: every later step decodes."""
     from sluice.engine import SamplingParams
 
     params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
@@ -118,14 +120,16 @@ def decode_rounds(args, base: Path, prompts, mixed) -> list[tuple[float, float]]
             llm.step()
             pair.append(time.perf_counter() - t)
         rows.append((pair[0], pair[1]))
-    print(f"steps: base {statistics.median(a for a, _ in rows) * 1000:.1f} ms, {args.adapters} adapters mixed "
-          f"{statistics.median(m for _, m in rows) * 1000:.1f} ms (medians of {args.rounds})")
+    base_ms, mixed_ms = (statistics.median(r[i] for r in rows) * 1000 for i in (0, 1))
+    print(f"steps: base {base_ms:.1f} ms, {args.adapters} adapters mixed {mixed_ms:.1f} ms "
+          f"(medians of {args.rounds})")
     return rows
 
 
 def memory_and_load(args, base: Path, root: Path, prompt: list[int]) -> dict[str, float]:
-    """A fresh engine's RSS growth over `registered` adapters run one after another (its slots are allocated
-    when it is made), one adapter's bytes and the slots', an adapter's cold load ms and its copy into a slot."""
+    """A fresh engine's RSS growth over `registered` adapters run one after another (its slots are
+    allocated when it is made), one adapter's bytes and the slots', an adapter's cold load ms and its copy
+    into a slot."""
     import gc
 
     from sluice.engine import LLM, SamplingParams
@@ -141,7 +145,8 @@ def memory_and_load(args, base: Path, root: Path, prompt: list[int]) -> dict[str
     gc.collect()
     before = rss()
     for i, a in enumerate(many):
-        fresh.generate([prompt], one_token, progress=False, lora_request=LoRARequest(f"m{i}", 100 + i, str(a)))
+        lora = LoRARequest(f"m{i}", 100 + i, str(a))
+        fresh.generate([prompt], one_token, progress=False, lora_request=lora)
     gc.collect()
     grown = rss() - before
     slots = fresh.engine.lora.slots
@@ -179,15 +184,15 @@ def main() -> None:
     speed = table(
         [f"B={b} decode tok/s: base", f"{n} rank-{args.rank} adapters mixed", "mixed / base",
          "transformers + PEFT", "mixed / PEFT"],
-        [[f"{base_rate:.1f}", f"{lora_med:.1f}", f"{statistics.median(a / m for a, m in rows):.2f}x", f"{hf:.1f}",
-          f"{lora_med / hf:.2f}x"]])
+        [[f"{base_rate:.1f}", f"{lora_med:.1f}", f"{statistics.median(a / m for a, m in rows):.2f}x",
+          f"{hf:.1f}", f"{lora_med / hf:.2f}x"]])
     memory = table(
-        [f"{args.registered} registered, max_loras {n}: RSS growth", "slots (made with the engine)", "cold load",
-         "copy into a slot"],
+        [f"{args.registered} registered, max_loras {n}: RSS growth", "slots (made with the engine)",
+         "cold load", "copy into a slot"],
         [[f"{grown / 2**20:.1f} MiB = {grown / one:.1f} adapters of {one / 2**20:.1f} MiB",
           f"{mem['slots'] / 2**20:.1f} MiB", f"{mem['load_ms']:.1f} ms", f"{mem['copy_ms']:.1f} ms"]])
-    note = (f"Decode steps of both engines alternated, medians of {args.rounds}; PEFT: set_adapter, batches of "
-            f"{b // n}.")
+    note = (f"Decode steps of both engines alternated, medians of {args.rounds}; PEFT: set_adapter, "
+            f"batches of {b // n}.")
     body = f"{speed}\n\n{memory}\n\n{note}"
     record("LoRA adapters (bench/lora.py)", body)
 

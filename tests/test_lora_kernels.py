@@ -1,6 +1,7 @@
-"""LoRA's grouped products against a per-token reference: each token's x · A[slot]ᵀ · B[slot]ᵀ added to the base
-output, tokens without an adapter untouched: torch groups, the C++ kernel on every CPU tier this host runs, the
-Triton kernel under TRITON_INTERPRET=1; and the decode stack adding the step's adapters bitwise as the layers do."""
+"""LoRA's grouped products against a per-token reference: each token's x · A[slot]ᵀ · B[slot]ᵀ added to the
+base output, tokens without an adapter untouched: torch groups, the C++ kernel on every CPU tier this host
+runs, the Triton kernel under TRITON_INTERPRET=1; and the decode stack adding the step's adapters bitwise as
+the layers do."""
 
 from __future__ import annotations
 
@@ -69,8 +70,9 @@ def part_reference(x, a, b, y, slots, splits, scale):
 @pytest.mark.parametrize("k, rank, splits", [(40, 24, [72]), (43, 20, [72]), (43, 24, [36, 20, 16])],
                          ids=["whole-vectors", "tails", "fused-parts"])
 def test_cpp_kernel_matches_the_per_token_reference(cpu_tier, dtype, k, rank, splits):
-    """Every tier's C++ kernel: x [T, K], per-token slots, A [S, R, K], B [S, N, R] and a scale added into y in
-    place, fp32 sums; a fused projection's parts read only their own rank columns (the others hold garbage)."""
+    """Every tier's C++ kernel: x [T, K], per-token slots, A [S, R, K], B [S, N, R] and a scale added into y
+    in place, fp32 sums; a fused projection's parts read only their own rank columns (the others hold
+    garbage)."""
     x, a, b, y, _ = case(dtype, rank=rank, k=k)
     slots = [s if s != 3 else -1 for s in SLOTS] + [3] * 9  # a group of more than one shrink block
     x, y = torch.cat([x, x[:9] * 0.5]), torch.cat([y, y[:9]])
@@ -177,8 +179,9 @@ def stack_calls(monkeypatch) -> list[int]:
 
 @needs_stack
 def test_decode_stack_adds_the_steps_adapters_bitwise_as_the_layers(lora_llm, monkeypatch, stack_calls):
-    """Decode and verify steps mixing three adapters and base tokens run on the stack with the same logits as the
-    Python layers; tokens without an adapter get the base model's logits, and a step without adapters adds none."""
+    """Decode and verify steps mixing three adapters and base tokens run on the stack with the same logits as
+    the Python layers; tokens without an adapter get the base model's logits, and a step without adapters adds
+    none."""
     make, requests = lora_llm
     llm = make()
     query_lens = [1, 1, 2, 1, 3, 1]
@@ -200,7 +203,8 @@ def test_decode_stack_adds_the_steps_adapters_bitwise_as_the_layers(lora_llm, mo
 
 @needs_stack
 def test_mixed_adapter_generate_keeps_the_stack(lora_llm, monkeypatch, stack_calls):
-    """Greedy tokens and logprobs of a batch mixing adapters, its decode steps on the stack, as the layers give."""
+    """Greedy tokens and logprobs of a batch mixing adapters, its decode steps on the stack, as the layers
+    give."""
     make, requests = lora_llm
     prompts = random_prompts(6, 5, 20, seed=4)
     loras = [requests[i % 3] if i != 4 else None for i in range(len(prompts))]
