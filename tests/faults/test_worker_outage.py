@@ -1,5 +1,6 @@
 """A Redis outage costs one warning line in the worker's log when it starts and one when it ends, not one
-per attempt (real redis-server stopped for 20 s and restarted; real worker on a tiny model)."""
+per attempt (real redis-server stopped for 20 s and restarted; real worker on a tiny model); a shard whose
+start it cut short is kept and resumed."""
 
 from __future__ import annotations
 
