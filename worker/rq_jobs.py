@@ -203,7 +203,7 @@ class JobsWorker(SimpleWorker):
             self.held.pop(job_id, None)
 
     def still_holds(self, job_id: str) -> bool:
-        """Whether rq still has the held job started by this worker (not retried or re-run elsewhere since)."""
+        """Whether rq still has the held job started by this worker (not retried or run elsewhere since)."""
         status, worker = self.connection.hmget(self.held[job_id].job.key, "status", "worker_name")
         return status == JobStatus.STARTED.value.encode() and worker == self.name.encode()
 

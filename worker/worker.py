@@ -77,7 +77,7 @@ class EngineWorker(JobsWorker):
         self.store = BatchStore(connection)
         self.runs: dict[str, ShardRun] = {}
         self.owner: dict[str, str] = {}
-        self.unprepared: set[str] = set()  # runs held but not in the engine: a Redis error cut their start short
+        self.unprepared: set[str] = set()  # held runs a Redis error kept out of the engine (_prepare)
         self.stop_deadline: float | None = None
         self.faults = faults(self.settings)
         self._fresh_ids = itertools.count(1)
@@ -209,7 +209,7 @@ class EngineWorker(JobsWorker):
 
     def _prepare(self, job_id: str, run: ShardRun) -> None:
         """Lease, load and add a claimed shard to the engine. A Redis error on the way leaves it held but
-        unprepared, to be prepared again once Redis answers, or discarded if its lease went elsewhere meanwhile."""
+        unprepared: prepared again once Redis answers, or discarded if its lease went elsewhere meanwhile."""
         self.runs[job_id] = run
         self.unprepared.add(job_id)
         try:
@@ -245,18 +245,19 @@ class EngineWorker(JobsWorker):
         self.unprepared.discard(job_id)
 
     def _resume_unprepared(self) -> None:
-        """Prepare again the shards a Redis error interrupted, once Redis answers; those whose lease (or, before
-        they had one, whose job) went to another attempt meanwhile are discarded."""
+        """Prepare again the shards a Redis error interrupted, once Redis answers; those whose lease (or,
+        before they had one, whose job) went to another attempt meanwhile are discarded."""
         if not self.unprepared:
             return
         self._drop_lost_leases()
         for job_id in sorted(self.unprepared):
             run = self.runs[job_id]
             if run.token is None and not self.still_holds(job_id):
-                lost = f"shard {run.shard} of {run.batch_id}: its job went to another attempt before it took a lease"
+                lost = f"shard {run.shard} of {run.batch_id}: its job went elsewhere before it took a lease"
                 self._discard(job_id, LeaseLost(lost))
             else:
-                self.log.info("Worker %s: resuming %s, whose start a Redis outage cut short", self.name, job_id)
+                self.log.info("Worker %s: resuming %s, whose start a Redis outage cut short", self.name,
+                              job_id)
                 self._prepare(job_id, run)
 
     def _step(self) -> None:

@@ -1,7 +1,7 @@
 """Fault-suite fixtures: restartable redis-server (AOF) and moto servers, fast worker processes, result checks.
 
-Every fault test that uses Redis runs twice: against a plain redis-server and through a `redis+sentinel://` URL
-(a primary, its replica and a sentinel on loopback), so every process in it reaches Redis through the
+Every fault test that uses Redis runs twice: against a plain redis-server and through a `redis+sentinel://`
+URL (a primary, its replica and a sentinel on loopback), so every process in it reaches Redis through the
 sentinel's view, as a Sentinel set-up runs them. The tests that kill Redis do it to a private Sentinel set's
 primary and replica together (no failover possible: an outage, as for a lone server), restarted the same way.
 PLAIN_ONLY names the few that run against the plain server alone."""
@@ -34,8 +34,8 @@ FAST = {
 
 # Slow tests whose Redis traffic the suite's Sentinel runs already cover, kept to the plain server for CI time
 PLAIN_ONLY = {
-    # rq's retry with backoff after a failed save: test_full_disk_while_running_then_freed; the reaper ending a
-    # batch whose finalize failed for good: test_terminal_states.py
+    # rq's retry with backoff after a failed save: test_full_disk_while_running_then_freed; the reaper
+    # ending a batch whose finalize failed for good: test_terminal_states.py
     "test_full_disk_for_good_fails_the_batch",
     # the same retry path as a full disk, the fault being S3's: test_full_disk_while_running_then_freed
     "test_s3_stopped_during_shard_writes_and_finalize",

@@ -43,8 +43,8 @@ def test_one_log_line_per_redis_outage(tiny_llama, aof_redis, tmp_path):
 
 def test_a_shard_whose_start_an_outage_cut_short_resumes_without_a_retry(tiny_llama, aof_redis, tmp_path):
     """Redis goes down once the worker has claimed and leased a shard, before it reads the shard's slice
-    (`slow_load`), and comes back within the heartbeat TTL: the worker keeps the shard, resumes it and saves it;
-    no retry is used and nothing is discarded."""
+    (`slow_load`), and comes back within the heartbeat TTL: the worker keeps the shard, resumes it and saves
+    it; no retry is used and nothing is discarded."""
     log = tmp_path / "worker.log"
     client = Client(aof_redis.url)
     batch = client.submit_batch([request(i, 4) for i in range(3)], output=tmp_path.as_uri(), shard_size=3)
@@ -52,7 +52,8 @@ def test_a_shard_whose_start_an_outage_cut_short_resumes_without_a_retry(tiny_ll
     worker = spawn(tiny_llama, aof_redis.url, log, SLUICE_FAULTS="slow_load=2", SLUICE_HEARTBEAT_TTL="15")
 
     def claimed() -> bool:
-        return Job.fetch(job_id, connection=client.connection, serializer=JSONSerializer).get_status() == "started"
+        job = Job.fetch(job_id, connection=client.connection, serializer=JSONSerializer)
+        return job.get_status() == "started"
 
     try:
         wait_until(claimed, 600, "the worker to claim the shard", poll=0.02)
