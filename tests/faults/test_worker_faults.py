@@ -132,7 +132,7 @@ def test_a_shard_cut_off_before_its_lease_resumes_only_while_rq_still_has_it_her
             worker._resume_unprepared()
         assert given_away not in worker.runs and given_away not in worker.held
         assert kept in worker.runs and kept not in worker.unprepared and worker.runs[kept].token == 1
-        assert sorted(worker.owner.values()) == [kept, kept], "the resumed shard's two requests are in the engine"
+        assert sorted(worker.owner.values()) == [kept, kept], "the resumed shard's requests are in the engine"
         lines = [r.getMessage() for r in caplog.records if r.name == "rq.worker"]
         assert [line for line in lines if "discarded, taking new work" in line] == [
             f"Worker {worker.name}: shard 0 of {batch.id}: its job went elsewhere before it took a lease; "
