@@ -1,5 +1,5 @@
 """Qwen2-VL natively: the vision tower and merger, and the Qwen2 language model with M-RoPE over our paged
-cache.
+cache (Qwen2.5-VL's too; its own vision tower is models.qwen2_5_vl's).
 
 Each step the runner hands the model its batch (`prepare_step`) before the forward: the vision tower encodes,
 in one batched call, the images of the requests being prefilled whose tokens this step covers and that the
@@ -64,7 +64,8 @@ class VisionBlock(nn.Module):
 
 
 class PatchMerger(nn.Module):
-    """LayerNorm, then each merge x merge block of patches through a 2-layer MLP into one LM embedding."""
+    """A norm (LayerNorm unless given), then each merge x merge block of patches through a 2-layer MLP into
+    one LM embedding."""
 
     def __init__(self, dim: int, context_dim: int, merge: int, norm: nn.Module | None = None) -> None:
         super().__init__()
