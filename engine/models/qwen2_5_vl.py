@@ -24,7 +24,7 @@ from sluice.engine.models.qwen2_vl import (
 ARCHITECTURE = "Qwen2_5_VLForConditionalGeneration"
 
 
-class RMSNorm(nn.Module):
+class VisionRMSNorm(nn.Module):
     """Root-mean-square norm computed in float32, as Qwen2.5-VL's vision tower has it."""
 
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
@@ -39,7 +39,7 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-class GatedMLP(nn.Module):
+class VisionGatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)), every projection with a bias."""
 
     def __init__(self, dim: int, hidden: int) -> None:
@@ -57,9 +57,9 @@ class Qwen25VisionBlock(nn.Module):
 
     def __init__(self, dim: int, num_heads: int, mlp_dim: int) -> None:
         super().__init__()
-        self.norm1, self.norm2 = RMSNorm(dim), RMSNorm(dim)
+        self.norm1, self.norm2 = VisionRMSNorm(dim), VisionRMSNorm(dim)
         self.attn = VisionAttention(dim, num_heads)
-        self.mlp = GatedMLP(dim, mlp_dim)
+        self.mlp = VisionGatedMLP(dim, mlp_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 lengths: list[int]) -> torch.Tensor:
@@ -105,7 +105,7 @@ class Qwen25VisionTransformer(nn.Module):
         self.patch_embed = nn.Linear(channels * frames * patch**2, dim, bias=False)  # the Conv3d, flattened
         self.blocks = nn.ModuleList(Qwen25VisionBlock(dim, heads, cfg["intermediate_size"])
                                     for _ in range(cfg["depth"]))
-        self.merger = PatchMerger(cfg["out_hidden_size"], dim, self.merge, RMSNorm(dim))
+        self.merger = PatchMerger(cfg["out_hidden_size"], dim, self.merge, VisionRMSNorm(dim))
         self.register_buffer("inv_freq", vision_inv_freq(cfg, dim // heads), persistent=False)
 
     def forward(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
