@@ -640,8 +640,8 @@ def test_the_weight_reservation_is_handed_to_llm_and_kernel_options_to_the_engin
     assert "options.active" in calls and not {"options.use", "options.reset"} & calls
 
 
-# Concepts kept in two places on purpose, under one name (none: the image decode that the contract and the engine
-# share, neither importing the other, lives once in sluice/image_codec.py, which imports nothing of the project).
+# Concepts kept in two places on purpose, under one name. None: the image decode the contract and the engine
+# share (neither may import the other) lives once in sluice/image_codec.py, which imports nothing of the project.
 MIRRORED: dict[str, set[str]] = {}
 
 
