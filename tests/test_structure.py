@@ -641,7 +641,7 @@ def test_the_weight_reservation_is_handed_to_llm_and_kernel_options_to_the_engin
 
 
 # Concepts kept in two places on purpose, under one name. None: the image decode the contract and the engine
-# share (neither may import the other) lives once in sluice/image_codec.py, which imports nothing of the project.
+# share (neither may import the other) lives once in sluice/image_codec.py, importing nothing of the project.
 MIRRORED: dict[str, set[str]] = {}
 
 
