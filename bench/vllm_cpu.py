@@ -8,12 +8,12 @@ vLLM runs from an environment this script builds in ./.bench-envs/vllm (git-igno
 torchvision, torchaudio and torchcodec (the registry's torchvision does not import beside this torch). It
 starts the way vLLM's CPU docs say: LD_PRELOAD of tcmalloc (the system's libtcmalloc_minimal.so.4: apt-get
 install libtcmalloc-minimal4) and the venv's libiomp5.so, VLLM_CPU_OMP_THREADS_BIND=0-<threads-1>,
-VLLM_CPU_KVCACHE_SPACE=4 (GiB), prefix caching off except for the shared-prefix workload (on in both engines).
-Each vLLM engine is a child process in that environment answering one workload per line on stdin; Sluice runs
-in this process. Before the timed rounds every engine runs every workload shape once, untimed (other prompts
-of the same lengths, 16 new tokens each), so no engine's first call at a shape is timed. Every round runs each
-workload on every engine back to back (the host's load moves by the minute); each cell is the median over the
-rounds.
+VLLM_CPU_KVCACHE_SPACE=4 (GiB; the variable set overrides it), prefix caching off except for the shared-prefix
+workload (on in both engines). Each vLLM engine is a child process in that environment answering one workload
+per line on stdin; Sluice runs in this process. Before the timed rounds every engine runs every workload shape
+once, untimed (other prompts of the same lengths, 16 new tokens each), so no engine's first call at a shape is
+timed. Every round runs each workload on every engine back to back (the host's load moves by the minute); each
+cell is the median over the rounds.
 
 --quantized adds vLLM on its own int8 checkpoint: the model quantized to compressed-tensors W8A8 by
 llmcompressor (int8 weights per output channel, int8 activations per token at run time, so no calibration
@@ -52,7 +52,7 @@ TORCH = "torch==2.13.0"
 LLMCOMPRESSOR = "llmcompressor==0.14.0.1"
 LEFT_OUT = ("torch", "torchvision", "torchaudio", "torchcodec")  # torch is installed first, the rest never
 TCMALLOC = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4")
-KV_SPACE_GIB = 4
+KV_SPACE_GIB = int(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"))  # vLLM's variable, set here to override
 VOCAB = 32000
 BATCHES = (1, 8, 32, 64)
 WORKLOADS = ("batched", "prefill", "mixed", "long", "prefix")
