@@ -215,6 +215,9 @@ class SluiceEngine:
                        max_model_len=max_model_len, enable_prefix_caching=prefix_caching,
                        quantization=quantization)
         self.run([([5] * 16, 4)] * 2)  # warm-up: kernels loaded, allocator primed
+        arena = getattr(self.llm.engine.model, "weight_arena", None)
+        if arena is not None:
+            arena.settled.wait()  # the weights in huge pages, as in a worker's steady state
 
     def run(self, reqs: list[tuple[list[int], int]]) -> tuple[float, int]:
         """(seconds, generated tokens) of one workload."""
