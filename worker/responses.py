@@ -1,4 +1,5 @@
-"""Engine outputs as OpenAI batch output records: completion / chat.completion bodies with usage, or errors."""
+"""Engine outputs as OpenAI batch output records: completion / chat.completion bodies with usage, or
+errors."""
 
 from __future__ import annotations
 
@@ -9,7 +10,15 @@ import uuid
 from typing import Any
 
 from sluice.contract.responses_api import RESPONSES, response_object
-from sluice.contract.schemas import CHAT, EMBEDDINGS, ErrorInfo, OutputRecord, Request, Response
+from sluice.contract.schemas import (
+    CHAT,
+    EMBEDDINGS,
+    BatchRequest,
+    ErrorInfo,
+    OutputRecord,
+    Response,
+    record_id,
+)
 from sluice.contract.tools import parse_tool_calls
 from sluice.worker.encoder_responses import encoder_body
 
@@ -18,9 +27,6 @@ ABORT_CODES = {
     "batch_expired": "the batch's completion window ended",
 }
 
-
-def record_id() -> str:
-    return f"batch_req_{uuid.uuid4().hex}"
 
 
 def error_record(
@@ -44,7 +50,8 @@ MIN_LOGPROB = -9999.0  # what OpenAI reports for a token of probability 0 (JSON 
 
 
 def token_text(raw: bytes) -> str:
-    """A token as OpenAI writes it: its UTF-8 text, or `bytes:\\xNN...` when the bytes are not whole characters."""
+    """A token as OpenAI writes it: its UTF-8 text, or `bytes:\\xNN...` when the bytes are not whole
+    characters."""
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError:
@@ -84,12 +91,13 @@ def completion_logprobs(out: Any, n: int) -> dict[str, Any] | None:
     return {
         "tokens": tokens,
         "token_logprobs": [max(step[tok], MIN_LOGPROB) for tok, step in steps],
-        "top_logprobs": [{token_text(raw[t]): max(lp, MIN_LOGPROB) for t, lp in _top(step, n)} for _, step in steps],
+        "top_logprobs": [{token_text(raw[t]): max(lp, MIN_LOGPROB) for t, lp in _top(step, n)}
+                         for _, step in steps],
         "text_offset": offsets[: len(tokens)],
     }
 
 
-def _message(request: Request, out: Any) -> tuple[dict[str, Any], str | None]:
+def _message(request: BatchRequest, out: Any) -> tuple[dict[str, Any], str | None]:
     """The assistant message (tool calls parsed when the request offered tools) and its finish_reason."""
     if not request.body.get("tools"):
         return {"role": "assistant", "content": out.text}, out.finish_reason
@@ -101,7 +109,7 @@ def _message(request: Request, out: Any) -> tuple[dict[str, Any], str | None]:
     return {"role": "assistant", "content": content, "tool_calls": calls}, reason
 
 
-def _choice(request: Request, out: Any, index: int) -> dict[str, Any]:
+def _choice(request: BatchRequest, out: Any, index: int) -> dict[str, Any]:
     if request.url == CHAT:
         message, reason = _message(request, out)
         return {
@@ -125,7 +133,7 @@ def encode_embedding(vector: list[float], encoding_format: str) -> list[float] |
     return vector
 
 
-def embedding_body(request: Request, out: Any, model: str) -> dict[str, Any]:
+def embedding_body(request: BatchRequest, out: Any, model: str) -> dict[str, Any]:
     """OpenAI's CreateEmbeddingResponse for one finished embeddings request (one entry per input)."""
     fmt = request.body.get("encoding_format") or "float"
     data = [{"object": "embedding", "index": i, "embedding": encode_embedding(item.embedding, fmt)}
@@ -135,7 +143,7 @@ def embedding_body(request: Request, out: Any, model: str) -> dict[str, Any]:
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 
-def response_body(request: Request, out: Any, model: str) -> dict[str, Any]:
+def response_body(request: BatchRequest, out: Any, model: str) -> dict[str, Any]:
     """The OpenAI completion or chat.completion object for one finished request (n choices when n > 1)."""
     if request.url == EMBEDDINGS:
         return embedding_body(request, out, model)
@@ -154,7 +162,7 @@ def response_body(request: Request, out: Any, model: str) -> dict[str, Any]:
     }
 
 
-def output_record(request: Request, out: Any, model: str, abort_code: str | None = None) -> OutputRecord:
+def output_record(request: BatchRequest, out: Any, model: str, abort_code: str | None = None) -> OutputRecord:
     """The record for a finished engine request: a response, or an error if it failed or was aborted."""
     if out.finish_reason == "abort":
         code = abort_code or "request_aborted"

@@ -17,7 +17,7 @@ from sluice.contract.batch import BatchStore
 from sluice.contract.images import ImageSettings
 from sluice.contract.jobs import SHARD_FUNCTIONS
 from sluice.contract.rq_adapter import request_worker_stop
-from sluice.contract.schemas import Request
+from sluice.contract.schemas import BatchRequest
 from sluice.contract.settings import Settings, get_settings
 from sluice.contract.storage import OutputNotAllowed
 from sluice.worker.adapters import Adapters
@@ -112,8 +112,10 @@ class EngineWorker(JobsWorker):
             supervised("reaper", every(reaper.interval, reaper.run_once), stop)
 
     def request_stop(self, signum: int, frame: Any) -> None:
-        """SIGTERM/SIGINT: stop claiming, finish in-flight shards within the grace period; twice: hand back now."""
-        self.log.info("Worker %s: stop requested (signal %s), %d shard(s) in flight", self.name, signum, len(self.runs))
+        """SIGTERM/SIGINT: stop claiming, finish in-flight shards within the grace period; twice: hand back
+        now."""
+        self.log.info("Worker %s: stop requested (signal %s), %d shard(s) in flight", self.name, signum,
+                      len(self.runs))
         request_worker_stop(self)
         self.stop_deadline = time.monotonic() + self.grace if self.stop_deadline is None else time.monotonic()
         if self.idle and not self.runs:
@@ -127,7 +129,8 @@ class EngineWorker(JobsWorker):
                 wait = 1.0
                 OUTAGE.recovered()
             except REDIS_ERRORS as exc:
-                if self.stop_deadline is not None and (not self.runs or time.monotonic() > self.stop_deadline):
+                if self.stop_deadline is not None and (not self.runs
+                                                       or time.monotonic() > self.stop_deadline):
                     return worked
                 OUTAGE.failed(f"worker {self.name}", exc)
                 time.sleep(wait)
@@ -174,7 +177,8 @@ class EngineWorker(JobsWorker):
         return self.llm.num_unfinished() < self.llm.max_num_seqs
 
     def _claim(self) -> bool:
-        """Take jobs from the queues (in priority order) while the engine has room; polls at most every 50 ms."""
+        """Take jobs from the queues (in priority order) while the engine has room; polls at most every 50
+        ms."""
         clock = time.monotonic()
         if self.runs and clock - self._last_claim < CLAIM_POLL_S:
             return False
@@ -188,7 +192,8 @@ class EngineWorker(JobsWorker):
         return claimed
 
     def _start(self, job: Job, queue: Queue) -> None:
-        """Mark the job started through rq; a shard joins the engine, finalize runs inline, others are refused."""
+        """Mark the job started through rq; a shard joins the engine, finalize runs inline, others are
+        refused."""
         if not self.allowed(job):
             self.refuse(job, queue)
             return
@@ -328,7 +333,8 @@ class EngineWorker(JobsWorker):
             try:
                 self.fail(job_id, exc_info) if exc_info else self.hand_back(job_id)
             except REDIS_ERRORS as exc:
-                self.log.warning("Worker %s: Redis down, %s left to rq's abandoned-job check: %s", self.name, job_id, exc)
+                self.log.warning("Worker %s: Redis down, %s left to rq's abandoned-job check: %s", self.name,
+                                 job_id, exc)
                 self.forget(job_id)
         self._quietly(self._flush_engine)
 
@@ -346,7 +352,8 @@ class EngineWorker(JobsWorker):
 
     def _isolate(self, exc: Exception) -> None:
         """A step raised: re-run its requests in halving groups and fail only those that fail alone."""
-        self.log.error("Worker %s: engine step failed (%s: %s); isolating the culprit", self.name, type(exc).__name__, exc)
+        self.log.error("Worker %s: engine step failed (%s: %s); isolating the culprit", self.name,
+                       type(exc).__name__, exc)
         suspects = [(job_id, self.runs[job_id].pending[rid]) for rid, job_id in self.owner.items()]
         self._reset_engine()
         groups = [suspects]
@@ -361,7 +368,7 @@ class EngineWorker(JobsWorker):
                 else:
                     self._fail_request(*group[0], err)
 
-    def _run_group(self, group: list[tuple[str, Request]]) -> None:
+    def _run_group(self, group: list[tuple[str, BatchRequest]]) -> None:
         """Re-add the group's requests under fresh ids and step until they are done."""
         for job_id, request in group:
             run = self.runs[job_id]
@@ -377,7 +384,7 @@ class EngineWorker(JobsWorker):
             self._injected_step_fault()
             self._collect(self.llm.step())
 
-    def _fail_request(self, job_id: str, request: Request, err: Exception) -> None:
+    def _fail_request(self, job_id: str, request: BatchRequest, err: Exception) -> None:
         run = self.runs[job_id]
         rid = self._rid_of(run, request)
         del run.pending[rid]
@@ -386,7 +393,7 @@ class EngineWorker(JobsWorker):
         run.fail(request, "engine_error", f"the engine failed on this request ({type(err).__name__}: {err})")
 
     @staticmethod
-    def _rid_of(run: ShardRun, request: Request) -> str:
+    def _rid_of(run: ShardRun, request: BatchRequest) -> str:
         return next(rid for rid, r in run.pending.items() if r is request)
 
     def _reset_engine(self) -> None:
@@ -403,4 +410,5 @@ class EngineWorker(JobsWorker):
         try:
             action()
         except Exception as exc:
-            self.log.warning("Worker %s: %s failed on the way out: %s", self.name, getattr(action, "__name__", action), exc)
+            self.log.warning("Worker %s: %s failed on the way out: %s", self.name,
+                             getattr(action, "__name__", action), exc)

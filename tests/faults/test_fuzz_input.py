@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sluice.contract.schemas import EmbeddingBody, Request
+from sluice.contract.schemas import BatchRequest, EmbeddingBody
 from sluice.contract.settings import Settings
 from sluice.engine.pooling import PoolingParams, split_inputs
 from sluice.engine.sampling_params import SamplingParams
@@ -36,7 +36,8 @@ scalars = st.one_of(
     st.text(max_size=20),
 )
 json_values = st.recursive(
-    scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
     max_leaves=12,
 )  # fmt: skip
 messages = st.lists(
@@ -95,7 +96,7 @@ def check_outcome(batch: list[bytes]) -> None:
     if not nonblank:
         assert [e.code for e in checked.errors] == ["empty_file"]
     for request in checked.requests:
-        again = Request.model_validate_json(request.model_dump_json())
+        again = BatchRequest.model_validate_json(request.model_dump_json())
         if again.record is not None:  # a refused body: its line's 400, in OpenAI's error shape
             response = again.answer().response
             assert response.status_code == 400 and response.body["error"]["message"].startswith("line ")
@@ -138,7 +139,8 @@ def test_known_hostile_lines_get_specific_errors():
                 "body": {"prompt": "x", "top_k": 2**63},
             }
         ).encode(),  # fmt: skip
-        b'{"custom_id": "t", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "temperature": NaN}}',
+        b'{"custom_id": "t", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", '
+        b'"temperature": NaN}}',
     ]
     checked = validate_lines(hostile, SETTINGS)
     got = {e.line: e for e in checked.errors}
