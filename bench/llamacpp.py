@@ -1,7 +1,7 @@
 """Decode tok/s of llama.cpp (`llama-batched-bench`) vs our engine on the same weights, shapes and threads.
 
-python bench/llamacpp.py [--batches 1,8,32,64] [--rounds 2] [--modes bf16,int8,int4] [--prompt 128]
-    [--gen 128]
+python bench/llamacpp.py [--batches 1,8,32,64] [--rounds 3] [--modes bf16,int8,int4] [--prompt 128]
+    [--gen 128] [--best-of]
 
 Builds llama.cpp once per ISA tier from the llama-cpp-python sdist (its vendored source, GGML_NATIVE=OFF plus
 the flags of the tier our kernels run, kernels.cpu_isa, so both sides use the same instructions; AMX off: its
@@ -10,7 +10,7 @@ run it with SLUICE_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
 benchmark model to GGUF bf16/q8_0/q4_0 with the vendored convert_hf_to_gguf.py and llama-quantize, then runs
 llama.cpp and `Engine` back to back at each batch size of each mode, every round, on B sequences x 128 random
 prompt tokens, 128 generated tokens. Both report decode tok/s only (B * 128 / time of the generation steps);
-each cell is the best of the rounds.
+each cell is the median of the rounds (--best-of: their best).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -180,10 +181,11 @@ def _set_shape(prompt: int, gen: int) -> None:
 def main() -> None:
     p = base_parser(__doc__)
     p.add_argument("--batches", default="1,8,32,64")
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--modes", default="bf16,int8,int4")
     p.add_argument("--prompt", type=int, default=PROMPT)
     p.add_argument("--gen", type=int, default=GEN)
+    p.add_argument("--best-of", action="store_true", help="report each cell's best round, not the median")
     args = p.parse_args()
     _set_shape(args.prompt, args.gen)
     torch.set_num_threads(args.threads)
@@ -193,24 +195,26 @@ def main() -> None:
     bin_dir = build() / "bin"
     ggufs = {m: gguf(model, MODES[m][1], bin_dir) for m in modes}
     llms = {m: load(model, m, batches) for m in modes}
-    best: dict[tuple[str, str, int], tuple[float, float]] = {}
+    seen: dict[tuple[str, str, int], list[tuple[float, float]]] = {}
     for r in range(args.rounds):
         for m in modes:
             # llama.cpp and ours back to back at each shape: the host's load moves by the minute
             for b in batches:
                 for pl, tps in llamacpp(bin_dir, ggufs[m], [b], args.threads).items():
-                    keep_best(best, ("llama", m, pl), tps)
-                keep_best(best, ("sluice", m, b), sluice(llms[m], b, seed=r))
-            print(r, m, {k: v for k, v in best.items() if k[1] == m}, flush=True)
+                    seen.setdefault(("llama", m, pl), []).append(tps)
+                seen.setdefault(("sluice", m, b), []).append(sluice(llms[m], b, seed=r))
+            print(r, m, {k: v[-1] for k, v in seen.items() if k[1] == m}, flush=True)
+    best = summarize(seen, best_of=args.best_of)
     fallback = "" if cpp_build.enabled() else ", C++ kernels off"
     record(f"llama.cpp vs Sluice on CPU, {cpu_isa.tier()} tier{fallback} (decode and prefill tok/s)",
            report(best, modes, batches, args))
 
 
-def keep_best(best: dict, key: tuple, speeds: tuple[float, float]) -> None:
-    """Keep the best decode and the best prefill speed seen at `key`."""
-    old = best.get(key, (0.0, 0.0))
-    best[key] = (max(old[0], speeds[0]), max(old[1], speeds[1]))
+def summarize(seen: dict[tuple, list[tuple[float, float]]], best_of: bool = False
+              ) -> dict[tuple, tuple[float, float]]:
+    """Each key's (decode, prefill) speeds over the rounds: their medians, or with `best_of` their maxima."""
+    pick = max if best_of else statistics.median
+    return {key: (pick(d for d, _ in runs), pick(p for _, p in runs)) for key, runs in seen.items()}
 
 
 def report(best, modes, batches, args) -> str:
@@ -230,13 +234,14 @@ def report(best, modes, batches, args) -> str:
                 bf16 = best[("sluice", "bf16", b)][phase]
                 row += [best[("sluice", m, b)][phase] / bf16 for m in modes if m != "bf16"]
             rows.append(row)
-    note = (f"\n\nRows `B`: decode tok/s (B x {GEN} generated tokens / generation time); rows `prefill B`: "
-            f"prefill tok/s (B x {PROMPT} random prompt tokens / time to every sequence's first token; "
-            f"llama.cpp's S_PP), {args.threads} threads, best of {args.rounds} rounds (llama.cpp and ours "
-            "back to back at each B), random ~125M Llama (hidden 768, 12 layers, 12/4 heads, inter 2048, "
-            "vocab 32000) from the same safetensors. llama.cpp: `llama-batched-bench` from the "
-            f"llama-cpp-python sdist's vendored source, built for the {cpu_isa.tier()} tier as our kernels "
-            "are (GGML_NATIVE=OFF, AMX off; torch's CPU capability "
+    pick = "best" if args.best_of else "median"
+    note = (f"\n\nRows `B`: decode tok/s (B x {GEN} generated tokens / generation time); rows "
+            f"`prefill B`: prefill tok/s (B x {PROMPT} random prompt tokens / time to every sequence's first "
+            f"token; llama.cpp's S_PP), {args.threads} threads, {pick} of {args.rounds} rounds (llama.cpp "
+            "and ours back to back at each B), random ~125M Llama (hidden 768, 12 layers, 12/4 heads, inter "
+            "2048, vocab 32000) from the same safetensors. llama.cpp: `llama-batched-bench` from the "
+            "llama-cpp-python sdist's vendored source, built for the "
+            f"{cpu_isa.tier()} tier as our kernels are (GGML_NATIVE=OFF, AMX off; torch's CPU capability "
             f"{torch.backends.cpu.get_cpu_capability()}). Sluice modes: "
             + ", ".join(f"{m} = quantization={MODES[m][0]!r}" for m in modes) + ".")
     return table(headers, rows) + note

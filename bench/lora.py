@@ -1,8 +1,9 @@
-"""LoRA adapters: a decode batch mixing distinct adapters against the base model alone and against
-transformers + PEFT serving the same requests one adapter at a time; memory with many adapters registered;
+"""LoRA adapters: a decode batch mixing distinct adapters against the base model alone (the two engines'
+decode steps alternated; the median of per-step ratios) and against transformers + PEFT serving the same
+requests one adapter at a time; resident memory of a fresh engine as many adapters are registered and run;
 cold load time.
 
-    python bench/lora.py [--batch 32] [--adapters 8] [--rank 16] [--new 128] [--registered 100]
+    python bench/lora.py [--batch 32] [--adapters 8] [--rank 16] [--new 128] [--registered 100] [--rounds 40]
 """
 
 from __future__ import annotations
@@ -41,21 +42,6 @@ def write_adapter(folder: Path, rank: int, seed: int) -> Path:
               "bias": "none", "task_type": "CAUSAL_LM", "base_model_name_or_path": "bench"}
     (folder / "adapter_config.json").write_text(json.dumps(config))
     return folder
-
-
-def decode_rate(llm, prompts, loras, new: int) -> float:
-    """Decode tokens/s of one batch: (all tokens - first tokens) / (time - time to the first tokens)."""
-    from sluice.engine import SamplingParams
-
-    first = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-    full = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
-    t = time.perf_counter()
-    llm.generate(prompts, first, progress=False, lora_request=loras)
-    prefill = time.perf_counter() - t
-    t = time.perf_counter()
-    llm.generate(prompts, full, progress=False, lora_request=loras)
-    total = time.perf_counter() - t
-    return len(prompts) * (new - 1) / max(total - prefill, 1e-9)
 
 
 def peft_rate(base: Path, adapters: list[Path], prompts, new: int) -> float:
@@ -99,45 +85,83 @@ def parse_args():
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--registered", type=int, default=100)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=40, help="decode steps of each engine, alternated")
     return p.parse_args()
 
 
-def decode_rounds(args, base: Path, prompts, mixed) -> tuple[list[tuple[float, float]], object]:
-    """Per round, (base alone, adapters mixed) decode tok/s; the adapter engine (kept for the memory rows)."""
+def start_batch(llm, prompts, loras, steps: int) -> None:
+    """Queue the batch (adapters loaded first) and run it past its prefill: every later step decodes."""
+    from sluice.engine import SamplingParams
+
+    params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
+    for lora in {lora for lora in loras if lora is not None}:
+        llm.engine.lora.add(lora)
+        llm.engine.lora.wait(lora)
+    for i, (prompt, lora) in enumerate(zip(prompts, loras, strict=True)):
+        llm.add_request(f"r{i}", prompt, params, lora_request=lora)
+    for _ in range(3):
+        llm.step()
+
+
+def decode_rounds(args, base: Path, prompts, mixed) -> list[tuple[float, float]]:
+    """(base alone, adapters mixed) seconds of one B-token decode step, the two engines' steps alternated."""
     from sluice.engine import LLM
 
-    plain = LLM(base, dtype="bfloat16", enable_prefix_caching=False)  # both runs of a batch prefill
+    plain = LLM(base, dtype="bfloat16", enable_prefix_caching=False)
     tuned = LLM(base, dtype="bfloat16", enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank,
                 enable_prefix_caching=False)
-    decode_rate(tuned, prompts[:2], mixed[:2], 4)  # warm both
-    decode_rate(plain, prompts[:2], None, 4)
+    start_batch(plain, prompts, [None] * len(prompts), args.rounds)
+    start_batch(tuned, prompts, mixed, args.rounds)
     rows = []
-    for r in range(args.rounds):
-        rows.append((decode_rate(plain, prompts, None, args.new),
-                     decode_rate(tuned, prompts, mixed, args.new)))
-        print(f"round {r}: base {rows[-1][0]:.1f} tok/s, {args.adapters} adapters mixed {rows[-1][1]:.1f} "
-              "tok/s")
-    return rows, tuned
+    for _ in range(args.rounds):
+        pair = []
+        for llm in (plain, tuned):
+            t = time.perf_counter()
+            llm.step()
+            pair.append(time.perf_counter() - t)
+        rows.append((pair[0], pair[1]))
+    base_ms, mixed_ms = (statistics.median(r[i] for r in rows) * 1000 for i in (0, 1))
+    print(f"steps: base {base_ms:.1f} ms, {args.adapters} adapters mixed {mixed_ms:.1f} ms "
+          f"(medians of {args.rounds})")
+    return rows
 
 
-def memory_and_load(args, tuned, root: Path, prompt: list[int]) -> tuple[int, int, float]:
-    """RSS growth over `registered` adapters run one after another, one adapter's bytes, its cold load ms."""
+def memory_and_load(args, base: Path, root: Path, prompt: list[int]) -> dict[str, float]:
+    """A fresh engine's RSS growth over `registered` adapters run one after another (its slots are
+    allocated when it is made), one adapter's bytes and the slots', an adapter's cold load ms and its copy
+    into a slot."""
+    import gc
+
+    from sluice.engine import LLM, SamplingParams
     from sluice.engine.lora import LoRARequest
     from sluice.engine.lora.adapter import check_base, read_adapter
     from sluice.engine.lora.slots import projection_shapes
 
     many = [write_adapter(root / f"m{i}", args.rank, 1000 + i) for i in range(args.registered)]
+    fresh = LLM(base, dtype="bfloat16", enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank,
+                enable_prefix_caching=False)
+    one_token = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)  # loaded, in a slot, run
+    fresh.generate([prompt], one_token, progress=False)  # the base model warm, no adapter yet
+    gc.collect()
     before = rss()
     for i, a in enumerate(many):
-        tuned.generate([prompt], None, progress=False, lora_request=LoRARequest(f"m{i}", 100 + i, str(a)))
+        lora = LoRARequest(f"m{i}", 100 + i, str(a))
+        fresh.generate([prompt], one_token, progress=False, lora_request=lora)
+    gc.collect()
     grown = rss() - before
-    shapes, loads = projection_shapes(tuned.engine.model.config), []
+    slots = fresh.engine.lora.slots
+    shapes, loads, copies = projection_shapes(fresh.engine.model.config), [], []
     for i, a in enumerate(many[:20]):
         t = time.perf_counter()
-        check_base(read_adapter(f"m{i}", a, args.rank), BENCH_CONFIG["num_hidden_layers"], shapes)
+        adapter = read_adapter(f"m{i}", a, args.rank)
+        check_base(adapter, BENCH_CONFIG["num_hidden_layers"], shapes)
         loads.append(time.perf_counter() - t)
-    return grown, read_adapter("m0", many[0], args.rank).nbytes, statistics.median(loads) * 1000
+        t = time.perf_counter()
+        slots.load(0, adapter)
+        copies.append(time.perf_counter() - t)
+    return {"grown": grown, "one": read_adapter("m0", many[0], args.rank).nbytes,
+            "slots": sum(t.nbytes for t in [*slots.a.values(), *slots.b.values()]),
+            "load_ms": statistics.median(loads) * 1000, "copy_ms": statistics.median(copies) * 1000}
 
 
 def main() -> None:
@@ -150,25 +174,26 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(4, 32000, (args.prompt,), generator=g).tolist() for _ in range(args.batch)]
     requests = [LoRARequest(f"a{i}", i + 1, str(a)) for i, a in enumerate(adapters)]
-    rows, tuned = decode_rounds(args, base, prompts, [requests[i % args.adapters] for i in range(args.batch)])
+    rows = decode_rounds(args, base, prompts, [requests[i % args.adapters] for i in range(args.batch)])
     hf = peft_rate(base, adapters, prompts, args.new)
-    grown, one, cold = memory_and_load(args, tuned, root, prompts[0][:16])
-    lora_med = statistics.median(b for _, b in rows)
-    body = table(
-        ["what", "value"],
-        [[f"B={args.batch} decode tok/s, base model alone (median of {args.rounds})",
-          f"{statistics.median(a for a, _ in rows):.1f}"],
-         [f"B={args.batch} decode tok/s, {args.adapters} rank-{args.rank} adapters (all linears) mixed",
-          f"{lora_med:.1f}"],
-         ["mixed / base alone (median of per-round ratios)",
-          f"{statistics.median(b / a for a, b in rows):.2f}x"],
-         ["transformers + PEFT, one adapter at a time (set_adapter, batches of "
-          f"{args.batch // args.adapters})",
-          f"{hf:.1f}"],
-         ["mixed / transformers + PEFT", f"{lora_med / hf:.2f}x"],
-         [f"RSS growth after {args.registered} adapters registered and run (max_loras {args.adapters})",
-          f"{grown / 2**20:.1f} MiB = {grown / one:.1f} adapters of {one / 2**20:.1f} MiB"],
-         [f"cold load of a rank-{args.rank} adapter (read + checked, median of 20)", f"{cold:.1f} ms"]])
+    mem = memory_and_load(args, base, root, prompts[0][:16])
+    grown, one = mem["grown"], mem["one"]
+    base_rate = args.batch / statistics.median(a for a, _ in rows)
+    lora_med = args.batch / statistics.median(m for _, m in rows)
+    b, n = args.batch, args.adapters
+    speed = table(
+        [f"B={b} decode tok/s: base", f"{n} rank-{args.rank} adapters mixed", "mixed / base",
+         "transformers + PEFT", "mixed / PEFT"],
+        [[f"{base_rate:.1f}", f"{lora_med:.1f}", f"{statistics.median(a / m for a, m in rows):.2f}x",
+          f"{hf:.1f}", f"{lora_med / hf:.2f}x"]])
+    memory = table(
+        [f"{args.registered} registered, max_loras {n}: RSS growth", "slots (made with the engine)",
+         "cold load", "copy into a slot"],
+        [[f"{grown / 2**20:.1f} MiB = {grown / one:.1f} adapters of {one / 2**20:.1f} MiB",
+          f"{mem['slots'] / 2**20:.1f} MiB", f"{mem['load_ms']:.1f} ms", f"{mem['copy_ms']:.1f} ms"]])
+    note = (f"Decode steps of both engines alternated, medians of {args.rounds}; PEFT: set_adapter, "
+            f"batches of {b // n}.")
+    body = f"{speed}\n\n{memory}\n\n{note}"
     record("LoRA adapters (bench/lora.py)", body)
 
 

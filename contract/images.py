@@ -2,19 +2,14 @@
 
 Sources are checked before anything is read: file:// and s3:// must lie under the configured image input
 roots, https:// is off unless allowed and then goes through the webhooks' SSRF guard (every address public or
-allow-listed, the connection made to the checked address) with a timeout and a size limit. Decoding applies
-the EXIF orientation, takes the first frame of an animation, converts to RGB and refuses more pixels than the
-limit.
+allow-listed, the connection made to the checked address) with a timeout and a size limit. Decoding
+(sluice.image_codec, shared with the engine) applies the EXIF orientation, takes the first frame of an
+animation, converts to RGB and refuses more pixels than the limit.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
 import contextlib
-import hashlib
-import io
-import re
 import threading
 import time
 from dataclasses import dataclass
@@ -23,6 +18,7 @@ from typing import TYPE_CHECKING
 from pydantic import BaseModel, Field
 
 from sluice.contract.storage import S3_STYLE, read_url, within
+from sluice.image_codec import ImageError, data_url_bytes, decode_image, image_hash
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -31,12 +27,8 @@ if TYPE_CHECKING:
     from sluice.contract.settings import Settings
     from sluice.contract.signing import Target
 
-IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
-_DATA_URL = re.compile(r"data:image/(png|jpeg|jpg|webp|gif);base64,", re.IGNORECASE)
-
-
-class ImageError(ValueError):
-    """An image part that cannot be used (its source is refused, unreadable, too large or undecodable)."""
+__all__ = ["ImageError", "ImageSettings", "LoadedImage", "decode_image", "fetch_image_bytes", "image_hash",
+           "load_image"]
 
 
 class ImageSettings(BaseModel):
@@ -67,19 +59,6 @@ class LoadedImage:
 
     image: Image.Image
     content_hash: str
-
-
-def _data_bytes(url: str, max_bytes: int) -> bytes:
-    match = _DATA_URL.match(url)
-    if match is None:
-        raise ImageError("a data URL must be data:image/<png|jpeg|webp|gif>;base64,<data>")
-    payload = url[match.end():]
-    if len(payload) > (max_bytes * 4) // 3 + 4:
-        raise ImageError(f"image data is over the limit of {max_bytes} bytes")
-    try:
-        return base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError):
-        raise ImageError("image data URL is not valid base64") from None
 
 
 def _stored_bytes(url: str, settings: ImageSettings) -> bytes:
@@ -167,7 +146,7 @@ def fetch_image_bytes(url: str, settings: ImageSettings) -> bytes:
     """The encoded bytes an image URL names, after checking its scheme, place and size."""
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
     if scheme == "data":
-        data = _data_bytes(url, settings.image_max_bytes)
+        data = data_url_bytes(url, settings.image_max_bytes)
     elif scheme in ("file", "s3"):
         data = _stored_bytes(url, settings)
     elif scheme in ("https", "http"):
@@ -177,31 +156,6 @@ def fetch_image_bytes(url: str, settings: ImageSettings) -> bytes:
     if len(data) > settings.image_max_bytes:
         raise ImageError(f"image is {len(data)} bytes, over the limit of {settings.image_max_bytes}")
     return data
-
-
-def decode_image(data: bytes, max_pixels: int) -> Image.Image:
-    """Decode PNG/JPEG/WebP/GIF bytes: EXIF orientation applied, first frame, RGB, at most max_pixels."""
-    from PIL import Image, ImageOps, UnidentifiedImageError
-
-    try:
-        with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as img:
-            width, height = img.size
-            if width * height > max_pixels:
-                raise ImageError(f"image is {width}x{height} pixels, over the limit of {max_pixels}")
-            img.seek(0)
-            img.load()
-            return ImageOps.exif_transpose(img).convert("RGB")
-    except ImageError:
-        raise
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
-        raise ImageError(f"image does not decode as PNG, JPEG, WebP or GIF: {type(exc).__name__}") from None
-
-
-def image_hash(image: Image.Image) -> str:
-    """A hash of an RGB image's size and pixels (equal images from different sources hash equal)."""
-    digest = hashlib.blake2b(f"{image.width}x{image.height}:".encode(), digest_size=16)
-    digest.update(image.tobytes())
-    return digest.hexdigest()
 
 
 def load_image(url: str, settings: ImageSettings) -> LoadedImage:

@@ -128,19 +128,18 @@ class ModelRunner:
             rows.logits = self.model(*inputs[:2], self.kv_caches, *inputs[2:], plan=self.plan)
             return rows
         rows.logits = self._run_paged(ids, positions, slots, logit_idx, batch.num_new_tokens, context_lens,
-                                      tables, adapters)
+                                      tables)
         return rows
 
     def _map_adapters(self, batch: ScheduledBatch) -> bool:
-        """Set the coming forward's token-to-adapter mapping; whether any adapter runs in it (the decode stack
-        and CUDA graphs run the base model only)."""
+        """Set the coming forward's token-to-adapter mapping; whether any adapter runs in it (CUDA graphs run
+        the base model only; the decode stack's LoRA linears read the mapping)."""
         if self.lora is None:
             return False
         self.lora.prepare_step([r.lora_request for r in batch.requests], batch.num_new_tokens)
         return self.lora.slots.active
 
-    def _run_paged(self, ids, positions, slots, logit_idx, query_lens, context_lens, tables,
-                   adapters: bool = False) -> torch.Tensor:
+    def _run_paged(self, ids, positions, slots, logit_idx, query_lens, context_lens, tables) -> torch.Tensor:
         """Logits of a step over AttentionMetadata, built as the step plan asks (the fused kernel's
         arguments)."""
         dev = self.device
@@ -152,7 +151,7 @@ class ModelRunner:
         every_row = len(logit_idx) == len(ids) and logit_idx == list(range(len(ids)))
         return self.model(flat[0], flat[1], self.kv_caches, meta,
                           None if every_row else torch.tensor(logit_idx, dtype=torch.long, device=dev),
-                          plan=self.plan if adapters else self.plan.for_step(flat[0], meta))
+                          plan=self.plan.for_step(flat[0], meta))
 
     def _run_pooled(self, rows: StepLogits, step: tuple, logit_idx: list[int], hidden_idx: list[int],
                     query_lens: list[int], adapters: bool = False) -> StepLogits:

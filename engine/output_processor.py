@@ -43,6 +43,8 @@ class OutputProcessor:
         for req, start, count in zip(reqs, rows.row_start, rows.num_rows, strict=True):
             if req.want_prompt_logits and count and not isinstance(req, PoolingRequest):
                 req.prompt_logits.append(rows.logits[start:start + count].float().cpu())
+        for req in reqs:  # before any finishes and frees its blocks: a finished prompt's blocks stay cached
+            self.blocks.cache_full_blocks(req)
         ready = [i for i, r in enumerate(reqs) if r.num_computed_tokens >= r.num_tokens and i not in pooled]
         plain = [i for i in ready if not reqs[i].spec_token_ids]
         speculated = [i for i in ready if reqs[i].spec_token_ids]
@@ -51,9 +53,6 @@ class OutputProcessor:
             finished += self._verify(reqs, rows, speculated)
         if plain:
             finished += self._sample(reqs, rows, plain)
-        for req in reqs:
-            if not req.is_finished:
-                self.blocks.cache_full_blocks(req)
         return finished
 
     @staticmethod

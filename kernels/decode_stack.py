@@ -9,7 +9,9 @@ bf16, where the avx2 tier's GEMM serves those rows: `max_tokens`) whose sequence
 are bf16 ones, the weight-only quantized ones, each running the op its Python module would at the step's row
 count (decided when the stack is built, by asking the module's own branch tests), LLM.int8() ones on x86 tiers
 (AVX2 and up: its bf16 C++ passes) and bitsandbytes-format NF4/FP4 ones (our 4-bit GEMV); a layer with any
-other linear (bitsandbytes' own modules, on other devices) is not stacked.
+other linear (bitsandbytes' own modules, on other devices) is not stacked. A LoRA projection's linear adds
+the step's adapters after its product (`lora_stack_linear`, csrc/lora.cpp), so steps with adapters run on
+the stack too.
 """
 
 from __future__ import annotations
@@ -133,6 +135,14 @@ def fused_stack_linear(parts: list):
     activations once, the same codes each of them would make); None where a part does not stack."""
     ext = _ext()
     return None if ext is None or not parts or any(p is None for p in parts) else ext.fused_linear(parts)
+
+
+def lora_stack_linear(base, mapping, a: torch.Tensor, b: torch.Tensor, out_splits: list[int]):
+    """A stack linear `base` that adds a LoRA projection's slots (A [S, R, in], B [S, out, R],
+    engine.lora.slots) after its product whenever the step's `mapping` (csrc/lora.cpp's LoraMapping) has
+    adapters, as the eager LoRALinear does; None where the kernels do not build."""
+    ext = _ext()
+    return None if ext is None or base is None else ext.lora_linear(base, mapping, a, b, out_splits)
 
 
 def build_stack(layers: list[list], num_heads: int, num_kv_heads: int, head_dim: int, eps: float,

@@ -156,6 +156,21 @@ def test_one_image_in_many_prompts_is_encoded_once_and_images_salt_the_prefix_ca
     assert llm.engine.block_manager.hits > hits  # the same image and text: its blocks are found
 
 
+def test_prompts_that_finish_at_prefill_leave_their_image_blocks_cached(qwen2_vl, hf_model):
+    """One token per line (the prefill bench's shape): lines of later steps reuse the first line's blocks."""
+    llm = LLM(str(qwen2_vl), dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=64)
+    req = {"prompt": prompt("describe", 1), "multi_modal_data": {"image": noise_image(112, 112, 11)}}
+    one = SamplingParams(max_tokens=1, temperature=0)
+    outs = llm.generate([req] * 6, one, progress=False)
+    ref = hf_greedy(qwen2_vl, hf_model, llm, [req], max_new_tokens=1)[0]
+    assert [o.token_ids for o in outs] == [ref] * 6
+    n = len(outs[0].prompt_token_ids)
+    assert n < 64 < 2 * n  # one line per step until the cache serves them
+    cached = (n - 1) // 4 * 4
+    assert llm.engine.block_manager.hits >= 4 * cached  # lines of later steps found the image's blocks
+    assert llm.stats()["computed_tokens"] <= 6 * n - 4 * cached
+
+
 def test_bad_image_requests_are_rejected_by_name_and_the_rest_still_run(llm, tiny_llama):
     image = noise_image(64, 64, 9)
     with pytest.raises(RequestRejected, match="1 image placeholder.*2 image"):

@@ -2,6 +2,8 @@
 
 Only for faults no real process can produce on demand. A comma-separated list of `name=value`:
 `step_error=MARKER` (engine steps raise while a request whose prompt contains MARKER is in flight),
+`slow_load=SECONDS` (each shard read from its slice of the input sleeps first, a window to cut a worker off in
+right after it claimed the shard),
 `slow_save=SECONDS` (each shard save sleeps first, as a slow upload would),
 `slow_finalize=SECONDS` (each finalize sleeps before writing, a window to kill it in).
 """
@@ -14,7 +16,7 @@ from functools import cache
 
 from sluice.contract.settings import Settings
 
-KNOWN = {"step_error", "slow_save", "slow_finalize"}
+KNOWN = {"step_error", "slow_load", "slow_save", "slow_finalize"}
 
 
 class InjectedFault(RuntimeError):
@@ -26,6 +28,7 @@ class Faults:
     """The faults switched on for this process."""
 
     step_error: str | None = None
+    slow_load: float = 0.0
     slow_save: float = 0.0
     slow_finalize: float = 0.0
 
@@ -40,6 +43,7 @@ class Faults:
             values[name] = value
         return cls(
             step_error=values.get("step_error") or None,
+            slow_load=float(values.get("slow_load") or 0),
             slow_save=float(values.get("slow_save") or 0),
             slow_finalize=float(values.get("slow_finalize") or 0),
         )
@@ -48,6 +52,10 @@ class Faults:
         """Raise as a broken engine step would when a marked prompt is in flight."""
         if self.step_error and any(self.step_error in p for p in prompts):
             raise InjectedFault(f"injected step error ({self.step_error!r} in flight)")
+
+    def before_load(self) -> None:
+        if self.slow_load:
+            time.sleep(self.slow_load)
 
     def before_save(self) -> None:
         if self.slow_save:

@@ -18,7 +18,7 @@ import redis
 from rq import SimpleWorker
 from rq.exceptions import DequeueTimeout, StopRequested
 from rq.executions import Execution
-from rq.job import Job
+from rq.job import Job, JobStatus
 from rq.queue import Queue
 from rq.registry import StartedJobRegistry
 from rq.scheduler import RQScheduler
@@ -208,6 +208,11 @@ class JobsWorker(SimpleWorker):
         used."""
         with self._lock:
             self.held.pop(job_id, None)
+
+    def still_holds(self, job_id: str) -> bool:
+        """Whether rq still has the held job started by this worker (not retried or run elsewhere since)."""
+        status, worker = self.connection.hmget(self.held[job_id].job.key, "status", "worker_name")
+        return status == JobStatus.STARTED.value.encode() and worker == self.name.encode()
 
     def time_out(self, job_id: str) -> None:
         """Fail a held job that ran past its rq timeout, as rq's own timeout would."""

@@ -149,13 +149,14 @@ class ShardRun:
         requests when the batch is gone)."""
         if not isinstance(self.payload, dict) or self.requests:
             return
-        self.loaded = True
+        faults(settings).before_load()
         batch = store.get(self.batch_id)
         if batch is not None:
             roots, style = settings.output_root_urls(), settings.s3_addressing_style
             storage = open_output(batch.output_url, roots, s3_style=style)
             self.requests = list(shard_requests(storage, self.payload))
             self._carry_answers()
+        self.loaded = True
 
     @property
     def done(self) -> bool:

@@ -77,6 +77,7 @@ class EngineWorker(JobsWorker):
         self.store = BatchStore(connection)
         self.runs: dict[str, ShardRun] = {}
         self.owner: dict[str, str] = {}
+        self.unprepared: set[str] = set()  # held runs a Redis error kept out of the engine (_prepare)
         self.stop_deadline: float | None = None
         self.faults = faults(self.settings)
         self._fresh_ids = itertools.count(1)
@@ -144,6 +145,7 @@ class EngineWorker(JobsWorker):
         """One pass of the loop: True if it claimed work, None when the loop should end."""
         self.maintain()
         self._police()
+        self._resume_unprepared()
         self._save_done()
         claimed = self.stop_deadline is None and self._claim()
         if self.owner:
@@ -203,33 +205,65 @@ class EngineWorker(JobsWorker):
         execution = self.claim(job, queue)
         if execution is None:
             return
-        run: ShardRun | None = None
         try:
             run = ShardRun.from_args(job.id, job.args)
-            if not run.lease(self.connection):
-                self.log.info("Worker %s: %s was committed by an earlier attempt", self.name, job.id)
-                self.finish(job.id, {"completed": 0, "failed": 0})
+        except Exception:
+            self.fail(job.id, sys.exc_info())
+            return
+        self._prepare(job.id, run)
+
+    def _prepare(self, job_id: str, run: ShardRun) -> None:
+        """Lease, load and add a claimed shard to the engine. A Redis error on the way leaves it held but
+        unprepared: prepared again once Redis answers, or discarded if its lease went elsewhere meanwhile."""
+        self.runs[job_id] = run
+        self.unprepared.add(job_id)
+        try:
+            if run.token is None and not run.lease(self.connection):
+                self.log.info("Worker %s: %s was committed by an earlier attempt", self.name, job_id)
+                self.finish(job_id, {"completed": 0, "failed": 0})
+                self._unhold(job_id)
                 return
             reason = stop_reason(self.store, run.batch_id)
             refusal = None if reason else output_refusal(self.store, run.batch_id, self.settings)
             if refusal:
-                self._refuse_output(job.id, run.batch_id, OutputNotAllowed(refusal))
+                self._refuse_output(job_id, run.batch_id, OutputNotAllowed(refusal))
+                self._unhold(job_id)
                 return
             run.load(self.store, self.settings)
             if reason:
                 run.fail_all(reason, ABORT_CODES[reason])
             else:
-                run.start(self.llm, self.served, key=execution.id, images=self.images)
+                run.start(self.llm, self.served, key=self.held[job_id].execution.id, images=self.images)
         except REDIS_ERRORS:
             self._abort_pending(run)
-            self.forget(job.id)
             raise
         except Exception:
             self._abort_pending(run)
-            self.fail(job.id, sys.exc_info())
+            self.fail(job_id, sys.exc_info())
+            self._unhold(job_id)
             return
-        self.runs[job.id] = run
-        self.owner.update((rid, job.id) for rid in run.pending)
+        self.unprepared.discard(job_id)
+        self.owner.update((rid, job_id) for rid in run.pending)
+
+    def _unhold(self, job_id: str) -> None:
+        self.runs.pop(job_id, None)
+        self.unprepared.discard(job_id)
+
+    def _resume_unprepared(self) -> None:
+        """Prepare again the shards a Redis error interrupted, once Redis answers; those whose lease (or,
+        before they had one, whose job) went to another attempt meanwhile are discarded."""
+        if not self.unprepared:
+            return
+        self._drop_lost_leases()
+        for job_id in sorted(self.unprepared):
+            run = self.runs[job_id]
+            if run.token is None and not self.still_holds(job_id):
+                lost = f"shard {run.shard} of {run.batch_id}: its job went elsewhere before it took a lease"
+                self._discard(job_id, LeaseLost(lost))
+            else:
+                self.log.info("Worker %s: resuming %s, whose start a Redis outage cut short", self.name,
+                              job_id)
+                self._prepare(job_id, run)
 
     def _step(self) -> None:
         try:
@@ -257,7 +291,7 @@ class EngineWorker(JobsWorker):
 
     def _save_done(self) -> None:
         for job_id, run in list(self.runs.items()):
-            if run.done:
+            if run.done and job_id not in self.unprepared:
                 self._complete(job_id, run)
 
     def _complete(self, job_id: str, run: ShardRun) -> None:
@@ -298,7 +332,7 @@ class EngineWorker(JobsWorker):
     def _discard(self, job_id: str, exc: LeaseLost) -> None:
         """Forget a shard whose lease is lost (its job belongs to another attempt now) and log one line."""
         self.log.warning("Worker %s: %s; %s discarded, taking new work", self.name, exc, job_id)
-        self.runs.pop(job_id, None)
+        self._unhold(job_id)
         self.forget(job_id)
         shard_finished("discarded")
 
@@ -317,12 +351,15 @@ class EngineWorker(JobsWorker):
                     if run.batch_id == batch_id:
                         run.abort(self.llm, reason)
 
-    def _abort_pending(self, run: ShardRun | None) -> None:
-        for rid in list(run.pending if run is not None else ()):
+    def _abort_pending(self, run: ShardRun) -> None:
+        """Take the run's requests out of the engine; it has none pending after."""
+        for rid in list(run.pending):
             self.llm.abort(rid)
             self.owner.pop(rid, None)
+        run.pending.clear()
 
     def _drop_run(self, job_id: str) -> None:
+        self.unprepared.discard(job_id)
         self._abort_pending(self.runs.pop(job_id))
 
     def _release_all(self, exc_info: Any) -> None:

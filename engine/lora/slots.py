@@ -1,5 +1,6 @@
 """Adapters in working memory: `max_loras` slots of stacked low-rank weights per decoder projection, and the
-step's mapping of tokens to slots that the LoRA projections read."""
+step's mapping of tokens to slots that the LoRA projections read (on CPU also as the C++ kernel's LoraMapping,
+which the decode stack's LoRA linears share, so steps with adapters keep the stack)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import torch
 from torch import nn
 
 from sluice.engine.lora.adapter import PROJECTIONS, LoRAAdapter
-from sluice.kernels.lora_groups import Rows, add_lora, token_groups
+from sluice.kernels.lora_groups import CPP_DTYPES, Rows, add_lora, cpu_kernel, token_groups
 
 
 class LoRASlots:
@@ -29,6 +30,8 @@ class LoRASlots:
         self.serves: list[set[str]] = [set() for _ in range(max_loras)]
         self.groups: dict[str, list[tuple[int, Rows]]] = {}
         self.token_slots: torch.Tensor | None = None  # each flat token's slot (-1: none), for the CUDA kernel
+        kernel = cpu_kernel() if device.type == "cpu" and dtype in CPP_DTYPES else None
+        self.mapping = None if kernel is None else kernel.LoraMapping()  # the C++ kernel's (csrc/lora.cpp)
 
     def load(self, slot: int, adapter: LoRAAdapter) -> None:
         """Copy an adapter into a slot (zeros where it has no pair), its scaling folded into B."""
@@ -49,10 +52,14 @@ class LoRASlots:
         """The mapping of the coming forward: each flat token's slot (-1 or None throughout: no adapter)."""
         if not token_slots or max(token_slots) < 0:
             self.groups, self.token_slots = {}, None
+            if self.mapping is not None:
+                self.mapping.set(None)
             return
         groups = token_groups(token_slots, device)
         if device.type == "cuda":
             self.token_slots = torch.tensor(token_slots, dtype=torch.int32, device=device)
+        if self.mapping is not None:
+            self.mapping.set(torch.tensor(token_slots, dtype=torch.int64))
         self.groups = {proj: [g for g in groups if proj in self.serves[g[0]]] for proj in self.shapes}
 
     @property
@@ -65,7 +72,12 @@ class LoRASlots:
         groups = self.groups.get(proj)
         if not groups:
             return y
-        return add_lora(y, x, self.a[layer, proj], self.b[layer, proj], groups, self.token_slots)
+        a, b = self.a[layer, proj], self.b[layer, proj]
+        return add_lora(y, x, a, b, groups, self.token_slots, self.mapping, self.out_splits(proj))
+
+    def out_splits(self, proj: str) -> list[int]:
+        """The output rows of each part of `proj` (each reads only its own rank columns of B)."""
+        return [out for out, _ in self.shapes[proj]]
 
 
 class LoRALinear(nn.Module):
@@ -81,10 +93,16 @@ class LoRALinear(nn.Module):
             *x.shape[:-1], -1)
 
     def stack_linear(self):
-        """The base linear for the decode stack (which runs only the steps without adapters)."""
+        """The base linear for the decode stack with this projection's slots added after it on the steps with
+        adapters (the C++ kernel this module calls, over the same mapping); None where either is missing."""
         from sluice.engine.models.llama import stack_linear
+        from sluice.kernels import decode_stack
 
-        return stack_linear(self.base)
+        base, slots = stack_linear(self.base), self.slots
+        if base is None or slots.mapping is None:
+            return None
+        key, splits = (self.layer, self.proj), slots.out_splits(self.proj)
+        return decode_stack.lora_stack_linear(base, slots.mapping, slots.a[key], slots.b[key], splits)
 
 
 def projection_shapes(config) -> dict[str, list[tuple[int, int]]]:

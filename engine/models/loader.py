@@ -384,8 +384,9 @@ def _load_native(path: str | Path, config: ModelConfig, dtype: torch.dtype, devi
 
 def _load_vision_language(path: str | Path, hf_config: dict, config: ModelConfig, dtype: torch.dtype,
                           device: torch.device, max_positions: int) -> LlamaModel:
-    """Qwen2-VL from an HF folder: the language model as the native path reads Qwen2, then its vision tower
-    (models.qwen2_vl)."""
+    """Qwen2-VL or Qwen2.5-VL from an HF folder: the language model as the native path reads Qwen2, then its
+    vision tower (models.qwen2_vl, models.qwen2_5_vl)."""
+    from sluice.engine.models.qwen2_5_vl import vision_tower
     from sluice.engine.models.qwen2_vl import Qwen2VLModel, load_vision_tower
 
     section = config.rope.get("mrope_section") or [16, 24, 24]
@@ -393,7 +394,7 @@ def _load_vision_language(path: str | Path, hf_config: dict, config: ModelConfig
         model = Qwen2VLModel(config, 1, section)
     reader = CheckpointReader(path)
     read_weights(model, reader, dtype, device, None, "copy", None)
-    load_vision_tower(model, reader, hf_config, dtype, device)
+    load_vision_tower(model, reader, vision_tower(hf_config), dtype, device)
     model.rope = RotaryEmbedding(config.head_dim, max_positions, config.rope).to(device)
     return model.eval()
 

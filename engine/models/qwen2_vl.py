@@ -1,5 +1,5 @@
 """Qwen2-VL natively: the vision tower and merger, and the Qwen2 language model with M-RoPE over our paged
-cache.
+cache (Qwen2.5-VL's too; its own vision tower is models.qwen2_5_vl's).
 
 Each step the runner hands the model its batch (`prepare_step`) before the forward: the vision tower encodes,
 in one batched call, the images of the requests being prefilled whose tokens this step covers and that the
@@ -59,16 +59,39 @@ class VisionBlock(nn.Module):
 
 
 class PatchMerger(nn.Module):
-    """LayerNorm, then each merge x merge block of patches through a 2-layer MLP into one LM embedding."""
+    """A norm (LayerNorm unless given), then each merge x merge block of patches through a 2-layer MLP into
+    one LM embedding."""
 
-    def __init__(self, dim: int, context_dim: int, merge: int) -> None:
+    def __init__(self, dim: int, context_dim: int, merge: int, norm: nn.Module | None = None) -> None:
         super().__init__()
         self.hidden = context_dim * merge**2
-        self.ln_q = nn.LayerNorm(context_dim, eps=1e-6)
+        self.ln_q = norm if norm is not None else nn.LayerNorm(context_dim, eps=1e-6)
         self.mlp = nn.Sequential(nn.Linear(self.hidden, self.hidden), nn.GELU(), nn.Linear(self.hidden, dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(self.ln_q(x).view(-1, self.hidden))
+
+
+def vision_inv_freq(cfg: dict[str, Any], head_dim: int) -> torch.Tensor:
+    """Inverse frequencies of the vision tower's 2D rotary positions (a quarter of head_dim each axis)."""
+    theta = float((cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+    spatial = head_dim // 2
+    return 1.0 / theta ** (torch.arange(0, spatial, 2).float() / spatial)
+
+
+def vision_rotary(grids: list[tuple[int, int, int]], merge: int, inv_freq: torch.Tensor,
+                  device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [N, head_dim] of every patch's (h, w) position, patches in merge-block order."""
+    ids = []
+    for t, h, w in grids:
+        blocks = (h // merge, merge, w // merge, merge)
+        hpos = torch.arange(h).unsqueeze(1).expand(-1, w).reshape(blocks).permute(0, 2, 1, 3)
+        wpos = torch.arange(w).unsqueeze(0).expand(h, -1).reshape(blocks).permute(0, 2, 1, 3)
+        ids.append(torch.stack([hpos.flatten(), wpos.flatten()], -1).repeat(t, 1))
+    pos = torch.cat(ids).to(device)
+    freqs = (pos[..., None].float() * inv_freq).flatten(1)  # [N, 2 * spatial/2]: h's, then w's
+    emb = torch.cat([freqs, freqs], -1)
+    return emb.cos(), emb.sin()
 
 
 class VisionTransformer(nn.Module):
@@ -84,28 +107,12 @@ class VisionTransformer(nn.Module):
         self.blocks = nn.ModuleList(VisionBlock(dim, heads, int(dim * cfg.get("mlp_ratio", 4)))
                                     for _ in range(cfg["depth"]))
         self.merger = PatchMerger(cfg["hidden_size"], dim, self.merge)
-        theta = float((cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))
-        spatial = dim // heads // 2
-        self.register_buffer("inv_freq", 1.0 / theta ** (torch.arange(0, spatial, 2).float() / spatial),
-                             persistent=False)
-
-    def _rotary(self, grids: list[tuple[int, int, int]], device) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [N, head_dim] of every patch's (h, w) position, patches in merge-block order."""
-        m, ids = self.merge, []
-        for t, h, w in grids:
-            blocks = (h // m, m, w // m, m)
-            hpos = torch.arange(h).unsqueeze(1).expand(-1, w).reshape(blocks).permute(0, 2, 1, 3)
-            wpos = torch.arange(w).unsqueeze(0).expand(h, -1).reshape(blocks).permute(0, 2, 1, 3)
-            ids.append(torch.stack([hpos.flatten(), wpos.flatten()], -1).repeat(t, 1))
-        pos = torch.cat(ids).to(device)
-        freqs = (pos[..., None].float() * self.inv_freq).flatten(1)  # [N, 2 * spatial/2]: h's, then w's
-        emb = torch.cat([freqs, freqs], -1)
-        return emb.cos(), emb.sin()
+        self.register_buffer("inv_freq", vision_inv_freq(cfg, dim // heads), persistent=False)
 
     def forward(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
         """Merged embeddings [sum(t*h*w) / merge**2, hidden] of the images whose patches lie end to end."""
         x = self.patch_embed(pixels.to(self.patch_embed.weight.dtype))
-        cos, sin = self._rotary(grids, x.device)
+        cos, sin = vision_rotary(grids, self.merge, self.inv_freq, x.device)
         lengths = [h * w for t, h, w in grids for _ in range(t)]
         for block in self.blocks:
             x = block(x, cos, sin, lengths)
@@ -218,11 +225,10 @@ def _vision_weight(reader, name: str, param: torch.Tensor, dtype) -> torch.Tenso
     return tensor.reshape(param.shape)
 
 
-def load_vision_tower(model: Qwen2VLModel, reader, hf_config: dict[str, Any], dtype: torch.dtype,
+def load_vision_tower(model: Qwen2VLModel, reader, visual: nn.Module, dtype: torch.dtype,
                       device: torch.device) -> None:
-    """Read Qwen2-VL's vision tower from the checkpoint `reader` (engine.models.loader) into
-    `model.visual`."""
-    visual = VisionTransformer(hf_config["vision_config"])
+    """Read the empty vision tower `visual` (Qwen2-VL's, or Qwen2.5-VL's: models.qwen2_5_vl.vision_tower) from
+    the checkpoint `reader` (engine.models.loader) into `model.visual`."""
     prefix = "visual." if any(n.startswith("visual.") for n in reader.names()) else "model.visual."
     state = {}
     for name, param in visual.named_parameters():

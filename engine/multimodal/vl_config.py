@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-VISION_ARCHITECTURES = ("Qwen2VLForConditionalGeneration",)
+VISION_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
 
 
 def is_vision_language(hf_config: dict[str, Any]) -> bool:

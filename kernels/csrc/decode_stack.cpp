@@ -18,6 +18,7 @@
 #include "bf16_gemv.cpp"
 #include "quant_linear.cpp"
 #include "nf4.cpp"
+#include "lora.cpp"
 
 #include <optional>
 #include <tuple>
@@ -41,8 +42,19 @@ struct StackLinear {
   double threshold = 0;                    // LLM.int8()'s outlier threshold
   std::vector<StackLinear> parts;          // kFused: one linear per checkpoint tensor, outputs side by side
   torch::Tensor table;                     // NF4/FP4: the 16 code values (fp32)
+  // LoRA (lora.cpp): the step's mapping and this projection's slots, A [S, R, in] and B [S, out, R], added
+  // after the base product where the step has adapters (engine/lora/slots.py's LoRALinear, as it adds them)
+  std::shared_ptr<const LoraMapping> lora;
+  torch::Tensor lora_a, lora_b;
+  std::vector<int64_t> lora_splits;
 
   torch::Tensor operator()(const torch::Tensor& x) const {
+    torch::Tensor y = base(x);
+    if (lora && lora->active()) lora_add_groups(y, x, lora_a, lora_b, lora->groups, 1.0, lora_splits);
+    return y;
+  }
+
+  torch::Tensor base(const torch::Tensor& x) const {
     if (kind == kBf16) return bf16_gemv(x, weight, bias);
     if (kind == kLLMInt8) return llm_int8(x, bnb_int8_act(x, threshold));
     if (kind == kFused) {  // FusedLinear: the parts' outputs concatenated (LLM.int8() parts share x's quantization)
@@ -206,6 +218,15 @@ inline void bind_decode_stack(py::module_& m) {
     return StackLinear{StackLinear::kFused, torch::Tensor(), std::nullopt, std::nullopt, n, 0, 0, 0.0,
                        std::move(parts)};
   }, "a fused projection: its parts' outputs side by side", py::arg("parts"));
+  m.def("lora_linear", [](StackLinear base, std::shared_ptr<LoraMapping> mapping, torch::Tensor a,
+                          torch::Tensor b, std::vector<int64_t> out_splits) {
+    base.lora = std::move(mapping);
+    base.lora_a = std::move(a);
+    base.lora_b = std::move(b);
+    base.lora_splits = std::move(out_splits);
+    return base;
+  }, "a stack linear with a LoRA projection's slots added after it when the mapping is active",
+        py::arg("base"), py::arg("mapping"), py::arg("a"), py::arg("b"), py::arg("out_splits"));
   m.attr("BNB_INT8_EPILOGUE") = bnb_int8_epilogue_supported();
   py::class_<DecodeStack>(m, "DecodeStack", py::module_local())
       .def(py::init<const std::vector<LayerSpec>&, int64_t, int64_t, int64_t, double, double>(), py::arg("layers"),

@@ -1,9 +1,11 @@
 """Fault-suite fixtures: restartable redis-server (AOF) and moto servers, fast worker processes, result
 checks.
 
-The worker, finalize and terminal-state faults run twice: against a plain redis-server and through a
-`redis+sentinel://` URL (a primary, its replica and a sentinel on loopback), so every process in them reaches
-Redis through the sentinel's view, as a Sentinel set-up runs them."""
+Every fault test that uses Redis runs twice: against a plain redis-server and through a `redis+sentinel://`
+URL (a primary, its replica and a sentinel on loopback), so every process in it reaches Redis through the
+sentinel's view, as a Sentinel set-up runs them. The tests that kill Redis do it to a private Sentinel set's
+primary and replica together (no failover possible: an outage, as for a lone server), restarted the same way.
+PLAIN_ONLY names the few that run against the plain server alone."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import pytest
 
 from sluice.contract.schemas import Batch
 from sluice.producer import Client
-from tests.fleet.sentinels import SentinelSet, loopback_set
+from tests.fleet.sentinels import SERVICE, SentinelSet, loopback_set, wait_for
 from tests.services import RedisServer, free_port, start_worker, wait_for_port
 
 # Fast clocks for every worker the fault suite starts: 3 s heartbeats, 1 s retry backoff, 1 s reaper passes.
@@ -31,14 +33,24 @@ FAST = {
 }
 
 
-SENTINEL_MODULES = {"test_worker_faults", "test_finalize_faults", "test_finalize", "test_terminal_states"}
+# Slow tests whose Redis traffic the suite's Sentinel runs already cover, kept to the plain server for CI time
+PLAIN_ONLY = {
+    # rq's retry with backoff after a failed save: test_full_disk_while_running_then_freed; the reaper
+    # ending a batch whose finalize failed for good: test_terminal_states.py
+    "test_full_disk_for_good_fails_the_batch",
+    # the same retry path as a full disk, the fault being S3's: test_full_disk_while_running_then_freed
+    "test_s3_stopped_during_shard_writes_and_finalize",
+}
+SETUPS = ["redis", "sentinel"]
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    """Run the tests of SENTINEL_MODULES that use Redis against both set-ups."""
-    module = metafunc.module.__name__.rsplit(".", 1)[-1]
-    if "redis_url" in metafunc.fixturenames and module in SENTINEL_MODULES:
-        metafunc.parametrize("redis_url", ["redis", "sentinel"], indirect=True)
+    """Run every test that uses Redis (but PLAIN_ONLY) against both set-ups."""
+    if metafunc.function.__name__ in PLAIN_ONLY:
+        return
+    for name in ("redis_url", "aof_redis"):
+        if name in metafunc.fixturenames:
+            metafunc.parametrize(name, SETUPS, indirect=True)
 
 
 @pytest.fixture(scope="session")
@@ -129,9 +141,42 @@ class RedisProcess:
         self.process.wait(10)
 
 
+@dataclass
+class SentinelOutage:
+    """A private primary, replica and sentinel (AOF, fsync always) whose two servers a test SIGKILLs together
+    and starts again on the same ports: Redis is gone for every client, and no replica is left to promote."""
+
+    servers: SentinelSet
+
+    @property
+    def url(self) -> str:
+        return self.servers.url
+
+    def start(self) -> None:
+        """Start the primary, then its replica; return once the sentinel hands out the primary again."""
+        self.servers.primary.start()
+        self.servers.replica.start()
+        sentinel = self.servers.sentinels[0]
+        wait_for(lambda: not sentinel.client().sentinel_master(SERVICE)["is_sdown"], 30,
+                 "the sentinel to see the primary up")  # fmt: skip
+
+    def kill(self) -> None:
+        for node in self.servers.nodes:
+            node.kill()
+
+
 @pytest.fixture
-def aof_redis(tmp_path) -> Iterator[RedisProcess]:
-    """A private, persistent (AOF, fsync always) redis-server for tests that kill Redis."""
+def aof_redis(request, tmp_path) -> Iterator[RedisProcess | SentinelOutage]:
+    """A private, persistent (AOF, fsync always) Redis for tests that kill it: a redis-server, or a Sentinel
+    set reached through its sentinel when parametrized so."""
+    if getattr(request, "param", "redis") == "sentinel":
+        outage = SentinelOutage(loopback_set(tmp_path / "sentinel-set"))
+        try:
+            outage.servers.start()
+            yield outage
+        finally:
+            outage.servers.stop()
+        return
     server = RedisProcess(tmp_path / "redis")
     server.workdir.mkdir()
     server.start()

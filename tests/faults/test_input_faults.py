@@ -12,12 +12,12 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from redis import Redis
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from sluice.contract.batch import BatchStore
 from sluice.contract.jobs import shard_job_id
+from sluice.contract.redis_conn import connect
 from sluice.contract.schemas import Batch, BatchStatus
 from sluice.contract.shards import shard_requests
 from sluice.contract.storage import open_storage
@@ -96,7 +96,7 @@ def test_cron_keeps_hash_and_question_mark_in_file_names(redis_url, tmp_path):
     pipeline = CronPipeline(name="odd", input=f"file://{tmp_path}/in/*.jsonl", every=60, settle=0,
                             output=tmp_path.joinpath("out").as_uri())  # fmt: skip
     client = Client(redis_url)
-    ids = tick(Redis.from_url(redis_url), pipeline, client)
+    ids = tick(connect(redis_url), pipeline, client)
     batches = sorted((client.get(i) for i in ids), key=lambda b: b.input_file)
     assert [os.path.basename(b.input_file) for b in batches] == names
     assert [(b.status, b.request_counts.total) for b in batches] == [
@@ -112,7 +112,7 @@ def test_cron_keeps_hash_and_question_mark_in_s3_keys(redis_url, s3_server, s3_b
     pipeline = CronPipeline(name="odd", input=f"s3://{s3_bucket}/in/*.jsonl", every=60,
                             output=tmp_path.as_uri())  # fmt: skip
     client = Client(redis_url)
-    batches = [client.get(i) for i in tick(Redis.from_url(redis_url), pipeline, client)]
+    batches = [client.get(i) for i in tick(connect(redis_url), pipeline, client)]
     assert sorted(b.request_counts.total for b in batches) == [1, 2, 3]
     assert all(b.status == BatchStatus.in_progress for b in batches)
 
@@ -123,7 +123,7 @@ def test_cron_waits_until_a_file_stops_changing(redis_url, tmp_path):
     path.write_bytes(jsonl("a"))
     pipeline = CronPipeline(name="settle", input=f"file://{tmp_path}/in/*.jsonl", every=60, settle=1.5,
                             output=tmp_path.joinpath("out").as_uri())  # fmt: skip
-    connection, client = Redis.from_url(redis_url), Client(redis_url)
+    connection, client = connect(redis_url), Client(redis_url)
     assert tick(connection, pipeline, client) == []
     time.sleep(1.0)
     with path.open("ab") as f:
@@ -139,7 +139,7 @@ def test_cron_does_not_record_an_object_whose_batch_is_still_validating(redis_ur
     (tmp_path / "in" / "a.jsonl").write_bytes(jsonl("a"))
     pipeline = CronPipeline(name="stuck", input=f"file://{tmp_path}/in/*.jsonl", every=60, settle=0,
                             output=tmp_path.joinpath("out").as_uri())  # fmt: skip
-    connection, client = Redis.from_url(redis_url), Client(redis_url)
+    connection, client = connect(redis_url), Client(redis_url)
     url = f"file://{tmp_path}/in/a.jsonl"
     st = os.stat(url.removeprefix("file://"))
     object_id = f"{url}#{st.st_size}-{st.st_mtime_ns}"

@@ -8,12 +8,12 @@ import sys
 import time
 
 import pytest
-from redis import Redis
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from sluice.contract.batch import BatchStore
 from sluice.contract.jobs import shard_job_id
+from sluice.contract.redis_conn import connect
 from sluice.contract.schemas import Batch, BatchRequest, BatchStatus
 from sluice.contract.settings import Settings
 from sluice.contract.storage import FileStorage, OutputNotAllowed, check_output_url, open_storage
@@ -65,7 +65,7 @@ def test_submit_refuses_an_output_outside_the_roots(redis_url, tmp_path, monkeyp
 def test_the_worker_refuses_to_write_outside_its_roots(redis_url, tmp_path, monkeypatch):
     """A batch record that names another place (roots changed, record forged in Redis) gets no file
     written."""
-    connection = Redis.from_url(redis_url)
+    connection = connect(redis_url)
     evil = tmp_path / "evil"
     store = BatchStore(connection)
     store.create(Batch(id="batch_forged", status=BatchStatus.in_progress, output_url=evil.as_uri(),

@@ -5,19 +5,17 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import shutil
 import socket
-import subprocess
 import threading
 import time
 import tracemalloc
 from urllib.parse import urlsplit
 
 import pytest
-from redis import Redis
 from urllib3.util import parse_url
 
 from sluice.contract.events import delivery_log, notify
+from sluice.contract.redis_conn import connect
 from sluice.contract.schemas import Batch, BatchStatus
 from sluice.contract.signing import (
     Target,
@@ -28,7 +26,7 @@ from sluice.contract.signing import (
     resolve_target,
 )
 from sluice.worker.webhooks import _post, attempt, run
-from tests.services import free_port, wait_for_port
+from tests.services import free_port
 
 SECRET = generate_secret()
 SSRF_FORMS = [
@@ -206,7 +204,7 @@ def batch(url: str, batch_id: str = "batch_sec") -> Batch:
 
 def test_url_tokens_stay_out_of_delivery_logs_and_worker_logs(redis_url, server, caplog):
     s = server(hang)
-    connection = Redis.from_url(redis_url)
+    connection = connect(redis_url)
     url = f"http://127.0.0.1:{s.port}/hooks/tok3nSECRET?token=qSECRET"
     event_id = notify(connection, batch(url), settings=settings())
     with caplog.at_level(logging.DEBUG):
@@ -223,24 +221,16 @@ def test_url_tokens_stay_out_of_delivery_logs_and_worker_logs(redis_url, server,
     assert f"127.0.0.1:{s.port}/hooks/***?token=***" in logged
 
 
-def test_the_delivery_loop_survives_bad_records_and_a_redis_restart(tmp_path, server):
-    binary = shutil.which("redis-server")
-    port = free_port()
-    cmd = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-           "--dir", str(tmp_path)]  # fmt: skip
-    redis_proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
-    wait_for_port(port)
-    connection, stop, s = Redis(port=port), threading.Event(), server(ok)
+def test_the_delivery_loop_survives_bad_records_and_a_redis_restart(aof_redis, server):
+    connection, stop, s = connect(aof_redis.url), threading.Event(), server(ok)
     connection.zadd("sluice:webhooks:due", {"evt_broken": 0})
     connection.hset("sluice:webhooks:delivery:evt_broken", "url", "http://x/")
     loop = threading.Thread(target=run, args=(connection, settings()), kwargs={"poll_s": 0.05, "stop": stop})
     loop.start()
     try:
-        redis_proc.kill()
-        redis_proc.wait()
+        aof_redis.kill()
         time.sleep(0.5)
-        redis_proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
-        wait_for_port(port)
+        aof_redis.start()
         assert loop.is_alive()
         notify(connection, batch(f"http://127.0.0.1:{s.port}/hook"), settings=settings())
         deadline = time.monotonic() + 15
@@ -250,5 +240,3 @@ def test_the_delivery_loop_survives_bad_records_and_a_redis_restart(tmp_path, se
     finally:
         stop.set()
         loop.join(10)
-        redis_proc.kill()
-        redis_proc.wait()

@@ -3,10 +3,13 @@ jobs."""
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 
 import pytest
 from rq.job import Job, JobStatus
+from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
 
 from sluice.contract.queues import queue_for
@@ -14,6 +17,7 @@ from sluice.contract.redis_conn import connect
 from sluice.contract.settings import Settings
 from sluice.engine import LLM, RequestRejected, SamplingParams
 from sluice.producer import BatchStatus, Client
+from sluice.worker.shard_run import ShardRun
 from sluice.worker.worker import EngineWorker
 from tests.faults.conftest import assert_exactly_once, request, spawn, wait_until
 from tests.services import stop_worker
@@ -100,3 +104,44 @@ def test_slow_iteration_keeps_its_shards(tiny_llama, redis_url, tmp_path):
     for n in range(done.num_shards):
         job = Job.fetch(f"{batch.id}-shard-{n}", connection=client.connection, serializer=JSONSerializer)
         assert job.retries_left == client.settings.shard_retries, "no retry was used"
+
+
+def test_a_shard_cut_off_before_its_lease_resumes_only_while_rq_still_has_it_here(llm, redis_url, tmp_path,
+                                                                                   caplog):
+    """The state a Redis error between a claim and its lease leaves (held, in no engine, no token): once Redis
+    answers the shard is resumed if rq still has the job started by this worker, and discarded in one line if
+    rq gave it to another attempt meanwhile (its heartbeat lapsed: rq's own abandoned-job cleanup)."""
+    client = Client(redis_url)
+    batch = client.submit_batch([request(i) for i in range(4)], output=tmp_path.as_uri(), shard_size=2)
+    worker = EngineWorker(["default"], llm, connect(redis_url), heartbeat_ttl=5, reaper=False)
+    worker.bootstrap("INFO")
+
+    def cut_short() -> str:
+        job, queue = worker.poll()
+        assert worker.claim(job, queue) is not None
+        worker.runs[job.id] = ShardRun.from_args(job.id, job.args)
+        worker.unprepared.add(job.id)
+        return job.id
+
+    try:
+        given_away = cut_short()
+        StartedJobRegistry("default", connection=client.connection, serializer=JSONSerializer).cleanup(
+            timestamp=time.time() + 3600)  # fmt: skip
+        kept = cut_short()
+        with caplog.at_level(logging.INFO, logger="rq.worker"):
+            worker._resume_unprepared()
+        assert given_away not in worker.runs and given_away not in worker.held
+        assert kept in worker.runs and kept not in worker.unprepared and worker.runs[kept].token == 1
+        assert sorted(worker.owner.values()) == [kept, kept], "the resumed shard's requests are in the engine"
+        lines = [r.getMessage() for r in caplog.records if r.name == "rq.worker"]
+        assert [line for line in lines if "discarded, taking new work" in line] == [
+            f"Worker {worker.name}: shard 0 of {batch.id}: its job went elsewhere before it took a lease; "
+            f"{given_away} discarded, taking new work"
+        ]
+        assert any(f"resuming {kept}, whose start a Redis outage cut short" in line for line in lines)
+    finally:
+        worker._release_all(None)
+        worker.teardown()
+    assert Job.fetch(given_away, connection=client.connection, serializer=JSONSerializer).retries_left == (
+        client.settings.shard_retries - 1
+    ), "rq retried the shard it gave away"

@@ -12,7 +12,7 @@ from pathlib import Path
 import redis
 
 SERVICE = "sluice"
-DOWN_AFTER_MS = 1000  # how long a silent primary takes to be judged down
+DOWN_AFTER_MS = 3000  # how long a silent primary takes to be judged down (not a primary a busy host stalled)
 FAILOVER_TIMEOUT_MS = 3000
 
 
