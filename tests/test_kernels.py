@@ -366,6 +366,27 @@ def test_every_cpu_kernel_builds_where_a_compiler_exists(source, cpu_tier):
     assert part is not None and any(not k.startswith("__") for k in vars(part)), f"{name}: no functions bound"
 
 
+
+@pytest.mark.parametrize("source", sorted(cpp_build.EXTENSIONS))
+def test_every_library_compiles_for_the_generic_tier(source):
+    """A CPU with no tier of ours still gets the libraries (their kernels fall back where they have no code
+    for it), so each compiles with the generic tier's flags: no SIMD-only name outside its tier's guard."""
+    import shutil
+    import subprocess
+    import sysconfig
+
+    from torch.utils.cpp_extension import include_paths
+
+    cxx = cpp_build.options.current().cxx
+    if shutil.which(cxx) is None:
+        pytest.skip("no C++ compiler")
+    includes = [f"-I{p}" for p in [*include_paths(), sysconfig.get_paths()["include"]]]
+    run = subprocess.run([cxx, "-std=c++20", "-fsyntax-only", *cpp_build.cflags(cpu_isa.GENERIC), *includes,
+                          "-DTORCH_EXTENSION_NAME=generic_check", str(cpp_build.CSRC / source)],
+                         capture_output=True, text=True)
+    errors = [line for line in run.stderr.splitlines() if "error" in line]
+    assert run.returncode == 0, "\n".join(errors[:10])
+
 MAPPED = """
 import json, os
 from sluice.engine import LLM, SamplingParams

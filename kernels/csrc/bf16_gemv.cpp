@@ -210,17 +210,18 @@ inline void bind_bf16_gemv(py::module_& m) {
       "none";
 #endif
   m.attr("SUPPORTED") = supported();
-  m.attr("WIDE_MIN_ROWS") = kWideMinRows;
 #ifdef SLUICE_GEMV_TIER
+  m.attr("WIDE_MIN_ROWS") = kWideMinRows;
+  m.def("set_wide_min_rows", [](int64_t rows) { wide_min_rows = rows; },
+        "From how many rows the tier's widened-x tiles serve (benchmarks and tests compare the paths)");
   m.attr("GEMM_MAX_ROWS") = kGemmMaxRows;
   m.attr("GEMM_MIN_ROWS") = gemm_min_rows;
   m.def("set_gemm_min_rows", [](int64_t rows) { gemm_min_rows = rows; },
         "From how many rows the tier's GEMM serves (benchmarks and tests compare it with the tiles)");
 #else
+  m.attr("WIDE_MIN_ROWS") = INT64_MAX;  // no widened-x tiles without a tier
   m.attr("GEMM_MAX_ROWS") = 0;
 #endif
-  m.def("set_wide_min_rows", [](int64_t rows) { wide_min_rows = rows; },
-        "From how many rows the tier's widened-x tiles serve (benchmarks and tests compare the paths)");  // read on every call from Python: an attribute, not a call
   m.def("bf16_gemv", &bf16_gemv, "x [M<=64, K] · weight [N, K]ᵀ (+ bias) in bf16", py::arg("x"), py::arg("weight"),
         py::arg("bias") = py::none());
   m.def("int8_gemv", &int8_gemv_op, "(x [M<=64, K] · qweight [N, K]ᵀ) * scales [N], int8 weights, bf16 x",
