@@ -14,7 +14,7 @@ from sluice.engine.models.fused_layout import FUSED as FUSED_LAYOUT
 from sluice.engine.models.moe import MOE_LAYOUTS, SparseMoe
 from sluice.engine.models.paths import GENERIC, NATIVE_ARCHITECTURES, model_path_for
 from sluice.engine.models.rope import RotaryEmbedding, rope_parameters
-from sluice.engine.multimodal.vl_config import text_config_of
+from sluice.engine.multimodal.vl_config import is_generic_vision, text_config_of
 from sluice.kernels import decode_stack, dispatch
 from sluice.kernels.linear import Linear, linear
 
@@ -53,6 +53,10 @@ class ModelConfig:
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
         """Read an HF config dict: a native architecture's, else the generic path's (generic.py); refuse what
         neither serves, naming the architecture or feature."""
+        if is_generic_vision(cfg):  # transformers' vision-language model (models.vl_generic)
+            from sluice.engine.models.vl_generic import vl_config_fields
+
+            return cls(**vl_config_fields(cfg))
         cfg = text_config_of(cfg)  # a vision-language checkpoint's language model
         archs = cfg.get("architectures") or []
         try:

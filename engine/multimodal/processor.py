@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from sluice.engine.multimodal.inputs import ImageItem, MultiModalInputs, mrope_positions
-from sluice.engine.multimodal.vl_config import is_vision_language, text_config_of
+from sluice.engine.multimodal.vl_config import is_generic_vision, is_vision_language, text_config_of
 
 __all__ = ["MultiModalError", "MultiModalProcessor", "is_vision_language", "text_config_of"]
 
@@ -114,6 +114,16 @@ class MultiModalProcessor:
         positions, delta = mrope_positions(expanded, items, self.images.merge_size)
         salt = image_salt([i.content_hash for i in items])
         return expanded, MultiModalInputs(items, positions, delta, salt)
+
+
+def processor_for(model_path: str | Path, hf_config: dict[str, Any], tokenizer):
+    """The prompt processor of a vision-language checkpoint: Qwen2-VL's, or its family's on the generic path
+    (multimodal.vl_families)."""
+    if is_generic_vision(hf_config):
+        from sluice.engine.multimodal.vl_families import GenericVLProcessor
+
+        return GenericVLProcessor(model_path, hf_config, tokenizer)
+    return MultiModalProcessor(model_path, hf_config, tokenizer)
 
 
 def _rgb(image):
