@@ -1,5 +1,5 @@
-"""Vision-language families on the generic path (LLaVA with CLIP and SigLIP towers): pixels, placeholder
-expansion, and greedy output against transformers' generate."""
+"""Vision-language families on the generic path (LLaVA with CLIP and SigLIP towers, Idefics3 with image
+splitting): pixels, placeholder expansion, and greedy output against transformers' generate."""
 
 from __future__ import annotations
 
@@ -224,3 +224,109 @@ def test_llava_chat_and_bad_image_requests(llm, tiny_llama):
     with pytest.raises(RequestRejected, match="takes no images"):
         text_only.engine.add_request("c", {"prompt": "hi", "multi_modal_data": {"image": image}})
     assert not llm.engine.has_unfinished()
+
+
+IDEFICS3_MARKERS = ["<fake_token_around_image>", "<global-img>"] + [
+    f"<row_{r}_col_{c}>" for r in (1, 2) for c in (1, 2)]
+
+
+def make_idefics3_checkpoint(path: Path, seed: int = 0) -> Path:
+    """A tiny random Idefics3 (2-layer Llama, 2-layer vision tower on 56x56 tiles, 4 image tokens a tile after
+    the pixel shuffle), its tokenizer with Idefics3's image markers, and an image processor that splits an
+    image into up to 2 x 2 tiles plus the global view."""
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3ImageProcessorPil
+
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE, *IDEFICS3_MARKERS]})
+    tokenizer.chat_template = TEMPLATE
+    text = dict(model_type="llama", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=3,
+                tie_word_embeddings=False)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                  image_size=56, patch_size=14)
+    config = Idefics3Config(text_config=text, vision_config=vision, scale_factor=2,
+                            image_token_id=tokenizer.convert_tokens_to_ids(IMAGE), tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = Idefics3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2 if p.dim() > 1 else 0.1)
+        model.model.connector.modality_projection.proj.weight.mul_(8)  # images that steer the output
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=3).save_pretrained(path)
+    Idefics3ImageProcessorPil(size={"longest_edge": 112}, max_image_size={"longest_edge": 56},
+                              do_image_splitting=True).save_pretrained(path)
+    return Path(path)
+
+
+def idefics3_greedy(path: Path, llm: LLM, requests: list[dict], max_new_tokens: int = 10) -> list[list[int]]:
+    """transformers' greedy continuation of each request, its ids as our intake expanded them."""
+    hf = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    images_of = AutoImageProcessor.from_pretrained(path)
+    outs = []
+    for req in requests:
+        images = req.get("multi_modal_data", {}).get("image", [])
+        images = images if isinstance(images, list) else [images]
+        ids, _ = llm.engine.intake._multimodal(req)
+        ii = torch.tensor([ids])
+        inputs = {"input_ids": ii, "attention_mask": torch.ones_like(ii)}
+        if images:
+            pixels = images_of(images=[images], return_tensors="pt")
+            inputs |= {k: pixels[k] for k in ("pixel_values", "pixel_attention_mask")}
+        with torch.no_grad():
+            gen = hf.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+        outs.append(gen[0, len(ids):].tolist())
+    return outs
+
+
+@pytest.fixture(scope="module")
+def idefics3(tmp_path_factory):
+    return make_idefics3_checkpoint(tmp_path_factory.mktemp("idefics3"), seed=1)
+
+
+@pytest.fixture(scope="module")
+def idefics3_reference(idefics3):
+    llm = LLM(str(idefics3), dtype="float32", device="cpu")
+    reqs = mixed_requests()
+    return llm, reqs, idefics3_greedy(idefics3, llm, reqs)
+
+
+def test_idefics3_tiles_and_expansion_follow_the_checkpoints_processors(idefics3, idefics3_reference):
+    from transformers import Idefics3Processor
+
+    llm = idefics3_reference[0]
+    images = [noise_image(120, 50, 3), noise_image(40, 40, 4)]  # 1 x 2 tiles + global, 2 x 2 + global
+    req = {"prompt": prompt("compare", 2), "multi_modal_data": {"image": images}}
+    ids, mm = llm.engine.intake._multimodal(req)
+    ref = AutoImageProcessor.from_pretrained(idefics3)(images=[images], return_tensors="pt")
+    assert torch.equal(torch.cat([i.pixel_values for i in mm.items]), ref["pixel_values"][0])
+    masks = torch.cat([i.extra["pixel_attention_mask"] for i in mm.items])
+    assert torch.equal(masks, ref["pixel_attention_mask"][0])
+    assert [i.pixel_values.shape[0] for i in mm.items] == [3, 5]
+    processor = Idefics3Processor(AutoImageProcessor.from_pretrained(idefics3), llm.tokenizer,
+                                  image_seq_len=4)
+    assert ids == processor(text=[req["prompt"]], images=[images], add_special_tokens=False)["input_ids"][0]
+    assert [i.num_embeddings for i in mm.items] == [12, 20]
+
+
+def test_idefics3_greedy_matches_transformers_with_images_mixed_with_text(idefics3_reference):
+    llm, reqs, ref = idefics3_reference
+    outs = llm.generate(reqs, GREEDY, progress=False)
+    assert [o.token_ids for o in outs] == ref
+    assert len({tuple(r) for r in ref}) > 2
+
+
+def test_idefics3_greedy_matches_with_chunks_inside_tiles_and_preemption(idefics3, idefics3_reference):
+    _, reqs, ref = idefics3_reference
+    chunked = LLM(str(idefics3), dtype="float32", device="cpu", max_num_batched_tokens=13,
+                  enable_prefix_caching=False)
+    assert [o.token_ids for o in chunked.generate(reqs, GREEDY, progress=False)] == ref
+    assert chunked.stats()["images_encoded"] == 3
+    llm = LLM(str(idefics3), dtype="float32", device="cpu", block_size=16)
+    blocks = 8
+    llm = LLM(str(idefics3), dtype="float32", device="cpu", block_size=16,
+              kv_cache_memory_gb=blocks * llm.engine.kv_block_bytes / 1024**3)
+    assert [o.token_ids for o in llm.generate(reqs, GREEDY, progress=False)] == ref
+    assert llm.stats()["num_preemptions"] > 0

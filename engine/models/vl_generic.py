@@ -156,7 +156,7 @@ def load_vl_generic(path: str | Path, hf_config: dict[str, Any], dtype: torch.dt
     impl = {"text_config": ATTN_IMPL, "vision_config": "sdpa", "": "sdpa"}
     hf = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, attn_implementation=impl)
     hf = hf.to(device).eval()
-    language = hf.model.language_model
+    language = getattr(hf.model, "language_model", None) or hf.model.text_model  # Idefics3: text_model
     if linear_hook is not None:
         linear_hook.quantize_module(language, config.architecture)
     use_our_kernels(language)

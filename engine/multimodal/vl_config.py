@@ -6,7 +6,7 @@ from typing import Any
 
 VISION_ARCHITECTURES = ("Qwen2VLForConditionalGeneration",)
 # Served by transformers' own modules on the generic path (models.vl_generic, multimodal.vl_families).
-GENERIC_VISION_ARCHITECTURES = ("LlavaForConditionalGeneration",)
+GENERIC_VISION_ARCHITECTURES = ("LlavaForConditionalGeneration", "Idefics3ForConditionalGeneration")
 
 
 def is_vision_language(hf_config: dict[str, Any]) -> bool:

@@ -94,7 +94,52 @@ class VisionFamily:
         return torch.cat(list(out.pooler_output))
 
 
-FAMILIES: dict[str, type[VisionFamily]] = {VisionFamily.architecture: VisionFamily}
+class Idefics3Family(VisionFamily):
+    """Idefics3 / SmolVLM (Idefics3ForConditionalGeneration): an image split into tiles of the processor's
+    max_image_size plus a global view, each tile `image_seq_len` image tokens after the pixel-shuffle
+    connector; the expansion puts the processor's tile markers (`<fake_token_around_image>`,
+    `<row_r_col_c>`, `<global-img>`) between the tiles' image tokens, as Idefics3Processor writes it."""
+
+    architecture = "Idefics3ForConditionalGeneration"
+
+    def __init__(self, model_path: str | Path, hf_config: dict[str, Any], tokenizer) -> None:
+        super().__init__(model_path, hf_config, tokenizer)
+        vision = hf_config["vision_config"]
+        patches = (int(vision["image_size"]) // int(vision["patch_size"])) ** 2
+        self.image_seq_len = patches // int(hf_config.get("scale_factor", 2)) ** 2
+
+    def preprocess(self, image) -> Pixels:
+        """Tiles [n, C, H, W] of one RGB PIL image (its global view last), their pixel masks and the
+        expansion with the tile markers."""
+        out = self.processor(images=[[image]], return_tensors="pt", return_row_col_info=True)
+        rows, cols = out["rows"][0][0], out["cols"][0][0]
+        extra = {"pixel_attention_mask": out["pixel_attention_mask"][0]}
+        return Pixels(out["pixel_values"][0], self._expansion(rows, cols), extra)
+
+    def _expansion(self, rows: int, cols: int) -> list[int]:
+        """Token ids of the expansion of an image split into rows x cols tiles (0 x 0: the global view only)."""
+        image = self.tokenizer.convert_ids_to_tokens(self.image_token_id) * self.image_seq_len
+        text = ""
+        for r in range(rows):
+            text += "".join(f"<fake_token_around_image><row_{r + 1}_col_{c + 1}>{image}" for c in range(cols))
+            text += "\n"
+        text = (text + "\n" if rows or cols else "") + f"<fake_token_around_image><global-img>{image}" \
+            "<fake_token_around_image>"
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if ids.count(self.image_token_id) != self.image_seq_len * (rows * cols + 1):
+            raise MultiModalError("the tokenizer does not read Idefics3's image markers as single tokens")
+        return ids
+
+    @classmethod
+    def encode(cls, hf_model, pixel_values: torch.Tensor, extra: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Embeddings [tiles * image_seq_len, hidden] of a batch of tiles through the tower and connector."""
+        out = hf_model.model.get_image_features(
+            pixel_values=pixel_values[None], pixel_attention_mask=extra["pixel_attention_mask"][None],
+            return_dict=True)
+        return torch.cat(list(out.pooler_output))
+
+
+FAMILIES: dict[str, type[VisionFamily]] = {f.architecture: f for f in (VisionFamily, Idefics3Family)}
 
 
 def family_of(hf_config: dict[str, Any]) -> type[VisionFamily] | None:
