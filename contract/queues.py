@@ -58,7 +58,7 @@ def fetch(connection: redis.Redis, job_ids: list[str]) -> list[Job | None]:
     return Job.fetch_many(job_ids, connection=connection, serializer=JSONSerializer)
 
 
-def status(job: Job | None) -> str | None:
+def job_status(job: Job | None) -> str | None:
     """rq's status of a fetched job as a plain string ('queued', 'started', 'finished', ...)."""
     return None if job is None else str(job.get_status(refresh=False).value)
 
@@ -89,7 +89,7 @@ def take_unclaimed(connection: redis.Redis, job: Job) -> bool:
     no shard output and no dependency left for the finalize job to wait on. A deferred shard (waiting on an
     earlier one of its batch) is first taken off that one's dependents, so its ending can no longer enqueue
     it; its status read again then says whether it was enqueued before that."""
-    state = status(job)
+    state = job_status(job)
     if state not in UNCLAIMED:
         return False
     if state == "deferred":

@@ -447,7 +447,7 @@ class InputLine(BaseModel):
     body: dict[str, Any]
 
 
-class Request(BaseModel):
+class BatchRequest(BaseModel):
     """The one request type across layers: made once at the edge from a line the producer validated
     (`from_line`), carried as compact JSON in its shard job, rebuilt by the worker with `trusted` (not validated
     again); its typed body is built at most once per process (`parsed_body`)."""
@@ -459,7 +459,7 @@ class Request(BaseModel):
     _typed: SamplingBody | EmbeddingBody | None = PrivateAttr(None)
 
     @classmethod
-    def from_line(cls, line: InputLine, body: SamplingBody) -> Request:
+    def from_line(cls, line: InputLine, body: SamplingBody) -> BatchRequest:
         """The request of a validated input line and its validated body (defaults left out of the JSON)."""
         request = cls.model_construct(custom_id=line.custom_id, url=line.url,
                                       body=body.model_dump(exclude_defaults=True, by_alias=True))  # fmt: skip
@@ -467,21 +467,21 @@ class Request(BaseModel):
         return request
 
     @classmethod
-    def answered(cls, url: str, record: OutputRecord) -> Request:
+    def answered(cls, url: str, record: OutputRecord) -> BatchRequest:
         """A line whose record is already known (a body the producer refused with a 400, or a line a resumed
         batch carries over finished): the worker writes the record as it is and runs nothing."""
         return cls.model_construct(custom_id=record.custom_id, url=url, body={},
                                    record=record.model_dump(mode="json"))  # fmt: skip
 
     @classmethod
-    def trusted(cls, data: dict[str, Any]) -> Request:
+    def trusted(cls, data: dict[str, Any]) -> BatchRequest:
         """A request from a shard job's JSON, which the producer validated: constructed, not validated again."""
         return cls.model_construct(custom_id=data["custom_id"], url=data["url"], body=data["body"],
                                    record=data.get("record"))  # fmt: skip
 
     def __eq__(self, other: object) -> bool:
         """Equal when the fields are (whether the typed body was built yet does not count)."""
-        if not isinstance(other, Request):
+        if not isinstance(other, BatchRequest):
             return NotImplemented
         fields = ("custom_id", "url", "body", "record")
         return all(getattr(self, f) == getattr(other, f) for f in fields)

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from sluice.contract.schemas import Request
+from sluice.contract.schemas import BatchRequest
 from sluice.contract.storage import Storage
 
 BYTES_PER_TOKEN = 4  # the cheap token estimate of a request: its JSON's bytes / 4
@@ -49,10 +49,10 @@ class InputSlice:
         return cls(str(arg["key"]), int(arg["start"]), int(arg["end"]), int(arg["count"]), int(arg["tokens"]))
 
 
-def read_slice(storage: Storage, piece: InputSlice) -> list[Request]:
+def read_slice(storage: Storage, piece: InputSlice) -> list[BatchRequest]:
     """The requests of a slice, read with one ranged read (ValueError when the stored input disagrees)."""
     data = storage.read_range(piece.key, piece.start, piece.end)
-    requests = [Request.trusted(json.loads(line)) for line in data.splitlines() if line.strip()]
+    requests = [BatchRequest.trusted(json.loads(line)) for line in data.splitlines() if line.strip()]
     if len(data) != piece.end - piece.start or len(requests) != piece.count:
         raise ValueError(
             f"{piece.key} bytes {piece.start}-{piece.end} hold {len(requests)} requests, "
@@ -61,10 +61,11 @@ def read_slice(storage: Storage, piece: InputSlice) -> list[Request]:
     return requests
 
 
-def shard_requests(storage: Storage, payload: dict[str, Any] | list[dict[str, Any]]) -> Iterator[Request]:
+def shard_requests(storage: Storage,
+                   payload: dict[str, Any] | list[dict[str, Any]]) -> Iterator[BatchRequest]:
     """The requests of a shard job's third argument: a slice of the stored input, or (jobs enqueued before
     shards carried slices) the requests themselves."""
     if isinstance(payload, dict):
         yield from read_slice(storage, InputSlice.from_arg(payload))
     else:
-        yield from (Request.trusted(r) for r in payload)
+        yield from (BatchRequest.trusted(r) for r in payload)

@@ -224,6 +224,6 @@ def redact_url(url: str) -> str:
     return Url(scheme=parts.scheme, host=parts.host, port=parts.port, path=path or None, query=query).url
 
 
-def redact(text: str) -> str:
+def redact_urls(text: str) -> str:
     """text with every http(s) URL in it redacted (for logs and delivery records)."""
     return _URL_IN_TEXT.sub(lambda m: redact_url(m.group(0)), text)

@@ -13,7 +13,7 @@ import torch
 
 from sluice.engine.request import Request
 from sluice.engine.sampler import device_tensor, fused_sample, sample
-from sluice.engine.structured import StructuredOutputs
+from sluice.engine.structured import StructuredOutputManager
 
 
 class TokenCounts:
@@ -80,7 +80,7 @@ class LogitsProcessors:
         self.vocab, self.device = vocab, device
         self.eos_token_ids = sorted(eos_token_ids)
         self.counts = TokenCounts(vocab, device)
-        self.structured: StructuredOutputs | None = None
+        self.structured: StructuredOutputManager | None = None
 
     def apply(self, logits: torch.Tensor, reqs: list[Request], ahead: list[int] | None = None,
               grammar: bool = True) -> torch.Tensor:

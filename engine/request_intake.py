@@ -32,7 +32,7 @@ from sluice.engine.pooling import (
 )
 from sluice.engine.request import Request
 from sluice.engine.sampling_params import SamplingParams
-from sluice.engine.structured import GrammarError, StructuredOutputs
+from sluice.engine.structured import GrammarError, StructuredOutputManager
 
 Group = SequenceGroup | EmbeddingGroup
 
@@ -156,14 +156,14 @@ class RequestIntake:
             except GrammarError as exc:
                 raise RequestRejected(str(exc)) from exc
 
-    def structured(self) -> StructuredOutputs:
+    def structured(self) -> StructuredOutputManager:
         """The grammar engine, started on the first structured request."""
         if self.processors.structured is None:
             # On CPU the forward owns the cores: xgrammar's fill threads would compete with it; one suffices,
             # and it fills during the forward only where a core is left over (else the forward's threads wait
             # on it).
             cpu = self.device.type == "cpu"
-            so = StructuredOutputs(self.tokenizer, self.model_config.vocab_size,
+            so = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
                                    self.processors.eos_token_ids, 1 if cpu else "auto", self.json_bounds)
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
             so.overlap = not cpu or torch.get_num_threads() < cores

@@ -50,7 +50,7 @@ def _live_rows(reqs: list[Request]) -> list[int]:
     return [i for i, r in enumerate(reqs) if r.grammar is not None and not r.grammar.is_terminated()]
 
 
-class StructuredOutputs:
+class StructuredOutputManager:
     """Compiled grammars (cached per constraint), matchers and the batch bitmask for one engine's vocabulary."""
 
     def __init__(self, tokenizer: Any, vocab: int, stop_token_ids: list[int],

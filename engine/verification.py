@@ -66,7 +66,7 @@ class SpecVerifier:
         """Verify each listed request's proposals (which are cleared); what each emits."""
         step_logits = [rows.logits[rows.row_start[i]: rows.row_start[i] + rows.num_rows[i]] for i in index]
         processed_all = self._processed_rows([reqs[i] for i in index], step_logits)
-        emitted_all = verify([reqs[i] for i in index], processed_all, self.generator)
+        emitted_all = verify_proposals([reqs[i] for i in index], processed_all, self.generator)
         found = []
         for i, logits, processed, emitted in zip(index, step_logits, processed_all, emitted_all, strict=True):
             req = reqs[i]
@@ -99,7 +99,8 @@ def accept_greedy(spec: list[int], best: list[int]) -> list[int]:
     return best[: n + 1]
 
 
-def verify(reqs: list[Request], logits: list[torch.Tensor], generator: torch.Generator) -> list[list[int]]:
+def verify_proposals(reqs: list[Request], logits: list[torch.Tensor],
+                     generator: torch.Generator) -> list[list[int]]:
     """Emitted tokens per request (accepted proposals, then a corrected or bonus token), with one host sync.
 
     `logits[i]` holds the target's rows for request i's speculative positions plus one. Greedy requests keep

@@ -7,9 +7,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from sluice.kernels import device_path, prefill
+from sluice.kernels import device_path, elementwise, prefill
 from sluice.kernels.cpu_attention import paged_attention_cpu
-from sluice.kernels.elementwise import store_kv
 from sluice.kernels.flat_metadata import FlatMetadata
 
 MAX_SHORT_QUERY = 16
@@ -78,7 +77,7 @@ def build_metadata(
         if q > MAX_SHORT_QUERY:
             bt = torch.tensor(block_tables[i][: -(-context_lens[i] // block_size)], dtype=torch.long)
             meta.long_seqs.append(LongSeq(starts[i], q, context_lens[i], bt.to(device)))
-    meta.padded_prefills, meta.batched_ids = prefill.plan(meta.long_seqs, device)
+    meta.padded_prefills, meta.batched_ids = prefill.padded_batches(meta.long_seqs, device)
     return meta
 
 
@@ -118,7 +117,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     if device_path.flat_layout(k_cache.device):
         device_path.store_kv(k_cache, v_cache, k, v, slot_mapping)
         return
-    if store_kv(k_cache, v_cache, k, v, slot_mapping):
+    if elementwise.store_kv(k_cache, v_cache, k, v, slot_mapping):
         return
     hk, _, _, d = k_cache.shape
     k_cache.view(hk, -1, d).index_copy_(1, slot_mapping, k.transpose(0, 1).to(k_cache.dtype))

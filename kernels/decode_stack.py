@@ -59,14 +59,14 @@ def _row_counts(in_features: int) -> list[torch.Tensor]:
     return [torch.empty(m, in_features, dtype=torch.bfloat16) for m in range(1, MAX_STACK_TOKENS + 1)]
 
 
-def bf16_linear(weight: torch.Tensor, bias: torch.Tensor | None):
+def bf16_stack_linear(weight: torch.Tensor, bias: torch.Tensor | None):
     """sluice.kernels.linear.Linear's weights as a stack linear (our GEMV at every row count), or None where the GEMV
     would not serve them."""
     ext = _ext()
     return ext.bf16_linear(weight, bias) if ext is not None and _plain_bf16(weight) and _plain_bf16(bias) else None
 
 
-def int4_linear(w: int4_weights.Int4Weight, bias: torch.Tensor | None):
+def int4_stack_linear(w: int4_weights.Int4Weight, bias: torch.Tensor | None):
     """An int4 weight-only linear as a stack linear (the int8 x int4 VNNI product for our layout,
     `_weight_int4pack_mm_for_cpu` for torch's, as int4_weights.int4_linear runs them), or None where that function
     takes another branch at some row count."""
@@ -83,7 +83,7 @@ def int4_linear(w: int4_weights.Int4Weight, bias: torch.Tensor | None):
     return ext.int4_linear(w.packed, w.scales_zeros, bias, w.out_features, int4_weights.GROUP)
 
 
-def int8_linear(qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
+def int8_stack_linear(qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
     """An int8 weight-only linear as a stack linear: our int8 GEMV at the row counts where
     int8_weights.int8_linear runs it, the fused dynamic int8 matmul at the rest; None where it takes another
     branch (torch's GEMV for other scale dtypes, the torch dynamic reference when the fused helpers do not
@@ -97,7 +97,7 @@ def int8_linear(qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor 
     return ext.int8_linear(qweight, scales, bias, sum(gemv))
 
 
-def llm_int8_linear(cb: torch.Tensor, scb: torch.Tensor, bias: torch.Tensor | None, threshold: float):
+def llm_int8_stack_linear(cb: torch.Tensor, scb: torch.Tensor, bias: torch.Tensor | None, threshold: float):
     """An LLM.int8() linear (engine/quantization/int8_cpu.py: bitsandbytes' CB int8 [out, in] and SCB fp32 [out]) as a
     stack linear: the same C++ passes its forward runs for bf16 (activation quantization, the exact int8 product,
     the dequant epilogue, the outlier columns), or None where the tier has no bf16 epilogue pass (its forward then
@@ -111,7 +111,8 @@ def llm_int8_linear(cb: torch.Tensor, scb: torch.Tensor, bias: torch.Tensor | No
     return ext.llm_int8_linear(cb, scb, bias, float(threshold))
 
 
-def nf4_linear(codes: torch.Tensor, absmax: torch.Tensor, table: torch.Tensor, bias: torch.Tensor | None):
+def nf4_stack_linear(codes: torch.Tensor, absmax: torch.Tensor, table: torch.Tensor,
+                     bias: torch.Tensor | None):
     """A bitsandbytes NF4/FP4 linear (engine/quantization/four_bit.py's Linear4bitCpu, packed: codes uint8
     [out, in / 2], bf16 absmax [out, in / 64], the fp32 code table) as a stack linear: the 4-bit GEMV its forward
     runs below nf4.TILE_MIN_ROWS rows, or None where the tensors are not the kernel's."""
@@ -123,7 +124,7 @@ def nf4_linear(codes: torch.Tensor, absmax: torch.Tensor, table: torch.Tensor, b
     return ext.nf4_linear(codes, absmax, table, bias)
 
 
-def fused_linear(parts: list):
+def fused_stack_linear(parts: list):
     """A fused projection (engine.quantization.linears.FusedLinear: one linear per checkpoint tensor) as a stack
     linear, from its parts' stack linears: their outputs side by side (LLM.int8() parts quantize the activations
     once, the same codes each of them would make); None where a part does not stack."""
@@ -131,7 +132,7 @@ def fused_linear(parts: list):
     return None if ext is None or not parts or any(p is None for p in parts) else ext.fused_linear(parts)
 
 
-def build(layers: list[list], num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
+def build_stack(layers: list[list], num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
           scale: float, head: tuple | None = None) -> DecodeStack | None:
     """A stack over per-layer [input norm, qkv, o, post-attention norm, gate_up, down, k cache, v cache], the
     linears as this module's stack linears, or None where the kernels do not build or a norm or cache is not a

@@ -14,7 +14,7 @@ from sluice.kernels import options
 from sluice.kernels.flat_attention import flat_attention, store_slots
 from sluice.kernels.flat_metadata import FlatMetadata
 from sluice.kernels.int8_heads import quantize_heads
-from sluice.kernels.triton import available as triton_available
+from sluice.kernels.triton import triton_available
 
 
 def flat_layout(device: torch.device) -> bool:
@@ -40,9 +40,9 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
              v_scale: torch.Tensor | None = None) -> None:
     """Keys/values [T, Hkv, D] into a plain or int8 (with scales) cache at their slots; slot -1 skipped."""
     if triton_on(k_cache.device):
-        from sluice.kernels.triton.kv_store import store_kv as triton_store
+        from sluice.kernels.triton.kv_store import triton_store_kv
 
-        triton_store(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        triton_store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
         return
     if k_cache.dtype != torch.int8:
         store_slots(k_cache, k, slot_mapping)
@@ -58,7 +58,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, met
               k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Paged attention of the flat queries over the cache (int8 caches dequantize with their scales)."""
     if triton_on(q.device):
-        from sluice.kernels.triton.paged_attention import paged_attention as triton_attention
+        from sluice.kernels.triton.paged_attention import triton_paged_attention as triton_attention
 
         return triton_attention(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
     return flat_attention(q, k_cache, v_cache, meta, scale, k_scale, v_scale)

@@ -12,9 +12,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from sluice.kernels import cpu_isa, decode_stack
+from sluice.kernels import cpu_attention, cpu_isa, decode_stack
 from sluice.kernels.attention import AttentionMetadata
-from sluice.kernels.cpu_attention import available as cpu_kernel_available
 from sluice.kernels.device_path import flat_layout, triton_on
 from sluice.kernels.linear import gemv_available
 
@@ -47,7 +46,7 @@ def plan(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, flat_m
     cpu = device.type == "cpu"
     flat = flat_layout(device) or flat_model
     same_or_int8 = kv_dtype == dtype or kv_dtype == torch.int8
-    fused = cpu and not flat and same_or_int8 and cpu_kernel_available()
+    fused = cpu and not flat and same_or_int8 and cpu_attention.available()
     gemv = cpu and dtype == torch.bfloat16 and gemv_available()
     fields = (cpu_isa.tier() if cpu else device.type, dtype, kv_dtype, flat, triton_on(device), fused, gemv)
     return StepPlan(*fields, stacked=StepPlan(*fields, decode_stack=True) if fused and gemv else None)

@@ -61,7 +61,7 @@ def shape_error(out_features: int, in_features: int) -> str | None:
     return None
 
 
-def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes [out, in] (int32, 0..15) and scales/zeros [in / GROUP, out, 2] (fp32) of a weight [out, in]."""
     n, k = weight.shape
     w = weight.float().view(n, k // GROUP, GROUP)
@@ -94,7 +94,7 @@ def pack(weight: torch.Tensor, dtype: torch.dtype, layout: str | None = None) ->
     n, k = weight.shape
     err = shape_error(n, k)
     assert err is None, err
-    q, sz = quantize(weight)
+    q, sz = quantize_int4(weight)
     sz = sz.to(dtype)
     layout = layout or layout_for(weight.device, dtype)
     if layout == "vnni":

@@ -20,7 +20,7 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     """y [T, out] += per group, x[rows] · a[slot]ᵀ · b[slot]ᵀ; a [slots, R, in], b [slots, out, R]. Returns y.
     On CUDA with triton, one pass per token over `token_slots` (each flat token's slot, -1: none)."""
     if token_slots is not None and x.is_cuda and triton_on(x.device):
-        from sluice.kernels.triton.lora_bgmv import add_lora as triton_add_lora
+        from sluice.kernels.triton.lora_bgmv import triton_add_lora
 
         return triton_add_lora(y, x.contiguous(), a, b, token_slots)
     for slot, rows in groups:

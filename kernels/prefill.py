@@ -61,7 +61,7 @@ def _batch(group: Sequence[Fresh], device: torch.device) -> PaddedBatch:
     return PaddedBatch(len(group), width, index.to(device), rows.to(device), index[rows].to(device))
 
 
-def plan(long_seqs: Sequence[Fresh], device: torch.device) -> tuple[list[PaddedBatch], set[int]]:
+def padded_batches(long_seqs: Sequence[Fresh], device: torch.device) -> tuple[list[PaddedBatch], set[int]]:
     """The padded batches of a step's fresh prefills (two or more of similar length), and the ids of the
     sequences they serve."""
     fresh = [s for s in long_seqs if s.context_len == s.query_len]

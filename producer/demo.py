@@ -98,7 +98,7 @@ def ready_seconds(log: Path) -> float | None:
 
 
 @contextlib.contextmanager
-def worker(url: str, log: Path, output_roots: str, model: Path) -> Iterator[subprocess.Popen]:
+def worker_process(url: str, log: Path, output_roots: str, model: Path) -> Iterator[subprocess.Popen]:
     """One burst worker process on model allowed to write under output_roots, its output in log."""
     cmd = ["env", f"SLUICE_OUTPUT_ROOTS={output_roots}", sys.executable, "-m", "sluice.worker", "--redis-url", url]
     cmd += ["--queues", "high,default,low"]
@@ -214,7 +214,7 @@ def main() -> int:
         console.print(f"submitted {batch.request_counts.total} requests as batch [bold]{batch.id}[/]")
         log = results / "demo-worker.log"
         worker_offset = time.monotonic() - start
-        with worker(url, log, roots, settings.demo_model) as proc:
+        with worker_process(url, log, roots, settings.demo_model) as proc:
             batch = wait(client, batch, proc, log)
         wall = time.monotonic() - start
         records = list(client.results(batch.id))

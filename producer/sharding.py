@@ -11,7 +11,7 @@ from rq.job import Dependency
 
 from sluice.contract.jobs import FINALIZE, RUN_SHARD, finalize_job_id, shard_job_id
 from sluice.contract.queues import queue_for
-from sluice.contract.schemas import Batch, Request
+from sluice.contract.schemas import Batch, BatchRequest
 from sluice.contract.settings import Settings
 from sluice.contract.shards import InputSlice, estimate_tokens, input_key
 from sluice.contract.storage import ObjectWriter, Storage
@@ -35,7 +35,7 @@ class InputSpool:
         self.count = 0
         self._start = self._end = self._in_slice = 0
 
-    def append(self, request: Request) -> None:
+    def append(self, request: BatchRequest) -> None:
         """Write one validated request, starting a new slice when this one is full."""
         data = request.model_dump_json().encode() + b"\n"
         full = self._in_slice == self.shard_size or self._end - self._start + len(data) > self.max_bytes

@@ -15,12 +15,12 @@ from pydantic import ValidationError
 
 from sluice.contract.schemas import (
     BODIES,
+    BatchRequest,
     BodyError,
     EmbeddingBody,
     InputLine,
     LineError,
     OutputRecord,
-    Request,
     SamplingBody,
 )
 from sluice.contract.settings import Settings
@@ -32,28 +32,28 @@ MAX_DEPTH = 32
 Input = str | Path | bytes | Iterable[dict[str, Any] | str | bytes]
 
 
-class Requests(Sequence[Request]):
+class Requests(Sequence[BatchRequest]):
     """Validated requests kept as their compact JSON (a 50 MiB input stays about 50 MiB), decoded on access."""
 
     def __init__(self, items: list[bytes] | None = None) -> None:
         self.items = [] if items is None else items
 
-    def append(self, request: Request) -> None:
+    def append(self, request: BatchRequest) -> None:
         self.items.append(request.model_dump_json(exclude_defaults=True).encode())
 
     def __len__(self) -> int:
         return len(self.items)
 
     @overload
-    def __getitem__(self, i: int) -> Request: ...
+    def __getitem__(self, i: int) -> BatchRequest: ...
 
     @overload
     def __getitem__(self, i: slice) -> Requests: ...
 
-    def __getitem__(self, i: int | slice) -> Request | Requests:
+    def __getitem__(self, i: int | slice) -> BatchRequest | Requests:
         if isinstance(i, slice):
             return Requests(self.items[i])
-        return Request.trusted(json.loads(self.items[i]))
+        return BatchRequest.trusted(json.loads(self.items[i]))
 
     @property
     def nbytes(self) -> int:
@@ -64,7 +64,7 @@ class Requests(Sequence[Request]):
 class RequestSink(Protocol):
     """Where validated requests go: kept (Requests) or streamed to storage (sharding.InputSpool)."""
 
-    def append(self, request: Request) -> None: ...
+    def append(self, request: BatchRequest) -> None: ...
 
     def __len__(self) -> int: ...
 
@@ -133,7 +133,7 @@ def validate_lines(
         if request is None or not _first_use(request.custom_id, number, seen, out):
             continue
         if answered and request.custom_id in answered:
-            request = Request.answered(request.url, answered[request.custom_id])
+            request = BatchRequest.answered(request.url, answered[request.custom_id])
         out.requests.append(request)
         out.sizes.append(len(raw))
     if not out.requests and not out.num_errors:
@@ -161,7 +161,7 @@ def _limit_error(code: str, line: int, what: str) -> LineError:
     )
 
 
-def _check_line(raw: bytes, number: int, settings: Settings, out: Validated) -> Request | None:
+def _check_line(raw: bytes, number: int, settings: Settings, out: Validated) -> BatchRequest | None:
     if len(raw) > settings.max_line_bytes:
         message = (
             f"line {number} is over the limit of {settings.max_line_bytes} bytes (SLUICE_MAX_LINE_BYTES)"
@@ -188,24 +188,24 @@ def _check_line(raw: bytes, number: int, settings: Settings, out: Validated) -> 
     return _check_body(line, number, settings)
 
 
-def _check_body(line: InputLine, number: int, settings: Settings) -> Request:
+def _check_body(line: InputLine, number: int, settings: Settings) -> BatchRequest:
     """The line's request; one whose body is refused carries its 400 record instead of running."""
     try:
         body = BODIES[line.url].model_validate(line.body)
     except ValidationError as exc:
-        return Request.answered(line.url, _body_error(exc, line.custom_id, number))
+        return BatchRequest.answered(line.url, _body_error(exc, line.custom_id, number))
     refused = _unenforceable_schema(body)
     if refused is not None:
         param, reason = refused
         message = f"line {number}: {param}: {reason}"
         record = OutputRecord.rejected(line.custom_id, "invalid_value", message, param)
-        return Request.answered(line.url, record)
+        return BatchRequest.answered(line.url, record)
     served = settings.served_model_names()
     if served and body.model is not None and body.model not in served:
         message = f"line {number}: model: model {body.model!r} is not served (served: {', '.join(served)})"
         record = OutputRecord.rejected(line.custom_id, "model_not_found", message, "model")
-        return Request.answered(line.url, record)
-    return Request.from_line(line, body)
+        return BatchRequest.answered(line.url, record)
+    return BatchRequest.from_line(line, body)
 
 
 def _unenforceable_schema(body: SamplingBody | EmbeddingBody) -> tuple[str, str] | None:

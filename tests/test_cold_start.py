@@ -23,7 +23,7 @@ from sluice.engine.models.loader import CheckpointReader, load_model
 from sluice.engine.tokenizer import Tokenizer, load_tokenizer
 from sluice.worker import prefetch as prefetching
 from sluice.worker.metrics import warm_up
-from sluice.worker.prefetch import arena_plan, model_argument, prefetch, read_through, weight_files
+from sluice.worker.prefetch import arena_plan, local_weight_files, model_argument, prefetch, read_through
 from tests.checkpoints import make_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -275,7 +275,7 @@ def test_the_prefetch_leaves_the_read_to_a_reservation_that_reads_ahead():
     """The worker's page-cache prefetch reads nothing where the arena's reservation reads the same weights ahead
     (that read fills the page cache too), and reads the files where there is none."""
     argv = ["--model", str(TINY)]
-    assert prefetching.prefetch_argv(argv) == sum(f.stat().st_size for f in weight_files(str(TINY)))
+    assert prefetching.prefetch_argv(argv) == sum(f.stat().st_size for f in local_weight_files(str(TINY)))
     reservation = weight_reserve.reserve(TINY, "BF16", 1 << 40)
     assert reservation is not None and reservation.slots
     assert prefetching.prefetch_argv(argv, reservation) == 0
@@ -283,7 +283,7 @@ def test_the_prefetch_leaves_the_read_to_a_reservation_that_reads_ahead():
 
 
 def test_prefetch_reads_the_index_files_within_budget(sharded, tmp_path):
-    files = weight_files(str(sharded))
+    files = local_weight_files(str(sharded))
     total = sum(f.stat().st_size for f in files)
     assert files == sorted(sharded.glob("*.safetensors"))
     assert read_through(files, total + 10) == total

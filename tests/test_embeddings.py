@@ -204,7 +204,7 @@ def test_fresh_prefills_in_padded_batches_match_one_attention_each():
 
     import torch.nn.functional as F
 
-    from sluice.kernels.prefill import attend, plan
+    from sluice.kernels.prefill import attend, padded_batches
 
     lens = [5, 17, 16, 3, 40, 9]
     starts = [sum(lens[:i]) for i in range(len(lens))]
@@ -212,7 +212,7 @@ def test_fresh_prefills_in_padded_batches_match_one_attention_each():
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(sum(lens), h, 8, generator=gen) for h in (4, 2, 2))
     out = torch.full_like(q, float("nan"))
-    batches, served = plan(seqs, q.device)
+    batches, served = padded_batches(seqs, q.device)
     assert batches and len(served) > len(batches)  # some sequences share a call
     for batch in batches:
         attend(q, k, v, out, batch, 0.3)

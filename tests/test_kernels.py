@@ -149,7 +149,7 @@ def test_int4_linear_matches_its_dequantized_weight(dtype, tol, cpu_tier):
     packed = int4_weights.pack(weight, dtype)
     deq = int4_weights.dequantize(packed, torch.float64)
     assert (deq - weight.double()).abs().max() <= 0.6 * (weight.max() - weight.min()) / 15, "codes round to nearest"
-    q, _ = int4_weights.quantize(weight)
+    q, _ = int4_weights.quantize_int4(weight)
     assert torch.equal(int4_weights.codes(packed), q), "packing keeps every code"
     for m in (1, 5, 40):
         x = torch.randn(2, m, 128).to(dtype)

@@ -40,7 +40,7 @@ def test_torch_groups_match_the_per_token_reference():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_triton_kernel_matches_the_per_token_reference(dtype):
     pytest.importorskip("triton", reason="triton cannot be imported on this platform")
-    from sluice.kernels.triton.lora_bgmv import add_lora as triton_add_lora
+    from sluice.kernels.triton.lora_bgmv import triton_add_lora
 
     x, a, b, y, want = case(dtype)
     slots = torch.tensor(SLOTS, dtype=torch.int32)

@@ -78,12 +78,12 @@ def test_the_code_tables_are_bitsandbytes_computed_without_torch_kernels(quant_t
 @pytest.mark.parametrize(("quant_type", "nested"), KINDS)
 @pytest.mark.parametrize("shape", [(96, 320), (33, 64), (5, 64 * 3 + 17)])
 def test_our_quantizer_gives_bitsandbytes_bits_and_state(quant_type, nested, shape):
-    """`four_bit.quantize` (C++ blocks pass, our blockwise 8-bit absmax) against bitsandbytes' quantize_4bit:
-    the same packed bytes and serialized state, a zero block and a short last block (odd element count)
-    included; the state parses back and writes out unchanged."""
+    """`four_bit.quantize_4bit` (C++ blocks pass, our blockwise 8-bit absmax) against bitsandbytes'
+    quantize_4bit: the same packed bytes and serialized state, a zero block and a short last block (odd
+    element count) included; the state parses back and writes out unchanged."""
     w = weight(*shape)
     packed, stats = bnb_state(w, quant_type, nested)
-    ours, state = four_bit.quantize(w, quant_type, nested)
+    ours, state = four_bit.quantize_4bit(w, quant_type, nested)
     assert torch.equal(ours, packed)
     mine = state.as_dict()
     assert mine.keys() == stats.keys()
@@ -96,9 +96,9 @@ def test_our_quantizer_gives_bitsandbytes_bits_and_state(quant_type, nested, sha
 def test_the_torch_fallback_quantizes_as_the_kernel(monkeypatch):
     """Without the C++ kernels (`int4_weights.bnb_4bit_kernel` None) the torch ops give the same bits."""
     w = weight(40, 64 * 5 + 3)
-    want = four_bit.quantize(w, "fp4", True)
+    want = four_bit.quantize_4bit(w, "fp4", True)
     monkeypatch.setattr(four_bit.int4_weights, "bnb_4bit_kernel", lambda: None)
-    got = four_bit.quantize(w, "fp4", True)
+    got = four_bit.quantize_4bit(w, "fp4", True)
     got_state, want_state = got[1].as_dict(), want[1].as_dict()
     assert torch.equal(got[0], want[0]) and all(torch.equal(got_state[k], v) for k, v in want_state.items())
 

@@ -29,7 +29,7 @@ def test_the_tile_kernel_reads_every_int4pack_code_including_a_tail_block():
     torch.manual_seed(0)
     weight = torch.randn(200, 96)  # 200 rows: padded to 208, three blocks of 64 and a tail of 16
     packed = int4.pack(weight, torch.bfloat16, "int4pack")
-    q, _ = int4.quantize(weight)
+    q, _ = int4.quantize_int4(weight)
     codes = int4._tile_kernel().int4_codes(packed.packed, 96, 208, *int4.cpu_layout())[:200] + 8
     assert torch.equal(codes, q)
 
@@ -99,7 +99,7 @@ def test_bf16_int4_weights_take_our_vnni_layout_and_keep_every_code(cpu_tier):
         weight = torch.randn(n, k)
         packed = int4.pack(weight, torch.bfloat16)
         assert packed.layout == "vnni" and packed.packed.shape == (n, -(-k // 128) * 64)
-        assert torch.equal(int4.codes(packed), int4.quantize(weight)[0])
+        assert torch.equal(int4.codes(packed), int4.quantize_int4(weight)[0])
         plain = int4.pack(weight, torch.bfloat16, "plain")
         assert torch.equal(int4.dequantize(packed, torch.float64), int4.dequantize(plain, torch.float64))
 
@@ -386,9 +386,9 @@ def test_int8_quantization_while_loading_gives_bitsandbytes_own_bits(dtype, monk
 
 
 def test_nf4_and_fp4_quantization_while_loading_gives_bitsandbytes_own_bits(monkeypatch):
-    """Our one-pass CPU 4-bit quantization (four_bit.quantize, no bitsandbytes) gives F.quantize_4bit's own codes
-    and serialized state (NF4 and FP4, double quantization or not, a zero block, a short last block, an odd
-    count); an int4 model quantized while loading runs it and generates."""
+    """Our one-pass CPU 4-bit quantization (four_bit.quantize_4bit, no bitsandbytes) gives F.quantize_4bit's
+    own codes and serialized state (NF4 and FP4, double quantization or not, a zero block, a short last block,
+    an odd count); an int4 model quantized while loading runs it and generates."""
     import bitsandbytes.functional as F
 
     from sluice.engine.quantization import four_bit
@@ -402,13 +402,13 @@ def test_nf4_and_fp4_quantization_while_loading_gives_bitsandbytes_own_bits(monk
 
     def same(w, kind, double) -> bool:
         packed, state = F.quantize_4bit(w, blocksize=64, quant_type=kind, compress_statistics=double)
-        ours, mine = four_bit.quantize(w, kind, double)
+        ours, mine = four_bit.quantize_4bit(w, kind, double)
         x, y = state.as_dict(packed=True), mine.as_dict()
         return torch.equal(ours, packed) and x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
 
     assert len(cases) == 16 and [same(*c) for c in cases] == [True] * 16
-    calls, real = [], four_bit.quantize
-    monkeypatch.setattr(four_bit, "quantize", lambda *a: calls.append(a[1]) or real(*a))
+    calls, real = [], four_bit.quantize_4bit
+    monkeypatch.setattr(four_bit, "quantize_4bit", lambda *a: calls.append(a[1]) or real(*a))
     from pathlib import Path
 
     llm = LLM(Path(__file__).resolve().parent.parent / "models/sluice-tiny", dtype="bfloat16", device="cpu",

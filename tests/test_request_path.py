@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 
-from sluice.contract.schemas import ChatBody, CompletionBody, Request
+from sluice.contract.schemas import BatchRequest, ChatBody, CompletionBody
 from sluice.contract.settings import Settings
 from sluice.contract.shards import shard_requests
 from sluice.contract.storage import FileStorage
@@ -41,9 +41,9 @@ class CountingValidator:
 
 
 def count_validations(monkeypatch) -> Counter:
-    """Validations of Request and of the typed bodies, by model name."""
+    """Validations of BatchRequest and of the typed bodies, by model name."""
     counts: Counter = Counter()
-    for model in (Request, CompletionBody, ChatBody):
+    for model in (BatchRequest, CompletionBody, ChatBody):
         validator = CountingValidator(model.__name__, model.__pydantic_validator__, counts)
         monkeypatch.setattr(model, "__pydantic_validator__", validator)
     return counts
@@ -74,7 +74,7 @@ def test_a_forged_body_fails_only_its_own_request_in_the_worker():
     good = {"custom_id": "ok", "url": "/v1/completions", "body": {"prompt": "x"}}
     forged = {"custom_id": "bad", "url": "/v1/completions", "body": {"prompt": "x", "temperature": 7}}
     run = ShardRun.from_args("b-shard-0", ("b", 0, [good, forged]))
-    assert run.requests[1] == Request(custom_id="bad", url="/v1/completions", body=forged["body"])
+    assert run.requests[1] == BatchRequest(custom_id="bad", url="/v1/completions", body=forged["body"])
     run.add(None, "b/1", run.requests[1], served=set())
     error = run.records["bad"].error
     assert error.code == "invalid_request" and "temperature" in error.message

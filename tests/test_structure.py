@@ -638,3 +638,61 @@ def test_the_weight_reservation_is_handed_to_llm_and_kernel_options_to_the_engin
     trees = [ast.parse(p.read_text()) for p in (ROOT / "engine").rglob("*.py")]
     calls = {ast.unparse(n.func) for tree in trees for n in ast.walk(tree) if isinstance(n, ast.Call)}
     assert "options.active" in calls and not {"options.use", "options.reset"} & calls
+
+
+# One concept kept in two places on purpose, under one name: the engine decodes data: URLs itself and the
+# contract fetches and decodes every image URL, and neither may import the other (FORBIDDEN).
+MIRRORED = {name: {"sluice.contract.images", "sluice.engine.multimodal.image_decode"}
+            for name in ("ImageError", "decode_image", "image_hash")}
+
+
+def top_level_defs(path: Path) -> dict[str, str]:
+    """Public name → "class" or "function" for every class and function a module defines at its top level."""
+    kinds = {ast.ClassDef: "class", ast.FunctionDef: "function", ast.AsyncFunctionDef: "function"}
+    return {node.name: kinds[type(node)] for node in ast.parse(path.read_text()).body
+            if type(node) in kinds and not node.name.startswith("_")}  # fmt: skip
+
+
+def names_imported_by_name(paths: list[Path]) -> set[tuple[str, str]]:
+    """(module, name) of every `from sluice.<module> import <name>` in the files, `as` or not."""
+    return {(node.module, alias.name) for path in paths for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("sluice.")
+            for alias in node.names}  # fmt: skip
+
+
+def shared_names(defs: dict[str, dict[str, str]], imported: set[tuple[str, str]]) -> dict[str, list[str]]:
+    """Name → its defining modules, for every public class defined in more than one module and every function
+    imported by name (a call site that does not say its module) while another module defines the same name."""
+    holders: dict[str, list[str]] = {}
+    for module, names in sorted(defs.items()):
+        for name in names:
+            holders.setdefault(name, []).append(module)
+    return {name: modules for name, modules in holders.items() if len(modules) > 1
+            and set(modules) != MIRRORED.get(name)
+            and any(defs[m][name] == "class" or (m, name) in imported for m in modules)}  # fmt: skip
+
+
+def test_the_shared_name_check_sees_classes_and_functions_imported_by_name(tmp_path):
+    for name, source in {"a": "class Request: ...\ndef status(): ...\ndef plan(): ...\ndef _own(): ...\n",
+                         "b": "class Request: ...\ndef status(): ...\ndef plan(): ...\ndef _own(): ...\n",
+                         "c": "from sluice.a import status\nimport sluice.b\nsluice.b.plan()\n"}.items():
+        (tmp_path / f"{name}.py").write_text(source)
+    defs = {f"sluice.{n}": top_level_defs(tmp_path / f"{n}.py") for n in "abc"}
+    imported = names_imported_by_name(sorted(tmp_path.glob("*.py")))
+    assert imported == {("sluice.a", "status")}
+    both = ["sluice.a", "sluice.b"]
+    assert shared_names(defs, imported) == {"Request": both, "status": both}
+
+
+def test_one_name_means_one_thing_across_the_packages():
+    """A public class is defined in one module of the packages, and so is a function that anything (packages,
+    tests, benchmarks) imports by name; functions always called through their module (`nf4.dequantize`,
+    `int4_weights.dequantize`) read with it. MIRRORED names the one concept kept in two places."""
+    modules = module_files()
+    defs = {module: top_level_defs(path) for module, path in modules.items()}
+    users = [*modules.values(), *(ROOT / "tests").rglob("*.py"), *(ROOT / "bench").rglob("*.py")]
+    imported = names_imported_by_name(users)
+    assert len(imported) > 300
+    for name, mirrors in MIRRORED.items():
+        assert {module for module, names in defs.items() if name in names} == mirrors
+    assert shared_names(defs, imported) == {}

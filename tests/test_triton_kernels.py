@@ -16,8 +16,8 @@ from sluice.kernels.flat_attention import flat_attention, write_kv_flat  # noqa:
 from sluice.kernels.flat_metadata import build_flat_metadata  # noqa: E402
 from sluice.kernels.int8_weights import int8_linear  # noqa: E402
 from sluice.kernels.kv_int8 import dequantize_blocks, write_kv_int8  # noqa: E402
-from sluice.kernels.triton.kv_store import store_kv  # noqa: E402
-from sluice.kernels.triton.paged_attention import paged_attention as triton_attention  # noqa: E402
+from sluice.kernels.triton.kv_store import triton_store_kv  # noqa: E402
+from sluice.kernels.triton.paged_attention import triton_paged_attention as triton_attention  # noqa: E402
 from sluice.kernels.triton.w8a16 import w8a16_linear  # noqa: E402
 
 HK, D, BS, NB = 2, 16, 8, 128
@@ -127,7 +127,7 @@ def test_kv_store_skips_padding_slots(dtype):
     want_k.view(HK, -1, D)[:, slots[keep]] = k[keep].transpose(0, 1)
     want_v.view(HK, -1, D)[:, slots[keep]] = v[keep].transpose(0, 1)
     got_k, got_v = kc.clone(), vc.clone()
-    store_kv(k, v, got_k, got_v, slots)
+    triton_store_kv(k, v, got_k, got_v, slots)
     assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
     flat_k, flat_v = kc.clone(), vc.clone()
     write_kv_flat(flat_k, flat_v, k, v, slots)
@@ -147,7 +147,7 @@ def test_int8_kv_store_matches_torch_quantization():
     write_kv_int8(want[1], want_s[1], v[keep], slots[keep])
     got = [torch.zeros_like(w) for w in want]
     got_s = [torch.zeros_like(s) for s in want_s]
-    store_kv(k, v, got[0], got[1], slots, got_s[0], got_s[1])
+    triton_store_kv(k, v, got[0], got[1], slots, got_s[0], got_s[1])
     for a, b in zip(got + got_s, want + want_s, strict=True):
         assert torch.equal(a, b)
 

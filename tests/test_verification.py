@@ -7,7 +7,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from sluice.engine.request import Request
 from sluice.engine.sampling_params import SamplingParams
-from sluice.engine.verification import verify
+from sluice.engine.verification import verify_proposals
 
 VOCAB = 50
 
@@ -37,7 +37,7 @@ def test_step_verifies_without_scalar_reads_and_keeps_greedy_rule():
     best = logits[1].argmax(-1).tolist()
     reqs[1].spec_token_ids = [best[0], (best[1] + 1) % VOCAB]
     with ScalarReads() as reads:
-        out = verify(reqs, logits, torch.Generator())
+        out = verify_proposals(reqs, logits, torch.Generator())
     assert reads.count == 0
     assert out[1] == best[:2]
     for r, emitted in zip(reqs, out, strict=True):
@@ -49,9 +49,9 @@ def test_seeded_verify_ignores_the_rest_of_the_batch():
     g = torch.Generator().manual_seed(1)
     target = spec_req("t", [3, 4, 5, 6], 42)
     logits = torch.randn(5, VOCAB, generator=g) * 0.3
-    alone = verify([target], [logits], torch.Generator())[0]
+    alone = verify_proposals([target], [logits], torch.Generator())[0]
     others = [spec_req(f"o{i}", [i + 1] * (i + 1), None) for i in range(3)]
-    mixed = verify([others[0], target, others[1], others[2]],
+    mixed = verify_proposals([others[0], target, others[1], others[2]],
                    [torch.randn(i + 2, VOCAB, generator=g) for i in range(1)] + [logits]
                    + [torch.randn(i + 3, VOCAB, generator=g) for i in range(2)], torch.Generator())[1]
     assert mixed == alone

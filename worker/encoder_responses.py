@@ -7,10 +7,10 @@ from typing import Any
 
 from sluice.contract.moderations import ModerationBody, moderation_response
 from sluice.contract.rerank import RerankBody, ScoreBody, rerank_response, score_response
-from sluice.contract.schemas import Request
+from sluice.contract.schemas import BatchRequest
 
 
-def encoder_body(request: Request, out: Any, model: str) -> dict[str, Any] | None:
+def encoder_body(request: BatchRequest, out: Any, model: str) -> dict[str, Any] | None:
     """The rerank, score or moderation response for a finished request; None for any other endpoint."""
     body = request.parsed_body()
     if isinstance(body, RerankBody):

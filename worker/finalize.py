@@ -225,11 +225,11 @@ def finalize(connection: redis.Redis, batch_id: str, settings: Settings) -> dict
         raise
     wait_for_replica(connection)  # the final status survives a failover before the webhook announces it
     connection.delete(progress_key(batch_id, "completed"), progress_key(batch_id, "failed"))  # counts are final
-    announce(connection, batch, merged, WebhookSettings.of(settings))
+    announce_batch(connection, batch, merged, WebhookSettings.of(settings))
     return batch.request_counts.model_dump()
 
 
-def announce(connection: redis.Redis, batch: Batch, merged: Merged, hooks: WebhookSettings) -> None:
+def announce_batch(connection: redis.Redis, batch: Batch, merged: Merged, hooks: WebhookSettings) -> None:
     """The batch's webhook event, if it asked for one, with the record of a batch of one request."""
     if batch.webhook:
         one = merged.first is not None and merged.completed + merged.failed == 1

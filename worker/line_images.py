@@ -16,7 +16,7 @@ class ImageRefused(ValueError):
     """An image part this worker cannot use: the line becomes an error record naming the part."""
 
 
-def with_images(llm: LLM, body: ChatBody, ids: list[int],
+def prompt_with_images(llm: LLM, body: ChatBody, ids: list[int],
                 settings: ImageSettings) -> list[int] | dict[str, Any]:
     """The engine prompt of a rendered chat line: its ids, with its images as multi_modal_data if any."""
     parts = body.image_parts()

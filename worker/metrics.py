@@ -171,7 +171,7 @@ def _text(start_response: Callable, status: str, body: bytes) -> list[bytes]:
     return [body]
 
 
-def serve(port: int, metrics: WorkerMetrics, host: str = "0.0.0.0") -> WSGIServer:
+def serve_metrics(port: int, metrics: WorkerMetrics, host: str = "0.0.0.0") -> WSGIServer:
     """Serve health_app on port from a daemon thread (started before the model loads, so /healthz answers). The
     HTTP server's modules load here, only where a port is given: a worker without one never imports them."""
     from socketserver import ThreadingMixIn
@@ -197,7 +197,7 @@ def start_metrics(port: int | None, model: str) -> Readiness:
         METRICS = Readiness()
         return METRICS
     metrics = WorkerMetrics(os.path.basename(os.path.normpath(model)))
-    serve(port, metrics)
+    serve_metrics(port, metrics)
     METRICS = metrics
     return metrics
 

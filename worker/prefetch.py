@@ -51,7 +51,7 @@ def model_argument(argv: Sequence[str], environ: Mapping[str, str] | None = None
         return None
 
 
-def weight_files(model: str) -> list[Path]:
+def local_weight_files(model: str) -> list[Path]:
     """The safetensors files of a local model folder, in file order (none for a hub id or a missing folder)."""
     try:
         return weight_reserve.safetensors_files(Path(model))
@@ -116,7 +116,7 @@ def prefetch(model: str | None) -> threading.Thread | None:
 
 def _plan(model: str | None) -> tuple[list[Path], int]:
     """The model's weight files and the byte budget for reading them (no files: nothing to read)."""
-    files = weight_files(model) if model else []
+    files = local_weight_files(model) if model else []
     return files, int(available_memory() * MEMORY_SHARE) if files else 0
 
 

@@ -27,7 +27,7 @@ import typer
 
 from sluice.contract.batch import INDEX, BatchStore, batch_key
 from sluice.contract.jobs import QUEUES, finalize_job_id, shard_job_id
-from sluice.contract.queues import drop_unclaimed, fetch, status
+from sluice.contract.queues import drop_unclaimed, fetch, job_status
 from sluice.contract.redis_conn import connect
 from sluice.contract.retention import due_output_expiry, forget_output_expiry
 from sluice.contract.schemas import Batch, BatchStatus
@@ -131,8 +131,8 @@ class Reaper:
                 rq_jobs.requeue(self.connection, job)
                 report["shards_requeued"] += 1
         final = fetch(self.connection, [finalize_job_id(batch.id)])[0]
-        ended = all(status(j) in ENDED for j in shards)
-        if ended and status(final) != "started" and self.seen(batch.id, "unfinalized"):
+        ended = all(job_status(j) in ENDED for j in shards)
+        if ended and job_status(final) != "started" and self.seen(batch.id, "unfinalized"):
             self.finalize(batch, final, report)
 
     def finalize(self, batch: Batch, final: object, report: Counter) -> None:
@@ -143,7 +143,7 @@ class Reaper:
             raise
         except Exception as exc:
             log.warning("reaper: finalizing %s failed: %s", batch.id, exc)
-            if status(final) in ENDED:
+            if job_status(final) in ENDED:
                 self.fail(batch.id, "finalize_failed", f"the batch could not be finalized: {exc}")
                 report["finalize_failed"] += 1
 

@@ -9,7 +9,15 @@ import uuid
 from typing import Any
 
 from sluice.contract.responses_api import RESPONSES, response_object
-from sluice.contract.schemas import CHAT, EMBEDDINGS, ErrorInfo, OutputRecord, Request, Response
+from sluice.contract.schemas import (
+    CHAT,
+    EMBEDDINGS,
+    BatchRequest,
+    ErrorInfo,
+    OutputRecord,
+    Response,
+    record_id,
+)
 from sluice.contract.tools import parse_tool_calls
 from sluice.worker.encoder_responses import encoder_body
 
@@ -18,9 +26,6 @@ ABORT_CODES = {
     "batch_expired": "the batch's completion window ended",
 }
 
-
-def record_id() -> str:
-    return f"batch_req_{uuid.uuid4().hex}"
 
 
 def error_record(
@@ -89,7 +94,7 @@ def completion_logprobs(out: Any, n: int) -> dict[str, Any] | None:
     }
 
 
-def _message(request: Request, out: Any) -> tuple[dict[str, Any], str | None]:
+def _message(request: BatchRequest, out: Any) -> tuple[dict[str, Any], str | None]:
     """The assistant message (tool calls parsed when the request offered tools) and its finish_reason."""
     if not request.body.get("tools"):
         return {"role": "assistant", "content": out.text}, out.finish_reason
@@ -101,7 +106,7 @@ def _message(request: Request, out: Any) -> tuple[dict[str, Any], str | None]:
     return {"role": "assistant", "content": content, "tool_calls": calls}, reason
 
 
-def _choice(request: Request, out: Any, index: int) -> dict[str, Any]:
+def _choice(request: BatchRequest, out: Any, index: int) -> dict[str, Any]:
     if request.url == CHAT:
         message, reason = _message(request, out)
         return {
@@ -125,7 +130,7 @@ def encode_embedding(vector: list[float], encoding_format: str) -> list[float] |
     return vector
 
 
-def embedding_body(request: Request, out: Any, model: str) -> dict[str, Any]:
+def embedding_body(request: BatchRequest, out: Any, model: str) -> dict[str, Any]:
     """OpenAI's CreateEmbeddingResponse for one finished embeddings request (one entry per input)."""
     fmt = request.body.get("encoding_format") or "float"
     data = [{"object": "embedding", "index": i, "embedding": encode_embedding(item.embedding, fmt)}
@@ -135,7 +140,7 @@ def embedding_body(request: Request, out: Any, model: str) -> dict[str, Any]:
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 
-def response_body(request: Request, out: Any, model: str) -> dict[str, Any]:
+def response_body(request: BatchRequest, out: Any, model: str) -> dict[str, Any]:
     """The OpenAI completion or chat.completion object for one finished request (n choices when n > 1)."""
     if request.url == EMBEDDINGS:
         return embedding_body(request, out, model)
@@ -154,7 +159,7 @@ def response_body(request: Request, out: Any, model: str) -> dict[str, Any]:
     }
 
 
-def output_record(request: Request, out: Any, model: str, abort_code: str | None = None) -> OutputRecord:
+def output_record(request: BatchRequest, out: Any, model: str, abort_code: str | None = None) -> OutputRecord:
     """The record for a finished engine request: a response, or an error if it failed or was aborted."""
     if out.finish_reason == "abort":
         code = abort_code or "request_aborted"

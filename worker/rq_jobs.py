@@ -27,7 +27,7 @@ from rq.timeouts import JobTimeoutException
 from rq.utils import now
 
 from sluice.contract.jobs import FINALIZE, SHARD_FUNCTIONS
-from sluice.contract.queues import queue_for, status
+from sluice.contract.queues import job_status, queue_for
 from sluice.contract.redis_conn import follows_sentinel
 from sluice.contract.rq_adapter import (
     dequeue_now,
@@ -258,7 +258,7 @@ def lost(connection: redis.Redis, job: Job) -> bool:
     """A job marked queued that sits in no queue, or started that no worker's execution holds (dequeued by
     a worker that then died): nothing would ever run it again."""
     queue = queue_for(connection, job.origin)
-    state = status(job)
+    state = job_status(job)
     if state == "queued":
         return not in_queue(connection, queue, job.id)
     if state == "started":

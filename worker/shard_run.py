@@ -17,7 +17,7 @@ from rq import get_current_job
 from sluice.contract.batch import BatchStore
 from sluice.contract.images import ImageSettings
 from sluice.contract.redis_conn import connect
-from sluice.contract.schemas import ChatBody, EmbeddingBody, OutputRecord, Request, ResponsesBody
+from sluice.contract.schemas import BatchRequest, ChatBody, EmbeddingBody, OutputRecord, ResponsesBody
 from sluice.contract.settings import Settings, get_settings, stay_off_the_hub
 from sluice.contract.shards import shard_requests
 from sluice.contract.storage import open_output
@@ -25,7 +25,7 @@ from sluice.worker.adapters import Adapters, ServedModels
 from sluice.worker.encoder_responses import encoder_params
 from sluice.worker.faults import faults
 from sluice.worker.lease import Commit, attempt_key, begin_attempt, commit, lease_holds
-from sluice.worker.line_images import ImageRefused, with_images
+from sluice.worker.line_images import ImageRefused, prompt_with_images
 from sluice.worker.responses import ABORT_CODES, error_record, output_record
 from sluice.worker.terminal import OUTPUT_NOT_ALLOWED, fail_batch, output_problem
 
@@ -79,7 +79,7 @@ def served_models(llm: LLM, settings: Settings, adapters: Adapters | None = None
     return ServedModels(names, adapters) if adapters else names
 
 
-def prepare(llm: LLM, request: Request, served: set[str],
+def prepare(llm: LLM, request: BatchRequest, served: set[str],
             images: ImageSettings | None = None) -> tuple[Any, Any]:
     """The prompt (a chat rendered through the model's template) and sampling parameters of a request (an
     embeddings request: its inputs and pooling parameters); image parts read as `images` allows (the worker's
@@ -104,7 +104,7 @@ def prepare(llm: LLM, request: Request, served: set[str],
             f"the model's chat template failed on these messages: {type(exc).__name__}: {exc}"
         ) from exc
     if body.image_parts():  # fetched and decoded here, each problem naming its part (worker.images)
-        prompt = with_images(llm, body, prompt, images or ImageSettings())
+        prompt = prompt_with_images(llm, body, prompt, images or ImageSettings())
     return prompt, SamplingParams(**body.sampling_kwargs())
 
 
@@ -115,9 +115,9 @@ class ShardRun:
     job_id: str
     batch_id: str
     shard: int
-    requests: list[Request]
+    requests: list[BatchRequest]
     records: dict[str, OutputRecord] = field(default_factory=dict)
-    pending: dict[str, Request] = field(default_factory=dict)
+    pending: dict[str, BatchRequest] = field(default_factory=dict)
     abort_code: str | None = None
     unreported: list[str] = field(default_factory=list)
     token: int | None = None
@@ -142,7 +142,7 @@ class ShardRun:
         batch_id, shard, payload = args
         if isinstance(payload, dict):
             return cls(job_id, batch_id, int(shard), [], payload=payload, loaded=False)
-        return cls(job_id, batch_id, int(shard), [Request.trusted(r) for r in payload])
+        return cls(job_id, batch_id, int(shard), [BatchRequest.trusted(r) for r in payload])
 
     def load(self, store: BatchStore, settings: Settings) -> None:
         """Read the shard's requests from its slice of the batch's input, in the batch's output storage (no
@@ -175,7 +175,7 @@ class ShardRun:
             if request.custom_id not in self.records:
                 self.add(llm, f"{key or self.job_id}/{i}", request, served, images)
 
-    def add(self, llm: LLM, rid: str, request: Request, served: set[str],
+    def add(self, llm: LLM, rid: str, request: BatchRequest, served: set[str],
             images: ImageSettings | None = None) -> None:
         """Add one request to the engine as rid; one it cannot run (or even render) becomes an error record."""
         from sluice.engine import RequestRejected  # torch: see shared_llm
@@ -197,7 +197,7 @@ class ShardRun:
         else:
             self.pending[rid] = request
 
-    def fail(self, request: Request, code: str, message: str, status_code: int | None = None) -> None:
+    def fail(self, request: BatchRequest, code: str, message: str, status_code: int | None = None) -> None:
         self.records[request.custom_id] = error_record(request.custom_id, code, message, status_code)
 
     def fail_all(self, code: str, message: str) -> None:

@@ -23,8 +23,8 @@ from sluice.contract.signing import (
     UnsafeWebhookURL,
     WebhookSettings,
     parse_schedule,
-    redact,
     redact_url,
+    redact_urls,
     resolve_target,
     sign_headers,
 )
@@ -93,7 +93,7 @@ def _post(
     except Exception as exc:
         if expired.is_set() or time.monotonic() - started >= timeout:
             return None, f"Timeout: no complete response within {timeout:g} s"
-        return None, redact(f"{type(exc).__name__}: {exc}")
+        return None, redact_urls(f"{type(exc).__name__}: {exc}")
     finally:
         timer.cancel()
         conn.close()
@@ -105,7 +105,7 @@ def _send(delivery: dict[str, str], settings: WebhookSettings) -> tuple[int | No
     try:
         target = resolve_target(delivery["url"], settings.webhook_allow)
     except UnsafeWebhookURL as exc:
-        return None, f"refused: {redact(str(exc))}"
+        return None, f"refused: {redact_urls(str(exc))}"
     body = delivery["body"].encode()
     headers = sign_headers(settings.webhook_secret.get_secret_value(), delivery["event_id"], body)
     return _post(target, body, headers, settings.webhook_timeout, settings.webhook_max_response_bytes)
@@ -131,7 +131,7 @@ def attempt(connection: Redis, event_id: str, settings: WebhookSettings) -> str:
     try:
         status, error = _send(delivery, settings)
     except Exception as exc:
-        status, error = None, redact(f"{type(exc).__name__}: {exc}")
+        status, error = None, redact_urls(f"{type(exc).__name__}: {exc}")
     schedule = parse_schedule(settings.webhook_retry_schedule)
     outcome = _outcome(status, error, number, schedule)
     entry = {
@@ -183,7 +183,7 @@ def run(
                 OUTAGE.failed("webhook delivery", exc)
                 due = []
             except Exception as exc:
-                log.error("webhook delivery: %s; carrying on", redact(f"{type(exc).__name__}: {exc}"))
+                log.error("webhook delivery: %s; carrying on", redact_urls(f"{type(exc).__name__}: {exc}"))
                 due = []
             if not due:
                 stop.wait(poll_s)

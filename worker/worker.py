@@ -17,7 +17,7 @@ from sluice.contract.batch import BatchStore
 from sluice.contract.images import ImageSettings
 from sluice.contract.jobs import SHARD_FUNCTIONS
 from sluice.contract.rq_adapter import request_worker_stop
-from sluice.contract.schemas import Request
+from sluice.contract.schemas import BatchRequest
 from sluice.contract.settings import Settings, get_settings
 from sluice.contract.storage import OutputNotAllowed
 from sluice.worker.adapters import Adapters
@@ -361,7 +361,7 @@ class EngineWorker(JobsWorker):
                 else:
                     self._fail_request(*group[0], err)
 
-    def _run_group(self, group: list[tuple[str, Request]]) -> None:
+    def _run_group(self, group: list[tuple[str, BatchRequest]]) -> None:
         """Re-add the group's requests under fresh ids and step until they are done."""
         for job_id, request in group:
             run = self.runs[job_id]
@@ -377,7 +377,7 @@ class EngineWorker(JobsWorker):
             self._injected_step_fault()
             self._collect(self.llm.step())
 
-    def _fail_request(self, job_id: str, request: Request, err: Exception) -> None:
+    def _fail_request(self, job_id: str, request: BatchRequest, err: Exception) -> None:
         run = self.runs[job_id]
         rid = self._rid_of(run, request)
         del run.pending[rid]
@@ -386,7 +386,7 @@ class EngineWorker(JobsWorker):
         run.fail(request, "engine_error", f"the engine failed on this request ({type(err).__name__}: {err})")
 
     @staticmethod
-    def _rid_of(run: ShardRun, request: Request) -> str:
+    def _rid_of(run: ShardRun, request: BatchRequest) -> str:
         return next(rid for rid, r in run.pending.items() if r is request)
 
     def _reset_engine(self) -> None:

@@ -142,10 +142,11 @@ def paged_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
     if kwargs.get("s_aux") is not None or kwargs.get("is_causal") is False:
         raise ValueError("attention sinks / non-causal attention are not supported on the generic path")
     q = query[0].transpose(0, 1).contiguous()
-    return paged_attention(q, _token_rows(key), _token_rows(value), scaling, sliding_window, softcap)[None], None
+    out = step_attention(q, _token_rows(key), _token_rows(value), scaling, sliding_window, softcap)
+    return out[None], None
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float | None,
+def step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float | None,
                     sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """The next attention layer of the running step: writes keys/values [T, Hkv, D] into its paged cache and
     attends with q [T, H, D] over each token's cached context ([T, H, D])."""
@@ -332,7 +333,7 @@ def _attention_forward(self, hidden_states: torch.Tensor, position_embeddings=No
     qkv = linear(hidden_states[0], g.weight, g.bias).view(shape[1], -1, d)
     h, hk = g.sizes[0] // d, g.sizes[1] // d
     q, k = kernels.rope_qk(qkv, cos[0][:, None], sin[0][:, None], h, hk)
-    out = paged_attention(q, k, qkv[:, h + hk:], self.scaling)
+    out = step_attention(q, k, qkv[:, h + hk:], self.scaling)
     return self.o_proj(out.view(*shape[:-1], -1)), None
 
 

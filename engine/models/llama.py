@@ -207,7 +207,7 @@ def stack_linear(p: nn.Module):
     """A linear as a kernels.decode_stack linear: our Linear, or a weight-only quantized one by its own
     `stack_linear`; None for any other (bitsandbytes) or where the stack would not run it as its module does."""
     if type(p) is Linear:
-        return decode_stack.bf16_linear(p.weight, p.bias)
+        return decode_stack.bf16_stack_linear(p.weight, p.bias)
     to_stack = getattr(p, "stack_linear", None)
     return None if to_stack is None else to_stack()
 
@@ -280,9 +280,10 @@ class LlamaModel(nn.Module):
             a, self._stack_caches = self.layers[0].self_attn, kv_caches
             whole_rope = self.rope.cos.shape[-1] == a.head_dim  # the C++ rope rotates whole heads only
             head = (self.embed_tokens.weight, self.norm.weight,
-                    decode_stack.bf16_linear(self.embed_tokens.weight, None) if self.lm_head is None
+                    decode_stack.bf16_stack_linear(self.embed_tokens.weight, None) if self.lm_head is None
                     else stack_linear(self.lm_head))
-            self._stack = None if not whole_rope or any(t is None for t in layers) else decode_stack.build(
+            stackable = whole_rope and all(t is not None for t in layers)
+            self._stack = None if not stackable else decode_stack.build_stack(
                 layers, a.num_heads, a.num_kv_heads, a.head_dim, self.config.rms_norm_eps, a.scale, head)
         return self._stack if self._stack is None or tokens <= self._stack.max_tokens else None
 

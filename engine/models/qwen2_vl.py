@@ -19,12 +19,7 @@ from torch import nn
 from sluice.engine.models.llama import LlamaModel, ModelConfig
 from sluice.engine.multimodal.encoder_cache import EncoderCache
 from sluice.engine.multimodal.inputs import ImageItem, text_positions
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """(-x2, x1) of x's halves along its last dim."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+from sluice.kernels.elementwise import rotate_half
 
 
 class VisionAttention(nn.Module):

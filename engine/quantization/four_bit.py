@@ -2,8 +2,8 @@
 
 bitsandbytes' serialized state is parsed here (`State4bit.from_dict`: packed codes, absmax fp32 or nested, the code
 table, the JSON `quant_state.bitsandbytes__nf4|fp4`) and written back in the same form (`State4bit.as_dict`), so a
-checkpoint round-trips; quantizing while loading gives bitsandbytes' own bits (`quantize`: our C++ blocks pass,
-bitsandbytes' default quantize_4bit with torch ops where it does not build, and its CPU blockwise 8-bit
+checkpoint round-trips; quantizing while loading gives bitsandbytes' own bits (`quantize_4bit`: our C++ blocks
+pass, bitsandbytes' default quantize_4bit with torch ops where it does not build, and its CPU blockwise 8-bit
 quantization of the absmax for double quant). `Linear4bitCpu` multiplies with kernels.nf4, in the checkpoint's byte
 layout; `pack()` (at load: `pack_4bit_for_cpu`) replaces the absmax, nested or fp32, by its bf16 copy [out, in / 64]
 (what bitsandbytes' CPU kernel multiplies with), after which the module no longer holds bitsandbytes' state.
@@ -166,7 +166,7 @@ class State4bit:
         return values + torch.tensor(n["offset"], dtype=torch.float32)
 
 
-def quantize(w: torch.Tensor, quant_type: str, nested: bool) -> tuple[torch.Tensor, State4bit]:
+def quantize_4bit(w: torch.Tensor, quant_type: str, nested: bool) -> tuple[torch.Tensor, State4bit]:
     """bitsandbytes' quantize_4bit of a weight [out, in] (blocks of 64, uint8 storage): its packed codes
     [out * in / 2, 1] and state, bit for bit (double quant: the absmax less its mean, blockwise 8-bit)."""
     bounds, order = _bounds(quant_type)
@@ -248,7 +248,7 @@ class Linear4bitCpu(nn.Module):
         not run it as `forward` does."""
         if self.state is not None:
             self.pack()
-        return decode_stack.nf4_linear(self.codes, self.absmax, self.table, self.bias)
+        return decode_stack.nf4_stack_linear(self.codes, self.absmax, self.table, self.bias)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         """bitsandbytes' Linear4bit keys: weight (the packed codes [n, 1]), weight.<state>, bias."""

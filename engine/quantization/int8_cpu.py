@@ -47,7 +47,7 @@ class LLMInt8Linear(nn.Module):
 
     def stack_linear(self):
         """This linear for kernels.decode_stack, or None where the stack would not run it as `forward` does."""
-        return decode_stack.llm_int8_linear(self.weight, self.SCB, self.bias, self.threshold)
+        return decode_stack.llm_int8_stack_linear(self.weight, self.SCB, self.bias, self.threshold)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1]).contiguous()

@@ -45,14 +45,14 @@ class FusedLinear(nn.Module):
         """This projection for kernels.decode_stack (its parts' stack linears side by side), or None where a part
         does not stack."""
         parts = [getattr(p, "stack_linear", lambda: None)() for p in self.parts]
-        return decode_stack.fused_linear(parts)
+        return decode_stack.fused_stack_linear(parts)
 
 
 def _bias(bias: torch.Tensor | None, dtype: torch.dtype) -> nn.Parameter | None:
     return None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
 
 
-def int8_linear(spec: QuantSpec, cb: torch.Tensor, scb: torch.Tensor, bias, dtype) -> nn.Module:
+def llm_int8_module(spec: QuantSpec, cb: torch.Tensor, scb: torch.Tensor, bias, dtype) -> nn.Module:
     """LLM.int8() linear over int8 rows `cb` [out, in] with fp32 row scales `scb`: ours on CPU (bitsandbytes'
     Linear8bitLt arithmetic, without bitsandbytes), bitsandbytes' Linear8bitLt elsewhere."""
     if cb.device.type == "cpu":
@@ -74,7 +74,7 @@ def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return int8_weights.bnb_int8_rows(weight) or int8_weights.bnb_int8_act(weight, 0.0)[:2]
 
 
-def int4_linear(spec: QuantSpec, packed: torch.Tensor, quant_state, bias, dtype) -> nn.Module:
+def four_bit_module(spec: QuantSpec, packed: torch.Tensor, quant_state, bias, dtype) -> nn.Module:
     """A 4-bit linear over packed codes and their state: ours on CPU (a `four_bit.State4bit`: kernels.nf4, no
     bitsandbytes), bitsandbytes' Linear4bit computing in `dtype` elsewhere (its QuantState)."""
     if isinstance(quant_state, four_bit.State4bit):
@@ -123,7 +123,7 @@ class Int8WeightOnlyLinear(nn.Module):
 
     def stack_linear(self):
         """This linear for kernels.decode_stack, or None where the stack would not run it as `forward` does."""
-        return decode_stack.int8_linear(self.qweight, self.scales, self.bias)
+        return decode_stack.int8_stack_linear(self.qweight, self.scales, self.bias)
 
 
 class Int4WeightOnlyLinear(nn.Module):
@@ -151,7 +151,7 @@ class Int4WeightOnlyLinear(nn.Module):
 
     def stack_linear(self):
         """This linear for kernels.decode_stack, or None where the stack would not run it as `forward` does."""
-        return None if self.pad else decode_stack.int4_linear(self.weight(), self.bias)
+        return None if self.pad else decode_stack.int4_stack_linear(self.weight(), self.bias)
 
 
 WEIGHT_ONLY_LINEARS = {WEIGHT_ONLY: Int8WeightOnlyLinear, INT4_WEIGHT_ONLY: Int4WeightOnlyLinear}
@@ -161,21 +161,21 @@ def quantized_linear(spec: QuantSpec, weight: torch.Tensor, bias: torch.Tensor |
     """Quantize one weight [out, in] (already on its device) into the spec's LLM.int8() or bitsandbytes 4-bit
     linear."""
     if spec.method == "int8":
-        return int8_linear(spec, *int8_rows(weight), bias, dtype)
+        return llm_int8_module(spec, *int8_rows(weight), bias, dtype)
     n_out, n_in = weight.shape
     pad = -n_in % BLOCKSIZE if weight.device.type == "cpu" else 0
     if pad:  # our CPU kernel multiplies whole blocks of 64 columns (MoE experts' widths vary)
         weight = nn.functional.pad(weight, (0, pad))
     packed, state = _quantize_4bit(spec, weight.to(dtype).contiguous())
-    mod = int4_linear(spec, packed, state, bias, dtype)
+    mod = four_bit_module(spec, packed, state, bias, dtype)
     return ZeroPadded(mod, pad, n_out) if pad else mod
 
 
 def _quantize_4bit(spec: QuantSpec, w: torch.Tensor) -> tuple[torch.Tensor, Any]:
-    """bitsandbytes' 4-bit packing of w: on CPU ours (`four_bit.quantize`, the same bits, no bitsandbytes),
-    elsewhere bitsandbytes' own."""
+    """bitsandbytes' 4-bit packing of w: on CPU ours (`four_bit.quantize_4bit`, the same bits, no
+    bitsandbytes), elsewhere bitsandbytes' own."""
     if w.device.type == "cpu":
-        return four_bit.quantize(w, spec.quant_type, spec.double_quant)
+        return four_bit.quantize_4bit(w, spec.quant_type, spec.double_quant)
     F = _bnb().functional
     return F.quantize_4bit(w, blocksize=BLOCKSIZE, compress_statistics=spec.double_quant, quant_type=spec.quant_type)
 
@@ -199,12 +199,12 @@ def read_linear(spec: QuantSpec, reader: CheckpointReader, name: str, dtype, dev
     bias = get(f"{name}.bias") if f"{name}.bias" in reader else None
     weight = get(f"{name}.weight")
     if f"{name}.SCB" in reader:
-        return int8_linear(spec, weight, get(f"{name}.SCB"), bias, dtype)
+        return llm_int8_module(spec, weight, get(f"{name}.SCB"), bias, dtype)
     stats = {field: get(key) for field, key in reader.fields(f"{name}.weight").items()}
     if stats:
         cpu = torch.device(device).type == "cpu"
         state = four_bit.State4bit.from_dict(stats) if cpu else _bnb().functional.QuantState.from_dict(stats, device)
-        return int4_linear(spec, weight, state, bias, dtype)
+        return four_bit_module(spec, weight, state, bias, dtype)
     plain = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
     plain.weight, plain.bias = nn.Parameter(weight.to(dtype), requires_grad=False), _bias(bias, dtype)
     return plain

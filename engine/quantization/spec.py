@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from sluice.engine.models.llama import ModelConfig
-from sluice.kernels.int4_weights import shape_error
+from sluice.kernels import int4_weights
 
 BNB_METHODS = ("int8", "int4")
 WEIGHT_ONLY = "int8_weight_only"
@@ -114,6 +114,6 @@ def _check_int4_weight_only(c: ModelConfig, q: int, kv: int) -> None:
               "gate_up_proj": (c.hidden_size, 2 * c.intermediate_size),
               "down_proj": (c.intermediate_size, c.hidden_size), "lm_head": (c.hidden_size, c.vocab_size)}
     for name, (n_in, n_out) in shapes.items():
-        err = shape_error(n_out, n_in)
+        err = int4_weights.shape_error(n_out, n_in)
         if err:
             raise ValueError(f"int4_weight_only cannot quantize {name} ({n_in} -> {n_out}): {err}")

@@ -5,6 +5,6 @@ from __future__ import annotations
 import importlib.util
 
 
-def available() -> bool:
+def triton_available() -> bool:
     """Whether triton can be imported here."""
     return importlib.util.find_spec("triton") is not None

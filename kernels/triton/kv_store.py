@@ -51,7 +51,7 @@ def _store_kernel(k_ptr, v_ptr, k_cache, v_cache, k_scale, v_scale, slots, strid
             tl.store(v_cache + dst, v.to(v_cache.dtype.element_ty), mask=dmask)
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+def triton_store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
              v_scale: torch.Tensor | None = None) -> None:
     """Write keys/values [T, Hkv, D] at their slots (int8 caches quantize; pass their fp16 scales)."""

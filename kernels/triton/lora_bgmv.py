@@ -52,7 +52,7 @@ def _expand_kernel(v_ptr, b_ptr, slot_ptr, y_ptr, N, R, stride_vt, stride_bs, st
     tl.store(out, (y + acc).to(out.dtype.element_ty), mask=nmask)
 
 
-def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+def triton_add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
              token_slots: torch.Tensor) -> torch.Tensor:
     """y [T, N] += x[t] · a[s]ᵀ · b[s]ᵀ for each token t of slot s = token_slots[t] >= 0; a [slots, R, K],
     b [slots, N, R]; in place, returns y."""

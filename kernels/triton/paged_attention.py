@@ -147,7 +147,7 @@ def _merge_kernel(mid_o, mid_lse, out_ptr, stride_ot, stride_oh, num_heads,
     tl.store(out_ptr + t * stride_ot + h * stride_oh + d, merged.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: FlatMetadata,
+def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: FlatMetadata,
                     scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                     out: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of the flat queries q [T, H, D] over the cache [Hkv, blocks, block, D] per `meta`."""

@@ -11,7 +11,7 @@ from fastapi.responses import PlainTextResponse, Response
 from sluice.contract.logs import escape_control
 from sluice.contract.settings import Settings, get_settings
 from sluice.producer.client import Client
-from sluice.producer.server import batches, dashboard, files, fleet_metrics, models
+from sluice.producer.server import batches, dashboard, files, fleet_metrics, model_list
 from sluice.producer.server.context import Context, ServerLimits
 from sluice.producer.server.errors import REDIS_DOWN, error_response, install
 from sluice.producer.server.keys import KeyStore
@@ -27,7 +27,7 @@ def create_app(settings: Settings | None = None, limits: ServerLimits | None = N
     app = FastAPI(title="Sluice", version="0.1.0", docs_url=None, redoc_url=None)
     app.state.context = Context(settings, client, KeyStore(client.connection), limits or ServerLimits())
     install(app)
-    for module in (files, batches, models, dashboard):
+    for module in (files, batches, model_list, dashboard):
         app.include_router(module.router)
     app.middleware("http")(security_headers)
     app.middleware("http")(access_log)

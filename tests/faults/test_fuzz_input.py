@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sluice.contract.schemas import EmbeddingBody, Request
+from sluice.contract.schemas import BatchRequest, EmbeddingBody
 from sluice.contract.settings import Settings
 from sluice.engine.pooling import PoolingParams, split_inputs
 from sluice.engine.sampling_params import SamplingParams
@@ -95,7 +95,7 @@ def check_outcome(batch: list[bytes]) -> None:
     if not nonblank:
         assert [e.code for e in checked.errors] == ["empty_file"]
     for request in checked.requests:
-        again = Request.model_validate_json(request.model_dump_json())
+        again = BatchRequest.model_validate_json(request.model_dump_json())
         if again.record is not None:  # a refused body: its line's 400, in OpenAI's error shape
             response = again.answer().response
             assert response.status_code == 400 and response.body["error"]["message"].startswith("line ")

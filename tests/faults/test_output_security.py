@@ -14,7 +14,7 @@ from rq.serializers import JSONSerializer
 
 from sluice.contract.batch import BatchStore
 from sluice.contract.jobs import shard_job_id
-from sluice.contract.schemas import Batch, BatchStatus, Request
+from sluice.contract.schemas import Batch, BatchRequest, BatchStatus
 from sluice.contract.settings import Settings
 from sluice.contract.storage import FileStorage, OutputNotAllowed, check_output_url, open_storage
 from sluice.producer.client import Client
@@ -69,8 +69,8 @@ def test_the_worker_refuses_to_write_outside_its_roots(redis_url, tmp_path, monk
     store.create(Batch(id="batch_forged", status=BatchStatus.in_progress, output_url=evil.as_uri(), num_shards=1,
                        created_at=time.time()))  # fmt: skip
     monkeypatch.setenv("SLUICE_OUTPUT_ROOTS", (tmp_path / "allowed").as_uri())
-    run = ShardRun("batch_forged-shard-0", "batch_forged", 0, [Request(custom_id="a", url="/v1/completions",
-                                                                        body={"prompt": "x"})])  # fmt: skip
+    forged = BatchRequest(custom_id="a", url="/v1/completions", body={"prompt": "x"})
+    run = ShardRun("batch_forged-shard-0", "batch_forged", 0, [forged])
     run.fail_all("batch_cancelled", "x")
     with pytest.raises(OutputNotAllowed):
         run.save(connection, Settings())

@@ -9,7 +9,7 @@ import pytest
 
 from sluice.contract.batch import BatchStore
 from sluice.contract.redis_conn import connect
-from sluice.contract.schemas import Batch, BatchStatus, Request, RequestCounts
+from sluice.contract.schemas import Batch, BatchRequest, BatchStatus, RequestCounts
 from sluice.contract.settings import Settings
 from sluice.worker.finalize import finalize
 from sluice.worker.lease import Commit, attempt_key, commit, committed_token, lease_key
@@ -25,7 +25,8 @@ def new_batch(connection, output: Path, batch_id: str = "batch_fence") -> Batch:
 
 def attempt(batch: Batch, message: str) -> ShardRun:
     """A finished attempt at shard 0 whose two records carry message (no engine needed)."""
-    requests = [Request(custom_id=f"r{i}", url="/v1/completions", body={"prompt": "x"}) for i in range(2)]
+    requests = [BatchRequest(custom_id=f"r{i}", url="/v1/completions", body={"prompt": "x"})
+                for i in range(2)]
     run = ShardRun(f"{batch.id}-shard-0", batch.id, 0, requests)
     run.fail_all("batch_cancelled", message)
     return run
