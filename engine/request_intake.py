@@ -17,9 +17,9 @@ from sluice.engine.multimodal.inputs import MultiModalInputs, with_images
 from sluice.engine.multimodal.processor import (
     MultiModalError,
     MultiModalProcessor,
-    processor_for,
     split_prompt,
 )
+from sluice.engine.multimodal.vl_families import processor_for
 from sluice.engine.pooling import (
     EmbeddingGroup,
     PoolingError,

@@ -17,13 +17,10 @@ from typing import Any
 import torch
 
 from sluice.engine.models.generic import (
-    _STEP,
     ATTN_IMPL,
     GenericModel,
-    Step,
-    _hf_config,
-    _into_arena,
     generic_config_fields,
+    into_arena,
     register,
     use_our_kernels,
 )
@@ -35,9 +32,9 @@ def vl_config_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     """The fields of our ModelConfig for a generic-path vision-language config.json: its language model's, run
     on the generic path, under the checkpoint's own architecture name."""
     check_family(cfg)
-    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+    from transformers import CONFIG_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING
 
-    text_conf = _hf_config(cfg).get_text_config()
+    text_conf = CONFIG_MAPPING[cfg["model_type"]].from_dict(cfg).get_text_config()
     text = text_conf.to_dict()
     text["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING[type(text_conf)].__name__]
     text.setdefault("eos_token_id", cfg.get("eos_token_id"))
@@ -120,9 +117,9 @@ class GenericVLModel(GenericModel):
             self.encoder_cache.put(item.content_hash, emb)
         return out
 
-    def forward(self, input_ids, positions, kv_caches, meta, logits_indices, plan=None) -> torch.Tensor:
-        """Logits [len(logits_indices), vocab] for the selected flat positions (None: every position), image
-        token rows taking their images' embeddings."""
+    def hf_inputs(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The step's token embeddings as one packed sequence, image token rows taking their images'
+        embeddings (what `prepare_step` found)."""
         images, self._images = self._images, None
         ids = input_ids
         if self.image_token_id >= self.embed_tokens.num_embeddings:  # an image token outside the vocabulary
@@ -130,18 +127,7 @@ class GenericVLModel(GenericModel):
         x = self.embed_tokens(ids)
         if images is not None:
             x = x.index_copy(0, images.rows, images.embeds.to(x.dtype))
-        step = Step(kv_caches, meta, self.windows)
-        token = _STEP.set(step)
-        try:
-            out = self.hf(inputs_embeds=x[None], position_ids=positions[None], use_cache=False,
-                          logits_to_keep=0 if logits_indices is None else logits_indices)
-        finally:
-            _STEP.reset(token)
-        if step.calls != len(kv_caches):
-            raise ValueError(f"{self.config.architecture} ran {step.calls} attention layers for "
-                             f"{len(kv_caches)} KV caches: layers outside the attention interface are not "
-                             f"supported")
-        return out.logits[0]
+        return {"inputs_embeds": x[None]}
 
 
 def load_vl_generic(path: str | Path, hf_config: dict[str, Any], dtype: torch.dtype, device: torch.device,
@@ -162,5 +148,5 @@ def load_vl_generic(path: str | Path, hf_config: dict[str, Any], dtype: torch.dt
     use_our_kernels(language)
     model = GenericVLModel(hf, config, family).eval()
     if huge_pages:
-        _into_arena(model)
+        into_arena(model)
     return model

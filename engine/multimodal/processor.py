@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from sluice.engine.multimodal.inputs import ImageItem, MultiModalInputs, mrope_positions
-from sluice.engine.multimodal.vl_config import is_generic_vision, is_vision_language, text_config_of
+from sluice.engine.multimodal.vl_config import is_vision_language, text_config_of
 
 __all__ = ["MultiModalError", "MultiModalProcessor", "is_vision_language", "text_config_of"]
 
@@ -102,7 +102,7 @@ class MultiModalProcessor:
         items: list[ImageItem] = []
         cursor = 0
         for slot, image in zip(slots, images, strict=True):
-            rgb = _rgb(image)
+            rgb = rgb_image(image)
             key = image_hash(rgb)
             pixels, grid = self.patches(rgb, key)
             expanded += ids[cursor:slot]
@@ -116,17 +116,7 @@ class MultiModalProcessor:
         return expanded, MultiModalInputs(items, positions, delta, salt)
 
 
-def processor_for(model_path: str | Path, hf_config: dict[str, Any], tokenizer):
-    """The prompt processor of a vision-language checkpoint: Qwen2-VL's, or its family's on the generic path
-    (multimodal.vl_families)."""
-    if is_generic_vision(hf_config):
-        from sluice.engine.multimodal.vl_families import GenericVLProcessor
-
-        return GenericVLProcessor(model_path, hf_config, tokenizer)
-    return MultiModalProcessor(model_path, hf_config, tokenizer)
-
-
-def _rgb(image):
+def rgb_image(image):
     """An RGB PIL image (PIL images in other modes are converted; anything else is refused)."""
     from PIL import Image
 

@@ -23,9 +23,11 @@ from sluice.engine.multimodal.processor import (
     MAX_IMAGES_PER_PROMPT,
     PATCH_CACHE_SIZE,
     MultiModalError,
-    _rgb,
+    MultiModalProcessor,
     image_salt,
+    rgb_image,
 )
+from sluice.engine.multimodal.vl_config import is_generic_vision
 
 # LLaVA's vision towers, with the class-token rows they put before the patches' rows.
 LLAVA_TOWERS = {"clip_vision_model": 1, "siglip_vision_model": 0}
@@ -117,7 +119,7 @@ class Idefics3Family(VisionFamily):
         return Pixels(out["pixel_values"][0], self._expansion(rows, cols), extra)
 
     def _expansion(self, rows: int, cols: int) -> list[int]:
-        """Token ids of the expansion of an image split into rows x cols tiles (0 x 0: the global view only)."""
+        """Token ids of the expansion of an image in rows x cols tiles (0 x 0: the global view only)."""
         image = self.tokenizer.convert_ids_to_tokens(self.image_token_id) * self.image_seq_len
         text = ""
         for r in range(rows):
@@ -194,7 +196,7 @@ class GenericVLProcessor:
         items: list[VisionItem] = []
         cursor = 0
         for slot, image in zip(slots, images, strict=True):
-            rgb = _rgb(image)
+            rgb = rgb_image(image)
             key = image_hash(rgb)
             pixels = self.pixels(rgb, key)
             expanded += ids[cursor:slot]
@@ -206,3 +208,11 @@ class GenericVLProcessor:
         expanded += ids[cursor:]
         salt = image_salt([i.content_hash for i in items])
         return expanded, MultiModalInputs(items, torch.empty(3, 0, dtype=torch.long), 0, salt)  # type: ignore
+
+
+def processor_for(model_path: str | Path, hf_config: dict[str, Any], tokenizer):
+    """The prompt processor of a vision-language checkpoint: its family's on the generic path, else
+    Qwen2-VL's (multimodal.processor)."""
+    if is_generic_vision(hf_config):
+        return GenericVLProcessor(model_path, hf_config, tokenizer)
+    return MultiModalProcessor(model_path, hf_config, tokenizer)
