@@ -1,9 +1,9 @@
 """The package build: pyproject.toml says what the package is; this adds the prebuilt C++ kernels to a wheel.
 
-A wheel build (`pip wheel .`, `python -m build --wheel`) compiles each kernel library for each CPU tier with that
-tier's explicit flags (kernels.cpp_build.compile_prebuilt) into sluice/kernels/prebuilt/ and tags the wheel for
-this Python and platform (cp3XX-cp3XX-linux_x86_64). An editable install (`make install`) compiles nothing: the
-kernels build on first use as always.
+A wheel build (`pip wheel .`, `python -m build --wheel`) compiles each kernel library for each CPU tier with
+that tier's explicit flags (kernels.cpp_build.compile_prebuilt) into sluice/kernels/prebuilt/ and tags the
+wheel for this Python and platform (cp3XX-cp3XX-linux_x86_64). An editable install (`make install`) compiles
+nothing: the kernels build on first use as always.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parent
 
 
 def _cpp_build() -> types.ModuleType:
-    """kernels.cpp_build as sluice.kernels.cpp_build, without importing the package (and the engine) around it."""
+    """kernels.cpp_build as sluice.kernels.cpp_build, without importing the package (and the engine) around
+    it."""
     for name, folder in (("sluice", "sluice"), ("sluice.kernels", "kernels")):
         if name not in sys.modules:
             package = types.ModuleType(name)
@@ -31,7 +32,8 @@ def _cpp_build() -> types.ModuleType:
 
 
 class BuildPyWithKernels(build_py):
-    """build_py, then (except for an editable install) the prebuilt kernels into the build's package folder."""
+    """build_py, then (except for an editable install) the prebuilt kernels into the build's package
+    folder."""
 
     def run(self) -> None:
         super().run()

@@ -62,7 +62,8 @@ def theirs(q, layer, tables, ctx, out):
 
 
 def timed_passes(layers: list, tables: torch.Tensor, batch: int, ctx: int, passes: int) -> tuple[dict, dict]:
-    """Each attention's outputs and its per-pass times in ms over every layer, the two interleaved per pass."""
+    """Each attention's outputs and its per-pass times in ms over every layer, the two interleaved per
+    pass."""
     q = torch.randn(batch, H, D, dtype=torch.bfloat16)
     outs = {fn: torch.empty_like(q) for fn in (ours, theirs)}
     ms: dict = {fn: [] for fn in outs}
@@ -101,9 +102,9 @@ def main() -> None:
     headers = ["cache", "B", "context", "torch (gather + SDPA) ms", "ours ms", "ours ×", "ours KV GB/s",
                "max |diff|"]
     body = table(headers, rows) + (
-        f"\n\nOne decode token per sequence over {args.layers} layers' caches (each its own pool, blocks in random "
-        f"order), {H} query / {HK} kv heads of {D}; median of {args.passes} interleaved passes. KV GB/s: the "
-        "keys, values and scales the step reads over our time.")
+        f"\n\nOne decode token per sequence over {args.layers} layers' caches (each its own pool, blocks in "
+        f"random order), {H} query / {HK} kv heads of {D}; median of {args.passes} interleaved passes. KV "
+        "GB/s: the keys, values and scales the step reads over our time.")
     if not args.no_record:
         record("Decode attention over the paged KV cache (CPU)", body)
     else:

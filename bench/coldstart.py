@@ -1,10 +1,10 @@
-"""Worker cold start, in one run: bare `import torch`, a raw read of each checkpoint's weight files, a real worker's
-process start → ready, and an offline start's ready → first token, for the bundled model, a ~1 GB bf16 checkpoint
-and its int8 and int4 pre-quantized versions, every start in the same page-cache state as the read it is set
-against.
+"""Worker cold start, in one run: bare `import torch`, a raw read of each checkpoint's weight files, a real
+worker's process start → ready, and an offline start's ready → first token, for the bundled model, a ~1 GB
+bf16 checkpoint and its int8 and int4 pre-quantized versions, every start in the same page-cache state as the
+read it is set against.
 
-python bench/coldstart.py [--hidden 2048 --layers 12] [--rounds 3] [--cold] [--threads N] [--variants tiny,...]
-    [--baseline REF] [--no-record]
+python bench/coldstart.py [--hidden 2048 --layers 12] [--rounds 3] [--cold] [--threads N]
+    [--variants tiny,...] [--baseline REF] [--no-record]
 
 --baseline REF (a git revision) adds, after each variant, the same start with the code of REF (common.py's
 `baseline_tree`, put first on the children's PYTHONPATH), alternated with this checkout's in every round: an
@@ -42,8 +42,8 @@ def started():
     return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"))
 """
 TORCH = START + "import json, torch\nprint(json.dumps({'ready': time.time() - started(), 'cpu': cpu()}))\n"
-# The first token, offline: the worker's imports (its entry point's collector pause included), its engine on its
-# defaults and its warm-up, then one one-token request timed from there (not through the queue).
+# The first token, offline: the worker's imports (its entry point's collector pause included), its engine on
+# its defaults and its warm-up, then one one-token request timed from there (not through the queue).
 FIRST = START + """import json, sys
 from sluice.worker import collector
 collector.pause()
@@ -62,10 +62,10 @@ print(json.dumps({"ready": ready - started(), "cpu": ready_cpu, "first": first -
 """
 # The same offline start without the worker's collector pause: what its imports cost before (for comparison).
 UNPAUSED = FIRST.replace("collector.pause()\n", "").replace("collector.resume()\n", "")
-# The 1 GB load alone, process start → weights loaded, the arena's ways compared: `copy` (a fresh arena: the reader
-# threads fault its pages in), `reserved` (engine.weight_reserve before `import torch`: the weights read into it meanwhile,
-# as the worker does), `reserved-after` (the same made after the import: the reads not overlapped), `mmap` (the file's
-# pages mapped where the stored bytes serve; the fused projections copied).
+# The 1 GB load alone, process start → weights loaded, the arena's ways compared: `copy` (a fresh arena: the
+# reader threads fault its pages in), `reserved` (engine.weight_reserve before `import torch`: the weights
+# read into it meanwhile, as the worker does), `reserved-after` (the same made after the import: the reads not
+# overlapped), `mmap` (the file's pages mapped where the stored bytes serve; the fused projections copied).
 LOAD = START + """import json, sys
 mode = sys.argv[2]
 reservation = None
@@ -84,23 +84,24 @@ loading = "mmap" if mode == "mmap" else "copy"
 model = load_model(sys.argv[1], torch.bfloat16, torch.device("cpu"), 64, weight_loading=loading,
                    reservation=reservation)
 done = time.time()
-print(json.dumps({"imported": imported - started(), "load": done - begun, "loaded": done - started(), "cpu": cpu()}))
+print(json.dumps({"imported": imported - started(), "load": done - begun, "loaded": done - started(),
+                  "cpu": cpu()}))
 """
 LOADS = ("copy", "reserved", "reserved-after", "mmap")
 READY = re.compile(r"ready in ([0-9.]+) s")
 NOTES = """
 
 Each column is the best of the rounds, rounds interleaved. `import torch` is a bare `python -c "import torch"`
-(process start → imported); raw read reads every weight file once (16 MB reads); worker start → ready is a real
-`python -m sluice.worker --model M --dtype bfloat16 --device cpu --burst --no-webhooks` against a local
+(process start → imported); raw read reads every weight file once (16 MB reads); worker start → ready is a
+real `python -m sluice.worker --model M --dtype bfloat16 --device cpu --burst --no-webhooks` against a local
 redis-server, its logged time to ready (process start → imported, `LLM(...)`, its one-step warm-up, its model
 announced: where it starts claiming); `ready / target` sets it against `import torch` for the bundled model
 and against `import torch` + raw read for the others (target: 1.25x). The offline columns are a second process
 doing the worker's start (its imports, collector pause included, `LLM(...)`, the warm-up) in-process, then one
 one-token request: first token is from that ready to the token, offline (not through a queue). CPU s is the
 process's own user + system CPU time up to ready (for `import torch`: up to imported), which other
-processes' load on the host moves far less than the wall clock. The page cache
-is warm (each file read once before) unless `--cold`, which drops each file before the raw read and each start.
+processes' load on the host moves far less than the wall clock. The page cache is warm (each file read once
+before) unless `--cold`, which drops each file before the raw read and each start.
 Kernels are built beforehand (one unmeasured start). A shared 2-core VM: compare ratios within one run."""
 
 
@@ -156,8 +157,8 @@ def prequantized(src: Path, mode: str) -> Path:
 
 
 def child(code: str, *args: str, path: str = "") -> str:
-    """Run code in a fresh interpreter outside the checkout (`path`: first on its PYTHONPATH); its last line of
-    output."""
+    """Run code in a fresh interpreter outside the checkout (`path`: first on its PYTHONPATH); its last line
+    of output."""
     out = subprocess.run([sys.executable, "-c", code, *args], cwd=tempfile.gettempdir(),
                          env=baseline_env(path), capture_output=True, text=True, timeout=2400)
     if out.returncode:
@@ -170,8 +171,8 @@ def redis_server() -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-           "--appendonly", "no", "--dir", tempfile.gettempdir()]
+    cmd = [shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind", "127.0.0.1",
+           "--save", "", "--appendonly", "no", "--dir", tempfile.gettempdir()]
     process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     for _ in range(300):
         with socket.socket() as s:
@@ -183,10 +184,10 @@ def redis_server() -> tuple[subprocess.Popen, str]:
 
 
 def worker_ready(model: Path, redis_url: str, path: str = "") -> float:
-    """A real `python -m sluice.worker --burst` on model (bf16, CPU, empty queues): the seconds from its process
-    start to ready that it logs (its time-to-ready gauge: imported, loaded, warmed up, announced)."""
-    cmd = [sys.executable, "-m", "sluice.worker", "--model", str(model), "--dtype", "bfloat16", "--device", "cpu",
-           "--burst", "--no-webhooks", "--redis-url", redis_url]
+    """A real `python -m sluice.worker --burst` on model (bf16, CPU, empty queues): the seconds from its
+    process start to ready that it logs (its time-to-ready gauge: imported, loaded, warmed up, announced)."""
+    cmd = [sys.executable, "-m", "sluice.worker", "--model", str(model), "--dtype", "bfloat16", "--device",
+           "cpu", "--burst", "--no-webhooks", "--redis-url", redis_url]
     out = subprocess.run(cmd, cwd=tempfile.gettempdir(), env=baseline_env(path), capture_output=True,
                          text=True,
                          timeout=2400)
@@ -230,8 +231,8 @@ def _round(row: dict, model: Path, cold: bool, url: str, paused: bool = True, pa
                        ("first", got["first"])):
         row[key] = min(row[key], value)
     row["transformers"] = got["transformers"]
-    print(f"{model.name}{' (baseline)' if path else ''}: read {read:.2f} s, worker ready {ready:.2f} s, offline ready {got['ready']:.2f} s, "
-          f"first token +{got['first']:.3f} s", flush=True)
+    print(f"{model.name}{' (baseline)' if path else ''}: read {read:.2f} s, worker ready {ready:.2f} s, "
+          f"offline ready {got['ready']:.2f} s, first token +{got['first']:.3f} s", flush=True)
 
 
 def with_baseline(variants: list[tuple[str, Path, str]], ref: str) -> list[tuple[str, Path, str]]:
@@ -251,8 +252,10 @@ def measure_loads(model: Path, rounds: int) -> str:
             got = json.loads(child(LOAD, str(model), mode))
             best[mode] = {k: min(v, got[k]) for k, v in best[mode].items()}
             print(mode, got, flush=True)
-    rows = [[mode, *(f"{b[k]:.2f}" for k in ("imported", "load", "loaded", "cpu"))] for mode, b in best.items()]
-    return table(["arena", "start → torch imported s", "load_model s", "start → loaded s", "CPU s to loaded"], rows)
+    rows = [[mode, *(f"{b[k]:.2f}" for k in ("imported", "load", "loaded", "cpu"))]
+            for mode, b in best.items()]
+    return table(["arena", "start → torch imported s", "load_model s", "start → loaded s", "CPU s to loaded"],
+                 rows)
 
 
 def result_rows(best: dict[str, dict[str, float]], variants: list[tuple[str, Path, str]]) -> list[list[str]]:
@@ -263,10 +266,11 @@ def result_rows(best: dict[str, dict[str, float]], variants: list[tuple[str, Pat
         b = best[name]
         size = sum(f.stat().st_size for f in weight_files(model)) / 1e9
         target = torch_s + (0.0 if model == TINY else b["read"])
-        worker = [f"{b['ready']:.2f}", f"{b['ready'] / target:.2f}x"] if b["ready"] < float("inf") else ["-", "-"]
+        worker = [f"{b['ready']:.2f}",
+                  f"{b['ready'] / target:.2f}x"] if b["ready"] < float("inf") else ["-", "-"]
         rows.append([name, f"{size:.2f}", f"{b['read']:.2f}", *worker,
-                     f"{b['offline']:.2f}", f"{b['cpu']:.2f}", f"{b['cpu'] / torch_cpu:.2f}x", f"{b['first']:.3f}",
-                     "yes" if b["transformers"] else "no"])
+                     f"{b['offline']:.2f}", f"{b['cpu']:.2f}", f"{b['cpu'] / torch_cpu:.2f}x",
+                     f"{b['first']:.3f}", "yes" if b["transformers"] else "no"])
     return rows
 
 
@@ -277,10 +281,13 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--cold", action="store_true", help="Drop the page cache before each read and start.")
     p.add_argument("--no-record", action="store_true")
-    p.add_argument("--variants", default="tiny,bf16,int8,int4", help="Which starts to measure (comma-separated; tiny-unpaused: the "
+    p.add_argument("--variants", default="tiny,bf16,int8,int4",
+                   help="Which starts to measure (comma-separated; tiny-unpaused: the "
                    "offline start of the bundled model without the collector pause).")
-    p.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS of the measured processes (0: unset).")
-    p.add_argument("--loads", action="store_true", help="Only the bf16 load's ways (LOADS), best of the rounds.")
+    p.add_argument("--threads", type=int, default=0,
+                   help="OMP_NUM_THREADS of the measured processes (0: unset).")
+    p.add_argument("--loads", action="store_true",
+                   help="Only the bf16 load's ways (LOADS), best of the rounds.")
     args = add_baseline(p).parse_args()  # a plain parser: the baseline's starts alternate with this code's
     bf16 = checkpoint(args.hidden, args.layers)
     if args.loads:
@@ -290,13 +297,14 @@ def main() -> None:
              "int8": ("int8, pre-quantized", lambda: prequantized(bf16, "int8")),
              "int4": ("int4 (NF4), pre-quantized", lambda: prequantized(bf16, "int4"))}
     every["tiny-unpaused"] = ("sluice-tiny" + UNPAUSED_ROW, lambda: TINY)
-    variants = with_baseline([(every[k][0], every[k][1](), "") for k in args.variants.split(",")], args.baseline)
+    variants = with_baseline([(every[k][0], every[k][1](), "") for k in args.variants.split(",")],
+                             args.baseline)
     if args.threads:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the children's (this process has imported torch)
     rows = result_rows(measure(variants, args.rounds, args.cold), variants)
     headers = ["checkpoint", "weights GB", "raw read s", "worker start → ready s", "ready / target",
-               "offline start → ready s", "CPU s to ready", "CPU vs import torch", "ready → first token s (offline)",
-               "transformers imported"]
+               "offline start → ready s", "CPU s to ready", "CPU vs import torch",
+               "ready → first token s (offline)", "transformers imported"]
     cache = "cold" if args.cold else "warm"
     threads = f", OMP_NUM_THREADS={args.threads}" if args.threads else ""
     record(f"{SECTION}, page cache {cache}, hidden {args.hidden} x {args.layers} layers{threads}",

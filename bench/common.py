@@ -166,7 +166,8 @@ def record(section: str, body: str) -> None:
     print(text)
     if "--no-record" not in sys.argv:
         doc = ROOT / "docs" / "benchmarks.md"
-        old = doc.read_text() if doc.exists() else "# Benchmarks\n\nMeasured results; each section names the command that produced it.\n"
+        old = (doc.read_text() if doc.exists()
+               else "# Benchmarks\n\nMeasured results; each section names the command that produced it.\n")
         doc.write_text(replace_section(old, section, text))
 
 

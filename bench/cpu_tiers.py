@@ -1,16 +1,16 @@
 """Our CPU kernels on one ISA tier against the torch op they replace, in one process, alternated.
 
-SLUICE_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python bench/cpu_tiers.py [--rows 1,4,16,32]
-    [--engine 1,8] [--gen 32] [--paths 4,8,16,32,64]
+SLUICE_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python bench/cpu_tiers.py
+    [--rows 1,4,16,32] [--engine 1,8] [--gen 32] [--paths 4,8,16,32,64]
 
-Times the bench model's 48 decoder linears (bf16 weights, out of cache as in a decode step) through our bf16 GEMV
-against F.linear (oneDNN), and the int8 weight-only GEMV at one row against torch's `_weight_int8pack_mm`, each
-pair alternated `--rounds` times (best of each): ratios on a noisy shared host are only meaningful within a run.
-The table names the tier the kernels were built for and torch's own CPU capability. `--engine B,...` adds the
-engine's bf16 decode tok/s on the ~125M bench model (bench/llamacpp.py's measure: B x 128 prompt tokens, `--gen`
-generated), our kernels against `SLUICE_CPU_KERNEL=0` (the torch fallbacks), alternated each round. `--paths R,...`
-times only the bf16 paths (the GEMV's narrow and widened-x tiles, `widened_linear`, the avx2 tier's GEMM) on the
-48 linears and the LM head at each row count.
+Times the bench model's 48 decoder linears (bf16 weights, out of cache as in a decode step) through our bf16
+GEMV against F.linear (oneDNN), and the int8 weight-only GEMV at one row against torch's
+`_weight_int8pack_mm`, each pair alternated `--rounds` times (best of each): ratios on a noisy shared host are
+only meaningful within a run. The table names the tier the kernels were built for and torch's own CPU
+capability. `--engine B,...` adds the engine's bf16 decode tok/s on the ~125M bench model (bench/llamacpp.py's
+measure: B x 128 prompt tokens, `--gen` generated), our kernels against `SLUICE_CPU_KERNEL=0` (the torch
+fallbacks), alternated each round. `--paths R,...` times only the bf16 paths (the GEMV's narrow and widened-x
+tiles, `widened_linear`, the avx2 tier's GEMM) on the 48 linears and the LM head at each row count.
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ def bf16_rows(rows: int, rounds: int) -> tuple[float, float]:
 
 def bf16_paths(rows: int, rounds: int) -> dict[str, float]:
     """ms for the 48 linears and the LM head at `rows` rows on each bf16 path: the GEMV's narrow tiles, its
-    widened-x tiles (the avx2 tier's; the same as narrow on avx512_bf16), and `widened_linear` (oneDNN fp32)."""
+    widened-x tiles (the avx2 tier's; the same as narrow on avx512_bf16), and `widened_linear` (oneDNN
+    fp32)."""
     weights = [torch.randn(n, k).to(torch.bfloat16) for n, k in [*LINEARS, (32000, 768)]]
     xs = {k: torch.randn(rows, k).to(torch.bfloat16) for _, k in LINEARS}
     gemv = linear_kernels._gemv()
@@ -89,8 +90,9 @@ def int8_one_row(rounds: int) -> tuple[float, float]:
     scales = [torch.rand(n).to(torch.bfloat16) for n, _ in LINEARS]
     xs = {k: torch.randn(1, k).to(torch.bfloat16) for _, k in LINEARS}
     gemv = int8_weights._gemv_kernel(scales[0])
-    theirs = lambda: [torch.ops.aten._weight_int8pack_mm(xs[q.shape[1]], q, s) for q, s in zip(qs, scales, strict=True)]  # noqa: E731
-    ours = lambda: [gemv.int8_gemv(xs[q.shape[1]], q, s) for q, s in zip(qs, scales, strict=True)]  # noqa: E731
+    pairs = list(zip(qs, scales, strict=True))
+    theirs = lambda: [torch.ops.aten._weight_int8pack_mm(xs[q.shape[1]], q, s) for q, s in pairs]  # noqa: E731
+    ours = lambda: [gemv.int8_gemv(xs[q.shape[1]], q, s) for q, s in pairs]  # noqa: E731
     times = {"torch": float("inf"), "ours": float("inf")}
     with torch.inference_mode():
         for _ in range(rounds):
@@ -133,7 +135,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--engine", default="", help="batch sizes for the engine's decode tok/s, e.g. 1,8")
     parser.add_argument("--gen", type=int, default=32)
-    parser.add_argument("--paths", default="", help="row counts for the bf16 paths alone (ms per path), e.g. 8,64")
+    parser.add_argument("--paths", default="",
+                        help="row counts for the bf16 paths alone (ms per path), e.g. 8,64")
     args = parser.parse_args()
     if linear_kernels._gemv() is None:
         raise SystemExit(f"no bf16 GEMV on tier {cpu_isa.tier()}")
@@ -141,7 +144,8 @@ def main() -> None:
           f"{torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads\n")
     if args.paths:
         for rows in (int(r) for r in args.paths.split(",")):
-            print(f"| {rows} rows | " + " | ".join(f"{k} {v:.1f} ms" for k, v in bf16_paths(rows, args.rounds).items()))
+            print(f"| {rows} rows | " + " | ".join(f"{k} {v:.1f} ms"
+                                                   for k, v in bf16_paths(rows, args.rounds).items()))
         return
     print("| op | rows | torch ms | ours ms | ours × |\n|---|---|---|---|---|")
     for rows in (int(r) for r in args.rows.split(",")):
@@ -151,7 +155,8 @@ def main() -> None:
     print(f"| int8 weight-only (_weight_int8pack_mm) | 1 | {theirs:.2f} | {ours:.2f} | {theirs / ours:.2f} |")
     if args.engine:
         print("\n| B | bf16 decode tok/s, SLUICE_CPU_KERNEL=0 | ours | ours × |\n|---|---|---|---|")
-        for b, off, on in engine_decode([int(b) for b in args.engine.split(",")], max(2, args.rounds // 5), args.gen):
+        for b, off, on in engine_decode([int(b) for b in args.engine.split(",")], max(2, args.rounds // 5),
+                                        args.gen):
             print(f"| {b} | {off:.1f} | {on:.1f} | {on / off:.2f} |")
 
 

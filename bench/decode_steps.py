@@ -1,14 +1,16 @@
 """Decode-step time of our quantized modes against bf16, interleaved finely enough for a noisy shared host.
 
-python bench/decode_steps.py [--batches 1,4,8,32,64] [--modes bf16,int8,int4] [--blocks 12] [--steps 8] [--pages]
+python bench/decode_steps.py [--batches 1,4,8,32,64] [--modes bf16,int8,int4] [--blocks 12] [--steps 8]
+    [--pages]
 
 Whole-run ratios (bench/llamacpp.py's best-of-rounds) swing by +-20% here when the host's load changes between
 runs. This one keeps every mode's engine loaded with the same B decoding sequences and alternates modes every
-`--steps` decode steps, `--blocks` times, so each mode sees the same host; it reports the median step. A second
-table times the int8 x int8 matmul of the dynamic int8 path, ours (AVX512-VNNI) against torch._int_mm, over
-the bench model's 48 decoder linears (weights out of cache, as in a decode step); a third the int4 linears, ours
-(int8 x int4 by VNNI on our layout) against torch's int4pack path. `--pages` instead times each mode's step with
-its weights in huge pages (the default) against the same engine on 4 KB pages (huge_pages=False), alternating.
+`--steps` decode steps, `--blocks` times, so each mode sees the same host; it reports the median step. A
+second table times the int8 x int8 matmul of the dynamic int8 path, ours (AVX512-VNNI) against torch._int_mm,
+over the bench model's 48 decoder linears (weights out of cache, as in a decode step); a third the int4
+linears, ours (int8 x int4 by VNNI on our layout) against torch's int4pack path. `--pages` instead times each
+mode's step with its weights in huge pages (the default) against the same engine on 4 KB pages
+(huge_pages=False), alternating.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from sluice.kernels import int4_weights, int8_weights
 LINEARS = [(1280, 768), (768, 768), (4096, 768), (768, 2048)] * 12  # qkv, o, gate_up, down of 12 layers
 
 
-def step_times(model, engines: dict[str, tuple[str, bool]], batch: int, blocks: int, steps: int) -> dict[str, float]:
+def step_times(model, engines: dict[str, tuple[str, bool]], batch: int, blocks: int,
+               steps: int) -> dict[str, float]:
     """Median decode-step seconds per engine (name: mode, huge pages), each decoding the same `batch` random
     prompts."""
     llms = {name: load(model, m, [batch], huge_pages=huge) for name, (m, huge) in engines.items()}
@@ -66,15 +69,16 @@ def int8_matmuls(rows: list[int]) -> list[list]:
 
 
 def int4_matmuls(rows: list[int]) -> list[list]:
-    """ms for the model's 49 int4 linears (LM head included) at each row count: torch's int4pack path (its GEMV to
-    MAX_INT4PACK_ROWS rows, our tiles on its layout above), ours on our VNNI layout (the int8 x int4 product to
-    MAX_VNNI_ROWS rows, bf16 tiles above), ratio; [] without VNNI."""
+    """ms for the model's 49 int4 linears (LM head included) at each row count: torch's int4pack path (its
+    GEMV to MAX_INT4PACK_ROWS rows, our tiles on its layout above), ours on our VNNI layout (the int8 x int4
+    product to MAX_VNNI_ROWS rows, bf16 tiles above), ratio; [] without VNNI."""
     if int4_weights.vnni_kernel() is None:
         return []
     torch.manual_seed(0)
     shapes = [(n, k) for n, k in LINEARS] + [(32000, 768)]
     dense = [torch.randn(s) * 0.02 for s in shapes]
-    layouts = {lay: [int4_weights.pack(w, torch.bfloat16, lay) for w in dense] for lay in ("int4pack", "vnni")}
+    layouts = {lay: [int4_weights.pack(w, torch.bfloat16, lay) for w in dense]
+               for lay in ("int4pack", "vnni")}
     del dense
     table_rows = []
     for m in rows:
@@ -86,7 +90,8 @@ def int4_matmuls(rows: list[int]) -> list[list]:
 
 
 def pages(model, modes: list[str], batches: list[int], blocks: int, steps: int) -> None:
-    """Each mode's median step with its weights in huge pages against 4 KB pages, alternating in one process."""
+    """Each mode's median step with its weights in huge pages against 4 KB pages, alternating in one
+    process."""
     rows = []
     for b in batches:
         for m in modes:
@@ -94,10 +99,11 @@ def pages(model, modes: list[str], batches: list[int], blocks: int, steps: int) 
             rows.append([b, m, med["4k"] * 1e3, med["huge"] * 1e3, med["4k"] / med["huge"]])
             print(rows[-1], flush=True)
     body = table(["B", "mode", "4 KB pages step ms", "huge pages step ms", "huge ×"], rows) + (
-        f"\n\nMedian decode step (ms) of B sequences past a {PROMPT}-token random prompt: per mode, the engine with "
-        f"its weights in one arena of transparent huge pages (engine.weight_memory, the default) and the same "
-        f"engine with huge_pages=False loaded side by side, alternating every {steps} steps, {blocks} times; "
-        "bench/llamacpp.py's model. Modes: " + ", ".join(f"{m} = quantization={MODES[m][0]!r}" for m in modes) + ".")
+        f"\n\nMedian decode step (ms) of B sequences past a {PROMPT}-token random prompt: per mode, the "
+        "engine with its weights in one arena of transparent huge pages (engine.weight_memory, the default) "
+        f"and the same engine with huge_pages=False loaded side by side, alternating every {steps} steps, "
+        f"{blocks} times; bench/llamacpp.py's model. Modes: "
+        + ", ".join(f"{m} = quantization={MODES[m][0]!r}" for m in modes) + ".")
     record("Decode step, weights in huge pages vs 4 KB pages", body)
 
 
@@ -123,33 +129,35 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     modes = args.modes.split(",")
-    assert modes[0] == "bf16" and all(m in MODES for m in modes), f"modes: bf16 first, then of {sorted(MODES)}"
+    assert modes[0] == "bf16" and set(modes) <= set(MODES), f"modes: bf16 first, then of {sorted(MODES)}"
     batches = [int(b) for b in args.batches.split(",")]
-    model = bench_model()
     if args.pages:
-        return pages(model, modes, batches, args.blocks, args.steps)
-    rows = []
+        return pages(bench_model(), modes, batches, args.blocks, args.steps)
+    model, rows = bench_model(), []
     for b in batches:
         med = step_times(model, {m: (m, True) for m in modes}, b, args.blocks, args.steps)
         rows.append([b, *(med[m] * 1e3 for m in modes), *(med["bf16"] / med[m] for m in modes[1:])])
         print(rows[-1], flush=True)
     headers = ["B", *(f"{m} step ms" for m in modes), *(f"{m} / bf16 speed" for m in modes[1:])]
     body = table(headers, rows) + (
-        f"\n\nMedian decode step (ms) of B sequences past a {PROMPT}-token random prompt, the modes' engines loaded "
-        f"side by side and alternating every {args.steps} steps, {args.blocks} times; bench/llamacpp.py's model "
-        f"({GEN}-token runs there). Modes: " + ", ".join(f"{m} = quantization={MODES[m][0]!r}" for m in modes) + ".")
+        f"\n\nMedian decode step (ms) of B sequences past a {PROMPT}-token random prompt, the modes' engines "
+        f"loaded side by side and alternating every {args.steps} steps, {args.blocks} times; "
+        f"bench/llamacpp.py's model ({GEN}-token runs there). Modes: "
+        + ", ".join(f"{m} = quantization={MODES[m][0]!r}" for m in modes) + ".")
     matmuls = int8_matmuls([1, 2, 4, 8, 16, 32, 64])
     if matmuls:
         body += "\n\n" + table(["rows", "torch._int_mm ms", "ours (VNNI) ms", "ours ×"], matmuls) + (
-            "\n\nThe int8 x int8 -> int32 matmuls of the dynamic int8 path over the model's 48 decoder linears "
-            "(int8 weights, 75 MB, read from memory each pass), best of 5 x 10 passes; both give the same exact sums.")
+            "\n\nThe int8 x int8 -> int32 matmuls of the dynamic int8 path over the model's 48 decoder "
+            "linears (int8 weights, 75 MB, read from memory each pass), best of 5 x 10 passes; both give the "
+            "same exact sums.")
     matmuls = int4_matmuls([1, 2, 4, 8, 16, 32, 64])
     if matmuls:
         body += "\n\n" + table(["rows", "torch int4pack ms", "ours (VNNI layout) ms", "ours ×"], matmuls) + (
-            "\n\nThe int4 weight-only linears of the model, LM head included (49, 62 MB with scales and zeros), "
-            "best of 5 x 10 passes: torch's `_weight_int4pack_mm_for_cpu` to 16 rows and our tiles on its layout "
-            "above, against ours: activations quantized to int8 per group of 32 and multiplied by `vpdpbusd` to 16 "
-            "rows, above it weight blocks requantized to int8 per row times x quantized per row (VNNI).")
+            "\n\nThe int4 weight-only linears of the model, LM head included (49, 62 MB with scales and "
+            "zeros), best of 5 x 10 passes: torch's `_weight_int4pack_mm_for_cpu` to 16 rows and our tiles "
+            "on its layout above, against ours: activations quantized to int8 per group of 32 and multiplied "
+            "by `vpdpbusd` to 16 rows, above it weight blocks requantized to int8 per row times x quantized "
+            "per row (VNNI).")
     record("Decode step by quantization mode (fine interleave)", body)
 
 

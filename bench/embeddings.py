@@ -1,6 +1,6 @@
-"""Embeddings batch throughput: the engine (LLM.embed, one continuous batch) vs a sentence-transformers-style loop
-(transformers AutoModel, inputs sorted by length as sentence-transformers' encode does, padded batches of --batch,
-the same pooling) and a naive `model(**batch)` loop (the same, in input order), all in one run.
+"""Embeddings batch throughput: the engine (LLM.embed, one continuous batch) vs a sentence-transformers-style
+loop (transformers AutoModel, inputs sorted by length as sentence-transformers' encode does, padded batches of
+--batch, the same pooling) and a naive `model(**batch)` loop (the same, in input order), all in one run.
 
 python bench/embeddings.py [--num-requests 256] [--batch 32] [--rounds 2] [--min-len 16] [--max-len 256]
 Rounds alternate the two; the model is the ~125M random Llama of bench/common.py (bf16), pooled by mean (its
@@ -162,8 +162,8 @@ def decoder_bench(args) -> None:
              rate[k] / rate["hf"]] for k in seconds]
     body = table(["path", "inputs", "tokens", "tokens/s", "inputs/s", "vs sentence-transformers-style"], rows)
     body += f"\n\nLowest cosine between the two sides' embeddings: {cos:.5f} (bf16 both)."
-    record(f"Embeddings: batch throughput vs a sentence-transformers-style loop ({args.min_len}-{args.max_len} "
-           f"tokens, CPU, bf16)", body)
+    record("Embeddings: batch throughput vs a sentence-transformers-style loop "
+           f"({args.min_len}-{args.max_len} tokens, CPU, bf16)", body)
 
 
 def main() -> None:

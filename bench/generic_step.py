@@ -1,13 +1,13 @@
-"""One decode step of the bench's Llama (batch 32), native forward vs generic path, replayed: where the generic path's
-extra time goes on CPU (bf16, one thread, process CPU time).
+"""One decode step of the bench's Llama (batch 32), native forward vs generic path, replayed: where the
+generic path's extra time goes on CPU (bf16, one thread, process CPU time).
 
 python bench/generic_step.py [--batch 32] [--rounds 5] [--parts]
 
-Captures the model call of one decode step of each engine (batch `--batch`, after 20 generated tokens) and replays
-it, the systems alternated `--rounds` times (median): native, generic, and generic with transformers' own forwards put
-back where `use_our_kernels` fused a decoder layer, an attention or a rotary slot ("generic, transformers' forwards").
-`--parts`: each system's time per step inside its decoder layers, attention, MLP and linears (timers around module
-forwards: they add their own small cost to both).
+Captures the model call of one decode step of each engine (batch `--batch`, after 20 generated tokens) and
+replays it, the systems alternated `--rounds` times (median): native, generic, and generic with transformers'
+own forwards put back where `use_our_kernels` fused a decoder layer, an attention or a rotary slot ("generic,
+transformers' forwards"). `--parts`: each system's time per step inside its decoder layers, attention, MLP and
+linears (timers around module forwards: they add their own small cost to both).
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from sluice.engine.models import generic as generic_module
 
 
 def engine(path: Path, generic: bool, transformers_forwards: bool = False) -> LLM:
-    """An engine on `path`, forced onto the generic path if asked, with transformers' forwards put back if asked."""
+    """An engine on `path`, forced onto the generic path if asked, with transformers' forwards put back if
+    asked."""
     if not generic:
         return LLM(str(path), dtype="bfloat16", device="cpu")
     with forced_generic():
@@ -65,7 +66,8 @@ def step_us(model, args, kwargs, n: int = 100) -> float:
 
 
 def timers(systems: dict) -> dict[str, float]:
-    """Wrap the parts of every system's model with CPU timers; returns their totals (seconds), filled as they run."""
+    """Wrap the parts of every system's model with CPU timers; returns their totals (seconds), filled as they
+    run."""
     acc: dict[str, float] = collections.defaultdict(float)
 
     def wrap(mod, name):
@@ -93,13 +95,15 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--prompt", type=int, default=32)
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--parts", action="store_true", help="time per part of the step instead of the alternated runs")
+    p.add_argument("--parts", action="store_true",
+                   help="time per part of the step instead of the alternated runs")
     p.add_argument("--root", type=Path, default=Path(tempfile.gettempdir()) / "sluice-bench-archs")
     a = p.parse_args()
     torch.set_num_threads(1)
     path = checkpoint("llama", a.root)
     systems = {label: capture(engine(path, *flags), a.batch, a.prompt) for label, flags in
-               (("native", (False,)), ("generic", (True,)), ("generic, transformers' forwards", (True, True)))}
+               (("native", (False,)), ("generic", (True,)),
+                ("generic, transformers' forwards", (True, True)))}
     acc = timers(systems) if a.parts else None
     runs: dict[str, list[float]] = {label: [] for label in systems}
     for _ in range(a.rounds):
@@ -111,7 +115,8 @@ def main() -> None:
         return
     native = statistics.median(runs["native"])
     for label, us in runs.items():
-        print(f"{label:34s} {statistics.median(us):6.0f} us/step ({native / statistics.median(us):.2f}x native speed)")
+        print(f"{label:34s} {statistics.median(us):6.0f} us/step ({native / statistics.median(us):.2f}x "
+              "native speed)")
 
 
 if __name__ == "__main__":

@@ -79,7 +79,8 @@ def sync(dev: torch.device) -> None:
 def environment(dev: torch.device) -> dict:
     import transformers
 
-    info = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+    info = {"torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(),
             "triton": _version("triton"), "bitsandbytes": _version("bitsandbytes"), "device": str(dev)}
     if dev.type == "cuda":
         info |= {"gpu": torch.cuda.get_device_name(dev), "cuda": torch.version.cuda,
@@ -112,8 +113,8 @@ def random_llama(small: bool) -> Path:
 
 
 def engine(path: Path, dev: torch.device, dtype: str, **kw) -> LLM:
-    return LLM(str(path), dtype=dtype, device=dev.type, tokenizer=str(BUNDLED), kv_cache_memory_gb=kw.pop("kv_gb", 8.0),
-               **kw)
+    return LLM(str(path), dtype=dtype, device=dev.type, tokenizer=str(BUNDLED),
+               kv_cache_memory_gb=kw.pop("kv_gb", 8.0), **kw)
 
 
 def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -122,7 +123,8 @@ def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
 
 
 def greedy_exactness(dev: torch.device, small: bool) -> dict:
-    """Greedy tokens of the bundled model: ours vs transformers (full forward per token), fp32 (must match) and bf16."""
+    """Greedy tokens of the bundled model: ours vs transformers (full forward per token), fp32 (must match)
+    and bf16."""
     from transformers import AutoModelForCausalLM
 
     ps = prompts(4 if small else 8, 12, 8192, seed=1)
@@ -133,11 +135,13 @@ def greedy_exactness(dev: torch.device, small: bool) -> dict:
         want = [hf_greedy(hf, p, new, dev) for p in ps]
         del hf
         llm = engine(BUNDLED, dev, dtype, kv_gb=1.0)
-        got = [o.token_ids for o in llm.generate(ps, SamplingParams(max_tokens=new, temperature=0, ignore_eos=True),
-                                                 progress=False)]
+        got = [o.token_ids
+               for o in llm.generate(ps, SamplingParams(max_tokens=new, temperature=0, ignore_eos=True),
+                                     progress=False)]
         del llm
         same = sum(a == b for a, b in zip(got, want, strict=True))
-        prefix = [next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), new) for a, b in zip(got, want, strict=True)]
+        prefix = [next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), new)
+                  for a, b in zip(got, want, strict=True)]
         out[dtype] = {"sequences_equal": same, "sequences": len(ps), "first_divergence": prefix}
     out["pass"] = out["float32"]["sequences_equal"] == len(ps)
     return out
@@ -145,7 +149,8 @@ def greedy_exactness(dev: torch.device, small: bool) -> dict:
 
 @torch.no_grad()
 def hf_greedy(hf, prompt: list[int], new: int, dev: torch.device) -> list[int]:
-    """Greedy tokens from transformers' full forward at each step (EOS is just another token, as ignore_eos)."""
+    """Greedy tokens from transformers' full forward at each step (EOS is just another token, as
+    ignore_eos)."""
     ids = torch.tensor([prompt], device=dev)
     for _ in range(new):
         ids = torch.cat([ids, hf(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
@@ -169,7 +174,8 @@ def prompt_logits(dev: torch.device, path: Path, small: bool) -> dict:
         got = [g.float() for g in llm.score(ps)]
         del llm
         err = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(got, want, strict=True))
-        top1 = sum((a.argmax(-1) == b.argmax(-1)).float().mean().item() for a, b in zip(got, want, strict=True)) / len(ps)
+        top1 = sum((a.argmax(-1) == b.argmax(-1)).float().mean().item()
+                   for a, b in zip(got, want, strict=True)) / len(ps)
         out[dtype] = {"max_rel_err": err, "top1_agreement": top1, "tolerance": tol, "pass": err < tol}
     return out
 

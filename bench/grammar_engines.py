@@ -90,8 +90,8 @@ def main() -> None:
         rows.append(f"| {name} | {compile_s * 1e3:.1f} | {row_s * 1e6:.0f} | {filled} |")
     table = "\n".join(["| engine | compile ms / schema | mask µs / row (batched fill) | rows filled |",
                        "|---|---|---|---|", *rows])
-    record(f"Grammar engines: xgrammar vs llguidance ({Path(args.model).name}, vocab {vocab}, batch {args.batch}, "
-           f"{len(SCHEMAS)} schemas)", table)
+    record(f"Grammar engines: xgrammar vs llguidance ({Path(args.model).name}, vocab {vocab}, batch "
+           f"{args.batch}, {len(SCHEMAS)} schemas)", table)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""JSON schemas of the kinds structured-output users send: objects, enums, bounded integers, arrays, nesting, anyOf."""
+"""JSON schemas of the kinds structured-output users send: objects, enums, bounded integers, arrays, nesting,
+anyOf."""
 
 from __future__ import annotations
 

@@ -1,14 +1,16 @@
 """Decode tok/s of llama.cpp (`llama-batched-bench`) vs our engine on the same weights, shapes and threads.
 
-python bench/llamacpp.py [--batches 1,8,32,64] [--rounds 2] [--modes bf16,int8,int4] [--prompt 128] [--gen 128]
+python bench/llamacpp.py [--batches 1,8,32,64] [--rounds 2] [--modes bf16,int8,int4] [--prompt 128]
+    [--gen 128]
 
-Builds llama.cpp once per ISA tier from the llama-cpp-python sdist (its vendored source, GGML_NATIVE=OFF plus the
-flags of the tier our kernels run, kernels.cpu_isa, so both sides use the same instructions; AMX off: its AMX path
-crashes on our VMs) into ~/.cache/sluice-llamacpp/build-<tier>; for an AVX2 comparison on any host run it with
-SLUICE_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2. It converts the ~125M benchmark model to GGUF bf16/q8_0/q4_0 with the
-vendored convert_hf_to_gguf.py and llama-quantize, then runs llama.cpp and `Engine` back to back at each
-batch size of each mode, every round, on B sequences x 128 random prompt tokens, 128 generated tokens. Both report decode tok/s only
-(B * 128 / time of the generation steps); each cell is the best of the rounds.
+Builds llama.cpp once per ISA tier from the llama-cpp-python sdist (its vendored source, GGML_NATIVE=OFF plus
+the flags of the tier our kernels run, kernels.cpu_isa, so both sides use the same instructions; AMX off: its
+AMX path crashes on our VMs) into ~/.cache/sluice-llamacpp/build-<tier>; for an AVX2 comparison on any host
+run it with SLUICE_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2. It converts the ~125M
+benchmark model to GGUF bf16/q8_0/q4_0 with the vendored convert_hf_to_gguf.py and llama-quantize, then runs
+llama.cpp and `Engine` back to back at each batch size of each mode, every round, on B sequences x 128 random
+prompt tokens, 128 generated tokens. Both report decode tok/s only (B * 128 / time of the generation steps);
+each cell is the best of the rounds.
 """
 
 from __future__ import annotations
@@ -36,10 +38,11 @@ CMAKE_BASE = [  # no network, no server, static binaries; ISA flags per tier (TI
     "-DBUILD_SHARED_LIBS=OFF",
 ]
 AVX2_CMAKE = ["-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_BMI2=ON",
-              "-DGGML_AVX512=OFF", "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF", "-DGGML_AVX512_VBMI=OFF",
-              "-DGGML_AVX_VNNI=OFF"]
-TIER_CMAKE = {  # llama.cpp built for the same ISA tier as our kernels (kernels.cpu_isa); AMX stays off (its AMX
-    # path crashes on our VMs), so the amx tier's llama.cpp is the avx512_bf16 build
+              "-DGGML_AVX512=OFF", "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF",
+              "-DGGML_AVX512_VBMI=OFF", "-DGGML_AVX_VNNI=OFF"]
+# llama.cpp built for the same ISA tier as our kernels (kernels.cpu_isa); AMX stays off (its AMX path crashes
+# on our VMs), so the amx tier's llama.cpp is the avx512_bf16 build
+TIER_CMAKE = {
     "avx2": AVX2_CMAKE,
     "avx512": [*AVX2_CMAKE[:5], "-DGGML_AVX512=ON", "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=OFF",
                "-DGGML_AVX512_VBMI=OFF", "-DGGML_AVX_VNNI=OFF"],
@@ -107,7 +110,8 @@ c.main()
 
 
 def gguf(model: Path, kind: str, bin_dir: Path) -> Path:
-    """The benchmark model as GGUF of the given type (bf16, q8_0 straight from the converter, q4_0 quantized)."""
+    """The benchmark model as GGUF of the given type (bf16, q8_0 straight from the converter, q4_0
+    quantized)."""
     out = CACHE / f"{model.name}-{kind}.gguf"
     if out.is_file():
         return out
@@ -130,7 +134,8 @@ def llamacpp(bin_dir: Path, model: Path, batches: list[int], threads: int) -> di
         check=True, capture_output=True, text=True)
     rows = [json.loads(line[line.index('{"'):]) for line in res.stdout.splitlines() if '{"' in line]
     got = {r["pl"]: (r["speed_tg"], r["speed_pp"]) for r in rows}
-    if set(got) != set(batches):  # its log lines may share a line with the JSON: say so rather than drop a row
+    # its log lines may share a line with the JSON: say so rather than drop a row
+    if set(got) != set(batches):
         raise RuntimeError(f"llama-batched-bench gave rows {sorted(got)} for {batches}: {res.stdout[-2000:]}")
     return got
 
@@ -158,7 +163,8 @@ def sluice(llm: LLM, batch: int, seed: int) -> tuple[float, float]:
 
 def load(model: Path, mode: str, batches: list[int], **engine_args) -> LLM:
     llm = LLM(str(model), dtype="bfloat16", device="cpu", quantization=MODES[mode][0],
-              max_num_seqs=max(batches), max_model_len=PROMPT + GEN + 16, enable_prefix_caching=False, **engine_args)
+              max_num_seqs=max(batches), max_model_len=PROMPT + GEN + 16, enable_prefix_caching=False,
+              **engine_args)
     sluice(llm, 2, seed=-1)  # warm-up: kernels built, allocator primed
     arena = getattr(llm.engine.model, "weight_arena", None)
     if arena is not None:
@@ -190,7 +196,8 @@ def main() -> None:
     best: dict[tuple[str, str, int], tuple[float, float]] = {}
     for r in range(args.rounds):
         for m in modes:
-            for b in batches:  # llama.cpp and ours back to back at each shape: the host's load moves by the minute
+            # llama.cpp and ours back to back at each shape: the host's load moves by the minute
+            for b in batches:
                 for pl, tps in llamacpp(bin_dir, ggufs[m], [b], args.threads).items():
                     keep_best(best, ("llama", m, pl), tps)
                 keep_best(best, ("sluice", m, b), sluice(llms[m], b, seed=r))
@@ -223,13 +230,15 @@ def report(best, modes, batches, args) -> str:
                 bf16 = best[("sluice", "bf16", b)][phase]
                 row += [best[("sluice", m, b)][phase] / bf16 for m in modes if m != "bf16"]
             rows.append(row)
-    note = (f"\n\nRows `B`: decode tok/s (B x {GEN} generated tokens / generation time); rows `prefill B`: prefill "
-            f"tok/s (B x {PROMPT} random prompt tokens / time to every sequence's first token; llama.cpp's S_PP), {args.threads} threads, best of {args.rounds} rounds (llama.cpp and ours back to back at each B), random ~125M Llama "
-            "(hidden 768, 12 layers, 12/4 heads, inter 2048, vocab 32000) from the same safetensors. llama.cpp: "
-            f"`llama-batched-bench` from the llama-cpp-python sdist's vendored source, built for the {cpu_isa.tier()} "
-            f"tier as our kernels are (GGML_NATIVE=OFF, AMX off; torch's CPU capability "
-            f"{torch.backends.cpu.get_cpu_capability()}). Sluice modes: " + ", ".join(f"{m} = quantization={MODES[m][0]!r}" for m in modes)
-            + ".")
+    note = (f"\n\nRows `B`: decode tok/s (B x {GEN} generated tokens / generation time); rows `prefill B`: "
+            f"prefill tok/s (B x {PROMPT} random prompt tokens / time to every sequence's first token; "
+            f"llama.cpp's S_PP), {args.threads} threads, best of {args.rounds} rounds (llama.cpp and ours "
+            "back to back at each B), random ~125M Llama (hidden 768, 12 layers, 12/4 heads, inter 2048, "
+            "vocab 32000) from the same safetensors. llama.cpp: `llama-batched-bench` from the "
+            f"llama-cpp-python sdist's vendored source, built for the {cpu_isa.tier()} tier as our kernels "
+            "are (GGML_NATIVE=OFF, AMX off; torch's CPU capability "
+            f"{torch.backends.cpu.get_cpu_capability()}). Sluice modes: "
+            + ", ".join(f"{m} = quantization={MODES[m][0]!r}" for m in modes) + ".")
     return table(headers, rows) + note
 
 

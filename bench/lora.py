@@ -1,5 +1,6 @@
-"""LoRA adapters: a decode batch mixing distinct adapters against the base model alone and against transformers
-+ PEFT serving the same requests one adapter at a time; memory with many adapters registered; cold load time.
+"""LoRA adapters: a decode batch mixing distinct adapters against the base model alone and against
+transformers + PEFT serving the same requests one adapter at a time; memory with many adapters registered;
+cold load time.
 
     python bench/lora.py [--batch 32] [--adapters 8] [--rank 16] [--new 128] [--registered 100]
 """
@@ -31,12 +32,13 @@ def write_adapter(folder: Path, rank: int, seed: int) -> Path:
     for layer in range(BENCH_CONFIG["num_hidden_layers"]):
         for name, (out, inp) in shapes.items():
             key = f"base_model.model.model.layers.{layer}.{name}"
-            tensors[f"{key}.lora_A.weight"] = (torch.randn(rank, inp, generator=g) / inp**0.5).to(torch.bfloat16)
+            tensors[f"{key}.lora_A.weight"] = (torch.randn(rank, inp,
+                                                           generator=g) / inp**0.5).to(torch.bfloat16)
             tensors[f"{key}.lora_B.weight"] = (torch.randn(out, rank, generator=g) * 0.01).to(torch.bfloat16)
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(folder / "adapter_model.safetensors"))
-    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": TARGETS, "bias": "none",
-              "task_type": "CAUSAL_LM", "base_model_name_or_path": "bench"}
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": TARGETS,
+              "bias": "none", "task_type": "CAUSAL_LM", "base_model_name_or_path": "bench"}
     (folder / "adapter_config.json").write_text(json.dumps(config))
     return folder
 
@@ -112,8 +114,10 @@ def decode_rounds(args, base: Path, prompts, mixed) -> tuple[list[tuple[float, f
     decode_rate(plain, prompts[:2], None, 4)
     rows = []
     for r in range(args.rounds):
-        rows.append((decode_rate(plain, prompts, None, args.new), decode_rate(tuned, prompts, mixed, args.new)))
-        print(f"round {r}: base {rows[-1][0]:.1f} tok/s, {args.adapters} adapters mixed {rows[-1][1]:.1f} tok/s")
+        rows.append((decode_rate(plain, prompts, None, args.new),
+                     decode_rate(tuned, prompts, mixed, args.new)))
+        print(f"round {r}: base {rows[-1][0]:.1f} tok/s, {args.adapters} adapters mixed {rows[-1][1]:.1f} "
+              "tok/s")
     return rows, tuned
 
 
@@ -156,8 +160,10 @@ def main() -> None:
           f"{statistics.median(a for a, _ in rows):.1f}"],
          [f"B={args.batch} decode tok/s, {args.adapters} rank-{args.rank} adapters (all linears) mixed",
           f"{lora_med:.1f}"],
-         ["mixed / base alone (median of per-round ratios)", f"{statistics.median(b / a for a, b in rows):.2f}x"],
-         [f"transformers + PEFT, one adapter at a time (set_adapter, batches of {args.batch // args.adapters})",
+         ["mixed / base alone (median of per-round ratios)",
+          f"{statistics.median(b / a for a, b in rows):.2f}x"],
+         ["transformers + PEFT, one adapter at a time (set_adapter, batches of "
+          f"{args.batch // args.adapters})",
           f"{hf:.1f}"],
          ["mixed / transformers + PEFT", f"{lora_med / hf:.2f}x"],
          [f"RSS growth after {args.registered} adapters registered and run (max_loras {args.adapters})",

@@ -1,8 +1,9 @@
-"""Where a batch-32 decode step of the native MoE forward goes (torch profiler, bf16, CPU): the router, the experts
-(grouping, products and combine: one C++ call, or the torch grouping's ops), attention, norms, the LM head and the
-rest of the engine step, per decode step.
+"""Where a batch-32 decode step of the native MoE forward goes (torch profiler, bf16, CPU): the router, the
+experts (grouping, products and combine: one C++ call, or the torch grouping's ops), attention, norms, the LM
+head and the rest of the engine step, per decode step.
 
-python bench/moe_profile.py [--batch 32] [--prompt 32] [--tokens 32] [--threads N] [--torch-grouping] [--shape ...]
+python bench/moe_profile.py [--batch 32] [--prompt 32] [--tokens 32] [--threads N] [--torch-grouping]
+    [--shape ...]
 """
 
 from __future__ import annotations
@@ -23,18 +24,20 @@ from sluice.engine.kv_cache import LayerKVCache
 from sluice.engine.models import llama, moe
 from sluice.kernels import linear as linear_mod
 
-PARTS = {"model forward": (llama.LlamaModel, "forward"), "decoder layers": (llama.LlamaModel, "hidden_states"),
+PARTS = {"model forward": (llama.LlamaModel, "forward"),
+         "decoder layers": (llama.LlamaModel, "hidden_states"),
          "moe block": (moe.SparseMoe, "forward"), "router": (moe.SparseMoe, "route"),
          "attention": (llama.Attention, "forward"), "linears": (linear_mod.Linear, "forward"),
-         "q/k norms": (llama.RMSNorm, "forward"), "rope": (kernels, "rope_qk"), "kv write": (LayerKVCache, "write"),
+         "q/k norms": (llama.RMSNorm, "forward"), "rope": (kernels, "rope_qk"),
+         "kv write": (LayerKVCache, "write"),
          "paged attention": (LayerKVCache, "attend"), "residual+norm": (llama.RMSNorm, "add"),
          "lm head": (llama.LlamaModel, "compute_logits")}
 CPU = defaultdict(float)  # thread CPU seconds per labelled part (the engine's forward runs on this thread)
 
 
 def labelled(owner, name: str, label: str) -> None:
-    """Wrap owner.name (a method or a module's function) in a profiler range called `label` that also adds up its
-    thread CPU time (this script only)."""
+    """Wrap owner.name (a method or a module's function) in a profiler range called `label` that also adds up
+    its thread CPU time (this script only)."""
     fn = getattr(owner, name)
 
     def wrapper(*args, **kwargs):
@@ -53,7 +56,8 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=32)
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=0)
-    p.add_argument("--torch-grouping", action="store_true", help="the MoE blocks' torch grouping, not the C++ call")
+    p.add_argument("--torch-grouping", action="store_true",
+                   help="the MoE blocks' torch grouping, not the C++ call")
     p.add_argument("--shape", choices=list(arch.MOE_SHAPES), default=arch.DEFAULT_MOE_SHAPE)
     p.add_argument("--root", type=Path, default=arch.DEFAULT_ROOT)
     a = p.parse_args()
@@ -91,8 +95,8 @@ def step_all(llm: LLM, limit: int) -> int:
 
 
 def report(prof, steps: int) -> None:
-    """Per decode step: each labelled part's thread CPU time and profiler wall time (inclusive; the profiler's own
-    overhead is in both), then the top ops by self time."""
+    """Per decode step: each labelled part's thread CPU time and profiler wall time (inclusive; the profiler's
+    own overhead is in both), then the top ops by self time."""
     wall = {ev.key: ev.cpu_time_total / steps for ev in prof.key_averages() if ev.key in ("step", *PARTS)}
     print(f"{steps} decode steps; per step: thread CPU us (share of the step), profiler wall us")
     for k in ("step", *PARTS):

@@ -1,5 +1,6 @@
 """One 4-bit linear, ours (kernels/nf4.py) vs bitsandbytes' Linear4bit (packed for its CPU kernel at its first
-forward), the same NF4 weight and bf16 activations, alternated in one process; best of the rounds, microseconds.
+forward), the same NF4 weight and bf16 activations, alternated in one process; best of the rounds,
+microseconds.
 
 OMP_NUM_THREADS=1 python bench/nf4_linears.py [--rounds 15]
 """
@@ -24,7 +25,8 @@ def linears(out_f: int, in_f: int) -> tuple[torch.nn.Module, torch.nn.Module]:
     """bitsandbytes' Linear4bit and ours over one random NF4 weight."""
     w = (torch.randn(out_f, in_f) / in_f**0.5).to(torch.bfloat16)
     packed, st = F.quantize_4bit(w, blocksize=64, compress_statistics=False, quant_type="nf4")
-    theirs = bnb.nn.Linear4bit(in_f, out_f, bias=False, compute_dtype=torch.bfloat16, quant_type="nf4", device="meta")
+    theirs = bnb.nn.Linear4bit(in_f, out_f, bias=False, compute_dtype=torch.bfloat16, quant_type="nf4",
+                               device="meta")
     theirs.weight = bnb.nn.Params4bit(packed.clone(), requires_grad=False, quant_state=copy.deepcopy(st),
                                       blocksize=64, quant_type="nf4", module=theirs, bnb_quantized=True)
     theirs.quant_state = theirs.weight.quant_state
@@ -54,9 +56,11 @@ def main() -> None:
                 x = torch.randn(rows, in_f).to(torch.bfloat16)
                 theirs(x), ours(x)
                 n = max(3, int(5e7 / (out_f * in_f * max(rows, 4))))
-                times = [(per_call(theirs, x, n), per_call(ours, x, n)) for _ in range(args.rounds)]  # alternated
+                # alternated
+                times = [(per_call(theirs, x, n), per_call(ours, x, n)) for _ in range(args.rounds)]
                 a, b = min(t[0] for t in times), min(t[1] for t in times)
-                print(f"| {out_f} x {in_f} | {rows} | {a * 1e6:.0f} | {b * 1e6:.0f} | {b / a:.2f}x |", flush=True)
+                print(f"| {out_f} x {in_f} | {rows} | {a * 1e6:.0f} | {b * 1e6:.0f} | {b / a:.2f}x |",
+                      flush=True)
 
 
 if __name__ == "__main__":

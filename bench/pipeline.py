@@ -46,7 +46,8 @@ def lines_for(reqs, prefix: str = "r") -> list[dict]:
 
 
 def run_pipeline(model: Path, reqs, args, redis_url: str, out_dir: Path) -> tuple[int, float]:
-    """Output tokens and seconds (best of the rounds) from submit to `completed` through one worker process."""
+    """Output tokens and seconds (best of the rounds) from submit to `completed` through one worker
+    process."""
     log = out_dir.parent / "worker.log"
     threads = str(args.threads)
     worker = start_worker(
@@ -131,7 +132,8 @@ def model_and_workload(args, work: Path) -> tuple[Path, list, str]:
         vocab = json.loads((model / "config.json").read_text())["vocab_size"]
         reqs = workload(args.num_requests, prompt_range=(8, 64), out_range=(4, 32), vocab=vocab)
         return model, reqs, "tiny random Llama (4 layers, hidden 64)"
-    return bench_model(), workload(args.num_requests), "random Llama ~125M, prompt U(32,512), max_tokens U(16,256)"
+    return (bench_model(), workload(args.num_requests),
+            "random Llama ~125M, prompt U(32,512), max_tokens U(16,256)")
 
 
 def main() -> None:
@@ -158,12 +160,13 @@ def main() -> None:
     ]
     body = table(["path", "requests", "output tokens", "seconds", "output tok/s", "× engine"], rows)
     body += (
-        f"\n\nWorkload: {what}, {args.dtype} on {args.device}, {len(reqs)} requests, ignore_eos, greedy, seed 0; "
-        f"best of {args.rounds} round(s) each. "
-        "End to end is timed from submit_batch to the batch reading `completed` (validation, rq jobs, the worker's "
-        "engine loop, shard write, finalize merge), with the worker's model already loaded and warmed.\n\n"
-        f"Producer enqueue rate: {args.enqueue_requests} requests ({enq_bytes / 1e6:.1f} MB JSONL) validated "
-        f"and enqueued in {enq_dt:.2f} s = {args.enqueue_requests / enq_dt:,.0f} requests/s (shards of 256)."
+        f"\n\nWorkload: {what}, {args.dtype} on {args.device}, {len(reqs)} requests, ignore_eos, greedy, "
+        f"seed 0; best of {args.rounds} round(s) each. "
+        "End to end is timed from submit_batch to the batch reading `completed` (validation, rq jobs, the "
+        "worker's engine loop, shard write, finalize merge), with the worker's model already loaded and "
+        f"warmed.\n\nProducer enqueue rate: {args.enqueue_requests} requests ({enq_bytes / 1e6:.1f} MB "
+        f"JSONL) validated and enqueued in {enq_dt:.2f} s = {args.enqueue_requests / enq_dt:,.0f} requests/s "
+        "(shards of 256)."
     )
     record("Pipeline", body)
 

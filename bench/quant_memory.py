@@ -1,11 +1,11 @@
-"""Resident memory of quantized modes against bf16 on the ~125M Llama (bf16 embeddings), after the warm-up step
-and after a 40-prompt batch, next to what the weights' bytes alone would give.
+"""Resident memory of quantized modes against bf16 on the ~125M Llama (bf16 embeddings), after the warm-up
+step and after a 40-prompt batch, next to what the weights' bytes alone would give.
 
 python bench/quant_memory.py [--modes bf16,int8,int4] [--requests 40] [--maps] [--bnb-base] [--no-record]
 
---maps also prints, per mode, the mappings whose resident bytes grew most from the imports to after the warm-up
-(libraries' code, [heap], [anon]) in MiB. --bnb-base imports bitsandbytes before the base in every mode (as
-this bench did before LLM.int8() ran without it: to compare with those runs).
+--maps also prints, per mode, the mappings whose resident bytes grew most from the imports to after the
+warm-up (libraries' code, [heap], [anon]) in MiB. --bnb-base imports bitsandbytes before the base in every
+mode (as this bench did before LLM.int8() ran without it: to compare with those runs).
 """
 
 from __future__ import annotations
@@ -24,14 +24,14 @@ NOTES = """
 
 Resident is what the engine adds to the process's VmRSS (weights, KV pages touched, scratch; the imports
 before `LLM(...)` are subtracted), each mode in its own process, after `LLM(...)` and the worker's one-step
-warm-up, then after a batch of prompts (32-512 tokens, 16-64 new tokens each, greedy); bitsandbytes is imported
-before the base in the modes whose engine imports it on CPU (int4). `weights' share` is the mode's weight bytes (parameters, buffers and quantization
-state) over bf16's. `KV pages` is what the KV pool's maps hold resident after the batch (the pages its tokens
-touched, kept for the prefix cache: the same bytes in every mode, a bf16 KV cache), `less KV pages` the rest.
-VmRSS rows count every resident page; RssAnon rows only the process's private ones, without the pages of
-mapped files: the code of libtorch and the other libraries that each mode's first calls touched, clean pages of
-the page cache shared with every process that maps the same library. The target is resident within 5% of the
-weights' share."""
+warm-up, then after a batch of prompts (32-512 tokens, 16-64 new tokens each, greedy); bitsandbytes is
+imported before the base in the modes whose engine imports it on CPU (int4). `weights' share` is the mode's
+weight bytes (parameters, buffers and quantization state) over bf16's. `KV pages` is what the KV pool's maps
+hold resident after the batch (the pages its tokens touched, kept for the prefix cache: the same bytes in
+every mode, a bf16 KV cache), `less KV pages` the rest. VmRSS rows count every resident page; RssAnon rows
+only the process's private ones, without the pages of mapped files: the code of libtorch and the other
+libraries that each mode's first calls touched, clean pages of the page cache shared with every process that
+maps the same library. The target is resident within 5% of the weights' share."""
 
 
 def rss_bytes(field: str = "VmRSS") -> int:
@@ -67,7 +67,8 @@ def grown_mappings(before: dict[str, float], top: int = 6) -> dict[str, float]:
 
 def kv_bytes(llm) -> int:
     """Resident bytes of the KV pool's memory maps (the pages the batch's tokens touched)."""
-    starts = {t.data_ptr() for c in llm.engine.runner.kv_caches for t in (getattr(c, "k", None), getattr(c, "v", None))
+    starts = {t.data_ptr() for c in llm.engine.runner.kv_caches
+              for t in (getattr(c, "k", None), getattr(c, "v", None))
               if t is not None}
     total, inside = 0, False
     for line in open("/proc/self/smaps"):
@@ -89,7 +90,8 @@ def measure(mode: str, requests: int, bnb_base: bool = False) -> dict:
     from sluice.engine import LLM, SamplingParams
     from sluice.worker.metrics import warm_up
 
-    path, base, maps = bench_model(), resident(), mappings()  # the process before the engine: Python, torch, bnb
+    # the process before the engine: Python, torch, bnb
+    path, base, maps = bench_model(), resident(), mappings()
     llm = LLM(str(path), dtype="bfloat16", device="cpu", kv_cache_memory_gb=KV_GB, **MODES[mode])
     grown = lambda: {k: v - base[k] for k, v in resident().items()}  # noqa: E731
     out = {"mode": mode, "weights": weight_bytes(llm.engine.model)[0], "load": grown()}
@@ -116,8 +118,10 @@ def report(results: list[dict]) -> str:
             for when in ("load", "ready", "batch", "batch_no_kv"):
                 row += [f"{r[when][kind] / 2**20:.0f}", f"{r[when][kind] / base[when][kind]:.3f}x"]
             rows.append(row + [f"{r['kv'] / 2**20:.0f}"])
-    headers = ["mode", "resident", "weights MiB", "weights' share", "after load MiB", "vs bf16", "after warm-up MiB",
-               "vs bf16", "after batch MiB", "vs bf16", "after batch less KV pages MiB", "vs bf16", "KV pages MiB"]
+    headers = ["mode", "resident", "weights MiB", "weights' share", "after load MiB", "vs bf16",
+               "after warm-up MiB",
+               "vs bf16", "after batch MiB", "vs bf16", "after batch less KV pages MiB", "vs bf16",
+               "KV pages MiB"]
     return table(headers, rows) + NOTES
 
 
@@ -134,10 +138,12 @@ def main() -> None:
         requests = int(args[args.index("--requests") + 1])
     results = []
     for mode in modes.split(","):
-        cmd = [sys.executable, __file__, "--worker", mode, str(requests), *(["--bnb-base"] if "--bnb-base" in args else [])]
+        cmd = [sys.executable, __file__, "--worker", mode, str(requests),
+               *(["--bnb-base"] if "--bnb-base" in args else [])]
         res = subprocess.run(cmd, capture_output=True, text=True, check=True)
         results.append(json.loads(res.stdout.strip().splitlines()[-1]))
-        print(results[-1] if "--maps" in args else {k: v for k, v in results[-1].items() if k != "maps"}, flush=True)
+        print(results[-1] if "--maps" in args else {k: v for k, v in results[-1].items() if k != "maps"},
+              flush=True)
     record(f"Quantized resident memory, 125M Llama, {requests}-prompt batch", report(results))
 
 

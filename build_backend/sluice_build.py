@@ -8,5 +8,6 @@ from setuptools.build_meta import *  # noqa: F403  (every hook setuptools offers
 
 
 def get_requires_for_build_wheel(config_settings=None) -> list[str]:
-    """setuptools' requirements for a wheel, and torch (the kernels compile against its headers and libraries)."""
+    """setuptools' requirements for a wheel, and torch (the kernels compile against its headers and
+    libraries)."""
     return [*build_meta.get_requires_for_build_wheel(config_settings), "torch"]

@@ -216,7 +216,8 @@ def response_text(body: dict[str, Any]) -> str:
         return "scores " + ", ".join(f"{d['score']:.4g}" for d in body["data"])
     if body.get("object") == "list":  # /v1/embeddings
         first = body["data"][0]["embedding"]
-        return f"{len(body['data'])} embedding(s) of " + (f"{len(first)} values" if isinstance(first, list) else "base64")
+        return f"{len(body['data'])} embedding(s) of " + (f"{len(first)} values" if isinstance(first, list)
+                                                          else "base64")
     choice = body["choices"][0]
     return choice["message"]["content"] if "message" in choice else choice["text"]
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import typer
 
 # the host flags worth a line in a report: the ones the tiers are chosen from, and a few that tell CPUs apart
-REPORTED_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "bmi2", "avx_vnni", "avx512f", "avx512bw", "avx512vl",
+REPORTED_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "bmi2", "avx_vnni", "avx512f", "avx512bw",
+                  "avx512vl",
                   "avx512dq", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
 
 
@@ -39,8 +40,9 @@ def _device() -> str:
 
 
 def kernel_report(build: bool = False) -> list[dict[str, object]]:
-    """Per CPU kernel library: where the chosen tier's object comes from (the wheel's prebuilt one, built here, or
-    the torch fallback), whether it is ready, and its path (built now with `build` where not prebuilt)."""
+    """Per CPU kernel library: where the chosen tier's object comes from (the wheel's prebuilt one, built
+    here, or the torch fallback), whether it is ready, and its path (built now with `build` where not
+    prebuilt)."""
     from sluice.kernels import cpp_build
 
     rows = []
@@ -106,7 +108,8 @@ def report(build: bool = False, model: str | None = None) -> dict[str, object]:
 def doctor(
     build: bool = typer.Option(False, "--build", help="compile every CPU kernel for the chosen tier now"),
     as_json: bool = typer.Option(False, "--json", help="print the report as JSON"),
-    model: str = typer.Option(None, "--model", help="a checkpoint folder: which engine path it takes and why"),
+    model: str = typer.Option(None, "--model",
+                              help="a checkpoint folder: which engine path it takes and why"),
 ) -> None:
     """Print the host's CPU flags, the kernel tier chosen, the C++ kernels' state and the versions in use."""
     info = report(build, model)

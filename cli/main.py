@@ -1,4 +1,5 @@
-"""The `sluice` command line: batch commands, the worker, cron pipelines, webhook delivery, quantize, doctor."""
+"""The `sluice` command line: batch commands, the worker, cron pipelines, webhook delivery, quantize,
+doctor."""
 
 from __future__ import annotations
 
@@ -30,8 +31,9 @@ def sluice() -> None:
     """Queue-driven batch inference for LLMs."""
 
 
-# The worker loads none of the other commands' modules (the server's FastAPI, boto3, cron): its start-up is the
-# time to ready of every new GPU. These two import torch (seconds): loaded only for their own command or the list.
+# The worker loads none of the other commands' modules (the server's FastAPI, boto3, cron): its start-up is
+# the time to ready of every new GPU. These two import torch (seconds): loaded only for their own command or
+# the list.
 if not WORKER_ONLY:
     from sluice.cli.batch_commands import batches_app
     from sluice.cli.server import keys_app, serve

@@ -20,7 +20,8 @@ def quantize(
     llm_int8_threshold: float = 6.0,
     dtype: str = "auto",
 ) -> None:
-    """Quantize SRC (an HF folder) with bitsandbytes int8/int4 into DST, which then loads without re-quantizing."""
+    """Quantize SRC (an HF folder) with bitsandbytes int8/int4 into DST, which then loads without
+    re-quantizing."""
     spec = QuantSpec(quantization, quant_type, double_quant, llm_int8_threshold)
     cfg = read_config(src)
     torch_dtype = resolve_dtype(dtype, cfg.get("torch_dtype") or cfg.get("dtype"), torch.device("cpu"))

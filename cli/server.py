@@ -62,7 +62,8 @@ def create(
         typer.echo(json.dumps({"id": key.id, "project": key.project, "name": key.name, "secret": secret}))
     else:
         typer.echo(
-            f"{key.id} (project {key.project})\n{secret}\nKeep this secret: it is not stored and cannot be shown again."
+            f"{key.id} (project {key.project})\n{secret}\nKeep this secret: it is not stored and cannot be "
+            "shown again."
         )
 
 

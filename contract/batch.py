@@ -118,7 +118,8 @@ class BatchStore:
         return batch
 
     def record_shard(
-        self, batch_id: str, shard: int, completed: int, failed: int, input_tokens: int = 0, output_tokens: int = 0
+        self, batch_id: str, shard: int, completed: int, failed: int, input_tokens: int = 0,
+        output_tokens: int = 0
     ) -> None:
         """Record a finished shard's counts and token usage (idempotent: a re-run shard overwrites its entry)
         and release its enqueued tokens."""
@@ -126,8 +127,10 @@ class BatchStore:
         self.connection.hset(shards_key(batch_id), str(shard), json.dumps(entry))
         TokenQuota(self.connection).release_shard(batch_id, shard)
 
-    def record_progress(self, batch_id: str, completed: list[str], failed: list[str], ttl: int = 7 * 86400) -> None:
-        """Count finished requests by custom_id as they finish (a re-run request moves, never counts twice)."""
+    def record_progress(self, batch_id: str, completed: list[str], failed: list[str],
+                        ttl: int = 7 * 86400) -> None:
+        """Count finished requests by custom_id as they finish (a re-run request moves, never counts
+        twice)."""
         ok, bad = progress_key(batch_id, "completed"), progress_key(batch_id, "failed")
         with self.connection.pipeline(transaction=True) as pipe:
             for ids, into, out in ((completed, ok, bad), (failed, bad, ok)):

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 QUEUES = ("high", "default", "low")
 RUN_SHARD = "sluice.worker.shard_run.run_shard"
-# Shard jobs enqueued before worker/shards.py became worker/shard_run.py: `sluice worker` runs them from their args
-# like any shard job (it never imports the function), so the shards still queued across an upgrade are not refused.
+# Shard jobs enqueued before worker/shards.py became worker/shard_run.py: `sluice worker` runs them from their
+# args like any shard job (it never imports the function), so the shards still queued across an upgrade are
+# not refused.
 RUN_SHARD_BEFORE_RENAME = "sluice.worker.shards.run_shard"
 SHARD_FUNCTIONS = frozenset({RUN_SHARD, RUN_SHARD_BEFORE_RENAME})
 FINALIZE = "sluice.worker.finalize.finalize_batch"

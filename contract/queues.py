@@ -1,5 +1,5 @@
-"""The batch's rq queues and jobs as both sides see them: JSON-serialized queues, fetching jobs, cancelling the
-shards no worker has claimed (a producer's cancel, a worker's fail or expiry)."""
+"""The batch's rq queues and jobs as both sides see them: JSON-serialized queues, fetching jobs, cancelling
+the shards no worker has claimed (a producer's cancel, a worker's fail or expiry)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ UNCLAIMED = ("queued", "deferred", "scheduled")
 
 
 class RawJSON:
-    """A list whose items are already JSON (the producer's validated requests): a job's data takes them as they
-    are, so a request is serialized once on its way into Redis, not parsed and dumped again."""
+    """A list whose items are already JSON (the producer's validated requests): a job's data takes them as
+    they are, so a request is serialized once on its way into Redis, not parsed and dumped again."""
 
     def __init__(self, items: list[bytes]) -> None:
         self.items = items
@@ -64,8 +64,8 @@ def job_status(job: Job | None) -> str | None:
 
 
 def drop_unclaimed(connection: redis.Redis, batch_id: str, num_shards: int) -> int:
-    """Cancel the batch's shards no worker has claimed yet and return how many; the finalize job (if the submit
-    got to enqueue it) stops waiting for them.
+    """Cancel the batch's shards no worker has claimed yet and return how many; the finalize job (if the
+    submit got to enqueue it) stops waiting for them.
 
     Last shard first: a shard waiting on an earlier one (sharding.enqueue's window) is cancelled before that
     one, so cancelling the earlier shard never puts it in the queue."""
@@ -83,12 +83,12 @@ def drop_unclaimed(connection: redis.Redis, batch_id: str, num_shards: int) -> i
 def take_unclaimed(connection: redis.Redis, job: Job) -> bool:
     """Take a shard job no worker has claimed out of reach of every worker; False when a worker got it first.
 
-    The status read a moment ago may be stale: a worker claims a queued job by moving its id out of the queue's
-    list in one Redis command, so removing the id from that list (or from the scheduled registry, for a retry
-    waiting out its backoff) is what decides who has it. A job cancelled after a worker took it would run with
-    no shard output and no dependency left for the finalize job to wait on. A deferred shard (waiting on an
-    earlier one of its batch) is first taken off that one's dependents, so its ending can no longer enqueue
-    it; its status read again then says whether it was enqueued before that."""
+    The status read a moment ago may be stale: a worker claims a queued job by moving its id out of the
+    queue's list in one Redis command, so removing the id from that list (or from the scheduled registry, for
+    a retry waiting out its backoff) is what decides who has it. A job cancelled after a worker took it would
+    run with no shard output and no dependency left for the finalize job to wait on. A deferred shard (waiting
+    on an earlier one of its batch) is first taken off that one's dependents, so its ending can no longer
+    enqueue it; its status read again then says whether it was enqueued before that."""
     state = job_status(job)
     if state not in UNCLAIMED:
         return False

@@ -1,10 +1,10 @@
 """Every use of rq's internals, in one place, for the rq versions in SUPPORTED (pinned in pyproject).
 
-The worker holds many jobs at once and the cron scheduler runs its ticks in-process, so both need a few of rq's
-own steps that rq keeps private (underscore names) or undocumented (the worker's per-job steps in STEPS, the
-layout of its Redis keys). tests/test_rq_adapter.py checks the names and their behaviour against the installed
-rq; an rq upgrade that moves them fails there, not in production. tests/test_structure.py checks that no other
-module reaches them.
+The worker holds many jobs at once and the cron scheduler runs its ticks in-process, so both need a few of
+rq's own steps that rq keeps private (underscore names) or undocumented (the worker's per-job steps in STEPS,
+the layout of its Redis keys). tests/test_rq_adapter.py checks the names and their behaviour against the
+installed rq; an rq upgrade that moves them fails there, not in production. tests/test_structure.py checks
+that no other module reaches them.
 """
 
 from __future__ import annotations
@@ -22,9 +22,11 @@ from rq.scheduler import RQScheduler
 from rq.worker import BaseWorker
 
 # rq's undocumented worker steps: only this module calls them (tests/test_structure.py)
-STEPS = ("prepare_execution", "prepare_job_execution", "cleanup_execution", "handle_job_failure", "perform_job",
+STEPS = ("prepare_execution", "prepare_job_execution", "cleanup_execution", "handle_job_failure",
+         "perform_job",
          "execute_job", "maintain_heartbeats", "dequeue_job_and_maintain_ttl", "run_maintenance_tasks",
-         "should_run_maintenance_tasks", "dequeue_any", "intermediate_queue_key", "redis_job_namespace_prefix")
+         "should_run_maintenance_tasks", "dequeue_any", "intermediate_queue_key",
+         "redis_job_namespace_prefix")
 SUPPORTED = ((3, 0), (4, 0))  # [lowest, first unsupported) major.minor, as pyproject's `rq>=3.0,<4`
 if TYPE_CHECKING:  # rq.cron imports croniter: the producer's scheduler needs it, a worker's start does not
     from rq.cron import CronJob, CronScheduler
@@ -54,7 +56,8 @@ def fail_job(worker: BaseWorker, job: Job, queue: Queue, execution: Execution, e
 
 
 def pubsub_error_handler(worker: BaseWorker) -> Callable[..., None]:
-    """rq's handler for the command channel's thread: waits out Redis connection errors, re-raises the rest."""
+    """rq's handler for the command channel's thread: waits out Redis connection errors, re-raises the
+    rest."""
     return worker._pubsub_exception_handler
 
 
@@ -75,14 +78,17 @@ def share_connection(scheduler: RQScheduler, connection: redis.Redis) -> None:
 
 
 def start_execution(worker: BaseWorker, job: Job) -> Execution:
-    """rq's start of a job run: an execution record, the job marked started and moved to the started registry."""
+    """rq's start of a job run: an execution record, the job marked started and moved to the started
+    registry."""
     execution = worker.prepare_execution(job)
     worker.prepare_job_execution(job, remove_from_intermediate_queue=True)
     return execution
 
 
-def end_execution(worker: BaseWorker, job: Job, execution: Execution, pipeline: redis.client.Pipeline) -> None:
-    """Drop a run's execution record and started-registry entry (queued on pipeline), leaving the job as it is."""
+def end_execution(worker: BaseWorker, job: Job, execution: Execution,
+                  pipeline: redis.client.Pipeline) -> None:
+    """Drop a run's execution record and started-registry entry (queued on pipeline), leaving the job as it
+    is."""
     worker.cleanup_execution(job, pipeline=pipeline, execution=execution)
 
 
@@ -112,8 +118,8 @@ def dequeue_now(worker: BaseWorker) -> tuple[Job, Queue] | None:
 
 
 def dequeue_waiting(worker: BaseWorker, timeout: int) -> tuple[Job, Queue] | None:
-    """The next job, waiting up to timeout seconds (then rq's DequeueTimeout), through rq's worker dequeue, which
-    waits out Redis outages and keeps the worker's own TTL."""
+    """The next job, waiting up to timeout seconds (then rq's DequeueTimeout), through rq's worker dequeue,
+    which waits out Redis outages and keeps the worker's own TTL."""
     return worker.dequeue_job_and_maintain_ttl(timeout, max_idle_time=timeout)
 
 

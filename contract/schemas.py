@@ -97,7 +97,8 @@ class StructuredOutputs(BaseModel):
 
     def structured(self) -> dict[str, Any]:
         """The engine's structured_outputs keyword arguments."""
-        return {"json" if k == "json_" else k: v for k, v in self.model_dump().items() if v not in (None, False)}
+        return {"json" if k == "json_" else k: v for k, v in self.model_dump().items()
+                if v not in (None, False)}
 
 
 class SamplingBody(BaseModel):
@@ -449,8 +450,8 @@ class InputLine(BaseModel):
 
 class BatchRequest(BaseModel):
     """The one request type across layers: made once at the edge from a line the producer validated
-    (`from_line`), carried as compact JSON in its shard job, rebuilt by the worker with `trusted` (not validated
-    again); its typed body is built at most once per process (`parsed_body`)."""
+    (`from_line`), carried as compact JSON in its shard job, rebuilt by the worker with `trusted` (not
+    validated again); its typed body is built at most once per process (`parsed_body`)."""
 
     custom_id: str
     url: str
@@ -475,7 +476,8 @@ class BatchRequest(BaseModel):
 
     @classmethod
     def trusted(cls, data: dict[str, Any]) -> BatchRequest:
-        """A request from a shard job's JSON, which the producer validated: constructed, not validated again."""
+        """A request from a shard job's JSON, which the producer validated: constructed, not validated
+        again."""
         return cls.model_construct(custom_id=data["custom_id"], url=data["url"], body=data["body"],
                                    record=data.get("record"))  # fmt: skip
 

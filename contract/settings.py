@@ -40,7 +40,8 @@ class Settings(BaseSettings):
     s3_addressing_style: str = "path"
     dtype: str | None = None
     device: str | None = None
-    cpu_kernel: bool | None = None  # the engine's kernel options (EngineConfig.cpu_kernel, cpu_isa, device_path)
+    # the engine's kernel options (EngineConfig.cpu_kernel, cpu_isa, device_path)
+    cpu_kernel: bool | None = None
     cpu_isa: str | None = None
     device_path: bool | None = None
     demo_model: Path = Path(__file__).resolve().parents[1] / "models" / "sluice-tiny"
@@ -137,8 +138,8 @@ def get_settings() -> Settings:
 
 
 def stay_off_the_hub() -> None:
-    """Keep this process off the Hugging Face Hub (for a worker, which serves a model folder on disk): otherwise
-    bitsandbytes' CPU backend asks the Hub for a kernel (remote code) at its import where HF `kernels` is
-    installed, and transformers checks it in from_pretrained. huggingface_hub reads HF_HUB_OFFLINE once, at its
-    import, so call this first; a value the operator set wins."""
+    """Keep this process off the Hugging Face Hub (for a worker, which serves a model folder on disk):
+    otherwise bitsandbytes' CPU backend asks the Hub for a kernel (remote code) at its import where HF
+    `kernels` is installed, and transformers checks it in from_pretrained. huggingface_hub reads
+    HF_HUB_OFFLINE once, at its import, so call this first; a value the operator set wins."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -1,4 +1,5 @@
-"""Standard Webhooks signing and verification (through the `standardwebhooks` library), and the safety check for webhook target URLs."""
+"""Standard Webhooks signing and verification (through the `standardwebhooks` library), and the safety check
+for webhook target URLs."""
 
 from __future__ import annotations
 
@@ -81,7 +82,8 @@ def sign_headers(
 
 
 def verify(secret: str | bytes, headers: Mapping[str, str], body: bytes | str) -> Any:
-    """Check a delivery's signature and timestamp (within Standard Webhooks' tolerance); the parsed JSON body."""
+    """Check a delivery's signature and timestamp (within Standard Webhooks' tolerance); the parsed JSON
+    body."""
     try:
         return _webhook(secret).verify(body, dict(headers))
     except StandardWebhooksError as exc:
@@ -197,7 +199,8 @@ def resolve_target(url: str, allow: str) -> Target:
                 inner = embedded_ipv4(address)
                 shown = f"{address} (IPv4 {inner} inside)" if inner else str(address)
                 raise UnsafeWebhookURL(
-                    f"webhook host {host!r} resolves to internal address {shown}; allow it with SLUICE_WEBHOOK_ALLOW"
+                    f"webhook host {host!r} resolves to internal address {shown}; allow it with "
+                    "SLUICE_WEBHOOK_ALLOW"
                 )
     return Target(url, parts.scheme, host, port, parts.request_uri, str(addresses[0]))
 
@@ -214,7 +217,8 @@ _PLAIN_SEGMENT = re.compile(r"[a-z_.~-]{0,24}")
 
 
 def redact_url(url: str) -> str:
-    """url without what may be a secret: no user:password, query values and token-like path segments as ***."""
+    """url without what may be a secret: no user:password, query values and token-like path segments as
+    ***."""
     try:
         parts = parse_url(url)
     except LocationParseError:

@@ -120,7 +120,8 @@ class Storage(Protocol):
         ...
 
     def check_writable(self) -> None:
-        """PermissionError naming the reason when this process can never write here (a transient failure is not)."""
+        """PermissionError naming the reason when this process can never write here (a transient failure is
+        not)."""
         ...
 
 
@@ -138,7 +139,8 @@ class FileStorage:
         return path
 
     def check_writable(self) -> None:
-        """PermissionError unless the root, or the nearest folder above it that exists, is a writable folder."""
+        """PermissionError unless the root, or the nearest folder above it that exists, is a writable
+        folder."""
         existing = next((p for p in (self.root, *self.root.parents) if p.exists()), self.root)
         if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
             raise PermissionError(f"{existing} is not a writable folder")
@@ -364,7 +366,8 @@ def read_url(url: str, max_bytes: int | None = None, s3_style: str = S3_STYLE) -
 
 
 def url_lines(url: str, max_bytes: int, max_line: int, s3_style: str = S3_STYLE) -> Iterator[bytes]:
-    """The lines of an object read a chunk at a time (never whole); a line over max_line is cut to max_line + 1."""
+    """The lines of an object read a chunk at a time (never whole); a line over max_line is cut to max_line +
+    1."""
     storage, key = _sized(url, max_bytes, s3_style)
     with storage.open(key) as stream:
         yield from iter_lines(stream, max_line)
@@ -378,7 +381,8 @@ def read_chunks(stream: BinaryIO, size: int) -> Iterator[bytes]:
 
 
 def iter_lines(stream: BinaryIO, max_line: int | None = None, chunk: int = MiB) -> Iterator[bytes]:
-    """Lines of a binary stream split on newlines, each cut to at most max_line + 1 bytes (None: never cut)."""
+    """Lines of a binary stream split on newlines, each cut to at most max_line + 1 bytes (None: never
+    cut)."""
     cut = slice(None) if max_line is None else slice(max_line + 1)
     head = b""
     while data := stream.read(chunk):
@@ -413,7 +417,8 @@ def check_output_url(url: str, roots: list[str]) -> str:
     open_storage(url)
     if not any(within(url, root) for root in roots):
         raise OutputNotAllowed(
-            f"output {url!r} is outside the allowed output roots ({', '.join(roots)}); see SLUICE_OUTPUT_ROOTS"
+            f"output {url!r} is outside the allowed output roots ({', '.join(roots)}); see "
+            "SLUICE_OUTPUT_ROOTS"
         )
     return url
 

@@ -1,5 +1,5 @@
-"""OpenAI's tools and tool_choice: the request models, the output constraint each choice implies, and tool calls
-parsed out of generated text (Hermes/Qwen `<tool_call>` JSON, Llama 3.x bare JSON)."""
+"""OpenAI's tools and tool_choice: the request models, the output constraint each choice implies, and tool
+calls parsed out of generated text (Hermes/Qwen `<tool_call>` JSON, Llama 3.x bare JSON)."""
 
 from __future__ import annotations
 
@@ -64,7 +64,8 @@ def tool_constraint(tools: list[Tool], choice: ToolChoice) -> dict[str, Any] | N
         return {"json": _arguments_schema(named_tool(tools, choice))}
     if choice != "required":
         return None
-    calls = [{"type": "object", "properties": {"name": {"const": t.function.name}, "arguments": _arguments_schema(t)},
+    calls = [{"type": "object",
+              "properties": {"name": {"const": t.function.name}, "arguments": _arguments_schema(t)},
               "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
     return {"json": {"anyOf": calls}}
 
@@ -83,7 +84,8 @@ def tool_call(name: str, arguments: str) -> dict[str, Any]:
             "function": {"name": name, "arguments": arguments}}
 
 
-def parse_tool_calls(text: str, tools: list[Tool], choice: ToolChoice) -> tuple[str | None, list[dict[str, Any]]]:
+def parse_tool_calls(text: str, tools: list[Tool],
+                     choice: ToolChoice) -> tuple[str | None, list[dict[str, Any]]]:
     """(content, tool_calls) of a generated reply under `choice`."""
     if choice == "none":
         return text, []

@@ -8,8 +8,8 @@ from importlib import import_module
 from typing import TYPE_CHECKING
 
 __all__ = [
-    "LLM", "ClassificationOutput", "EmbeddingOutput", "Engine", "EngineConfig", "LoRARequest", "PoolingParams",
-    "RequestMetrics", "RequestOutput", "RequestRejected", "SamplingParams",
+    "LLM", "ClassificationOutput", "EmbeddingOutput", "Engine", "EngineConfig", "LoRARequest",
+    "PoolingParams", "RequestMetrics", "RequestOutput", "RequestRejected", "SamplingParams",
 ]
 
 _HOMES = {

@@ -26,8 +26,8 @@ class BlockManager:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
-        # a block's record is made when it is first handed out (a pool of ten thousands costs its start otherwise):
-        # every other lookup is of a block some table holds
+        # a block's record is made when it is first handed out (a pool of ten thousands costs its start
+        # otherwise): every other lookup is of a block some table holds
         self.blocks: list[Block] = [None] * num_blocks  # type: ignore[list-item]
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.hash_to_block: dict[int, int] = {}

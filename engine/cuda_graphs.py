@@ -45,8 +45,8 @@ class DecodeGraphs:
     def _inputs(self, n: int, ids=(), positions=(), slots=(), context_lens=(), tables=()) -> None:
         """Fill the static buffers with a decode step padded to n sequences."""
         k = len(ids)
-        self.buffers.load(list(ids), list(positions), list(slots), [], [1] * k, list(context_lens), list(tables),
-                          self.model.config.num_kv_heads, pad_to=n, num_splits=self.splits[n])
+        self.buffers.load(list(ids), list(positions), list(slots), [], [1] * k, list(context_lens),
+                          list(tables), self.model.config.num_kv_heads, pad_to=n, num_splits=self.splits[n])
 
     def _forward(self, n: int) -> torch.Tensor:
         ids, positions, meta, rows = self.buffers.views(n, n, n, n, None, 1, self.splits[n])

@@ -46,7 +46,8 @@ class Engine:
     def _load(self, config: EngineConfig, weight_reservation: WeightReservation | None) -> None:
         """The tokenizer, the model (into the reserved arena where it fits), the KV pool and its runner."""
         r = ResolvedConfig.resolve(config)
-        self.tokenizer = load_tokenizer(config.tokenizer or config.model, None if config.tokenizer else r.hf_config)
+        self.tokenizer = load_tokenizer(config.tokenizer or config.model,
+                                        None if config.tokenizer else r.hf_config)
         r = self.resolved = r.with_eos(self.tokenizer.eos_token_id)
         self.model_config, self.device, self.dtype, self.kv_dtype = r.model, r.device, r.dtype, r.kv_dtype
         self.max_model_len, self.eos_token_ids = r.max_model_len, r.eos_token_ids
@@ -60,7 +61,8 @@ class Engine:
         self.lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank,
                                 config.max_cpu_loras or config.max_loras) if config.enable_lora else None
         self.scheduler = Scheduler(config, self.block_manager, self.lora)
-        self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.kv_dtype, self.device, self.lora)
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.kv_dtype, self.device,
+                                  self.lora)
         if not config.enforce_eager:
             self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
 
@@ -91,8 +93,8 @@ class Engine:
             return None
         if spec.method == "ngram":
             return NgramProposer(spec, self.max_model_len)
-        draft = load_draft(spec, self.config, self.model_config, self.tokenizer.get_vocab(), self.dtype, self.device,
-                           self.max_model_len)
+        draft = load_draft(spec, self.config, self.model_config, self.tokenizer.get_vocab(), self.dtype,
+                           self.device, self.max_model_len)
         blocks = BlockManager(self.num_blocks, self.config.block_size, enable_prefix_caching=False)
         runner = ModelRunner(draft, self.num_blocks, self.config.block_size, self.dtype, self.device)
         return DraftProposer(spec, self.max_model_len, runner, blocks, self.generator)
@@ -133,7 +135,8 @@ class Engine:
         if lora is None:
             return
         if self.lora is None:
-            raise RequestRejected(f"adapter {lora.lora_name!r}: this engine serves no LoRA adapters (enable_lora)")
+            raise RequestRejected(
+                f"adapter {lora.lora_name!r}: this engine serves no LoRA adapters (enable_lora)")
         if isinstance(params, PoolingParams):
             raise RequestRejected("embedding requests run on the base model: LoRA adapters serve generation")
         try:
@@ -189,7 +192,8 @@ class Engine:
     def _run(self, batch: ScheduledBatch) -> list[Request]:
         """Run the model over a scheduled batch and process its outputs; the requests it finished."""
         structured = self.processors.structured
-        if structured is not None and structured.overlap:  # next tokens' grammar masks fill while the forward runs
+        # next tokens' grammar masks fill while the forward runs
+        if structured is not None and structured.overlap:
             structured.fill_ahead(self.outputs.sampled_plainly(batch.requests, batch.num_new_tokens))
         step_logits = self.runner.run(batch)
         for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):

@@ -1,8 +1,8 @@
 """n > 1 and best_of: one request fanned out into sequences that share the prompt's KV blocks.
 
 The first sequence (its leader) computes the prompt; the others wait until it has, then start from the prefix
-cache, so the prompt's full blocks are shared (ref-counted) and each follower recomputes only the tokens of the
-last, partial prompt block into a block of its own (the copy of copy-on-write, made by recomputing under a
+cache, so the prompt's full blocks are shared (ref-counted) and each follower recomputes only the tokens of
+the last, partial prompt block into a block of its own (the copy of copy-on-write, made by recomputing under a
 block's worth of tokens). Their outputs come back as one RequestOutput whose `samples` are the n sequences."""
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ class SequenceGroup:
         seqs = []
         for k in range(count):
             child = replace(params, n=1, best_of=None, seed=None if params.seed is None else params.seed + k,
-                            logprobs=params.logprobs if params.logprobs is not None or count == params.n else 0)
+                            logprobs=params.logprobs if params.logprobs is not None or count == params.n
+                            else 0)
             seqs.append(Request(f"{request_id}#{k}", prompt_token_ids, child))
         return cls(request_id, params, seqs, seqs[1:])
 

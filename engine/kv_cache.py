@@ -1,21 +1,22 @@
 """The paged KV cache: the one owner of the pool's storage, its layout, the int8 scales and bytes per token.
 
-The pool is one cache per layer, keys and values each [Hkv, blocks, block_size, D] in the KV dtype; an int8 pool
-adds a per-token, per-head scale [Hkv, blocks, block_size] (kernels.int8_heads.SCALE_DTYPE) to each. A token at
-position p of a sequence lives in slot `block_table[p // block_size] * block_size + p % block_size` (`slots`).
-Which blocks a sequence holds (allocation, ref counts, the prefix cache) is engine.block_manager's; how much the
-pool may take is `pool_blocks`'s; what lives in the blocks and where is this module's.
+The pool is one cache per layer, keys and values each [Hkv, blocks, block_size, D] in the KV dtype; an int8
+pool adds a per-token, per-head scale [Hkv, blocks, block_size] (kernels.int8_heads.SCALE_DTYPE) to each. A
+token at position p of a sequence lives in slot `block_table[p // block_size] * block_size + p % block_size`
+(`slots`). Which blocks a sequence holds (allocation, ref counts, the prefix cache) is engine.block_manager's;
+how much the pool may take is `pool_blocks`'s; what lives in the blocks and where is this module's.
 
-Storage costs nothing until used: `torch.zeros` of a large pool writes every page at start-up (slow on a VM whose
-host backs guest memory lazily) and commits memory that short requests never reach. On CPU the pool is a private
-anonymous memory map instead: the kernel hands out a zero page on first touch, so the pool reads exactly as
-`torch.zeros` (no garbage a masked attention slot could turn into NaN) while start-up touches nothing. No
-`MADV_HUGEPAGE`: with the usual `defrag=madvise` every huge-page fault compacts memory synchronously, far slower
-than the small-page faults it replaces. Elsewhere the pool is `torch.zeros` (a device memset is fast).
+Storage costs nothing until used: `torch.zeros` of a large pool writes every page at start-up (slow on a VM
+whose host backs guest memory lazily) and commits memory that short requests never reach. On CPU the pool is a
+private anonymous memory map instead: the kernel hands out a zero page on first touch, so the pool reads
+exactly as `torch.zeros` (no garbage a masked attention slot could turn into NaN) while start-up touches
+nothing. No `MADV_HUGEPAGE`: with the usual `defrag=madvise` every huge-page fault compacts memory
+synchronously, far slower than the small-page faults it replaces. Elsewhere the pool is `torch.zeros` (a
+device memset is fast).
 
-The int8 cache quantizes in `write`; on CPU, short queries (decode, verify) run the fused kernel, which reads the
-int8 blocks and their scales itself; prefill, and every query where the kernel is off or unbuilt, attends over a
-dequantized copy of the blocks it reads.
+The int8 cache quantizes in `write`; on CPU, short queries (decode, verify) run the fused kernel, which reads
+the int8 blocks and their scales itself; prefill, and every query where the kernel is off or unbuilt, attends
+over a dequantized copy of the blocks it reads.
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ def kv_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | 
 
 
 def bytes_per_token(c: KVShape, kv_dtype: torch.dtype) -> int:
-    """Bytes one token's keys and values take across all layers in a `kv_dtype` pool (int8: scales included)."""
+    """Bytes one token's keys and values take across all layers in a `kv_dtype` pool (int8: scales
+    included)."""
     size = torch.empty((), dtype=kv_dtype).element_size()
     scale = torch.empty((), dtype=SCALE_DTYPE).element_size() if kv_dtype == torch.int8 else 0
     return 2 * c.num_layers * c.num_kv_heads * (c.head_dim * size + scale)
@@ -122,10 +124,11 @@ class StepBlocks:
         self.meta = self.used = self.compact = self.fused = None
 
     def of(self, meta, num_blocks: int):
-        """(blocks to dequantize, their renumbered metadata, the fused kernel's arguments or None) of this step:
-        the fused kernel takes the short queries where the step plan built `meta` for it."""
+        """(blocks to dequantize, their renumbered metadata, the fused kernel's arguments or None) of this
+        step: the fused kernel takes the short queries where the step plan built `meta` for it."""
         if self.meta is not meta:
-            self.used, self.compact, self.fused = compact_metadata(meta, num_blocks, meta.fused_short is not None)
+            self.used, self.compact, self.fused = compact_metadata(meta, num_blocks,
+                                                                   meta.fused_short is not None)
             self.meta = meta
         return self.used, self.compact, self.fused
 
@@ -136,7 +139,8 @@ class Int8LayerKVCache:
 
     __slots__ = ("k", "v", "k_scale", "v_scale", "dtype", "step", "flat")
 
-    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device, step: StepBlocks, flat: bool) -> None:
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device, step: StepBlocks,
+                 flat: bool) -> None:
         self.k, self.v = (kv_zeros(shape, torch.int8, device) for _ in range(2))
         self.k_scale, self.v_scale = (kv_zeros(shape[:3], SCALE_DTYPE, device) for _ in range(2))
         self.dtype, self.step, self.flat = dtype, step, flat
@@ -165,8 +169,8 @@ class Int8LayerKVCache:
 
 def layer_caches(c: KVShape, num_blocks: int, block_size: int, kv_dtype: torch.dtype, dtype: torch.dtype,
                  device: torch.device, flat: bool = False) -> list[LayerKVCache] | list[Int8LayerKVCache]:
-    """The pool: one cache per layer of `num_blocks` blocks; an int8 pool attends in the model's `dtype`; `flat`:
-    the step plan's layout (kernels.dispatch.StepPlan.flat)."""
+    """The pool: one cache per layer of `num_blocks` blocks; an int8 pool attends in the model's `dtype`;
+    `flat`: the step plan's layout (kernels.dispatch.StepPlan.flat)."""
     shape = (c.num_kv_heads, num_blocks, block_size, c.head_dim)
     if kv_dtype == torch.int8:
         step = StepBlocks()  # shared by the layers: a step's blocks are found once

@@ -36,10 +36,12 @@ class LLM:
         self._counter = 0
         self._observers: list[StepObserver] = []
 
-    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """Token ids of a conversation (and the tools offered) through the tokenizer's chat template, ready for
-        the reply."""
-        ids = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
+    def encode_chat(self, messages: list[dict[str, Any]],
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids of a conversation (and the tools offered) through the tokenizer's chat template, ready
+        for the reply."""
+        ids = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                 tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)

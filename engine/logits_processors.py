@@ -1,5 +1,5 @@
-"""Logits processing before sampling: min_tokens, logit_bias, presence/frequency/repetition penalties, then the
-grammar mask of structured outputs.
+"""Logits processing before sampling: min_tokens, logit_bias, presence/frequency/repetition penalties, then
+the grammar mask of structured outputs.
 
 Each is one batched tensor op over the rows that need it. Per-request output-token counts live on the device
 and are brought up to date, once per step, by one scatter of the tokens each request emitted since its last
@@ -47,7 +47,8 @@ class TokenCounts:
         self.prompt[slot].zero_()
         self.counted[req.request_id] = 0
         if req.params.repetition_penalty != 1:
-            self.prompt[slot].index_fill_(0, device_tensor(req.prompt_token_ids, torch.int64, self.device), True)
+            self.prompt[slot].index_fill_(0, device_tensor(req.prompt_token_ids, torch.int64, self.device),
+                                          True)
         return slot
 
     def sync(self, reqs: list[Request]) -> dict[str, int]:
@@ -61,8 +62,10 @@ class TokenCounts:
             toks += new
             self.counted[req.request_id] = len(req.output_token_ids)
         if toks:
-            index = (device_tensor(rows, torch.int64, self.device), device_tensor(toks, torch.int64, self.device))
-            self.counts.index_put_(index, torch.ones(len(toks), dtype=torch.int32, device=self.device), accumulate=True)
+            index = (device_tensor(rows, torch.int64, self.device),
+                     device_tensor(toks, torch.int64, self.device))
+            self.counts.index_put_(index, torch.ones(len(toks), dtype=torch.int32, device=self.device),
+                                   accumulate=True)
         return {r.request_id: self.slots[r.request_id] for r in reqs}
 
     def release(self, req: Request) -> None:
@@ -100,9 +103,9 @@ class LogitsProcessors:
 
     def sample(self, logits: torch.Tensor, reqs: list[Request],
                generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A token per row of `reqs` (each samples its next token) and the processed logits it was drawn from: by
-        the C++ sampler, which takes the grammar's bitmask as it is (then None: no row may ask for logprobs), or
-        by `apply` and the torch sampler."""
+        """A token per row of `reqs` (each samples its next token) and the processed logits it was drawn from:
+        by the C++ sampler, which takes the grammar's bitmask as it is (then None: no row may ask for
+        logprobs), or by `apply` and the torch sampler."""
         if any(r.params.logprobs is not None for r in reqs):
             processed = self.apply(logits, reqs)
             return sample(processed, reqs, generator), processed
@@ -131,14 +134,17 @@ class LogitsProcessors:
 
     def _min_tokens(self, out: torch.Tensor, reqs: list[Request], ahead: list[int], rows: list[int]) -> None:
         pairs = [(i, t) for i in rows if len(reqs[i].output_token_ids) + ahead[i] < reqs[i].params.min_tokens
-                 and reqs[i].grammar is None for t in self._stop_ids(reqs[i])]  # a grammar decides its own end
+                 # a grammar decides its own end
+                 and reqs[i].grammar is None for t in self._stop_ids(reqs[i])]
         if pairs:
             r, t = zip(*pairs, strict=True)
-            out.index_put_((self._index(list(r)), self._index(list(t))), torch.tensor(float("-inf"), device=out.device))
+            out.index_put_((self._index(list(r)), self._index(list(t))),
+                           torch.tensor(float("-inf"), device=out.device))
 
     def _stop_ids(self, req: Request) -> list[int]:
         p = req.params
-        return [t for t in {*p.stop_token_ids, *([] if p.ignore_eos else self.eos_token_ids)} if t < self.vocab]
+        return [t for t in {*p.stop_token_ids, *([] if p.ignore_eos else self.eos_token_ids)}
+                if t < self.vocab]
 
     def _logit_bias(self, out: torch.Tensor, reqs: list[Request], rows: list[int]) -> None:
         triples = [(i, t, v) for i in rows for t, v in (reqs[i].params.logit_bias or {}).items()]

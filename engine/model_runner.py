@@ -25,11 +25,13 @@ class StepLogits:
     row_start: list[int]
     num_rows: list[int]
     first_pos: list[int]
-    hidden: torch.Tensor | None = None  # final hidden states of pooling requests' rows (their row_start's rows)
+    # final hidden states of pooling requests' rows (their row_start's rows)
+    hidden: torch.Tensor | None = None
 
 
 class ModelRunner:
-    """Runs the model over the KV pool (engine.kv_cache's layer caches); turns a ScheduledBatch into logits."""
+    """Runs the model over the KV pool (engine.kv_cache's layer caches); turns a ScheduledBatch into
+    logits."""
 
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
                  device: torch.device, lora=None) -> None:
@@ -38,7 +40,8 @@ class ModelRunner:
         dtype = model.embed_tokens.weight.dtype
         # the flat layout on every device where the model asks for it (the generic path's windowed layers)
         self.plan = dispatch.plan(device, dtype, kv_dtype, getattr(model, "needs_flat_metadata", False))
-        self.kv_caches = kv_cache.layer_caches(c, num_blocks, block_size, kv_dtype, dtype, device, self.plan.flat)
+        self.kv_caches = kv_cache.layer_caches(c, num_blocks, block_size, kv_dtype, dtype, device,
+                                               self.plan.flat)
         self.graphs = None
         self.buffers: StepBuffers | None = None
         self.lora = lora  # engine.lora.LoRAManager: maps each step's tokens to their adapters' slots
@@ -68,7 +71,8 @@ class ModelRunner:
                 warnings.warn(f"decode steps run eagerly: CUDA graph capture failed ({e})", stacklevel=2)
 
     def _rows(self, req: Request, start: int, n: int) -> tuple[int, int]:
-        """First position and count of the positions whose logits (pooling: hidden states) this step must return."""
+        """First position and count of the positions whose logits (pooling: hidden states) this step must
+        return."""
         if isinstance(req, PoolingRequest):
             return req.pool_rows(start, n)
         if req.want_prompt_logits:
@@ -77,7 +81,8 @@ class ModelRunner:
         return first, max(0, start + n - first)
 
     def _layout(self, batch: ScheduledBatch, rows: StepLogits) -> tuple[list[int], ...]:
-        """The flat step: (ids, positions, slots, context lens, logits index, pooled-hidden index); rows filled in."""
+        """The flat step: (ids, positions, slots, context lens, logits index, pooled-hidden index); rows
+        filled in."""
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -111,24 +116,24 @@ class ModelRunner:
         tables = [r.block_table for r in batch.requests]
         adapters = self._map_adapters(batch)
         if hidden_idx:
-            return self._run_pooled(rows, (ids, positions, slots, context_lens, tables), logit_idx, hidden_idx,
-                                    batch.num_new_tokens, adapters)
+            return self._run_pooled(rows, (ids, positions, slots, context_lens, tables), logit_idx,
+                                    hidden_idx, batch.num_new_tokens, adapters)
         if self.graphs is not None and not adapters and self.graphs.fits(batch.num_new_tokens):
             rows.logits = self.graphs.run(ids, positions, slots, context_lens, tables)
             return rows
         if self.plan.flat:
             buffers = self._step_buffers(len(ids), len(tables), max(len(t) for t in tables))
-            inputs = buffers.load(ids, positions, slots, logit_idx, batch.num_new_tokens, context_lens, tables,
-                                  self.model.config.num_kv_heads)
+            inputs = buffers.load(ids, positions, slots, logit_idx, batch.num_new_tokens, context_lens,
+                                  tables, self.model.config.num_kv_heads)
             rows.logits = self.model(*inputs[:2], self.kv_caches, *inputs[2:], plan=self.plan)
             return rows
-        rows.logits = self._run_paged(ids, positions, slots, logit_idx, batch.num_new_tokens, context_lens, tables,
-                                      adapters)
+        rows.logits = self._run_paged(ids, positions, slots, logit_idx, batch.num_new_tokens, context_lens,
+                                      tables, adapters)
         return rows
 
     def _map_adapters(self, batch: ScheduledBatch) -> bool:
-        """Set the coming forward's token-to-adapter mapping; whether any adapter runs in it (the decode stack and
-        CUDA graphs run the base model only)."""
+        """Set the coming forward's token-to-adapter mapping; whether any adapter runs in it (the decode stack
+        and CUDA graphs run the base model only)."""
         if self.lora is None:
             return False
         self.lora.prepare_step([r.lora_request for r in batch.requests], batch.num_new_tokens)
@@ -136,9 +141,11 @@ class ModelRunner:
 
     def _run_paged(self, ids, positions, slots, logit_idx, query_lens, context_lens, tables,
                    adapters: bool = False) -> torch.Tensor:
-        """Logits of a step over AttentionMetadata, built as the step plan asks (the fused kernel's arguments)."""
+        """Logits of a step over AttentionMetadata, built as the step plan asks (the fused kernel's
+        arguments)."""
         dev = self.device
-        # ids, positions and slots in one host-to-tensor copy; no logits index where every row is wanted (decode)
+        # ids, positions and slots in one host-to-tensor copy; no logits index where every row is wanted
+        # (decode)
         flat = torch.tensor([ids, positions, slots], dtype=torch.long, device=dev)
         meta = kernels.build_metadata(query_lens, context_lens, tables, flat[2], self.block_size, dev,
                                       fused=self.plan.fused_attention)
@@ -149,8 +156,8 @@ class ModelRunner:
 
     def _run_pooled(self, rows: StepLogits, step: tuple, logit_idx: list[int], hidden_idx: list[int],
                     query_lens: list[int], adapters: bool = False) -> StepLogits:
-        """A step with pooling requests: final hidden states of both row sets, the LM head only over the sampled
-        ones (never a CUDA graph: those replay pure decode)."""
+        """A step with pooling requests: final hidden states of both row sets, the LM head only over the
+        sampled ones (never a CUDA graph: those replay pure decode)."""
         ids, positions, slots, context_lens, tables = step
         wanted = logit_idx + hidden_idx
         if self.plan.flat:
@@ -160,8 +167,8 @@ class ModelRunner:
             args, plan = (*inputs[:2], self.kv_caches, *inputs[2:]), self.plan
         else:
             flat = torch.tensor([ids, positions, slots], dtype=torch.long, device=self.device)
-            meta = kernels.build_metadata(query_lens, context_lens, tables, flat[2], self.block_size, self.device,
-                                          fused=self.plan.fused_attention)
+            meta = kernels.build_metadata(query_lens, context_lens, tables, flat[2], self.block_size,
+                                          self.device, fused=self.plan.fused_attention)
             index = torch.tensor(wanted, dtype=torch.long, device=self.device)
             args = (flat[0], flat[1], self.kv_caches, meta, index)
             plan = self.plan if adapters else self.plan.for_step(flat[0], meta)

@@ -68,7 +68,8 @@ class EmbeddingOutput:
     metrics: RequestMetrics
     error: str | None = None
     finished: bool = True
-    items: list[EmbeddingOutput] | None = None  # several inputs: one output each, in order (the fields above: items[0])
+    # several inputs: one output each, in order (the fields above: items[0])
+    items: list[EmbeddingOutput] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -8,7 +8,8 @@ at once (full blocks stay in the prefix cache for later prompts).
 Which pooling a checkpoint takes (`pooler_for`), in order:
 1. a sentence-transformers `modules.json` whose Pooling module's `config.json` sets `pooling_mode_lasttoken`,
    `pooling_mode_mean_tokens` or `pooling_mode_cls_token` (Qwen3-Embedding ships one: last token);
-2. a bare decoder (`architectures` names a `...Model`, no LM head, as e5-mistral's `MistralModel`): last token;
+2. a bare decoder (`architectures` names a `...Model`, no LM head, as e5-mistral's `MistralModel`): last
+   token;
 3. otherwise mean over the prompt's tokens.
 The pooled vector is L2-normalized (vLLM's default for embeddings; OpenAI's are unit length); `dimensions`
 keeps the first d components (Matryoshka) and normalizes again.
@@ -28,7 +29,8 @@ from sluice.engine.sampling_params import SamplingParams
 
 POOLING_TYPES = ("mean", "last", "cls")
 TASKS = ("embed", "classify", "score")
-_ST_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
+_ST_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean",
+             "pooling_mode_cls_token": "cls"}
 # A prefill only: no proposals (the speculative budget is max_tokens - 1) and nothing sampled.
 _PREFILL_ONLY = SamplingParams(max_tokens=1, temperature=0.0)
 
@@ -67,10 +69,11 @@ def _sentence_transformers_pooling(folder: Path) -> str | None:
         if module.get("type", "").endswith("Pooling"):
             config = json.loads((folder / module.get("path", "") / "config.json").read_text())
             chosen = [mode for key, mode in _ST_MODES.items() if config.get(key)]
-            unknown = sorted(k for k, v in config.items() if k.startswith("pooling_mode") and v and k not in _ST_MODES)
+            unknown = sorted(k for k, v in config.items() if k.startswith("pooling_mode") and v
+                             and k not in _ST_MODES)
             if unknown or len(chosen) != 1:
-                raise PoolingError(f"{modules.parent.name}: sentence-transformers pooling {unknown or chosen} is not "
-                                   f"supported (one of {', '.join(_ST_MODES)})")
+                raise PoolingError(f"{modules.parent.name}: sentence-transformers pooling "
+                                   f"{unknown or chosen} is not supported (one of {', '.join(_ST_MODES)})")
             return chosen[0]
     return None
 
@@ -171,7 +174,8 @@ class PoolingRequest(Request):
 
     __slots__ = ("pooling", "pooling_params", "pooled", "embedding")
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: PoolingParams, pooling: str) -> None:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: PoolingParams,
+                 pooling: str) -> None:
         super().__init__(request_id, prompt_token_ids, _PREFILL_ONLY)
         self.pooling_params, self.pooling = params, params.pooling or pooling
         self.want_prompt_logits = self.pooling != "last"  # every row is needed: no prefix-cache hits
@@ -222,15 +226,15 @@ def segment_sums(hidden: torch.Tensor, starts: list[int], counts: list[int]) -> 
 
 
 def can_pool(model: torch.nn.Module) -> bool:
-    """Whether the model gives final hidden states: the native forward's own, or a transformers model's (generic
-    path) through a hook on its base model."""
+    """Whether the model gives final hidden states: the native forward's own, or a transformers model's
+    (generic path) through a hook on its base model."""
     return hasattr(model, "hidden_states") or hasattr(getattr(model, "hf", None), "base_model")
 
 
 def logits_and_hidden(model: torch.nn.Module, args: tuple, num_logits: int,
                       plan: object) -> tuple[torch.Tensor, torch.Tensor]:
-    """One forward over `args` (ids, positions, kv caches, metadata, rows index): the logits of the index's first
-    `num_logits` rows and the final hidden states of the rest."""
+    """One forward over `args` (ids, positions, kv caches, metadata, rows index): the logits of the index's
+    first `num_logits` rows and the final hidden states of the rest."""
     *step, index = args
     if hasattr(model, "hidden_states"):
         hidden = model.hidden_states(*step, index, plan=plan)
@@ -289,7 +293,8 @@ class EmbeddingGroup:
     done: dict[str, EmbeddingOutput] = field(default_factory=dict)
 
     def finish(self, out: EmbeddingOutput) -> EmbeddingOutput | None:
-        """Keep one input's output; the merged output once all are done (the first failure names the error)."""
+        """Keep one input's output; the merged output once all are done (the first failure names the
+        error)."""
         self.done[out.request_id] = out
         if len(self.done) < len(self.sequences):
             return None

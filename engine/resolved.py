@@ -1,4 +1,5 @@
-"""What the engine derives once at start-up from its config, the checkpoint's config.json and the tokenizer."""
+"""What the engine derives once at start-up from its config, the checkpoint's config.json and the
+tokenizer."""
 
 from __future__ import annotations
 
@@ -48,7 +49,8 @@ class ResolvedConfig:
 
     @classmethod
     def resolve(cls, config: EngineConfig) -> ResolvedConfig:
-        """Read config.json and resolve every 'auto' setting; EOS ids from config.json and generation_config.json."""
+        """Read config.json and resolve every 'auto' setting; EOS ids from config.json and
+        generation_config.json."""
         hf_config = read_config(config.model)
         model = ModelConfig.from_hf(hf_config)
         device = resolve_device(config.device)
@@ -60,7 +62,8 @@ class ResolvedConfig:
 
     def with_eos(self, eos_token_id: int | None) -> ResolvedConfig:
         """The same, with the tokenizer's EOS id among the EOS ids."""
-        return self if eos_token_id is None else replace(self, eos_token_ids=self.eos_token_ids | {eos_token_id})
+        return self if eos_token_id is None else replace(self,
+                                                         eos_token_ids=self.eos_token_ids | {eos_token_id})
 
 
 def _max_model_len(config: EngineConfig, c: ModelConfig) -> int:

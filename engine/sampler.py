@@ -63,7 +63,8 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
 
 def _row_keys(reqs: list[Request], positions: list[int] | None, stream: int, device,
               generator: torch.Generator) -> torch.Tensor:
-    """One key per row from (request seed, position, stream); unseeded rows take a fresh seed from `generator`."""
+    """One key per row from (request seed, position, stream); unseeded rows take a fresh seed from
+    `generator`."""
     fresh = torch.randint(0, 2**62, (len(reqs),), generator=generator).tolist()
     seeds = [r.params.seed if r.params.seed is not None else f for r, f in zip(reqs, fresh, strict=True)]
     pos = positions if positions is not None else [r.num_tokens for r in reqs]
@@ -97,7 +98,8 @@ def keyed_uniforms(reqs: list[Request], device, generator: torch.Generator, posi
 
 def keyed_noise(reqs: list[Request], vocab: int, device, generator: torch.Generator,
                 positions: list[int] | None = None, stream: int = 0) -> torch.Tensor:
-    """Exp(1) noise [rows, vocab] made on `device`; a seeded row's noise depends only on (seed, position, stream)."""
+    """Exp(1) noise [rows, vocab] made on `device`; a seeded row's noise depends only on (seed, position,
+    stream)."""
     return keyed_uniform(_row_keys(reqs, positions, stream, device, generator), vocab).log_().neg_()
 
 
@@ -129,12 +131,15 @@ def sample(logits: torch.Tensor, reqs: list[Request], generator: torch.Generator
 
 
 def fused_sample(logits: torch.Tensor, reqs: list[Request], generator: torch.Generator,
-                 mask: tuple[list[int], torch.Tensor] | None = None, mask_vocab: int = 0) -> torch.Tensor | None:
-    """`sample`'s tokens from logits before the grammar's mask, by one C++ pass per row that masks (rows, bitmask:
-    row i for reqs[i]), scales, draws and takes the argmax; None where it does not serve (another device, no
-    kernel, a sampled row that filters by top-k, top-p or min-p): then mask the logits and call `sample`."""
-    if not masked_sample.serves(logits) or any(not r.params.greedy and (r.params.top_k > 0 or r.params.top_p < 1
-                                                                        or r.params.min_p > 0) for r in reqs):
+                 mask: tuple[list[int], torch.Tensor] | None = None,
+                 mask_vocab: int = 0) -> torch.Tensor | None:
+    """`sample`'s tokens from logits before the grammar's mask, by one C++ pass per row that masks (rows,
+    bitmask: row i for reqs[i]), scales, draws and takes the argmax; None where it does not serve (another
+    device, no kernel, a sampled row that filters by top-k, top-p or min-p): then mask the logits and call
+    `sample`."""
+    if not masked_sample.serves(logits) or any(not r.params.greedy
+                                               and (r.params.top_k > 0 or r.params.top_p < 1
+                                                    or r.params.min_p > 0) for r in reqs):
         return None
     temps = torch.tensor([0.0 if r.params.greedy else max(r.params.temperature, 1e-5) for r in reqs])
     if all(r.params.greedy for r in reqs):  # as `sample`: no draw from the generator
@@ -154,7 +159,8 @@ def processed_logits(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     return _filter(logits.float(), reqs)
 
 
-def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor, n: int, normalize: bool = True) -> list[dict[int, float]]:
+def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor, n: int,
+                 normalize: bool = True) -> list[dict[int, float]]:
     """The sampled token's logprob plus the top-n of the row's distribution, per row (`normalize` False: the
     logits' own values, vLLM's *_logits modes)."""
     logp = logits.float().log_softmax(-1) if normalize else logits.float()

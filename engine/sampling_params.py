@@ -18,16 +18,19 @@ class StructuredOutputsParams:
     grammar: str | None = None
 
     def __post_init__(self) -> None:
-        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) not in (None, False)]
+        given = [name for name in ("json", "regex", "choice", "grammar")
+                 if getattr(self, name) not in (None, False)]
         if len(given) != 1:
-            raise ValueError(f"StructuredOutputsParams needs exactly one of json, regex, choice, grammar; got {given}")
+            raise ValueError(
+                f"StructuredOutputsParams needs exactly one of json, regex, choice, grammar; got {given}")
         if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
             raise ValueError("StructuredOutputsParams.choice must be a non-empty list of strings")
 
     @property
     def kind(self) -> str:
         """Which constraint this is: json, regex, choice or grammar."""
-        return next(n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) not in (None, False))
+        return next(n for n in ("json", "regex", "choice", "grammar")
+                    if getattr(self, n) not in (None, False))
 
 
 @dataclass(slots=True)
@@ -83,7 +86,8 @@ class SamplingParams:
              "must map token ids (>= 0) to values in [-100, 100]"),
             ("n", 1 <= self.n <= 128, "must be in [1, 128]"),
             ("best_of", self.best_of is None or self.n <= self.best_of <= 128, "must be in [n, 128]"),
-            ("min_tokens", self.min_tokens >= 0 and (self.max_tokens is None or self.min_tokens <= self.max_tokens),
+            ("min_tokens",
+             self.min_tokens >= 0 and (self.max_tokens is None or self.min_tokens <= self.max_tokens),
              "must be in [0, max_tokens]"),
         ]
 
@@ -104,5 +108,6 @@ class SamplingParams:
 
     @property
     def processed(self) -> bool:
-        """True when the logits need any processing before sampling (penalties, bias, min_tokens, structure)."""
+        """True when the logits need any processing before sampling (penalties, bias, min_tokens,
+        structure)."""
         return self.adjusted or self.structured_outputs is not None

@@ -29,7 +29,8 @@ class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, lora=None) -> None:
         self.config = config
         self.block_manager = block_manager
-        self.lora = lora  # engine.lora.LoRAManager: a request joins only once its adapter is loaded and has a slot
+        # engine.lora.LoRAManager: a request joins only once its adapter is loaded and has a slot
+        self.lora = lora
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0

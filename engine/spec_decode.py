@@ -1,6 +1,8 @@
-"""Speculative proposers (n-gram lookup, draft model): each attaches up to k proposed tokens to running requests.
+"""Speculative proposers (n-gram lookup, draft model): each attaches up to k proposed tokens to running
+requests.
 
-Proposers only propose; `engine.verification` verifies and the engine appends and rolls back (vLLM v1's split).
+Proposers only propose; `engine.verification` verifies and the engine appends and rolls back (vLLM v1's
+split).
 """
 
 from __future__ import annotations
@@ -131,7 +133,8 @@ class DraftProposer(Proposer):
             if not active:
                 break
             batch = ScheduledBatch([shadows[i] for i in active],
-                                   [shadows[i].num_tokens - shadows[i].num_computed_tokens for i in active], [])
+                                   [shadows[i].num_tokens - shadows[i].num_computed_tokens for i in active],
+                                   [])
             tokens, q = self._sample(self.runner.run(batch).logits, [reqs[i] for i in active],
                                      [shadows[i].num_tokens for i in active])
             for j, i in enumerate(active):
@@ -145,7 +148,8 @@ class DraftProposer(Proposer):
             req.draft_state = torch.stack(probs[i]) if probs[i] else None
 
     def _allocate(self, s: Request) -> bool:
-        """Blocks for the shadow's uncomputed tokens, if the draft pool has them; False (no allocation) if not."""
+        """Blocks for the shadow's uncomputed tokens, if the draft pool has them; False (no allocation) if
+        not."""
         n = s.num_tokens - s.num_computed_tokens
         if not self.blocks.can_allocate(self.blocks.blocks_needed(s, n)):
             return False
@@ -174,11 +178,12 @@ def load_draft(cfg: SpeculativeConfig, engine_config: EngineConfig, target: Mode
     draft = ModelConfig.from_hf(hf_config)
     _check_vocab(draft, target, target_vocab, cfg.model, hf_config)
     config = replace(engine_config, model=cfg.model, quantization=cfg.quantization, speculative=None)
-    return load_model(cfg.model, dtype, device, max_model_len, linear_hook(config, device, dtype, hf_config), draft,
-                      engine_config.weight_loading, engine_config.huge_pages, hf_config=hf_config)
+    return load_model(cfg.model, dtype, device, max_model_len, linear_hook(config, device, dtype, hf_config),
+                      draft, engine_config.weight_loading, engine_config.huge_pages, hf_config=hf_config)
 
 
-def _check_vocab(draft: ModelConfig, target: ModelConfig, target_vocab: dict, path: str, hf_config: dict) -> None:
+def _check_vocab(draft: ModelConfig, target: ModelConfig, target_vocab: dict, path: str,
+                 hf_config: dict) -> None:
     if draft.vocab_size != target.vocab_size:
         raise ValueError(f"draft model {path} has vocab_size {draft.vocab_size}, the target has "
                          f"{target.vocab_size}: a draft must share the target's tokenizer")

@@ -1,14 +1,14 @@
-"""Structured outputs: JSON (any object or a schema), regex, a choice of strings or an EBNF grammar, enforced by
-xgrammar. Grammars are compiled once per distinct constraint and cached for the engine's life (so across
+"""Structured outputs: JSON (any object or a schema), regex, a choice of strings or an EBNF grammar, enforced
+by xgrammar. Grammars are compiled once per distinct constraint and cached for the engine's life (so across
 requests, shards and jobs in a worker); each request has its own matcher, advanced by the tokens it emits.
-A step's masks are one token bitmask for every row, applied to the logits in one op. The rows a step will sample
-plainly are filled in one batched call on a grammar thread started before the model's forward (`fill_ahead`):
-the matchers already hold every token emitted so far, xgrammar fills without the GIL and torch's ops release
-it, so the fill runs while the forward does and the sampler only waits for it. The engine turns this on for CUDA
-(the host is free while the device computes) and on CPU where torch leaves a core free; where torch's threads
-take every core, a third thread only stalls the forward's parallel regions, and the mask is filled after it.
-Speculative verify rows (which walk each matcher through its proposals and back) are filled after the forward.
-JSON schemas are checked and their values bounded by engine.json_schema."""
+A step's masks are one token bitmask for every row, applied to the logits in one op. The rows a step will
+sample plainly are filled in one batched call on a grammar thread started before the model's forward
+(`fill_ahead`): the matchers already hold every token emitted so far, xgrammar fills without the GIL and
+torch's ops release it, so the fill runs while the forward does and the sampler only waits for it. The engine
+turns this on for CUDA (the host is free while the device computes) and on CPU where torch leaves a core free;
+where torch's threads take every core, a third thread only stalls the forward's parallel regions, and the mask
+is filled after it. Speculative verify rows (which walk each matcher through its proposals and back) are
+filled after the forward. JSON schemas are checked and their values bounded by engine.json_schema."""
 
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ from sluice.engine.sampling_params import StructuredOutputsParams
 
 def _transformers_tokenizer(tokenizer: Any) -> Any:
     """The tokenizer as the transformers class xgrammar reads a vocabulary from: the engine's own tokenizer (a
-    native model's, without transformers) wraps the same `tokenizers` object, so it is wrapped here, on the first
-    structured request only."""
+    native model's, without transformers) wraps the same `tokenizers` object, so it is wrapped here, on the
+    first structured request only."""
     from transformers import PreTrainedTokenizerFast
 
     if isinstance(tokenizer, PreTrainedTokenizerFast):
@@ -37,7 +37,8 @@ def _transformers_tokenizer(tokenizer: Any) -> Any:
 
 @dataclass(slots=True)
 class _Ahead:
-    """A batched fill started before the forward: for which requests (by identity, in order), rows, into where."""
+    """A batched fill started before the forward: for which requests (by identity, in order), rows, into
+    where."""
 
     owners: list[int]
     rows: list[int]
@@ -51,11 +52,13 @@ def _live_rows(reqs: list[Request]) -> list[int]:
 
 
 class StructuredOutputManager:
-    """Compiled grammars (cached per constraint), matchers and the batch bitmask for one engine's vocabulary."""
+    """Compiled grammars (cached per constraint), matchers and the batch bitmask for one engine's
+    vocabulary."""
 
     def __init__(self, tokenizer: Any, vocab: int, stop_token_ids: list[int],
                  fill_threads: int | str = "auto", json_bounds: JsonBounds | None = None) -> None:
-        import xgrammar as xgr  # the grammar engine's native library is loaded on the first structured request
+        # the grammar engine's native library is loaded on the first structured request
+        import xgrammar as xgr
 
         self.xgr, self.vocab = xgr, vocab
         self.json_bounds = json_bounds or JsonBounds()
@@ -90,7 +93,8 @@ class StructuredOutputManager:
             if so.regex is not None:
                 return self.compiler.compile_regex(so.regex)
             if so.choice is not None:
-                return self.compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in so.choice))
+                return self.compiler.compile_grammar(
+                    "root ::= " + " | ".join(json.dumps(c) for c in so.choice))
             return self.compiler.compile_grammar(so.grammar)
         except GrammarError:
             raise
@@ -106,8 +110,9 @@ class StructuredOutputManager:
         return self.compiler.compile_grammar(bound_grammar(str(grammar), self.json_bounds))
 
     def fill_ahead(self, reqs: list[Request]) -> None:
-        """Start filling, on the grammar thread, the masks of the rows `reqs` will sample next (call it before the
-        forward; `apply` with the same requests in the same order then waits for it instead of filling)."""
+        """Start filling, on the grammar thread, the masks of the rows `reqs` will sample next (call it before
+        the forward; `apply` with the same requests in the same order then waits for it instead of
+        filling)."""
         self._settle()
         rows = _live_rows(reqs) if self.overlap else []
         if not rows:
@@ -115,8 +120,8 @@ class StructuredOutputManager:
         if self.ahead_bitmask.shape[0] < len(reqs):
             self.ahead_bitmask = self.xgr.allocate_token_bitmask(len(reqs), self.vocab)
         bitmask = self.ahead_bitmask[: len(reqs)]
-        done = self._thread.submit(self.batcher.batch_fill_next_token_bitmask, [reqs[i].grammar for i in rows],
-                                   bitmask, rows)
+        done = self._thread.submit(self.batcher.batch_fill_next_token_bitmask,
+                                   [reqs[i].grammar for i in rows], bitmask, rows)
         self._ahead = _Ahead([id(r) for r in reqs], rows, bitmask, done)
 
     def _settle(self) -> _Ahead | None:
@@ -127,8 +132,8 @@ class StructuredOutputManager:
         return ahead
 
     def apply(self, logits: torch.Tensor, reqs: list[Request], ahead: list[int] | None) -> None:
-        """Mask (in place) every row of a constrained request to the tokens its grammar allows next; `ahead[i]`:
-        speculative proposals before row i."""
+        """Mask (in place) every row of a constrained request to the tokens its grammar allows next;
+        `ahead[i]`: speculative proposals before row i."""
         filled = self.fill(reqs, ahead)
         if filled is not None:
             self.apply_bitmask(logits, *filled)
@@ -139,8 +144,8 @@ class StructuredOutputManager:
                                              vocab_size=self.vocab, indices=rows)
 
     def fill(self, reqs: list[Request], ahead: list[int] | None) -> tuple[list[int], torch.Tensor] | None:
-        """The rows a grammar masks and the bitmask (row i for reqs[i], on the host) that `apply` applies: the fill
-        started ahead where it was for these requests, else one made now; None when no row is masked."""
+        """The rows a grammar masks and the bitmask (row i for reqs[i], on the host) that `apply` applies: the
+        fill started ahead where it was for these requests, else one made now; None when no row is masked."""
         filled = self._settle() if ahead is None else None
         if filled is not None and filled.owners == [id(r) for r in reqs]:
             self.rows_filled["ahead"] += len(filled.rows)

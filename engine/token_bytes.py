@@ -1,4 +1,5 @@
-"""The raw bytes behind each token id, for logprobs (OpenAI reports every token as text plus its UTF-8 bytes)."""
+"""The raw bytes behind each token id, for logprobs (OpenAI reports every token as text plus its UTF-8
+bytes)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ HEX_BYTE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 @cache
 def byte_decoder() -> dict[str, int]:
     """GPT-2's byte-level alphabet inverted: the printable character that stands for each byte -> the byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
     chars, extra = {}, 0
     for b in range(256):
         if b in printable:
@@ -24,7 +26,8 @@ def byte_decoder() -> dict[str, int]:
 
 
 class TokenBytes:
-    """Token id -> bytes for a Hugging Face tokenizer (byte-level BPE, SentencePiece byte fallback, or other)."""
+    """Token id -> bytes for a Hugging Face tokenizer (byte-level BPE, SentencePiece byte fallback, or
+    other)."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer

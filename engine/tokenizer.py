@@ -1,5 +1,6 @@
-"""The model's tokenizer: a folder with transformers' generic tokenizers-backed class is read through `tokenizers`
-and jinja2 directly (no transformers import on a worker's start); anything else through AutoTokenizer."""
+"""The model's tokenizer: a folder with transformers' generic tokenizers-backed class is read through
+`tokenizers` and jinja2 directly (no transformers import on a worker's start); anything else through
+AutoTokenizer."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 GENERIC = ("TokenizersBackend", "PreTrainedTokenizerFast")
-# Model types whose tokenizer transformers loads as the generic class when the folder names it (AutoTokenizer's
-# mapping gives no class of their own); the others have a class with its own pre-processing.
+# Model types whose tokenizer transformers loads as the generic class when the folder names it
+# (AutoTokenizer's mapping gives no class of their own); the others have a class with its own pre-processing.
 NATIVE_MODEL_TYPES = frozenset({"llama", "mistral"})
 # tokenizer_config.json keys with which transformers rewrites the folder's post-processor or its text.
 REWRITING_KEYS = ("add_bos_token", "add_eos_token", "auto_map", "add_prefix_space", "legacy")
@@ -31,7 +32,8 @@ def load_tokenizer(path: str | Path, hf_config: dict[str, Any] | None = None) ->
 
 
 def _native_config(root: Path, hf_config: dict[str, Any] | None) -> dict[str, Any] | None:
-    """tokenizer_config.json when the folder's tokenizer is the generic class over tokenizer.json, else None."""
+    """tokenizer_config.json when the folder's tokenizer is the generic class over tokenizer.json, else
+    None."""
     try:
         tok_config = json.loads((root / "tokenizer_config.json").read_text())
         if hf_config is None:
@@ -91,8 +93,10 @@ class Tokenizer:
         return self.backend
 
     def convert_ids_to_tokens(self, ids: int | list[int]) -> str | None | list[str | None]:
-        """The vocabulary piece of each id (None for an id outside the vocabulary), as transformers answers."""
-        return self.backend.id_to_token(ids) if isinstance(ids, int) else [self.backend.id_to_token(i) for i in ids]
+        """The vocabulary piece of each id (None for an id outside the vocabulary), as transformers
+        answers."""
+        return self.backend.id_to_token(ids) if isinstance(ids, int) else [self.backend.id_to_token(i)
+                                                                           for i in ids]
 
     def convert_tokens_to_ids(self, tokens: str | list[str]) -> int | None | list[int | None]:
         """The id of each vocabulary piece (None for an unknown one)."""
@@ -102,9 +106,11 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False,
                             tokenize: bool = True, **kwargs: Any) -> str | list[int]:
-        """The conversation through the folder's chat template: its text, or its token ids when tokenize=True."""
+        """The conversation through the folder's chat template: its text, or its token ids when
+        tokenize=True."""
         if self.chat_template is None:
-            raise ValueError("this tokenizer has no chat template (chat_template.jinja or tokenizer_config.json)")
+            raise ValueError(
+                "this tokenizer has no chat template (chat_template.jinja or tokenizer_config.json)")
         text = _compile(self.chat_template).render(
             messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens, **kwargs
         )
@@ -131,9 +137,11 @@ def _compile(template: str) -> Any:
 
     def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
                sort_keys: bool = False) -> str:
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

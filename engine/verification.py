@@ -27,10 +27,11 @@ class SpecStats:
 
     def record(self, req: Request, proposed: int, accepted: int) -> None:
         """Count one verify step of `req` in the totals and in the request's metrics."""
-        self.proposed, self.accepted, self.steps = self.proposed + proposed, self.accepted + accepted, self.steps + 1
+        self.proposed, self.accepted = self.proposed + proposed, self.accepted + accepted
+        self.steps += 1
         m = req.metrics
-        m.spec_proposed, m.spec_accepted, m.spec_steps = (m.spec_proposed + proposed, m.spec_accepted + accepted,
-                                                          m.spec_steps + 1)
+        m.spec_proposed, m.spec_accepted, m.spec_steps = (m.spec_proposed + proposed,
+                                                          m.spec_accepted + accepted, m.spec_steps + 1)
 
     def as_dict(self) -> dict[str, float]:
         return {
@@ -148,4 +149,5 @@ def _rejection_tensors(reqs: list[Request], logits: list[torch.Tensor],
 
 
 def _one_hot(tokens: list[int], vocab: int, device) -> torch.Tensor:
-    return torch.zeros(len(tokens), vocab, device=device).scatter_(-1, torch.tensor(tokens, device=device)[:, None], 1.0)
+    return torch.zeros(len(tokens), vocab,
+                       device=device).scatter_(-1, torch.tensor(tokens, device=device)[:, None], 1.0)

@@ -1,18 +1,18 @@
 """CPU weights in one arena of transparent huge pages.
 
-A decode step streams every weight once. In 4 KB pages that is a TLB miss every 64 cache lines and a stop of the
-hardware prefetchers at every page edge; in 2 MB pages the GEMVs and the memory-bound decode steps run faster
-(docs/benchmarks.md, "Decode step, weights in huge pages vs 4 KB pages"); compute-bound steps are unchanged. So on CPU the loader reads the weights it
-keeps straight into one arena (`empty`), copies in what is made later, the quantized linears (`adopt`), and
-`settle` then turns the arena into huge pages in a background thread: MADV_COLLAPSE (Linux 6.1+) copies each
-2 MB while the engine already runs (at fault time, with `defrag=madvise`, the same pages would cost the load
-several times its 4 KB faults). MADV_HUGEPAGE is set too, so khugepaged collapses the arena over time
-where MADV_COLLAPSE is missing. The collapsing thread runs at the lowest CPU priority (nice 19) and in the
-engine's idle time (`busy` / `idle`, a few MB a call; while the engine has work, a span now and then only):
-copying the weights into huge pages costs CPU seconds a gigabyte on a small host, and a step sharing the cores
-with it, even at nice 19, waited on it (a worker's first tokens took several times as long: docs/benchmarks.md,
-coldstart). Page-cache maps of the checkpoint (weight_loading=mmap) stay 4 KB pages: a file map
-collapses only on kernels built with READ_ONLY_THP_FOR_FS.
+A decode step streams every weight once. In 4 KB pages that is a TLB miss every 64 cache lines and a stop of
+the hardware prefetchers at every page edge; in 2 MB pages the GEMVs and the memory-bound decode steps run
+faster (docs/benchmarks.md, "Decode step, weights in huge pages vs 4 KB pages"); compute-bound steps are
+unchanged. So on CPU the loader reads the weights it keeps straight into one arena (`empty`), copies in what
+is made later, the quantized linears (`adopt`), and `settle` then turns the arena into huge pages in a
+background thread: MADV_COLLAPSE (Linux 6.1+) copies each 2 MB while the engine already runs (at fault time,
+with `defrag=madvise`, the same pages would cost the load several times its 4 KB faults). MADV_HUGEPAGE is set
+too, so khugepaged collapses the arena over time where MADV_COLLAPSE is missing. The collapsing thread runs at
+the lowest CPU priority (nice 19) and in the engine's idle time (`busy` / `idle`, a few MB a call; while the
+engine has work, a span now and then only): copying the weights into huge pages costs CPU seconds a gigabyte
+on a small host, and a step sharing the cores with it, even at nice 19, waited on it (a worker's first tokens
+took several times as long: docs/benchmarks.md, coldstart). Page-cache maps of the checkpoint
+(weight_loading=mmap) stay 4 KB pages: a file map collapses only on kernels built with READ_ONLY_THP_FOR_FS.
 """
 
 from __future__ import annotations
@@ -34,9 +34,10 @@ from sluice.engine.weight_reserve import HUGE_PAGE, SLOT_ALIGNMENT, Reservation
 log = logging.getLogger(__name__)
 
 MADV_HUGEPAGE, MADV_COLLAPSE = 14, 25  # Linux's values (MADV_COLLAPSE is not in Python's mmap module)
-# A call a span: the first that fails (no huge page to be had now) ends the pass; between two, the pass waits while
-# the engine has work (`busy`), so a step that starts meanwhile shares the cores with at most one span's copy, but
-# at most COLLAPSE_PACE seconds: an engine that is never idle still gets its huge pages, a span at a time.
+# A call a span: the first that fails (no huge page to be had now) ends the pass; between two, the pass waits
+# while the engine has work (`busy`), so a step that starts meanwhile shares the cores with at most one span's
+# copy, but at most COLLAPSE_PACE seconds: an engine that is never idle still gets its huge pages, a span at a
+# time.
 COLLAPSE_SPAN = 4 << 20
 COLLAPSE_PACE = 0.1
 COLLAPSE_NICE = 19  # the collapsing thread's priority: the lowest, so serving's threads come first
@@ -48,9 +49,9 @@ def _slot(nbytes: int) -> int:
 
 class WeightArena:
     """A bump allocator over one lazily committed anonymous map (pages are committed only where written), its
-    start on a huge page boundary: a `reservation` of room enough (engine.weight_reserve: mapped, and the weights
-    read into it, while torch was imported) is that map, its tensors read ahead taken as they lie (`placed`) and
-    the allocator starting past them; else the arena maps its own."""
+    start on a huge page boundary: a `reservation` of room enough (engine.weight_reserve: mapped, and the
+    weights read into it, while torch was imported) is that map, its tensors read ahead taken as they lie
+    (`placed`) and the allocator starting past them; else the arena maps its own."""
 
     def __init__(self, capacity: int, reservation: Reservation | None = None) -> None:
         if reservation is not None and reservation.capacity < capacity:
@@ -62,12 +63,14 @@ class WeightArena:
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
         self._start = (-self._bytes.data_ptr()) % HUGE_PAGE
         self.capacity, self.used = capacity, 0
-        self._passing: list[tuple[int, int]] = []  # transient tensors read ahead (offsets into the map, in order)
+        # transient tensors read ahead (offsets into the map, in order)
+        self._passing: list[tuple[int, int]] = []
         if reservation is not None:
             self.capacity, self.used = reservation.capacity, _slot(reservation.ahead)
             self._passing = sorted((self._start + s.at, self._start + s.at + s.nbytes)
                                    for s in reservation.slots.values() if s.transient)
-        self.prefaulted = 0  # bytes the reservation had faulted in (or read) ahead (set by `finish_reservation`)
+        # bytes the reservation had faulted in (or read) ahead (set by `finish_reservation`)
+        self.prefaulted = 0
         self.settled = threading.Event()
         self.collapse_nice: int | None = None  # the collapsing thread's nice value, once it runs
         self._quiet = threading.Event()  # set while the engine has no work: the collapse goes on unpaced
@@ -84,8 +87,9 @@ class WeightArena:
 
     def placed(self, parts: list[tuple[str, int, int]], shape: tuple[int, ...] | torch.Size,
                dtype: torch.dtype) -> torch.Tensor | None:
-        """The checkpoint tensors `parts` ((weight file name, offset, bytes) each), stacked, as the reservation read
-        them ahead into the arena: a tensor of `shape` and `dtype` over their bytes; None where it did not."""
+        """The checkpoint tensors `parts` ((weight file name, offset, bytes) each), stacked, as the
+        reservation read them ahead into the arena: a tensor of `shape` and `dtype` over their bytes; None
+        where it did not."""
         if self.reservation is None:
             return None
         at = self.reservation.placed(parts)
@@ -95,17 +99,18 @@ class WeightArena:
         return self._bytes[at : at + sum(n for _, _, n in parts)].view(dtype).view(shape)
 
     def finish_reservation(self) -> int:
-        """Once everything is in the arena (`settle` calls it: the loader's reads and the engine's adoptions done),
-        a reservation stops faulting in and hands back its pages past `used` (none is kept unwritten); returns the
-        bytes handed back."""
+        """Once everything is in the arena (`settle` calls it: the loader's reads and the engine's adoptions
+        done), a reservation stops faulting in and hands back its pages past `used` (none is kept unwritten);
+        returns the bytes handed back."""
         if self.reservation is None:
             return 0
         reservation, self.reservation = self.reservation, None
         released = reservation.finish(self.used)
         self.prefaulted = reservation.faulted
         taken = [reservation.slots[n] for n in reservation.taken]
-        log.info("weight arena: %d MB written, %d MB of it faulted in ahead at the start, %d MB of tensors read "
-                 "ahead and taken, %d MB read ahead for the load to rebuild (handed back)", self.used >> 20,
+        log.info("weight arena: %d MB written, %d MB of it faulted in ahead at the start, %d MB of tensors "
+                 "read ahead and taken, %d MB read ahead for the load to rebuild (handed back)",
+                 self.used >> 20,
                  min(self.prefaulted, self.used) >> 20, sum(s.nbytes for s in taken if not s.transient) >> 20,
                  sum(s.nbytes for s in taken if s.transient) >> 20)
         return released
@@ -125,10 +130,10 @@ class WeightArena:
         return self.holds(t) and i >= 0 and at < self._passing[i][1]
 
     def adopt(self, model: nn.Module) -> int:
-        """Move every CPU parameter and buffer of `model` that lies outside the arena, or on a transient tensor
-        read ahead (`passing`), into it, views of one storage kept views of one copy (bitsandbytes' modules
-        excepted: they keep tensors of their own beside their parameters); returns the bytes moved. Tensors that
-        do not fit stay where they are."""
+        """Move every CPU parameter and buffer of `model` that lies outside the arena, or on a transient
+        tensor read ahead (`passing`), into it, views of one storage kept views of one copy (bitsandbytes'
+        modules excepted: they keep tensors of their own beside their parameters); returns the bytes moved.
+        Tensors that do not fit stay where they are."""
         storages: dict[int, list[torch.Tensor]] = {}
         moved = 0
         for mod in model.modules():
@@ -167,7 +172,8 @@ class WeightArena:
         return t.nbytes
 
     def busy(self) -> None:
-        """The engine has work: a background collapse waits up to COLLAPSE_PACE before each span until `idle`."""
+        """The engine has work: a background collapse waits up to COLLAPSE_PACE before each span until
+        `idle`."""
         self._quiet.clear()
 
     def idle(self) -> None:
@@ -183,7 +189,8 @@ class WeightArena:
             self.settled.set()
             return
         if background:
-            threading.Thread(target=self._collapse_behind, args=(end,), name="sluice-huge-pages", daemon=True).start()
+            threading.Thread(target=self._collapse_behind, args=(end,), name="sluice-huge-pages",
+                             daemon=True).start()
         else:
             self._collapse(end)
 
@@ -194,7 +201,8 @@ class WeightArena:
 
     def _collapse(self, end: int, quiet: threading.Event | None = None) -> None:
         try:
-            madvise = ctypes.CDLL(None, use_errno=True).madvise  # a foreign call: the GIL is released meanwhile
+            # a foreign call: the GIL is released meanwhile
+            madvise = ctypes.CDLL(None, use_errno=True).madvise
             madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
             base = self._bytes.data_ptr()
             madvise(base + self._start, end - self._start, MADV_HUGEPAGE)
@@ -202,15 +210,16 @@ class WeightArena:
                 if quiet is not None:
                     quiet.wait(COLLAPSE_PACE)
                 if madvise(base + at, min(COLLAPSE_SPAN, end - at), MADV_COLLAPSE) != 0:
-                    log.debug("MADV_COLLAPSE: errno %d (khugepaged may collapse the weights later)", ctypes.get_errno())
+                    log.debug("MADV_COLLAPSE: errno %d (khugepaged may collapse the weights later)",
+                              ctypes.get_errno())
                     break
         finally:
             self.settled.set()
 
 
 def _lower_priority() -> int | None:
-    """Give the calling thread the lowest CPU priority (COLLAPSE_NICE, its own only: a Linux thread's nice value
-    is per thread); its nice value afterwards, or None where that cannot be set."""
+    """Give the calling thread the lowest CPU priority (COLLAPSE_NICE, its own only: a Linux thread's nice
+    value is per thread); its nice value afterwards, or None where that cannot be set."""
     try:
         tid = threading.get_native_id()
         os.setpriority(os.PRIO_PROCESS, tid, COLLAPSE_NICE)

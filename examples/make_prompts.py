@@ -68,7 +68,8 @@ NUM_COMPLETIONS, NUM_CHATS = 260, 40
 
 
 def sampling(i: int) -> dict:
-    """Every fifth request greedy, the rest sampled with a per-request seed (reproducible, less repetitive)."""
+    """Every fifth request greedy, the rest sampled with a per-request seed (reproducible, less
+    repetitive)."""
     return {"temperature": 0} if i % 5 == 0 else {"temperature": 0.7, "top_p": 0.9, "seed": i}
 
 

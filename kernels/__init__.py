@@ -1,10 +1,10 @@
 """Compute kernels, each chosen by device and dtype inside this package.
 
 Torch reference everywhere; on CPU a fused C++ paged attention and residual add + RMSNorm (csrc/, built on
-first use, torch fallback), a bf16 GEMV (AVX512-BF16, or AVX2 + FMA: kernels.cpu_isa picks the tier) for bf16 linears at decode row counts (kernels.linear), torch's
-int8 GEMV / dynamic int8 matmul and int4 matmul for weight-only linears;
-on CUDA with triton the device path (device_path.py: Triton KV store, paged attention and W8A16 over a
-FlatMetadata, no host syncs inside the forward).
+first use, torch fallback), a bf16 GEMV (AVX512-BF16, or AVX2 + FMA: kernels.cpu_isa picks the tier) for bf16
+linears at decode row counts (kernels.linear), torch's int8 GEMV / dynamic int8 matmul and int4 matmul for
+weight-only linears; on CUDA with triton the device path (device_path.py: Triton KV store, paged attention and
+W8A16 over a FlatMetadata, no host syncs inside the forward).
 """
 
 from sluice.kernels.attention import AttentionMetadata, build_metadata, gather_kv, paged_attention, write_kv

@@ -82,10 +82,13 @@ def build_metadata(
 
 
 def _fused_args(idx, starts, query_lens, context_lens, block_tables) -> tuple[torch.Tensor, ...]:
-    """(query starts, query lens, contexts, block tables zero-padded to the widest): two host-to-tensor copies."""
+    """(query starts, query lens, contexts, block tables zero-padded to the widest): two host-to-tensor
+    copies."""
     width = max(len(block_tables[i]) for i in idx)
-    tables = torch.tensor([block_tables[i] + [0] * (width - len(block_tables[i])) for i in idx], dtype=torch.long)
-    per_seq = torch.tensor([[xs[i] for i in idx] for xs in (starts, query_lens, context_lens)], dtype=torch.long)
+    tables = torch.tensor([block_tables[i] + [0] * (width - len(block_tables[i])) for i in idx],
+                          dtype=torch.long)
+    per_seq = torch.tensor([[xs[i] for i in idx] for xs in (starts, query_lens, context_lens)],
+                           dtype=torch.long)
     return per_seq[0], per_seq[1], per_seq[2], tables
 
 
@@ -107,7 +110,8 @@ def _short_group(idx, starts, query_lens, context_lens, block_tables, block_size
         row = block_tables[i][:nb]
         tables[r, : len(row)] = torch.tensor(row, dtype=torch.long)
     return ShortGroup(
-        token_index.to(device), valid.to(device), tables.flatten().to(device), mask[None, :, :, None].to(device)
+        token_index.to(device), valid.to(device), tables.flatten().to(device),
+        mask[None, :, :, None].to(device)
     )
 
 
@@ -124,7 +128,8 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     v_cache.view(hk, -1, d).index_copy_(1, slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
 
 
-def gather_kv(cache: torch.Tensor, block_index: torch.Tensor, num_seqs: int, dtype: torch.dtype) -> torch.Tensor:
+def gather_kv(cache: torch.Tensor, block_index: torch.Tensor, num_seqs: int,
+              dtype: torch.dtype) -> torch.Tensor:
     """Keys or values of each sequence as [Hkv, B, L, D] from its flattened block table."""
     hk, _, _, d = cache.shape
     return cache.index_select(1, block_index).view(hk, num_seqs, -1, d).to(dtype)
@@ -168,9 +173,10 @@ def paged_attention(
     return out
 
 
-def _long_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
-    """Prefills and prefill chunks: fresh ones of similar lengths in padded batches (kernels.prefill), the rest
-    one SDPA each over its gathered context."""
+def _long_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                    out: torch.Tensor) -> None:
+    """Prefills and prefill chunks: fresh ones of similar lengths in padded batches (kernels.prefill), the
+    rest one SDPA each over its gathered context."""
     for batch in meta.padded_prefills:
         prefill.attend(q, k, v, out, batch, scale)
     for s in meta.long_seqs:

@@ -1,12 +1,12 @@
 """Build the C++ CPU kernels in csrc/ once per ISA tier into a per-user cache; no toolchain or a compile error
 means torch fallbacks.
 
-Each extension is one shared object per tier (kernels.cpu_isa), compiled with that tier's explicit flags (never
--march=native) from the installed package's csrc/, under a key of its sources, the tier's flags, the compiler
-(path, size, mtime), torch and Python: a cache on a shared volume or baked into an image never hands an older CPU
-an instruction it lacks, and never a library built for another torch. Builds happen in a temporary folder under
-an flock and are published by one rename, so N workers starting together build once and never load a
-half-written library; a cached library is loaded directly, without running the compiler or ninja.
+Each extension is one shared object per tier (kernels.cpu_isa), compiled with that tier's explicit flags
+(never -march=native) from the installed package's csrc/, under a key of its sources, the tier's flags, the
+compiler (path, size, mtime), torch and Python: a cache on a shared volume or baked into an image never hands
+an older CPU an instruction it lacks, and never a library built for another torch. Builds happen in a
+temporary folder under an flock and are published by one rename, so N workers starting together build once and
+never load a half-written library; a cached library is loaded directly, without running the compiler or ninja.
 """
 
 from __future__ import annotations
@@ -66,7 +66,8 @@ def cflags(tier: str) -> list[str]:
 
 
 def compiler() -> str | None:
-    """The C++ compiler torch's build would use ($CXX, else c++), resolved on PATH; None when there is none."""
+    """The C++ compiler torch's build would use ($CXX, else c++), resolved on PATH; None when there is
+    none."""
     found = shutil.which(options.current().cxx)
     return None if found is None else os.path.realpath(found)
 
@@ -86,7 +87,8 @@ def compiler_version() -> str:
     if path is None:
         return "none"
     try:
-        return subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout.splitlines()[0]
+        return subprocess.run([path, "--version"], capture_output=True, text=True,
+                              timeout=30).stdout.splitlines()[0]
     except (OSError, subprocess.SubprocessError, IndexError):
         return "unknown"
 
@@ -109,16 +111,18 @@ def _torch_version() -> str:
 
 
 def object_tier(tier: str, source: str) -> str:
-    """The tier whose object serves `tier` for `source`: itself, except `amx` where no source it includes has AMX
-    code (then the avx512_bf16 object, the same code without the tile flags: one build fewer per kernel)."""
+    """The tier whose object serves `tier` for `source`: itself, except `amx` where no source it includes has
+    AMX code (then the avx512_bf16 object, the same code without the tile flags: one build fewer per
+    kernel)."""
     if tier == "amx" and not any("__AMX" in (CSRC / f).read_text() for f in _sources(source)):
         return "avx512_bf16"
     return tier
 
 
 def build_name(name: str, source: str, tier: str | None = None) -> str:
-    """The extension's module name and cache folder: `name`, the tier of its object, and a hash of the sources it
-    includes, the flags, the compiler, torch and Python (not the checkout's path: one cache serves every install)."""
+    """The extension's module name and cache folder: `name`, the tier of its object, and a hash of the sources
+    it includes, the flags, the compiler, torch and Python (not the checkout's path: one cache serves every
+    install)."""
     tier = object_tier(cpu_isa.tier() if tier is None else tier, source)
     key = b"".join(f.encode() + b"\0" + (CSRC / f).read_bytes() for f in _sources(source))
     key += "\0".join([*cflags(tier), _compiler_identity(), _torch_version(), sys.version]).encode()
@@ -133,7 +137,8 @@ def library_path(name: str, source: str, tier: str | None = None) -> Path:
 
 def source_hash(source: str) -> str:
     """A hash of `source` and every csrc/ file it includes, names and contents."""
-    return hashlib.sha256(b"".join(f.encode() + b"\0" + (CSRC / f).read_bytes() for f in _sources(source))).hexdigest()
+    return hashlib.sha256(b"".join(f.encode() + b"\0" + (CSRC / f).read_bytes()
+                                   for f in _sources(source))).hexdigest()
 
 
 def python_abi() -> str:
@@ -142,8 +147,8 @@ def python_abi() -> str:
 
 
 def prebuilt_flags(tier: str) -> list[str]:
-    """The flags of the wheel's object for `tier`: the tier's own and the optional features (VNNI) the tier may
-    use, as on a CPU that has them (a CPU without them gets other `cflags`, so builds its own)."""
+    """The flags of the wheel's object for `tier`: the tier's own and the optional features (VNNI) the tier
+    may use, as on a CPU that has them (a CPU without them gets other `cflags`, so builds its own)."""
     return BASE_CFLAGS + cpu_isa.compile_flags(tier, frozenset(cpu for cpu, _, _ in cpu_isa.OPTIONAL))
 
 
@@ -161,8 +166,8 @@ def _manifest(folder: Path) -> dict | None:
 
 
 def prebuilt_path(name: str, source: str, tier: str | None = None) -> tuple[Path | None, str]:
-    """The wheel's object for `name` at `tier` (default: the chosen one) where its manifest matches the running
-    torch, Python ABI, kernel sources and this CPU's flags for the tier; else None and why not."""
+    """The wheel's object for `name` at `tier` (default: the chosen one) where its manifest matches the
+    running torch, Python ABI, kernel sources and this CPU's flags for the tier; else None and why not."""
     tier = object_tier(cpu_isa.tier() if tier is None else tier, source)
     manifest = _manifest(PREBUILT)
     if manifest is None:
@@ -183,8 +188,9 @@ def prebuilt_path(name: str, source: str, tier: str | None = None) -> tuple[Path
 
 
 def compile_command(module: str, source: str, tier: str, target: Path) -> list[str]:
-    """The compiler command that builds `source` as the extension `module` for `tier` into `target`, as torch's
-    JIT build would (its includes, C++ standard and libraries) with the tier's explicit `prebuilt_flags`."""
+    """The compiler command that builds `source` as the extension `module` for `tier` into `target`, as
+    torch's JIT build would (its includes, C++ standard and libraries) with the tier's explicit
+    `prebuilt_flags`."""
     from torch.utils.cpp_extension import include_paths, library_paths
 
     includes = [*include_paths("cpu"), sysconfig.get_path("include", scheme="posix_prefix")]
@@ -192,14 +198,17 @@ def compile_command(module: str, source: str, tier: str, target: Path) -> list[s
            f"-DTORCH_EXTENSION_NAME={module}", "-DTORCH_API_INCLUDE_EXTENSION_H"]
     cmd += [arg for path in includes for arg in ("-isystem", path)]
     cmd += [*prebuilt_flags(tier), str(CSRC / source), "-o", str(target), "-fopenmp"]
-    return cmd + [f"-L{path}" for path in library_paths("cpu")] + ["-lc10", "-ltorch_cpu", "-ltorch", "-ltorch_python"]
+    return cmd + [f"-L{path}" for path in library_paths("cpu")] + ["-lc10", "-ltorch_cpu", "-ltorch",
+                                                                   "-ltorch_python"]
 
 
 def compile_prebuilt(out: Path, jobs: int | None = None) -> dict:
-    """Compile every library for every tier (`prebuilt_objects`) into `out`/<tier>/ and write `out`/manifest.json:
-    the package build's step for a platform wheel. Nothing is imported (a host may lack the tier's instructions)."""
+    """Compile every library for every tier (`prebuilt_objects`) into `out`/<tier>/ and write
+    `out`/manifest.json: the package build's step for a platform wheel. Nothing is imported (a host may lack
+    the tier's instructions)."""
     if compiler() is None:
-        raise RuntimeError(f"building the prebuilt kernels needs a C++ compiler: {options.current().cxx} not found")
+        raise RuntimeError(
+            f"building the prebuilt kernels needs a C++ compiler: {options.current().cxx} not found")
     entries = []
     for name, source, tier in prebuilt_objects():
         digest = source_hash(source)
@@ -238,14 +247,15 @@ def _import(module: str, path: Path):
 @contextmanager
 def _visible_build(versioned: str, source: str, tier: str, folder: Path, why: str):
     """Say on stderr what is compiled, for which tier, where, why, and about how long, with a progress display
-    (the compiler runs once per library: its bar completes when the library is built, the clock runs meanwhile)."""
+    (the compiler runs once per library: its bar completes when the library is built, the clock runs
+    meanwhile)."""
     from rich.console import Console
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     console = Console(stderr=True)
     parts = f" ({len(PARTS)} parts: {', '.join(PARTS)})" if source == CORE else ""
-    console.print(f"sluice: compiling the C++ CPU kernels {versioned}{parts} for the {tier} tier into {folder}, "
-                  f"about a minute, once per machine ({why}; a wheel's prebuilt objects skip this)",
+    console.print(f"sluice: compiling the C++ CPU kernels {versioned}{parts} for the {tier} tier into "
+                  f"{folder}, about a minute, once per machine ({why}; a wheel's prebuilt objects skip this)",
                   markup=False, highlight=False, soft_wrap=True)
     columns = [SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn()]
     start = time.monotonic()
@@ -253,7 +263,8 @@ def _visible_build(versioned: str, source: str, tier: str, folder: Path, why: st
         task = progress.add_task(f"{source} [{tier}]", total=1)
         yield
         progress.update(task, completed=1)
-    console.print(f"sluice: built {versioned} in {time.monotonic() - start:.0f} s", markup=False, highlight=False)
+    console.print(f"sluice: built {versioned} in {time.monotonic() - start:.0f} s", markup=False,
+                  highlight=False)
 
 
 @contextmanager
@@ -279,7 +290,8 @@ def _build(versioned: str, source: str, tier: str, final: Path, why: str = ""):
         with _visible_build(versioned, source, tier, final.parent, why):
             ext = torch_load(name=versioned, sources=[str(CSRC / source)], extra_cflags=cflags(tier),
                              extra_ldflags=["-fopenmp"], build_directory=str(tmp), verbose=False)
-        record = {"tier": tier, "flags": cflags(tier), "compiler": compiler(), "compiler_version": compiler_version(),
+        record = {"tier": tier, "flags": cflags(tier), "compiler": compiler(),
+                  "compiler_version": compiler_version(),
                   "torch": _torch_version(), "sources": _sources(source)}
         (tmp / "build.json").write_text(json.dumps(record, indent=1))
         os.rename(tmp, final)
@@ -291,8 +303,8 @@ def _build(versioned: str, source: str, tier: str, final: Path, why: str = ""):
 
 
 def build(name: str, source: str, tier: str | None = None):
-    """The extension `name` from csrc/`source` for `tier` (default: the chosen one): the wheel's prebuilt object
-    where it matches, else built once per cache."""
+    """The extension `name` from csrc/`source` for `tier` (default: the chosen one): the wheel's prebuilt
+    object where it matches, else built once per cache."""
     tier = object_tier(cpu_isa.tier() if tier is None else tier, source)
     wheel, why = prebuilt_path(name, source, tier)
     if wheel is not None:
@@ -308,15 +320,15 @@ def build(name: str, source: str, tier: str | None = None):
 
 
 def part(name: str, tier: str | None = None):
-    """The submodule `name` (one of PARTS: csrc/`name`.cpp's functions) of the core library for `tier`, or None
-    when that library cannot be built (the caller falls back to torch)."""
+    """The submodule `name` (one of PARTS: csrc/`name`.cpp's functions) of the core library for `tier`, or
+    None when that library cannot be built (the caller falls back to torch)."""
     core = load(EXTENSIONS[CORE], CORE, tier)
     return None if core is None else getattr(core, name)
 
 
 def load(name: str, source: str, tier: str | None = None):
-    """The extension `name` built from csrc/`source` for `tier` (cached per process), or None when it cannot be
-    built (no compiler, a compile error: the caller falls back to torch)."""
+    """The extension `name` built from csrc/`source` for `tier` (cached per process), or None when it cannot
+    be built (no compiler, a compile error: the caller falls back to torch)."""
     key = (name, cpu_isa.tier() if tier is None else tier)
     if key not in _built:
         try:

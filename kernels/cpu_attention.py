@@ -1,9 +1,9 @@
 """A fused CPU paged-attention kernel (C++ in csrc/paged_attention.cpp, built on first use).
 
 The torch path gathers blocks into a padded copy and then multiplies; this kernel walks the block tables
-directly, so attention of short queries touches the KV cache once per layer: AVX-512 (or AVX2) dot products and
-value sums over fp32 tiles in L1, an online softmax, and long contexts split across threads when there are few
-sequences. It reads an int8 cache with its per-token-head scales itself (dequantized in registers). It is
+directly, so attention of short queries touches the KV cache once per layer: AVX-512 (or AVX2) dot products
+and value sums over fp32 tiles in L1, an online softmax, and long contexts split across threads when there are
+few sequences. It reads an int8 cache with its per-token-head scales itself (dequantized in registers). It is
 optional: when the toolchain is missing or the build fails, `available()` is False and torch is used.
 """
 
@@ -31,5 +31,5 @@ def paged_attention_cpu(q, k_cache, v_cache, out, qstart, qlen, ctx, block_table
     An int8 cache comes with its fp16 scales [Hkv, blocks, block]; `chunk` > 0 caps the positions one thread
     attends per sequence and kv head (0: split long contexts only when sequences leave threads idle).
     """
-    _build().paged_attention_cpu(q.contiguous(), k_cache, v_cache, out, qstart, qlen, ctx, block_tables, scale,
-                                 k_scale, v_scale, chunk)
+    _build().paged_attention_cpu(q.contiguous(), k_cache, v_cache, out, qstart, qlen, ctx, block_tables,
+                                 scale, k_scale, v_scale, chunk)

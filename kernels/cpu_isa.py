@@ -1,11 +1,11 @@
 """The CPU instruction-set tier the C++ kernels are built for, chosen once per process from the CPU's flags.
 
-Tiers, each a superset of the one before: `avx2` (AVX2 + FMA + F16C + BMI2), `avx512` (F/BW/VL/DQ, VNNI where the
-CPU has it), `avx512_bf16` (plus AVX512-BF16 and VNNI), `amx` (plus AMX tile/bf16/int8). A host without AVX2
-(or not x86) gets `generic`: the kernels build without ISA flags and serve their scalar / at::vec paths.
-`SLUICE_CPU_ISA=avx2|avx512|avx512_bf16|amx` caps the tier (read here: kernels/ may not import the settings), so
-a capped process never runs an instruction above it, whatever its CPU has. Every Python condition that picks a
-tier-specific path asks `tier()` / `at_least()`, never the CPU directly.
+Tiers, each a superset of the one before: `avx2` (AVX2 + FMA + F16C + BMI2), `avx512` (F/BW/VL/DQ, VNNI where
+the CPU has it), `avx512_bf16` (plus AVX512-BF16 and VNNI), `amx` (plus AMX tile/bf16/int8). A host without
+AVX2 (or not x86) gets `generic`: the kernels build without ISA flags and serve their scalar / at::vec paths.
+`SLUICE_CPU_ISA=avx2|avx512|avx512_bf16|amx` caps the tier (read here: kernels/ may not import the
+settings), so a capped process never runs an instruction above it, whatever its CPU has. Every Python
+condition that picks a tier-specific path asks `tier()` / `at_least()`, never the CPU directly.
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ TIER_FLAGS = {
     "avx512_bf16": ("-mavx512bf16", "-mavx512vnni"),
     "amx": ("-mamx-tile", "-mamx-bf16", "-mamx-int8"),
 }
-# optional features a tier uses where the CPU has them: (cpu flag, compiler flag, lowest tier that may use it).
-# The avx2 tier takes none, so it is the same object on every host (and an AVX-512 host's run of it is a Zen 2's).
+# optional features a tier uses where the CPU has them: (cpu flag, compiler flag, lowest tier that may use
+# it). The avx2 tier takes none, so it is the same object on every host (and an AVX-512 host's run of it is a
+# Zen 2's).
 OPTIONAL = (("avx512_vnni", "-mavx512vnni", "avx512"),)
 
 
@@ -64,7 +65,8 @@ _KNOWN = frozenset(f for names in REQUIRED.values() for f in names) | {"avx512cd
 
 
 def confirmed(listed: frozenset[str], cpuid: frozenset[str] | None) -> frozenset[str]:
-    """/proc/cpuinfo's flags less the tier features CPUID does not report (all of them where CPUID is unknown)."""
+    """/proc/cpuinfo's flags less the tier features CPUID does not report (all of them where CPUID is
+    unknown)."""
     return listed if cpuid is None else listed - (_KNOWN - cpuid)
 
 

@@ -4,12 +4,12 @@ At a few tokens a layer's kernel calls from Python (module __call__, each kernel
 share of a small model's bf16 decode step (docs/benchmarks.md, decode_steps). The stack makes the same calls
 in the same order from C++, so its results are bitwise the layers'. It
 serves bf16 steps of 1 to MAX_STACK_TOKENS tokens (to `linear.gemm_rows()` for a stack whose every linear is
-bf16, where the avx2 tier's GEMM serves those rows: `max_tokens`) whose sequences all have short queries (decode,
-speculative verify) on the fused attention kernel; anything else runs the Python layers. Its linears are bf16 ones, the
-weight-only quantized ones, each running the op its Python module would at the step's row count (decided when
-the stack is built, by asking the module's own branch tests), LLM.int8() ones on x86 tiers (AVX2 and up: its
-bf16 C++ passes) and bitsandbytes-format NF4/FP4 ones (our 4-bit GEMV); a layer with any other linear (bitsandbytes'
-own modules, on other devices) is not stacked.
+bf16, where the avx2 tier's GEMM serves those rows: `max_tokens`) whose sequences all have short queries
+(decode, speculative verify) on the fused attention kernel; anything else runs the Python layers. Its linears
+are bf16 ones, the weight-only quantized ones, each running the op its Python module would at the step's row
+count (decided when the stack is built, by asking the module's own branch tests), LLM.int8() ones on x86 tiers
+(AVX2 and up: its bf16 C++ passes) and bitsandbytes-format NF4/FP4 ones (our 4-bit GEMV); a layer with any
+other linear (bitsandbytes' own modules, on other devices) is not stacked.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ assert MAX_STACK_TOKENS <= min(MAX_GEMV_ROWS, MAX_GEMV_ROWS_FP32) and MAX_STACK_
 
 
 def max_tokens() -> int:
-    """The most tokens a step may have to run on a stack: MAX_STACK_TOKENS, or more where our GEMV call serves bf16
-    linears past it (the avx2 tier's GEMM, `linear.gemm_rows`), for stacks whose every linear is bf16
+    """The most tokens a step may have to run on a stack: MAX_STACK_TOKENS, or more where our GEMV call serves
+    bf16 linears past it (the avx2 tier's GEMM, `linear.gemm_rows`), for stacks whose every linear is bf16
     (`DecodeStack.max_tokens`)."""
     return max(MAX_STACK_TOKENS, gemm_rows())
 
@@ -37,7 +37,8 @@ def _ext():
 
 
 def available() -> bool:
-    """True when the stack is enabled (SLUICE_CPU_KERNEL != 0) and built for a tier with a bf16 GEMV (avx2 and up)."""
+    """True when the stack is enabled (SLUICE_CPU_KERNEL != 0) and built for a tier with a bf16 GEMV (avx2 and
+    up)."""
     return _ext() is not None
 
 
@@ -54,22 +55,23 @@ def _plain_bf16(t: torch.Tensor | None) -> bool:
 
 
 def _row_counts(in_features: int) -> list[torch.Tensor]:
-    """Empty bf16 inputs of every row count the stack serves: the quantized linears' own branch tests are asked
-    about each, once, when a linear is stacked."""
+    """Empty bf16 inputs of every row count the stack serves: the quantized linears' own branch tests are
+    asked about each, once, when a linear is stacked."""
     return [torch.empty(m, in_features, dtype=torch.bfloat16) for m in range(1, MAX_STACK_TOKENS + 1)]
 
 
 def bf16_stack_linear(weight: torch.Tensor, bias: torch.Tensor | None):
-    """sluice.kernels.linear.Linear's weights as a stack linear (our GEMV at every row count), or None where the GEMV
-    would not serve them."""
+    """sluice.kernels.linear.Linear's weights as a stack linear (our GEMV at every row count), or None where
+    the GEMV would not serve them."""
     ext = _ext()
-    return ext.bf16_linear(weight, bias) if ext is not None and _plain_bf16(weight) and _plain_bf16(bias) else None
+    return ext.bf16_linear(weight,
+                           bias) if ext is not None and _plain_bf16(weight) and _plain_bf16(bias) else None
 
 
 def int4_stack_linear(w: int4_weights.Int4Weight, bias: torch.Tensor | None):
     """An int4 weight-only linear as a stack linear (the int8 x int4 VNNI product for our layout,
-    `_weight_int4pack_mm_for_cpu` for torch's, as int4_weights.int4_linear runs them), or None where that function
-    takes another branch at some row count."""
+    `_weight_int4pack_mm_for_cpu` for torch's, as int4_weights.int4_linear runs them), or None where that
+    function takes another branch at some row count."""
     ext = _ext()
     if ext is None:
         return None
@@ -98,11 +100,11 @@ def int8_stack_linear(qweight: torch.Tensor, scales: torch.Tensor, bias: torch.T
 
 
 def llm_int8_stack_linear(cb: torch.Tensor, scb: torch.Tensor, bias: torch.Tensor | None, threshold: float):
-    """An LLM.int8() linear (engine/quantization/int8_cpu.py: bitsandbytes' CB int8 [out, in] and SCB fp32 [out]) as a
-    stack linear: the same C++ passes its forward runs for bf16 (activation quantization, the exact int8 product,
-    the dequant epilogue, the outlier columns), or None where the tier has no bf16 epilogue pass (its forward then
-    runs torch ops). The stack and kernels.int8_weights' functions are parts of one library (cpp_build.part), so
-    the stack's BNB_INT8_EPILOGUE answers for both."""
+    """An LLM.int8() linear (engine/quantization/int8_cpu.py: bitsandbytes' CB int8 [out, in] and SCB fp32
+    [out]) as a stack linear: the same C++ passes its forward runs for bf16 (activation quantization, the
+    exact int8 product, the dequant epilogue, the outlier columns), or None where the tier has no bf16
+    epilogue pass (its forward then runs torch ops). The stack and kernels.int8_weights' functions are parts
+    of one library (cpp_build.part), so the stack's BNB_INT8_EPILOGUE answers for both."""
     ext = _ext()
     if (ext is None or not ext.BNB_INT8_EPILOGUE or not _plain_bf16(bias) or cb.dtype is not torch.int8
             or cb.device.type != "cpu" or not cb.is_contiguous() or scb.dtype is not torch.float32
@@ -114,10 +116,11 @@ def llm_int8_stack_linear(cb: torch.Tensor, scb: torch.Tensor, bias: torch.Tenso
 def nf4_stack_linear(codes: torch.Tensor, absmax: torch.Tensor, table: torch.Tensor,
                      bias: torch.Tensor | None):
     """A bitsandbytes NF4/FP4 linear (engine/quantization/four_bit.py's Linear4bitCpu, packed: codes uint8
-    [out, in / 2], bf16 absmax [out, in / 64], the fp32 code table) as a stack linear: the 4-bit GEMV its forward
-    runs below nf4.TILE_MIN_ROWS rows, or None where the tensors are not the kernel's."""
+    [out, in / 2], bf16 absmax [out, in / 64], the fp32 code table) as a stack linear: the 4-bit GEMV its
+    forward runs below nf4.TILE_MIN_ROWS rows, or None where the tensors are not the kernel's."""
     ext = _ext()
-    if (ext is None or codes.dtype is not torch.uint8 or codes.device.type != "cpu" or not codes.is_contiguous()
+    if (ext is None or codes.dtype is not torch.uint8 or codes.device.type != "cpu"
+        or not codes.is_contiguous()
             or not _plain_bf16(absmax) or table.dtype is not torch.float32 or not table.is_contiguous()
             or not _plain_bf16(bias)):
         return None
@@ -125,9 +128,9 @@ def nf4_stack_linear(codes: torch.Tensor, absmax: torch.Tensor, table: torch.Ten
 
 
 def fused_stack_linear(parts: list):
-    """A fused projection (engine.quantization.linears.FusedLinear: one linear per checkpoint tensor) as a stack
-    linear, from its parts' stack linears: their outputs side by side (LLM.int8() parts quantize the activations
-    once, the same codes each of them would make); None where a part does not stack."""
+    """A fused projection (engine.quantization.linears.FusedLinear: one linear per checkpoint tensor) as a
+    stack linear, from its parts' stack linears: their outputs side by side (LLM.int8() parts quantize the
+    activations once, the same codes each of them would make); None where a part does not stack."""
     ext = _ext()
     return None if ext is None or not parts or any(p is None for p in parts) else ext.fused_linear(parts)
 
@@ -136,8 +139,8 @@ def build_stack(layers: list[list], num_heads: int, num_kv_heads: int, head_dim:
           scale: float, head: tuple | None = None) -> DecodeStack | None:
     """A stack over per-layer [input norm, qkv, o, post-attention norm, gate_up, down, k cache, v cache], the
     linears as this module's stack linears, or None where the kernels do not build or a norm or cache is not a
-    contiguous CPU bf16 tensor. `head` (embedding weight, final norm weight, LM head as a stack linear or None)
-    gives it `logits`, where both weights are contiguous CPU bf16 and the LM head stacks."""
+    contiguous CPU bf16 tensor. `head` (embedding weight, final norm weight, LM head as a stack linear or
+    None) gives it `logits`, where both weights are contiguous CPU bf16 and the LM head stacks."""
     ext = _ext()
     if ext is None or not all(_plain_bf16(layer[i]) for layer in layers for i in (0, 3, 6, 7)):
         return None
@@ -150,23 +153,23 @@ def build_stack(layers: list[list], num_heads: int, num_kv_heads: int, head_dim:
 
 class DecodeStack:
     """The C++ stack, holding the layers' weights and caches (later writes to them are seen, not copies);
-    `max_tokens`: the most tokens of a step it runs as its layers would (past MAX_STACK_TOKENS only where every
-    linear is bf16 and our GEMV call serves them there)."""
+    `max_tokens`: the most tokens of a step it runs as its layers would (past MAX_STACK_TOKENS only where
+    every linear is bf16 and our GEMV call serves them there)."""
 
     __slots__ = ("_stack", "has_head", "max_tokens")
 
     def __init__(self, stack, has_head: bool = False, max_tokens: int = MAX_STACK_TOKENS) -> None:
         self._stack, self.has_head, self.max_tokens = stack, has_head, max_tokens
 
-    def logits(self, ids: torch.Tensor, positions: torch.Tensor, rope_tables: tuple[torch.Tensor, torch.Tensor],
-               meta: AttentionMetadata) -> torch.Tensor:
-        """Logits [T, vocab] of every token of a step that `step_fits` (the stack has a head): the embedding, the
-        layers, the final norm and the LM head as LlamaModel.forward runs them; rope_tables: cos and sin
+    def logits(self, ids: torch.Tensor, positions: torch.Tensor,
+               rope_tables: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """Logits [T, vocab] of every token of a step that `step_fits` (the stack has a head): the embedding,
+        the layers, the final norm and the LM head as LlamaModel.forward runs them; rope_tables: cos and sin
         [positions, D] in bf16."""
         return self._stack.logits(ids, positions, *rope_tables, meta.slot_mapping, *meta.fused_short)
 
     def run(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
             meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """The embeddings x [T, hidden] of a step that `step_fits` through every layer: (x, delta) as the Python
-        loop leaves them."""
+        """The embeddings x [T, hidden] of a step that `step_fits` through every layer: (x, delta) as the
+        Python loop leaves them."""
         return self._stack.run(x, None, *cos_sin, meta.slot_mapping, *meta.fused_short)

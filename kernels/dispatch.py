@@ -1,9 +1,10 @@
-"""Which implementation serves a step: decided here, once, into a `StepPlan` that the runner and the model read.
+"""Which implementation serves a step: decided here, once, into a `StepPlan` that the runner and the model
+read.
 
 A runner's plan is built once from its device, the model's dtype, the KV dtype, the model's needs and the CPU
 ISA tier (`plan`); each step then only settles what depends on the step's shape (`StepPlan.for_step`): whether
-the whole decoder stack runs as one C++ call. Per-op choices that depend on one call's row count (which GEMV or
-matmul a linear runs) stay inside the kernel modules, which the plan's `gemv` names.
+the whole decoder stack runs as one C++ call. Per-op choices that depend on one call's row count (which GEMV
+or matmul a linear runs) stay inside the kernel modules, which the plan's `gemv` names.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from sluice.kernels.linear import gemv_available
 
 @dataclass(frozen=True, slots=True)
 class StepPlan:
-    """How a step runs: its metadata's layout, its attention kernel, its linears' kernels, the decode stack."""
+    """How a step runs: its metadata's layout, its attention kernel, its linears' kernels, the decode
+    stack."""
 
     tier: str  # the CPU ISA tier the C++ kernels are built for ("cuda" on a GPU)
     dtype: torch.dtype  # the model's activations
@@ -40,9 +42,10 @@ class StepPlan:
         return self
 
 
-def plan(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, flat_model: bool = False) -> StepPlan:
-    """The plan of a runner on `device` with a model in `dtype` over a `kv_dtype` pool; `flat_model`: the model
-    needs FlatMetadata wherever it runs (the generic path's windowed layers)."""
+def plan(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype,
+         flat_model: bool = False) -> StepPlan:
+    """The plan of a runner on `device` with a model in `dtype` over a `kv_dtype` pool; `flat_model`: the
+    model needs FlatMetadata wherever it runs (the generic path's windowed layers)."""
     cpu = device.type == "cpu"
     flat = flat_layout(device) or flat_model
     same_or_int8 = kv_dtype == dtype or kv_dtype == torch.int8

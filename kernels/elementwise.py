@@ -1,4 +1,5 @@
-"""A decoder layer's elementwise steps: one fused C++ pass each on CPU (csrc/elementwise.cpp), torch elsewhere.
+"""A decoder layer's elementwise steps: one fused C++ pass each on CPU (csrc/elementwise.cpp), torch
+elsewhere.
 
 `rope_qk` rotates the query and key heads of a fused qkv projection and returns them contiguous; `silu_mul`
 is SwiGLU's silu(gate) * up; `store_kv` copies a step's keys and values to their cache slots; `argmax` picks
@@ -37,7 +38,8 @@ def rope_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: 
     """Rotated queries [T, H, D] and keys [T, Hkv, D] from qkv [T, H + 2 Hkv, D]; cos/sin [T, 1, D]."""
     d = qkv.shape[-1]
     # fp32 stays on torch: the compiler may contract x * cos + r * sin into one FMA, which rounds differently
-    if _fused(qkv, (torch.bfloat16, torch.float16)) and qkv.stride(-1) == 1 and qkv.stride(1) == d and cos.shape[-1] == d and d % 2 == 0:
+    if (_fused(qkv, (torch.bfloat16, torch.float16)) and qkv.stride(-1) == 1 and qkv.stride(1) == d
+            and cos.shape[-1] == d and d % 2 == 0):
         c, s = cos.reshape(-1, d), sin.reshape(-1, d)
         if c.dtype == qkv.dtype and c.is_contiguous() and s.is_contiguous():
             q, k = _ext().rope_qk(qkv, c, s, num_heads, num_kv_heads)
@@ -58,7 +60,8 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
              slot_mapping: torch.Tensor) -> bool:
     """Copy keys/values [T, Hkv, D] to their slots of the [Hkv, blocks, block, D] caches in one C++ call;
     False (nothing written) where it does not serve: another device, dtypes that differ, other strides."""
-    ok = (_fused(k) and k.dtype == v.dtype == k_cache.dtype == v_cache.dtype and slot_mapping.dtype == torch.long
+    ok = (_fused(k) and k.dtype == v.dtype == k_cache.dtype == v_cache.dtype
+          and slot_mapping.dtype == torch.long
           and k_cache.is_contiguous() and v_cache.is_contiguous() and slot_mapping.is_contiguous()
           and all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in (k, v)))
     if ok:
@@ -67,8 +70,9 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
-    """Index of each row's first maximum (the first NaN where a row has one) of x [rows, n]: x.max(-1).indices,
-    by one C++ pass per row on CPU (torch's reduction reads a bf16 vocabulary row slowly)."""
+    """Index of each row's first maximum (the first NaN where a row has one) of x [rows, n]:
+    x.max(-1).indices, by one C++ pass per row on CPU (torch's reduction reads a bf16 vocabulary row
+    slowly)."""
     if _fused(x) and x.dim() == 2 and x.shape[1] > 0 and x.is_contiguous():
         return _ext().argmax_rows(x)
     return x.max(-1).indices

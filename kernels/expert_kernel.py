@@ -1,7 +1,7 @@
-"""Sparse MoE experts on CPU in one C++ call per layer (csrc/moe.cpp): the (token, slot) pairs of a top-k routing
-grouped by expert in C++, each expert's rows streamed once for all of its tokens, fp32 sums; bf16 experts multiply
-as AMX tiles (csrc/moe_amx.h) where the tier has them and both widths are multiples of 32 (the holder's `amx`),
-else as `vdpbf16ps` or fp32 vector tiles; torch elsewhere.
+"""Sparse MoE experts on CPU in one C++ call per layer (csrc/moe.cpp): the (token, slot) pairs of a top-k
+routing grouped by expert in C++, each expert's rows streamed once for all of its tokens, fp32 sums; bf16
+experts multiply as AMX tiles (csrc/moe_amx.h) where the tier has them and both widths are multiples of 32
+(the holder's `amx`), else as `vdpbf16ps` or fp32 vector tiles; torch elsewhere.
 
 `moe_reference` is the fp64 reference the kernel is tested against (tests/test_generic_models.py).
 """
@@ -31,7 +31,8 @@ def experts(gate: list[torch.Tensor], up: list[torch.Tensor], down: list[torch.T
     ext = _ext()
     if ext is None:
         return None
-    return ext.Experts([w.contiguous() for w in gate], [w.contiguous() for w in up], [w.contiguous() for w in down])
+    return ext.Experts([w.contiguous() for w in gate], [w.contiguous() for w in up],
+                       [w.contiguous() for w in down])
 
 
 def bf16_hidden(holder) -> bool:
@@ -41,7 +42,8 @@ def bf16_hidden(holder) -> bool:
 
 
 def moe_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: list[torch.Tensor],
-                  up: list[torch.Tensor], down: list[torch.Tensor], hidden_dtype=torch.float64) -> torch.Tensor:
+                  up: list[torch.Tensor], down: list[torch.Tensor],
+                  hidden_dtype=torch.float64) -> torch.Tensor:
     """Each token's weighted sum over its experts' SwiGLU, computed in fp64 (the kernels' reference), each
     silu(gate) * up rounded to `hidden_dtype` before the down product."""
     x64, out = x.double(), torch.zeros(x.shape, dtype=torch.float64)

@@ -44,7 +44,8 @@ def _gather(cache: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tenso
 def flat_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: FlatMetadata,
                    scale: float, k_scale: torch.Tensor | None = None,
                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """Each flat query token [T, H, D] attends to its sequence's cached keys up to its own position (fp32 math)."""
+    """Each flat query token [T, H, D] attends to its sequence's cached keys up to its own position (fp32
+    math)."""
     t, h, d = q.shape
     hk, _, bs, _ = k_cache.shape
     seq = meta.token_seq.long()

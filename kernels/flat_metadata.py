@@ -61,7 +61,8 @@ def default_splits(num_seqs: int, num_kv_heads: int, longest_context: int, block
 def build_flat_metadata(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
                         slot_mapping: list[int], device: torch.device, num_kv_heads: int,
                         num_splits: int | None = None) -> FlatMetadata:
-    """One step's FlatMetadata on `device` from host lists, in buffers of its own (tests and one-off calls)."""
+    """One step's FlatMetadata on `device` from host lists, in buffers of its own (tests and one-off
+    calls)."""
     assert len(query_lens) == len(context_lens) == len(block_tables)
     tokens, width = len(slot_mapping), max((len(t) for t in block_tables), default=1) or 1
     buffers = StepBuffers(tokens, len(query_lens), width, device)
@@ -70,9 +71,9 @@ def build_flat_metadata(query_lens: list[int], context_lens: list[int], block_ta
 
 
 class StepBuffers:
-    """Persistent inputs of device-path steps: host buffers (pinned on CUDA) filled in place each step, then one
-    non-blocking copy per field into static device tensors whose addresses never change (CUDA graphs replay on
-    them). Off CUDA the host buffers are the device tensors and nothing is copied.
+    """Persistent inputs of device-path steps: host buffers (pinned on CUDA) filled in place each step, then
+    one non-blocking copy per field into static device tensors whose addresses never change (CUDA graphs
+    replay on them). Off CUDA the host buffers are the device tensors and nothing is copied.
 
     The host buffers are rewritten only once the previous step's copies out of them are done: an event
     recorded after them is queried first (a step that sampled already waited for it) and waited on only when
@@ -89,9 +90,11 @@ class StepBuffers:
                  "token_seq": tokens, "query_start": seqs, "query_len": seqs, "seq_len": seqs,
                  "tile_seq": tokens + seqs, "tile_q0": tokens + seqs}
         pin = device.type == "cuda"
-        self.host = {name: torch.zeros(n, dtype=torch.long if name in self.LONG else torch.int32, pin_memory=pin)
+        self.host = {name: torch.zeros(n, dtype=torch.long if name in self.LONG else torch.int32,
+                                       pin_memory=pin)
                      for name, n in sizes.items()}
-        self.host["block_tables"] = torch.zeros(seqs, max(1, max_blocks_per_seq), dtype=torch.int32, pin_memory=pin)
+        self.host["block_tables"] = torch.zeros(seqs, max(1, max_blocks_per_seq), dtype=torch.int32,
+                                                pin_memory=pin)
         self.view = {name: t.numpy() for name, t in self.host.items()}
         self.dev = self.host if device.type == "cpu" else {n: torch.zeros_like(t, device=device)
                                                             for n, t in self.host.items()}
@@ -103,7 +106,8 @@ class StepBuffers:
 
     def load(self, ids: list[int], positions: list[int], slots: list[int], logits_index: list[int],
              query_lens: list[int], context_lens: list[int], block_tables: list[list[int]], num_kv_heads: int,
-             pad_to: int | None = None, num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor, FlatMetadata, torch.Tensor]:
+             pad_to: int | None = None,
+             num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor, FlatMetadata, torch.Tensor]:
         """(input ids, positions, FlatMetadata, logits index) on the device for one step.
 
         `pad_to` pads a pure-decode step to that many sequences (query length 1, seq_len 0, slot -1: rows that
@@ -116,7 +120,8 @@ class StepBuffers:
             assert n == s and all(q == 1 for q in query_lens) and s <= pad_to <= self.max_seqs
             n = s = pad_to
         width = max((len(t) for t in block_tables), default=1) or 1
-        assert s <= self.max_seqs and width <= self.view["block_tables"].shape[1], "step larger than the buffers"
+        fits = s <= self.max_seqs and width <= self.view["block_tables"].shape[1]
+        assert fits, "step larger than the buffers"
         self._fill_tokens(ids, positions, slots, n)
         self._fill_sequences(query_lens, context_lens, block_tables, s, n)
         seq, q0, block_q = tiles(self.view["query_len"][:s].tolist())
@@ -172,9 +177,10 @@ class StepBuffers:
         these views once); width None: the full block-table width."""
         d, n, s, nt = self.dev, tokens, seqs, num_tiles
         meta = FlatMetadata(
-            slot_mapping=d["slot_mapping"][:n], query_start=d["query_start"][:s], query_len=d["query_len"][:s],
+            slot_mapping=d["slot_mapping"][:n], query_start=d["query_start"][:s],
+            query_len=d["query_len"][:s],
             seq_len=d["seq_len"][:s], block_tables=d["block_tables"][:s, :width],
-            token_seq=d["token_seq"][:n], tile_seq=d["tile_seq"][:nt], tile_q0=d["tile_q0"][:nt], block_q=block_q,
-            num_splits=num_splits,
+            token_seq=d["token_seq"][:n], tile_seq=d["tile_seq"][:nt], tile_q0=d["tile_q0"][:nt],
+            block_q=block_q, num_splits=num_splits,
         )
         return d["input_ids"][:n], d["positions"][:n], meta, d["logits_index"][:rows]

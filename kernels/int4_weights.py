@@ -7,13 +7,14 @@ layouts (`Int4Weight.layout`):
   two per byte so that one 64-byte load unpacks into four whole groups, scales/zeros per row [out, 2, groups].
   Up to `MAX_VNNI_ROWS` rows the activations are quantized to int8 per group of 32 (absmax, as llama.cpp's
   q8_0 against q4_0) and multiplied by `vpdpbusd` (`int4_vnni_mm`): faster than torch's int4pack GEMV,
-  which multiplies in fp32 (docs/benchmarks.md). Past that (large batches, prefill) each block of weight rows is requantized to int8 per
-  row and multiplied with the activations quantized per row by the int8 VNNI kernel (`int4_vnni_int8_mm`, as
-  the dynamic int8 path), faster than dequantizing to bf16 for oneDNN at those rows.
-- "int4pack", other CPU dtypes (or no VNNI kernel): torch's `_convert_weight_to_int4pack_for_cpu` layout. Up to
-  `MAX_INT4PACK_ROWS` rows `_weight_int4pack_mm_for_cpu` runs, past that the C++ tile kernel dequantizes each
-  tile of output rows once, to the activations' dtype, and multiplies it with oneDNN.
-- "plain" elsewhere: two codes per byte, the matmul dequantizes (the reference every kernel is tested against).
+  which multiplies in fp32 (docs/benchmarks.md). Past that (large batches, prefill) each block of weight rows
+  is requantized to int8 per row and multiplied with the activations quantized per row by the int8 VNNI kernel
+  (`int4_vnni_int8_mm`, as the dynamic int8 path), faster than dequantizing to bf16 for oneDNN at those rows.
+- "int4pack", other CPU dtypes (or no VNNI kernel): torch's `_convert_weight_to_int4pack_for_cpu` layout. Up
+  to `MAX_INT4PACK_ROWS` rows `_weight_int4pack_mm_for_cpu` runs, past that the C++ tile kernel dequantizes
+  each tile of output rows once, to the activations' dtype, and multiplies it with oneDNN.
+- "plain" elsewhere: two codes per byte, the matmul dequantizes (the reference every kernel is tested
+  against).
 """
 
 from __future__ import annotations
@@ -35,17 +36,19 @@ MAX_INT4PACK_ROWS = 16  # torch's int4pack matmul up to here, its dequantized ti
 MAX_VNNI_ROWS = 16
 CHUNK = 128  # our VNNI layout pads in_features to a multiple of this (code 0, scale and zero 0: adds nothing)
 TILE_BYTES = 4 << 20  # dequantized scratch per tile: fewer, larger at::mm calls beat L2-sized tiles here
-# bf16 rows from which, where oneDNN has no bf16 instructions and our kernels no VNNI (the avx2 tier), the weight
-# is dequantized to fp32 a bounded slice at a time for oneDNN's fp32 matmul (`widened_int4`) instead of the W4A8
-# product (measured: docs/benchmarks.md; with VNNI the requantized int8 product is faster than both)
+# bf16 rows from which, where oneDNN has no bf16 instructions and our kernels no VNNI (the avx2 tier), the
+# weight is dequantized to fp32 a bounded slice at a time for oneDNN's fp32 matmul (`widened_int4`) instead of
+# the W4A8 product (measured: docs/benchmarks.md; with VNNI the requantized int8 product is faster than both)
 WIDEN_MIN_ROWS = 128
-LAYOUTS = ((64, True), (32, True), (32, False))  # torch's int4pack (block rows, split) for AVX-512, AVX2, other
+# torch's int4pack (block rows, split) for AVX-512, AVX2, other
+LAYOUTS = ((64, True), (32, True), (32, False))
 
 
 @dataclass(slots=True)
 class Int4Weight:
     """Packed codes and scales/zeros in one of the layouts (module docstring), and the shape. scales_zeros:
-    [in / GROUP, padded out, 2] in the compute dtype (int4pack, plain), bf16 [out, 2, padded in / GROUP] (vnni)."""
+    [in / GROUP, padded out, 2] in the compute dtype (int4pack, plain), bf16 [out, 2, padded in / GROUP]
+    (vnni)."""
 
     packed: torch.Tensor
     scales_zeros: torch.Tensor
@@ -82,7 +85,8 @@ def layout_for(device: torch.device, dtype: torch.dtype) -> str:
 @functools.cache
 def kernel_order(padded_in: int) -> torch.Tensor:
     """The groups in our VNNI layout's scale order (csrc/quant_linear.cpp `w4_pos`): per block of four chunks
-    (16 groups), position 4 g + c holds group 4 c + g; the chunks after the last whole block keep group order."""
+    (16 groups), position 4 g + c holds group 4 c + g; the chunks after the last whole block keep group
+    order."""
     groups, whole = padded_in // GROUP, padded_in // CHUNK // 4 * 16
     block = torch.arange(16).view(4, 4).t().reshape(-1)  # position 4 g + c -> group 4 c + g
     return torch.cat([block + b for b in range(0, whole, 16)] + [torch.arange(whole, groups)])
@@ -148,8 +152,8 @@ def _tile_kernel():
 
 
 def vnni_kernel():
-    """The C++ kernels when they have the int8 x int4 product on our layout (csrc/quant_linear.cpp: AVX512-VNNI,
-    or AVX2 on the avx2 tier and AVX-512 CPUs without VNNI), else None."""
+    """The C++ kernels when they have the int8 x int4 product on our layout (csrc/quant_linear.cpp:
+    AVX512-VNNI, or AVX2 on the avx2 tier and AVX-512 CPUs without VNNI), else None."""
     kernel = _tile_kernel()
     return kernel if kernel is not None and kernel.W4A8 else None
 
@@ -169,12 +173,13 @@ def bnb_4bit_kernel():
 
 @functools.cache
 def cpu_layout() -> tuple[int, bool] | None:
-    """torch's int4pack layout on this CPU as (block rows, split), read back from packed known codes; None when
-    the tile kernel is unavailable or reads none of the layouts it knows."""
+    """torch's int4pack layout on this CPU as (block rows, split), read back from packed known codes; None
+    when the tile kernel is unavailable or reads none of the layouts it knows."""
     kernel = _tile_kernel()
     if kernel is None:
         return None
-    q = (torch.arange(80 * 64, dtype=torch.int32).view(80, 64) * 7) % 16  # one block of 64 rows and a tail of 16
+    # one block of 64 rows and a tail of 16
+    q = (torch.arange(80 * 64, dtype=torch.int32).view(80, 64) * 7) % 16
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
     return next((lay for lay in LAYOUTS if torch.equal(kernel.int4_codes(packed, 64, 80, *lay) + 8, q)), None)
 
@@ -185,8 +190,8 @@ def use_tiles(rows: torch.Tensor) -> bool:
 
 
 def widened_int4(rows: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None, kernel) -> torch.Tensor:
-    """rows [M, in] (bf16) times a vnni-layout weight through oneDNN's fp32 matmul, the weight dequantized to fp32
-    a bounded slice at a time (`linear.widened_product`)."""
+    """rows [M, in] (bf16) times a vnni-layout weight through oneDNN's fp32 matmul, the weight dequantized to
+    fp32 a bounded slice at a time (`linear.widened_product`)."""
     def dequantized(i: int, j: int) -> torch.Tensor:
         return kernel.int4_vnni_dequant(w.packed, w.scales_zeros, w.in_features, i, j)
 

@@ -1,18 +1,19 @@
 """Weight-only int8 matmul: int8 weights with one scale per output row, activations in the model dtype.
 
 For a few rows (decode, a draft model's proposals) a GEMV reads half the bytes of a bf16 matmul: for one bf16
-row where our exact int8 product does not build ours (csrc/bf16_gemv.cpp, weight rows in memory order), for up to
-four fp32/fp16 rows torch's CPU int8 GEMV, whose cost grows linearly with the row count and which mis-computes
-unless in_features % 16 == 0 (so neither serves such shapes: one rule for both). Other rows of bf16/fp16
-activations on CPU (bf16 from one row where our int8 product serves) are quantized on the fly (int8, one absmax scale per
-row) and multiplied in int32: up to 64 rows by our AVX512-VNNI kernel (csrc/quant_linear.cpp `int8_mm`, which
-needs nothing of the weight but its codes: faster than oneDNN's, whose weight reorder on every call costs as
-much as the product at a few rows: docs/benchmarks.md), above by
-`torch._int_mm` (oneDNN), the same exact int32 sums either way; the quantization and the rescale epilogue (bias
-included) are one C++ pass each (csrc/quant_linear.cpp) where it builds, rounding exactly as the torch ops they
-replace. Where oneDNN has no bf16 instructions (kernels.linear.onednn_bf16), prefill-sized bf16 inputs
-(WIDEN_MIN_ROWS and up) multiply the dequantized weight in fp32 instead, a bounded slice at a time. On CUDA with triton the W8A16 kernel (kernels/triton/w8a16.py) serves; fp32 activations, odd shapes
-and other devices dequantize the weight and use the ordinary matmul.
+row where our exact int8 product does not build ours (csrc/bf16_gemv.cpp, weight rows in memory order), for up
+to four fp32/fp16 rows torch's CPU int8 GEMV, whose cost grows linearly with the row count and which
+mis-computes unless in_features % 16 == 0 (so neither serves such shapes: one rule for both). Other rows of
+bf16/fp16 activations on CPU (bf16 from one row where our int8 product serves) are quantized on the fly (int8,
+one absmax scale per row) and multiplied in int32: up to 64 rows by our AVX512-VNNI kernel
+(csrc/quant_linear.cpp `int8_mm`, which needs nothing of the weight but its codes: faster than oneDNN's, whose
+weight reorder on every call costs as much as the product at a few rows: docs/benchmarks.md), above by
+`torch._int_mm` (oneDNN), the same exact int32 sums either way; the quantization and the rescale epilogue
+(bias included) are one C++ pass each (csrc/quant_linear.cpp) where it builds, rounding exactly as the torch
+ops they replace. Where oneDNN has no bf16 instructions (kernels.linear.onednn_bf16), prefill-sized bf16
+inputs (WIDEN_MIN_ROWS and up) multiply the dequantized weight in fp32 instead, a bounded slice at a time. On
+CUDA with triton the W8A16 kernel (kernels/triton/w8a16.py) serves; fp32 activations, odd shapes and other
+devices dequantize the weight and use the ordinary matmul.
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ from sluice.kernels.device_path import triton_on
 
 DEQUANT = 6.200124e-05  # bitsandbytes' int8_mm_dequant factor (1 / 127², as it writes it)
 MAX_GEMV_ROWS = 4  # fp32/fp16 rows that take torch's GEMV, where it wins (docs/benchmarks.md, decode_steps)
-# bf16 rows, ours: where our exact int8 product serves (AVX512-VNNI, or AVX2's madd), none (at one row the dynamic
-# int8 matmul, weight rows in memory order, beats this GEMV, which widens every weight to fp32:
-# docs/benchmarks.md); without it one row (it keeps the activations unquantized; oneDNN's int8 matmul is slower)
+# bf16 rows, ours: where our exact int8 product serves (AVX512-VNNI, or AVX2's madd), none (at one row the
+# dynamic int8 matmul, weight rows in memory order, beats this GEMV, which widens every weight to fp32:
+# docs/benchmarks.md); without it one row (it keeps the activations unquantized; oneDNN's int8 matmul is
+# slower)
 BF16_GEMV_ROWS = 1
 GEMV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 DYNAMIC_DTYPES = (torch.bfloat16, torch.float16)
@@ -59,7 +61,8 @@ def _use_gemv(rows: torch.Tensor, qweight: torch.Tensor) -> bool:
 
 
 def _gemv_kernel(scales: torch.Tensor):
-    """Our int8 GEMV (csrc/bf16_gemv.cpp: the bf16 GEMV's memory-order pass, faster than torch's at one row) for bf16 activations and scales, or None (then torch's serves)."""
+    """Our int8 GEMV (csrc/bf16_gemv.cpp: the bf16 GEMV's memory-order pass, faster than torch's at one row)
+    for bf16 activations and scales, or None (then torch's serves)."""
     from sluice.kernels.linear import gemv_extension
 
     return gemv_extension() if scales.dtype is torch.bfloat16 else None
@@ -92,8 +95,8 @@ def quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def bnb_int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """A weight [out, in] quantized as bitsandbytes' int8_vectorwise_quant quantizes its fp16 copy (codes CB, fp32
-    row absmax SCB; the same bits), in one C++ pass per row; None where that kernel does not serve (other
+    """A weight [out, in] quantized as bitsandbytes' int8_vectorwise_quant quantizes its fp16 copy (codes CB,
+    fp32 row absmax SCB; the same bits), in one C++ pass per row; None where that kernel does not serve (other
     devices, no C++ kernels), for the caller to use bitsandbytes' own."""
     fused = _fused()
     if fused is None or weight.device.type != "cpu" or weight.dim() != 2:
@@ -102,9 +105,9 @@ def bnb_int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | N
 
 
 def bnb_int8_act(rows: torch.Tensor, threshold: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Activation rows [M, in] quantized as bitsandbytes' int8_vectorwise_quant(rows.half(), threshold) quantizes
-    them (LLM.int8(): codes, fp32 row absmax [M], the outlier columns int64, empty where none; the same bits):
-    one C++ pass per row where it builds, else those torch ops."""
+    """Activation rows [M, in] quantized as bitsandbytes' int8_vectorwise_quant(rows.half(), threshold)
+    quantizes them (LLM.int8(): codes, fp32 row absmax [M], the outlier columns int64, empty where none; the
+    same bits): one C++ pass per row where it builds, else those torch ops."""
     fused = _fused()
     if fused is not None and rows.device.type == "cpu" and rows.dim() == 2:
         return tuple(fused.bnb_int8_act(rows.contiguous(), threshold))
@@ -123,8 +126,8 @@ def bnb_int8_act(rows: torch.Tensor, threshold: float) -> tuple[torch.Tensor, to
 
 def bnb_int8_dequant(acc: torch.Tensor, row: torch.Tensor, col: torch.Tensor, bias: torch.Tensor | None,
                      dtype: torch.dtype) -> torch.Tensor:
-    """bitsandbytes' int8_mm_dequant (acc int32 [M, N] * (row absmax [M] * SCB [N]) / 127², in fp32), plus bias, in
-    `dtype`: one C++ pass for bf16 where it builds (the same bits), else its torch ops."""
+    """bitsandbytes' int8_mm_dequant (acc int32 [M, N] * (row absmax [M] * SCB [N]) / 127², in fp32), plus
+    bias, in `dtype`: one C++ pass for bf16 where it builds (the same bits), else its torch ops."""
     fused = _fused()
     if fused is not None and dtype is torch.bfloat16 and acc.device.type == "cpu" and acc.is_contiguous():
         out = fused.bnb_int8_dequant(acc, row, col, bias)
@@ -138,17 +141,18 @@ def bnb_int8_dequant(acc: torch.Tensor, row: torch.Tensor, col: torch.Tensor, bi
 
 def bnb_int8_outliers(out: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, cb: torch.Tensor,
                       scb: torch.Tensor) -> bool:
-    """LLM.int8()'s outlier columns added back into out [M, N] (bf16, in place): rows' columns `cols` times cb's
-    same columns dequantized as bitsandbytes does (cb * SCB / 127, rounded to bf16), the products summed in fp32
-    in column order, added to out in fp32 and rounded once. One C++ pass where the tier has it (AVX2 and up);
-    False where not (the caller adds them with torch ops)."""
+    """LLM.int8()'s outlier columns added back into out [M, N] (bf16, in place): rows' columns `cols` times
+    cb's same columns dequantized as bitsandbytes does (cb * SCB / 127, rounded to bf16), the products summed
+    in fp32 in column order, added to out in fp32 and rounded once. One C++ pass where the tier has it (AVX2
+    and up); False where not (the caller adds them with torch ops)."""
     fused = _fused()
-    return fused is not None and rows.device.type == "cpu" and fused.bnb_int8_outliers(out, rows, cols, cb, scb)
+    return fused is not None and rows.device.type == "cpu" and fused.bnb_int8_outliers(
+        out, rows, cols, cb, scb)
 
 
 def exact_int8_mm(xq: torch.Tensor, qweight: torch.Tensor) -> torch.Tensor:
-    """xq [M, in] int8 times qweight [out, in] int8 in exact int32 sums: our product (C++) where it builds, else
-    torch._int_mm where it sums exactly, else in float64."""
+    """xq [M, in] int8 times qweight [out, in] int8 in exact int32 sums: our product (C++) where it builds,
+    else torch._int_mm where it sums exactly, else in float64."""
     fused = _fused()
     if fused is not None and xq.device.type == "cpu":
         return fused.int8_mm(xq, qweight)
@@ -159,7 +163,8 @@ def exact_int8_mm(xq: torch.Tensor, qweight: torch.Tensor) -> torch.Tensor:
 
 def dynamic_int8_mm(rows: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                     bias: torch.Tensor | None = None) -> torch.Tensor:
-    """rows [M, in] quantized per row to int8, times qweight [out, in] in int32, rescaled to rows' dtype, + bias."""
+    """rows [M, in] quantized per row to int8, times qweight [out, in] in int32, rescaled to rows' dtype, +
+    bias."""
     fused = _fused()
     if fused is not None and rows.is_contiguous():
         xq, row_scale = fused.quantize_rows(rows)
@@ -171,12 +176,13 @@ def dynamic_int8_mm(rows: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
 
 @functools.cache
 def int_mm_exact() -> bool:
-    """Whether torch._int_mm sums exactly here: oneDNN's int8 product without VNNI saturates int16 pair sums, so
-    on CPUs without AVX512-VNNI / AVX-VNNI, or with ONEDNN_MAX_CPU_ISA below them, the torch path sums in fp64
-    (exact for int8 products) instead."""
+    """Whether torch._int_mm sums exactly here: oneDNN's int8 product without VNNI saturates int16 pair sums,
+    so on CPUs without AVX512-VNNI / AVX-VNNI, or with ONEDNN_MAX_CPU_ISA below them, the torch path sums in
+    fp64 (exact for int8 products) instead."""
     flags = cpu_isa.cpu_flags()
     limit = options.current().onednn_max_cpu_isa
-    return ("avx512_vnni" in flags or "avx_vnni" in flags) and (limit in ("", "ALL", "DEFAULT") or "VNNI" in limit
+    return ("avx512_vnni" in flags or "avx_vnni" in flags) and (limit in ("", "ALL", "DEFAULT")
+                                                                or "VNNI" in limit
                                                                   or "BF16" in limit or "AMX" in limit
                                                                   or "AVX10" in limit)
 
@@ -191,7 +197,8 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         return w8a16_linear(x, qweight, scales, bias)
     if _use_gemv(rows, qweight):
         ours = _gemv_kernel(scales) if rows.dtype is torch.bfloat16 else None
-        y = (ours.int8_gemv if ours is not None else torch._weight_int8pack_mm)(rows.contiguous(), qweight, scales)
+        y = (ours.int8_gemv if ours is not None
+             else torch._weight_int8pack_mm)(rows.contiguous(), qweight, scales)
     elif linear_kernels.widen_serves(rows, WIDEN_MIN_ROWS):
         y, bias = linear_kernels.widened_linear(rows, qweight, bias, scales), None
     elif _use_dynamic(rows):

@@ -15,10 +15,12 @@ import torch.nn.functional as F
 from sluice.kernels.attention import AttentionMetadata, ShortGroup
 from sluice.kernels.int8_heads import SCALE_DTYPE, quantize_heads
 
-__all__ = ["SCALE_DTYPE", "compact_metadata", "dequantize_blocks", "fused_args", "quantize_heads", "write_kv_int8"]
+__all__ = ["SCALE_DTYPE", "compact_metadata", "dequantize_blocks", "fused_args", "quantize_heads",
+           "write_kv_int8"]
 
 
-def write_kv_int8(cache: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv_int8(cache: torch.Tensor, scales: torch.Tensor, x: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
     """Quantize this step's keys or values [T, Hkv, D] into their slots of the int8 cache and its scales."""
     hk, _, _, d = cache.shape
     q, s = quantize_heads(x.transpose(0, 1))
@@ -34,7 +36,8 @@ def dequantize_blocks(cache: torch.Tensor, scales: torch.Tensor, blocks: torch.T
 
 
 def fused_args(groups: list[ShortGroup]) -> tuple[torch.Tensor, ...]:
-    """The fused kernel's (query starts, query lens, contexts, block tables) of the sequences in padded groups."""
+    """The fused kernel's (query starts, query lens, contexts, block tables) of the sequences in padded
+    groups."""
     starts, lens, ctxs, tables = [], [], [], []
     for g in groups:
         rows = torch.arange(g.valid.shape[0], device=g.valid.device)
@@ -49,7 +52,8 @@ def fused_args(groups: list[ShortGroup]) -> tuple[torch.Tensor, ...]:
 
 
 def compact_metadata(meta: AttentionMetadata, num_blocks: int,
-                     fused: bool = False) -> tuple[torch.Tensor, AttentionMetadata, tuple[torch.Tensor, ...] | None]:
+                     fused: bool = False) -> tuple[torch.Tensor, AttentionMetadata,
+                                                   tuple[torch.Tensor, ...] | None]:
     """The blocks the torch path reads, its metadata renumbered into them, and the fused kernel's arguments.
 
     With `fused`, short queries go to the fused kernel (their `fused_short` arguments, or ones derived from

@@ -3,13 +3,13 @@
 At the row counts of decode (one to a few tokens per step) a linear only streams its weight, and oneDNN's bf16
 matmul reads it well below the memory bandwidth that a plain AVX512-BF16 pass reaches (on the avx2 tier oneDNN
 has no bf16 instructions at all: ours widens bf16 by a shift and sums by FMA); up to `MAX_GEMV_ROWS`
-rows, and up to 64 while the rows are small enough to stay in L2 (`gemv_serves`), ours serves; past that, and on
-any other device or dtype, F.linear. Where oneDNN has no bf16 instructions (CPUs without AVX512-BF16 / AMX, or
-ONEDNN_MAX_CPU_ISA below them) its bf16 matmul is far slower than its fp32 one, so the rows past our GEMV
-(there MAX_GEMV_ROWS_FP32: larger decode batches and prefill) are multiplied in fp32: on the avx2 tier to 64 rows
-by the GEMV call's AVX2 GEMM (`gemm_rows`: weight panels packed per call, x rows broadcast), past that (prefill) and
-on other tiers the weight widened a bounded slice at a time for oneDNN's fp32 matmul (`widened_linear`).
-Sums are fp32 in a different order than oneDNN's, then rounded to bf16 as it does.
+rows, and up to 64 while the rows are small enough to stay in L2 (`gemv_serves`), ours serves; past that, and
+on any other device or dtype, F.linear. Where oneDNN has no bf16 instructions (CPUs without AVX512-BF16 / AMX,
+or ONEDNN_MAX_CPU_ISA below them) its bf16 matmul is far slower than its fp32 one, so the rows past our GEMV
+(there MAX_GEMV_ROWS_FP32: larger decode batches and prefill) are multiplied in fp32: on the avx2 tier to 64
+rows by the GEMV call's AVX2 GEMM (`gemm_rows`: weight panels packed per call, x rows broadcast), past that
+(prefill) and on other tiers the weight widened a bounded slice at a time for oneDNN's fp32 matmul
+(`widened_linear`). Sums are fp32 in a different order than oneDNN's, then rounded to bf16 as it does.
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ from sluice.kernels import cpp_build, cpu_isa, options
 MAX_GEMV_ROWS = 32
 MAX_GEMV_X = 64 * 2048  # past MAX_GEMV_ROWS, up to 64 rows while rows x in_features is at most this (256 KB)
 # Past this many rows our GEMV gives way where oneDNN has no bf16 instructions (`onednn_bf16`: to
-# `widened_linear`, oneDNN's fp32 matmul, measured level here) or has AMX tiles (`onednn_amx`: to its bf16 matmul,
-# the faster one past here); the decode stack (kernels/decode_stack.py) runs our GEMV to exactly this row count.
+# `widened_linear`, oneDNN's fp32 matmul, measured level here) or has AMX tiles (`onednn_amx`: to its bf16
+# matmul, the faster one past here); the decode stack (kernels/decode_stack.py) runs our GEMV to exactly this
+# row count.
 MAX_GEMV_ROWS_FP32 = 16
 WIDEN_ELEMENTS = 1 << 22  # weight elements widened to fp32 at a time by `widened_linear` (16 MiB of fp32)
 # ... at up to 64 rows (decode): a slice that stays in L2 for the matmul that reads it (2 MiB of fp32)
@@ -37,10 +38,10 @@ WIDEN_ELEMENTS_FEW_ROWS = 1 << 19
 
 
 def gemv_serves(rows: int, in_features: int) -> bool:
-    """Whether our GEMV takes `rows` rows of a bf16 linear with `in_features` inputs: past MAX_GEMV_ROWS_FP32 rows
-    only where oneDNN multiplies bf16 with AVX512-BF16 and has no AMX tiles (with AMX its matmul is the faster one
-    there, docs/benchmarks.md, "llama.cpp vs Sluice on CPU, amx tier"; with no bf16 instructions its fp32 one,
-    `widened_linear`)."""
+    """Whether our GEMV takes `rows` rows of a bf16 linear with `in_features` inputs: past MAX_GEMV_ROWS_FP32
+    rows only where oneDNN multiplies bf16 with AVX512-BF16 and has no AMX tiles (with AMX its matmul is the
+    faster one there, docs/benchmarks.md, "llama.cpp vs Sluice on CPU, amx tier"; with no bf16 instructions
+    its fp32 one, `widened_linear`)."""
     if rows > MAX_GEMV_ROWS_FP32 and (not onednn_bf16() or onednn_amx()):
         return rows <= gemm_rows()
     return 1 <= rows <= MAX_GEMV_ROWS or (rows <= 64 and rows * in_features <= MAX_GEMV_X)
@@ -53,11 +54,11 @@ def _gemv():
 
 @options.derived
 def gemm_rows() -> int:
-    """The most rows past MAX_GEMV_ROWS_FP32 that the GEMV call takes with its AVX2 GEMM (csrc/bf16_gemm_avx2.h):
-    its limit on the avx2 tier where oneDNN has no bf16 instructions (there faster than `widened_linear` at
-    the lower of these row counts and level at the top, docs/benchmarks.md, "llama.cpp vs Sluice on CPU, avx2
-    tier"), else 0 (on the avx512 tier oneDNN's fp32 matmul has AVX-512 FMAs; with bf16 instructions its own
-    matmul serves)."""
+    """The most rows past MAX_GEMV_ROWS_FP32 that the GEMV call takes with its AVX2 GEMM
+    (csrc/bf16_gemm_avx2.h): its limit on the avx2 tier where oneDNN has no bf16 instructions (there faster
+    than `widened_linear` at the lower of these row counts and level at the top, docs/benchmarks.md,
+    "llama.cpp vs Sluice on CPU, avx2 tier"), else 0 (on the avx512 tier oneDNN's fp32 matmul has AVX-512
+    FMAs; with bf16 instructions its own matmul serves)."""
     ext = _gemv()
     if ext is None or onednn_bf16() or cpu_isa.tier() != "avx2":
         return 0
@@ -70,8 +71,8 @@ def gemv_extension():
 
 
 def gemv_available() -> bool:
-    """True when the C++ bf16 GEMV is enabled (SLUICE_CPU_KERNEL != 0) and built for a tier that has one (avx2 and
-    up: kernels.cpu_isa)."""
+    """True when the C++ bf16 GEMV is enabled (SLUICE_CPU_KERNEL != 0) and built for a tier that has one (avx2
+    and up: kernels.cpu_isa)."""
     return _gemv() is not None
 
 
@@ -79,7 +80,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """x [..., in] · weight [out, in]ᵀ (+ bias), as F.linear. (Checks ordered cheapest-first and the extension
     resolved once: this runs for every linear of a decode step.)"""
     rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    if (gemv_serves(rows.shape[0], rows.shape[1]) and rows.dtype is torch.bfloat16 and weight.dtype is torch.bfloat16
+    if (gemv_serves(rows.shape[0], rows.shape[1]) and rows.dtype is torch.bfloat16
+        and weight.dtype is torch.bfloat16
             and rows.device.type == "cpu" and (bias is None or bias.dtype is torch.bfloat16)
             and rows.stride(-1) == 1 and weight.is_contiguous() and not torch.is_grad_enabled()):
         ext = _gemv()
@@ -94,8 +96,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 @options.derived
 def onednn_bf16() -> bool:
-    """Whether oneDNN multiplies bf16 with bf16 instructions here (AVX512-BF16 or AMX, not capped below them by
-    ONEDNN_MAX_CPU_ISA); without them its bf16 matmul converts in scalar-ish code."""
+    """Whether oneDNN multiplies bf16 with bf16 instructions here (AVX512-BF16 or AMX, not capped below them
+    by ONEDNN_MAX_CPU_ISA); without them its bf16 matmul converts in scalar-ish code."""
     flags = cpu_isa.cpu_flags()
     limit = options.current().onednn_max_cpu_isa
     allowed = limit in ("", "ALL", "DEFAULT") or any(k in limit for k in ("BF16", "AMX", "AVX10"))
@@ -104,7 +106,8 @@ def onednn_bf16() -> bool:
 
 @options.derived
 def onednn_amx() -> bool:
-    """Whether oneDNN multiplies bf16 with AMX tiles here (the CPU has amx_bf16, ONEDNN_MAX_CPU_ISA allows it)."""
+    """Whether oneDNN multiplies bf16 with AMX tiles here (the CPU has amx_bf16, ONEDNN_MAX_CPU_ISA allows
+    it)."""
     limit = options.current().onednn_max_cpu_isa
     allowed = limit in ("", "ALL", "DEFAULT") or "AMX" in limit
     return "amx_bf16" in cpu_isa.cpu_flags() and allowed
@@ -113,20 +116,21 @@ def onednn_amx() -> bool:
 def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                    scales: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear of bf16 x and weight summed in fp32 through oneDNN's fp32 matmul, the weight widened
-    WIDEN_ELEMENTS at a time (a bounded scratch whatever the layer's size), rounded to x's dtype; `scales`: one per
-    output row of an int8 weight, applied as it widens (the dequantized weight, W8A16)."""
+    WIDEN_ELEMENTS at a time (a bounded scratch whatever the layer's size), rounded to x's dtype; `scales`:
+    one per output row of an int8 weight, applied as it widens (the dequantized weight, W8A16)."""
     return widened_product(x, weight.shape, lambda i, j: _widened(weight, scales, i, j), bias)
 
 
 def widened_product(x: torch.Tensor, shape: tuple[int, int], widen: Callable[[int, int], torch.Tensor],
                     bias: torch.Tensor | None = None) -> torch.Tensor:
     """x times an [out, in] weight given as fp32 row slices (`widen(i, j)`: rows i..j widened or dequantized),
-    WIDEN_ELEMENTS at a time (WIDEN_ELEMENTS_FEW_ROWS at up to 64 rows of x), bias added in fp32, rounded to x's
-    dtype once."""
+    WIDEN_ELEMENTS at a time (WIDEN_ELEMENTS_FEW_ROWS at up to 64 rows of x), bias added in fp32, rounded to
+    x's dtype once."""
     x32, (out_features, in_features) = x.float(), shape
     elements = WIDEN_ELEMENTS_FEW_ROWS if x32.numel() <= 64 * x32.shape[-1] else WIDEN_ELEMENTS
     step = max(1, elements // in_features)
-    parts = [F.linear(x32, widen(i, min(i + step, out_features)), None if bias is None else bias[i:i + step].float())
+    parts = [F.linear(x32, widen(i, min(i + step, out_features)),
+                      None if bias is None else bias[i:i + step].float())
              for i in range(0, out_features, step)]
     return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)).to(x.dtype)
 
@@ -137,8 +141,8 @@ def _widened(weight: torch.Tensor, scales: torch.Tensor | None, i: int, j: int) 
 
 
 def widen_serves(rows: torch.Tensor, min_rows: int = 1) -> bool:
-    """Whether `rows` (at least min_rows of them) of bf16 on CPU go through `widened_linear`: oneDNN has no bf16
-    instructions here."""
+    """Whether `rows` (at least min_rows of them) of bf16 on CPU go through `widened_linear`: oneDNN has no
+    bf16 instructions here."""
     return (rows.shape[0] >= min_rows and rows.dtype is torch.bfloat16 and rows.device.type == "cpu"
             and not onednn_bf16() and not torch.is_grad_enabled())
 

@@ -1,9 +1,9 @@
 """Grouped low-rank products for LoRA adapters (the SGMV idea of Punica and S-LoRA): the tokens of one step
 grouped by adapter slot, each group's shrink (x·Aᵀ) and expand (·Bᵀ) added onto the base projection's output.
 
-`groups` is the step's mapping, computed once per step (engine.lora): per slot in use, the flat token rows that
-carry it, as a slice where they are contiguous, else an index tensor. A slot's A is [rank rows, in] and its B
-[out, rank rows] with the scaling folded in; zero rows of a smaller rank add exact zeros.
+`groups` is the step's mapping, computed once per step (engine.lora): per slot in use, the flat token rows
+that carry it, as a slice where they are contiguous, else an index tensor. A slot's A is [rank rows, in] and
+its B [out, rank rows] with the scaling folded in; zero rows of a smaller rank add exact zeros.
 """
 
 from __future__ import annotations

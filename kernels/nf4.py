@@ -1,13 +1,13 @@
 """bitsandbytes' 4-bit weights (NF4 / FP4, blocks of 64 values along a row) multiplied on CPU by our kernels,
-in bitsandbytes' own serialized layout (csrc/nf4.cpp): codes [out, in / 2] uint8, two a byte, the even column in
-the high nibble; absmax [out, in / 64] bf16; the 16-value code table (fp32).
+in bitsandbytes' own serialized layout (csrc/nf4.cpp): codes [out, in / 2] uint8, two a byte, the even column
+in the high nibble; absmax [out, in / 64] bf16; the 16-value code table (fp32).
 
 Below `TILE_MIN_ROWS` rows (decode and prefill chunks) the tier's product (nf4_avx512.h, nf4_avx2.h,
 nf4_generic.h: a table lookup per code, fp32 FMAs, x rows a few at a time); from there, tiles of weight rows
 dequantized to the activations' dtype and multiplied by oneDNN, faster at many rows but holding oneDNN's
 per-shape state and allocations (a 40-prompt batch left the process more resident: docs/benchmarks.md).
-Without the C++ kernels (none built, SLUICE_CPU_KERNEL=0) the weight is dequantized by torch ops (`dequantize`:
-the reference the kernels are tested against) for F.linear.
+Without the C++ kernels (none built, SLUICE_CPU_KERNEL=0) the weight is dequantized by torch ops
+(`dequantize`: the reference the kernels are tested against) for F.linear.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ TILE_BYTES = 4 << 20  # dequantized scratch per tile, as int4_weights' tiles
 
 
 def kernel():
-    """The C++ kernels (csrc/nf4.cpp, built for this process's tier: a part of the core library), or None where
-    they do not build."""
+    """The C++ kernels (csrc/nf4.cpp, built for this process's tier: a part of the core library), or None
+    where they do not build."""
     return cpp_build.part("nf4") if cpp_build.enabled() else None
 
 
@@ -35,7 +35,8 @@ def shape_error(out_features: int, in_features: int) -> str | None:
     return None
 
 
-def dequantize(codes: torch.Tensor, absmax: torch.Tensor, table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def dequantize(codes: torch.Tensor, absmax: torch.Tensor, table: torch.Tensor,
+               dtype: torch.dtype) -> torch.Tensor:
     """The weight [out, in] in `dtype`: table[code] * absmax in fp32, rounded once (torch ops, any device)."""
     n = codes.shape[0]
     idx = torch.stack((codes >> 4, codes & 15), -1).view(n, -1).long()

@@ -26,9 +26,11 @@ DEVICE_PATH = "SLUICE_DEVICE_PATH"
 class KernelOptions:
     """What the kernels take from the environment."""
 
-    cpu_kernel: bool = True  # SLUICE_CPU_KERNEL: False (0) runs the torch implementations instead of our C++ ones
+    # SLUICE_CPU_KERNEL: False (0) runs the torch implementations instead of our C++ ones
+    cpu_kernel: bool = True
     cpu_isa: str | None = None  # SLUICE_CPU_ISA: a cap on the CPU ISA tier the C++ kernels are built for
-    device_path: bool | None = None  # SLUICE_DEVICE_PATH: force FlatMetadata steps on (1) or off (0); None: CUDA
+    # SLUICE_DEVICE_PATH: force FlatMetadata steps on (1) or off (0); None: CUDA
+    device_path: bool | None = None
     cache_home: str | None = None  # XDG_CACHE_HOME: where built kernels are kept (None: ~/.cache)
     cxx: str = "c++"  # CXX: the C++ compiler
     onednn_max_cpu_isa: str = ""  # ONEDNN_MAX_CPU_ISA: oneDNN's own cap, upper case

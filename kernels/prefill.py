@@ -1,11 +1,11 @@
 """Fresh prefills (a sequence whose whole context is this step's queries) attended in padded batches.
 
-One scaled_dot_product_attention per sequence and layer leaves the CPU's kernel mostly idle on short sequences;
-sequences of similar length padded into one call run several times faster, the padding bounded by `MAX_PADDING`
-of the real tokens. Padding sits after each sequence's tokens, so the causal mask alone keeps a real query off
-it (the padding queries' rows are dropped): SDPA runs with `is_causal` and no mask tensor, skipping the masked
-blocks and the mask's conversion in every call. The batches are planned once per step (`plan`) and served to
-every layer (`attend`).
+One scaled_dot_product_attention per sequence and layer leaves the CPU's kernel mostly idle on short
+sequences; sequences of similar length padded into one call run several times faster, the padding bounded by
+`MAX_PADDING` of the real tokens. Padding sits after each sequence's tokens, so the causal mask alone keeps a
+real query off it (the padding queries' rows are dropped): SDPA runs with `is_causal` and no mask tensor,
+skipping the masked blocks and the mask's conversion in every call. The batches are planned once per step
+(`plan`) and served to every layer (`attend`).
 """
 
 from __future__ import annotations
@@ -72,7 +72,8 @@ def padded_batches(long_seqs: Sequence[Fresh], device: torch.device) -> tuple[li
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, b: PaddedBatch,
            scale: float) -> None:
     """Causal attention of q [T, H, D] over this step's k, v [T, Hkv, D] for one padded batch, into out."""
-    qb, kb, vb = (x.index_select(0, b.index).view(b.size, b.width, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))
+    qb, kb, vb = (x.index_select(0, b.index).view(b.size, b.width, *x.shape[1:]).transpose(1, 2)
+                  for x in (q, k, v))
     o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=True)
     flat = o.transpose(1, 2).reshape(b.size * b.width, *q.shape[1:])
     out.index_copy_(0, b.dest, flat.index_select(0, b.rows))

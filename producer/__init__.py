@@ -1,4 +1,5 @@
-"""Sluice's producer side: validation, shards, the client and cron pipelines (the job contract is `contract`)."""
+"""Sluice's producer side: validation, shards, the client and cron pipelines (the job contract is
+`contract`)."""
 
 from sluice.contract.schemas import Batch, BatchStatus, OutputRecord
 from sluice.producer.client import BatchNotFound, Client

@@ -260,7 +260,8 @@ class Client:
             return self._fail(batch.id, [LineError(code="enqueue_failed", message=message)], 0)
         with spool:
             try:
-                checked = validate_lines(input_lines(input, settings), settings, into=spool, answered=answered)
+                checked = validate_lines(input_lines(input, settings), settings, into=spool,
+                                         answered=answered)
             except Exception as exc:
                 message = f"cannot read input {batch.input_file}: {type(exc).__name__}: {exc}"
                 return self._fail(batch.id, [LineError(code="input_unreadable", message=message)], 0)
@@ -341,7 +342,8 @@ class Client:
         return batch
 
     def cancel(self, batch_id: str) -> Batch:
-        """Cancel: drop queued shards, abort running requests; the batch ends `cancelled`, partial results kept."""
+        """Cancel: drop queued shards, abort running requests; the batch ends `cancelled`, partial results
+        kept."""
         batch = self.get(batch_id)
         if batch.status == BatchStatus.cancelling:
             return batch

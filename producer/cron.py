@@ -143,7 +143,8 @@ def _literal_prefix(pattern: str) -> str:
 def _list_s3(bucket: str, pattern: str, s3_style: str) -> list[tuple[str, str]]:
     matcher = glob_regex(pattern)
     pages = (
-        s3_client(s3_style).get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=_literal_prefix(pattern))
+        s3_client(s3_style).get_paginator("list_objects_v2").paginate(Bucket=bucket,
+                                                                      Prefix=_literal_prefix(pattern))
     )
     found = [obj for page in pages for obj in page.get("Contents", []) if matcher.match(obj["Key"])]
     return [(f"s3://{bucket}/{obj['Key']}", obj["ETag"].strip('"')) for obj in found]
@@ -284,8 +285,8 @@ class PipelineScheduler(CronScheduler):
         return min(super().calculate_sleep_interval(), self.poll_s)
 
     def request_stop(self, signum: int, frame: Any) -> None:
-        """SIGTERM/SIGINT: stop after the tick in flight (a flag, not an exception raised inside boto3 or redis
-        code that may swallow it); a second signal interrupts the tick."""
+        """SIGTERM/SIGINT: stop after the tick in flight (a flag, not an exception raised inside boto3 or
+        redis code that may swallow it); a second signal interrupts the tick."""
         if self._stopping:
             raise StopRequested()
         log.info("cron scheduler %s: stop requested (signal %s)", self.name, signum)
@@ -344,7 +345,8 @@ def add_command(
     try:
         interval = parse_duration(every) if every else None
         pipeline = CronPipeline(name=name, input=input, output=output, schedule=schedule, every=interval,
-                                settle=parse_duration(settle), webhook=webhook and check_url(webhook, get_settings().webhook_allow),
+                                settle=parse_duration(settle),
+                                webhook=webhook and check_url(webhook, get_settings().webhook_allow),
                                 priority=priority)  # fmt: skip
     except (ValidationError, ValueError) as exc:
         raise typer.BadParameter(str(exc)) from None

@@ -32,7 +32,8 @@ from sluice.producer.client import Client
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ROOT / "examples" / "prompts.jsonl"
 TIMEOUT_S = 1800
-# the worker's line once its model is loaded, its C++ kernels built or loaded and one step warmed (worker.metrics)
+# the worker's line once its model is loaded, its C++ kernels built or loaded and one step warmed
+# (worker.metrics)
 READY = re.compile(r"ready in ([0-9.]+) s \(process start")
 console = Console()
 
@@ -64,7 +65,8 @@ def stop(proc: subprocess.Popen, grace: float = 15.0) -> None:
 
 @contextlib.contextmanager
 def local_redis(url: str) -> Iterator[str]:
-    """The URL of a Redis: url (SLUICE_REDIS_URL's) if it answers, else a fresh redis-server on a free port."""
+    """The URL of a Redis: url (SLUICE_REDIS_URL's) if it answers, else a fresh redis-server on a free
+    port."""
     if reachable(url):
         console.print(f"[dim]using the Redis at {url}[/]")
         yield url
@@ -100,7 +102,8 @@ def ready_seconds(log: Path) -> float | None:
 @contextlib.contextmanager
 def worker_process(url: str, log: Path, output_roots: str, model: Path) -> Iterator[subprocess.Popen]:
     """One burst worker process on model allowed to write under output_roots, its output in log."""
-    cmd = ["env", f"SLUICE_OUTPUT_ROOTS={output_roots}", sys.executable, "-m", "sluice.worker", "--redis-url", url]
+    cmd = ["env", f"SLUICE_OUTPUT_ROOTS={output_roots}", sys.executable, "-m", "sluice.worker", "--redis-url",
+           url]
     cmd += ["--queues", "high,default,low"]
     cmd += ["--model", str(model), "--device", "cpu", "--dtype", "float32", "--burst"]
     with log.open("w") as out:
@@ -157,7 +160,8 @@ def show(records: list[OutputRecord], prompts: dict[str, str], count: int = 6) -
 
 def generation_seconds(wall: float, worker_offset: float, ready: float | None) -> float:
     """The batch's seconds after the worker was ready: the wall time less the worker's start (its process
-    start to its "ready in" line: model load, kernel build or load, warm-up) and whatever preceded its spawn."""
+    start to its "ready in" line: model load, kernel build or load, warm-up) and whatever preceded its
+    spawn."""
     return wall - worker_offset - (ready or 0.0)
 
 

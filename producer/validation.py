@@ -33,7 +33,8 @@ Input = str | Path | bytes | Iterable[dict[str, Any] | str | bytes]
 
 
 class Requests(Sequence[BatchRequest]):
-    """Validated requests kept as their compact JSON (a 50 MiB input stays about 50 MiB), decoded on access."""
+    """Validated requests kept as their compact JSON (a 50 MiB input stays about 50 MiB), decoded on
+    access."""
 
     def __init__(self, items: list[bytes] | None = None) -> None:
         self.items = [] if items is None else items
@@ -93,7 +94,8 @@ class Validated:
 
 
 def input_lines(source: Input, settings: Settings) -> Iterator[bytes]:
-    """Raw lines of a JSONL path or URL (file://, s3://) streamed in chunks, of bytes, or of an in-memory list."""
+    """Raw lines of a JSONL path or URL (file://, s3://) streamed in chunks, of bytes, or of an in-memory
+    list."""
     if isinstance(source, bytes):
         yield from source.splitlines()
     elif isinstance(source, str | Path):
@@ -113,8 +115,8 @@ def validate_lines(
     answered: Mapping[str, OutputRecord] | None = None,
 ) -> Validated:
     """Check every line once, as it streams by: requests go `into` a sink (default: kept), errors listed
-    (nothing is silently dropped). A line whose custom_id has a record in `answered` (a resumed batch's finished
-    line) carries that record instead of running again."""
+    (nothing is silently dropped). A line whose custom_id has a record in `answered` (a resumed batch's
+    finished line) carries that record instead of running again."""
     out, seen = Validated(requests=Requests() if into is None else into), {}
     total_bytes = 0
     for number, raw in enumerate(lines, start=1):

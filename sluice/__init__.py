@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str):
-    """`LLM`, `SamplingParams`, `LoRARequest` and `Client`, imported from their modules when first asked for."""
+    """`LLM`, `SamplingParams`, `LoRARequest` and `Client`, imported from their modules when first asked
+    for."""
     if name not in _HOMES:
         raise AttributeError(f"module 'sluice' has no attribute {name!r}")
     value = getattr(import_module(_HOMES[name]), name)

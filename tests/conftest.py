@@ -35,9 +35,9 @@ os.environ.setdefault("XDG_DATA_HOME", tempfile.mkdtemp(prefix="sluice-test-data
 
 @pytest.fixture(autouse=True)
 def _kernel_options_follow_the_environment():
-    """kernels.options reads the environment once; a test that changed it (and called `options.reset()`) leaves
-    options the restored environment no longer sets: read it again. Autouse without monkeypatch, so this runs
-    after monkeypatch has restored the environment."""
+    """kernels.options reads the environment once; a test that changed it (and called `options.reset()`)
+    leaves options the restored environment no longer sets: read it again. Autouse without monkeypatch, so
+    this runs after monkeypatch has restored the environment."""
     yield
     if kernel_options.current() != kernel_options.KernelOptions.from_env():
         kernel_options.reset()

@@ -19,12 +19,13 @@ def _no_extra(model: Any, where: str) -> None:
 
 
 def openai_body(body: dict[str, Any]) -> BaseModel:
-    """The body parsed as openai's ChatCompletion, Completion or CreateEmbeddingResponse in strict mode, with no
-    field it does not know and nothing lost or changed in a round trip."""
+    """The body parsed as openai's ChatCompletion, Completion or CreateEmbeddingResponse in strict mode, with
+    no field it does not know and nothing lost or changed in a round trip."""
     from openai.types import Completion, CreateEmbeddingResponse
     from openai.types.chat import ChatCompletion
 
-    kinds = {"chat.completion": ChatCompletion, "text_completion": Completion, "list": CreateEmbeddingResponse}
+    kinds = {"chat.completion": ChatCompletion, "text_completion": Completion,
+             "list": CreateEmbeddingResponse}
     cls = kinds[body["object"]]
     parsed = cls.model_validate(body, strict=True)
     _no_extra(parsed, cls.__name__)

@@ -1,4 +1,5 @@
-"""Real services for tests: a redis-server process and moto's standalone S3 server, each on a free loopback port."""
+"""Real services for tests: a redis-server process and moto's standalone S3 server, each on a free loopback
+port."""
 
 from __future__ import annotations
 
@@ -152,7 +153,8 @@ def start_worker(
     **env: str,
 ) -> subprocess.Popen:
     """A `python -m worker` process (by default float32 on cpu, for tiny test models), logging to log."""
-    cmd = [sys.executable, "-m", "sluice.worker", "--model", str(model), "--dtype", dtype, "--device", device, *args]
+    cmd = [sys.executable, "-m", "sluice.worker", "--model", str(model), "--dtype", dtype, "--device", device,
+           *args]
     with open(log, "ab") as out:
         return subprocess.Popen(cmd, env=worker_env(redis_url, **env), stdout=out, stderr=subprocess.STDOUT)
 

@@ -1,4 +1,5 @@
-"""The bundled pair (models/sluice-tiny, models/sluice-tiny-draft): our engine and transformers agree token for token."""
+"""The bundled pair (models/sluice-tiny, models/sluice-tiny-draft): our engine and transformers agree token
+for token."""
 
 from __future__ import annotations
 

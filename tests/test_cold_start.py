@@ -89,8 +89,9 @@ def test_a_missing_tensor_is_named(tmp_path, sharded):
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
 def test_tokenizer_does_what_autotokenizer_does(tmp_path, arch):
-    """Ids, EOS, decoding (special tokens kept or skipped), the vocabulary and the chat template (as text and as
-    ids) equal AutoTokenizer's; llama and mistral folders are read without transformers, the rest through it."""
+    """Ids, EOS, decoding (special tokens kept or skipped), the vocabulary and the chat template (as text and
+    as ids) equal AutoTokenizer's; llama and mistral folders are read without transformers, the rest through
+    it."""
     path = make_checkpoint(tmp_path / arch, arch)
     ours, auto = load_tokenizer(path), AutoTokenizer.from_pretrained(path)
     text = "to be or not to be, that is the question. don't ( ) ! ?"
@@ -98,7 +99,8 @@ def test_tokenizer_does_what_autotokenizer_does(tmp_path, arch):
     ids = auto.encode(text) + [auto.eos_token_id]
     assert isinstance(ours, Tokenizer) == (arch in ("llama", "mistral"))
     assert ours.encode(text) == auto.encode(text)
-    assert ours(text, add_special_tokens=False)["input_ids"] == auto(text, add_special_tokens=False)["input_ids"]
+    assert ours(text, add_special_tokens=False)["input_ids"] == auto(text,
+                                                                     add_special_tokens=False)["input_ids"]
     assert [ours.bos_token_id, ours.eos_token_id, ours.pad_token_id] == [auto.bos_token_id, auto.eos_token_id,
                                                                         auto.pad_token_id]
     for skip in (True, False):
@@ -116,8 +118,8 @@ def _ids(rendered):
 
 
 def test_a_folder_transformers_would_rewrite_goes_through_autotokenizer(tmp_path):
-    """A chat template kept in tokenizer_config.json is used; add_bos_token (which makes transformers rewrite the
-    post-processor) or a tokenizer class of the model's own sends the folder to AutoTokenizer."""
+    """A chat template kept in tokenizer_config.json is used; add_bos_token (which makes transformers rewrite
+    the post-processor) or a tokenizer class of the model's own sends the folder to AutoTokenizer."""
     path = make_checkpoint(tmp_path / "llama", "llama")
     config_file = path / "tokenizer_config.json"
     config = json.loads(config_file.read_text())
@@ -127,8 +129,8 @@ def test_a_folder_transformers_would_rewrite_goes_through_autotokenizer(tmp_path
     chat = [{"role": "user", "content": "hello"}]
     ours = load_tokenizer(path)
     assert isinstance(ours, Tokenizer)
-    assert ours.apply_chat_template(chat, tokenize=False) == AutoTokenizer.from_pretrained(path).apply_chat_template(
-        chat, tokenize=False)
+    theirs = AutoTokenizer.from_pretrained(path)
+    assert ours.apply_chat_template(chat, tokenize=False) == theirs.apply_chat_template(chat, tokenize=False)
     for extra in ({"add_bos_token": True}, {"tokenizer_class": "LlamaTokenizer"}):
         config_file.write_text(json.dumps(config | extra))
         assert not isinstance(load_tokenizer(path), Tokenizer)
@@ -151,7 +153,8 @@ def test_engine_start_imports_neither_transformers_nor_the_compiler():
 def modules_imported_by(code: str, modules: tuple[str, ...]) -> list[str]:
     """Which of `modules` a fresh interpreter running `code` has imported by its end."""
     code += f"import json; print(json.dumps(sorted(m for m in {list(modules)!r} if m in sys.modules)))\n"
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -171,9 +174,9 @@ def test_worker_start_path_imports_no_framework_it_does_not_serve_with():
     assert modules_imported_by(code, NOT_ON_THE_START_PATH) == []
 
 
-# What a worker's start never imports: frameworks it does not serve with, webhook delivery and signing (loaded by
-# the delivery thread and at a batch's end), Prometheus (only with --metrics-port) and rq's cron (croniter: the
-# producer's scheduler).
+# What a worker's start never imports: frameworks it does not serve with, webhook delivery and signing (loaded
+# by the delivery thread and at a batch's end), Prometheus (only with --metrics-port) and rq's cron (croniter:
+# the producer's scheduler).
 NOT_ON_THE_START_PATH = (
     "transformers", "rich", "torch._dynamo", "torch._inductor", "bitsandbytes", "jinja2", "urllib3",
     "standardwebhooks", "sluice.contract.signing", "sluice.worker.webhooks", "prometheus_client", "croniter",
@@ -182,8 +185,9 @@ NOT_ON_THE_START_PATH = (
 
 
 def test_a_real_worker_start_imports_only_what_serving_needs(redis_url):
-    """`python -m sluice.worker --burst` on the bundled model, run to ready and out against a real redis-server
-    (empty queues, no metrics port, no webhooks), has imported none of NOT_ON_THE_START_PATH when it exits."""
+    """`python -m sluice.worker --burst` on the bundled model, run to ready and out against a real
+    redis-server (empty queues, no metrics port, no webhooks), has imported none of NOT_ON_THE_START_PATH when
+    it exits."""
     argv = ["--model", str(TINY), "--dtype", "bfloat16", "--device", "cpu", "--burst", "--no-webhooks",
             "--redis-url", redis_url]
     code = (
@@ -201,11 +205,11 @@ def test_a_real_worker_start_imports_only_what_serving_needs(redis_url):
 
 @pytest.mark.parametrize("module, command", [("sluice.worker", []), ("sluice.cli.main", ["worker"])])
 def test_a_real_worker_loads_into_the_arena_it_reserved_before_importing_torch(redis_url, module, command):
-    """`python -m sluice.worker` and `sluice worker` map the weight arena and read the weights into it while they
-    import torch (engine.weight_reserve); the load takes every tensor from there: the arena logs the checkpoint's
-    MB as read ahead and taken, and nothing past them written but the rotary tables."""
-    argv = [*command, "--model", str(TINY), "--dtype", "bfloat16", "--device", "cpu", "--burst", "--no-webhooks",
-            "--redis-url", redis_url]
+    """`python -m sluice.worker` and `sluice worker` map the weight arena and read the weights into it while
+    they import torch (engine.weight_reserve); the load takes every tensor from there: the arena logs the
+    checkpoint's MB as read ahead and taken, and nothing past them written but the rotary tables."""
+    argv = [*command, "--model", str(TINY), "--dtype", "bfloat16", "--device", "cpu", "--burst",
+            "--no-webhooks", "--redis-url", redis_url]
     code = (
         "import runpy, sys\n"
         f"sys.argv = ['sluice', *{argv!r}]\n"
@@ -214,8 +218,8 @@ def test_a_real_worker_loads_into_the_arena_it_reserved_before_importing_torch(r
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    found = re.search(r"weight arena: (\d+) MB written, (\d+) MB of it faulted in ahead at the start, (\d+) MB of "
-                      r"tensors read ahead and taken", out.stdout + out.stderr)
+    found = re.search(r"weight arena: (\d+) MB written, (\d+) MB of it faulted in ahead at the start, (\d+) "
+                      r"MB of tensors read ahead and taken", out.stdout + out.stderr)
     assert found is not None, out.stderr[-3000:]
     written, ahead, taken = (int(g) for g in found.groups())
     stored = weight_reserve.stored_tensors(weight_reserve.safetensors_files(TINY))
@@ -225,23 +229,25 @@ def test_a_real_worker_loads_into_the_arena_it_reserved_before_importing_torch(r
 
 def test_the_arena_plan_reads_the_command_line_without_torch(tmp_path):
     """The worker reserves an arena only where the load will make one (CPU, no quantization at load, no map of
-    the file, huge pages on), floating weights in the --dtype's size (auto: the checkpoint's; fp16 as bf16)."""
+    the file, huge pages on), floating weights in the --dtype's size (auto: the checkpoint's; fp16 as
+    bf16)."""
     cpu = ["--model", str(TINY), "--device", "cpu"]
     plan = arena_plan([*cpu, "--dtype", "float32"], str(TINY))
     assert plan is not None and plan[:2] == (str(TINY), "F32") and plan[2] > 0 and plan[3] is True
     assert arena_plan([*cpu, "--dtype=bf16", "--weight-loading", "copy"], str(TINY))[1::2] == ("BF16", False)
-    for extra in (["--quantization", "int8"], ["--no-huge-pages"], ["--weight-loading", "mmap"], ["--device", "cuda"],
-                  ["--dtype", "float8"]):
+    for extra in (["--quantization", "int8"], ["--no-huge-pages"], ["--weight-loading", "mmap"],
+                  ["--device", "cuda"], ["--dtype", "float8"]):
         assert arena_plan([*cpu, *extra], str(TINY)) is None, extra
     assert arena_plan(cpu, str(tmp_path)) is None and arena_plan(cpu, None) is None
     (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "float16"}))
     assert arena_plan(["--device", "cpu"], str(tmp_path))[1] == "BF16"
 
 
-@pytest.mark.parametrize("entry", ["import sluice.cli.main", "import runpy; runpy.run_module('sluice.worker')"])
+@pytest.mark.parametrize("entry",
+                         ["import sluice.cli.main", "import runpy; runpy.run_module('sluice.worker')"])
 def test_worker_entry_points_pause_the_collector_over_their_imports(entry):
-    """`sluice worker` and `python -m sluice.worker` turn the cyclic collector off before their first import (its
-    full collections rescan every module object torch made: a large share of the imports' time); `start`
+    """`sluice worker` and `python -m sluice.worker` turn the cyclic collector off before their first import
+    (its full collections rescan every module object torch made: a large share of the imports' time); `start`
     turns it back on with the objects alive then frozen, once; elsewhere resume changes nothing."""
     code = (
         "import gc, sys\n"
@@ -250,8 +256,8 @@ def test_worker_entry_points_pause_the_collector_over_their_imports(entry):
         "print(gc.isenabled(), 'torch' in sys.modules, 'sluice.worker.cli' in sys.modules)\n"
         "print(collector.resume(), gc.isenabled(), gc.get_freeze_count() > 1000, collector.resume())\n"
     )
-    out = subprocess.run([sys.executable, "-c", code, "worker", "--help"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run([sys.executable, "-c", code, "worker", "--help"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-2:] == ["False True True", "True True True False"]
     in_tests = subprocess.run([sys.executable, "-c", "import gc; from sluice.worker import collector; "
@@ -272,8 +278,8 @@ def test_model_argument_from_command_line_or_environment(monkeypatch):
 
 
 def test_the_prefetch_leaves_the_read_to_a_reservation_that_reads_ahead():
-    """The worker's page-cache prefetch reads nothing where the arena's reservation reads the same weights ahead
-    (that read fills the page cache too), and reads the files where there is none."""
+    """The worker's page-cache prefetch reads nothing where the arena's reservation reads the same weights
+    ahead (that read fills the page cache too), and reads the files where there is none."""
     argv = ["--model", str(TINY)]
     assert prefetching.prefetch_argv(argv) == sum(f.stat().st_size for f in local_weight_files(str(TINY)))
     reservation = weight_reserve.reserve(TINY, "BF16", 1 << 40)
@@ -292,11 +298,13 @@ def test_prefetch_reads_the_index_files_within_budget(sharded, tmp_path):
     assert thread is not None
     thread.join(30)
     assert not thread.is_alive()
-    assert prefetch(str(tmp_path / "missing")) is None and prefetch("org/hub-model") is None and prefetch(None) is None
+    assert (prefetch(str(tmp_path / "missing")) is None and prefetch("org/hub-model") is None
+            and prefetch(None) is None)
 
 
 def test_warm_up_runs_the_model_once_end_to_end():
-    """The warm-up is one step through the whole model: a one-token prompt, one token sampled, nothing left."""
+    """The warm-up is one step through the whole model: a one-token prompt, one token sampled, nothing
+    left."""
     llm = LLM(str(TINY), dtype="float32", device="cpu", max_model_len=64, max_num_seqs=2)
     assert warm_up(llm) == 1
     assert not llm.engine.has_unfinished() and llm.engine.counters["generated_tokens"] == 1
@@ -412,7 +420,8 @@ def test_auto_copies_small_checkpoints_and_maps_large_ones(aligned, tmp_path, mo
     monkeypatch.setattr(loader, "MAP_ALL_BYTES", (tmp_path / "model.safetensors").stat().st_size - 4096)
     large = load_model(tmp_path, torch.bfloat16, torch.device("cpu"), 64, weight_loading="auto")
     assert file in _mapped_files(large.layers[1].mlp.down_proj.weight)
-    for (name, a), b, c in zip(auto.named_parameters(), mmapped.parameters(), large.parameters(), strict=True):
+    for (name, a), b, c in zip(auto.named_parameters(), mmapped.parameters(), large.parameters(),
+                               strict=True):
         assert torch.equal(a, b) and torch.equal(a, c), name
 
 
@@ -426,9 +435,9 @@ def test_a_quantizing_load_maps_nothing_and_bad_modes_are_refused(aligned):
 
 
 def test_an_int8_start_imports_neither_bitsandbytes_nor_the_compiler():
-    """An int8 (LLM.int8()) model on CPU loads and generates without importing bitsandbytes (whose import wraps its
-    default ops in torch.compile, pulling in torch._dynamo and inductor: seconds of every quantized start) or
-    torch._dynamo, and torch.compile stays torch's own."""
+    """An int8 (LLM.int8()) model on CPU loads and generates without importing bitsandbytes (whose import
+    wraps its default ops in torch.compile, pulling in torch._dynamo and inductor: seconds of every quantized
+    start) or torch._dynamo, and torch.compile stays torch's own."""
     code = (
         "import sys, torch; real = torch.compile\n"
         "from sluice.engine import LLM, SamplingParams\n"
@@ -437,16 +446,19 @@ def test_an_int8_start_imports_neither_bitsandbytes_nor_the_compiler():
         "print('bitsandbytes' in sys.modules, 'torch._dynamo' in sys.modules)\n"
         "out = llm.generate(['O Romeo'], SamplingParams(max_tokens=4, temperature=0), progress=False)\n"
         "assert len(out[0].token_ids) == 4 and torch.compile is real\n"
-        "print('bitsandbytes' in sys.modules, 'torch._dynamo' in sys.modules, 'torch._inductor' in sys.modules)\n"
+        "print('bitsandbytes' in sys.modules, 'torch._dynamo' in sys.modules, 'torch._inductor' in "
+        "sys.modules)\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines() == ["False False", "False False False"]
 
 
 def test_process_start_time_is_when_the_process_started():
-    """The time-to-ready gauge's origin lies between the parent's clock just before it started a child and just
-    after the child answered (btime-based stamps put it ~1 s early on this VM: whole seconds, drifting)."""
+    """The time-to-ready gauge's origin lies between the parent's clock just before it started a child and
+    just after the child answered (btime-based stamps put it ~1 s early on this VM: whole seconds,
+    drifting)."""
     code = "from sluice.worker.metrics import process_start_time; print(repr(process_start_time()))"
     before = time.time()
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -1,5 +1,5 @@
-"""The vectorized CPU paged-attention kernel (plain and int8 caches) against a float64 reference, and the int8 KV
-cache's fused path against its dequantize-then-attend path, down to greedy engine output."""
+"""The vectorized CPU paged-attention kernel (plain and int8 caches) against a float64 reference, and the int8
+KV cache's fused path against its dequantize-then-attend path, down to greedy engine output."""
 
 from __future__ import annotations
 
@@ -70,7 +70,8 @@ def run_kernel(q, kc, vc, query_lens, context_lens, tables, chunk, k_scale=None,
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("group", [1, 3, 4])
-@pytest.mark.parametrize("chunk", [0, 64, 1])  # automatic; long contexts split and merged; every position alone
+# automatic; long contexts split and merged; every position alone
+@pytest.mark.parametrize("chunk", [0, 64, 1])
 def test_kernel_matches_float64_reference(dtype, group, chunk, cpu_tier):
     hk = 2
     g = torch.Generator().manual_seed(group)
@@ -115,14 +116,16 @@ def test_int8_cache_read_by_the_kernel_matches_dequantize_then_attend(dtype, chu
 
 
 def test_int8_layer_cache_reads_only_long_sequences_blocks_into_a_copy():
-    """A step mixing decode, verify and a prefill chunk: same output with the kernel (metadata built for it, as the
-    step plan asks) as without it, and the dequantized copy holds only the prefill chunk's blocks."""
+    """A step mixing decode, verify and a prefill chunk: same output with the kernel (metadata built for it,
+    as the step plan asks) as without it, and the dequantized copy holds only the prefill chunk's blocks."""
     c = SimpleNamespace(num_kv_heads=2, head_dim=D, num_layers=1)  # all layer_caches reads of a ModelConfig
     query_lens, context_lens = [1, 5, 40, 1], [30, 70, 90, 1]
     tables = layout(context_lens)
-    slots = torch.tensor([t[p // BS] * BS + p % BS for q, n, t in zip(query_lens, context_lens, tables, strict=True)
+    slots = torch.tensor([t[p // BS] * BS + p % BS
+                          for q, n, t in zip(query_lens, context_lens, tables, strict=True)
                           for p in range(n - q, n)])
-    past = torch.tensor([t[p // BS] * BS + p % BS for q, n, t in zip(query_lens, context_lens, tables, strict=True)
+    past = torch.tensor([t[p // BS] * BS + p % BS
+                         for q, n, t in zip(query_lens, context_lens, tables, strict=True)
                          for p in range(n - q)])
     torch.manual_seed(0)
     outs = []
@@ -137,18 +140,19 @@ def test_int8_layer_cache_reads_only_long_sequences_blocks_into_a_copy():
         used, _, args = cache.step.of(meta, NB)
         assert (args is not None) == fused
         if fused:
-            assert sorted(used.tolist()) == sorted(tables[2]), "the copy holds only the prefill chunk's blocks"
+            assert sorted(used.tolist()) == sorted(tables[2]), "only the prefill chunk's blocks"
         else:
             assert set(sum(tables, [])) <= set(used.tolist())
     assert (outs[0] - outs[1]).abs().max().item() < 1e-4
     assert isinstance(cache.step, StepBlocks)
 
 
-# How far the two paths' logits may differ (fp32: summation order, which on the avx2 tier's 8-lane sums reaches
-# 1e-4 at the test model's logits, hence twice that; bf16: the torch path rounds its dequantized
+# How far the two paths' logits may differ (fp32: summation order, which on the avx2 tier's 8-lane sums
+# reaches 1e-4 at the test model's logits, hence twice that; bf16: the torch path rounds its dequantized
 # copy to bf16, so four bf16 ulps at the test model's logits, all under 1 in magnitude). A position counts as
-# agreeing when both paths pick the same token, or when the kernel's pick is within TIE_MARGIN (twice that: two
-# logits each off by it) of the torch path's maximum, a near-tie another summation order may break the other way.
+# agreeing when both paths pick the same token, or when the kernel's pick is within TIE_MARGIN (twice that:
+# two logits each off by it) of the torch path's maximum, a near-tie another summation order may break the
+# other way.
 LOGIT_DIFF = {"float32": 2e-4, "bfloat16": 4 * 2**-8}
 TIE_MARGIN = {dtype: 2 * diff for dtype, diff in LOGIT_DIFF.items()}
 
@@ -156,10 +160,10 @@ TIE_MARGIN = {dtype: 2 * diff for dtype, diff in LOGIT_DIFF.items()}
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_engine_argmax_with_int8_kv_is_unchanged_by_the_kernel_teacher_forced(checkpoint_factory, monkeypatch,
                                                                               request, dtype):
-    """Teacher-forced: the same token sequences (prompts and the kernel path's greedy continuations) scored through
-    the engine with the kernel and with SLUICE_CPU_KERNEL=0, prefill chunked to short queries so the kernel reads
-    the int8 cache at every position; the logits agree within LOGIT_DIFF, and each position's argmax agrees,
-    near-ties within TIE_MARGIN counting."""
+    """Teacher-forced: the same token sequences (prompts and the kernel path's greedy continuations) scored
+    through the engine with the kernel and with SLUICE_CPU_KERNEL=0, prefill chunked to short queries so the
+    kernel reads the int8 cache at every position; the logits agree within LOGIT_DIFF, and each position's
+    argmax agrees, near-ties within TIE_MARGIN counting."""
     ckpt = checkpoint_factory("llama", hidden_size=192, intermediate_size=256, num_attention_heads=6,
                               num_key_value_heads=2)
     calls = []
@@ -167,7 +171,8 @@ def test_engine_argmax_with_int8_kv_is_unchanged_by_the_kernel_teacher_forced(ch
     monkeypatch.setattr(int8_cache, "paged_attention_cpu", lambda *a: calls.append(1) or real(*a))
     prompts = [[1, *range(5, 5 + n)] for n in (6, 30, 70)]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    kw = dict(dtype=dtype, device="cpu", kv_cache_dtype="int8", kv_cache_memory_gb=0.002, max_num_batched_tokens=16)
+    kw = dict(dtype=dtype, device="cpu", kv_cache_dtype="int8", kv_cache_memory_gb=0.002,
+              max_num_batched_tokens=16)
     fused_llm = LLM(ckpt, **kw)
     sequences = [p + o.token_ids for p, o in zip(prompts, fused_llm.generate(prompts, params, progress=False),
                                                   strict=True)]
@@ -185,4 +190,5 @@ def test_engine_argmax_with_int8_kv_is_unchanged_by_the_kernel_teacher_forced(ch
         assert ours.shape == theirs.shape and ours.shape[0] > 1
         assert theirs.abs().max() < 1 and (ours - theirs).abs().max() <= LOGIT_DIFF[dtype]
         picked = theirs.gather(1, ours.argmax(-1, keepdim=True)).squeeze(1)
-        assert (theirs.max(-1).values - picked <= TIE_MARGIN[dtype]).all(), (theirs.max(-1).values - picked).max()
+        gap = theirs.max(-1).values - picked
+        assert (gap <= TIE_MARGIN[dtype]).all(), gap.max()

@@ -26,7 +26,8 @@ TINY = '#include <pybind11/pybind11.h>\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
 
 @pytest.fixture
 def tier_env(monkeypatch, request):
-    """Set SLUICE_CPU_ISA (or unset it with None) for one test, the chosen tier read again before and after."""
+    """Set SLUICE_CPU_ISA (or unset it with None) for one test, the chosen tier read again before and
+    after."""
     def set_cap(value: str | None) -> str:
         if value is None:
             monkeypatch.delenv(cpu_isa.ENV, raising=False)
@@ -67,12 +68,13 @@ print(json.dumps({"tier": cpu_isa.tier(), "kernels": linear.gemv_serves(4, 256) 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="emulates an x86-64 CPU on an x86-64 host")
 def test_an_avx2_only_cpu_gets_the_avx2_tier_and_runs_its_kernels(tmp_path):
     """Under QEMU's Haswell (AVX2, no AVX-512) on whatever host this is: the tier comes from what the CPU
-    reports, and the C++ kernels built for it run; an instruction above AVX2 would kill the process (SIGILL)."""
+    reports, and the C++ kernels built for it run; an instruction above AVX2 would kill the process
+    (SIGILL)."""
     qemu = shutil.which("qemu-x86_64")
     assert qemu, "qemu-x86_64 not found: apt-get install qemu-user (.ci/run installs it)"
     env = {k: v for k, v in os.environ.items() if k != cpu_isa.ENV}
-    done = subprocess.run([qemu, "-cpu", "Haswell", sys.executable, "-c", EMULATED_PROBE], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run([qemu, "-cpu", "Haswell", sys.executable, "-c", EMULATED_PROBE], env=env,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     assert seen["tier"] == "avx2" and seen["kernels"] is True
@@ -95,7 +97,8 @@ def test_sluice_cpu_isa_caps_the_tier_and_never_raises_it(tier_env):
 
 
 def test_each_tier_compiles_with_its_own_explicit_flags():
-    """Never -march=native; the avx2 tier names no AVX-512 flag; VNNI joins the avx512 tier only where present."""
+    """Never -march=native; the avx2 tier names no AVX-512 flag; VNNI joins the avx512 tier only where
+    present."""
     for name in cpu_isa.TIERS:
         flags = cpp_build.BASE_CFLAGS + cpu_isa.compile_flags(name, SAPPHIRE)
         assert not any(f.startswith(("-march", "-mtune=native")) for f in flags)
@@ -147,15 +150,16 @@ print("ANSWER", ext.ANSWER, flush=True)
 
 
 def test_workers_starting_together_build_once_and_all_load(tmp_path):
-    """Three processes load one uncached extension at once: one compiles (in a temporary folder, published by a
-    rename), the others wait on the lock and load its library; a stale half-build is cleared first."""
+    """Three processes load one uncached extension at once: one compiles (in a temporary folder, published by
+    a rename), the others wait on the lock and load its library; a stale half-build is cleared first."""
     src = tmp_path / "src"
     src.mkdir()
     (src / "tiny.cpp").write_text(TINY)
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
     stale = tmp_path / "cache" / "sluice" / "kernels"
     stale.mkdir(parents=True)
-    code = f"import sys; from pathlib import Path; from sluice.kernels import cpp_build; cpp_build.CSRC = Path({str(src)!r}); print(cpp_build.build_name('sluice_tiny', 'tiny.cpp', 'avx2'))"
+    code = ("import sys; from pathlib import Path; from sluice.kernels import cpp_build; cpp_build.CSRC = "
+            f"Path({str(src)!r}); print(cpp_build.build_name('sluice_tiny', 'tiny.cpp', 'avx2'))")
     versioned = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                                check=True).stdout.split()[-1]
     (stale / f"{versioned}.tmpkilled").mkdir()  # what a SIGKILLed build leaves
@@ -195,7 +199,8 @@ def test_doctor_prints_the_tier_flags_kernels_and_versions(tier_env):
     tier_env("avx2")
     info = json.loads(runner.invoke(app, ["doctor", "--json"]).output)
     assert info["tier"] == cpu_isa.cap(host, "avx2") and info["tier_cap"] == "avx2"
-    assert set(info["cpu_flags"]) <= cpu_isa.cpu_flags() and info["kernel_cache"] == str(cpp_build.cache_root())
+    assert (set(info["cpu_flags"]) <= cpu_isa.cpu_flags()
+            and info["kernel_cache"] == str(cpp_build.cache_root()))
     assert all(f"_{cpp_build.object_tier(info['tier'], k['source'])}_" in Path(k["path"]).name
                for k in info["kernels"])
 
@@ -211,7 +216,8 @@ def test_doctor_build_compiles_every_kernel_for_the_tier(tier_env):
 
 
 def test_doctor_says_which_path_a_model_takes_and_why(tmp_path):
-    """A native architecture is native, another known one generic, a refused one refused, each with its reason."""
+    """A native architecture is native, another known one generic, a refused one refused, each with its
+    reason."""
     from tests.checkpoints import make_checkpoint
 
     runner = CliRunner()

@@ -76,11 +76,12 @@ def test_cli_add_list_remove(redis_url, redis):
     assert "nightly" in cli(redis_url, "list")
     cli(redis_url, "remove", "often")
     assert [r["name"] for r in json.loads(cli(redis_url, "list", "--json"))] == ["nightly"]
-    bad = CliRunner().invoke(cron_app, ["add", "x", "--schedule", "99 * * *", "--input", "s3://b/*", "--redis-url",
-                                        redis_url])  # fmt: skip
+    bad = CliRunner().invoke(cron_app,
+                             ["add", "x", "--schedule", "99 * * *", "--input", "s3://b/*", "--redis-url",
+                              redis_url])  # fmt: skip
     assert bad.exit_code != 0
     refused = CliRunner().invoke(cron_app, ["add", "y", "--every", "1m", "--input", "s3://b/*",
-                                            "--webhook", "http://10.0.0.1/", "--redis-url", redis_url])  # fmt: skip
+                                            "--webhook", "http://10.0.0.1/", "--redis-url", redis_url])
     assert refused.exit_code != 0
 
 
@@ -119,8 +120,8 @@ def test_file_inputs(redis_url, redis, tmp_path):
     )
     (tmp_path / "in" / "a.jsonl").write_text(line + "\n")
     (tmp_path / "in" / "skip.txt").write_text(line + "\n")
-    cli(redis_url, "add", "local", "--every", "1h", "--settle", "0s", "--input", f"file://{tmp_path}/in/*.jsonl", "--output",
-        (tmp_path / "out").as_uri())  # fmt: skip
+    cli(redis_url, "add", "local", "--every", "1h", "--settle", "0s", "--input",
+        f"file://{tmp_path}/in/*.jsonl", "--output", (tmp_path / "out").as_uri())  # fmt: skip
     assert len(cli(redis_url, "tick", "local").split()) == 1
     assert cli(redis_url, "tick", "local").split() == []
     assert [os.path.basename(i) for i in inputs(redis_url)] == ["a.jsonl"]
@@ -155,12 +156,12 @@ def test_schedulers_process_each_object_once_across_restart_and_concurrency(redi
 
 
 def test_an_idle_scheduler_leaves_within_2_s_of_sigterm(redis_url, redis, tmp_path):
-    """SIGTERM while the scheduler sleeps between ticks (a pipeline due in an hour): out in 2 s, exit code 0, and
-    unregistered from rq's scheduler registry."""
+    """SIGTERM while the scheduler sleeps between ticks (a pipeline due in an hour): out in 2 s, exit code 0,
+    and unregistered from rq's scheduler registry."""
     (tmp_path / "in").mkdir()
     cli(redis_url, "add", "idle", "--every", "1h", "--input", f"file://{tmp_path}/in/*.jsonl")
-    proc = subprocess.Popen([sys.executable, "-m", "sluice.producer.cron", "run", "--poll", "30", "--redis-url",
-                             redis_url], cwd=ROOT, stderr=subprocess.PIPE)
+    proc = subprocess.Popen([sys.executable, "-m", "sluice.producer.cron", "run", "--poll", "30",
+                             "--redis-url", redis_url], cwd=ROOT, stderr=subprocess.PIPE)
     try:
         wait_for(lambda: redis.zcard("rq:cron_schedulers") == 1, timeout=60)
         time.sleep(0.5)  # in its sleep between ticks

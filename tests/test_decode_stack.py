@@ -1,5 +1,5 @@
-"""The decoder stack in one C++ call (kernels.decode_stack) against the Python layers it stands in for: bitwise
-the same logits, KV writes and greedy tokens, and used only where every layer and the step fit."""
+"""The decoder stack in one C++ call (kernels.decode_stack) against the Python layers it stands in for:
+bitwise the same logits, KV writes and greedy tokens, and used only where every layer and the step fit."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from sluice.kernels import build_metadata, decode_stack, int8_weights
 from sluice.kernels import linear as linear_kernels
 from tests.test_engine import random_prompts
 
-pytestmark = pytest.mark.skipif(not decode_stack.available(), reason="no C++ toolchain, or a tier without a bf16 GEMV (not x86)")
+pytestmark = pytest.mark.skipif(not decode_stack.available(),
+                                reason="no C++ toolchain, or a tier without a bf16 GEMV (not x86)")
 
 KV = dict(dtype="bfloat16", device="cpu", kv_cache_memory_gb=0.004)
 WIDE = dict(hidden_size=128, intermediate_size=192)  # head_dim 32: the bf16 attention fast path
@@ -19,7 +20,8 @@ WIDE = dict(hidden_size=128, intermediate_size=192)  # head_dim 32: the bf16 att
 
 @pytest.fixture
 def stack_calls(monkeypatch) -> list[int]:
-    """The token count of every step that ran on a stack (its layers only, or with the model's ends: `logits`)."""
+    """The token count of every step that ran on a stack (its layers only, or with the model's ends:
+    `logits`)."""
     calls = []
     run, logits = decode_stack.DecodeStack.run, decode_stack.DecodeStack.logits
 
@@ -54,7 +56,8 @@ def step(llm: LLM, query_lens: list[int], seed: int = 0, rows: list[int] | None 
         perm = perm[len(tables[-1]):]
         positions += range(c - q, c)
         slots += [tables[-1][p // bs] * bs + p % bs for p in range(c - q, c)]
-    meta = build_metadata(query_lens, contexts, tables, torch.tensor(slots), bs, torch.device("cpu"), fused=True)
+    meta = build_metadata(query_lens, contexts, tables, torch.tensor(slots), bs, torch.device("cpu"),
+                          fused=True)
     ids = torch.randint(4, llm.engine.model_config.vocab_size, (len(slots),), generator=g)
     with torch.inference_mode():
         return runner.model(ids, torch.tensor(positions), runner.kv_caches, meta,
@@ -71,14 +74,17 @@ MODELS = {  # (arch, overrides, quantization)
     "qwen2-bias": ("qwen2", {}, None),
     "int4-llama": ("llama", WIDE, "int4_weight_only"),
     "int4-qwen2-bias": ("qwen2", {}, "int4_weight_only"),
-    "int8-llama": ("llama", WIDE, "int8_weight_only"),  # the int8 GEMV to 4 rows, the dynamic int8 matmul above
-    "int8-qwen2-bias-odd": ("qwen2", dict(intermediate_size=200), "int8_weight_only"),  # down: 200 % 16, no GEMV
+    "int8-llama": ("llama", WIDE,
+                   "int8_weight_only"),  # the int8 GEMV to 4 rows, the dynamic int8 matmul above
+    # down: 200 % 16, no GEMV
+    "int8-qwen2-bias-odd": ("qwen2", dict(intermediate_size=200), "int8_weight_only"),
     "llm-int8-llama": ("llama", WIDE, "int8"),  # LLM.int8(): outlier columns at llm_int8_threshold (OUTLIERS)
     "llm-int8-qwen2-bias": ("qwen2", {}, "int8"),
     "nf4-llama": ("llama", WIDE, "int4"),  # bitsandbytes-format NF4, our 4-bit GEMV
     "nf4-qwen2-bias": ("qwen2", {}, "int4"),
 }
-OUTLIERS = 1.0  # LLM.int8()'s threshold in these tests: most steps have outlier columns (6.0: hardly any here)
+# LLM.int8()'s threshold in these tests: most steps have outlier columns (6.0: hardly any here)
+OUTLIERS = 1.0
 
 
 def make_llm(checkpoint_factory, model: str, **kw) -> LLM:
@@ -98,17 +104,19 @@ def llm_int8_stacks() -> bool:
 @pytest.mark.parametrize("query_lens", [[1], [1, 2], [1] * 8 + [3, 5]], ids=["1", "3", "16"])
 def test_logits_and_kv_writes_are_bitwise_the_layers(checkpoint_factory, monkeypatch, stack_calls, model,
                                                      query_lens):
-    """Decode and verify steps of 1, 3 and 16 tokens over random caches: the same logits and cache contents, bf16
-    and weight-only quantized."""
+    """Decode and verify steps of 1, 3 and 16 tokens over random caches: the same logits and cache contents,
+    bf16 and weight-only quantized."""
     llm = make_llm(checkpoint_factory, model)
     stacked = MODELS[model][2] != "int8" or llm_int8_stacks()
     assert (llm.engine.model._decode_stack(llm.engine.runner.kv_caches) is not None) == stacked
     against_the_layers(llm, monkeypatch, stack_calls, query_lens, stacked=stacked)
 
 
-def test_llm_int8_steps_with_outlier_columns_are_bitwise_the_layers(checkpoint_factory, monkeypatch, stack_calls):
-    """LLM.int8() on the stack where it serves: steps whose activations have outlier columns (counted in the Python
-    layers' run) give the layers' logits and KV writes bit for bit, and so does a step with none (threshold 0)."""
+def test_llm_int8_steps_with_outlier_columns_are_bitwise_the_layers(checkpoint_factory, monkeypatch,
+                                                                    stack_calls):
+    """LLM.int8() on the stack where it serves: steps whose activations have outlier columns (counted in the
+    Python layers' run) give the layers' logits and KV writes bit for bit, and so does a step with none
+    (threshold 0)."""
     arch, overrides, _ = MODELS["llm-int8-llama"]
     path = checkpoint_factory(arch, **overrides)
     if not llm_int8_stacks():
@@ -136,11 +144,12 @@ def test_llm_int8_steps_with_outlier_columns_are_bitwise_the_layers(checkpoint_f
 @pytest.mark.parametrize("model", ["llama-gqa", "qwen2-bias", "int8-llama", "int4-llama", "llm-int8-llama",
                                    "nf4-llama"])
 @pytest.mark.parametrize("query_lens", [[1] * 17, [1] * 30 + [2, 3, 5], [1] * 64], ids=["17", "40", "64"])
-def test_past_16_tokens_only_bf16_stacks_where_the_gemm_serves(checkpoint_factory, monkeypatch, stack_calls, model,
-                                                               query_lens):
-    """Steps of 17 to 64 tokens run on the stack only where every linear is bf16 and our GEMV call serves bf16 rows
-    past 16 (the avx2 tier's GEMM, `linear.gemm_rows`; SLUICE_CPU_ISA=avx2 with oneDNN held to AVX2), there bitwise
-    the Python layers' logits and KV writes; anywhere else (quantized linears, other tiers) the Python layers."""
+def test_past_16_tokens_only_bf16_stacks_where_the_gemm_serves(checkpoint_factory, monkeypatch, stack_calls,
+                                                               model, query_lens):
+    """Steps of 17 to 64 tokens run on the stack only where every linear is bf16 and our GEMV call serves bf16
+    rows past 16 (the avx2 tier's GEMM, `linear.gemm_rows`; SLUICE_CPU_ISA=avx2 with oneDNN held to AVX2),
+    there bitwise the Python layers' logits and KV writes; anywhere else (quantized linears, other tiers) the
+    Python layers."""
     quantization = MODELS[model][2]
     llm = make_llm(checkpoint_factory, model)
     stack = llm.engine.model._decode_stack(llm.engine.runner.kv_caches)
@@ -153,9 +162,10 @@ def test_past_16_tokens_only_bf16_stacks_where_the_gemm_serves(checkpoint_factor
     against_the_layers(llm, monkeypatch, stack_calls, query_lens, stacked=stack.max_tokens >= sum(query_lens))
 
 
-def against_the_layers(llm: LLM, monkeypatch, stack_calls: list[int], query_lens: list[int], stacked: bool) -> None:
-    """One step over random caches on the stack (if `stacked`, else the Python layers: asserted) and on the Python
-    layers: the same logits and cache contents."""
+def against_the_layers(llm: LLM, monkeypatch, stack_calls: list[int], query_lens: list[int],
+                       stacked: bool) -> None:
+    """One step over random caches on the stack (if `stacked`, else the Python layers: asserted) and on the
+    Python layers: the same logits and cache contents."""
     caches = llm.engine.runner.kv_caches
     g = torch.Generator().manual_seed(1)
     for c in caches:
@@ -180,8 +190,8 @@ def against_the_layers(llm: LLM, monkeypatch, stack_calls: list[int], query_lens
                                              ("nf4-llama", False)])
 def test_model_ends_run_on_the_stack_where_every_row_is_wanted(checkpoint_factory, monkeypatch, model, tied):
     """Every row wanted (decode, verify): the embedding, final norm and LM head (tied or its own, quantized or
-    not) run inside the stack's `logits`, bitwise what the stack's layers plus the Python ends give; a subset of
-    rows keeps the Python ends."""
+    not) run inside the stack's `logits`, bitwise what the stack's layers plus the Python ends give; a subset
+    of rows keeps the Python ends."""
     llm = make_llm(checkpoint_factory, model, tie_word_embeddings=tied)
     stack = llm.engine.model._decode_stack(llm.engine.runner.kv_caches)
     if MODELS[model][2] == "int8" and not llm_int8_stacks():
@@ -205,8 +215,8 @@ def test_model_ends_run_on_the_stack_where_every_row_is_wanted(checkpoint_factor
 
 
 def test_used_for_short_queries_only(checkpoint_factory, stack_calls):
-    """Up to `decode_stack.max_tokens()` tokens of short queries (16; a bf16 stack's to 64 where the avx2 tier's GEMM
-    serves those rows); a long query (prefill) or one token more runs the Python layers."""
+    """Up to `decode_stack.max_tokens()` tokens of short queries (16; a bf16 stack's to 64 where the avx2
+    tier's GEMM serves those rows); a long query (prefill) or one token more runs the Python layers."""
     llm = LLM(checkpoint_factory("llama"), **KV)
     most = decode_stack.max_tokens()
     assert most == max(16, linear_kernels.gemm_rows())
@@ -215,7 +225,8 @@ def test_used_for_short_queries_only(checkpoint_factory, stack_calls):
     assert stack_calls == [1, 16, 16, most]
     out = llm.generate([list(range(4, 34))], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
                        progress=False)
-    assert len(out[0].token_ids) == 4 and stack_calls[4:] == [1, 1, 1], "prefill in Python, decode on the stack"
+    assert len(out[0].token_ids) == 4 and stack_calls[4:] == [1, 1,
+                                                              1], "prefill in Python, decode on the stack"
 
 
 @pytest.mark.parametrize(("arch", "kw"), [("llama", dict(kv_cache_dtype="int8")), ("qwen3", {})],
@@ -233,7 +244,8 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
 
 
 @pytest.mark.parametrize(("spec", "quantization"), [(None, None), (NGRAM, None), (None, "int4_weight_only"),
-                                                    (NGRAM, "int8_weight_only"), (NGRAM, "int8"), (NGRAM, "int4")],
+                                                    (NGRAM, "int8_weight_only"), (NGRAM, "int8"),
+                                                    (NGRAM, "int4")],
                          ids=["decode", "ngram", "int4-decode", "int8-ngram", "llm-int8-ngram", "nf4-ngram"])
 def test_greedy_generate_is_unchanged(checkpoint_factory, monkeypatch, stack_calls, spec, quantization):
     """Greedy tokens and their logprobs, with speculative verify steps too, as the Python layers give them."""

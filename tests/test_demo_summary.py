@@ -16,8 +16,8 @@ TINY = Path(__file__).resolve().parent.parent / "models" / "sluice-tiny"
 
 
 def test_the_worker_start_comes_from_its_ready_line_and_is_left_out(tmp_path, caplog, redis_url):
-    """The seconds a worker logs when it becomes ready (the line the demo's worker log holds) are read back, and
-    the generation time is the wall time less them and whatever preceded the worker's spawn."""
+    """The seconds a worker logs when it becomes ready (the line the demo's worker log holds) are read back,
+    and the generation time is the wall time less them and whatever preceded the worker's spawn."""
     log = tmp_path / "demo-worker.log"
     assert ready_seconds(log) is None
     log.write_text("2026-12-07 12:00:00 INFO sluice.worker: loading\n")
@@ -25,8 +25,10 @@ def test_the_worker_start_comes_from_its_ready_line_and_is_left_out(tmp_path, ca
     llm = LLM(str(TINY), dtype="float32", device="cpu", max_model_len=64, max_num_seqs=2)
     with caplog.at_level(logging.INFO, logger="sluice.worker"):
         seconds = become_ready(Readiness(), llm, redis.Redis.from_url(redis_url))
-    line = next(r.getMessage() for r in caplog.records if r.name == "sluice.worker" and "ready" in r.getMessage())
-    log.write_text(f"2026-12-07 12:00:00 INFO sluice.worker: {line}\n2026-12-07 12:00:01 INFO claimed a shard\n")
+    line = next(r.getMessage() for r in caplog.records if r.name == "sluice.worker"
+                and "ready" in r.getMessage())
+    log.write_text(
+        f"2026-12-07 12:00:00 INFO sluice.worker: {line}\n2026-12-07 12:00:01 INFO claimed a shard\n")
     assert seconds > 0 and abs(ready_seconds(log) - seconds) < 0.01
     assert generation_seconds(100.0, 2.0, 70.5) == 27.5
     assert generation_seconds(100.0, 2.0, None) == 98.0

@@ -1,4 +1,5 @@
-"""The device path on CPU: a padded decode forward with no host syncs, fixed op shapes, padding that is exact."""
+"""The device path on CPU: a padded decode forward with no host syncs, fixed op shapes, padding that is
+exact."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ class OpRecorder(TorchDispatchMode):
         tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
         name = str(func)
         if name in INDEX_OPS and any(t is not None and t.dtype == torch.bool for t in args[1]):
-            name += " boolean index"  # syncs: the mask's true count sizes the result (nonzero below the dispatcher)
+            # syncs: the mask's true count sizes the result (nonzero below the dispatcher)
+            name += " boolean index"
         self.ops.append((name, tuple(tuple(t.shape) for t in tensors)))
         return func(*args, **(kwargs or {}))
 
@@ -51,7 +53,8 @@ def runner(path, kv: str) -> ModelRunner:
     for cache in r.kv_caches:
         for name in ("k", "v"):
             t = getattr(cache, name)
-            t.copy_(torch.randint(-100, 100, t.shape, generator=g) if kv == "int8" else torch.randn(t.shape, generator=g))
+            t.copy_(torch.randint(-100, 100, t.shape, generator=g) if kv == "int8"
+                    else torch.randn(t.shape, generator=g))
         if kv == "int8":
             cache.k_scale.fill_(0.01)
             cache.v_scale.fill_(0.02)
@@ -87,7 +90,8 @@ def test_padded_decode_forward_makes_no_host_syncs(tiny_llama, device_path, kv):
 def test_recorder_sees_the_syncs_of_the_bucketed_path(tiny_llama, monkeypatch):
     monkeypatch.setenv("SLUICE_DEVICE_PATH", "0")
     options.reset()
-    r = runner(tiny_llama, "plain")  # the bucketed torch groups (the CPU kernels since read int8 KV themselves)
+    # the bucketed torch groups (the CPU kernels since read int8 KV themselves)
+    r = runner(tiny_llama, "plain")
     ids, pos, slots, ctx, tables = decode_batch(3, seed=1)
     meta = kernels.build_metadata([1] * 3, ctx, tables, torch.tensor(slots), BS, torch.device("cpu"))
     with torch.inference_mode(), OpRecorder() as rec:

@@ -1,5 +1,6 @@
-"""The docs as a reference: benchmarks.md one current table per benchmark, architecture.md placing every module
-and C++ file, no work-log words in docs, bench/ or the packages' comments, benchmark pointers that resolve."""
+"""The docs as a reference: benchmarks.md one current table per benchmark, architecture.md placing every
+module and C++ file, no work-log words in docs, bench/ or the packages' comments, benchmark pointers that
+resolve."""
 
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ def py_comments(source: str) -> list[tuple[int, str]]:
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
             doc = node.body[0] if node.body else None
-            if isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str):
+            if isinstance(doc, ast.Expr) and isinstance(doc.value,
+                                                        ast.Constant) and isinstance(doc.value.value, str):
                 found += [(doc.lineno + i, line) for i, line in enumerate(doc.value.value.splitlines())]
     return found
 
@@ -81,16 +83,19 @@ def test_the_work_log_pattern_catches_what_the_hook_catches_and_issue_numbers():
     for text in ("session 7", "Session 4, the lead's rerun", "helper H7", "helper 3", "(H12)", "the leader",
                  "wave 3", "Wave 2's engine", "issue 26", "issues 30, 26", "see #12", "work period"):
         assert WORK_LOG.search(text), text
-    for text in ("a dashboard session id", "the helpers of the kernels", "f(x01)", "_MM_SHUFFLE(1, 0)", "# 2 rows",
+    for text in ("a dashboard session id", "the helpers of the kernels", "f(x01)", "_MM_SHUFFLE(1, 0)",
+                 "# 2 rows",
                  "a waveform", "the issue's target", "leading rows"):
         assert not WORK_LOG.search(text), text
 
 
 def test_no_work_log_words_in_docs_readme_or_bench():
-    docs = [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md", *sorted((ROOT / "bench").rglob("*.py"))]
+    docs = [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md",
+            *sorted((ROOT / "bench").rglob("*.py"))]
     assert len(docs) > 10
     hits = [hit for path in docs
-            for hit in work_log_hits(list(enumerate(path.read_text().splitlines(), 1)), str(path.relative_to(ROOT)))]
+            for hit in work_log_hits(list(enumerate(path.read_text().splitlines(), 1)),
+                                     str(path.relative_to(ROOT)))]
     assert hits == []
     dated = [f"{path.name}: {m.group(0)}" for path in docs if path.suffix == ".md"
              for m in DATED_HEADING.finditer(path.read_text())]

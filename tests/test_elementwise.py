@@ -1,5 +1,5 @@
-"""The fused CPU rope kernel rounds exactly like the torch ops (and HF) it replaces, SwiGLU is within a few ulps of
-an fp64 reference; the argmax picks the index torch does."""
+"""The fused CPU rope kernel rounds exactly like the torch ops (and HF) it replaces, SwiGLU is within a few
+ulps of an fp64 reference; the argmax picks the index torch does."""
 
 from __future__ import annotations
 
@@ -34,30 +34,33 @@ MANTISSA = {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}
 
 
 def ulps(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """|got - want| in units in the last place of `dtype` at want's magnitude (fp64; subnormals at the smallest
-    normal's spacing)."""
+    """|got - want| in units in the last place of `dtype` at want's magnitude (fp64; subnormals at the
+    smallest normal's spacing)."""
     tiny = torch.finfo(dtype).tiny
     exponent = torch.floor(torch.log2(want.abs().clamp(min=tiny)))
     return (got.double() - want).abs() / torch.exp2(exponent - MANTISSA[dtype])
 
 
 def swiglu_fp64(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up in fp64, silu(gate) rounded to the activations' dtype first as the torch ops (and HF) do."""
+    """silu(gate) * up in fp64, silu(gate) rounded to the activations' dtype first as the torch ops (and HF)
+    do."""
     gate, up = gate_up.double().chunk(2, dim=-1)
     silu = (gate / (1 + torch.exp(-gate))).to(gate_up.dtype).double()
     return silu * up
 
 
-# fp32: the exp of a vectorized silu (torch's or ours) is within a few ulps, and the product adds one rounding;
-# bf16/fp16: silu computed in fp32 then rounded, so at most one ulp from a tie broken the other way, per rounding.
+# fp32: the exp of a vectorized silu (torch's or ours) is within a few ulps, and the product adds one
+# rounding; bf16/fp16: silu computed in fp32 then rounded, so at most one ulp from a tie broken the other way,
+# per rounding.
 SILU_ULPS = {torch.float32: 8.0, torch.float16: 2.0, torch.bfloat16: 2.0}
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize(("tokens", "inter"), [(1, 2048), (3, 37), (64, 2048), (5, 700)])
 def test_silu_mul_is_within_ulps_of_the_fp64_swiglu(dtype, tokens, inter):
-    """The fused SwiGLU against an fp64 reference (rounded where the torch ops round), within a few ulps of the
-    activations' dtype, as torch's own ops are (never bitwise against torch: summation and exp differ by ISA)."""
+    """The fused SwiGLU against an fp64 reference (rounded where the torch ops round), within a few ulps of
+    the activations' dtype, as torch's own ops are (never bitwise against torch: summation and exp differ by
+    ISA)."""
     torch.manual_seed(inter)
     gate_up = torch.randn(tokens, 2 * inter + 16, dtype=dtype)[:, : 2 * inter] * 6  # strided rows
     want = swiglu_fp64(gate_up)
@@ -65,7 +68,8 @@ def test_silu_mul_is_within_ulps_of_the_fp64_swiglu(dtype, tokens, inter):
     assert got.dtype == dtype and got.shape == (tokens, inter)
     assert ulps(got, want, dtype).max().item() <= SILU_ULPS[dtype]
     gate, up = gate_up.chunk(2, dim=-1)
-    assert ulps(torch.nn.functional.silu(gate) * up, want, dtype).max().item() <= SILU_ULPS[dtype], "torch's too"
+    assert ulps(torch.nn.functional.silu(gate) * up, want,
+                dtype).max().item() <= SILU_ULPS[dtype], "torch's too"
 
 
 def test_kernels_off_takes_the_torch_path(monkeypatch, request):
@@ -111,8 +115,8 @@ def test_store_kv_writes_the_slots_index_copy_writes(dtype, tokens):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("rows", "width"), [(1, 32000), (9, 151936), (3, 17), (2, 1)])
 def test_argmax_is_torch_max_indices(dtype, rows, width):
-    """Random rows, then the cases a wrong reduction gets wrong: ties (the first wins), the maximum in a masked
-    tail, -inf rows, +-0, +inf and NaN (the first NaN wins, as torch.max propagates it)."""
+    """Random rows, then the cases a wrong reduction gets wrong: ties (the first wins), the maximum in a
+    masked tail, -inf rows, +-0, +inf and NaN (the first NaN wins, as torch.max propagates it)."""
     torch.manual_seed(width + rows)
     x = torch.randn(rows, width).to(dtype)
     assert torch.equal(elementwise._ext().argmax_rows(x), x.max(-1).indices)
@@ -134,8 +138,9 @@ def test_argmax_is_torch_max_indices(dtype, rows, width):
 
 
 def test_rope_tables_cast_once_give_the_rows_cast_per_step():
-    """The rotary tables cast to the step's dtype once (`tables`) give the same rows as casting the gathered fp32
-    rows, for each dtype asked in turn, and are rebuilt when the fp32 tables are replaced (module.to())."""
+    """The rotary tables cast to the step's dtype once (`tables`) give the same rows as casting the gathered
+    fp32 rows, for each dtype asked in turn, and are rebuilt when the fp32 tables are replaced
+    (module.to())."""
     from sluice.engine.models.rope import RotaryEmbedding
 
     rope = RotaryEmbedding(64, 512, {"rope_theta": 10000.0, "rope_type": "default"})

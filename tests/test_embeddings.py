@@ -1,5 +1,5 @@
-"""/v1/embeddings: pooled prefill hidden states against transformers, in the engine's continuous batch, through the
-offline API, batch files (Client + worker) and the HTTP Batch API."""
+"""/v1/embeddings: pooled prefill hidden states against transformers, in the engine's continuous batch,
+through the offline API, batch files (Client + worker) and the HTTP Batch API."""
 
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ def sentence_transformers(folder: Path, mode: str) -> Path:
                {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
     (folder / "modules.json").write_text(json.dumps(modules))
     (folder / "1_Pooling").mkdir(exist_ok=True)
-    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64, mode: True}))
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64,
+                                                                  mode: True}))
     return folder
 
 
@@ -92,7 +93,8 @@ def test_pooling_rule_reads_sentence_transformers_then_architecture(tmp_path):
         pooler_for(tmp_path, {})
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt_neox"])  # gpt_neox: the generic path's logits and hidden states
+# gpt_neox: the generic path's logits and hidden states
+@pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
 def test_embeddings_share_the_step_with_generation_and_keep_no_kv(checkpoint_factory, arch):
     llm = LLM(str(checkpoint_factory(arch)), dtype="float32", device="cpu")
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -117,7 +119,8 @@ def test_embeddings_share_the_step_with_generation_and_keep_no_kv(checkpoint_fac
 
 
 def embedding_line(custom_id: str, **body) -> dict:
-    return {"custom_id": custom_id, "method": "POST", "url": "/v1/embeddings", "body": {"input": TEXTS[0], **body}}
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/embeddings",
+            "body": {"input": TEXTS[0], **body}}
 
 
 def embedding_lines(token_ids: list[int]) -> list[dict]:
@@ -138,7 +141,8 @@ def check_embeddings(bodies: dict[str, dict], errors: dict[str, dict], llm: LLM,
     parsed = {cid: openai_body(b) for cid, b in bodies.items() if cid != "b64"}
     assert cosine(parsed["one"].data[0].embedding, torch.tensor(want[TEXTS[0]])) >= 1 - tol
     many = parsed["many"]
-    assert [d.index for d in many.data] == [0, 1, 2] and many.usage.prompt_tokens == many.usage.total_tokens == sum(
+    assert [d.index for d in many.data] == [0, 1,
+                                            2] and many.usage.prompt_tokens == many.usage.total_tokens == sum(
         len(llm.tokenizer.encode(t)) for t in TEXTS)
     for d, text in zip(many.data, TEXTS, strict=True):
         assert cosine(d.embedding, torch.tensor(want[text])) >= 1 - tol
@@ -162,7 +166,8 @@ def test_embedding_lines_are_validated_and_bad_ones_name_the_field():
     refused = [(r.custom_id, r.answer()) for r in checked.requests if r.answer() is not None]
     assert [(cid, a.response.status_code, a.response.body["error"]["param"]) for cid, a in refused] == [
         ("empty", 400, "input"), ("format", 400, "encoding_format"), ("extra", 400, "truncate")]
-    assert all(f"line {n}" in a.response.body["error"]["message"] for n, (_, a) in zip((2, 3, 4), refused, strict=True))
+    assert all(f"line {n}" in a.response.body["error"]["message"]
+               for n, (_, a) in zip((2, 3, 4), refused, strict=True))
 
 
 @pytest.fixture(scope="module")
@@ -182,14 +187,17 @@ def test_embeddings_through_client_and_worker_with_generation_in_the_batch(tiny,
     bodies = {r.custom_id: r.response.body for r in client.results(batch.id)}
     errors = {r.custom_id: r.error.model_dump() for r in client.results(batch.id, errors=True)}
     assert openai_body(bodies.pop("gen")).choices[0].finish_reason == "length"
-    assert response_text(bodies["many"]) == f"3 embedding(s) of {len(bodies['many']['data'][0]['embedding'])} values"
+    assert (response_text(bodies["many"]) == "3 embedding(s) of "
+                                             f"{len(bodies['many']['data'][0]['embedding'])} values")
     check_embeddings(bodies, errors, tiny, 1e-5)
 
 
 def test_embeddings_through_the_http_batch_api(stack, tiny):
     client = stack.openai(stack.key("embeddings"))
-    uploaded = client.files.create(file=jsonl(embedding_lines(tiny.tokenizer.encode(TEXTS[0]))), purpose="batch")
-    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h")
+    uploaded = client.files.create(file=jsonl(embedding_lines(tiny.tokenizer.encode(TEXTS[0]))),
+                                   purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings",
+                                  completion_window="24h")
     done = wait_status(client, batch.id, {"completed", "failed", "cancelled", "expired"})
     assert done.status == "completed", done
     records = [json.loads(x) for x in client.files.content(done.output_file_id).text.splitlines()]
@@ -208,7 +216,8 @@ def test_fresh_prefills_in_padded_batches_match_one_attention_each():
 
     lens = [5, 17, 16, 3, 40, 9]
     starts = [sum(lens[:i]) for i in range(len(lens))]
-    seqs = [SimpleNamespace(query_start=s, query_len=n, context_len=n) for s, n in zip(starts, lens, strict=True)]
+    seqs = [SimpleNamespace(query_start=s, query_len=n, context_len=n)
+            for s, n in zip(starts, lens, strict=True)]
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(sum(lens), h, 8, generator=gen) for h in (4, 2, 2))
     out = torch.full_like(q, float("nan"))
@@ -220,13 +229,14 @@ def test_fresh_prefills_in_padded_batches_match_one_attention_each():
         if id(seq) not in served:
             continue
         sl = slice(s, s + n)
-        want = F.scaled_dot_product_attention(*(x[sl].transpose(0, 1)[None] for x in (q, k, v)), is_causal=True,
-                                              scale=0.3, enable_gqa=True)[0].transpose(0, 1)
+        want = F.scaled_dot_product_attention(*(x[sl].transpose(0, 1)[None] for x in (q, k, v)),
+                                              is_causal=True, scale=0.3, enable_gqa=True)[0].transpose(0, 1)
         torch.testing.assert_close(out[sl], want, atol=1e-5, rtol=1e-5)
 
 
 def test_embeddings_on_the_device_path_match_the_default_path(tiny_llama):
-    """The flat layout (CUDA's path, Triton interpreted here): pooled rows and sampled rows from one forward."""
+    """The flat layout (CUDA's path, Triton interpreted here): pooled rows and sampled rows from one
+    forward."""
     kw = dict(dtype="float32", device="cpu", max_num_batched_tokens=40, max_num_seqs=8)
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     base = LLM(str(tiny_llama), device_path=False, **kw)

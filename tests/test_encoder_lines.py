@@ -124,8 +124,8 @@ def test_rerank_score_and_moderation_lines_are_validated_by_field():
     assert [r.custom_id for r in checked.requests if r.answer() is None] == ["ok"]
     refused = {r.custom_id: r.answer().response for r in checked.requests if r.answer() is not None}
     assert {cid: (resp.status_code, resp.body["error"]["param"]) for cid, resp in refused.items()} == {
-        "no-docs": (400, "documents"), "top": (400, "top_n"), "uneven": (400, None), "mod-empty": (400, "input"),
-        "mod-extra": (400, "threshold")}
+        "no-docs": (400, "documents"), "top": (400, "top_n"), "uneven": (400, None),
+        "mod-empty": (400, "input"), "mod-extra": (400, "threshold")}
     assert "give one, or as many on each side" in refused["uneven"].body["error"]["message"]
 
 

@@ -91,8 +91,8 @@ def test_seeded_sampling_independent_of_batch(tiny_llama):
     target = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, top_k=50, seed=1234, ignore_eos=True)
     alone = llm.generate([[5, 6, 7]], target, progress=False)[0].token_ids
     others = [SamplingParams(max_tokens=30, temperature=1.0, ignore_eos=True)] * 5
-    mixed = llm.generate([[9, 9]] * 2 + [[5, 6, 7]] + [[11, 12, 13, 14]] * 3, others[:2] + [target] + others[2:5],
-                         progress=False)
+    mixed = llm.generate([[9, 9]] * 2 + [[5, 6, 7]] + [[11, 12, 13, 14]] * 3,
+                         others[:2] + [target] + others[2:5], progress=False)
     assert mixed[2].token_ids == alone
     unseeded = llm.generate([[5, 6, 7]] * 4, SamplingParams(max_tokens=20, temperature=1.0, ignore_eos=True),
                             progress=False)
@@ -130,7 +130,8 @@ def test_stops_and_logprobs(tiny_llama):
                                                   stop_token_ids=[stop_tok]), progress=False)[0]
     assert by_id.finish_reason == "stop" and by_id.token_ids == free.token_ids[: first + 1]
     stop_str = free.text[len(free.text) // 2:][:3]
-    by_str = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=[stop_str]),
+    by_str = llm.generate([prompt],
+                          SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=[stop_str]),
                           progress=False)[0]
     assert by_str.finish_reason == "stop" and stop_str not in by_str.text
     assert free.text.startswith(by_str.text) and free.text[len(by_str.text):].startswith(stop_str)

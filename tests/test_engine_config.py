@@ -1,4 +1,5 @@
-"""EngineConfig: every field documented, bad options refused at construction, config.json read once per model."""
+"""EngineConfig: every field documented, bad options refused at construction, config.json read once per
+model."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ def test_every_setting_has_a_one_line_help():
         ({"quantization": "int4", "quant_type": "nf2"}, "unknown quant_type 'nf2'"),
         ({"block_size": 12}, "block_size must be a power of two"),
         ({"speculative": {"method": "ngram", "k": 2}}, "unknown speculative option"),
-        ({"speculative": {"method": "draft", "model": "d", "quantization": "int3"}}, "unknown quantization 'int3'"),
+        ({"speculative": {"method": "draft", "model": "d", "quantization": "int3"}},
+         "unknown quantization 'int3'"),
     ],
 )
 def test_bad_options_fail_when_the_config_is_built(kwargs, message):
@@ -54,5 +56,6 @@ def test_config_json_is_read_once_per_model(monkeypatch):
 
     monkeypatch.setattr(Path, "read_text", counting)
     LLM(str(MODELS / "sluice-tiny"), dtype="float32", device="cpu", kv_cache_memory_gb=0.01,
-        speculative={"method": "draft", "model": str(MODELS / "sluice-tiny-draft"), "quantization": "int8_weight_only"})
+        speculative={"method": "draft", "model": str(MODELS / "sluice-tiny-draft"),
+                     "quantization": "int8_weight_only"})
     assert sorted(reads) == ["sluice-tiny", "sluice-tiny-draft"]

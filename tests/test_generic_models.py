@@ -22,7 +22,8 @@ from tests.test_engine import random_prompts
 from tests.tiers import tier_fixture
 
 # The architectures beyond the dense native four, and the path each takes (Mixtral and Qwen3-MoE: native MoE).
-ARCH_PATHS = {"gemma2": GENERIC, "gemma3_text": GENERIC, "phi3": GENERIC, "olmo2": GENERIC, "granite": GENERIC,
+ARCH_PATHS = {"gemma2": GENERIC, "gemma3_text": GENERIC, "phi3": GENERIC, "olmo2": GENERIC,
+              "granite": GENERIC,
               "gpt_neox": GENERIC, "qwen2_moe": GENERIC, "starcoder2": GENERIC, "mixtral": NATIVE,
               "qwen3_moe": NATIVE}
 GREEDY = SamplingParams(max_tokens=24, temperature=0)
@@ -37,7 +38,8 @@ def hf_model(path):
 
 def hf_greedy(path, prompts, max_new_tokens=24) -> list[list[int]]:
     model = hf_model(path)
-    return [model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False)[0, len(p):].tolist()
+    return [model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens,
+                           do_sample=False)[0, len(p):].tolist()
             for p in prompts]
 
 
@@ -116,7 +118,8 @@ def test_speculative_decoding_with_generic_target_and_draft(checkpoint_factory):
 def test_model_path_for_says_which_path_and_why(checkpoint_factory):
     llama = read_config(checkpoint_factory("llama"))
     assert model_path_for(llama)[0] == NATIVE
-    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 256}
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+            "original_max_position_embeddings": 256}
     path, why = model_path_for({**llama, "rope_parameters": yarn})
     assert path == GENERIC and "yarn" in why
     path, why = model_path_for(read_config(checkpoint_factory("gemma2")))
@@ -140,13 +143,14 @@ def test_unservable_models_are_refused_naming_the_feature(cfg, feature):
 
 def test_length_dependent_rope_is_capped_at_its_original_context(checkpoint_factory):
     cfg = read_config(checkpoint_factory("phi3"))
-    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [4.0] * 8,
-            "original_max_position_embeddings": 256}
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
+            "long_factor": [4.0] * 8, "original_max_position_embeddings": 256}
     c = ModelConfig.from_hf({**cfg, "rope_parameters": rope, "original_max_position_embeddings": 256})
     assert c.path == GENERIC and c.max_position_embeddings == 256
 
 
-@pytest.mark.parametrize(("method", "linear"), [("int8_weight_only", "Int8WeightOnlyLinear"), ("int8", "LLMInt8Linear")])
+@pytest.mark.parametrize(("method", "linear"),
+                         [("int8_weight_only", "Int8WeightOnlyLinear"), ("int8", "LLMInt8Linear")])
 def test_native_moe_quantizes_every_expert_and_keeps_the_router(method, linear, checkpoint_factory):
     path = checkpoint_factory("qwen3_moe")
     prompts = random_prompts(3, 20, 60)
@@ -157,7 +161,8 @@ def test_native_moe_quantizes_every_expert_and_keeps_the_router(method, linear, 
         assert type(layer.mlp.gate).__name__ == "Router"
     got = llm.score(prompts)
     # bound: the error measured on this random checkpoint plus a margin (docs/benchmarks.md)
-    errors = [((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(got, ref, strict=True)]
+    errors = [((a.float() - b.float()).norm() / b.float().norm()).item()
+              for a, b in zip(got, ref, strict=True)]
     assert 0 < max(errors) < 0.03
 
 
@@ -200,7 +205,8 @@ def test_generic_path_runs_sibling_linears_as_one_product(checkpoint_factory, mo
         attn, mlp = layer.self_attn, layer.mlp
         qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
         assert all(isinstance(p, SiblingLinear) and p.group is attn.q_proj.group for p in qkv)
-        assert attn.v_proj.weight.data_ptr() == attn.q_proj.group.weight[-attn.v_proj.out_features:].data_ptr()
+        assert (
+            attn.v_proj.weight.data_ptr() == attn.q_proj.group.weight[-attn.v_proj.out_features:].data_ptr())
         assert mlp.gate_proj.group is mlp.up_proj.group
         assert type(mlp).forward is generic._swiglu_forward  # the fused SwiGLU
     products = []
@@ -211,12 +217,14 @@ def test_generic_path_runs_sibling_linears_as_one_product(checkpoint_factory, mo
     monkeypatch.setattr(generic, "linear", real)
     want = plain.score(prompts[:1])
     assert ((got[0].float() - want[0].float()).norm() / want[0].float().norm()).item() < 1e-2
-    outs = [o.token_ids for o in fused.generate(prompts, SamplingParams(max_tokens=8, temperature=0), progress=False)]
+    outs = [o.token_ids
+            for o in fused.generate(prompts, SamplingParams(max_tokens=8, temperature=0), progress=False)]
     assert all(len(o) == 8 for o in outs)
 
 
 def transformers_forwards(llm: LLM) -> None:
-    """Put back transformers' own forwards where use_our_kernels fused a decoder layer, an attention or a rotary slot."""
+    """Put back transformers' own forwards where use_our_kernels fused a decoder layer, an attention or a
+    rotary slot."""
     for mod in llm.engine.model.hf.modules():
         if type(mod).__name__.endswith(("DecoderLayer", "Attention")):
             generic.restore_forward(mod)
@@ -230,10 +238,12 @@ def test_generic_path_fuses_llama_shaped_modules_bit_for_bit(arch, checkpoint_fa
     path = checkpoint_factory(arch)
     prompts = random_prompts(4, 20, 60)
     with forced_generic():
-        fused, plain = (LLM(path, dtype="bfloat16", device="cpu", max_num_batched_tokens=48) for _ in range(2))
+        fused, plain = (LLM(path, dtype="bfloat16", device="cpu", max_num_batched_tokens=48)
+                        for _ in range(2))
     transformers_forwards(plain)
-    for layer in fused.engine.model.hf.model.layers:  # qwen3's attention (q/k norms) is not Llama's: only its layer
-        assert inspect.unwrap(type(layer).forward) is generic._decoder_layer_forward  # (transformers wraps it)
+    # qwen3's attention (q/k norms) is not Llama's: only its layer (transformers wraps it)
+    for layer in fused.engine.model.hf.model.layers:
+        assert inspect.unwrap(type(layer).forward) is generic._decoder_layer_forward
         assert (type(layer.self_attn).forward is generic._attention_forward) == (arch == "llama")
         rope = type(layer.self_attn._kernel_funcs[generic.ROPE_SLOT]).forward
         assert rope is generic.fused_rope
@@ -257,7 +267,8 @@ def test_fused_rope_only_replaces_a_rotary_that_computes_llamas():
         return q * cos[:, None] + rot(q) * sin[:, None], k * cos[:, None] + rot(k) * sin[:, None]
 
     def llama(q, k, cos, sin):
-        return q * cos[:, None] + rotate_half(q) * sin[:, None], k * cos[:, None] + rotate_half(k) * sin[:, None]
+        return q * cos[:, None] + rotate_half(q) * sin[:, None], k * cos[:,
+                                                                         None] + rotate_half(k) * sin[:, None]
 
     class Slot(torch.nn.Module):
         def __init__(self, fn):
@@ -268,7 +279,8 @@ def test_fused_rope_only_replaces_a_rotary_that_computes_llamas():
             return self.fn(*args)
 
     for dtype in (torch.bfloat16, torch.float32):
-        assert generic._same_rope(apply_rotary_pos_emb, functools.partial(generic.fused_rope, Slot(llama)), dtype, 64)
+        assert generic._same_rope(apply_rotary_pos_emb, functools.partial(generic.fused_rope, Slot(llama)),
+                                  dtype, 64)
         slot = Slot(interleaved)
         assert not generic._same_rope(slot, functools.partial(generic.fused_rope, slot), dtype, 64)
 
@@ -281,7 +293,8 @@ QUANT_LINEARS = {"int8": "LLMInt8Linear", "int4": "Linear4bitCpu", "int8_weight_
 def quantized_linears(llm: LLM) -> list[torch.nn.Module]:
     """The linears of a generic-path model's decoder layers, none of them left a plain nn.Linear."""
     mods = [m for m in llm.engine.model.hf.model.layers.modules()]
-    assert not any(type(m) in (torch.nn.Linear, Linear) for m in mods), "a decoder linear was left unquantized"
+    assert not any(type(m) in (torch.nn.Linear, Linear)
+                   for m in mods), "a decoder linear was left unquantized"
     return [m for m in mods if type(m).__name__ in QUANT_LINEARS.values()]
 
 
@@ -296,8 +309,8 @@ def test_generic_path_quantizes_as_the_native_path_does(method, checkpoint_facto
     assert len(parts) == 7 * 4 and {type(p).__name__ for p in parts} == {QUANT_LINEARS[method]}
     head = generic.engine.model.hf.lm_head
     assert (type(head).__name__ == QUANT_LINEARS[method]) == method.endswith("weight_only")
-    # the same quantized weights through the same kernels: measured bit-identical on CPU; the bound leaves room for
-    # another kernel order elsewhere
+    # the same quantized weights through the same kernels: measured bit-identical on CPU; the bound leaves
+    # room for another kernel order elsewhere
     errors = [((a.float() - b.float()).norm() / b.float().norm()).item()
               for a, b in zip(generic.score(prompts), native.score(prompts), strict=True)]
     assert max(errors) < 1e-3
@@ -306,9 +319,9 @@ def test_generic_path_quantizes_as_the_native_path_does(method, checkpoint_facto
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
 
 
-# Logits relative error vs the unquantized generic model (bf16), measured on these random checkpoints (gemma2 /
-# phi3): int8 3.5% / 2.0%, nf4 34% / 20%, int8_weight_only 3.7% / 2.3%, int4_weight_only 27% / 21%, as the native
-# path's (tests/test_quantization.py); bounds: measured + ~35%.
+# Logits relative error vs the unquantized generic model (bf16), measured on these random checkpoints (gemma2
+# / phi3): int8 3.5% / 2.0%, nf4 34% / 20%, int8_weight_only 3.7% / 2.3%, int4_weight_only 27% / 21%, as the
+# native path's (tests/test_quantization.py); bounds: measured + ~35%.
 GENERIC_MAX_REL_ERR = {"int8": 0.05, "int4": 0.45, "int8_weight_only": 0.05, "int4_weight_only": 0.36}
 
 
@@ -336,7 +349,8 @@ def test_int4_experts_off_the_block_width_are_zero_padded(method, bound, checkpo
     experts = [e for layer in llm.engine.model.layers for e in layer.mlp.experts]
     assert all(e.down_proj.pad == 64 - 48 for e in experts)  # input columns to whole blocks / groups
     if method == "int4":  # our CPU 4-bit kernel takes any row count: gate/up keep their 48 rows, unpadded
-        assert all(type(e.gate_proj).__name__ == "Linear4bitCpu" and e.gate_proj.out_features == 48 for e in experts)
+        assert all(type(e.gate_proj).__name__ == "Linear4bitCpu" and e.gate_proj.out_features == 48
+                   for e in experts)
     errors = [((a.float() - b.float()).norm() / b.float().norm()).item()
               for a, b in zip(llm.score(prompts), ref, strict=True)]
     print(f"{method} experts of width 48: logits relative error vs bf16 {max(errors):.4f}")
@@ -348,7 +362,8 @@ def test_int4_experts_off_the_block_width_are_zero_padded(method, bound, checkpo
 @pytest.mark.parametrize(("dtype", "bound"), [(torch.float32, 1e-5), (torch.bfloat16, 4e-3)])
 @pytest.mark.parametrize(("hidden", "inner", "tokens"), [(96, 48, 9), (128, 64, 40)])
 def test_moe_kernel_matches_fp64_on_every_tier(cpu_tier, dtype, bound, hidden, inner, tokens):
-    # 96 x 48: widths off every vector size (the loops' tails); 128 x 64: whole AMX tiles, experts past 16 tokens
+    # 96 x 48: widths off every vector size (the loops' tails); 128 x 64: whole AMX tiles, experts past 16
+    # tokens
     g = torch.Generator().manual_seed(0)
     n_experts, k = 5, 2
     gate, up, down = ([torch.randn(*s, generator=g) * 0.2 for _ in range(n_experts)]
@@ -360,18 +375,22 @@ def test_moe_kernel_matches_fp64_on_every_tier(cpu_tier, dtype, bound, hidden, i
     weights_in = [[w.to(dtype) for w in ws] for ws in (gate, up, down)]
     held = moe_kernel.experts(*weights_in)
     assert held is not None, f"csrc/moe.cpp did not build for {cpu_tier}"
-    assert held.amx == (cpu_tier == "amx" and dtype is torch.bfloat16 and inner % 32 == 0)  # AMX where it serves
+    # AMX where it serves
+    assert held.amx == (cpu_tier == "amx" and dtype is torch.bfloat16 and inner % 32 == 0)
     got = held.forward(x, ids, weights)
-    rounded = dtype is torch.bfloat16 and moe_kernel.bf16_hidden(held)  # silu(gate) * up in bf16, as HF's experts
-    want = moe_kernel.moe_reference(x, ids, weights, *weights_in, torch.bfloat16 if rounded else torch.float64)
+    # silu(gate) * up in bf16, as HF's experts
+    rounded = dtype is torch.bfloat16 and moe_kernel.bf16_hidden(held)
+    want = moe_kernel.moe_reference(x, ids, weights, *weights_in,
+                                    torch.bfloat16 if rounded else torch.float64)
     assert got.dtype == dtype and got.shape == want.shape
     assert ((got.double() - want).norm() / want.norm()).item() < bound
 
 
 @pytest.mark.parametrize(("width", "budget"), [(48, 32), (64, 256)])
 def test_native_moe_runs_its_experts_in_one_cpp_call_in_bf16(width, budget, checkpoint_factory):
-    # width 48: steps of up to CPP_MAX_TOKENS tokens take the C++ vector tiles, chunks of 32 keep every step there;
-    # width 64 (hidden 64): whole AMX tiles where the tier has them, which take the prefill's longer steps too
+    # width 48: steps of up to CPP_MAX_TOKENS tokens take the C++ vector tiles, chunks of 32 keep every step
+    # there; width 64 (hidden 64): whole AMX tiles where the tier has them, which take the prefill's longer
+    # steps too
     path = checkpoint_factory("qwen3_moe", moe_intermediate_size=width)
     llm = LLM(path, dtype="bfloat16", device="cpu", max_num_batched_tokens=budget)
     prompts = random_prompts(3, 20, 60)
@@ -382,5 +401,6 @@ def test_native_moe_runs_its_experts_in_one_cpp_call_in_bf16(width, budget, chec
     for b in blocks:
         b.cpp_experts = False  # the torch grouping, which rounds each expert's output to bf16
     want = llm.score(prompts)
-    errors = [((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(got, want, strict=True)]
+    errors = [((a.float() - b.float()).norm() / b.float().norm()).item()
+              for a, b in zip(got, want, strict=True)]
     assert max(errors) < 0.02

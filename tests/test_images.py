@@ -159,7 +159,8 @@ def test_malformed_image_parts_are_refused_by_name():
 
 @pytest.fixture
 def image_server():
-    """A local HTTP server: /ok.png an image, /big.png over a small limit, /slow.png never answering in time."""
+    """A local HTTP server: /ok.png an image, /big.png over a small limit, /slow.png never answering in
+    time."""
     import threading
     import time
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer

@@ -1,5 +1,6 @@
 """The fused CPU paged-attention kernel against the torch reference, and the reference against plain SDPA; the
-linears' and RMSNorm's kernels against fp32 references. Kernel tests run on every tier in tests.tiers.TEST_TIERS."""
+linears' and RMSNorm's kernels against fp32 references. Kernel tests run on every tier in
+tests.tiers.TEST_TIERS."""
 
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ def layout(query_lens, context_lens, seed=0):
 
 def caches(dtype, seed=1):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(HK, NB, BS, D, generator=g).to(dtype), torch.randn(HK, NB, BS, D, generator=g).to(dtype))
+    return (torch.randn(HK, NB, BS, D, generator=g).to(dtype),
+            torch.randn(HK, NB, BS, D, generator=g).to(dtype))
 
 
 def dense_reference(q, kc, vc, query_lens, context_lens, tables):
@@ -83,8 +85,8 @@ def test_fused_cpu_kernel_matches_reference(dtype, tol, cpu_tier):
     k_new = kc.view(HK, -1, D)[:, slots].transpose(0, 1)
     v_new = vc.view(HK, -1, D)[:, slots].transpose(0, 1)
     dev = torch.device("cpu")
-    plain = paged_attention(q, k_new, v_new, kc, vc, build_metadata(QUERY_LENS, CONTEXT_LENS, tables, slots, BS, dev),
-                            D**-0.5)
+    plain = paged_attention(q, k_new, v_new, kc, vc,
+                            build_metadata(QUERY_LENS, CONTEXT_LENS, tables, slots, BS, dev), D**-0.5)
     meta = build_metadata(QUERY_LENS, CONTEXT_LENS, tables, slots, BS, dev, fused=True)
     assert meta.fused_short is not None and not meta.short_groups
     fused = paged_attention(q, k_new, v_new, kc, vc, meta, D**-0.5)
@@ -94,7 +96,8 @@ def test_fused_cpu_kernel_matches_reference(dtype, tol, cpu_tier):
 def int8_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor,
                    quantize_x: bool = False) -> torch.Tensor:
     """The int8 linear in float64: x times the dequantized weight (codes times row scales), plus bias; with
-    `quantize_x`, x first rounded to int8 codes per row (scale: the row's absmax / 127), as the dynamic path does."""
+    `quantize_x`, x first rounded to int8 codes per row (scale: the row's absmax / 127), as the dynamic path
+    does."""
     xd = x.double()
     if quantize_x:
         step = x.float().abs().amax(-1, keepdim=True) / 127
@@ -105,20 +108,22 @@ def int8_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_int8_linear_matches_dequantized_weights_on_every_path(dtype, tol, monkeypatch, cpu_tier):
     """Every path of int8_linear against the float64 dequantized product, each row count on the path the tier
-    implies: fp32 rows up to 4 on torch's GEMV (K % 16 == 0 only); bf16 rows on the dynamic int8 matmul from one
-    row where our exact int8 product builds (AVX512-VNNI or AVX2 tiers), else one row on our GEMV. bf16 bound per element:
-    two bf16 roundings (2^-8 relative each: the product, then its sum with the bias) of the reference with x as
-    the path sees it (its int8 codes on the dynamic path), plus fp32 sums."""
+    implies: fp32 rows up to 4 on torch's GEMV (K % 16 == 0 only); bf16 rows on the dynamic int8 matmul from
+    one row where our exact int8 product builds (AVX512-VNNI or AVX2 tiers), else one row on our GEMV. bf16
+    bound per element: two bf16 roundings (2^-8 relative each: the product, then its sum with the bias) of the
+    reference with x as the path sees it (its int8 codes on the dynamic path), plus fp32 sums."""
     gemv_rows, int_mm_rows = [], []
     real, real_dynamic = torch._weight_int8pack_mm, int8_weights.dynamic_int8_mm
-    monkeypatch.setattr(torch, "_weight_int8pack_mm", lambda x, w, s: gemv_rows.append(x.shape[0]) or real(x, w, s))
+    monkeypatch.setattr(torch, "_weight_int8pack_mm",
+                        lambda x, w, s: gemv_rows.append(x.shape[0]) or real(x, w, s))
     monkeypatch.setattr(int8_weights, "dynamic_int8_mm",
                         lambda x, *a: int_mm_rows.append(x.shape[0]) or real_dynamic(x, *a))
-    ours = int8_weights._gemv_kernel(torch.ones(1, dtype=torch.bfloat16))  # ours for bf16 rows, where it builds
+    ours = int8_weights._gemv_kernel(torch.ones(1, dtype=torch.bfloat16))  # ours for bf16 rows where built
     if ours is not None:
         spy = type("Spy", (), {"int8_gemv": staticmethod(lambda x, w, s: gemv_rows.append(x.shape[0])
                                                            or ours.int8_gemv(x, w, s))})()
-        monkeypatch.setattr(int8_weights, "_gemv_kernel", lambda scales: spy if scales.dtype is torch.bfloat16 else None)
+        monkeypatch.setattr(int8_weights, "_gemv_kernel",
+                            lambda scales: spy if scales.dtype is torch.bfloat16 else None)
     ours = cpp_build.enabled() and cpu_isa.at_least("avx2")  # our exact int8 product: VNNI or AVX2 madd
     gemv = [1, 3] if dtype == torch.float32 else [] if ours else [1]  # the GEMV's row counts at K = 384
     torch.manual_seed(0)
@@ -135,7 +140,8 @@ def test_int8_linear_matches_dequantized_weights_on_every_path(dtype, tol, monke
                 seen = int8_reference(x, qweight, scales, bias, quantize_x=m not in gemv or k % 16 != 0)
                 bound = (seen.abs() + bias.double().abs()) * 2**-7 + 1e-4
                 assert ((got.double() - seen).abs() <= bound).all(), (k, m)
-    assert dtype == torch.float32 or int8_weights.dynamic_from_one_row() == ours, "bf16 takes ours where it builds"
+    assert (dtype == torch.float32
+            or int8_weights.dynamic_from_one_row() == ours), "bf16 takes ours where it builds"
     assert gemv_rows == gemv, "the int8 GEMV serves few rows, and only when in_features % 16 == 0"
     dynamic = [] if dtype == torch.float32 else [m for k in (384, 100) for m in (1, 3, 5, 40)
                                                  if m not in gemv or k % 16]
@@ -148,7 +154,7 @@ def test_int4_linear_matches_its_dequantized_weight(dtype, tol, cpu_tier):
     weight, bias = torch.randn(90, 128), torch.randn(90).to(dtype)  # 90: padded to 96 rows for the CPU packer
     packed = int4_weights.pack(weight, dtype)
     deq = int4_weights.dequantize(packed, torch.float64)
-    assert (deq - weight.double()).abs().max() <= 0.6 * (weight.max() - weight.min()) / 15, "codes round to nearest"
+    assert (deq - weight.double()).abs().max() <= 0.6 * (weight.max() - weight.min()) / 15, "round to nearest"
     q, _ = int4_weights.quantize_int4(weight)
     assert torch.equal(int4_weights.codes(packed), q), "packing keeps every code"
     for m in (1, 5, 40):
@@ -174,11 +180,13 @@ def test_fused_add_rms_norm_matches_hf_rounding(dtype, tol, width, cpu_tier):
     total, out = rms_norm.add_rms_norm(x, delta, weight, 1e-6)
     assert torch.equal(total, x + delta), "the residual sum rounds like `x + delta`"
     want = rms_norm.rms_norm_reference(x + delta, weight, 1e-6)
-    assert out.dtype == dtype and (out.float() - want.float()).abs().max().item() < tol * want.abs().max().item()
+    assert (out.dtype == dtype
+            and (out.float() - want.float()).abs().max().item() < tol * want.abs().max().item())
     if dtype == torch.bfloat16:
-        assert (out != want).float().mean().item() < 0.01, "a rare last-bit difference from the sum order at most"
+        assert (out != want).float().mean().item() < 0.01, "a rare last-bit difference from the sum order"
     same, normed = rms_norm.add_rms_norm(x, None, weight, 1e-6)
-    assert same is x and (normed.float() - rms_norm.rms_norm_reference(x, weight, 1e-6).float()).abs().max() < tol
+    assert same is x and (normed.float() - rms_norm.rms_norm_reference(x, weight,
+                                                                       1e-6).float()).abs().max() < tol
 
 
 def gemv_tier() -> bool:
@@ -187,8 +195,8 @@ def gemv_tier() -> bool:
 
 
 def test_bf16_gemv_is_served_on_every_x86_tier(cpu_tier):
-    """The GEMV builds and serves on every tier from avx2 up (a silent fallback would lose its speed-up), and reports
-    the tier it was built for."""
+    """The GEMV builds and serves on every tier from avx2 up (a silent fallback would lose its speed-up), and
+    reports the tier it was built for."""
     assert linear_kernels.gemv_available() == (gemv_tier() and cpp_build.enabled())
     if linear_kernels.gemv_available():
         assert linear_kernels._gemv().TIER == ("avx512_bf16" if cpu_isa.at_least("avx512_bf16") else "avx2")
@@ -215,9 +223,9 @@ def test_bf16_linear_matches_the_fp32_reference(rows, n, k, cpu_tier):
 
 
 def test_model_linears_run_the_gemv_at_decode_rows(monkeypatch, cpu_tier):
-    """A bf16 decode step's linears go through the GEMV: to 32 rows, and to 64 while the rows stay small (rows x
-    in_features <= MAX_GEMV_X); F.linear above. Where oneDNN has no bf16 instructions, to MAX_GEMV_ROWS_FP32 rows,
-    widened to fp32 above; where it has AMX tiles, to MAX_GEMV_ROWS_FP32 rows, its bf16 matmul above."""
+    """A bf16 decode step's linears go through the GEMV: to 32 rows, and to 64 while the rows stay small (rows
+    x in_features <= MAX_GEMV_X); F.linear above. Where oneDNN has no bf16 instructions, to MAX_GEMV_ROWS_FP32
+    rows, widened to fp32 above; where it has AMX tiles, to MAX_GEMV_ROWS_FP32 rows, its bf16 matmul above."""
     calls = []
     ext = linear_kernels._gemv()
     serves = gemv_tier() and cpp_build.enabled()  # a tier with a GEMV: it must have built and must serve
@@ -249,15 +257,16 @@ def test_model_linears_run_the_gemv_at_decode_rows(monkeypatch, cpu_tier):
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 16, 17, 64, 65])
 def test_bf16_rows_past_the_fp32_gemv_limit_widen_where_onednn_has_no_bf16(monkeypatch, rows, cpu_tier):
-    """With oneDNN capped below its bf16 instructions, our GEMV serves to MAX_GEMV_ROWS_FP32 rows (where it is as
-    fast as oneDNN's fp32 matmul) and above that, to 64 rows, its AVX2 GEMM on the avx2 tier (`gemm_rows`; on
-    avx512 oneDNN's fp32 matmul has AVX-512) and `widened_linear` elsewhere and past 64 rows, each within a bf16
-    rounding of the fp64 product."""
+    """With oneDNN capped below its bf16 instructions, our GEMV serves to MAX_GEMV_ROWS_FP32 rows (where it is
+    as fast as oneDNN's fp32 matmul) and above that, to 64 rows, its AVX2 GEMM on the avx2 tier (`gemm_rows`;
+    on avx512 oneDNN's fp32 matmul has AVX-512) and `widened_linear` elsewhere and past 64 rows, each within a
+    bf16 rounding of the fp64 product."""
     from sluice.kernels import options
 
     ext, calls = linear_kernels._gemv(), []
     if ext is not None:
-        spy = type("Spy", (), {"SUPPORTED": True, "GEMM_MAX_ROWS": ext.GEMM_MAX_ROWS, "bf16_gemv": staticmethod(
+        spy = type("Spy", (),
+                   {"SUPPORTED": True, "GEMM_MAX_ROWS": ext.GEMM_MAX_ROWS, "bf16_gemv": staticmethod(
             lambda x, w, b: calls.append(x.shape[0]) or ext.bf16_gemv(x, w, b))})()
         monkeypatch.setattr(linear_kernels, "_gemv", lambda: spy)
     g = torch.Generator().manual_seed(rows)
@@ -271,7 +280,8 @@ def test_bf16_rows_past_the_fp32_gemv_limit_widen_where_onednn_has_no_bf16(monke
     finally:
         options.reset()
     assert gemm == (64 if ext is not None and cpu_isa.tier() == "avx2" else 0)
-    assert calls == ([rows] if ext is not None and rows <= max(linear_kernels.MAX_GEMV_ROWS_FP32, gemm) else [])
+    assert calls == ([rows] if ext is not None and rows <= max(linear_kernels.MAX_GEMV_ROWS_FP32, gemm)
+                     else [])
     assert ((got.double() - want).abs() <= want.abs() * 2**-8 + 1e-5 * 200**0.5).all()
 
 
@@ -279,8 +289,8 @@ def test_bf16_rows_past_the_fp32_gemv_limit_widen_where_onednn_has_no_bf16(monke
 @pytest.mark.parametrize(("n", "k"), [(130, 768), (65, 100), (7, 16), (64, 2048)])
 def test_bf16_gemv_widened_x_tiles_give_the_narrow_tiles_bits(rows, n, k, cpu_tier):
     """The tier's widened-x tiles (the avx2 tier, from a few rows: x widened to fp32 once, 3 x rows against 2
-    weight rows) sum every product in the narrow tiles' order: the same bits at every row count, N off the weight
-    row pairs, K with a tail, bias or not; and within a bf16 rounding of the fp64 product."""
+    weight rows) sum every product in the narrow tiles' order: the same bits at every row count, N off the
+    weight row pairs, K with a tail, bias or not; and within a bf16 rounding of the fp64 product."""
     ext = linear_kernels._gemv()
     if ext is None:
         pytest.skip("SLUICE_CPU_KERNEL=0 or no C++ compiler: no GEMV on this tier")
@@ -305,10 +315,10 @@ def test_bf16_gemv_widened_x_tiles_give_the_narrow_tiles_bits(rows, n, k, cpu_ti
 @pytest.mark.parametrize("rows", [17, 18, 23, 32, 33, 63, 64])
 @pytest.mark.parametrize(("n", "k"), [(130, 768), (77, 100), (16, 2048), (1, 33), (48, 16)])
 def test_bf16_gemv_rows_past_16_match_the_fp64_product(rows, n, k, cpu_tier):
-    """17 to 64 rows through the GEMV call (the avx2 tier's GEMM, csrc/bf16_gemm_avx2.h: panels of 16 weight rows
-    packed per call, 6 x rows a tile; other tiers' tiles): odd row counts off the 6-row tiles, N off the 16-column
-    panels, K with and without a tail, bias or not, rows with a stride; within a bf16 rounding of the fp64 product,
-    and the GEMM and the GEMV's tiles agree as closely."""
+    """17 to 64 rows through the GEMV call (the avx2 tier's GEMM, csrc/bf16_gemm_avx2.h: panels of 16 weight
+    rows packed per call, 6 x rows a tile; other tiers' tiles): odd row counts off the 6-row tiles, N off the
+    16-column panels, K with and without a tail, bias or not, rows with a stride; within a bf16 rounding of
+    the fp64 product, and the GEMM and the GEMV's tiles agree as closely."""
     ext = linear_kernels._gemv()
     if ext is None:
         pytest.skip("SLUICE_CPU_KERNEL=0 or no C++ compiler: no GEMV on this tier")
@@ -337,19 +347,21 @@ def test_bf16_gemv_rows_past_16_match_the_fp64_product(rows, n, k, cpu_tier):
 
 @pytest.mark.parametrize("source", sorted(p.name for p in cpp_build.CSRC.glob("*.cpp")))
 def test_every_cpu_kernel_builds_where_a_compiler_exists(source, cpu_tier):
-    """A kernel that fails to compile or link falls back to torch at run time (and its tests skip), so the build
-    itself is checked: with a C++ compiler present, every csrc/ source must load: a library of its own, or a part of
-    the core library (cpp_build.PARTS) with its functions bound."""
+    """A kernel that fails to compile or link falls back to torch at run time (and its tests skip), so the
+    build itself is checked: with a C++ compiler present, every csrc/ source must load: a library of its own,
+    or a part of the core library (cpp_build.PARTS) with its functions bound."""
     import shutil
 
     if not cpp_build.enabled() or shutil.which(cpp_build.options.current().cxx) is None:
         pytest.skip("SLUICE_CPU_KERNEL=0 or no C++ compiler: the torch paths serve")
     if source in cpp_build.EXTENSIONS:
-        assert cpp_build.load(cpp_build.EXTENSIONS[source], source) is not None, f"csrc/{source} did not build (see the warning)"
+        assert cpp_build.load(cpp_build.EXTENSIONS[source],
+                              source) is not None, f"csrc/{source} did not build (see the warning)"
         return
     name = source.removesuffix(".cpp")
     assert name in cpp_build.PARTS and source in cpp_build._sources(cpp_build.CORE), (
-        f"csrc/{source} is neither a library in cpp_build.EXTENSIONS nor one of the core library's PARTS: add it")
+        f"csrc/{source} is neither a library in cpp_build.EXTENSIONS nor one of the core library's PARTS: "
+        "add it")
     part = cpp_build.part(name)
     assert part is not None and any(not k.startswith("__") for k in vars(part)), f"{name}: no functions bound"
 
@@ -361,15 +373,16 @@ llm = LLM({model!r}, dtype="bfloat16", device="cpu", quantization={quantization!
 out = llm.generate(["O Romeo, Romeo, wherefore art thou Romeo? " * 3, "a rose"],
                    SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), progress=False)
 assert [len(o.token_ids) for o in out] == [4, 4]
-print(json.dumps(sorted({{os.path.realpath(line.split()[-1]) for line in open("/proc/self/maps") if "/sluice_" in line}})))
+maps = [line.split()[-1] for line in open("/proc/self/maps") if "/sluice_" in line]
+print(json.dumps(sorted({{os.path.realpath(path) for path in maps}})))
 """
 
 
 @pytest.mark.parametrize("quantization", [None, "int8", "int4"])
 def test_a_step_maps_one_kernel_library(quantization):
     """A bf16, LLM.int8() or NF4 engine's prefill and decode steps (attention, norms, GEMVs, the quantized
-    products, the decode stack, the sampler) run from one shared object, the core library: none of its parts is
-    built or mapped a second time as a library of its own."""
+    products, the decode stack, the sampler) run from one shared object, the core library: none of its parts
+    is built or mapped a second time as a library of its own."""
     import json
     import os
     import shutil
@@ -400,9 +413,10 @@ def test_bf16_linear_keeps_leading_dimensions(cpu_tier):
 
 
 def test_bf16_rows_past_the_gemv_sum_in_fp32_where_onednn_has_no_bf16(monkeypatch):
-    """With oneDNN capped below its bf16 instructions (ONEDNN_MAX_CPU_ISA=AVX2), prefill rows of a bf16 linear run
-    widened to fp32 (a bounded slice of the weight at a time): within one bf16 rounding of the fp64 product
-    whatever the slice, and F.linear is not called on bf16 there; with bf16 allowed, F.linear serves."""
+    """With oneDNN capped below its bf16 instructions (ONEDNN_MAX_CPU_ISA=AVX2), prefill rows of a bf16 linear
+    run widened to fp32 (a bounded slice of the weight at a time): within one bf16 rounding of the fp64
+    product whatever the slice, and F.linear is not called on bf16 there; with bf16 allowed, F.linear
+    serves."""
     from sluice.kernels import options
 
     torch.manual_seed(0)
@@ -420,7 +434,8 @@ def test_bf16_rows_past_the_gemv_sum_in_fp32_where_onednn_has_no_bf16(monkeypatc
             sliced = linear_kernels.linear(x, w, b)
         assert torch.bfloat16 not in bf16_calls and bf16_calls
         assert whole.dtype is torch.bfloat16 and sliced.dtype is torch.bfloat16
-        for got in (whole, sliced):  # oneDNN's summation order may follow the slice's shape and the CPU's caches
+        # oneDNN's summation order may follow the slice's shape and the CPU's caches
+        for got in (whole, sliced):
             assert ((got.double() - want).abs() <= want.abs() * 2**-8 + 1e-6).all()
     finally:
         options.reset()

@@ -25,7 +25,8 @@ ADAPTERS = {  # name: (rank, alpha, targets, rsLoRA)
 
 def make_adapter(base: Path, out: Path, rank: int, alpha: int, targets: list[str], rslora: bool = False,
                  seed: int = 0, **extra) -> Path:
-    """A PEFT LoRA adapter of `base` with random A and B (so it changes the output), saved as PEFT saves it."""
+    """A PEFT LoRA adapter of `base` with random A and B (so it changes the output), saved as PEFT saves
+    it."""
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora,
@@ -52,7 +53,8 @@ def merged_greedy(base: Path, adapter: Path | None, prompts: list[list[int]]) ->
 
 def prompts_of(n: int, seed: int = 3, lo: int = 3, hi: int = 60) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(4, 400, (int(k),), generator=g).tolist() for k in torch.randint(lo, hi, (n,), generator=g)]
+    return [torch.randint(4, 400, (int(k),), generator=g).tolist()
+            for k in torch.randint(lo, hi, (n,), generator=g)]
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +137,8 @@ def test_bad_adapters_are_rejected_by_name_and_the_rest_run(lora_case, tmp_path)
              "big": (too_big, "exceeds max_lora_rank (16)")}
     for i, (name, (path, reason)) in enumerate(cases.items()):
         with pytest.raises(RequestRejected, match=rf"adapter .{name}.*{re.escape(reason)}"):
-            engine.add_request(f"bad-{name}", prompts[0], GREEDY, lora_request=LoRARequest(name, 50 + i, str(path)))
+            engine.add_request(f"bad-{name}", prompts[0], GREEDY,
+                               lora_request=LoRARequest(name, 50 + i, str(path)))
     engine.add_request("good", prompts[1], GREEDY, lora_request=requests["qv4"])
     engine.add_request("base", prompts[2], GREEDY)
     engine.add_request("wrong", prompts[3], GREEDY, lora_request=LoRARequest("wrong", 60, str(wrong_base)))
@@ -171,12 +174,13 @@ def test_an_engine_without_lora_refuses_adapters(lora_case):
 
 
 def effective_weights(llm: LLM) -> dict[str, torch.Tensor]:
-    """Each decoder projection's weight as the engine's (quantized) linear applies it, read by an identity probe,
-    split into the checkpoint's own linears."""
+    """Each decoder projection's weight as the engine's (quantized) linear applies it, read by an identity
+    probe, split into the checkpoint's own linears."""
     from sluice.engine.lora.slots import LoRALinear, projection_shapes
 
     model, names = llm.engine.model, {"self_attn.qkv_proj": ["q_proj", "k_proj", "v_proj"],
-                                      "self_attn.o_proj": ["o_proj"], "mlp.gate_up_proj": ["gate_proj", "up_proj"],
+                                      "self_attn.o_proj": ["o_proj"],
+                                      "mlp.gate_up_proj": ["gate_proj", "up_proj"],
                                       "mlp.down_proj": ["down_proj"]}
     shapes = projection_shapes(model.config)
     out = {}
@@ -197,7 +201,8 @@ def effective_weights(llm: LLM) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("quantization", ["int8", "int8_weight_only", "int4"])
 def test_adapters_on_quantized_bases_match_the_dequantized_base(lora_case, quantization, tmp_path):
     """Every prompt position's logits with the adapter equal PEFT's merge into the dequantized base (the
-    weights the quantized linears apply, read by an identity probe), far closer than the adapter's own effect."""
+    weights the quantized linears apply, read by an identity probe), far closer than the adapter's own
+    effect."""
     base, adapters, requests, prompts, *_ = lora_case
     llm = LLM(base, dtype="float32", device="cpu", quantization=quantization, enable_lora=True, max_loras=3,
               max_lora_rank=16)

@@ -1,5 +1,6 @@
-"""LoRA's grouped products (torch groups on CPU, the Triton kernel under TRITON_INTERPRET=1) against a per-token
-reference: each token's x · A[slot]ᵀ · B[slot]ᵀ added to the base output, tokens without an adapter untouched."""
+"""LoRA's grouped products (torch groups on CPU, the Triton kernel under TRITON_INTERPRET=1) against a
+per-token reference: each token's x · A[slot]ᵀ · B[slot]ᵀ added to the base output, tokens without an adapter
+untouched."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""LoRA adapters named by batch lines' `model`, served by a real worker process: --lora NAME=PATH and --lora-dir
-folders (local and s3://), mixed with base-model lines in one shard, unknown names a per-line error."""
+"""LoRA adapters named by batch lines' `model`, served by a real worker process: --lora NAME=PATH and
+--lora-dir folders (local and s3://), mixed with base-model lines in one shard, unknown names a per-line
+error."""
 
 from __future__ import annotations
 
@@ -62,7 +63,8 @@ def run_batch(redis_url, tmp_path, base, *worker_args) -> tuple[dict, dict]:
 
 def test_lines_name_adapters_served_by_a_worker(adapters, redis_url, tmp_path):
     base, named, folder, in_dir = adapters
-    texts, errors = run_batch(redis_url, tmp_path, base, "--lora", f"tuned={named}", "--lora-dir", str(folder))
+    texts, errors = run_batch(redis_url, tmp_path, base, "--lora", f"tuned={named}", "--lora-dir",
+                              str(folder))
     want = expected(base, named, in_dir)
     assert texts == want
     assert texts["tuned-0"] != texts["base-0"] and texts["tenant-7-0"] != texts["base-0"]

@@ -1,4 +1,5 @@
-"""n > 1 and best_of (offline LLM door): sequences share the prompt's KV blocks and equal separate requests."""
+"""n > 1 and best_of (offline LLM door): sequences share the prompt's KV blocks and equal separate
+requests."""
 
 from __future__ import annotations
 
@@ -39,8 +40,9 @@ def test_each_sequence_equals_a_separate_request_seeded_seed_plus_k(llm):
     prompt = "the quick brown fox jumps over the lazy dog " * 4
     out = llm.generate(prompt, SamplingParams(n=3, max_tokens=12, temperature=1.0, seed=7, ignore_eos=True),
                        progress=False)[0]
-    alone = llm.generate([prompt] * 3, [SamplingParams(max_tokens=12, temperature=1.0, seed=7 + k, ignore_eos=True)
-                                        for k in range(3)], progress=False)
+    alone = llm.generate([prompt] * 3,
+                         [SamplingParams(max_tokens=12, temperature=1.0, seed=7 + k, ignore_eos=True)
+                          for k in range(3)], progress=False)
     assert [s.token_ids for s in out.samples] == [a.token_ids for a in alone]
     assert len({tuple(s.token_ids) for s in out.samples}) > 1
 
@@ -49,8 +51,9 @@ def test_best_of_returns_the_most_likely_sequences(llm):
     prompt = "to be or not to be"
     out = llm.generate(prompt, SamplingParams(n=2, best_of=4, max_tokens=8, temperature=1.0, seed=11,
                                               ignore_eos=True), progress=False)[0]
-    alone = llm.generate([prompt] * 4, [SamplingParams(max_tokens=8, temperature=1.0, seed=11 + k, ignore_eos=True,
-                                                       logprobs=0) for k in range(4)], progress=False)
+    alone = llm.generate([prompt] * 4,
+                         [SamplingParams(max_tokens=8, temperature=1.0, seed=11 + k, ignore_eos=True,
+                                         logprobs=0) for k in range(4)], progress=False)
     scores = sorted(((sum(step[t] for t, step in zip(a.token_ids, a.logprobs, strict=True)), a.token_ids)
                      for a in alone), reverse=True)
     assert [s.token_ids for s in out.samples] == [ids for _, ids in scores[:2]]

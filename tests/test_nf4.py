@@ -1,6 +1,7 @@
-"""bitsandbytes' 4-bit format on CPU without bitsandbytes: our parser and quantizer against bitsandbytes itself (the
-oracle, imported here only), our kernels (kernels/nf4.py, every tier the host runs) against an fp64 product of
-the weight a plain-torch reading of bitsandbytes' format gives, and a CPU int4 engine that never imports it."""
+"""bitsandbytes' 4-bit format on CPU without bitsandbytes: our parser and quantizer against bitsandbytes
+itself (the oracle, imported here only), our kernels (kernels/nf4.py, every tier the host runs) against an
+fp64 product of the weight a plain-torch reading of bitsandbytes' format gives, and a CPU int4 engine that
+never imports it."""
 
 from __future__ import annotations
 
@@ -29,9 +30,9 @@ def bnb_state(w: torch.Tensor, quant_type: str, nested: bool) -> tuple[torch.Ten
 
 
 def reference_weight(packed: torch.Tensor, stats: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The weight [out, in] in fp64, read from bitsandbytes' serialized format with plain torch ops: codes two a
-    byte (high nibble first), quant_map[code] * absmax per block of `blocksize`, the absmax itself nested_quant_map
-    [code] * nested_absmax per nested block, plus the offset, when nested."""
+    """The weight [out, in] in fp64, read from bitsandbytes' serialized format with plain torch ops: codes two
+    a byte (high nibble first), quant_map[code] * absmax per block of `blocksize`, the absmax itself
+    nested_quant_map [code] * nested_absmax per nested block, plus the offset, when nested."""
     meta = json.loads(bytes(next(v for k, v in stats.items() if k.startswith("quant_state")).tolist()))
     out_f, in_f = meta["shape"]
     absmax = stats["absmax"].double()
@@ -39,7 +40,8 @@ def reference_weight(packed: torch.Tensor, stats: dict[str, torch.Tensor]) -> to
         nb = meta["nested_blocksize"]
         codes = stats["nested_quant_map"].double()[stats["absmax"].long()]
         scale = stats["nested_absmax"].double().repeat_interleave(nb)[: codes.numel()]
-        absmax = (codes * scale).float().double() + torch.tensor(meta["nested_offset"], dtype=torch.float32).double()
+        absmax = (codes * scale).float().double() + torch.tensor(meta["nested_offset"],
+                                                                 dtype=torch.float32).double()
     b = packed.view(torch.uint8).reshape(-1)
     idx = torch.stack((b >> 4, b & 15), -1).reshape(-1).long()
     values = stats["quant_map"].double()[idx] * absmax.repeat_interleave(meta["blocksize"])
@@ -47,7 +49,8 @@ def reference_weight(packed: torch.Tensor, stats: dict[str, torch.Tensor]) -> to
 
 
 def weight(out_f: int, in_f: int, seed: int = 0) -> torch.Tensor:
-    w = (torch.randn(out_f, in_f, generator=torch.Generator().manual_seed(seed)) / in_f**0.5).to(torch.bfloat16)
+    w = (torch.randn(out_f, in_f,
+                     generator=torch.Generator().manual_seed(seed)) / in_f**0.5).to(torch.bfloat16)
     w[0, :64] = 0  # a block of zeros
     return w
 
@@ -65,7 +68,8 @@ def test_the_plain_reference_reads_bitsandbytes_format_as_bitsandbytes_does(quan
 @pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
 def test_the_code_tables_are_bitsandbytes_computed_without_torch_kernels(quant_type):
     """The 16 levels, the sort order and the 15 quantize bounds, computed in Python, are bit for bit what
-    bitsandbytes' get_4bit_type and torch's argsort and fp32 midpoints give (FP4's two zeros in argsort's order)."""
+    bitsandbytes' get_4bit_type and torch's argsort and fp32 midpoints give (FP4's two zeros in argsort's
+    order)."""
     code = four_bit.code_table(quant_type)
     theirs = F.get_4bit_type(quant_type, device="cpu")
     assert code.dtype == torch.float32 and torch.equal(code, theirs)
@@ -107,20 +111,23 @@ cpu_tier = tier_fixture(autouse=False)
 
 
 def packed_linear(out_f: int, in_f: int, quant_type: str, nested: bool, bias: bool, seed: int = 0):
-    """Our linear over bitsandbytes' serialized weight, packed for the kernels, and the fp64 reference weight."""
+    """Our linear over bitsandbytes' serialized weight, packed for the kernels, and the fp64 reference
+    weight."""
     w = weight(out_f, in_f, seed)
     packed, stats = bnb_state(w, quant_type, nested)
-    b = torch.randn(out_f, generator=torch.Generator().manual_seed(seed + 1)).to(torch.bfloat16) if bias else None
-    mod = four_bit.Linear4bitCpu(packed, four_bit.State4bit.from_dict(copy.deepcopy(stats)), b, torch.bfloat16)
+    b = torch.randn(out_f,
+                    generator=torch.Generator().manual_seed(seed + 1)).to(torch.bfloat16) if bias else None
+    mod = four_bit.Linear4bitCpu(packed, four_bit.State4bit.from_dict(copy.deepcopy(stats)), b,
+                                 torch.bfloat16)
     assert mod.pack()
     return mod, reference_weight(packed, stats), b
 
 
 @pytest.mark.parametrize(("quant_type", "nested"), KINDS)
 def test_the_bf16_absmax_errs_by_at_most_half_a_bf16_step(quant_type, nested, cpu_tier):
-    """The kernels' weight, table[code] * bf16(absmax) in fp32, against the fp64 reference: every weight within
-    half a bf16 step (the absmax's rounding) plus one fp32 rounding, relatively: the accuracy bound of keeping
-    the absmax in bf16 (what bitsandbytes' own CPU kernel does per call)."""
+    """The kernels' weight, table[code] * bf16(absmax) in fp32, against the fp64 reference: every weight
+    within half a bf16 step (the absmax's rounding) plus one fp32 rounding, relatively: the accuracy bound of
+    keeping the absmax in bf16 (what bitsandbytes' own CPU kernel does per call)."""
     mod, ref, _ = packed_linear(70, 256, quant_type, nested, bias=False)
     got = nf4.dequantize(mod.codes, mod.absmax, mod.table, torch.float32).double()
     assert ((got - ref).abs() <= ref.abs() * (BF16_EPS / 2 + 2**-23)).all()
@@ -136,8 +143,9 @@ def test_the_bf16_absmax_errs_by_at_most_half_a_bf16_step(quant_type, nested, cp
 @pytest.mark.parametrize(("out_f", "in_f"), [(70, 256), (1, 64), (33, 192), (8, 1024)])
 @pytest.mark.parametrize(("quant_type", "nested"), [("nf4", True), ("fp4", False)])
 def test_the_kernels_match_the_fp64_product_on_every_tier(rows, out_f, in_f, quant_type, nested, cpu_tier):
-    """x times our linear (the tier's GEMV; the torch fallback where no kernel builds) against x times the fp64 reference weight: per output row within the absmax's bf16
-    rounding plus the output's (bf16 x) or fp32 sums (fp32 x) plus, in the tiles, the weights' bf16 rounding."""
+    """x times our linear (the tier's GEMV; the torch fallback where no kernel builds) against x times the
+    fp64 reference weight: per output row within the absmax's bf16 rounding plus the output's (bf16 x) or fp32
+    sums (fp32 x) plus, in the tiles, the weights' bf16 rounding."""
     mod, ref, b = packed_linear(out_f, in_f, quant_type, nested, bias=rows % 2 == 1, seed=rows)
     g = torch.Generator().manual_seed(rows * 31 + out_f)
     for dtype in (torch.bfloat16, torch.float32):
@@ -146,7 +154,8 @@ def test_the_kernels_match_the_fp64_product_on_every_tier(rows, out_f, in_f, qua
             got = mod(x.view(rows, 1, in_f)).view(rows, out_f)
         assert got.dtype == dtype
         want = x.double() @ ref.t() + (0 if b is None else b.double())
-        scale = x.double().abs() @ ref.abs().t() + (0 if b is None else b.double().abs())  # |terms|: the error scale
+        # |terms|: the error scale
+        scale = x.double().abs() @ ref.abs().t() + (0 if b is None else b.double().abs())
         tiles = nf4.kernel() is None  # the fallback multiplies the dequantized weight in x's dtype
         steps = 1 + (dtype is torch.bfloat16 or tiles) + (tiles and dtype is torch.bfloat16)
         bound = scale * (steps * BF16_EPS / 2 + in_f * 2**-24) + want.abs() * BF16_EPS / 2
@@ -176,7 +185,8 @@ def test_our_linear_and_bitsandbytes_linear4bit_are_equally_close_to_the_fp64_pr
     theirs = bnb.nn.Linear4bit(512, 256, bias=False, compute_dtype=torch.bfloat16, compress_statistics=True,
                                quant_type="nf4", device="meta")
     theirs.weight = bnb.nn.Params4bit(packed.clone(), requires_grad=False, quant_state=state, blocksize=64,
-                                      compress_statistics=True, quant_type="nf4", module=theirs, bnb_quantized=True)
+                                      compress_statistics=True, quant_type="nf4", module=theirs,
+                                      bnb_quantized=True)
     theirs.quant_state = state
     ours = four_bit.Linear4bitCpu(packed.clone(), four_bit.State4bit.from_dict(stats), None, torch.bfloat16)
     ref = reference_weight(packed, stats)
@@ -192,8 +202,10 @@ def test_our_linear_and_bitsandbytes_linear4bit_are_equally_close_to_the_fp64_pr
 FRESH = """
 import sys
 from sluice.engine import LLM, SamplingParams
-llm = LLM(sys.argv[1], dtype="bfloat16", device="cpu", **({"quantization": "int4"} if sys.argv[2] == "load" else {}))
-out = llm.generate([[1, 5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), progress=False)
+llm = LLM(sys.argv[1], dtype="bfloat16", device="cpu",
+          **({"quantization": "int4"} if sys.argv[2] == "load" else {}))
+out = llm.generate([[1, 5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+                   progress=False)
 print("TOKENS", len(out[0].token_ids), "BNB", "bitsandbytes" in sys.modules)
 """
 
@@ -207,7 +219,7 @@ def test_a_cpu_int4_engine_never_imports_bitsandbytes(checkpoint_factory, tmp_pa
                               num_key_value_heads=1)
     quantize(ckpt, tmp_path / "int4", "int4", "nf4", True, dtype="bfloat16")
     for path, mode in ((tmp_path / "int4", "prequantized"), (ckpt, "load")):
-        run = subprocess.run([sys.executable, "-c", FRESH, str(path), mode], cwd=tmp_path, capture_output=True,
-                             text=True, timeout=600)
+        run = subprocess.run([sys.executable, "-c", FRESH, str(path), mode], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=600)
         assert run.returncode == 0, run.stderr[-3000:]
         assert "TOKENS 4 BNB False" in run.stdout, (mode, run.stdout[-2000:])

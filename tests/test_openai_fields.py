@@ -22,10 +22,11 @@ from tests.server_stack import jsonl, wait_status
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "models" / "sluice-tiny"
-SCHEMA = {"type": "object", "properties": {"mood": {"enum": ["merry", "sad", "wrathful"]}}, "required": ["mood"],
-          "additionalProperties": False}
+SCHEMA = {"type": "object", "properties": {"mood": {"enum": ["merry", "sad", "wrathful"]}},
+          "required": ["mood"], "additionalProperties": False}
 KING = 1000  # a token id forced by logit_bias
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
+WEATHER = {"type": "function",
+           "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
     "type": "object", "properties": {"city": {"enum": ["Verona", "Padua"]}}, "required": ["city"],
     "additionalProperties": False}}}
 MOOD = {"type": "function", "function": {"name": "set_mood", "parameters": {
@@ -49,7 +50,8 @@ def line(custom_id: str, url: str, **body) -> dict:
 
 def lines() -> list[dict]:
     schema_format = {"type": "json_schema", "json_schema": {"name": "mood", "schema": SCHEMA, "strict": True}}
-    bad_format = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array", "uniqueItems": True}}}
+    bad_format = {"type": "json_schema",
+                  "json_schema": {"name": "x", "schema": {"type": "array", "uniqueItems": True}}}
     return [
         line("chat-logprobs", "chat", logprobs=True, top_logprobs=2, max_tokens=6, ignore_eos=True),
         line("completion-logprobs", "completion", logprobs=3, max_tokens=6, ignore_eos=True),
@@ -76,7 +78,8 @@ def check_records(bodies: dict[str, dict], errors: dict[str, dict], llm_tokenize
     assert all(len(e.top_logprobs) == 2 and bytes(e.bytes).decode() == e.token for e in chat.logprobs.content)
     done = parsed["completion-logprobs"].choices[0]
     assert "".join(done.logprobs.tokens) == done.text and len(done.logprobs.token_logprobs) == 6
-    assert done.logprobs.text_offset == sorted(done.logprobs.text_offset) and len(done.logprobs.top_logprobs[0]) <= 3
+    assert (done.logprobs.text_offset == sorted(done.logprobs.text_offset)
+            and len(done.logprobs.top_logprobs[0]) <= 3)
     schema = parsed["schema"].choices[0]
     assert schema.finish_reason == "stop"
     jsonschema.validate(json.loads(schema.message.content), SCHEMA)
@@ -85,7 +88,8 @@ def check_records(bodies: dict[str, dict], errors: dict[str, dict], llm_tokenize
     for cid, n in (("n3", 3), ("n2-chat", 2)):
         body = parsed[cid]
         assert [c.index for c in body.choices] == list(range(n))
-        assert body.usage.completion_tokens == sum(len(c.logprobs.content) if c.logprobs else 5 for c in body.choices)
+        assert body.usage.completion_tokens == sum(len(c.logprobs.content) if c.logprobs else 5
+                                                   for c in body.choices)
         assert body.usage.prompt_tokens == parsed["bias" if cid == "n3" else "schema"].usage.prompt_tokens
     named, required = parsed["tool-named"].choices[0], parsed["tool-required"].choices[0]
     for choice in (named, required):
@@ -125,7 +129,8 @@ def test_fields_through_the_http_batch_api(stack, llm):
     bodies: dict[str, dict] = {}
     errors: dict[str, dict] = {}
     for endpoint in ("/v1/chat/completions", "/v1/completions"):
-        uploaded = client.files.create(file=jsonl([x for x in lines() if x["url"] == endpoint]), purpose="batch")
+        uploaded = client.files.create(file=jsonl([x for x in lines() if x["url"] == endpoint]),
+                                       purpose="batch")
         batch = client.batches.create(input_file_id=uploaded.id, endpoint=endpoint, completion_window="24h")
         done = wait_status(client, batch.id, {"completed", "failed", "cancelled", "expired"})
         assert done.status == "completed", done
@@ -175,10 +180,12 @@ def test_tool_calls_are_parsed_in_hermes_and_llama_formats():
 
     tools = [Tool.model_validate(WEATHER)]
     content, calls = parse_tool_calls(
-        'Let me look. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Verona"}}\n</tool_call>', tools, "auto")
+        'Let me look. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Verona"}}\n</tool_call>',
+        tools, "auto")
     assert content == "Let me look." and calls[0]["function"] == {"name": "get_weather",
                                                                   "arguments": '{"city": "Verona"}'}
-    content, calls = parse_tool_calls('{"name": "get_weather", "parameters": {"city": "Padua"}}', tools, "auto")
+    content, calls = parse_tool_calls('{"name": "get_weather", "parameters": {"city": "Padua"}}', tools,
+                                      "auto")
     assert content is None and json.loads(calls[0]["function"]["arguments"]) == {"city": "Padua"}
     assert parse_tool_calls('{"name": "other", "parameters": {}}', tools, "auto") == (
         '{"name": "other", "parameters": {}}', [])
@@ -186,19 +193,22 @@ def test_tool_calls_are_parsed_in_hermes_and_llama_formats():
 
 
 def test_tools_reach_the_chat_template(llm):
-    """Offline door: LLM.chat(tools=...) renders the tools through the model's template (when it reads them)."""
+    """Offline door: LLM.chat(tools=...) renders the tools through the model's template (when it reads
+    them)."""
     template = llm.tokenizer.chat_template
     llm.tokenizer.chat_template = ("{% for t in tools or [] %}TOOL {{ t['function']['name'] }}\n{% endfor %}"
                                    "{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
     try:
         messages = [{"role": "user", "content": "Weather?"}]
         with_tools = llm.tokenizer.decode(llm.encode_chat(messages, [WEATHER]))
-        assert "TOOL get_weather" in with_tools and "TOOL" not in llm.tokenizer.decode(llm.encode_chat(messages))
+        assert "TOOL get_weather" in with_tools and "TOOL" not in llm.tokenizer.decode(
+            llm.encode_chat(messages))
     finally:
         llm.tokenizer.chat_template = template
 
 
-def _reference(llm, out, bias: dict[int, float], presence: float, temperature: float, mode: str) -> torch.Tensor:
+def _reference(llm, out, bias: dict[int, float], presence: float, temperature: float,
+               mode: str) -> torch.Tensor:
     """Per output step, the values `mode` names, computed here from the model's logits (LLM.score)."""
     raw = llm.score([out.prompt_token_ids + out.token_ids[:-1]])[0].float()[len(out.prompt_token_ids) - 1:]
     if mode.startswith("raw"):
@@ -212,11 +222,13 @@ def _reference(llm, out, bias: dict[int, float], presence: float, temperature: f
     return processed if mode == "processed_logits" else processed.log_softmax(-1)
 
 
-@pytest.mark.parametrize("speculative", [None, {"method": "draft", "model": str(ROOT / "models" / "sluice-tiny-draft"),
-                                               "num_speculative_tokens": 3}])
+@pytest.mark.parametrize("speculative",
+                         [None, {"method": "draft", "model": str(ROOT / "models" / "sluice-tiny-draft"),
+                                "num_speculative_tokens": 3}])
 def test_logprobs_mode_reports_raw_or_processed_values(speculative):
-    """vLLM's logprobs_mode: raw_* are the model's (logit_bias does not move them), processed_* carry logit_bias,
-    presence_penalty and temperature; *_logits are the values before log_softmax. On plain and speculative steps."""
+    """vLLM's logprobs_mode: raw_* are the model's (logit_bias does not move them), processed_* carry
+    logit_bias, presence_penalty and temperature; *_logits are the values before log_softmax. On plain and
+    speculative steps."""
     llm = LLM(str(TINY), dtype="float32", device="cpu", max_num_seqs=4, logprobs_mode="processed_logprobs",
               speculative=speculative)
     engine = llm.engine
@@ -233,7 +245,8 @@ def test_logprobs_mode_reports_raw_or_processed_values(speculative):
             for t, value in step.items():
                 assert value == pytest.approx(ref[i, t].item(), abs=2e-4), (mode, i, t)
         seen[mode] = out
-    assert len({tuple(o.token_ids) for o in seen.values()}) == 1  # the mode changes what is reported, not sampled
+    # the mode changes what is reported, not sampled
+    assert len({tuple(o.token_ids) for o in seen.values()}) == 1
     raw, processed = seen["raw_logprobs"].logprobs, seen["processed_logprobs"].logprobs
     tok = seen["raw_logprobs"].token_ids[0]
     assert abs(raw[0][tok] - processed[0][tok]) > 0.05  # logit_bias and temperature moved processed, not raw

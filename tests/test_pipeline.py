@@ -67,7 +67,8 @@ def check_bad_batch_fails_at_submit(client: Client, path, output: str) -> None:
 def shard_workers(client: Client, batch_id: str, shards: int) -> set[str]:
     """The names of the workers that ran the batch's shards."""
     return {
-        Job.fetch(shard_job_id(batch_id, n), connection=client.connection, serializer=JSONSerializer).worker_name
+        Job.fetch(shard_job_id(batch_id, n), connection=client.connection,
+                  serializer=JSONSerializer).worker_name
         for n in range(shards)
     }
 
@@ -136,7 +137,8 @@ def test_sigkilled_worker_loses_nothing(tiny_llama, redis_url, tmp_path):
     try:
         wait_until_running_shards(client, batch.id, "victim")
         survivor = start_worker(tiny_llama, redis_url, tmp_path / "survivor.log", *args, "--name", "survivor")
-        os.kill(victim.pid, signal.SIGSTOP)  # frozen first: no shard of its can finish between listing and kill
+        # frozen first: no shard of its can finish between listing and kill
+        os.kill(victim.pid, signal.SIGSTOP)
         killed = started_shards_of(client, "victim")
         os.kill(victim.pid, signal.SIGKILL)
         victim.wait()

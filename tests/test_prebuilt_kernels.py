@@ -32,7 +32,8 @@ print(json.dumps({"answer": ext.ANSWER, "file": ext.__file__, "compiler": cpp_bu
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory) -> Path:
-    """A csrc/ folder with the one-line extension and its objects compiled for every tier (once per module)."""
+    """A csrc/ folder with the one-line extension and its objects compiled for every tier (once per
+    module)."""
     root = tmp_path_factory.mktemp("tiny")
     (root / "csrc").mkdir()
     (root / "csrc" / "tiny.cpp").write_text(TINY)
@@ -71,9 +72,12 @@ def test_every_tier_gets_an_object_with_its_explicit_flags_and_a_manifest(prebui
     assert [e["tier"] for e in manifest["objects"]] == ["avx2", "avx512", "avx512_bf16"]
     assert manifest["torch"] == torch.__version__ and manifest["python_abi"] == cpp_build.python_abi()
     for entry in manifest["objects"]:
-        assert (folder / entry["file"]).is_file() and entry["source_hash"] == cpp_build.source_hash("tiny.cpp")
-        assert entry["flags"] == cpp_build.BASE_CFLAGS + cpu_isa.compile_flags(entry["tier"], frozenset({"avx512_vnni"}))
-    assert "-mavx512bf16" in manifest["objects"][2]["flags"] and "-mavx512f" not in manifest["objects"][0]["flags"]
+        assert (folder / entry["file"]).is_file()
+        assert entry["source_hash"] == cpp_build.source_hash("tiny.cpp")
+        flags = cpu_isa.compile_flags(entry["tier"], frozenset({"avx512_vnni"}))
+        assert entry["flags"] == cpp_build.BASE_CFLAGS + flags
+    assert ("-mavx512bf16" in manifest["objects"][2]["flags"]
+            and "-mavx512f" not in manifest["objects"][0]["flags"])
 
 
 def test_a_matching_object_loads_with_no_compiler_and_compiles_nothing(prebuilt, tmp_path):
@@ -86,8 +90,9 @@ def test_a_matching_object_loads_with_no_compiler_and_compiles_nothing(prebuilt,
 
 @pytest.mark.parametrize("change", ["torch", "source", "flags"])
 def test_a_mismatched_object_is_not_loaded_and_the_build_says_so(prebuilt, tmp_path, change):
-    """Another torch in the manifest, an edited source, or other flags for the tier: the library builds into the
-    cache, with a line naming it, the tier, the cache folder, about how long, and why the wheel's did not serve."""
+    """Another torch in the manifest, an edited source, or other flags for the tier: the library builds into
+    the cache, with a line naming it, the tier, the cache folder, about how long, and why the wheel's did not
+    serve."""
     csrc, folder, manifest = prebuilt
     if change == "torch":
         manifest["torch"] = "2.0.0+cpu"

@@ -1,4 +1,5 @@
-"""Producer side against a real redis-server: validation, shards as JSON rq jobs, idempotency, priority, cancel."""
+"""Producer side against a real redis-server: validation, shards as JSON rq jobs, idempotency, priority,
+cancel."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""The C++ weight-only quantized kernels (int4: our int8 x int4 VNNI product and bf16 tiles, the tile dequant +
-matmul on torch's int4pack layout; fused int8 activation quantization and rescale) against the dequantized-weight
+"""The C++ weight-only quantized kernels (int4: our int8 x int4 VNNI product and bf16 tiles, the tile dequant
++ matmul on torch's int4pack layout; fused int8 activation quantization and rescale) against the
+  dequantized-weight
 reference, their dispatch by row count, and the engine's greedy output with them against the torch paths they
 replace."""
 
@@ -41,7 +42,8 @@ def test_int4_tiles_match_the_dequantized_weight(monkeypatch, dtype, tol, with_b
     monkeypatch.setattr(int4, "MAX_INT4PACK_ROWS", 0)  # every row count through the tiles
     monkeypatch.setattr(int4, "TILE_BYTES", 64 * 128 * 4)  # several tiles per thread, the last one short
     tiles, real = [], int4._tile_kernel().int4_tile_mm
-    spy = type("Spy", (), {"int4_tile_mm": staticmethod(lambda x, *a: tiles.append(x.shape[0]) or real(x, *a))})
+    spy = type("Spy", (),
+               {"int4_tile_mm": staticmethod(lambda x, *a: tiles.append(x.shape[0]) or real(x, *a))})
     monkeypatch.setattr(int4, "_tile_kernel", lambda: spy)
     torch.manual_seed(0)
     for out_features in (90, 200, 333):  # none a multiple of the tile or of the packer's 64-row block
@@ -61,7 +63,8 @@ def test_int4_tiles_match_the_dequantized_weight(monkeypatch, dtype, tol, with_b
 @needs_kernel
 def test_int4_rows_past_the_threshold_take_the_tiles_and_agree_with_int4pack(monkeypatch):
     tiles, real = [], int4._tile_kernel().int4_tile_mm
-    spy = type("Spy", (), {"int4_tile_mm": staticmethod(lambda x, *a: tiles.append(x.shape[0]) or real(x, *a))})
+    spy = type("Spy", (),
+               {"int4_tile_mm": staticmethod(lambda x, *a: tiles.append(x.shape[0]) or real(x, *a))})
     monkeypatch.setattr(int4, "_tile_kernel", lambda: spy)
     torch.manual_seed(0)
     packed = int4.pack(torch.randn(256, 256), torch.bfloat16, "int4pack")
@@ -69,7 +72,8 @@ def test_int4_rows_past_the_threshold_take_the_tiles_and_agree_with_int4pack(mon
     for m in (1, limit, limit + 1, 64):
         x = torch.randn(m, 256).bfloat16()
         got = int4.int4_linear(x, packed)
-        pack_mm = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed.packed, int4.GROUP, packed.scales_zeros)
+        pack_mm = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed.packed, int4.GROUP,
+                                                             packed.scales_zeros)
         assert rel_err(got, pack_mm.double()) < 1e-2
     assert tiles == [limit + 1, 64], "int4pack up to MAX_INT4PACK_ROWS rows, the tiles above"
 
@@ -109,16 +113,17 @@ def test_bf16_int4_weights_take_our_vnni_layout_and_keep_every_code(cpu_tier):
 def test_our_int8_x_int4_product_is_the_w4a8_sum_and_close_to_the_dequantized_weight(monkeypatch, with_bias,
                                                                                        cpu_tier):
     """On every tier, every tile shape (4 weight rows x 1-4 x rows, N tails), K tails (padded chunks, partial
-    blocks of four chunks) and an all-zero group: the W4A8 kernel computes the W4A8 sum to fp32 rounding (then one
-    bf16 rounding), within 1% of the unquantized activations' product; int4_linear runs it to MAX_VNNI_ROWS rows
-    and the product requantized to int8 per row above (within 2%; a spy) where the tier has VNNI, at every row
-    count without it (w4a8_avx2.h)."""
+    blocks of four chunks) and an all-zero group: the W4A8 kernel computes the W4A8 sum to fp32 rounding (then
+    one bf16 rounding), within 1% of the unquantized activations' product; int4_linear runs it to
+    MAX_VNNI_ROWS rows and the product requantized to int8 per row above (within 2%; a spy) where the tier has
+    VNNI, at every row count without it (w4a8_avx2.h)."""
     torch.manual_seed(0)
     kernel, calls = int4.vnni_kernel(), []
     assert kernel is not None and kernel.VNNI == ("-mavx512vnni" in cpu_isa.compile_flags(cpu_tier))
     spy = type("Spy", (), {
         "VNNI": kernel.VNNI, "W4A8": True,
-        "int4_vnni_mm": staticmethod(lambda x, *a: calls.append(("mm", x.shape[0])) or kernel.int4_vnni_mm(x, *a)),
+        "int4_vnni_mm": staticmethod(lambda x, *a: calls.append(("mm", x.shape[0]))
+                                     or kernel.int4_vnni_mm(x, *a)),
         "int4_vnni_int8_mm": staticmethod(
             lambda x, *a: calls.append(("int8", x.shape[0])) or kernel.int4_vnni_int8_mm(x, *a))})
     monkeypatch.setattr(int4, "_tile_kernel", lambda: spy)
@@ -194,10 +199,12 @@ def test_our_int8_gemv_serves_bf16_rows_and_rounds_as_torchs(monkeypatch, cpu_ti
             x = torch.randn(m, k, dtype=torch.bfloat16)
             want = (x.double() @ qweight.double().T) * scales.double()
             got, theirs = int8.int8_linear(x, qweight, scales), torch._weight_int8pack_mm(x, qweight, scales)
-            assert (got.double() - want).abs().max() <= (theirs.double() - want).abs().max() * 1.01 + 1e-3, (n, k, m)
+            err, their_err = (got.double() - want).abs().max(), (theirs.double() - want).abs().max()
+            assert err <= their_err * 1.01 + 1e-3, (n, k, m)
     assert calls == list(range(1, int8.BF16_GEMV_ROWS + 1)) * 3
     for k in (40, 200):  # any K (torch's GEMV needs K % 16 == 0): exact to bf16 rounding
-        qweight, scales = torch.randint(-128, 128, (50, k), dtype=torch.int8), torch.rand(50).to(torch.bfloat16)
+        qweight, scales = torch.randint(-128, 128, (50, k),
+                                        dtype=torch.int8), torch.rand(50).to(torch.bfloat16)
         x = torch.randn(3, k, dtype=torch.bfloat16)
         want = (x.double() @ qweight.double().T) * scales.double()
         assert rel_err(ext.int8_gemv(x, qweight, scales), want) < 4e-3
@@ -205,9 +212,9 @@ def test_our_int8_gemv_serves_bf16_rows_and_rounds_as_torchs(monkeypatch, cpu_ti
 
 @pytest.mark.skipif(int8._fused() is None, reason="no C++ toolchain")
 def test_int8_mm_is_the_exact_int32_product_on_every_tier(cpu_tier):
-    """int8 x int8 -> int32 through `int8_mm` equals the int32 reference on every tier, extreme codes included:
-    VNNI where the tier has it, else ours (int8_mm_avx2.h), never oneDNN's saturating non-VNNI product; and the
-    dynamic int8 linear built on it is within int8 rounding of the dequantized weight."""
+    """int8 x int8 -> int32 through `int8_mm` equals the int32 reference on every tier, extreme codes
+    included: VNNI where the tier has it, else ours (int8_mm_avx2.h), never oneDNN's saturating non-VNNI
+    product; and the dynamic int8 linear built on it is within int8 rounding of the dequantized weight."""
     fused = int8._fused()
     assert fused.VNNI == ("-mavx512vnni" in cpu_isa.compile_flags(cpu_tier))
     g = torch.Generator().manual_seed(1)
@@ -226,11 +233,13 @@ def test_int8_mm_is_the_exact_int32_product_on_every_tier(cpu_tier):
 
 
 def test_the_torch_int8_path_is_exact_where_onednn_saturates(monkeypatch):
-    """Without our kernels the dynamic int8 product is torch._int_mm only where oneDNN sums exactly (VNNI), else
-    fp64: within int8 rounding of the dequantized weight on any host (ONEDNN_MAX_CPU_ISA=AVX2 included)."""
+    """Without our kernels the dynamic int8 product is torch._int_mm only where oneDNN sums exactly (VNNI),
+    else fp64: within int8 rounding of the dequantized weight on any host (ONEDNN_MAX_CPU_ISA=AVX2
+    included)."""
     monkeypatch.setattr(int8, "_fused", lambda: None)
     g = torch.Generator().manual_seed(2)
-    qweight, scales = torch.randint(-127, 128, (200, 384), dtype=torch.int8, generator=g), torch.rand(200) / 50
+    qweight, scales = torch.randint(-127, 128, (200, 384), dtype=torch.int8,
+                                    generator=g), torch.rand(200) / 50
     rows = torch.randn(5, 384, generator=g).to(torch.bfloat16)
     want = rows.double() @ (qweight.double() * scales.double()[:, None]).T
     assert rel_err(int8.dynamic_int8_mm(rows, qweight, scales.to(torch.bfloat16)), want) < 2e-2
@@ -241,9 +250,10 @@ def test_the_torch_int8_path_is_exact_where_onednn_saturates(monkeypatch):
 
 @pytest.mark.skipif(int8._fused() is None, reason="no C++ toolchain")
 def test_our_int8_matmul_is_exact_at_every_tile_and_serves_the_dynamic_rows(monkeypatch, cpu_tier):
-    """int8 x int8 -> int32 by our kernel (VNNI where the tier has it, int8_mm_avx2.h without) equals the int32
-    product at every tile shape (1-8 weight rows x 1-4 x rows, N and K tails, extreme codes), and the dynamic int8
-    path runs it for bf16 rows from one row (VNNI) or past the GEMV's rows (without) to VNNI_MAX_ROWS and above."""
+    """int8 x int8 -> int32 by our kernel (VNNI where the tier has it, int8_mm_avx2.h without) equals the
+    int32 product at every tile shape (1-8 weight rows x 1-4 x rows, N and K tails, extreme codes), and the
+    dynamic int8 path runs it for bf16 rows from one row (VNNI) or past the GEMV's rows (without) to
+    VNNI_MAX_ROWS and above."""
     torch.manual_seed(0)
     fused = int8._fused()
     ours = fused.int8_mm_vnni if fused.VNNI else fused.int8_mm
@@ -262,9 +272,9 @@ def test_our_int8_matmul_is_exact_at_every_tile_and_serves_the_dynamic_rows(monk
 @pytest.mark.skipif(int8._fused() is None, reason="no C++ toolchain")
 def test_our_int8_matmul_is_exact_at_extreme_codes_and_tails(cpu_tier):
     """The VNNI product flips each weight's sign bit (w + 128 as the u8 operand) and subtracts 128 x each
-    activation row's sum: exact against float64 sums and torch._int_mm's (where it is exact) with weights of only
-    -128/-127/127 and activations of +-127/-128, K off multiples of 64 (the masked tail: a flipped masked-off
-    weight lane, 0x80, meets a 0 activation lane), one row and many, N off every tile width."""
+    activation row's sum: exact against float64 sums and torch._int_mm's (where it is exact) with weights of
+    only -128/-127/127 and activations of +-127/-128, K off multiples of 64 (the masked tail: a flipped
+    masked-off weight lane, 0x80, meets a 0 activation lane), one row and many, N off every tile width."""
     fused = int8._fused()
     ours = fused.int8_mm_vnni if fused.VNNI else fused.int8_mm
     g = torch.Generator().manual_seed(3)
@@ -286,11 +296,13 @@ def test_our_int8_matmul_is_exact_at_extreme_codes_and_tails(cpu_tier):
 
 def _dynamic_rows_take_our_int8_mm(monkeypatch, fused) -> None:
     calls, real = [], fused.int8_mm
-    spy = type("Spy", (), {"quantize_rows": staticmethod(fused.quantize_rows), "int8_rescale": staticmethod(fused.int8_rescale),
+    spy = type("Spy", (), {"quantize_rows": staticmethod(fused.quantize_rows),
+                           "int8_rescale": staticmethod(fused.int8_rescale),
                            "int8_mm": staticmethod(lambda x, w: calls.append(x.shape[0]) or real(x, w)),
                            "VNNI": fused.VNNI})
     monkeypatch.setattr(int8, "_fused", lambda: spy)
-    qweight, scales = torch.randint(-127, 128, (96, 256), dtype=torch.int8), (torch.rand(96) / 50).to(torch.bfloat16)
+    qweight, scales = torch.randint(-127, 128, (96, 256),
+                                    dtype=torch.int8), (torch.rand(96) / 50).to(torch.bfloat16)
     first = int8.gemv_rows(torch.bfloat16) + 1
     assert first == (1 if fused.VNNI or cpu_isa.at_least("avx2") else int8.BF16_GEMV_ROWS + 1)
     for m in (first, 8, fused.VNNI_MAX_ROWS, fused.VNNI_MAX_ROWS + 1):
@@ -319,9 +331,9 @@ def test_int8_weight_only_greedy_output_is_unchanged_by_the_fused_kernels(checkp
     assert fused == greedy_tokens(path, "int8_weight_only")
 
 
-# bf16 logits of the tiny model (all under 1 in magnitude) from the tiles and from int4pack: both dequantize the
-# same int4 codes, summing in another order, so they may differ by a few bf16 ulps. A position agrees when both
-# pick the same token or the tiles' pick is within TIE_MARGIN of int4pack's maximum (a near-tie).
+# bf16 logits of the tiny model (all under 1 in magnitude) from the tiles and from int4pack: both dequantize
+# the same int4 codes, summing in another order, so they may differ by a few bf16 ulps. A position agrees when
+# both pick the same token or the tiles' pick is within TIE_MARGIN of int4pack's maximum (a near-tie).
 INT4_LOGIT_DIFF = 4 * 2**-8
 TIE_MARGIN = 2 * INT4_LOGIT_DIFF
 
@@ -338,7 +350,8 @@ def test_int4_weight_only_argmax_is_unchanged_by_the_tiles_teacher_forced(checkp
     int4pack kernel's greedy continuations scored through the tiles (prefill and decode) and through int4pack
     alone; logits within INT4_LOGIT_DIFF and every position's argmax the same, near-ties within TIE_MARGIN."""
     path = checkpoint_factory("llama", **DIMS)
-    monkeypatch.setattr(int4, "layout_for", lambda device, dtype: "int4pack")  # torch's layout, not our VNNI one
+    # torch's layout, not our VNNI one
+    monkeypatch.setattr(int4, "layout_for", lambda device, dtype: "int4pack")
     monkeypatch.setattr(int4, "MAX_INT4PACK_ROWS", 1 << 30)  # the int4pack kernel alone, as before the tiles
     sequences = [p + t for p, t in zip(PROMPTS, greedy_tokens(path, "int4_weight_only"), strict=True)]
     plain = int4_scores(path, sequences)
@@ -354,10 +367,10 @@ def test_int4_weight_only_argmax_is_unchanged_by_the_tiles_teacher_forced(checkp
 @pytest.mark.skipif(int8._fused() is None, reason="no C++ toolchain")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
 def test_int8_quantization_while_loading_gives_bitsandbytes_own_bits(dtype, monkeypatch):
-    """Our one-pass row quantization is bitsandbytes' int8_vectorwise_quant of the fp16 copy bit for bit (codes
-    and row absmax): K with a tail, a zero row, a value past fp16's range (its row's codes 0), a row of tiny
-    values, and ties that the fast-math compiler would round differently had the factor been folded; so is the
-    torch fallback (no C++ kernels); the int8 linears built while loading on CPU use it."""
+    """Our one-pass row quantization is bitsandbytes' int8_vectorwise_quant of the fp16 copy bit for bit
+    (codes and row absmax): K with a tail, a zero row, a value past fp16's range (its row's codes 0), a row of
+    tiny values, and ties that the fast-math compiler would round differently had the factor been folded; so
+    is the torch fallback (no C++ kernels); the int8 linears built while loading on CPU use it."""
     import bitsandbytes as bnb
 
     from sluice.engine.quantization import linears
@@ -418,9 +431,9 @@ def test_nf4_and_fp4_quantization_while_loading_gives_bitsandbytes_own_bits(monk
 
 
 def test_int8_prefill_rows_widen_the_dequantized_weight_where_onednn_has_no_bf16(monkeypatch):
-    """With oneDNN capped below its bf16 instructions, bf16 int8 rows from WIDEN_MIN_ROWS multiply the dequantized
-    weight in fp32 (W8A16, no dynamic int8 product): within one bf16 rounding of fp64 x · (q · scale) + bias, for any
-    slice of the weight; one row fewer keeps the dynamic int8 product."""
+    """With oneDNN capped below its bf16 instructions, bf16 int8 rows from WIDEN_MIN_ROWS multiply the
+    dequantized weight in fp32 (W8A16, no dynamic int8 product): within one bf16 rounding of fp64 x · (q ·
+    scale) + bias, for any slice of the weight; one row fewer keeps the dynamic int8 product."""
     from sluice.kernels import linear as linear_kernels
     from sluice.kernels import options
 
@@ -447,10 +460,10 @@ def test_int8_prefill_rows_widen_the_dequantized_weight_where_onednn_has_no_bf16
 
 @needs_kernel
 def test_int4_prefill_rows_widen_the_dequantized_weight_where_onednn_has_no_bf16(monkeypatch, cpu_tier):
-    """On every tier the vnni layout dequantizes to exactly int4.dequantize's fp32 (any slice of rows). With oneDNN
-    capped below its bf16 instructions, on tiers without VNNI, bf16 rows from int4.WIDEN_MIN_ROWS multiply that
-    dequantized weight in fp32: within one bf16 rounding of fp64 x · w + bias, for any slice of the
-    weight; one row fewer keeps the W4A8 product. With VNNI the requantized int8 product keeps every such row."""
+    """On every tier the vnni layout dequantizes to exactly int4.dequantize's fp32 (any slice of rows). With
+    oneDNN capped below its bf16 instructions, on tiers without VNNI, bf16 rows from int4.WIDEN_MIN_ROWS
+    multiply that dequantized weight in fp32: within one bf16 rounding of fp64 x · w + bias, for any slice of
+    the weight; one row fewer keeps the W4A8 product. With VNNI the requantized int8 product serves them."""
     from sluice.kernels import linear as linear_kernels
     from sluice.kernels import options
 
@@ -458,7 +471,8 @@ def test_int4_prefill_rows_widen_the_dequantized_weight_where_onednn_has_no_bf16
     kernel, calls, limit = int4.vnni_kernel(), [], int4.WIDEN_MIN_ROWS
     spy = type("Spy", (), {
         "VNNI": kernel.VNNI, "W4A8": True, "int4_vnni_dequant": staticmethod(kernel.int4_vnni_dequant),
-        "int4_vnni_mm": staticmethod(lambda x, *a: calls.append(("mm", x.shape[0])) or kernel.int4_vnni_mm(x, *a)),
+        "int4_vnni_mm": staticmethod(lambda x, *a: calls.append(("mm", x.shape[0]))
+                                     or kernel.int4_vnni_mm(x, *a)),
         "int4_vnni_int8_mm": staticmethod(
             lambda x, *a: calls.append(("int8", x.shape[0])) or kernel.int4_vnni_int8_mm(x, *a))})
     monkeypatch.setattr(int4, "_tile_kernel", lambda: spy)
@@ -488,11 +502,11 @@ def test_int4_prefill_rows_widen_the_dequantized_weight_where_onednn_has_no_bf16
 
 
 def test_llm_int8_epilogue_passes_are_bitsandbytes_arithmetic_on_every_tier(cpu_tier):
-    """LLM.int8()'s bf16 epilogue in C++ on every x86 tier (16 lanes on AVX512-VNNI, 8 on AVX2): the dequant is
-    bitsandbytes' own int8_mm_dequant op bit for bit, and the outlier pass gives the outlier columns' products
-    summed in fp32 in column order, added to the output and rounded once; at N tails of both widths, row counts
-    past and within the passes' blocks of rows, up to every column an outlier, with and without bias; on the
-    generic tier neither is built (the torch ops serve)."""
+    """LLM.int8()'s bf16 epilogue in C++ on every x86 tier (16 lanes on AVX512-VNNI, 8 on AVX2): the dequant
+    is bitsandbytes' own int8_mm_dequant op bit for bit, and the outlier pass gives the outlier columns'
+    products summed in fp32 in column order, added to the output and rounded once; at N tails of both widths,
+    row counts past and within the passes' blocks of rows, up to every column an outlier, with and without
+    bias; on the generic tier neither is built (the torch ops serve)."""
     import bitsandbytes  # noqa: F401  (its ops)
 
     fused = int8._fused()
@@ -501,12 +515,14 @@ def test_llm_int8_epilogue_passes_are_bitsandbytes_arithmetic_on_every_tier(cpu_
         return
     assert fused.BNB_INT8_EPILOGUE
     g = torch.Generator().manual_seed(0)
-    for m, k, n, spikes in ((1, 64, 48, 1), (3, 40, 17, 2), (16, 96, 333, 5), (65, 64, 100, 0), (9, 64, 40, 64),
+    for m, k, n, spikes in ((1, 64, 48, 1), (3, 40, 17, 2), (16, 96, 333, 5), (65, 64, 100, 0),
+                            (9, 64, 40, 64),
                             (20, 128, 24, 100)):  # blocks of 8 rows and a rest; every column an outlier
         acc = torch.randint(-(2**20), 2**20, (m, n), generator=g, dtype=torch.int32)
         row, col = torch.rand(m, generator=g) * 8, torch.rand(n, generator=g) * 0.2
         for bias in (None, torch.randn(n, generator=g).to(torch.bfloat16)):
-            want = torch.ops.bitsandbytes.int8_mm_dequant.default(acc, row, col, dtype=torch.bfloat16, bias=bias)
+            want = torch.ops.bitsandbytes.int8_mm_dequant.default(acc, row, col, dtype=torch.bfloat16,
+                                                                  bias=bias)
             assert torch.equal(fused.bnb_int8_dequant(acc, row, col, bias), want), (m, n, bias is None)
         x = torch.randn(m, k, generator=g).to(torch.bfloat16)
         cb = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)

@@ -1,4 +1,5 @@
-"""Quantized CPU memory: the LLM.int8() product keeps no per-shape oneDNN state, and no float copy of a weight."""
+"""Quantized CPU memory: the LLM.int8() product keeps no per-shape oneDNN state, and no float copy of a
+weight."""
 
 from __future__ import annotations
 
@@ -20,16 +21,17 @@ TINY = ROOT / "models" / "sluice-tiny"
 
 
 def test_int8_outlier_product_is_bitsandbytes_arithmetic():
-    """Our LLM.int8() linear with outlier columns gives bitsandbytes' int8 product dequantized (its own op), plus
-    the outlier inputs times their dequantized weight columns (its own op, rounded to bf16) summed in float32 and
-    rounded once (where bitsandbytes' default kernel runs a bf16 `addmm`, one oneDNN primitive per shape), for
-    several row, output and outlier counts: where our C++ pass serves (x86, AVX2 and up) the products summed
-    in column order, bit for bit, else torch's float32 `addmm`."""
+    """Our LLM.int8() linear with outlier columns gives bitsandbytes' int8 product dequantized (its own op),
+    plus the outlier inputs times their dequantized weight columns (its own op, rounded to bf16) summed in
+    float32 and rounded once (where bitsandbytes' default kernel runs a bf16 `addmm`, one oneDNN primitive per
+    shape), for several row, output and outlier counts: where our C++ pass serves (x86, AVX2 and up) the
+    products summed in column order, bit for bit, else torch's float32 `addmm`."""
     ops = torch.ops.bitsandbytes
     ours = int8_weights._fused() is not None and int8_weights._fused().BNB_INT8_EPILOGUE
     g = torch.Generator().manual_seed(0)
     for out_features in (96, 100):
-        cb, scb = ops.int8_vectorwise_quant.default((torch.randn(out_features, 64, generator=g) * 0.05).half())[:2]
+        cb, scb = ops.int8_vectorwise_quant.default((torch.randn(out_features, 64,
+                                                                 generator=g) * 0.05).half())[:2]
         for rows, spikes in ((1, 2), (3, 1), (17, 5), (40, 0), (70, 12)):
             a = torch.randn(rows, 64, generator=g).to(torch.bfloat16)
             a[:, :spikes] *= 40  # columns with an outlier
@@ -87,8 +89,8 @@ def tensors(obj):
             yield value
 
 base = anon()
-llm = LLM(sys.argv[1], dtype="bfloat16", device="cpu", max_model_len=96, max_num_seqs=2, quantization=sys.argv[2],
-          kv_cache_memory_gb=0.05)
+llm = LLM(sys.argv[1], dtype="bfloat16", device="cpu", max_model_len=96, max_num_seqs=2,
+          quantization=sys.argv[2], kv_cache_memory_gb=0.05)
 model, float_copies, linears = llm.engine.model, [], 0
 held = {t.data_ptr(): t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]}
 for mod in model.modules():
@@ -106,8 +108,8 @@ after_load = anon() - base
 out = llm.generate(["O Romeo, Romeo"] * 2, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
                    progress=False)
 assert [len(o.token_ids) for o in out] == [4, 4]
-print(json.dumps({"linears": linears, "float_copies": float_copies, "weights": sum(held.values()), "load": after_load,
-                  "served": anon() - base}))
+print(json.dumps({"linears": linears, "float_copies": float_copies, "weights": sum(held.values()),
+                  "load": after_load, "served": anon() - base}))
 """
 
 
@@ -117,18 +119,20 @@ def mid_llama(tmp_path_factory) -> Path:
     from tests.checkpoints import make_checkpoint
 
     return make_checkpoint(tmp_path_factory.mktemp("mid"), dtype=torch.bfloat16, hidden_size=512,
-                           intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4)
+                           intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8,
+                           num_key_value_heads=4)
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_a_quantized_load_keeps_no_float_copy_of_its_weights(mid_llama, mode):
-    """After an int8 (LLM.int8()) or int4 (NF4) load, no quantized linear holds a floating-point tensor the size
-    of its weight (its parameters and buffers: codes, scales, absmax), and the process's private memory grew
-    by the model's own tensors and a few MiB (tokenizer, tables), after load and after serving a request: the
-    full-precision weights the load read, and any transient float copy made while quantizing, are released
+    """After an int8 (LLM.int8()) or int4 (NF4) load, no quantized linear holds a floating-point tensor the
+    size of its weight (its parameters and buffers: codes, scales, absmax), and the process's private memory
+    grew by the model's own tensors and a few MiB (tokenizer, tables), after load and after serving a request:
+    the full-precision weights the load read, and any transient float copy made while quantizing, are released
     (a float copy of the linears would add more than twice this slack)."""
     out = subprocess.run([sys.executable, "-c", FLOAT_COPY_CHECK, str(mid_llama), mode], cwd=ROOT,
-                         capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                         capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["linears"] == 6 * 7 and got["float_copies"] == [], got

@@ -70,7 +70,8 @@ def test_quantized_modes_load_generate_and_stay_close(ckpt, reference, mode):
     assert all(isinstance(p, kind) and getattr(p, codes).dtype == storage for p in parts)
     assert isinstance(llm.engine.model.layers[0].self_attn.qkv_proj, FusedLinear)
     model = llm.engine.model
-    assert model.embed_tokens.weight.dtype == model.lm_head.weight.dtype == model.norm.weight.dtype == torch.bfloat16
+    dtypes = {model.embed_tokens.weight.dtype, model.lm_head.weight.dtype, model.norm.weight.dtype}
+    assert dtypes == {torch.bfloat16}
     if mode == "int8":
         assert parts[0].threshold == 6.0 and parts[0].SCB.dtype == torch.float32
     else:  # packed at load: bf16 absmax [out, in / 64], bitsandbytes' state (nested or not) dropped
@@ -90,8 +91,8 @@ WEIGHT_ONLY = {  # method: (linear class, bytes per weight, logits error bound, 
 
 
 def stored(p: torch.nn.Module) -> tuple[int, int, int]:
-    """(bytes of weight codes, in_features, out_features) of a weight-only linear, int4's as padded by its layout
-    (ours: columns to 128; torch's int4pack: rows to 16)."""
+    """(bytes of weight codes, in_features, out_features) of a weight-only linear, int4's as padded by its
+    layout (ours: columns to 128; torch's int4pack: rows to 16)."""
     if isinstance(p, Int8WeightOnlyLinear):
         return p.qweight.numel(), p.qweight.shape[1], p.qweight.shape[0]
     if p.layout == "vnni":
@@ -171,7 +172,8 @@ def test_prequantized_checkpoint_round_trips_without_requantizing(ckpt, tmp_path
     monkeypatch.setattr(qlinears, "quantized_linear", refuse)
     monkeypatch.setattr("sluice.engine.quantization.check_device", lambda *a: None)
     loaded = LLM(tmp_path, dtype="bfloat16", device="cpu")
-    assert loaded.engine.config.quantization is None and len(quantized_parts(loaded)) == len(quantized_parts(direct))
+    assert (loaded.engine.config.quantization is None
+            and len(quantized_parts(loaded)) == len(quantized_parts(direct)))
     for a, b in zip(loaded.score(PROMPTS), direct.score(PROMPTS), strict=True):
         assert torch.equal(a, b)
     got, want = (llm.generate(PROMPTS, GREEDY, progress=False) for llm in (loaded, direct))
@@ -193,9 +195,10 @@ def test_transformers_bitsandbytes_checkpoint_loads_and_matches(ckpt, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(got, ours, strict=True))
     with torch.no_grad():
         ref = hf(torch.tensor([PROMPTS[1]])).logits[0].float()
-    # transformers runs bitsandbytes' CPU kernel (bf16 code table, bf16 dot products), we run ours (fp32 table and
-    # FMAs): both as close to the fp64 product (tests/test_nf4.py), each rounding every linear's output to bf16 on
-    # its own, which this random model's chained linears compound (docs/benchmarks.md, int4 without bitsandbytes)
+    # transformers runs bitsandbytes' CPU kernel (bf16 code table, bf16 dot products), we run ours (fp32 table
+    # and FMAs): both as close to the fp64 product (tests/test_nf4.py), each rounding every linear's output to
+    # bf16 on its own, which this random model's chained linears compound (docs/benchmarks.md, int4 without
+    # bitsandbytes)
     assert rel_err(loaded.score([PROMPTS[1]]), [ref]) < 2e-2
     assert rel_err([got[1]], [ref]) < 2e-2
 
@@ -210,7 +213,8 @@ def test_int8_kv_cache_close_to_fp32_and_holds_twice_the_tokens(ckpt):
     assert err < 0.02
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     got, want = (llm.generate(PROMPTS, params, progress=False) for llm in (int8, plain))
-    same = sum(a == b for g, w in zip(got, want, strict=True) for a, b in zip(g.token_ids, w.token_ids, strict=True))
+    same = sum(a == b for g, w in zip(got, want, strict=True)
+               for a, b in zip(g.token_ids, w.token_ids, strict=True))
     assert same >= 0.8 * len(PROMPTS) * params.max_tokens
     c = ModelConfig.from_hf(read_config(ckpt))
     bf16 = LLM(ckpt, **{**kw, "dtype": "bfloat16"})
@@ -237,7 +241,8 @@ def test_unquantizable_shape_and_requantizing_fail_with_reasons(checkpoint_facto
     with pytest.raises(ValueError, match="already quantized as int4"):
         LLM(tmp_path, dtype="bfloat16", device="cpu", quantization="int8")
     config = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps(config | {"quantization_config": {"quant_method": "gptq"}}))
+    gptq = config | {"quantization_config": {"quant_method": "gptq"}}
+    (tmp_path / "config.json").write_text(json.dumps(gptq))
     with pytest.raises(ValueError, match="quant_method='gptq'; only bitsandbytes"):
         LLM(tmp_path, dtype="bfloat16", device="cpu")
 
@@ -268,8 +273,9 @@ def hook(event, args):
 sys.addaudithook(hook)
 atexit.register(lambda: print("HOSTS", sorted(set(hosts)), flush=True))
 """
-WORKER = ("import runpy\nsys.argv[0] = 'sluice.worker'\ntry:\n    runpy.run_module('sluice.worker', run_name='__main__')\n"
-          "except SystemExit as e:\n    print('WORKER', e.code, 'bitsandbytes' in sys.modules)\n")
+WORKER = ("import runpy\nsys.argv[0] = 'sluice.worker'\ntry:\n    runpy.run_module('sluice.worker', "
+          "run_name='__main__')\nexcept SystemExit as e:\n    print('WORKER', e.code, 'bitsandbytes' in "
+          "sys.modules)\n")
 BNB = ("import bitsandbytes, importlib.util\nfrom bitsandbytes.functional import has_avx512bf16\n"
        "print('ASKS', has_avx512bf16() and importlib.util.find_spec('kernels') is not None)\n")
 
@@ -283,12 +289,13 @@ def audited(code: str, args: list[str], cwd, env: dict[str, str]) -> list[str]:
 
 
 def test_a_quantized_worker_never_asks_the_hub(ckpt, tmp_path, redis_server):
-    """A worker on a pre-quantized int4 checkpoint (on CPU bitsandbytes is never imported) looks up no host but
-    loopback from process start to exit; importing bitsandbytes with the Hub online does, where its CPU backend
-    asks the Hub for a kernel (HF `kernels` installed, an AVX512-BF16 CPU)."""
+    """A worker on a pre-quantized int4 checkpoint (on CPU bitsandbytes is never imported) looks up no host
+    but loopback from process start to exit; importing bitsandbytes with the Hub online does, where its CPU
+    backend asks the Hub for a kernel (HF `kernels` installed, an AVX512-BF16 CPU)."""
     quantize(ckpt, tmp_path / "int4", "int4", dtype="bfloat16")
     env = {k: v for k, v in worker_env(redis_server.url).items() if k not in ("HF_HUB_OFFLINE", "PYTHONPATH")}
-    args = ["--model", str(tmp_path / "int4"), "--dtype", "bfloat16", "--device", "cpu", "--burst", "--no-webhooks"]
+    args = ["--model", str(tmp_path / "int4"), "--dtype", "bfloat16", "--device", "cpu", "--burst",
+            "--no-webhooks"]
     assert audited(WORKER, args, tmp_path, env) == ["WORKER 0 False", "HOSTS []"]
     asks, online = audited(BNB, [], tmp_path, env | {"HF_HUB_OFFLINE": "0"})
     assert online == ("HOSTS ['huggingface.co']" if asks == "ASKS True" else "HOSTS []"), (asks, online)
@@ -317,9 +324,10 @@ def int8_inputs(dtype: torch.dtype) -> list[tuple[torch.Tensor, int]]:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_int8_activation_rows_are_bitsandbytes_own(dtype, monkeypatch):
-    """Our LLM.int8() activation quantization (C++, and the torch ops where it does not build) gives bitsandbytes'
-    int8_vectorwise_quant(x.half(), threshold) bit for bit: codes, row absmax and outlier columns, one row or
-    several, no outlier or some, a zero row, a value past fp16's range, tiny values, thresholds 0, 6 and 1.5."""
+    """Our LLM.int8() activation quantization (C++, and the torch ops where it does not build) gives
+    bitsandbytes' int8_vectorwise_quant(x.half(), threshold) bit for bit: codes, row absmax and outlier
+    columns, one row or several, no outlier or some, a zero row, a value past fp16's range, tiny values,
+    thresholds 0, 6 and 1.5."""
     from sluice.kernels import int8_weights
 
     cases = int8_inputs(dtype)
@@ -339,10 +347,10 @@ def test_int8_activation_rows_are_bitsandbytes_own(dtype, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_int8_linear_computes_what_bitsandbytes_linear8bitlt_does(dtype):
-    """Our LLM.int8() linear against bitsandbytes' Linear8bitLt on the same CB, SCB, bias and inputs: bit for bit
-    where no column holds an outlier (threshold 0, or none past it); with outlier columns our product of them runs
-    in float32 where bitsandbytes' runs a bf16 `addmm` (another summation order): every value within one bf16 step
-    of its (relative 2^-7), most equal; in float32 bit for bit."""
+    """Our LLM.int8() linear against bitsandbytes' Linear8bitLt on the same CB, SCB, bias and inputs: bit for
+    bit where no column holds an outlier (threshold 0, or none past it); with outlier columns our product of
+    them runs in float32 where bitsandbytes' runs a bf16 `addmm` (another summation order): every value within
+    one bf16 step of its (relative 2^-7), most equal; in float32 bit for bit."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(96, 200, generator=g) * 0.05
     cb, scb, _ = bnb.functional.int8_vectorwise_quant(w.half())
@@ -379,11 +387,12 @@ def test_an_int8_engine_on_cpu_never_imports_bitsandbytes(ckpt, tmp_path):
     """A fresh process loads int8 (LLM.int8()) models on CPU, quantized while loading and pre-quantized (our
     checkpoint in transformers' bitsandbytes format), generates, and has not imported bitsandbytes."""
     quantize(ckpt, tmp_path, "int8", dtype="bfloat16")
-    out = subprocess.run([sys.executable, "-c", NO_BNB, str(ckpt), str(tmp_path)], capture_output=True, text=True,
-                         timeout=600)
+    out = subprocess.run([sys.executable, "-c", NO_BNB, str(ckpt), str(tmp_path)], capture_output=True,
+                         text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     linears = 7 * ModelConfig.from_hf(read_config(ckpt)).num_layers
-    assert [line for line in out.stdout.splitlines() if line.startswith("RUN")] == [f"RUN {linears} [4, 4] False"] * 2
+    assert [line for line in out.stdout.splitlines()
+            if line.startswith("RUN")] == [f"RUN {linears} [4, 4] False"] * 2
 
 
 def test_int8_checkpoint_holds_what_bitsandbytes_writes_and_transformers_loads_it(ckpt, tmp_path):
@@ -409,6 +418,6 @@ def test_int8_checkpoint_holds_what_bitsandbytes_writes_and_transformers_loads_i
     assert any(isinstance(m, bnb.nn.Linear8bitLt) for m in hf.modules())
     with torch.no_grad():
         ref = hf(torch.tensor([PROMPTS[1]])).logits[0].float()
-    # the same int8 arithmetic but for the outlier columns' summation order (float32 here, bf16 in bitsandbytes),
-    # and transformers' attention: bound as the 4-bit round trip's above
+    # the same int8 arithmetic but for the outlier columns' summation order (float32 here, bf16 in
+    # bitsandbytes), and transformers' attention: bound as the 4-bit round trip's above
     assert rel_err(LLM(tmp_path, dtype="bfloat16", device="cpu").score([PROMPTS[1]]), [ref]) < 1e-2

@@ -1,4 +1,5 @@
-"""Cancelling a batch's unclaimed shards against a worker claiming one at the same moment (real redis-server)."""
+"""Cancelling a batch's unclaimed shards against a worker claiming one at the same moment (real
+redis-server)."""
 
 from __future__ import annotations
 
@@ -18,15 +19,16 @@ def line(i: int) -> dict:
     return {"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions", "body": body}
 
 
-def test_a_shard_a_worker_has_dequeued_is_not_cancelled_even_while_its_status_still_reads_queued(redis_url, tmp_path):
+def test_a_shard_a_worker_has_dequeued_is_not_cancelled_even_while_its_status_still_reads_queued(
+    redis_url, tmp_path):
     """A worker's claim moves the job id out of the queue before it marks the job started; a cancel in between
     must leave that shard to the worker (and the finalize job waiting for it), dropping only the others."""
     client = Client(redis_url)
     batch = client.submit_batch([line(i) for i in range(3)], output=tmp_path.as_uri(), shard_size=1)
     shard_ids = [shard_job_id(batch.id, n) for n in range(3)]
     stale = fetch(client.connection, shard_ids)
-    claimed, _ = Queue.dequeue_any([queue_for(client.connection, "default")], None, connection=client.connection,
-                                   serializer=JSONSerializer)  # fmt: skip
+    claimed, _ = Queue.dequeue_any([queue_for(client.connection, "default")], None,
+                                   connection=client.connection, serializer=JSONSerializer)  # fmt: skip
     assert claimed.id == shard_ids[0] and claimed.get_status() == JobStatus.QUEUED, "claimed, not yet started"
     assert not take_unclaimed(client.connection, stale[0]), "the stale status must not decide"
     assert drop_unclaimed(client.connection, batch.id, 3) == 2

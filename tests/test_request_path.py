@@ -65,12 +65,13 @@ def test_a_request_is_validated_at_the_edge_and_rebuilt_without_validation(monke
     prompt, params = prepare(None, completion, served=set())
     assert prompt == "hi" and params.max_tokens == 3
     assert completion.parsed_body() is completion.parsed_body()
-    assert counts == {"CompletionBody": 2, "ChatBody": 1}, "the worker builds the typed body once, and keeps it"
+    assert counts == {"CompletionBody": 2,
+                      "ChatBody": 1}, "the worker builds the typed body once, and keeps it"
 
 
 def test_a_forged_body_fails_only_its_own_request_in_the_worker():
-    """trusted() does not validate, so a body no producer let through (a job forged in Redis) is caught when the
-    worker builds the typed body: an invalid_request record (a 400 response) for that request alone."""
+    """trusted() does not validate, so a body no producer let through (a job forged in Redis) is caught when
+    the worker builds the typed body: an invalid_request record (a 400 response) for that request alone."""
     good = {"custom_id": "ok", "url": "/v1/completions", "body": {"prompt": "x"}}
     forged = {"custom_id": "bad", "url": "/v1/completions", "body": {"prompt": "x", "temperature": 7}}
     run = ShardRun.from_args("b-shard-0", ("b", 0, [good, forged]))

@@ -1,5 +1,5 @@
-"""contract/rq_adapter.py against the installed rq: the supported versions, the private names it reaches and what
-they do for the worker and the cron scheduler (real redis-server)."""
+"""contract/rq_adapter.py against the installed rq: the supported versions, the private names it reaches and
+what they do for the worker and the cron scheduler (real redis-server)."""
 
 from __future__ import annotations
 
@@ -142,7 +142,8 @@ def test_the_undocumented_steps_exist_with_the_signatures_the_adapter_calls():
 
 def test_a_job_s_way_through_the_adapter_s_steps(redis_url):
     """Queued: in its queue, read as (queue, queued); dequeued: still there (intermediate list) until started;
-    started: out of both lists, in the started registry until its execution ends; failed unrun with a message."""
+    started: out of both lists, in the started registry until its execution ends; failed unrun with a
+    message."""
     connection = redis.Redis.from_url(redis_url)
     job = queue_for(connection, "default").enqueue_call(FINALIZE, args=("batch_y",))
     queue = queue_for(connection, "default")
@@ -159,7 +160,8 @@ def test_a_job_s_way_through_the_adapter_s_steps(redis_url):
     assert dequeued.id == job.id and rq_adapter.in_queue(connection, queue, job.id)
     assert rq_adapter.dequeue_now(worker) is None
     execution = rq_adapter.start_execution(worker, dequeued)
-    assert not rq_adapter.in_queue(connection, queue, job.id) and origin_and_status() == [b"default", b"started"]
+    assert not rq_adapter.in_queue(connection, queue,
+                                   job.id) and origin_and_status() == [b"default", b"started"]
     assert job.id in queue.started_job_registry
     with connection.pipeline() as pipe:
         rq_adapter.end_execution(worker, dequeued, execution, pipe)

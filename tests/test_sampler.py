@@ -1,5 +1,5 @@
-"""The device sampler's counter-based noise: keyed by (seed, position, stream), uniform, batch-independent; the
-C++ sampler that masks, scales, draws and takes the argmax in one pass picks the torch path's tokens."""
+"""The device sampler's counter-based noise: keyed by (seed, position, stream), uniform, batch-independent;
+the C++ sampler that masks, scales, draws and takes the argmax in one pass picks the torch path's tokens."""
 
 from __future__ import annotations
 
@@ -77,20 +77,22 @@ def test_fused_sampler_picks_the_torch_paths_tokens(dtype):
     torch.manual_seed(0)
     logits = (torch.randn(rows, vocab + 7) * 4).to(dtype)
     logits[::7, vocab:] = 50.0  # past the bitmask: only the torch path's own rule keeps or drops these
-    reqs = [Request(str(i), [1, 2], SamplingParams(temperature=(0.0, 0.3, 1.0, 1.7)[i % 4], top_k=(i % 11 == 5),
-                                                   seed=None if i % 3 == 0 else i)) for i in range(rows)]
+    reqs = [Request(str(i), [1, 2],
+                    SamplingParams(temperature=(0.0, 0.3, 1.0, 1.7)[i % 4], top_k=(i % 11 == 5),
+                                   seed=None if i % 3 == 0 else i)) for i in range(rows)]
     bitmask = torch.randint(-(2**31), 2**31, (rows, (vocab + 31) // 32), dtype=torch.int32)
     bitmask[1::5] = 0  # rows that allow nothing below `vocab`
     for masked in ([], [i for i in range(rows) if i % 4 != 1]):
         assert masked_sample.serves(logits)
-        fused = fused_sample(logits, reqs, torch.Generator().manual_seed(9), (masked, bitmask) if masked else None,
-                             vocab)
+        fused = fused_sample(logits, reqs, torch.Generator().manual_seed(9),
+                             (masked, bitmask) if masked else None, vocab)
         expected = _torch_path(logits, reqs, torch.Generator().manual_seed(9), masked, bitmask, vocab)
         assert torch.equal(fused, expected)
 
 
 def test_fused_sampler_leaves_filtering_rows_to_torch():
-    """top-p, top-k and min-p need the sorted distribution: the fused sampler declines, the torch path samples."""
+    """top-p, top-k and min-p need the sorted distribution: the fused sampler declines, the torch path
+    samples."""
     logits = torch.randn(2, 64)
     for params in (SamplingParams(top_p=0.9), SamplingParams(top_k=5), SamplingParams(min_p=0.1)):
         reqs = [Request("a", [1], SamplingParams()), Request("b", [1], params)]

@@ -1,4 +1,5 @@
-"""OpenAI's sampling fields in the engine (offline LLM door): logprobs as bytes, logit_bias, penalties, min_tokens."""
+"""OpenAI's sampling fields in the engine (offline LLM door): logprobs as bytes, logit_bias, penalties,
+min_tokens."""
 
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ def test_logit_bias_100_yields_only_that_token(llm):
     assert llm.generate(PROMPTS[0], params, progress=False)[0].token_ids[0] != plain[0]
 
 
-def reference_penalties(logits: torch.Tensor, prompt: list[int], output: list[int], p: SamplingParams) -> torch.Tensor:
+def reference_penalties(logits: torch.Tensor, prompt: list[int], output: list[int],
+                        p: SamplingParams) -> torch.Tensor:
     """vLLM's repetition penalty over prompt + output, then OpenAI's frequency and presence penalties."""
     out = logits.clone()
     for tok in set(prompt) | set(output):
@@ -83,7 +85,8 @@ def test_penalties_steer_generation_like_the_reference(llm):
                             presence_penalty=0.5, repetition_penalty=1.2)
     prompt = llm.tokenizer.encode(PROMPTS[1])
     out = llm.generate(prompt, params, progress=False)[0].token_ids
-    plain = llm.generate(prompt, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), progress=False)
+    plain = llm.generate(prompt, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True),
+                         progress=False)
     assert out != plain[0].token_ids
     logits = llm.score([prompt + out[:-1]])[0][len(prompt) - 1:]
     for j, tok in enumerate(out):
@@ -98,7 +101,8 @@ def test_min_tokens_holds_back_eos(llm):
 
 
 PENALIZED = [
-    SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, frequency_penalty=0.8, presence_penalty=0.4),
+    SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, frequency_penalty=0.8,
+                   presence_penalty=0.4),
     SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, repetition_penalty=1.5, min_tokens=3),
     SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logit_bias={100: 5.0, 200: -50}),
 ]
@@ -113,7 +117,8 @@ def test_penalties_under_speculation_and_preemption_match_plain(llm, spec):
     params = [PENALIZED[i % 3] for i in range(len(prompts))]
     want = [o.token_ids for o in llm.generate(prompts, params, progress=False)]
     blocks = 14
-    spec_llm = LLM(str(TINY), dtype="float32", device="cpu", kv_cache_memory_gb=blocks * llm.engine.kv_block_bytes
+    spec_llm = LLM(str(TINY), dtype="float32", device="cpu",
+                   kv_cache_memory_gb=blocks * llm.engine.kv_block_bytes
                    / 1024**3, speculative={"disable_by_batch_size": 64, **spec})
     got = [o.token_ids for o in spec_llm.generate(prompts, params, progress=False)]
     assert got == want
@@ -122,16 +127,20 @@ def test_penalties_under_speculation_and_preemption_match_plain(llm, spec):
 
 
 def test_bad_values_are_named():
-    for kwargs, name in [({"presence_penalty": 3}, "presence_penalty"), ({"logit_bias": {5: 101}}, "logit_bias"),
-                         ({"repetition_penalty": 0}, "repetition_penalty"), ({"min_tokens": 20}, "min_tokens")]:
+    for kwargs, name in [({"presence_penalty": 3}, "presence_penalty"),
+                         ({"logit_bias": {5: 101}}, "logit_bias"),
+                         ({"repetition_penalty": 0}, "repetition_penalty"),
+                         ({"min_tokens": 20}, "min_tokens")]:
         with pytest.raises(ValueError, match=name):
             SamplingParams(**kwargs)
 
 
 def test_logprobs_are_the_models_raw_distribution_before_bias_and_penalties(llm):
-    """vLLM's default (logprobs_mode raw_logprobs): what the model gave, not what logit_bias/penalties sampled from."""
+    """vLLM's default (logprobs_mode raw_logprobs): what the model gave, not what logit_bias/penalties sampled
+    from."""
     target = llm.tokenizer.encode(" king", add_special_tokens=False)[0]
-    params = SamplingParams(max_tokens=4, temperature=0, logit_bias={target: 100}, presence_penalty=2.0, logprobs=2)
+    params = SamplingParams(max_tokens=4, temperature=0, logit_bias={target: 100}, presence_penalty=2.0,
+                            logprobs=2)
     out = llm.generate(PROMPTS[0], params, progress=False)[0]
     assert out.token_ids == [target] * 4
     raw = torch.log_softmax(llm.score([out.prompt_token_ids + out.token_ids[:-1]])[0].float(), -1)

@@ -54,11 +54,13 @@ def test_file_to_batch_to_results(stack):
 
 
 def test_usage_grows_with_finished_shards_while_in_progress(stack):
-    """The Batch object's usage is summed over the shards finished so far, not zero until the batch is done."""
+    """The Batch object's usage is summed over the shards finished so far, not zero until the batch is
+    done."""
     client = stack.openai(stack.key("usage"))
     lines = [completion(i, max_tokens=32, ignore_eos=True) for i in range(64)]
     uploaded = client.files.create(file=jsonl(lines), purpose="batch")
-    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions",
+                                  completion_window="24h")
     running = []
     while (seen := client.batches.retrieve(batch.id)).status in ("validating", "in_progress"):
         if seen.status == "in_progress" and seen.usage and seen.usage.output_tokens:
@@ -287,7 +289,8 @@ def typed_list(raw, model, paged: bool = True) -> list:
     body = json.loads(raw.text)
     assert body["object"] == "list", body
     if paged:  # cursor pages (files, batches); the models list has none
-        assert isinstance(body["has_more"], bool) and body["first_id"] == (body["data"][0]["id"] if body["data"] else None)
+        assert isinstance(body["has_more"],
+                          bool) and body["first_id"] == (body["data"][0]["id"] if body["data"] else None)
     return [model.model_validate(item) for item in body["data"]]
 
 
@@ -301,7 +304,8 @@ def test_every_route_through_the_openai_package_answers_its_types(stack):
     upload = typed(raw.files.create(file=jsonl(lines), purpose="batch"), FileObject)
     assert upload.purpose == "batch" and upload.status == "processed"
     assert typed(raw.files.retrieve(upload.id), FileObject) == upload
-    assert [f.id for f in typed_list(raw.files.list(purpose="batch", limit=5, order="asc"), FileObject)] == [upload.id]
+    assert [f.id for f in typed_list(raw.files.list(purpose="batch", limit=5, order="asc"),
+                                     FileObject)] == [upload.id]
     assert raw.files.content(upload.id).text.splitlines() == [json.dumps(line) for line in lines]
     batch = typed(raw.batches.create(input_file_id=upload.id, endpoint="/v1/completions",
                                      completion_window="24h", metadata={"k": "v"}), Batch)  # fmt: skip
@@ -312,7 +316,8 @@ def test_every_route_through_the_openai_package_answers_its_types(stack):
     assert cancelled.status in ("cancelling", "cancelled") and cancelled.cancelling_at is not None
     done = wait_status(stack.openai(raw._client.api_key), batch.id, {"cancelled"}, timeout=120)
     done = typed(raw.batches.retrieve(done.id), Batch)
-    assert done.request_counts.total == 12 and done.request_counts.completed + done.request_counts.failed == 12
+    assert (done.request_counts.total == 12
+            and done.request_counts.completed + done.request_counts.failed == 12)
     for file_id in filter(None, (done.output_file_id, done.error_file_id)):
         assert typed(raw.files.retrieve(file_id), FileObject).purpose == "batch_output"
     models = typed_list(raw.models.list(), Model, paged=False)
@@ -325,8 +330,8 @@ def test_every_route_through_the_openai_package_answers_its_types(stack):
 
 
 def test_request_counts_move_while_a_shard_runs_and_never_double_count(stack):
-    """One shard of four requests of very different lengths: completed moves (1, 2 or 3) before the shard is saved;
-    a request recorded again (a retried shard) or moved from failed to completed counts once."""
+    """One shard of four requests of very different lengths: completed moves (1, 2 or 3) before the shard is
+    saved; a request recorded again (a retried shard) or moved from failed to completed counts once."""
     from redis import Redis
 
     from sluice.contract.batch import BatchStore, shards_key
@@ -345,8 +350,8 @@ def test_request_counts_move_while_a_shard_runs_and_never_double_count(stack):
         if counts.completed == 4:
             break
         time.sleep(0.1)
-    # the worker flushes counts every second and the whole shard may take little more: one value between 0 and 4
-    # seen before the shard was saved shows the counts moving while it ran
+    # the worker flushes counts every second and the whole shard may take little more: one value between 0 and
+    # 4 seen before the shard was saved shows the counts moving while it ran
     assert {1, 2, 3} & seen, f"completed seen while the shard ran: {sorted(seen)}"
     assert wait_status(client, batch.id, {"completed"}).request_counts.completed == 4
     store = BatchStore(connection)

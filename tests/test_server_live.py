@@ -1,4 +1,5 @@
-"""The dashboard in a real headless Chromium (selenium) and Prometheus metrics, while a batch runs on a real worker."""
+"""The dashboard in a real headless Chromium (selenium) and Prometheus metrics, while a batch runs on a real
+worker."""
 
 from __future__ import annotations
 
@@ -28,14 +29,17 @@ def scrape(url: str) -> dict[tuple[str, tuple], float]:
 ROW_STATE = """
 const r = document.getElementById(arguments[0]);
 if (!r) return null;
-return {status: r.dataset.status, percent: Number(r.dataset.percent), shown: r.querySelector('.status').textContent,
+return {status: r.dataset.status, percent: Number(r.dataset.percent),
+        shown: r.querySelector('.status').textContent,
         completed: Number(r.querySelector('.completed-count').textContent),
-        width: r.querySelector('.bar span').style.width, output: (r.querySelector('a.output') || {}).href || null};
+        width: r.querySelector('.bar span').style.width,
+        output: (r.querySelector('a.output') || {}).href || null};
 """
 
 
 def row_state(browser, batch_id: str) -> dict | None:
-    """The batch's row as the page shows it now (read in one script, so a refresh in between cannot interfere)."""
+    """The batch's row as the page shows it now (read in one script, so a refresh in between cannot
+    interfere)."""
     return browser.execute_script(ROW_STATE, batch_id)
 
 
@@ -122,10 +126,12 @@ def check_output_link(browser, wait, link: str, secret: str) -> None:
     assert cookie["httpOnly"] and cookie["sameSite"] == "Strict" and secret not in cookie["value"]
     assert requests.get(link, cookies={"sluice_session": cookie["value"]}).status_code == 200
     api_link = link.replace("/dashboard/files/", "/v1/files/")
-    assert requests.get(api_link, cookies={"sluice_session": cookie["value"]}).status_code == 401, "API: header only"
+    assert requests.get(api_link,
+                        cookies={"sluice_session": cookie["value"]}).status_code == 401, "API: header only"
     browser.find_element(By.ID, "logout").click()
     wait.until(lambda d: d.find_elements(By.ID, "key"))
-    assert requests.get(link, cookies={"sluice_session": cookie["value"]}).status_code == 401, "logout ends it"
+    assert requests.get(link,
+                        cookies={"sluice_session": cookie["value"]}).status_code == 401, "logout ends it"
 
 
 def test_dashboard_shows_live_progress(stack, browser, tmp_path):

@@ -33,8 +33,8 @@ def bare_env(redis_url: str, **extra: str) -> dict[str, str]:
 
 
 def launch_worker(cwd: Path, env: dict[str, str], metrics_port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "sluice.worker", "--model", str(MODEL), "--dtype", "float32", "--device", "cpu",
-           "--max-num-seqs", "8", "--metrics-port", str(metrics_port)]  # fmt: skip
+    cmd = [sys.executable, "-m", "sluice.worker", "--model", str(MODEL), "--dtype", "float32", "--device",
+           "cpu", "--max-num-seqs", "8", "--metrics-port", str(metrics_port)]  # fmt: skip
     with open(cwd / "worker.log", "ab") as log:
         return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT)
 
@@ -119,7 +119,8 @@ def test_an_output_the_worker_may_not_write_fails_the_batch_at_once(split_fleet,
         time.sleep(0.2)
     assert batch.status == "failed", batch
     [error] = batch.errors.data
-    server_out, worker_root = (tmp_path / "server" / "results").as_uri(), (tmp_path / "worker" / "results").as_uri()
+    server_out = (tmp_path / "server" / "results").as_uri()
+    worker_root = (tmp_path / "worker" / "results").as_uri()
     assert error.code == "output_not_allowed"
     assert server_out in error.message and worker_root in error.message, error.message
     assert batch.request_counts.failed == batch.request_counts.total == 8

@@ -60,7 +60,8 @@ def test_readme_server_quick_start(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
     env.update(XDG_DATA_HOME=str(tmp_path / "data"), OMP_NUM_THREADS="1")  # keep the test out of ~/.local
     script = f"set -e\n{bash}\necho \"$SLUICE_KEY\" > {tmp_path}/key\njobs -p > {tmp_path}/pids\n"
-    setup = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    setup = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=120)
     pids = [int(p) for p in (tmp_path / "pids").read_text().split()] if (tmp_path / "pids").exists() else []
     try:
         assert setup.returncode == 0, setup.stderr
@@ -74,6 +75,7 @@ def test_readme_server_quick_start(tmp_path):
         status, *outputs = run.stdout.strip().splitlines()
         assert status.startswith("completed") and "completed=2" in status, run.stdout
         assert sorted(json.loads(line)["custom_id"] for line in outputs) == ["a", "b"]
-        assert list((tmp_path / "data" / "sluice" / "results").glob("batch_*/output.jsonl")), "the default output"
+        results = tmp_path / "data" / "sluice" / "results"
+        assert list(results.glob("batch_*/output.jsonl")), "the default output"
     finally:
         stop(pids)

@@ -1,6 +1,7 @@
-"""The server without a worker: dashboard sessions (never the key in the cookie, POST-only sign-in and sign-out
-from the server's own page), security headers, header-only API keys, files list filtering and order, /metrics
-behind an operator token, escaped logs, and OpenAI-shaped 503s while Redis is down (real server, real redis)."""
+"""The server without a worker: dashboard sessions (never the key in the cookie, POST-only sign-in and
+sign-out from the server's own page), security headers, header-only API keys, files list filtering and order,
+/metrics behind an operator token, escaped logs, and OpenAI-shaped 503s while Redis is down (real server, real
+redis)."""
 
 from __future__ import annotations
 
@@ -60,7 +61,8 @@ def test_a_login_from_a_foreign_origin_gets_no_cookie(server):
         answer = login(server, secret, **headers)
         assert answer.status_code == 403 and "set-cookie" not in answer.headers, headers
     assert login(server, secret, **own(server)).status_code == 303
-    behind_proxy = login(server, secret, Origin="https://sluice.example.com", **{"X-Forwarded-Host": "sluice.example.com"})
+    behind_proxy = login(server, secret, Origin="https://sluice.example.com",
+                         **{"X-Forwarded-Host": "sluice.example.com"})
     assert behind_proxy.status_code == 303 and "sluice_session=" in behind_proxy.headers["set-cookie"]
 
 
@@ -124,7 +126,8 @@ def test_secure_cookie_when_configured(redis_server, tmp_path):
     process, url = launch(redis_server.url, tmp_path, SLUICE_COOKIE_SECURE="1")
     try:
         secret = KeyStore(redis_server.client()).create("tls")[1]
-        answer = requests.post(url + "/login", data={"key": secret}, headers={"Origin": url}, allow_redirects=False)
+        answer = requests.post(url + "/login", data={"key": secret}, headers={"Origin": url},
+                               allow_redirects=False)
         assert "Secure" in answer.headers["set-cookie"]
     finally:
         stop_worker(process)
@@ -135,13 +138,16 @@ def test_files_list_filters_by_purpose_then_pages_and_honours_order(server):
     auth = {"Authorization": f"Bearer {secret}"}
     store, uploaded = FileStore(server.redis), []
     for i in range(3):
-        body = jsonl([{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}])
+        body = jsonl([{"custom_id": "a", "method": "POST", "url": "/v1/completions",
+                       "body": {"prompt": "x"}}])
         files = {"file": (f"in{i}.jsonl", body.getvalue())}
         uploaded.append(requests.post(server.url + "/v1/files", headers=auth, files=files,
                                       data={"purpose": "batch"}).json()["id"])  # fmt: skip
         for j in range(25):  # newer outputs between and after the uploads
-            store.add(FileRecord(id=f"file-out-{i}-{j}", bytes=1, created_at=int(time.time()) + 1 + i * 30 + j,
-                                 filename="o.jsonl", purpose="batch_output", project="files", url="file:///x"))  # fmt: skip
+            store.add(FileRecord(id=f"file-out-{i}-{j}", bytes=1,
+                                 created_at=int(time.time()) + 1 + i * 30 + j,
+                                 filename="o.jsonl", purpose="batch_output", project="files",
+                                 url="file:///x"))
         time.sleep(1.1)
 
     def page(**params) -> dict:
@@ -198,12 +204,14 @@ def test_redis_down_answers_openai_shaped_503s_then_recovers(tmp_path):
         redis_process.wait(10)
         auth = {"Authorization": f"Bearer {secret}"}
         session = {"sluice_session": "some-session-id"}
-        for path, headers in (("/v1/files", auth), ("/v1/batches", auth), ("/v1/models", auth), ("/metrics", {}),
+        for path, headers in (("/v1/files", auth), ("/v1/batches", auth), ("/v1/models", auth),
+                              ("/metrics", {}),
                               ("/", {}), ("/readyz", {}), ("/dashboard/live", {})):  # fmt: skip
             answer = requests.get(url + path, headers=headers, cookies=session)
             assert answer.status_code == 503, (path, answer.status_code, answer.text)
             error = answer.json()["error"]
-            assert error["type"] == "server_error" and error["code"] == "service_unavailable" and error["message"]
+            assert (error["type"] == "server_error" and error["code"] == "service_unavailable"
+                    and error["message"])
         redis_process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
         wait_for_port(port)
         KeyStore(Redis.from_url(redis_url)).create("down")  # the restarted Redis kept nothing

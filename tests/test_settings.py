@@ -17,7 +17,8 @@ READERS = {("os", "environ"), ("os", "getenv"), ("os", "getenvb")}
 
 def lines(n: int) -> list[dict]:
     body = {"prompt": "hi", "max_tokens": 2}
-    return [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions", "body": body} for i in range(n)]
+    return [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions", "body": body}
+            for i in range(n)]
 
 
 def test_shard_size_and_completion_window_come_from_the_environment(redis_url, monkeypatch, tmp_path):

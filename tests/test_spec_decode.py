@@ -1,4 +1,5 @@
-"""Speculative decoding: greedy equality, the rejection sampler's distribution, acceptance metrics, settings."""
+"""Speculative decoding: greedy equality, the rejection sampler's distribution, acceptance metrics,
+settings."""
 
 from __future__ import annotations
 
@@ -219,7 +220,8 @@ def test_draft_with_other_vocabulary_is_refused(tiny_llama, tmp_path):
 
 
 def test_bundled_draft_backs_off_when_its_kv_cache_is_full():
-    """Issue 12: a draft with a ~26-block cache once crashed in allocate; speculation now backs off instead."""
+    """Issue 12: a draft with a ~26-block cache once crashed in allocate; speculation now backs off
+    instead."""
     models = Path(__file__).resolve().parent.parent / "models"
     target, draft = str(models / "sluice-tiny"), str(models / "sluice-tiny-draft")
     plain = LLM(target, dtype="float32", device="cpu")

@@ -27,7 +27,8 @@ def exercise(storage) -> None:
 
 
 def exercise_streams_and_delete(storage) -> None:
-    """chunks, open, writer and delete: the rest of the Storage interface, the same on every implementation."""
+    """chunks, open, writer and delete: the rest of the Storage interface, the same on every
+    implementation."""
     body = bytes(range(256)) * 41  # 10496 bytes: two whole chunks of 4096 and a short one
     storage.put("b3/input.jsonl", body)
     pieces = list(storage.chunks("b3/input.jsonl", 4096))
@@ -87,7 +88,8 @@ def test_bad_urls_are_refused(tmp_path):
 
 
 def exercise_writer(storage, temp_dir) -> None:
-    """A streamed object appears whole on commit, a failed or uncommitted one never, and no temp file stays."""
+    """A streamed object appears whole on commit, a failed or uncommitted one never, and no temp file
+    stays."""
     storage.put("b/out.jsonl", b"old\n")
     with pytest.raises(OSError), storage.writer("b/out.jsonl") as out:
         out.write(b"half")
@@ -114,7 +116,8 @@ def test_s3_storage_streams_writes_through_a_local_temp_file(s3_bucket, tmp_path
 
 
 def test_an_output_no_retry_can_write_is_told_from_one_that_can(s3_bucket, tmp_path):
-    """A missing bucket or a read-only folder is a PermissionError naming why; a writable bucket keeps no probe."""
+    """A missing bucket or a read-only folder is a PermissionError naming why; a writable bucket keeps no
+    probe."""
     from sluice.worker.terminal import output_problem
 
     S3Storage(s3_bucket, "out").check_writable()
@@ -137,8 +140,8 @@ def test_an_output_no_retry_can_write_is_told_from_one_that_can(s3_bucket, tmp_p
 
 
 def test_the_s3_addressing_style_is_the_one_passed_down_never_the_environment(s3_bucket, monkeypatch):
-    """A storage's S3 client addresses buckets in the style its caller passes (Settings' field, read at the entry
-    point); the environment changed afterwards changes nothing; the default is Settings' default."""
+    """A storage's S3 client addresses buckets in the style its caller passes (Settings' field, read at the
+    entry point); the environment changed afterwards changes nothing; the default is Settings' default."""
     monkeypatch.setenv("SLUICE_S3_ADDRESSING_STYLE", "virtual")
     style = lambda storage: storage.client.meta.config.s3["addressing_style"]  # noqa: E731
     assert style(open_storage(f"s3://{s3_bucket}/out")) == "path" == S3_STYLE

@@ -1,5 +1,5 @@
-"""The import graph (read with ast, every import at any depth) has no cycles and its arrows point one way; functions
-stay short."""
+"""The import graph (read with ast, every import at any depth) has no cycles and its arrows point one way;
+functions stay short."""
 
 from __future__ import annotations
 
@@ -112,8 +112,8 @@ def top(module: str) -> str:
 
 def test_graph_is_read():
     graph = import_graph()
-    names = {"sluice.engine.engine", "sluice.contract.batch", "sluice.producer.client", "sluice.worker.worker",
-             "sluice.cli.main"}
+    names = {"sluice.engine.engine", "sluice.contract.batch", "sluice.producer.client",
+             "sluice.worker.worker", "sluice.cli.main"}
     assert names <= set(graph)
     assert "sluice.contract.batch" in graph["sluice.worker.worker"]
     assert "sluice.producer.client" in graph["sluice.cli.batch_commands"]
@@ -144,7 +144,8 @@ def test_imports_point_one_way():
 
 
 def test_no_module_imports_a_bare_folder_name():
-    """Every import of our own code goes through `sluice.`: the bare folder names are not importable once installed."""
+    """Every import of our own code goes through `sluice.`: the bare folder names are not importable once
+    installed."""
     bare = sorted(
         f"{module}: {name}"
         for module, path in module_files().items()
@@ -155,8 +156,8 @@ def test_no_module_imports_a_bare_folder_name():
 
 
 def test_tests_and_benchmarks_import_no_bare_folder_name_even_in_child_code():
-    """Tests and benchmarks, including the code strings they hand to child processes, import our code as `sluice.`
-    (a bare `kernels` would be Hugging Face's distribution, and the other bare names nothing)."""
+    """Tests and benchmarks, including the code strings they hand to child processes, import our code as
+    `sluice.` (a bare `kernels` would be Hugging Face's distribution, and the other bare names nothing)."""
     pattern = re.compile(rf"(?:^\s*|[\"';] *)(?:from|import) ({'|'.join(PACKAGES)})\b", re.M)
     found = [
         f"{path.relative_to(ROOT)}: {match.group(0).strip()}"
@@ -172,7 +173,8 @@ SHARED_BASENAMES = {"__init__.py", "conftest.py"}
 
 
 def shared_basenames(paths: list[Path]) -> dict[str, list[str]]:
-    """Basename → the files that carry it, for every basename held by more than one file (bar SHARED_BASENAMES)."""
+    """Basename → the files that carry it, for every basename held by more than one file (bar
+    SHARED_BASENAMES)."""
     holders: dict[str, list[str]] = {}
     for path in paths:
         if path.name not in SHARED_BASENAMES:
@@ -279,13 +281,16 @@ def long_functions(source: str, filename: str = "<source>") -> list[str]:
 def test_the_function_length_count_sees_long_and_nested_functions():
     body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES - 1))
     assert long_functions(f"@decorator\ndef fits():\n{body}") == []
-    assert long_functions(f"def long():\n{body}    return 0\n") == [f"<source>:1 long ({MAX_FUNCTION_LINES + 1} lines)"]
-    nested = "class C:\n    async def outer(self):\n        def inner():\n" + body.replace("    ", "            ")
+    assert long_functions(f"def long():\n{body}    return 0\n") == ["<source>:1 long "
+                                                                    f"({MAX_FUNCTION_LINES + 1} lines)"]
+    nested = "class C:\n    async def outer(self):\n        def inner():\n" + body.replace(
+        "    ", "            ")
     assert [f.split()[1] for f in long_functions(nested + "            return 0\n")] == ["outer", "inner"]
 
 
 def test_functions_are_at_most_40_lines():
-    tracked = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True, check=True)
+    tracked = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True,
+                             check=True)
     paths = [ROOT / name for name in tracked.stdout.split()]
     assert len(paths) > 100, "git ls-files lists the tracked Python files"
     offenders = [f for path in paths if path.is_file()
@@ -295,7 +300,8 @@ def test_functions_are_at_most_40_lines():
 
 def private_names(source: str) -> set[str]:
     """The `_name`s (dunders aside) a source defines or reaches as attributes."""
-    found = {node.attr if isinstance(node, ast.Attribute) else node.name for node in ast.walk(ast.parse(source))
+    found = {node.attr if isinstance(node, ast.Attribute) else node.name
+             for node in ast.walk(ast.parse(source))
              if isinstance(node, ast.Attribute | ast.FunctionDef | ast.AsyncFunctionDef)}  # fmt: skip
     return {name for name in found if name.startswith("_") and not name.startswith("__")}
 
@@ -303,7 +309,8 @@ def private_names(source: str) -> set[str]:
 def rq_bases(tree: ast.Module) -> dict[str, str]:
     """Name → 'rq.module:Class' for every class the file imports from rq."""
     return {alias.asname or alias.name: f"{node.module}:{alias.name}" for node in ast.walk(tree)
-            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "rq" for alias in node.names}  # fmt: skip
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "rq"
+            for alias in node.names}
 
 
 def rq_class_privates(target: str) -> set[str]:
@@ -320,9 +327,9 @@ def rq_class_privates(target: str) -> set[str]:
 
 
 def rq_reaches(sources: dict[str, str], steps: tuple[str, ...]) -> list[str]:
-    """'file:line what' wherever a source reaches an rq step of the adapter's, a private rq name on an object that
-    is not its own (`job._x`, `getattr(w, "_x")`), or, in a class built on an rq class, one of that class's
-    private names through `self` (or a `def` of one: an override)."""
+    """'file:line what' wherever a source reaches an rq step of the adapter's, a private rq name on an object
+    that is not its own (`job._x`, `getattr(w, "_x")`), or, in a class built on an rq class, one of that
+    class's private names through `self` (or a `def` of one: an override)."""
     import rq
 
     everywhere = set().union(*(private_names(p.read_text()) for p in Path(rq.__file__).parent.rglob("*.py")))
@@ -334,7 +341,8 @@ def rq_reaches(sources: dict[str, str], steps: tuple[str, ...]) -> list[str]:
             for node in ast.walk(tree):
                 if isinstance(node, ast.ClassDef):
                     names = [getattr(b, "id", None) for b in node.bases]
-                    inherited = [rq_class_privates(imported[n]) if n in imported else classes.get(n) for n in names]
+                    inherited = [rq_class_privates(imported[n]) if n in imported else classes.get(n)
+                                 for n in names]
                     if any(i is not None for i in inherited):
                         classes[node.name] = set().union(*(i for i in inherited if i is not None))
     return [f"{file}:{line} {what}" for file, tree in trees.items()
@@ -350,12 +358,13 @@ def _rq_reaches_in(tree: ast.Module, classes: dict[str, set[str]], everywhere: s
                 if name in steps:  # an override of a step only the adapter may call
                     yield node.lineno, f"{klass.name}: def {name}"
             else:
-                name = node.attr if isinstance(node, ast.Attribute) and getattr(node.value, "id", "") == "self" else ""
+                name = (node.attr if isinstance(node, ast.Attribute)
+                        and getattr(node.value, "id", "") == "self" else "")
             if name in classes[klass.name]:
                 yield node.lineno, f"{klass.name}: {name}"
     for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and (node.attr in steps or node.attr in everywhere and
-                                                getattr(node.value, "id", None) not in ("self", "cls")):  # fmt: skip
+        if isinstance(node, ast.Attribute) and (node.attr in steps or node.attr in everywhere
+                                                and getattr(node.value, "id", None) not in ("self", "cls")):
             yield node.lineno, ast.unparse(node)
         if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("getattr", "setattr", "hasattr"):
             named = [a.value for a in node.args[1:2] if isinstance(a, ast.Constant)]
@@ -365,10 +374,10 @@ def _rq_reaches_in(tree: ast.Module, classes: dict[str, set[str]], everywhere: s
 
 def test_the_rq_reach_check_sees_private_names_steps_and_overrides():
     sample = {
-        "a.py": "from rq import SimpleWorker\nclass W(SimpleWorker):\n    def _install_signal_handlers(self): pass\n"
-                "    def go(self, job):\n        self._own = 1\n        self._stop_requested = True\n"
-                "        self.perform_job(job)\n        job._status\n        getattr(job, '_data')\n"
-                "    def perform_job(self, job): pass\n",
+        "a.py": "from rq import SimpleWorker\nclass W(SimpleWorker):\n    def "
+                "_install_signal_handlers(self): pass\n    def go(self, job):\n        self._own = 1\n       "
+                " self._stop_requested = True\n        self.perform_job(job)\n        job._status\n        "
+                "getattr(job, '_data')\n    def perform_job(self, job): pass\n",
         "b.py": "from a import W\nclass V(W):\n    def run(self):\n        return self._finalize_success\n",
         "c.py": "class Plain:\n    def _stop_requested(self): return self._data\n",
     }
@@ -395,14 +404,16 @@ S3_OPENERS = ("open_storage", "open_output", "split_url", "read_url", "url_lines
 
 
 def calls_without_s3_style(source: str) -> list[str]:
-    """Calls of the storage openers that pass no S3 addressing style (`s3_style=`, or every positional one)."""
+    """Calls of the storage openers that pass no S3 addressing style (`s3_style=`, or every positional
+    one)."""
     import inspect
 
     from sluice.contract import storage
 
     found = []
     for node in ast.walk(ast.parse(source)):
-        name = getattr(node, "func", None) and (getattr(node.func, "id", None) or getattr(node.func, "attr", None))
+        name = getattr(node, "func",
+                       None) and (getattr(node.func, "id", None) or getattr(node.func, "attr", None))
         if name in S3_OPENERS:
             position = list(inspect.signature(getattr(storage, name)).parameters).index("s3_style")
             if len(node.args) <= position and "s3_style" not in [k.arg for k in node.keywords]:
@@ -414,22 +425,25 @@ def test_every_storage_opened_outside_the_contract_gets_the_s3_style_from_settin
     """The S3 addressing style is Settings' (SLUICE_S3_ADDRESSING_STYLE), passed down: every call that opens a
     storage outside contract/storage.py names one."""
     sample = "open_storage(url)\nsplit_url(u, s3_style=s)\nread_url(u, None, s)\nS3Storage(b, 'p')\nfoo(u)\n"
-    assert [f.split(" ", 1)[1] for f in calls_without_s3_style(sample)] == ["open_storage(url)", "S3Storage(b, 'p')"]
-    files = [p for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py")) if p.name != "storage.py"]
+    assert [f.split(" ", 1)[1] for f in calls_without_s3_style(sample)] == ["open_storage(url)",
+                                                                            "S3Storage(b, 'p')"]
+    files = [p for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py"))
+             if p.name != "storage.py"]
     found = {str(p.relative_to(ROOT)): calls_without_s3_style(p.read_text()) for p in files}
     assert sum(map(len, found.values())) == 0, {k: v for k, v in found.items() if v}
     assert len(files) > 100
 
 
 PATCHED_LIBRARIES = ("torch", "bitsandbytes")
-# The monkeypatches left (issue 30: none). The two that deferred bitsandbytes' torch.compile and dynamo imports
-# went with bitsandbytes' import on CPU: LLM.int8() runs our kernels there (engine/quantization/int8_cpu.py);
-# where bitsandbytes still serves, it is a plain import.
+# The monkeypatches left (issue 30: none). The two that deferred bitsandbytes' torch.compile and dynamo
+# imports went with bitsandbytes' import on CPU: LLM.int8() runs our kernels there
+# (engine/quantization/int8_cpu.py); where bitsandbytes still serves, it is a plain import.
 KNOWN_PATCHES: set[tuple[str, str]] = set()
 
 
 def library_names(tree: ast.Module) -> set[str]:
-    """Names bound to torch or bitsandbytes, or to anything imported from them (modules, classes, functions)."""
+    """Names bound to torch or bitsandbytes, or to anything imported from them (modules, classes,
+    functions)."""
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -437,7 +451,8 @@ def library_names(tree: ast.Module) -> set[str]:
                       if a.name.split(".")[0] in PATCHED_LIBRARIES}  # fmt: skip
         elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in PATCHED_LIBRARIES:
             names |= {a.asname or a.name for a in node.names}
-        elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and "bnb" in getattr(node.value.func, "id", ""):
+        elif (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+              and "bnb" in getattr(node.value.func, "id", "")):
             names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
     return names
 
@@ -455,29 +470,33 @@ def library_patches(source: str) -> list[str]:
 
     found = []
     for node in ast.walk(tree):
-        targets = {ast.Assign: lambda n: n.targets, ast.AugAssign: lambda n: [n.target],
-                   ast.AnnAssign: lambda n: [n.target], ast.Delete: lambda n: n.targets}.get(type(node), lambda n: [])(node)  # fmt: skip
+        kinds = {ast.Assign: lambda n: n.targets, ast.AugAssign: lambda n: [n.target],
+                 ast.AnnAssign: lambda n: [n.target], ast.Delete: lambda n: n.targets}
+        targets = kinds.get(type(node), lambda n: [])(node)
         found += [ast.unparse(t) for t in targets if isinstance(t, ast.Attribute) and owned(t.value)]
-        found += [ast.unparse(t) for t in targets if isinstance(t, ast.Subscript) and ast.unparse(t.value) == "sys.modules"
+        found += [ast.unparse(t) for t in targets if isinstance(t, ast.Subscript)
+                  and ast.unparse(t.value) == "sys.modules"
                   and any(lib in ast.unparse(t.slice) for lib in PATCHED_LIBRARIES)]  # fmt: skip
-        if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("setattr", "delattr") and node.args:
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("setattr",
+                                                                             "delattr") and node.args:
             found += [ast.unparse(node)] if owned(node.args[0]) else []
     return found
 
 
 def test_the_patch_check_sees_every_way_of_patching_a_library():
-    sample = ("import torch\nimport torch.nn as tnn\nfrom torch import nn\nimport bitsandbytes as bnb\nimport sys\n"
-              "torch.compile = f\ntnn.functional.relu = g\nnn.Linear.forward += h\nsetattr(torch, 'x', 1)\n"
-              "bnb.nn.Linear4bit.forward = k\ndel torch.x\nsys.modules['torch._dynamo'] = None\nb = _bnb()\n"
-              "b.functional.q: int = 1\nmod.weight = w\nstate.dtype = torch.float16\nsetattr(mod, 'x', torch)\n")  # fmt: skip
+    sample = ("import torch\nimport torch.nn as tnn\nfrom torch import nn\nimport bitsandbytes as bnb\n"
+              "import sys\ntorch.compile = f\ntnn.functional.relu = g\nnn.Linear.forward += h\n"
+              "setattr(torch, 'x', 1)\nbnb.nn.Linear4bit.forward = k\ndel torch.x\n"
+              "sys.modules['torch._dynamo'] = None\nb = _bnb()\nb.functional.q: int = 1\nmod.weight = w\n"
+              "state.dtype = torch.float16\nsetattr(mod, 'x', torch)\n")
     assert library_patches(sample) == [
         "torch.compile", "tnn.functional.relu", "nn.Linear.forward", "bnb.nn.Linear4bit.forward", "torch.x",
         "sys.modules['torch._dynamo']", "b.functional.q", "setattr(torch, 'x', 1)"]  # fmt: skip
 
 
 def test_no_module_patches_a_library_beyond_the_known_patches():
-    """No module (engine/ and kernels/ above all) assigns attributes on torch or bitsandbytes (or their classes),
-    save the patches listed in KNOWN_PATCHES, which may only shrink."""
+    """No module (engine/ and kernels/ above all) assigns attributes on torch or bitsandbytes (or their
+    classes), save the patches listed in KNOWN_PATCHES, which may only shrink."""
     files = [p for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py"))]
     found = {(str(p.relative_to(ROOT)), patch) for p in files for patch in library_patches(p.read_text())}
     assert len(files) > 100
@@ -485,8 +504,8 @@ def test_no_module_patches_a_library_beyond_the_known_patches():
 
 
 def test_models_are_built_without_their_random_init_and_without_patching_torch():
-    """build_model skips nn.init through a TorchFunctionMode: no random number is drawn (the generator's state is
-    unchanged), nn.init's functions stay torch's own, and outside the mode they initialise again."""
+    """build_model skips nn.init through a TorchFunctionMode: no random number is drawn (the generator's state
+    is unchanged), nn.init's functions stay torch's own, and outside the mode they initialise again."""
     import torch
 
     from sluice.engine.models.llama import ModelConfig
@@ -495,7 +514,8 @@ def test_models_are_built_without_their_random_init_and_without_patching_torch()
     before = {name: getattr(torch.nn.init, name) for name in dir(torch.nn.init)}
     state = torch.random.get_rng_state()
     model = build_model(ModelConfig.from_hf(read_config(str(ROOT / "models" / "sluice-tiny"))))
-    assert torch.equal(torch.random.get_rng_state(), state) and sum(p.numel() for p in model.parameters()) > 10**6
+    assert torch.equal(torch.random.get_rng_state(),
+                       state) and sum(p.numel() for p in model.parameters()) > 10**6
     with skip_init():
         weight = torch.full((4, 4), 7.0)
         torch.nn.init.kaiming_uniform_(weight, a=5**0.5)

@@ -23,11 +23,12 @@ SCHEMAS = [
     {"type": "object", "properties": {"mood": {"enum": ["merry", "sad", "wrathful"]}}, "required": ["mood"],
      "additionalProperties": False},
     {"type": "object", "properties": {"words": {"type": "array", "items": {"type": "string", "maxLength": 6},
-                                                "maxItems": 2}}, "required": ["words"], "additionalProperties": False},
-    {"type": "object", "properties": {"who": {"type": "object", "properties": {"king": {"type": "boolean"},
-                                                                           "act": {"type": "integer", "minimum": 1,
-                                                                                   "maximum": 5}},
-                                              "required": ["king", "act"], "additionalProperties": False}},
+                                                "maxItems": 2}}, "required": ["words"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {"who": {
+        "type": "object", "properties": {"king": {"type": "boolean"},
+                                         "act": {"type": "integer", "minimum": 1, "maximum": 5}},
+        "required": ["king", "act"], "additionalProperties": False}},
      "required": ["who"], "additionalProperties": False},
     {"type": "object", "properties": {"answer": {"anyOf": [{"type": "integer", "minimum": -3, "maximum": 3},
                                                            {"enum": ["aye", "nay"]}]}},
@@ -82,7 +83,8 @@ def test_masks_are_filled_during_the_forward_with_the_same_outputs(llm):
 @pytest.mark.parametrize("greedy", [True, False])
 def test_structured_with_the_draft_speculating_and_preemption(llm, greedy):
     params = schema_params(10, greedy)
-    spec = LLM(str(TINY), dtype="float32", device="cpu", kv_cache_memory_gb=12 * llm.engine.kv_block_bytes / 1024**3,
+    spec = LLM(str(TINY), dtype="float32", device="cpu",
+               kv_cache_memory_gb=12 * llm.engine.kv_block_bytes / 1024**3,
                speculative={"method": "draft", "model": str(DRAFT), "num_speculative_tokens": 3,
                             "disable_by_batch_size": 64})
     outs = spec.generate([PROMPT] * len(params), params, progress=False)
@@ -90,18 +92,21 @@ def test_structured_with_the_draft_speculating_and_preemption(llm, greedy):
     stats = spec.stats()
     assert stats["spec_accepted"] > 0 and stats["num_preemptions"] > 0
     if greedy:
-        assert [o.token_ids for o in outs] == [o.token_ids for o in llm.generate([PROMPT] * 10, params, progress=False)]
+        assert [o.token_ids for o in outs] == [o.token_ids
+                                               for o in llm.generate([PROMPT] * 10, params, progress=False)]
 
 
 def test_regex_choice_and_grammar(llm):
     cases = [
         (StructuredOutputsParams(regex=r"(Aye|Nay), my lord [0-9]{2}"), r"(Aye|Nay), my lord [0-9]{2}"),
         (StructuredOutputsParams(choice=["Romeo", "Juliet", "Mercutio"]), r"Romeo|Juliet|Mercutio"),
-        (StructuredOutputsParams(grammar='root ::= "Act " [1-5] ", scene " [1-9]'), r"Act [1-5], scene [1-9]"),
+        (StructuredOutputsParams(grammar='root ::= "Act " [1-5] ", scene " [1-9]'),
+         r"Act [1-5], scene [1-9]"),
     ]
     params = [SamplingParams(max_tokens=24, temperature=0.8, seed=i, structured_outputs=so)
               for i, (so, _) in enumerate(cases)]
-    for out, (_, pattern) in zip(llm.generate([PROMPT] * len(cases), params, progress=False), cases, strict=True):
+    for out, (_, pattern) in zip(llm.generate([PROMPT] * len(cases), params, progress=False), cases,
+                                 strict=True):
         assert out.finish_reason == "stop" and re.fullmatch(pattern, out.text), out.text
 
 

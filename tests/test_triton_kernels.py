@@ -1,4 +1,5 @@
-"""Every Triton kernel under TRITON_INTERPRET=1 (fp32/fp16: the interpreter has no bf16 dot) vs the torch reference."""
+"""Every Triton kernel under TRITON_INTERPRET=1 (fp32/fp16: the interpreter has no bf16 dot) vs the torch
+reference."""
 
 from __future__ import annotations
 
@@ -76,7 +77,8 @@ def check_attention(query_lens, context_lens, group, dtype, splits, int8=False, 
     n = sum(query_lens)
     assert (got[:n].float() - want.float()).abs().max().item() < TOL[dtype]
     assert (flat[:n].float() - want.float()).abs().max().item() < TOL[dtype]
-    assert torch.equal(got[n:], torch.zeros_like(got[n:])) and torch.equal(flat[n:], torch.zeros_like(flat[n:]))
+    assert torch.equal(got[n:], torch.zeros_like(got[n:])) and torch.equal(flat[n:],
+                                                                           torch.zeros_like(flat[n:]))
 
 
 @pytest.mark.parametrize("group", [1, 3, 4])
@@ -118,7 +120,8 @@ def test_int8_kv_dequantized_in_registers(group):
 def test_kv_store_skips_padding_slots(dtype):
     t = 12
     k = torch.randn(t, HK, D).to(dtype)
-    v = torch.randn(t, 3 * HK * D).to(dtype)[:, HK * D: 2 * HK * D].view(t, HK, D)  # a view of a fused qkv row
+    # a view of a fused qkv row
+    v = torch.randn(t, 3 * HK * D).to(dtype)[:, HK * D: 2 * HK * D].view(t, HK, D)
     slots = torch.randperm(NB * BS)[:t]
     slots[[3, 7, 11]] = -1
     kc, vc = caches(dtype)

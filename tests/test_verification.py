@@ -1,4 +1,5 @@
-"""Verification of a whole step at once: no per-token host reads, the greedy rule, seeded batch independence."""
+"""Verification of a whole step at once: no per-token host reads, the greedy rule, seeded batch
+independence."""
 
 from __future__ import annotations
 

@@ -39,7 +39,8 @@ def _collapse_supported() -> bool:
 def mid_llama(tmp_path_factory) -> Path:
     """A bf16 llama of ~20 MB: several huge pages of weights."""
     return make_checkpoint(tmp_path_factory.mktemp("mid"), dtype=torch.bfloat16, hidden_size=512,
-                           intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4)
+                           intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
+                           num_key_value_heads=4)
 
 
 def _llm(path: Path, **kw) -> LLM:
@@ -63,21 +64,24 @@ def test_weights_live_in_one_arena_of_huge_pages_and_decode_the_same(mid_llama, 
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     prompts = [[5, 9, 2, 7, 11, 3], [8, 1, 4]]
     assert not arena.settled.is_set()
-    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in plain.generate(prompts, params)]
+    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids
+                                                                    for o in plain.generate(prompts, params)]
     assert arena.settled.wait(60)
     assert arena.collapse_nice == COLLAPSE_NICE > os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     smaps = _mapping(arena.data_ptr())
     assert smaps["Rss"] * 1024 <= arena.used + 2 * HUGE_PAGE < arena.capacity  # the slack is never committed
     if _collapse_supported():
         assert smaps["AnonHugePages"] * 1024 >= (arena.used // HUGE_PAGE - 1) * HUGE_PAGE
-    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in plain.generate(prompts, params)]
+    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids
+                                                                    for o in plain.generate(prompts, params)]
 
 
 @pytest.mark.parametrize("pace", [60.0, 0.01])
 def test_the_huge_page_collapse_waits_while_the_engine_has_work(mid_llama, monkeypatch, pace):
-    """The collapse the first step starts goes on in the engine's idle time: while a request is unfinished it waits
-    (the steps do not share the cores with it), a span every COLLAPSE_PACE seconds at most, so that an engine
-    never idle settles too; once the engine drains, it goes on at once and the arena settles into huge pages."""
+    """The collapse the first step starts goes on in the engine's idle time: while a request is unfinished it
+    waits (the steps do not share the cores with it), a span every COLLAPSE_PACE seconds at most, so that an
+    engine never idle settles too; once the engine drains, it goes on at once and the arena settles into huge
+    pages."""
     monkeypatch.setattr(weight_memory, "COLLAPSE_PACE", pace)
     llm = _llm(mid_llama)
     engine, arena = llm.engine, llm.engine.model.weight_arena
@@ -97,7 +101,8 @@ def test_the_huge_page_collapse_waits_while_the_engine_has_work(mid_llama, monke
 
 def test_a_draft_models_weights_settle_too(mid_llama):
     """A draft model loads into an arena of its own, settled with the target's after the first step."""
-    llm = _llm(mid_llama, speculative={"method": "draft", "model": str(mid_llama), "num_speculative_tokens": 2})
+    llm = _llm(mid_llama,
+               speculative={"method": "draft", "model": str(mid_llama), "num_speculative_tokens": 2})
     arenas = [llm.engine.model.weight_arena, llm.engine.proposer.runner.model.weight_arena]
     assert arenas[0] is not arenas[1] and not any(a.settled.is_set() for a in arenas)
     llm.generate([[5, 9, 2, 7]], SamplingParams(max_tokens=4, temperature=0))
@@ -120,7 +125,8 @@ def test_adopt_keeps_views_of_one_storage_views_of_one_copy():
     arena = WeightArena(64 * 64 * 4 + 1000 * 2 + 1024)
     moved = arena.adopt(mod)
     assert moved == 64 * 64 * 4 + 1000 * 2
-    assert arena.holds(mod.weight) and arena.holds(mod.codes) and arena.holds(mod.tail) and not arena.holds(mod.big)
+    assert (arena.holds(mod.weight) and arena.holds(mod.codes) and arena.holds(mod.tail)
+            and not arena.holds(mod.big))
     assert mod.tail.untyped_storage().data_ptr() == mod.codes.untyped_storage().data_ptr()
     assert isinstance(mod.weight, nn.Parameter) and mod.weight.data_ptr() % 64 == 0
     for k, v in mod.state_dict().items():
@@ -136,9 +142,9 @@ def _reserve(path: Path, kept: str, budget: int = 1 << 40) -> weight_reserve.Res
 
 
 def test_the_arena_is_the_map_reserved_and_faulted_in_before_the_load(mid_llama):
-    """A reservation made from the headers alone (engine.weight_reserve, as the worker's entry point makes it) is
-    the arena: the same map; with a memory budget below the weights' size, its first budget's bytes faulted in
-    ahead (POPULATE_WRITE: the kernel's count of the map's resident pages covers them before anything is
+    """A reservation made from the headers alone (engine.weight_reserve, as the worker's entry point makes it)
+    is the arena: the same map; with a memory budget below the weights' size, its first budget's bytes faulted
+    in ahead (POPULATE_WRITE: the kernel's count of the map's resident pages covers them before anything is
     written), nothing read ahead; the model decodes as one loaded without."""
     reservation = _reserve(mid_llama, "BF16", budget=(8 << 20) + 4096)
     reservation._thread.join(60)
@@ -152,17 +158,20 @@ def test_the_arena_is_the_map_reserved_and_faulted_in_before_the_load(mid_llama)
     plain = _llm(mid_llama, huge_pages=False)
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     prompts = [[5, 9, 2, 7, 11, 3]]
-    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in plain.generate(prompts, params)]
+    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids
+                                                                    for o in plain.generate(prompts, params)]
     assert arena.prefaulted == reservation.fault  # the first step settled the arena, its reservation finished
 
 
 def test_the_weights_read_ahead_are_the_models_own(mid_llama):
-    """With room in its budget the reservation reads every tensor the model keeps as stored into the arena while
-    torch would still be importing: the loader takes each where it lies (the fused q/k/v and gate/up weights one
-    view over parts read back to back), reads none again, and the model decodes as one loaded without."""
+    """With room in its budget the reservation reads every tensor the model keeps as stored into the arena
+    while torch would still be importing: the loader takes each where it lies (the fused q/k/v and gate/up
+    weights one view over parts read back to back), reads none again, and the model decodes as one loaded
+    without."""
     reservation = _reserve(mid_llama, "BF16")
     stored = weight_reserve.stored_tensors(weight_reserve.safetensors_files(mid_llama))
-    assert set(reservation.slots) == set(stored) and reservation.ahead >= sum(t.nbytes for t in stored.values())
+    assert (set(reservation.slots) == set(stored)
+            and reservation.ahead >= sum(t.nbytes for t in stored.values()))
     llm = _llm(mid_llama, weight_reservation=reservation)
     model, arena = llm.engine.model, llm.engine.model.weight_arena
     assert reservation.taken == set(reservation.slots) == reservation.read
@@ -174,15 +183,17 @@ def test_the_weights_read_ahead_are_the_models_own(mid_llama):
     plain = _llm(mid_llama, huge_pages=False)
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     prompts = [[5, 9, 2, 7, 11, 3]]
-    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in plain.generate(prompts, params)]
+    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids
+                                                                    for o in plain.generate(prompts, params)]
     for name, p in plain.engine.model.named_parameters():
         assert torch.equal(p, model.get_parameter(name)), name
 
 
 @pytest.mark.parametrize("arch", ["mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"])
 def test_every_native_architecture_takes_every_tensor_read_ahead(tmp_path, arch):
-    """Biases of fused projections (Qwen2), per-head norms (Qwen3) and experts (Mixtral, Qwen3-MoE) are read ahead
-    where the loader wants them too: nothing is read twice or left untaken, and greedy tokens match a plain load."""
+    """Biases of fused projections (Qwen2), per-head norms (Qwen3) and experts (Mixtral, Qwen3-MoE) are read
+    ahead where the loader wants them too: nothing is read twice or left untaken, and greedy tokens match a
+    plain load."""
     path = make_checkpoint(tmp_path / arch, arch, dtype=torch.bfloat16)
     reservation = _reserve(path, "BF16")
     llm = _llm(path, weight_reservation=reservation)
@@ -193,10 +204,11 @@ def test_every_native_architecture_takes_every_tensor_read_ahead(tmp_path, arch)
 
 
 def test_a_sharded_checkpoint_is_read_ahead_across_its_files(tmp_path):
-    """A checkpoint in several safetensors files (an index naming them) is read ahead file by file; the load takes
-    every tensor where it lies and decodes as one loaded without."""
+    """A checkpoint in several safetensors files (an index naming them) is read ahead file by file; the load
+    takes every tensor where it lies and decodes as one loaded without."""
     path = make_checkpoint(tmp_path / "sharded", dtype=torch.bfloat16, hidden_size=256, intermediate_size=768,
-                           num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, max_shard_size="2MB")
+                           num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                           max_shard_size="2MB")
     files = weight_reserve.safetensors_files(path)
     assert len(files) > 2 and (path / "model.safetensors.index.json").is_file()
     reservation = _reserve(path, "BF16")
@@ -209,12 +221,13 @@ def test_a_sharded_checkpoint_is_read_ahead_across_its_files(tmp_path):
 
 
 def test_a_read_ahead_that_fails_part_way_leaves_the_rest_to_the_loader(mid_llama, monkeypatch):
-    """A reservation whose reads fail part way (here: after three reads, a weight file gone) hands over what it
-    read; the loader reads the rest itself, into the arena past the part read ahead, and the weights are the
-    checkpoint's."""
+    """A reservation whose reads fail part way (here: after three reads, a weight file gone) hands over what
+    it read; the loader reads the rest itself, into the arena past the part read ahead, and the weights are
+    the checkpoint's."""
     calls = weight_reserve.read_calls
     monkeypatch.setattr(weight_reserve, "READ_CALL", 1 << 16)
-    monkeypatch.setattr(weight_reserve, "read_calls", lambda slots: [*calls(slots)[:3], ("gone", 0, [("x", 8)])])
+    monkeypatch.setattr(weight_reserve, "read_calls",
+                        lambda slots: [*calls(slots)[:3], ("gone", 0, [("x", 8)])])
     reservation = _reserve(mid_llama, "BF16")
     reservation._thread.join(60)
     llm = _llm(mid_llama, weight_reservation=reservation)
@@ -250,10 +263,10 @@ def test_tensors_read_ahead_that_nothing_takes_are_handed_back(mid_llama, tmp_pa
 
 
 def test_the_read_ahead_layout_and_its_reads():
-    """The layout keeps floating tensors stored in the kept dtype and the others as stored, each group on a cache
-    line and a fused projection's parts back to back in the model's order; past them, as transient, those the
-    load rebuilds (bitsandbytes' 4-bit state, a norm in another dtype) while they are few; the reads cover the file
-    in few calls, stepping over short stretches."""
+    """The layout keeps floating tensors stored in the kept dtype and the others as stored, each group on a
+    cache line and a fused projection's parts back to back in the model's order; past them, as transient,
+    those the load rebuilds (bitsandbytes' 4-bit state, a norm in another dtype) while they are few; the reads
+    cover the file in few calls, stepping over short stretches."""
     S = weight_reserve.Stored
     tensors = {
         "model.layers.0.self_attn.k_proj.weight": S("a", 0, 256, "BF16", (16, 8)),
@@ -288,31 +301,34 @@ def test_the_read_ahead_layout_and_its_reads():
     assert calls[1] == ("b", 8, [("model.layers.0.mlp.up_proj.weight", 100)])  # the next is 2 MB on: a call
     assert calls[2] == ("b", (2 << 20) + 112, [("model.layers.0.mlp.gate_proj.weight", 100)])
     near = {n: s for n, s in slots.items() if s.file == "a"} | {"x": weight_reserve.Slot("a", 1300, 10, 5000)}
-    assert weight_reserve.read_calls(near)[0][2][-2:] == [(None, 1300 - 1224), ("x", 10)]  # a short stretch read over
+    assert weight_reserve.read_calls(near)[0][2][-2:] == [(None, 1300 - 1224), ("x", 10)]
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4-nf4", "int4-fp4-double"])
 def test_a_prequantized_checkpoints_state_is_read_ahead_and_handed_back(mid_llama, tmp_path, mode):
     """The state beside a pre-quantized linear's codes (int8: its row scales; int4: absmax, quant map, nested
-    state, bitsandbytes' JSON) is read ahead too, past the codes, as transient, and the pages past it where the load
-    writes what it makes (NF4's bf16 absmax) are faulted in; the load takes every tensor read ahead (but int8's
-    weight_format markers, which it does not read), keeps nothing on those pages (the arena adopts the buffers
-    lying there), and their pages go back when the arena settles; greedy tokens, before and after, are a plain
-    load's."""
+    state, bitsandbytes' JSON) is read ahead too, past the codes, as transient, and the pages past it where
+    the load writes what it makes (NF4's bf16 absmax) are faulted in; the load takes every tensor read ahead
+    (but int8's weight_format markers, which it does not read), keeps nothing on those pages (the arena adopts
+    the buffers lying there), and their pages go back when the arena settles; greedy tokens, before and after,
+    are a plain load's."""
     from sluice.cli.quantize import quantize
 
-    quant = {"int8": ("int8", "nf4", False), "int4-nf4": ("int4", "nf4", False), "int4-fp4-double": ("int4", "fp4", True)}
+    quant = {"int8": ("int8", "nf4", False), "int4-nf4": ("int4", "nf4", False),
+             "int4-fp4-double": ("int4", "fp4", True)}
     quantize(mid_llama, tmp_path, *quant[mode], dtype="bfloat16")
     reservation = _reserve(tmp_path, "BF16")
     passing = {n: s for n, s in reservation.slots.items() if s.transient}
     assert passing and all(n.endswith((".SCB", ".weight_format")) or ".weight." in n for n in passing)
     reservation._thread.join(60)
-    if mode == "int4-nf4":  # its fp32 absmax becomes a bf16 copy in the arena: those pages are faulted in ahead
+    # its fp32 absmax becomes a bf16 copy in the arena: those pages are faulted in ahead
+    if mode == "int4-nf4":
         assert reservation.faulted > -(-reservation.ahead // 4096) * 4096
     llm = _llm(tmp_path, weight_reservation=reservation)
     model, arena = llm.engine.model, llm.engine.model.weight_arena
     assert set(reservation.slots) == reservation.read
-    assert set(reservation.slots) - reservation.taken == {n for n in reservation.slots if n.endswith(".weight_format")}
+    assert set(reservation.slots) - reservation.taken == {n for n in reservation.slots
+                                                          if n.endswith(".weight_format")}
     assert all(arena.holds(t) and not arena.passing(t) for t in [*model.parameters(), *model.buffers()])
     plain = _llm(tmp_path, huge_pages=False)
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -339,8 +355,8 @@ def _resident(address: int, nbytes: int) -> int:
 
 
 def test_pages_faulted_past_what_the_arena_wrote_are_handed_back(mid_llama):
-    """A reservation that guessed too large (weights kept in 4 bytes, loaded in bf16) is still the arena; the pages
-    it faulted in past what the load wrote are handed back, so the map holds what the weights need."""
+    """A reservation that guessed too large (weights kept in 4 bytes, loaded in bf16) is still the arena; the
+    pages it faulted in past what the load wrote are handed back, so the map holds what the weights need."""
     reservation = _reserve(mid_llama, "F32")
     reservation._thread.join(60)
     assert not reservation.slots  # no tensor is stored as kept: nothing read ahead, the pages faulted in
@@ -353,8 +369,8 @@ def test_pages_faulted_past_what_the_arena_wrote_are_handed_back(mid_llama):
 
 
 def test_a_reservation_that_does_not_fit_is_unmapped_and_another_models_is_left(mid_llama, tmp_path):
-    """Too small a reservation (weights guessed at one byte) is unmapped when the load looks for it and the arena
-    maps its own; one for another folder is left for that model, and `discard` unmaps it."""
+    """Too small a reservation (weights guessed at one byte) is unmapped when the load looks for it and the
+    arena maps its own; one for another folder is left for that model, and `discard` unmaps it."""
     small = _reserve(mid_llama, "F8_E4M3")
     arena = _llm(mid_llama, weight_reservation=small).engine.model.weight_arena
     assert small.map.closed and arena.prefaulted == 0

@@ -26,16 +26,18 @@ from sluice.kernels import cpp_build, cpu_isa
 from tests.checkpoints import make_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = ("pyproject.toml", "setup.py", "build_backend", "MANIFEST.in", "README.md", "sluice", "engine", "kernels",
-           "contract", "producer", "worker", "cli")
+SOURCES = ("pyproject.toml", "setup.py", "build_backend", "MANIFEST.in", "README.md", "sluice", "engine",
+           "kernels", "contract", "producer", "worker", "cli")
 # The Python the wheel's venv runs on: the one running the tests (torch's CPU wheel on this disk is for it; a
 # second version would pull torch's CUDA build, several GB, from the registry).
 PYTHON = Path(getattr(sys, "_base_executable", sys.executable))
 
 TINY = ROOT / "models" / "sluice-tiny"
-# the first test builds the wheel (seven compiles; on a loaded 2-core host longer than the suite's default limit)
+# the first test builds the wheel (seven compiles; on a loaded 2-core host longer than the suite's default
+# limit)
 pytestmark = pytest.mark.timeout(5400)
-TAG = f"-cp{sys.version_info.major}{sys.version_info.minor}-cp{sys.version_info.major}{sys.version_info.minor}-linux_x86_64.whl"
+PY = f"{sys.version_info.major}{sys.version_info.minor}"
+TAG = f"-cp{PY}-cp{PY}-linux_x86_64.whl"
 MANIFEST = "sluice/kernels/prebuilt/manifest.json"
 
 CHILD = """
@@ -60,7 +62,8 @@ print(json.dumps({
     "tokens": out[0].token_ids, "attention_calls": len(calls), "extension": ext.__file__,
     "sluice": str(Path(sluice.kernels.__file__).parent), "hub_kernels": hub_kernels.__file__,
     "hub_kernels_version": version("kernels"), "transformers": version("transformers"),
-    "bare": {name: importlib.util.find_spec(name) is not None for name in ("engine", "worker", "producer", "contract", "cli")},
+    "bare": {name: importlib.util.find_spec(name) is not None
+             for name in ("engine", "worker", "producer", "contract", "cli")},
 }))
 """
 
@@ -70,16 +73,17 @@ def _run(*cmd: str | Path, cwd: Path | None = None, env: dict | None = None) -> 
 
 
 def _run_both(*cmd: str | Path, cwd: Path | None = None, env: dict | None = None) -> tuple[str, str]:
-    result = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=2400)
+    result = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True,
+                            timeout=2400)
     assert result.returncode == 0, f"{cmd}: {result.stdout[-2000:]}\n{result.stderr[-4000:]}"
     return result.stdout, result.stderr
 
 
 @pytest.fixture(scope="session")
 def wheel() -> Path:
-    """The wheel `pip wheel` builds from a copy of the sources (the checkout stays free of build output), kept in
-    tmp per source tree, torch and Python: it compiles every kernel library for every tier, so it is built once
-    per change of the sources, never twice for the same ones."""
+    """The wheel `pip wheel` builds from a copy of the sources (the checkout stays free of build output), kept
+    in tmp per source tree, torch and Python: it compiles every kernel library for every tier, so it is built
+    once per change of the sources, never twice for the same ones."""
     cache = Path(tempfile.gettempdir()) / f"sluice-wheel-{_sources_key()}"
     found = sorted(cache.glob("sluice-*.whl"))
     if found:
@@ -127,7 +131,8 @@ def _setuptools_builds_wheels() -> bool:
 
 
 def _venv_base() -> Path:
-    """A venv with the wheel's dependencies, the newest transformers and `kernels`, cached in tmp per pyproject."""
+    """A venv with the wheel's dependencies, the newest transformers and `kernels`, cached in tmp per
+    pyproject."""
     key = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + str(PYTHON).encode()).hexdigest()[:12]
     venv = Path(tempfile.gettempdir()) / f"sluice-wheel-venv-{key}"
     if not (venv / ".ready").is_file():
@@ -161,7 +166,8 @@ def test_the_wheel_carries_every_kernel_source_and_header(wheel):
     csrc = sorted(p.name for p in (ROOT / "kernels" / "csrc").iterdir() if p.is_file())
     assert any(name.endswith(".h") for name in csrc) and any(name.endswith(".cpp") for name in csrc)
     assert [n for n in csrc if f"sluice/kernels/csrc/{n}" not in names] == []
-    assert not any(n.split("/")[0] in ("engine", "kernels", "worker", "producer", "contract", "cli") for n in names)
+    assert not any(n.split("/")[0] in ("engine", "kernels", "worker", "producer", "contract", "cli")
+                   for n in names)
 
 
 def test_the_wheel_carries_one_prebuilt_object_per_tier_and_a_manifest(wheel):
@@ -180,7 +186,8 @@ def test_the_wheel_carries_one_prebuilt_object_per_tier_and_a_manifest(wheel):
             entry = objects[name, cpp_build.object_tier(tier, source)]
             assert entry["source_hash"] == cpp_build.source_hash(source)
             assert entry["flags"] == cpp_build.prebuilt_flags(entry["tier"])
-            assert set(cpu_isa.TIER_FLAGS[entry["tier"]]) <= set(entry["flags"]) and "-march=native" not in entry["flags"]
+            assert (set(cpu_isa.TIER_FLAGS[entry["tier"]]) <= set(entry["flags"])
+                    and "-march=native" not in entry["flags"])
             blob = archive.read(f"sluice/kernels/prebuilt/{entry['file']}")
             assert blob[:4] == b"\x7fELF" and entry["file"].startswith(f"{entry['tier']}/")
             digests.add(hashlib.sha256(blob).hexdigest())
@@ -189,10 +196,12 @@ def test_the_wheel_carries_one_prebuilt_object_per_tier_and_a_manifest(wheel):
 
 
 def _env(cache: Path, **extra: str) -> dict[str, str]:
-    """The environment of a process in the wheel's venv: nothing of this checkout's, `cache` as the kernel cache."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV", "TORCH_EXTENSIONS"))}
-    return env | {"TORCH_EXTENSIONS_DIR": str(cache / "torch"), "XDG_CACHE_HOME": str(cache), "HF_HUB_OFFLINE": "1",
-                  **extra}
+    """The environment of a process in the wheel's venv: nothing of this checkout's, `cache` as the kernel
+    cache."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PYTHON", "VIRTUAL_ENV", "TORCH_EXTENSIONS"))}
+    return env | {"TORCH_EXTENSIONS_DIR": str(cache / "torch"), "XDG_CACHE_HOME": str(cache),
+                  "HF_HUB_OFFLINE": "1", **extra}
 
 
 PREBUILT_CHILD = """
@@ -209,9 +218,9 @@ print(json.dumps({"tokens": out[0].token_ids, "compiler": cpp_build.compiler(), 
 
 
 def test_installed_wheel_generates_on_its_prebuilt_kernels_with_no_compiler(installed, tmp_path):
-    """With CXX naming no compiler and an empty kernel cache, the first generate on the bundled model loads the
-    wheel's object for this CPU's tier, compiles nothing (no compiler, no torch cpp_extension, nothing cached),
-    `sluice doctor` says "prebuilt (wheel)" for every library, and the tokens are this checkout's."""
+    """With CXX naming no compiler and an empty kernel cache, the first generate on the bundled model loads
+    the wheel's object for this CPU's tier, compiles nothing (no compiler, no torch cpp_extension, nothing
+    cached), `sluice doctor` says "prebuilt (wheel)" for every library, and the tokens are this checkout's."""
     cache = tmp_path / "cache"
     env = _env(cache, CXX=str(tmp_path / "no-such-compiler"))
     work = tmp_path / "elsewhere"
@@ -221,7 +230,8 @@ def test_installed_wheel_generates_on_its_prebuilt_kernels_with_no_compiler(inst
     got = json.loads(out.splitlines()[-1])
     assert got["compiler"] is None and not got["compiler_imported"]
     tier = cpp_build.object_tier(got["tier"], cpp_build.CORE)
-    assert got["core"].startswith(str(Path(got["prebuilt"]) / tier)) and got["prebuilt"].startswith(str(installed))
+    assert (got["core"].startswith(str(Path(got["prebuilt"]) / tier))
+            and got["prebuilt"].startswith(str(installed)))
     assert not any(cache.rglob("*.so"))
     doctor = json.loads(_run(installed / "bin" / "sluice", "doctor", "--json", cwd=work, env=env))
     assert doctor["compiler"] is None and doctor["tier"] == got["tier"]
@@ -234,11 +244,12 @@ def test_installed_wheel_generates_on_its_prebuilt_kernels_with_no_compiler(inst
     assert got["tokens"] == ours[0].token_ids and len(got["tokens"]) == 8
 
 
-def test_installed_wheel_with_a_mismatched_manifest_builds_visibly_beside_current_transformers(installed, tmp_path):
+def test_installed_wheel_with_a_mismatched_manifest_builds_visibly_beside_current_transformers(
+    installed, tmp_path):
     """From a folder outside the checkout, the wheel's objects with another torch in their manifest: the hub's
-    `kernels` is importable as itself, our bare names are not, the attention kernel builds from the venv's copy of
-    csrc/ into the kernel cache with a line saying so (tier, where, about how long, why), carries every attention
-    call, and the greedy tokens are the ones this checkout's engine gives."""
+    `kernels` is importable as itself, our bare names are not, the attention kernel builds from the venv's
+    copy of csrc/ into the kernel cache with a line saying so (tier, where, about how long, why), carries
+    every attention call, and the greedy tokens are the ones this checkout's engine gives."""
     model = make_checkpoint(tmp_path / "tiny-llama", "llama")
     prompt = "to be or not to be"
     site = next(installed.glob("lib/python*/site-packages"))
@@ -254,7 +265,8 @@ def test_installed_wheel_with_a_mismatched_manifest_builds_visibly_beside_curren
     got = json.loads(out.splitlines()[-1])
     tier = cpp_build.object_tier(cpu_isa.tier(), cpp_build.CORE)
     root = cache / "sluice" / "kernels"
-    assert f"compiling the C++ CPU kernels sluice_cpu_kernels_{tier}_" in err and f"for the {tier} tier" in err
+    assert (f"compiling the C++ CPU kernels sluice_cpu_kernels_{tier}_" in err
+            and f"for the {tier} tier" in err)
     assert f"into {root}" in err and "about a minute" in err and "torch 2.0.0+cpu" in err
     assert got["extension"].startswith(str(root)), got["extension"]
     assert got["sluice"].startswith(str(installed)) and not got["sluice"].startswith(str(ROOT))

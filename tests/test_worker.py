@@ -56,7 +56,8 @@ def fetch(client: Client, job_id: str) -> Job:
 
 
 def generated_alone(llm) -> dict[str, str]:
-    """What LLM.generate / LLM.chat give for the 24 completions and 4 chats of the test below, by custom_id."""
+    """What LLM.generate / LLM.chat give for the 24 completions and 4 chats of the test below, by
+    custom_id."""
     params = SamplingParams(max_tokens=6, temperature=0)
     prompts = [f"the quick brown fox {i}" for i in range(24)]
     want = {f"c{i}": o.text for i, o in enumerate(llm.generate(prompts, params, progress=False))}
@@ -109,7 +110,8 @@ def test_shards_share_the_engine_finish_through_rq_and_match_generate(llm, redis
 
 def test_a_shard_job_queued_under_the_function_name_before_the_rename_still_runs(llm, redis_url, tmp_path):
     """A shard enqueued by a producer before worker/shards.py became worker/shard_run.py (its job still names
-    sluice.worker.shards.run_shard) runs and the batch completes, instead of being refused as a foreign job."""
+    sluice.worker.shards.run_shard) runs and the batch completes, instead of being refused as a foreign
+    job."""
     client = Client(redis_url)
     batch = client.submit_batch([completion(1), completion(2)], output=tmp_path.as_uri(), shard_size=1)
     queue = queue_for(client.connection, "default")

@@ -1,4 +1,5 @@
-"""The worker's flags come from EngineConfig's fields: every settable field has one, typed, and reaches LLM."""
+"""The worker's flags come from EngineConfig's fields: every settable field has one, typed, and reaches
+LLM."""
 
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ def test_every_settable_field_is_a_flag_of_its_type(command):
         assert parse(command)[f.name] is None, f"{f.name}: the config, not the CLI, holds the default"
         kind = engine_flags._unwrap_optional(hints[f.name])
         if kind is bool:
-            assert parse(command, flag)[f.name] is True and parse(command, "--no-" + flag[2:])[f.name] is False
+            assert parse(command, flag)[f.name] is True and parse(command,
+                                                                  "--no-" + flag[2:])[f.name] is False
         elif engine_flags.is_json(hints[f.name]):
             assert engine_flags.engine_kwargs(parse(command, flag, '{"a": [1]}'))[f.name] == {"a": [1]}
         elif kind in samples:

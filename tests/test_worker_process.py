@@ -69,9 +69,11 @@ def test_sigterm_hands_in_flight_shards_back(tiny_llama, redis_url, tmp_path):
 
 
 def test_sigterm_stops_an_idle_worker_at_once(tiny_llama, redis_url, tmp_path):
-    """After its work an idle worker leaves within 2 s of SIGTERM, not after rq's 60 s command-channel read."""
+    """After its work an idle worker leaves within 2 s of SIGTERM, not after rq's 60 s command-channel
+    read."""
     client = Client(redis_url)
-    batch = client.submit_batch([long_request(i, 8) for i in range(4)], output=tmp_path.as_uri(), shard_size=2)
+    batch = client.submit_batch([long_request(i, 8) for i in range(4)], output=tmp_path.as_uri(),
+                                shard_size=2)
     log = tmp_path / "worker.log"
     worker = start_worker(tiny_llama, redis_url, log, "--max-num-seqs", "4")
     try:

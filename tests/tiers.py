@@ -1,8 +1,8 @@
 """Kernel tests run on every CPU ISA tier this host can execute (an AVX-512 host runs the avx2 tier too).
 
-`TEST_TIERS` is the runnable tiers (to the SLUICE_CPU_ISA cap), but `amx` only where a csrc/ file has AMX code:
-until then its object is the avx512_bf16 one (cpp_build.object_tier). A test module takes every tier with
-`cpu_tier = tier_fixture()` (autouse) at module level, or a test asks for the `cpu_tier` fixture itself.
+`TEST_TIERS` is the runnable tiers (to the SLUICE_CPU_ISA cap), but `amx` only where a csrc/ file has AMX
+code: until then its object is the avx512_bf16 one (cpp_build.object_tier). A test module takes every tier
+with `cpu_tier = tier_fixture()` (autouse) at module level, or a test asks for the `cpu_tier` fixture itself.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ TEST_TIERS = [t for t in cpu_isa.runnable_tiers() if t != "amx" or _amx_code()] 
 
 
 def use_tier(monkeypatch, tier: str) -> None:
-    """Make `tier` this process's chosen tier until the test ends (its kernels load from that tier's objects)."""
+    """Make `tier` this process's chosen tier until the test ends (its kernels load from that tier's
+    objects)."""
     if tier == cpu_isa.GENERIC:
         monkeypatch.delenv(cpu_isa.ENV, raising=False)
     else:

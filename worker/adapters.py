@@ -93,7 +93,8 @@ class Adapters:
         return None
 
     def _local(self, path: str) -> str:
-        """A local folder holding the adapter: the path itself, or an s3:// adapter copied into the cache once."""
+        """A local folder holding the adapter: the path itself, or an s3:// adapter copied into the cache
+        once."""
         if not path.startswith(S3):
             return path
         folder = self.cache / hashlib.sha256(path.encode()).hexdigest()[:24]

@@ -12,7 +12,8 @@ log = logging.getLogger(__name__)
 MAX_BACKOFF_S = 30.0
 
 
-def supervised(name: str, target: Callable[[threading.Event], None], stop: threading.Event) -> threading.Thread:
+def supervised(name: str, target: Callable[[threading.Event], None],
+               stop: threading.Event) -> threading.Thread:
     """Run target(stop) in a daemon thread; when it raises, log it and run it again after a backoff."""
 
     def loop() -> None:

@@ -1,4 +1,5 @@
-"""The worker's command line, `python -m sluice.worker ...` and `sluice worker ...`: one engine fed from the queues.
+"""The worker's command line, `python -m sluice.worker ...` and `sluice worker ...`: one engine fed from the
+queues.
 
 The engine flags (--dtype, --max-num-seqs, --speculative, ...) are generated from `EngineConfig`'s fields.
 """
@@ -25,13 +26,15 @@ from sluice.worker.prefetch import process_reservation
 from sluice.worker.worker import EngineWorker
 
 MODEL_HELP = f"{engine_flags.field_help('model')} Default: $SLUICE_MODEL."
-TTL_HELP = "Seconds before a silent worker's shards count as abandoned (default: $SLUICE_HEARTBEAT_TTL or 30)."
+TTL_HELP = ("Seconds before a silent worker's shards count as abandoned (default: $SLUICE_HEARTBEAT_TTL "
+            "or 30).")
 GRACE_HELP = "Seconds to finish in-flight shards after SIGTERM before handing back."
 METRICS_HELP = "Serve Prometheus /metrics, /healthz and /readyz (ready once loaded and warmed) here."
 REDIS_HELP = "Redis URL (default: $SLUICE_REDIS_URL or redis://127.0.0.1:6379/0)"
-LORA_HELP = "A LoRA adapter lines may name as their model: NAME=PATH (a PEFT folder, local or s3://); repeatable."
-LORA_DIR_HELP = ("A folder of PEFT adapter folders (local or s3://), each served under its folder's name, found when "
-                 "a line first names it; repeatable.")
+LORA_HELP = ("A LoRA adapter lines may name as their model: NAME=PATH (a PEFT folder, local or s3://); "
+             "repeatable.")
+LORA_DIR_HELP = ("A folder of PEFT adapter folders (local or s3://), each served under its folder's name, "
+                 "found when a line first names it; repeatable.")
 
 
 def start(
@@ -109,7 +112,8 @@ def load(model: str, engine_args: dict[str, Any]) -> LLM:
 
 
 def deliver_webhooks(connection: redis.Redis, settings: Settings, stop: threading.Event) -> None:
-    """The webhook delivery loop; its modules (urllib3, signing) load here, in its own thread, off the start-up."""
+    """The webhook delivery loop; its modules (urllib3, signing) load here, in its own thread, off the
+    start-up."""
     from sluice.contract.signing import WebhookSettings
     from sluice.worker import webhooks as delivery
 

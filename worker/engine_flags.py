@@ -28,8 +28,9 @@ def field_help(name: str) -> str:
 
 @functools.cache
 def field_docs(cls: type) -> dict[str, str]:
-    """The attribute docstrings of a dataclass (a string literal right below a field), by field name (its module's
-    source parsed once: inspect.getsource's search for the class costs a worker's start more than the parse)."""
+    """The attribute docstrings of a dataclass (a string literal right below a field), by field name (its
+    module's source parsed once: inspect.getsource's search for the class costs a worker's start more than the
+    parse)."""
     try:
         with open(inspect.getsourcefile(cls) or "", encoding="utf-8") as f:
             tree = ast.parse(f.read())
@@ -94,12 +95,14 @@ def parameters() -> list[inspect.Parameter]:
     out = []
     for f in _settable():
         annotation, option = _option(f, hints[f.name], docs.get(f.name, ""))
-        out.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=annotation))
+        out.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=option,
+                                     annotation=annotation))
     return out
 
 
 def engine_kwargs(options: dict[str, Any]) -> dict[str, Any]:
-    """Pop the engine flags out of a command's options: those given, JSON ones parsed, for `LLM(model, **kw)`."""
+    """Pop the engine flags out of a command's options: those given, JSON ones parsed, for `LLM(model,
+    **kw)`."""
     hints = typing.get_type_hints(EngineConfig)
     names = [f.name for f in _settable()]
     given = {name: options.pop(name, None) for name in names}

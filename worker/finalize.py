@@ -1,4 +1,5 @@
-"""The finalize job: merge shard outputs into output.jsonl / errors.jsonl, one line per custom_id; final status."""
+"""The finalize job: merge shard outputs into output.jsonl / errors.jsonl, one line per custom_id; final
+status."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ MISSING = {JobStatus.CANCELED: "batch_cancelled", JobStatus.FAILED: "shard_faile
 
 
 class ShardLost(LookupError):
-    """A shard that wrote no output and has no rq job either: its requests are unknown (submit was cut short)."""
+    """A shard that wrote no output and has no rq job either: its requests are unknown (submit was cut
+    short)."""
 
 
 def shard_records(
@@ -65,7 +67,8 @@ def shard_records(
 
 @dataclass
 class Merged:
-    """What streaming a batch's records taught: counts, lost shards, expiry, and the record of a batch of one."""
+    """What streaming a batch's records taught: counts, lost shards, expiry, and the record of a batch of
+    one."""
 
     completed: int = 0
     failed: int = 0
@@ -137,14 +140,17 @@ def write_outputs(storage: Storage, connection: redis.Redis, batch: Batch) -> Wr
     return output_file, error_file, merged
 
 
-def write_or_fail(connection: redis.Redis, batch: Batch, settings: Settings) -> tuple[str, str | None, Merged] | None:
-    """write_outputs, or None when this worker may not write the output (outside the settings' output roots, not
-    writable): the batch is then failed for good (no retry, no reaper loop)."""
+def write_or_fail(connection: redis.Redis, batch: Batch,
+                  settings: Settings) -> tuple[str, str | None, Merged] | None:
+    """write_outputs, or None when this worker may not write the output (outside the settings' output roots,
+    not writable): the batch is then failed for good (no retry, no reaper loop)."""
     try:
-        storage = open_output(batch.output_url, settings.output_root_urls(), s3_style=settings.s3_addressing_style)
+        storage = open_output(batch.output_url, settings.output_root_urls(),
+                              s3_style=settings.s3_addressing_style)
         return write_outputs(storage, connection, batch)
     except (OutputNotAllowed, PermissionError) as exc:
-        fail_batch(connection, batch.id, OUTPUT_NOT_ALLOWED, f"the batch's output could not be written: {exc}", settings)
+        fail_batch(connection, batch.id, OUTPUT_NOT_ALLOWED,
+                   f"the batch's output could not be written: {exc}", settings)
         return None
 
 
@@ -161,21 +167,23 @@ def final_status(batch: Batch, merged: Merged) -> BatchStatus:
 
 
 def batch_errors(batch: Batch, merged: Merged) -> list[LineError]:
-    """Why a batch did not run all its requests, as batch-level errors (the error file has the per-request ones)."""
+    """Why a batch did not run all its requests, as batch-level errors (the error file has the per-request
+    ones)."""
     errors = []
     if merged.lost:
-        message = f"shards {merged.lost} were never enqueued (the submit stopped part way); their requests are in neither file"
+        message = (f"shards {merged.lost} were never enqueued (the submit stopped part way); their requests "
+                   "are in neither file")
         errors.append(LineError(code="shards_lost", message=message))
     if merged.failed_shards:
         message = (
-            f"shards {merged.failed_shards} failed on every attempt (see the workers' logs); their requests are in "
-            "the error file with code shard_failed"
+            f"shards {merged.failed_shards} failed on every attempt (see the workers' logs); their requests "
+            "are in the error file with code shard_failed"
         )
         errors.append(LineError(code="shard_failed", message=message))
     if merged.expired:
         message = (
-            f"the completion window ({batch.completion_window}) ended before {merged.expired} requests ran; they are "
-            "in the error file with code batch_expired"
+            f"the completion window ({batch.completion_window}) ended before {merged.expired} requests ran; "
+            "they are in the error file with code batch_expired"
         )
         errors.append(LineError(code="batch_expired", message=message))
     return errors
@@ -224,7 +232,8 @@ def finalize(connection: redis.Redis, batch_id: str, settings: Settings) -> dict
             return {}
         raise
     wait_for_replica(connection)  # the final status survives a failover before the webhook announces it
-    connection.delete(progress_key(batch_id, "completed"), progress_key(batch_id, "failed"))  # counts are final
+    # counts are final
+    connection.delete(progress_key(batch_id, "completed"), progress_key(batch_id, "failed"))
     announce_batch(connection, batch, merged, WebhookSettings.of(settings))
     return batch.request_counts.model_dump()
 

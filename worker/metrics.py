@@ -1,4 +1,5 @@
-"""Worker metrics (Prometheus) and health on `--metrics-port`: /metrics, /healthz, /readyz (model loaded and warmed)."""
+"""Worker metrics (Prometheus) and health on `--metrics-port`: /metrics, /healthz, /readyz (model loaded and
+warmed)."""
 
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 def process_start_time() -> float:
     """Unix time this process started: now less its age, the boot clock's reading less the start tick in /proc
-    (clock ticks). Not /proc/stat's btime, which is whole seconds and drifts from the wall clock (it put starts
-    early: docs/benchmarks.md, coldstart). The import time where /proc is missing."""
+    (clock ticks). Not /proc/stat's btime, which is whole seconds and drifts from the wall clock (it put
+    starts early: docs/benchmarks.md, coldstart). The import time where /proc is missing."""
     try:
         ticks = int(open(f"/proc/{os.getpid()}/stat").read().rsplit(")", 1)[1].split()[19])
         age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
@@ -37,8 +38,8 @@ _IMPORTED = time.time()
 
 
 class Readiness:
-    """A worker's readiness without `--metrics-port`: its time to ready (logged), nothing kept per step or shard
-    (no one could read it; prometheus_client is not even imported)."""
+    """A worker's readiness without `--metrics-port`: its time to ready (logged), nothing kept per step or
+    shard (no one could read it; prometheus_client is not even imported)."""
 
     is_ready = False
 
@@ -118,7 +119,8 @@ class WorkerMetrics(Readiness):
         return seconds
 
 
-METRICS: Readiness = Readiness()  # WorkerMetrics under `sluice worker --metrics-port`; hook lines call it always
+# WorkerMetrics under `sluice worker --metrics-port`; hook lines call it always
+METRICS: Readiness = Readiness()
 
 
 def shard_finished(outcome: str) -> None:
@@ -128,9 +130,9 @@ def shard_finished(outcome: str) -> None:
 
 def warm_up(llm: LLM) -> int:
     """One request of one prompt token and one generated token: a step that runs the model end to end (every
-    layer, the LM head, the sampler) and pays the kernels' lazy set-up before the first claim; returns the steps it
-    took (1). A decode step too, or a longer prompt, would add a pass over the weights to every start and pay
-    nothing the first request does not pay anyway (milliseconds: docs/benchmarks.md, coldstart)."""
+    layer, the LM head, the sampler) and pays the kernels' lazy set-up before the first claim; returns the
+    steps it took (1). A decode step too, or a longer prompt, would add a pass over the weights to every start
+    and pay nothing the first request does not pay anyway (milliseconds: docs/benchmarks.md, coldstart)."""
     generate = llm.runner_type == "generate"  # an encoder warms up on one embedding
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True) if generate else PoolingParams()
     llm.add_request("warmup", [1], params)
@@ -172,8 +174,9 @@ def _text(start_response: Callable, status: str, body: bytes) -> list[bytes]:
 
 
 def serve_metrics(port: int, metrics: WorkerMetrics, host: str = "0.0.0.0") -> WSGIServer:
-    """Serve health_app on port from a daemon thread (started before the model loads, so /healthz answers). The
-    HTTP server's modules load here, only where a port is given: a worker without one never imports them."""
+    """Serve health_app on port from a daemon thread (started before the model loads, so /healthz answers).
+    The HTTP server's modules load here, only where a port is given: a worker without one never imports
+    them."""
     from socketserver import ThreadingMixIn
     from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
@@ -190,8 +193,8 @@ def serve_metrics(port: int, metrics: WorkerMetrics, host: str = "0.0.0.0") -> W
 
 
 def start_metrics(port: int | None, model: str) -> Readiness:
-    """The process's metrics, served on port when one is given (before loading, so liveness answers); without a
-    port only its readiness (no Prometheus series: nothing could scrape them)."""
+    """The process's metrics, served on port when one is given (before loading, so liveness answers); without
+    a port only its readiness (no Prometheus series: nothing could scrape them)."""
     global METRICS
     if not port:
         METRICS = Readiness()
@@ -203,7 +206,8 @@ def start_metrics(port: int | None, model: str) -> Readiness:
 
 
 def become_ready(metrics: Readiness, llm: LLM, connection: Any, warm: bool = True) -> float:
-    """Warm the engine up, instrument it, announce its model and mark the worker ready; returns time to ready."""
+    """Warm the engine up, instrument it, announce its model and mark the worker ready; returns time to
+    ready."""
     if warm:
         warm_up(llm)
     metrics.instrument(llm)

@@ -1,5 +1,6 @@
 """One log line per Redis outage, not one per attempt: the first failure is logged, the rest are quiet until
-Redis answers again (which is logged once too). Shared by the engine loop, rq's dequeue and the background threads."""
+Redis answers again (which is logged once too). Shared by the engine loop, rq's dequeue and the background
+threads."""
 
 from __future__ import annotations
 

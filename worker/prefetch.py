@@ -1,7 +1,7 @@
 """Read the model's weight files into the page cache from a background thread, started before the worker's
-imports, so that the disk read overlaps the seconds of Python start-up instead of following them; and, as early,
-reserve the CPU weight arena (engine.weight_reserve: the weights read into it while torch is imported; that read
-then is the prefetch).
+imports, so that the disk read overlaps the seconds of Python start-up instead of following them; and, as
+early, reserve the CPU weight arena (engine.weight_reserve: the weights read into it while torch is imported;
+that read then is the prefetch).
 
 Torch-free on purpose: it runs before torch (or anything else heavy) is imported.
 """
@@ -37,7 +37,8 @@ def flag_value(argv: Sequence[str], flag: str) -> str | None:
 
 def model_argument(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> str | None:
     """The worker's model as its command line (`--model X` or `--model=X`) gives it, else $SLUICE_MODEL: from
-    `environ` where given, otherwise through Settings (the one reader of the environment; imports pydantic)."""
+    `environ` where given, otherwise through Settings (the one reader of the environment; imports
+    pydantic)."""
     found = flag_value(argv, "--model")
     if found is not None:
         return found
@@ -52,7 +53,8 @@ def model_argument(argv: Sequence[str], environ: Mapping[str, str] | None = None
 
 
 def local_weight_files(model: str) -> list[Path]:
-    """The safetensors files of a local model folder, in file order (none for a hub id or a missing folder)."""
+    """The safetensors files of a local model folder, in file order (none for a hub id or a missing
+    folder)."""
     try:
         return weight_reserve.safetensors_files(Path(model))
     except (OSError, ValueError, KeyError):
@@ -70,7 +72,8 @@ def available_memory() -> int:
 
 
 def read_through(files: Sequence[Path], budget: int) -> int:
-    """Read the files once, in order, up to `budget` bytes; returns the bytes read (data lands in the page cache)."""
+    """Read the files once, in order, up to `budget` bytes; returns the bytes read (data lands in the page
+    cache)."""
     buffer = bytearray(CHUNK)
     done = 0
     for path in files:
@@ -87,8 +90,8 @@ def read_through(files: Sequence[Path], budget: int) -> int:
 
 
 def prefetch_for(argv: Sequence[str]) -> threading.Thread:
-    """Prefetch the weights of the model the worker's command line names; a model named only by $SLUICE_MODEL is
-    looked up inside the thread, so that not even the settings import delays the main thread's start-up."""
+    """Prefetch the weights of the model the worker's command line names; a model named only by $SLUICE_MODEL
+    is looked up inside the thread, so that not even the settings import delays the main thread's start-up."""
     thread = threading.Thread(target=prefetch_argv, args=(argv,), name="prefetch-weights", daemon=True)
     thread.start()
     return thread
@@ -122,10 +125,10 @@ def _plan(model: str | None) -> tuple[list[Path], int]:
 
 def arena_plan(argv: Sequence[str], model: str | None) -> tuple[str, str, int, bool] | None:
     """engine.weight_reserve.reserve's arguments for the CPU weight arena the worker's command line will load
-    `model` into (folder, safetensors dtype of its floating weights, bytes to read or fault in ahead at most, auto
-    weight loading), or None where it loads none or that cannot be told without torch: another device (or device
-    auto on a host with a GPU), quantization at load, mapped weights, no huge-page arena, a dtype it does not
-    know."""
+    `model` into (folder, safetensors dtype of its floating weights, bytes to read or fault in ahead at most,
+    auto weight loading), or None where it loads none or that cannot be told without torch: another device (or
+    device auto on a host with a GPU), quantization at load, mapped weights, no huge-page arena, a dtype it
+    does not know."""
     if not model or not (Path(model) / "config.json").is_file():
         return None
     device = flag_value(argv, "--device") or "auto"

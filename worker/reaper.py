@@ -118,11 +118,13 @@ class Reaper:
         now = time.time()
         if batch.status == BatchStatus.validating:
             if now - batch.created_at > self.settings.validating_timeout:
-                self.fail(batch.id, "validation_interrupted", "the batch was still validating; its producer stopped")
+                self.fail(batch.id, "validation_interrupted",
+                          "the batch was still validating; its producer stopped")
                 report["validating_failed"] += 1
             return
         shard_ids = [shard_job_id(batch.id, n) for n in range(batch.num_shards)]
-        if batch.status == BatchStatus.in_progress and batch.expires_at is not None and now > batch.expires_at:
+        expired = batch.expires_at is not None and now > batch.expires_at
+        if batch.status == BatchStatus.in_progress and expired:
             if self.seen(batch.id, "expired"):
                 report["shards_expired"] += drop_unclaimed(self.connection, batch.id, batch.num_shards)
         shards = fetch(self.connection, shard_ids)
@@ -148,7 +150,8 @@ class Reaper:
                 report["finalize_failed"] += 1
 
     def seen(self, subject: str, condition: str) -> bool:
-        """True when condition was already seen for subject at least one interval ago (the first call marks it)."""
+        """True when condition was already seen for subject at least one interval ago (the first call marks
+        it)."""
         key = f"{SEEN}{condition}:{subject}"
         if self.connection.set(key, time.time(), nx=True, ex=max(1, int(self.interval * 4))):
             return False
@@ -166,7 +169,8 @@ reaper_app = typer.Typer(help="The reaper: drives stuck batches to a terminal st
 @reaper_app.command("run")
 def run_command(
     redis_url: str = typer.Option(None, help="Redis URL (default: $SLUICE_REDIS_URL)."),
-    interval: float = typer.Option(None, help="Seconds between passes (default $SLUICE_REAPER_INTERVAL, 30)."),
+    interval: float = typer.Option(None,
+                                   help="Seconds between passes (default $SLUICE_REAPER_INTERVAL, 30)."),
     once: bool = typer.Option(False, "--once", help="One pass, then exit."),
 ) -> None:
     """Run the reaper (any number may share one Redis; one acts per interval)."""

@@ -1,4 +1,5 @@
-"""Engine outputs as OpenAI batch output records: completion / chat.completion bodies with usage, or errors."""
+"""Engine outputs as OpenAI batch output records: completion / chat.completion bodies with usage, or
+errors."""
 
 from __future__ import annotations
 
@@ -49,7 +50,8 @@ MIN_LOGPROB = -9999.0  # what OpenAI reports for a token of probability 0 (JSON 
 
 
 def token_text(raw: bytes) -> str:
-    """A token as OpenAI writes it: its UTF-8 text, or `bytes:\\xNN...` when the bytes are not whole characters."""
+    """A token as OpenAI writes it: its UTF-8 text, or `bytes:\\xNN...` when the bytes are not whole
+    characters."""
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError:
@@ -89,7 +91,8 @@ def completion_logprobs(out: Any, n: int) -> dict[str, Any] | None:
     return {
         "tokens": tokens,
         "token_logprobs": [max(step[tok], MIN_LOGPROB) for tok, step in steps],
-        "top_logprobs": [{token_text(raw[t]): max(lp, MIN_LOGPROB) for t, lp in _top(step, n)} for _, step in steps],
+        "top_logprobs": [{token_text(raw[t]): max(lp, MIN_LOGPROB) for t, lp in _top(step, n)}
+                         for _, step in steps],
         "text_offset": offsets[: len(tokens)],
     }
 

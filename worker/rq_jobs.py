@@ -64,7 +64,8 @@ class Held:
 
 
 class JobsWorker(SimpleWorker):
-    """An rq worker holding any number of jobs; heartbeats come from a thread, so a slow step never loses one."""
+    """An rq worker holding any number of jobs; heartbeats come from a thread, so a slow step never loses
+    one."""
 
     def __init__(self, queues: list[str], connection: redis.Redis, heartbeat_ttl: int = 30, **kwargs: Any):
         kwargs.setdefault("maintenance_interval", heartbeat_ttl)
@@ -77,7 +78,8 @@ class JobsWorker(SimpleWorker):
         self.held: dict[str, Held] = {}
         self.inline: Held | None = None
         self._lock = threading.RLock()
-        self._retries = RQScheduler(self.queues, connection, serializer=JSONSerializer, name=f"{self.name}:retries")
+        self._retries = RQScheduler(self.queues, connection, serializer=JSONSerializer,
+                                    name=f"{self.name}:retries")
         share_connection(self._retries, connection)
         self._last_retry_poll = 0.0
         self.idle = False
@@ -106,7 +108,8 @@ class JobsWorker(SimpleWorker):
         except REDIS_ERRORS:
             raise
         except Exception as exc:  # an unreadable job (not JSON, no such function) is dropped, not fatal
-            self.log.error("Worker %s: dropped unreadable job %s: %s", self.name, getattr(exc, "job_id", "?"), exc)
+            self.log.error("Worker %s: dropped unreadable job %s: %s", self.name, getattr(exc, "job_id", "?"),
+                           exc)
             return None
 
     def wait_for_job(self, timeout: int = 1) -> tuple[Job, Queue] | None:
@@ -119,7 +122,8 @@ class JobsWorker(SimpleWorker):
         except (StopRequested, *REDIS_ERRORS):  # a stop signal while idle ends the loop (worker.request_stop)
             raise
         except Exception as exc:
-            self.log.error("Worker %s: dropped unreadable job %s: %s", self.name, getattr(exc, "job_id", "?"), exc)
+            self.log.error("Worker %s: dropped unreadable job %s: %s", self.name, getattr(exc, "job_id", "?"),
+                           exc)
             return None
         finally:
             self.idle = False
@@ -134,7 +138,8 @@ class JobsWorker(SimpleWorker):
         execution = start_execution(self, job)
         job.retries_left = None
         job.ended_at = now()
-        message = f"refused: {job.func_name!r} is not a Sluice job function ({', '.join(sorted(ALLOWED_FUNCTIONS))})"
+        allowed = ", ".join(sorted(ALLOWED_FUNCTIONS))
+        message = f"refused: {job.func_name!r} is not a Sluice job function ({allowed})"
         fail_unrun(self, job, queue, message=message, execution=execution)
 
     def claim(self, job: Job, queue: Queue) -> Execution | None:
@@ -146,7 +151,8 @@ class JobsWorker(SimpleWorker):
             if held is None:
                 self.held[job.id] = Held(job, queue, execution, time.monotonic())
                 return execution
-            self.log.warning("Worker %s: %s came back while held; keeping the run in flight", self.name, job.id)
+            self.log.warning("Worker %s: %s came back while held; keeping the run in flight", self.name,
+                             job.id)
             with self.connection.pipeline() as pipe:
                 end_execution(self, held.job, held.execution, pipe)
                 pipe.execute()
@@ -198,7 +204,8 @@ class JobsWorker(SimpleWorker):
             del self.held[job_id]
 
     def forget(self, job_id: str) -> None:
-        """Stop holding a job without telling rq (Redis is down): it comes back as abandoned, with a retry used."""
+        """Stop holding a job without telling rq (Redis is down): it comes back as abandoned, with a retry
+        used."""
         with self._lock:
             self.held.pop(job_id, None)
 

@@ -177,12 +177,14 @@ class ShardRun:
 
     def add(self, llm: LLM, rid: str, request: BatchRequest, served: set[str],
             images: ImageSettings | None = None) -> None:
-        """Add one request to the engine as rid; one it cannot run (or even render) becomes an error record."""
+        """Add one request to the engine as rid; one it cannot run (or even render) becomes an error
+        record."""
         from sluice.engine import RequestRejected  # torch: see shared_llm
 
         try:
             prompt, params = prepare(llm, request, served, images)
-            adapter = served.adapter(request.parsed_body().model) if isinstance(served, ServedModels) else None
+            served_models = isinstance(served, ServedModels)
+            adapter = served.adapter(request.parsed_body().model) if served_models else None
             llm.add_request(rid, prompt, params, lora_request=adapter)
         except RequestRejected as exc:
             self.fail(request, "request_rejected", str(exc), 400)
@@ -249,7 +251,8 @@ class ShardRun:
         completed, failed = self.counts()
         storage, key = None, attempt_key(self.batch_id, self.shard, self.token)
         if batch is not None:
-            storage = open_output(batch.output_url, settings.output_root_urls(), s3_style=settings.s3_addressing_style)
+            storage = open_output(batch.output_url, settings.output_root_urls(),
+                                  s3_style=settings.s3_addressing_style)
             if not lease_holds(connection, self.batch_id, self.shard, self.token):
                 raise LeaseLost(self._discarded(Commit.lease_lost))
             ordered = [self.records[r.custom_id] for r in self.requests]

@@ -1,4 +1,5 @@
-"""Ending a batch for good from the worker side: `failed` (or `cancelled` while cancelling), the reason in its errors."""
+"""Ending a batch for good from the worker side: `failed` (or `cancelled` while cancelling), the reason in its
+errors."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ log = logging.getLogger(__name__)
 OUTPUT_NOT_ALLOWED = "output_not_allowed"
 
 
-def fail_batch(connection: redis.Redis, batch_id: str, code: str, message: str, settings: Settings) -> Batch | None:
+def fail_batch(connection: redis.Redis, batch_id: str, code: str, message: str,
+               settings: Settings) -> Batch | None:
     """End the batch as failed (cancelled when it was being cancelled) with the reason in `errors`; its
     queued shards are dropped and running ones aborted; its webhook told (settings' webhook fields). None when
     it was already done."""

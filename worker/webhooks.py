@@ -1,4 +1,5 @@
-"""Reliable webhook delivery: the loop that sends queued events (contract.events) with backoff and logs each attempt."""
+"""Reliable webhook delivery: the loop that sends queued events (contract.events) with backoff and logs each
+attempt."""
 
 from __future__ import annotations
 

@@ -112,8 +112,10 @@ class EngineWorker(JobsWorker):
             supervised("reaper", every(reaper.interval, reaper.run_once), stop)
 
     def request_stop(self, signum: int, frame: Any) -> None:
-        """SIGTERM/SIGINT: stop claiming, finish in-flight shards within the grace period; twice: hand back now."""
-        self.log.info("Worker %s: stop requested (signal %s), %d shard(s) in flight", self.name, signum, len(self.runs))
+        """SIGTERM/SIGINT: stop claiming, finish in-flight shards within the grace period; twice: hand back
+        now."""
+        self.log.info("Worker %s: stop requested (signal %s), %d shard(s) in flight", self.name, signum,
+                      len(self.runs))
         request_worker_stop(self)
         self.stop_deadline = time.monotonic() + self.grace if self.stop_deadline is None else time.monotonic()
         if self.idle and not self.runs:
@@ -127,7 +129,8 @@ class EngineWorker(JobsWorker):
                 wait = 1.0
                 OUTAGE.recovered()
             except REDIS_ERRORS as exc:
-                if self.stop_deadline is not None and (not self.runs or time.monotonic() > self.stop_deadline):
+                if self.stop_deadline is not None and (not self.runs
+                                                       or time.monotonic() > self.stop_deadline):
                     return worked
                 OUTAGE.failed(f"worker {self.name}", exc)
                 time.sleep(wait)
@@ -174,7 +177,8 @@ class EngineWorker(JobsWorker):
         return self.llm.num_unfinished() < self.llm.max_num_seqs
 
     def _claim(self) -> bool:
-        """Take jobs from the queues (in priority order) while the engine has room; polls at most every 50 ms."""
+        """Take jobs from the queues (in priority order) while the engine has room; polls at most every 50
+        ms."""
         clock = time.monotonic()
         if self.runs and clock - self._last_claim < CLAIM_POLL_S:
             return False
@@ -188,7 +192,8 @@ class EngineWorker(JobsWorker):
         return claimed
 
     def _start(self, job: Job, queue: Queue) -> None:
-        """Mark the job started through rq; a shard joins the engine, finalize runs inline, others are refused."""
+        """Mark the job started through rq; a shard joins the engine, finalize runs inline, others are
+        refused."""
         if not self.allowed(job):
             self.refuse(job, queue)
             return
@@ -328,7 +333,8 @@ class EngineWorker(JobsWorker):
             try:
                 self.fail(job_id, exc_info) if exc_info else self.hand_back(job_id)
             except REDIS_ERRORS as exc:
-                self.log.warning("Worker %s: Redis down, %s left to rq's abandoned-job check: %s", self.name, job_id, exc)
+                self.log.warning("Worker %s: Redis down, %s left to rq's abandoned-job check: %s", self.name,
+                                 job_id, exc)
                 self.forget(job_id)
         self._quietly(self._flush_engine)
 
@@ -346,7 +352,8 @@ class EngineWorker(JobsWorker):
 
     def _isolate(self, exc: Exception) -> None:
         """A step raised: re-run its requests in halving groups and fail only those that fail alone."""
-        self.log.error("Worker %s: engine step failed (%s: %s); isolating the culprit", self.name, type(exc).__name__, exc)
+        self.log.error("Worker %s: engine step failed (%s: %s); isolating the culprit", self.name,
+                       type(exc).__name__, exc)
         suspects = [(job_id, self.runs[job_id].pending[rid]) for rid, job_id in self.owner.items()]
         self._reset_engine()
         groups = [suspects]
@@ -403,4 +410,5 @@ class EngineWorker(JobsWorker):
         try:
             action()
         except Exception as exc:
-            self.log.warning("Worker %s: %s failed on the way out: %s", self.name, getattr(action, "__name__", action), exc)
+            self.log.warning("Worker %s: %s failed on the way out: %s", self.name,
+                             getattr(action, "__name__", action), exc)

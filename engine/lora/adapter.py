@@ -80,13 +80,15 @@ def read_adapter(name: str, path: str | Path, max_rank: int = MAX_RANK) -> LoRAA
         layer, block, module, which = int(m[1]), m[2], m[3], m[4]
         local = f"{block}.{module}"
         if local not in PARTS:
-            raise LoRAError(f"adapter {name!r}: target module {module!r} is not served (q/k/v/o/gate/up/down)")
+            raise LoRAError(
+                f"adapter {name!r}: target module {module!r} is not served (q/k/v/o/gate/up/down)")
         proj, part = PARTS[local]
         pairs.setdefault((layer, proj, part), {})[which] = tensor
     adapter = LoRAAdapter(name, str(folder))
     for where, ab in pairs.items():
         if set(ab) != {"A", "B"}:
-            raise LoRAError(f"adapter {name!r}: layer {where[0]} {where[1]} part {where[2]} lacks lora_A or lora_B")
+            raise LoRAError(
+                f"adapter {name!r}: layer {where[0]} {where[1]} part {where[2]} lacks lora_A or lora_B")
         a, b = ab["A"], ab["B"]
         if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
             raise LoRAError(f"adapter {name!r}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} of layer "
@@ -109,8 +111,8 @@ def check_base(adapter: LoRAAdapter, num_layers: int, shapes: dict[str, list[tup
         out, inp = shapes[proj][part]
         if pair.a.shape[1] != inp or pair.b.shape[0] != out:
             raise LoRAError(f"adapter {adapter.name!r}: layer {layer} {proj} part {part} is "
-                            f"{pair.b.shape[0]}x{pair.a.shape[1]} but the base model's is {out}x{inp}: an adapter "
-                            "for another base")
+                            f"{pair.b.shape[0]}x{pair.a.shape[1]} but the base model's is {out}x{inp}: an "
+                            "adapter for another base")
 
 
 def check_config(name: str, path: str | Path, max_rank: int = MAX_RANK) -> dict:
@@ -181,8 +183,8 @@ def _weights(name: str, folder: Path) -> dict[str, torch.Tensor]:
     file = folder / WEIGHTS
     if not file.is_file():
         if (folder / "adapter_model.bin").is_file():
-            raise LoRAError(f"adapter {name!r}: adapter_model.bin is a pickle, which is never loaded; save the "
-                            "adapter with safetensors (PEFT's default)")
+            raise LoRAError(f"adapter {name!r}: adapter_model.bin is a pickle, which is never loaded; save "
+                            "the adapter with safetensors (PEFT's default)")
         raise LoRAError(f"adapter {name!r}: {folder} has no {WEIGHTS}")
     try:
         return load_file(str(file))

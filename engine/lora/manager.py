@@ -1,5 +1,6 @@
-"""Adapters for one engine: the known ones, an LRU of `max_cpu_loras` loaded in host memory (loaded on a thread,
-off the step's path), `max_loras` slots in working memory, and each step's mapping of tokens to slots."""
+"""Adapters for one engine: the known ones, an LRU of `max_cpu_loras` loaded in host memory (loaded on a
+thread, off the step's path), `max_loras` slots in working memory, and each step's mapping of tokens to
+slots."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ class LoRAManager:
         self.max_cpu_loras = max(max_cpu_loras, max_loras)
         self.num_layers, self.shapes = c.num_layers, projection_shapes(c)
         weight = model.embed_tokens.weight
-        self.slots = LoRASlots(max_loras, max_lora_rank, self.shapes, c.num_layers, weight.dtype, weight.device)
+        self.slots = LoRASlots(max_loras, max_lora_rank, self.shapes, c.num_layers, weight.dtype,
+                               weight.device)
         self.device = weight.device
         for i, layer in enumerate(model.layers):
             for proj in PROJECTIONS:
@@ -43,11 +45,12 @@ class LoRAManager:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="sluice-lora")
 
     def add(self, lora: LoRARequest) -> None:
-        """Know an adapter and start loading it; LoRAError where it can never run (checked now: its config)."""
+        """Know an adapter and start loading it; LoRAError where it can never run (checked now: its
+        config)."""
         known = self.known.get(lora.lora_int_id)
         if known is not None and (known.lora_name, known.lora_path) != (lora.lora_name, lora.lora_path):
-            raise LoRAError(f"adapter {lora.lora_name!r}: lora_int_id {lora.lora_int_id} already names adapter "
-                            f"{known.lora_name!r} ({known.lora_path})")
+            raise LoRAError(f"adapter {lora.lora_name!r}: lora_int_id {lora.lora_int_id} already names "
+                            f"adapter {known.lora_name!r} ({known.lora_path})")
         if lora.lora_int_id in self.failed:
             raise LoRAError(self.failed[lora.lora_int_id])
         if known is None:
@@ -87,7 +90,8 @@ class LoRAManager:
 
     def failed_requests(self, waiting) -> list:
         """The waiting requests whose adapter failed to load, each given that error."""
-        failed = [r for r in waiting if r.lora_request is not None and r.lora_request.lora_int_id in self.failed]
+        failed = [r for r in waiting if r.lora_request is not None
+                  and r.lora_request.lora_int_id in self.failed]
         for req in failed:
             req.error = self.failed[req.lora_request.lora_int_id]
         return failed
@@ -97,8 +101,8 @@ class LoRAManager:
         return lora.lora_int_id in self.loaded
 
     def can_run(self, lora: LoRARequest, in_step: set[int]) -> bool:
-        """Whether a request with this adapter may join a step whose adapters are `in_step`: loaded, and a slot
-        is free or already holds it."""
+        """Whether a request with this adapter may join a step whose adapters are `in_step`: loaded, and a
+        slot is free or already holds it."""
         if not self.ready(lora):
             if lora.lora_int_id not in self.loading and lora.lora_int_id not in self.failed:
                 self.add(lora)  # evicted from host memory while it waited: load it again
@@ -106,8 +110,8 @@ class LoRAManager:
         return lora.lora_int_id in in_step or len(in_step) < self.max_loras
 
     def prepare_step(self, loras: list[LoRARequest | None], num_tokens: list[int]) -> None:
-        """Give every adapter of the step a slot (evicting the least recently used others) and set the mapping of
-        the coming forward: each request's tokens to its adapter's slot."""
+        """Give every adapter of the step a slot (evicting the least recently used others) and set the mapping
+        of the coming forward: each request's tokens to its adapter's slot."""
         wanted = {lora.lora_int_id: lora for lora in loras if lora is not None}
         assert len(wanted) <= self.max_loras, "more adapters in one step than slots"
         for lid, lora in wanted.items():

@@ -14,8 +14,8 @@ class LoRASlots:
     """Per (layer, projection): A [max_loras, parts * max_rank, in] and B [max_loras, out, parts * max_rank];
     part p of a fused projection owns rank rows [p * max_rank, (p + 1) * max_rank) and its own output rows."""
 
-    def __init__(self, max_loras: int, max_rank: int, shapes: dict[str, list[tuple[int, int]]], num_layers: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, max_loras: int, max_rank: int, shapes: dict[str, list[tuple[int, int]]],
+                 num_layers: int, dtype: torch.dtype, device: torch.device) -> None:
         self.max_loras, self.max_rank, self.shapes = max_loras, max_rank, shapes
         self.a: dict[tuple[int, str], torch.Tensor] = {}
         self.b: dict[tuple[int, str], torch.Tensor] = {}
@@ -25,7 +25,8 @@ class LoRASlots:
                 width = len(parts) * max_rank
                 self.a[layer, proj] = torch.zeros(max_loras, width, inp, dtype=dtype, device=device)
                 self.b[layer, proj] = torch.zeros(max_loras, out, width, dtype=dtype, device=device)
-        self.serves: list[set[str]] = [set() for _ in range(max_loras)]  # projections each slot's adapter changes
+        # projections each slot's adapter changes
+        self.serves: list[set[str]] = [set() for _ in range(max_loras)]
         self.groups: dict[str, list[tuple[int, Rows]]] = {}
         self.token_slots: torch.Tensor | None = None  # each flat token's slot (-1: none), for the CUDA kernel
 
@@ -87,7 +88,8 @@ class LoRALinear(nn.Module):
 
 
 def projection_shapes(config) -> dict[str, list[tuple[int, int]]]:
-    """(out, in) of each part of each decoder projection of a native model (engine.models.llama.ModelConfig)."""
+    """(out, in) of each part of each decoder projection of a native model
+    (engine.models.llama.ModelConfig)."""
     h, q, kv, inter = config.hidden_size, config.num_heads * config.head_dim, \
         config.num_kv_heads * config.head_dim, config.intermediate_size
     shapes = {"self_attn.qkv_proj": [(q, h), (kv, h), (kv, h)], "self_attn.o_proj": [(h, q)],

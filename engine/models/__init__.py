@@ -6,7 +6,8 @@ read-ahead reads before torch is imported) can be imported without torch."""
 from importlib import import_module
 from typing import TYPE_CHECKING
 
-__all__ = ["ARCHITECTURES", "GENERIC", "NATIVE", "LlamaModel", "ModelConfig", "forced_generic", "model_path_for"]
+__all__ = ["ARCHITECTURES", "GENERIC", "NATIVE", "LlamaModel", "ModelConfig", "forced_generic",
+           "model_path_for"]
 
 _HOMES = {"ARCHITECTURES": "llama", "LlamaModel": "llama", "ModelConfig": "llama", "GENERIC": "paths",
           "NATIVE": "paths", "forced_generic": "paths", "model_path_for": "paths"}

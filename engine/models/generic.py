@@ -2,10 +2,11 @@
 
 Our paged attention is registered as a transformers attention implementation (ATTN_IMPL): the Hugging Face
 model runs once per step over one packed sequence of every scheduled token (positions from our metadata), and
-each attention layer, instead of attending over its inputs, writes its keys/values into our paged KV blocks and
-attends over the cached context of each token's own request. Prefix caching, chunked prefill, preemption and
-int8 KV therefore work as for the native forward; sliding windows (per layer, Gemma 2/3) and attention logit
-soft-capping run in a masked attention of our own; what neither serves is refused by name (`check_generic`).
+each attention layer, instead of attending over its inputs, writes its keys/values into our paged KV blocks
+and attends over the cached context of each token's own request. Prefix caching, chunked prefill, preemption
+and int8 KV therefore work as for the native forward; sliding windows (per layer, Gemma 2/3) and attention
+logit soft-capping run in a masked attention of our own; what neither serves is refused by name
+(`check_generic`).
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ def check_generic(cfg: dict[str, Any]) -> str:
     """The class the generic path builds for this config.json; ValueError naming what it cannot serve."""
     archs = cfg.get("architectures") or [cfg.get("model_type")]
     if cfg.get("auto_map"):
-        raise ValueError(f"{archs[0]} needs trust_remote_code (custom modeling code), which Sluice does not run")
+        raise ValueError(
+            f"{archs[0]} needs trust_remote_code (custom modeling code), which Sluice does not run")
     conf = _hf_config(cfg)
     cls = _causal_lm_class(conf)
     if cfg.get("architectures") and cls.__name__ not in archs:
@@ -76,7 +78,8 @@ def check_generic(cfg: dict[str, Any]) -> str:
         raise ValueError(f"{cls.__name__} is not supported: {reason}")
     other = sorted(set(getattr(text, "layer_types", None) or []) - set(ATTENTION_LAYER_TYPES))
     if other:
-        raise ValueError(f"{cls.__name__} is not supported: layer types {', '.join(other)} (only attention layers)")
+        raise ValueError(
+            f"{cls.__name__} is not supported: layer types {', '.join(other)} (only attention layers)")
     if not getattr(cls, "_supports_attention_backend", False):
         raise ValueError(f"{cls.__name__} is not supported: its attention does not go through transformers' "
                          f"attention interface")
@@ -92,8 +95,8 @@ def _rope_list(text) -> list[dict[str, Any]]:
 
 
 def generic_config_fields(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The fields of our ModelConfig (what the KV pool, scheduler and sampler need) for a checkpoint on the generic
-    path (models.llama builds it: this module does not import it)."""
+    """The fields of our ModelConfig (what the KV pool, scheduler and sampler need) for a checkpoint on the
+    generic path (models.llama builds it: this module does not import it)."""
     check_generic(cfg)
     text = _hf_config(cfg).get_text_config()
     heads = text.num_attention_heads
@@ -132,13 +135,15 @@ _STEP: contextvars.ContextVar[Step] = contextvars.ContextVar("sluice_generic_ste
 
 
 def paged_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                            attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                            attention_mask: torch.Tensor | None, scaling: float | None = None,
+                            dropout: float = 0.0,
                             sliding_window: int | None = None, softcap: float | None = None,
                             **kwargs) -> tuple[torch.Tensor, None]:
     """transformers attention implementation: query/key/value [1, heads, T, D] of the packed step; writes the
     keys/values into this layer's paged cache and attends over each token's cached context ([1, T, H, D])."""
     if query.shape[0] != 1:
-        raise RuntimeError(f"{ATTN_IMPL} runs one packed sequence per forward, got a batch of {query.shape[0]}")
+        raise RuntimeError(
+            f"{ATTN_IMPL} runs one packed sequence per forward, got a batch of {query.shape[0]}")
     if kwargs.get("s_aux") is not None or kwargs.get("is_causal") is False:
         raise ValueError("attention sinks / non-causal attention are not supported on the generic path")
     q = query[0].transpose(0, 1).contiguous()
@@ -156,7 +161,8 @@ def step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: f
     cache = step.caches[i]
     if k.shape[1:] != cache.k.shape[::3]:
         raise ValueError(f"layer {i} keys are {list(k.shape[1:])} per token, the KV pool holds "
-                         f"{list(cache.k.shape[::3])} (heads, head dim): an attention the generic path does not model")
+                         f"{list(cache.k.shape[::3])} (heads, head dim): an attention the generic path does "
+                         "not model")
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     cache.write(k, v, step.meta.slot_mapping)
     window = sliding_window or step.windows[i]
@@ -168,15 +174,16 @@ def step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: f
 
 
 def _token_rows(x: torch.Tensor) -> torch.Tensor:
-    """[1, heads, T, D] as [T, heads, D] with each token's heads one row, copied only where they are not (the values
-    of a sibling product are already: a slice of each row of the wider product, as the native forward's)."""
+    """[1, heads, T, D] as [T, heads, D] with each token's heads one row, copied only where they are not (the
+    values of a sibling product are already: a slice of each row of the wider product, as the native
+    forward's)."""
     t = x[0].transpose(0, 1)
     return t if t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] else t.contiguous()
 
 
 def _gather(cache: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor, dtype) -> torch.Tensor:
-    """Keys or values at `slots` [T, S] as [Hkv, T, S, D]: in the cache's dtype, an int8 cache's in fp32 times its
-    scales."""
+    """Keys or values at `slots` [T, S] as [Hkv, T, S, D]: in the cache's dtype, an int8 cache's in fp32 times
+    its scales."""
     hk, d = cache.shape[0], cache.shape[-1]
     x = cache.view(hk, -1, d)[:, slots]
     if scales is not None:
@@ -187,8 +194,8 @@ def _gather(cache: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tenso
 def masked_attention(q: torch.Tensor, cache, meta: FlatMetadata, scale: float, window: int | None,
                      softcap: float | None) -> torch.Tensor:
     """Causal attention of q [T, H, D] over each token's cached context, keys within `window` positions
-    (transformers' kv > q - window) and scores soft-capped as tanh(s / cap) * cap; the products in the cache's dtype
-    (fp32 over an int8 cache), the softmax in fp32, queries in chunks."""
+    (transformers' kv > q - window) and scores soft-capped as tanh(s / cap) * cap; the products in the cache's
+    dtype (fp32 over an int8 cache), the softmax in fp32, queries in chunks."""
     t, h, d = q.shape
     hk, _, bs, _ = cache.k.shape
     seq = meta.token_seq.long()
@@ -209,7 +216,8 @@ def masked_attention(q: torch.Tensor, cache, meta: FlatMetadata, scale: float, w
         vals = _gather(cache.v, getattr(cache, "v_scale", None), slots, q.dtype)
         n = keys.shape[1]
         qg = q[rows].view(n, hk, h // hk, d).transpose(0, 1).to(keys.dtype)  # [Hkv, n, grp, D]
-        scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale  # as transformers' eager: q.k in q's dtype
+        # as transformers' eager: q.k in q's dtype
+        scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale
         if softcap:
             scores = torch.tanh(scores / softcap) * softcap
         probs = scores.masked_fill(~mask[None, :, None, :], float("-inf")).softmax(-1)
@@ -250,8 +258,8 @@ class GenericModel(nn.Module):
         return self.hf.get_input_embeddings()
 
     def forward(self, input_ids, positions, kv_caches, meta, logits_indices, plan=None) -> torch.Tensor:
-        """Logits [len(logits_indices), vocab] for the selected flat positions (None: every position, in order);
-        `plan` (kernels.dispatch.StepPlan) is unused: transformers' modules run as they are."""
+        """Logits [len(logits_indices), vocab] for the selected flat positions (None: every position, in
+        order); `plan` (kernels.dispatch.StepPlan) is unused: transformers' modules run as they are."""
         step = Step(kv_caches, meta, self.windows)
         token = _STEP.set(step)
         try:
@@ -261,7 +269,8 @@ class GenericModel(nn.Module):
             _STEP.reset(token)
         if step.calls != len(kv_caches):
             raise ValueError(f"{self.config.architecture} ran {step.calls} attention layers for "
-                             f"{len(kv_caches)} KV caches: layers outside the attention interface are not supported")
+                             f"{len(kv_caches)} KV caches: layers outside the attention interface are not "
+                             "supported")
         return out.logits[0]
 
     def hf_inputs(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -290,7 +299,8 @@ def _llama_mlp_source() -> str:
 
 
 def _swiglu_forward(self, x: torch.Tensor) -> torch.Tensor:
-    """LlamaMLP.forward with SiLU as the native MLP runs it: gate and up one product, silu(gate) * up one kernel call."""
+    """LlamaMLP.forward with SiLU as the native MLP runs it: gate and up one product, silu(gate) * up one
+    kernel call."""
     g = self.gate_proj.group
     gate_up = linear(x, g.weight, g.bias)
     return self.down_proj(kernels.silu_mul(gate_up.reshape(-1, gate_up.shape[-1])).view(*x.shape[:-1], -1))
@@ -303,17 +313,18 @@ def _llama_layer_source() -> str:
     return inspect.getsource(LlamaDecoderLayer.forward)
 
 
-def _decoder_layer_forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, cache=None,
-                           use_cache: bool | None = False, position_embeddings=None, **kwargs) -> torch.Tensor:
+def _decoder_layer_forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None,
+                           cache=None, use_cache: bool | None = False, position_embeddings=None,
+                           **kwargs) -> torch.Tensor:
     """LlamaDecoderLayer.forward with the attention's residual added inside the post-attention norm: one
-    kernels.add_rms_norm pass (the sum rounded to the activations' dtype first, as transformers' add), as the native
-    forward does."""
+    kernels.add_rms_norm pass (the sum rounded to the activations' dtype first, as transformers' add), as the
+    native forward does."""
     attn, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), attention_mask=attention_mask,
                              position_ids=position_ids, cache=cache, use_cache=use_cache,
                              position_embeddings=position_embeddings, **kwargs)
     norm, shape = self.post_attention_layernorm, hidden_states.shape
-    x, h = kernels.add_rms_norm(hidden_states.reshape(-1, shape[-1]), attn.reshape(-1, shape[-1]), norm.weight,
-                                norm.variance_epsilon)
+    x, h = kernels.add_rms_norm(hidden_states.reshape(-1, shape[-1]), attn.reshape(-1, shape[-1]),
+                                norm.weight, norm.variance_epsilon)
     return x.view(shape) + self.mlp(h.view(shape))
 
 
@@ -324,10 +335,11 @@ def _llama_attention_source() -> str:
     return inspect.getsource(LlamaAttention.forward)
 
 
-def _attention_forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, cache=None,
-                       **kwargs) -> tuple[torch.Tensor, None]:
-    """LlamaAttention.forward over a q/k/v SiblingGroup whose rotary slot runs `fused_rope`: the same products,
-    rotation and attention, without the [1, H, T, D] layout and the attention interface's lookup in between."""
+def _attention_forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
+                       cache=None, **kwargs) -> tuple[torch.Tensor, None]:
+    """LlamaAttention.forward over a q/k/v SiblingGroup whose rotary slot runs `fused_rope`: the same
+    products, rotation and attention, without the [1, H, T, D] layout and the attention interface's lookup in
+    between."""
     cos, sin = position_embeddings if position_embeddings is not None else (None, None)
     d, shape = self.head_dim, hidden_states.shape
     if cos is None or shape[0] != 1 or cos.shape != (1, shape[1], d) or sin.shape != cos.shape:
@@ -342,8 +354,8 @@ def _attention_forward(self, hidden_states: torch.Tensor, position_embeddings=No
 
 
 def _qkv_attention(mod: nn.Module) -> bool:
-    """Whether `mod` has q/k/v projections as one SiblingGroup in that order, a head_dim, and a rotary slot that
-    runs `fused_rope` (checked against its own function): what `_attention_forward` needs."""
+    """Whether `mod` has q/k/v projections as one SiblingGroup in that order, a head_dim, and a rotary slot
+    that runs `fused_rope` (checked against its own function): what `_attention_forward` needs."""
     q, k, v = (getattr(mod, n, None) for n in ("q_proj", "k_proj", "v_proj"))
     slot = (vars(mod).get("_kernel_funcs") or {}).get(ROPE_SLOT)
     return (isinstance(q, SiblingLinear) and isinstance(k, SiblingLinear) and isinstance(v, SiblingLinear)
@@ -358,20 +370,22 @@ def _fused_norm(mod: nn.Module | None) -> bool:
 
 
 def _same_source(mod: nn.Module, source) -> bool:
-    """Whether the class of `mod` has the forward whose source `source()` returns (transformers' copies of Llama's)."""
+    """Whether the class of `mod` has the forward whose source `source()` returns (transformers' copies of
+    Llama's)."""
     try:
         return inspect.getsource(type(mod).forward) == source()
     except (OSError, TypeError):
         return False
 
 
-# Linears that transformers' modules call one after another on the same input (attention's q/k/v, the MLP's gate/up).
+# Linears that transformers' modules call one after another on the same input (attention's q/k/v, the MLP's
+# gate/up).
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))
 
 
 class SiblingGroup:
-    """Sibling linears' weights concatenated (each member's weight a view of its rows) and the outputs of the last
-    input they were run on, handed out once per member."""
+    """Sibling linears' weights concatenated (each member's weight a view of its rows) and the outputs of the
+    last input they were run on, handed out once per member."""
 
     __slots__ = ("weight", "bias", "sizes", "x", "outs")
 
@@ -390,15 +404,17 @@ class SiblingGroup:
     def rebase(self, first: nn.Linear) -> None:
         """Point the concatenation at the storage its first member's weight (and bias) now lies in: after
         WeightArena.adopt moved the members' views of it."""
-        self.weight = first.weight.as_strided(self.weight.shape, self.weight.stride(), first.weight.storage_offset())
+        self.weight = first.weight.as_strided(self.weight.shape, self.weight.stride(),
+                                              first.weight.storage_offset())
         if self.bias is not None:
-            self.bias = first.bias.as_strided(self.bias.shape, self.bias.stride(), first.bias.storage_offset())
+            self.bias = first.bias.as_strided(self.bias.shape, self.bias.stride(),
+                                              first.bias.storage_offset())
 
 
 class SiblingLinear(Linear):
-    """A linear of a SiblingGroup: the first member called on an input runs every member's product in one pass over
-    the group's weight (one GEMV instead of several at decode); the others take theirs while they are called on
-    that same tensor, and run alone on any other."""
+    """A linear of a SiblingGroup: the first member called on an input runs every member's product in one pass
+    over the group's weight (one GEMV instead of several at decode); the others take theirs while they are
+    called on that same tensor, and run alone on any other."""
 
     group: SiblingGroup
     index: int
@@ -415,8 +431,8 @@ class SiblingLinear(Linear):
 
 
 def _fuse_siblings(module: nn.Module) -> None:
-    """Make each SIBLINGS group of `module`'s plain linears (same input width, dtype, device, bias or none) one
-    SiblingGroup."""
+    """Make each SIBLINGS group of `module`'s plain linears (same input width, dtype, device, bias or none)
+    one SiblingGroup."""
     for names in SIBLINGS:
         members = [getattr(module, n, None) for n in names]
         if not all(type(m) is nn.Linear for m in members):
@@ -431,21 +447,23 @@ def _fuse_siblings(module: nn.Module) -> None:
 
 
 # The kernels-hub slot through which transformers' attention modules call their rotary function (one private
-# wrapper per module, `_kernel_funcs`, whose forward `kernels.kernelize` replaces: so do we, with kernels.rope_qk).
+# wrapper per module, `_kernel_funcs`, whose forward `kernels.kernelize` replaces: so do we, with
+# kernels.rope_qk).
 ROPE_SLOT = "rotary_pos_emb"
 
 
 def _rope_fits(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
-    """Whether q [1, H, T, D], k [1, Hkv, T, D] and cos/sin [1, T, D] are the call `fused_rope` serves (whole heads
-    rotated, one packed sequence)."""
-    return (q.dim() == k.dim() == 4 and cos.dim() == sin.dim() == 3 and q.shape[0] == k.shape[0] == cos.shape[0] == 1
+    """Whether q [1, H, T, D], k [1, Hkv, T, D] and cos/sin [1, T, D] are the call `fused_rope` serves (whole
+    heads rotated, one packed sequence)."""
+    return (q.dim() == k.dim() == 4 and cos.dim() == sin.dim() == 3
+            and q.shape[0] == k.shape[0] == cos.shape[0] == 1
             and cos.shape[1:] == sin.shape[1:] == (q.shape[2], q.shape[3]) and k.shape[2:] == q.shape[2:]
             and q.dtype == k.dtype == cos.dtype == sin.dtype)
 
 
 def _adjacent(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
-    """q [T, H, D] and k [T, Hkv, D] as one [T, H + Hkv, D] view where k's heads follow q's in every row (a sibling
-    q/k/v product), else None."""
+    """q [T, H, D] and k [T, Hkv, D] as one [T, H + Hkv, D] view where k's heads follow q's in every row (a
+    sibling q/k/v product), else None."""
     t, h, d = q.shape
     if (q.stride() != k.stride() or q.stride(1) != d or q.stride(2) != 1
             or k.data_ptr() != q.data_ptr() + h * d * q.element_size()):
@@ -454,8 +472,9 @@ def _adjacent(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
 
 
 def fused_rope(slot: nn.Module, q, k, cos, sin, *args, **kwargs):
-    """A rotary slot's forward that runs Llama's apply_rotary_pos_emb (q * cos + rotate_half(q) * sin, each step
-    rounded) as kernels.rope_qk over q and k in one pass; the slot's own function serves every other call."""
+    """A rotary slot's forward that runs Llama's apply_rotary_pos_emb (q * cos + rotate_half(q) * sin, each
+    step rounded) as kernels.rope_qk over q and k in one pass; the slot's own function serves every other
+    call."""
     if args or kwargs or not _rope_fits(q, k, cos, sin):
         return type(slot).forward(slot, q, k, cos, sin, *args, **kwargs)
     qt, kt = q[0].transpose(0, 1), k[0].transpose(0, 1)  # [T, heads, D]: each token's heads, rows of D
@@ -469,7 +488,8 @@ def fused_rope(slot: nn.Module, q, k, cos, sin, *args, **kwargs):
 
 
 def _rope_samples(dtype: torch.dtype, head_dim: int) -> list[tuple[torch.Tensor, ...]]:
-    """Random (q, k, cos, sin) in the layouts the attention modules pass: q/k views of one q/k/v product, and apart."""
+    """Random (q, k, cos, sin) in the layouts the attention modules pass: q/k views of one q/k/v product, and
+    apart."""
     g = torch.Generator().manual_seed(0)
     t, h, hk = 5, 4, 2
     qkv = torch.randn(1, t, (h + 2 * hk) * head_dim, generator=g).to(dtype).view(1, t, -1, head_dim)
@@ -490,8 +510,8 @@ def _same_rope(original, ours, dtype: torch.dtype, head_dim: int) -> bool:
 
 
 def _use_fused_rope(model: nn.Module) -> None:
-    """Give every attention module whose rotary slot (ROPE_SLOT) computes Llama's rotation `fused_rope`, checked
-    bit for bit against its own function once per function, in the model's dtype and head size."""
+    """Give every attention module whose rotary slot (ROPE_SLOT) computes Llama's rotation `fused_rope`,
+    checked bit for bit against its own function once per function, in the model's dtype and head size."""
     text = model.config.get_text_config()
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     checked: dict[type, bool] = {}
@@ -507,10 +527,10 @@ def _use_fused_rope(model: nn.Module) -> None:
 
 
 def use_our_kernels(model: nn.Module) -> nn.Module:
-    """Run the model's plain linears through kernels.linear (our bf16 GEMV at decode row counts), sibling linears
-    on one input as one (SiblingLinear), every norm whose forward is LlamaRMSNorm's own source through
-    kernels.add_rms_norm and every SiLU MLP whose forward is LlamaMLP's through kernels.silu_mul: the same results,
-    as the native forward gets them; anything else stays transformers' own."""
+    """Run the model's plain linears through kernels.linear (our bf16 GEMV at decode row counts), sibling
+    linears on one input as one (SiblingLinear), every norm whose forward is LlamaRMSNorm's own source through
+    kernels.add_rms_norm and every SiLU MLP whose forward is LlamaMLP's through kernels.silu_mul: the same
+    results, as the native forward gets them; anything else stays transformers' own."""
     for mod in list(model.modules()):
         _fuse_siblings(mod)
     _use_fused_rope(model)
@@ -523,7 +543,8 @@ def use_our_kernels(model: nn.Module) -> nn.Module:
         elif _swiglu(mod) and _same_source(mod, _llama_mlp_source):
             mod.__class__ = with_forward(type(mod), _swiglu_forward)
     for mod in model.modules():  # after the norms and the rotary: what these forwards build on is in place
-        if _fused_norm(getattr(mod, "post_attention_layernorm", None)) and _same_source(mod, _llama_layer_source):
+        if _fused_norm(getattr(mod, "post_attention_layernorm",
+                               None)) and _same_source(mod, _llama_layer_source):
             mod.__class__ = with_forward(type(mod), _decoder_layer_forward)
         elif _qkv_attention(mod) and _same_source(mod, _llama_attention_source):
             mod.__class__ = with_forward(type(mod), _attention_forward)
@@ -549,13 +570,15 @@ def _swiglu(mod: nn.Module) -> bool:
     """Whether `mod` has SiLU as act_fn and gate_proj/up_proj as one SiblingGroup, gate first."""
     gate, up = getattr(mod, "gate_proj", None), getattr(mod, "up_proj", None)
     act = type(getattr(mod, "act_fn", None)).__name__
-    return (act in ("SiLUActivation", "SiLU") and isinstance(gate, SiblingLinear) and isinstance(up, SiblingLinear)
+    return (act in ("SiLUActivation", "SiLU") and isinstance(gate, SiblingLinear)
+            and isinstance(up, SiblingLinear)
             and gate.group is up.group and gate.index == 0 and len(gate.group.sizes) == 2)
 
 
 def into_arena(model: nn.Module) -> None:
-    """On CPU, the model's weights moved into one arena of huge pages (engine.weight_memory), as the native loader
-    keeps its own, for the engine to settle (`model.weight_arena`); left where they are if the map cannot be had."""
+    """On CPU, the model's weights moved into one arena of huge pages (engine.weight_memory), as the native
+    loader keeps its own, for the engine to settle (`model.weight_arena`); left where they are if the map
+    cannot be had."""
     from sluice.engine.weight_memory import WeightArena
 
     tensors = [*model.parameters(), *model.buffers()]
@@ -576,12 +599,13 @@ def into_arena(model: nn.Module) -> None:
 def load_generic(path: str | Path, dtype: torch.dtype, device: torch.device, config, linear_hook=None,
                  huge_pages: bool = True) -> GenericModel:
     """transformers' model for the checkpoint, its attention ours, on `device` in `dtype`; `linear_hook` (the
-    engine's quantization) swaps its linears for quantized ones after it is on `device`; `huge_pages`: on CPU, its
-    weights in one arena of huge pages, `model.weight_arena` (as models.loader's native models)."""
+    engine's quantization) swaps its linears for quantized ones after it is on `device`; `huge_pages`: on CPU,
+    its weights in one arena of huge pages, `model.weight_arena` (as models.loader's native models)."""
     from transformers import AutoModelForCausalLM
 
     register()
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=ATTN_IMPL).to(device).eval()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
+                                              attn_implementation=ATTN_IMPL).to(device).eval()
     if linear_hook is not None:
         linear_hook.quantize_module(hf, config.architecture)
     model = GenericModel(use_our_kernels(hf), config).eval()

@@ -43,7 +43,8 @@ class ModelConfig:
     sliding_window: int | None
     eos_token_ids: list[int]
     torch_dtype: str | None
-    path: str = "native"  # paths.NATIVE: this module's forward; paths.GENERIC: transformers' modules (generic.py)
+    # paths.NATIVE: this module's forward; paths.GENERIC: transformers' modules (generic.py)
+    path: str = "native"
     num_experts: int = 0  # sparse MoE (moe.py): experts per MoE layer, 0 for a dense model
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
@@ -70,7 +71,8 @@ class ModelConfig:
         arch = next(a for a in archs if a in ARCHITECTURES)
         family = ARCHITECTURES[arch]
         heads = cfg["num_attention_heads"]
-        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", family in ("mistral", "mixtral")) else None
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window",
+                                                      family in ("mistral", "mixtral")) else None
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -105,7 +107,8 @@ def _moe_fields(family: str, cfg: dict[str, Any]) -> dict[str, Any]:
         return dict(num_experts=n, num_experts_per_tok=cfg["num_experts_per_tok"],
                     moe_intermediate_size=cfg["moe_intermediate_size"],
                     norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
-                    moe_layers=tuple(i for i in range(layers) if n > 0 and i not in dense and (i + 1) % step == 0))
+                    moe_layers=tuple(i for i in range(layers) if n > 0 and i not in dense
+                                     and (i + 1) % step == 0))
     return {}
 
 
@@ -118,8 +121,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The norm over x's last dim, any leading shape (Qwen3's per-head q/k norm: rows of a strided qkv view,
-        copied to one contiguous [rows, dim] block so the fused kernel takes them, not torch's reference ops)."""
+        """The norm over x's last dim, any leading shape (Qwen3's per-head q/k norm: rows of a strided qkv
+        view, copied to one contiguous [rows, dim] block so the fused kernel takes them, not torch's reference
+        ops)."""
         return kernels.add_rms_norm(x.reshape(-1, x.shape[-1]), None, self.weight, self.eps)[1].view(x.shape)
 
     def add(self, x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,21 +193,22 @@ class DecoderLayer(nn.Module):
         return x, getattr(self, self.mlp_name)(h)
 
     def stack_layer(self, cache) -> list | None:
-        """This layer in kernels.decode_stack's order, or None where the stack cannot stand in for it: qk norm, a
-        linear it has no kernel for (bitsandbytes), a cache other than LayerKVCache (int8)."""
+        """This layer in kernels.decode_stack's order, or None where the stack cannot stand in for it: qk
+        norm, a linear it has no kernel for (bitsandbytes), a cache other than LayerKVCache (int8)."""
         a, m = self.self_attn, getattr(self, self.mlp_name)
         if a.q_norm is not None or type(cache) is not LayerKVCache or not isinstance(m, MLP):
             return None
         qkv, o, gate_up, down = (stack_linear(p) for p in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj))
         if None in (qkv, o, gate_up, down):
             return None
-        return [self.input_layernorm.weight, qkv, o, self.post_attention_layernorm.weight, gate_up, down, cache.k,
-                cache.v]
+        return [self.input_layernorm.weight, qkv, o, self.post_attention_layernorm.weight, gate_up, down,
+                cache.k, cache.v]
 
 
 def stack_linear(p: nn.Module):
     """A linear as a kernels.decode_stack linear: our Linear, or a weight-only quantized one by its own
-    `stack_linear`; None for any other (bitsandbytes) or where the stack would not run it as its module does."""
+    `stack_linear`; None for any other (bitsandbytes) or where the stack would not run it as its module
+    does."""
     if type(p) is Linear:
         return decode_stack.bf16_stack_linear(p.weight, p.bias)
     to_stack = getattr(p, "stack_linear", None)
@@ -213,7 +218,8 @@ def stack_linear(p: nn.Module):
 class LlamaModel(nn.Module):
     """Embeddings, decoder stack, final norm and LM head over a flat batch of tokens."""
 
-    # Each fused projection of a layer and the checkpoint linears it concatenates, in order (loader, quantization).
+    # Each fused projection of a layer and the checkpoint linears it concatenates, in order (loader,
+    # quantization).
     FUSED = FUSED_LAYOUT  # the worker's read-ahead lays their parts back to back (engine.models.fused_layout)
 
     @staticmethod
@@ -236,14 +242,15 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids, positions, kv_caches, meta, logits_indices,
                 plan: dispatch.StepPlan | None = None) -> torch.Tensor:
-        """Logits [len(logits_indices), vocab] for the selected flat positions (None: every position, in order);
-        `plan`: the step's (kernels.dispatch), derived from `meta` where not given."""
+        """Logits [len(logits_indices), vocab] for the selected flat positions (None: every position, in
+        order); `plan`: the step's (kernels.dispatch), derived from `meta` where not given."""
         dtype = self.embed_tokens.weight.dtype
         plan = plan or dispatch.plan_of_step(input_ids, dtype, kv_caches[0].k.dtype, meta)
         stack = self._decode_stack(kv_caches, len(input_ids)) if plan.decode_stack else None
         if stack is not None and stack.has_head and logits_indices is None:
             return stack.logits(input_ids, positions, self.rope.tables(dtype), meta)
-        return self.compute_logits(self.hidden_states(input_ids, positions, kv_caches, meta, logits_indices, stack))
+        return self.compute_logits(self.hidden_states(input_ids, positions, kv_caches, meta, logits_indices,
+                                                      stack))
 
     def compute_logits(self, x: torch.Tensor) -> torch.Tensor:
         """The LM head over final hidden states."""
@@ -271,8 +278,9 @@ class LlamaModel(nn.Module):
         return self.norm.add(x, delta)[1]
 
     def _decode_stack(self, kv_caches, tokens: int = 1) -> decode_stack.DecodeStack | None:
-        """The layers as one C++ call over these caches (kernels.decode_stack), built once per KV pool, for a step of
-        `tokens` tokens; None where a layer cannot be stacked or the step has more tokens than the stack takes."""
+        """The layers as one C++ call over these caches (kernels.decode_stack), built once per KV pool, for a
+        step of `tokens` tokens; None where a layer cannot be stacked or the step has more tokens than the
+        stack takes."""
         if self._stack_caches is not kv_caches:
             layers = [layer.stack_layer(cache) for layer, cache in zip(self.layers, kv_caches, strict=True)]
             a, self._stack_caches = self.layers[0].self_attn, kv_caches

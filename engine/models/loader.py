@@ -2,14 +2,14 @@
 
 On CPU a checkpoint of MAP_ALL_BYTES or more (any size with weight_loading=mmap) is mapped: a parameter whose
 stored bytes are already what the model keeps (same dtype; a fused projection whose parts lie back to back in
-the file) is the checkpoint's own page-cache pages, mapped copy-on-write: no copy, no second copy of the weights
-in memory, the page cache shared by every worker on the host, as llama.cpp's mmap. Everything else (smaller
-checkpoints, other dtypes, parts apart, other devices) is read with positioned reads straight into the storage
-of its final parameter (a fused projection's parts into its rows; a large tensor in spans, one per core, in
-parallel; off CPU, from the map straight to the device); on CPU that storage is one arena that becomes huge
-pages once loaded (engine.weight_memory), its map the one the worker reserved at its start where there is one,
-with the tensors it read into it then, while torch was being imported (engine.weight_reserve): those are taken
-where they lie. The model is built with its random initialisation skipped, so no
+the file) is the checkpoint's own page-cache pages, mapped copy-on-write: no copy, no second copy of the
+weights in memory, the page cache shared by every worker on the host, as llama.cpp's mmap. Everything else
+(smaller checkpoints, other dtypes, parts apart, other devices) is read with positioned reads straight into
+the storage of its final parameter (a fused projection's parts into its rows; a large tensor in spans, one per
+core, in parallel; off CPU, from the map straight to the device); on CPU that storage is one arena that
+becomes huge pages once loaded (engine.weight_memory), its map the one the worker reserved at its start where
+there is one, with the tensors it read into it then, while torch was being imported (engine.weight_reserve):
+those are taken where they lie. The model is built with its random initialisation skipped, so no
 weight is written twice.
 """
 
@@ -88,9 +88,10 @@ def read_header(file: Path) -> dict[str, TensorEntry]:
     return entries
 
 
-WEIGHT_LOADING = ("auto", "mmap", "copy")  # mapped from MAP_ALL_BYTES, else read / mapped where the dtype matches / read
-# From this size auto maps the checkpoint: copying it would take seconds and twice the memory, and the page cache
-# is shared by every worker on the host. Below it auto reads every tensor into the huge-page arena
+WEIGHT_LOADING = ("auto", "mmap",
+                  "copy")  # mapped from MAP_ALL_BYTES, else read / mapped where the dtype matches / read
+# From this size auto maps the checkpoint: copying it would take seconds and twice the memory, and the page
+# cache is shared by every worker on the host. Below it auto reads every tensor into the huge-page arena
 # (engine.weight_memory: faster decode steps than over 4 KB pages, page-cache maps included), on cache lines
 # (rows off a cache line read slower while they fit the caches; docs/benchmarks.md).
 MAP_ALL_BYTES = weight_reserve.MAP_ALL_BYTES
@@ -113,9 +114,9 @@ def _pread_span(fd: int, view: memoryview, offset: int) -> None:
 
 
 def _pread_into(fd: int, out: torch.Tensor, offset: int) -> None:
-    """Fill the contiguous CPU tensor `out` with the bytes at `offset` of the open file `fd`; a large tensor in
-    parallel spans, one per reader thread (the page faults of fresh memory and the copies out of the page cache
-    then run on every core, faster than one thread)."""
+    """Fill the contiguous CPU tensor `out` with the bytes at `offset` of the open file `fd`; a large tensor
+    in parallel spans, one per reader thread (the page faults of fresh memory and the copies out of the page
+    cache then run on every core, faster than one thread)."""
     view = memoryview(out.reshape(-1).view(torch.uint8).numpy()).cast("B")
     if len(view) <= PARALLEL_CHUNK or READERS == 1:
         _pread_span(fd, view, offset)
@@ -128,8 +129,8 @@ def _pread_into(fd: int, out: torch.Tensor, offset: int) -> None:
 
 
 class CheckpointReader:
-    """Tensors by name across one or many safetensors files, each read straight into the tensor that keeps it, or
-    taken from `arena` where the worker's reservation read it there ahead (engine.weight_reserve)."""
+    """Tensors by name across one or many safetensors files, each read straight into the tensor that keeps it,
+    or taken from `arena` where the worker's reservation read it there ahead (engine.weight_reserve)."""
 
     def __init__(self, path: str | Path) -> None:
         self.entries: dict[str, TensorEntry] = {}
@@ -161,10 +162,10 @@ class CheckpointReader:
         return self.entries[name].shape
 
     def get(self, name: str) -> torch.Tensor:
-        """The tensor `name` in its stored dtype, as a CPU tensor of the caller's own: where it was read ahead into
-        the arena (the first ask only), that, else a fresh one. One read ahead as transient (the load rebuilds it:
-        engine.weight_reserve.layout) lasts until the arena settles: keep a copy, or a module buffer (the arena's
-        `adopt` moves those)."""
+        """The tensor `name` in its stored dtype, as a CPU tensor of the caller's own: where it was read ahead
+        into the arena (the first ask only), that, else a fresh one. One read ahead as transient (the load
+        rebuilds it: engine.weight_reserve.layout) lasts until the arena settles: keep a copy, or a module
+        buffer (the arena's `adopt` moves those)."""
         e = self.entries[name]
         if self.arena is not None:
             found = self.arena.placed([e.source], e.shape, e.dtype)
@@ -183,7 +184,8 @@ class CheckpointReader:
         reach the file; the map lives as long as any tensor viewing it."""
         if file not in self._maps:
             with open(file, "rb") as f:
-                self._maps[file] = torch.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY), dtype=torch.uint8)
+                self._maps[file] = torch.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY),
+                                                    dtype=torch.uint8)
         return self._maps[file]
 
     def mapped(self, names: list[str]) -> torch.Tensor | None:
@@ -193,7 +195,8 @@ class CheckpointReader:
         es = [self.entries[n] for n in names]
         first, shape = es[0], es[0].shape
         if len(es) > 1:
-            alike = all(e.file == first.file and e.dtype == first.dtype and e.shape and e.shape[1:] == shape[1:]
+            alike = all(e.file == first.file and e.dtype == first.dtype and e.shape
+                        and e.shape[1:] == shape[1:]
                         for e in es)
             if not alike or any(a.offset + a.nbytes != b.offset for a, b in itertools.pairwise(es)):
                 return None
@@ -204,10 +207,12 @@ class CheckpointReader:
         return span.view(first.dtype).view(shape)
 
     def read_into(self, name: str, out: torch.Tensor) -> None:
-        """Read the tensor `name` into the contiguous CPU tensor `out` of its shape (converted to out's dtype)."""
+        """Read the tensor `name` into the contiguous CPU tensor `out` of its shape (converted to out's
+        dtype)."""
         e = self.entries[name]
         if tuple(out.shape) != e.shape:
-            raise ValueError(f"checkpoint tensor {name} has shape {list(e.shape)}, the model expects {list(out.shape)}")
+            raise ValueError(
+                f"checkpoint tensor {name} has shape {list(e.shape)}, the model expects {list(out.shape)}")
         if out.dtype != e.dtype:
             out.copy_(self.get(name))
         elif e.nbytes:
@@ -253,7 +258,8 @@ def _read_param(reader: CheckpointReader, names: list[str], dtype, device: torch
 
 def _check_shape(name: str, param: nn.Parameter, expected: torch.Size) -> nn.Parameter:
     if param.shape != expected:
-        raise ValueError(f"checkpoint {name} has shape {list(param.shape)}, the model expects {list(expected)}")
+        raise ValueError(
+            f"checkpoint {name} has shape {list(param.shape)}, the model expects {list(expected)}")
     return param
 
 
@@ -274,8 +280,8 @@ def _load_layer(layer: nn.Module, reader, i: int, dtype, device, hook: LinearHoo
     for name, mod in list(layer.named_modules()):
         if isinstance(mod, nn.Linear):
             if not getattr(hook, "prequantized", False):
-                _load_linear(mod, reader, prefix, LlamaModel.FUSED.get(name, (name,)), dtype, device, weight_loading,
-                             None if hook is not None else arena)
+                _load_linear(mod, reader, prefix, LlamaModel.FUSED.get(name, (name,)), dtype, device,
+                             weight_loading, None if hook is not None else arena)
             if hook is not None:
                 parent, _, attr = name.rpartition(".")
                 setattr(layer.get_submodule(parent), attr, hook(f"{prefix}{name}", mod))
@@ -295,10 +301,10 @@ def _head(model: LlamaModel) -> nn.Linear:
 
 
 class SkipInit(TorchFunctionMode):
-    """While active, torch.nn.init's initialisers (those with torch's `__torch_function__` hook: uniform_, normal_,
-    constant_, kaiming_uniform_, all that nn.Linear and nn.Embedding call) return their tensor untouched, as
-    transformers' `no_init_weights` does by patching them: every weight is about to be replaced by the
-    checkpoint's. Nothing of torch is patched."""
+    """While active, torch.nn.init's initialisers (those with torch's `__torch_function__` hook: uniform_,
+    normal_, constant_, kaiming_uniform_, all that nn.Linear and nn.Embedding call) return their tensor
+    untouched, as transformers' `no_init_weights` does by patching them: every weight is about to be replaced
+    by the checkpoint's. Nothing of torch is patched."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -315,7 +321,8 @@ def skip_init() -> SkipInit:
 def build_model(config: ModelConfig) -> LlamaModel:
     """Our model for `config` with uninitialised CPU storage that is never written, so never committed: the
     loader replaces every tensor. (Not the meta device: its Python reference kernels import torch's compiler
-    stack, a second or more of start-up; the rotary tables are built for one position, the loader builds them.)"""
+    stack, a second or more of start-up; the rotary tables are built for one position, the loader builds
+    them.)"""
     with skip_init():
         return LlamaModel(config, 1)
 
@@ -396,7 +403,8 @@ def _load_vision_language(path: str | Path, hf_config: dict, config: ModelConfig
 
 
 def _weight_mode(reader: CheckpointReader, weight_loading: str, linear_hook: LinearHook | None) -> str:
-    """"mmap" or "copy": a linear hook always reads copies; "auto" maps checkpoints of MAP_ALL_BYTES or more."""
+    """"mmap" or "copy": a linear hook always reads copies; "auto" maps checkpoints of MAP_ALL_BYTES or
+    more."""
     mode = weight_loading if linear_hook is None else "copy"
     if mode == "auto":
         mode = "mmap" if sum(e.nbytes for e in reader.entries.values()) >= MAP_ALL_BYTES else "copy"
@@ -405,7 +413,8 @@ def _weight_mode(reader: CheckpointReader, weight_loading: str, linear_hook: Lin
 
 def read_weights(model: LlamaModel, reader: CheckpointReader, dtype: torch.dtype, device: torch.device,
                   linear_hook: LinearHook | None, mode: str, arena: WeightArena | None) -> None:
-    """Every parameter of `model` read from the checkpoint in place of its placeholder (asserts none is left)."""
+    """Every parameter of `model` read from the checkpoint in place of its placeholder (asserts none is
+    left)."""
     placeholders = list(model.parameters())
     model.embed_tokens.weight = _read_param(reader, ["model.embed_tokens.weight"], dtype, device, mode, arena)
     model.norm.weight = _read_param(reader, ["model.norm.weight"], dtype, device, mode, arena)
@@ -425,7 +434,8 @@ def _arena(reader: CheckpointReader, dtype: torch.dtype, path: str | Path,
     written: `reservation` where it is the map reserved for `path` at the worker's start and has room
     (engine.weight_reserve); None where the address space cannot be had (the tensors then go to torch's
     allocator)."""
-    nbytes = sum(e.nbytes // e.dtype.itemsize * (dtype.itemsize if e.dtype.is_floating_point else e.dtype.itemsize)
+    nbytes = sum(e.nbytes // e.dtype.itemsize * (dtype.itemsize if e.dtype.is_floating_point
+                                                 else e.dtype.itemsize)
                  for e in reader.entries.values())
     capacity = weight_reserve.arena_capacity(nbytes)
     try:

@@ -1,14 +1,14 @@
 """Sparse mixture-of-experts MLP for the native forward (Mixtral, Qwen3-MoE): top-k routing, tokens grouped by
 expert (one sort, then one matmul per expert over all of its tokens), results scattered back in one index_add;
 on CPU in bf16 with unquantized experts, the grouping and the experts run in one C++ call per layer
-(kernels.expert_kernel): every step where the holder multiplies with AMX tiles (bf16 experts of whole multiples of 32
-wide on an AMX CPU), else steps of up to CPP_MAX_TOKENS tokens (decode), longer ones (prefill) keeping the
-per-expert matmuls, whose many rows per expert the matmul library multiplies faster than the C++ vector tiles
-(docs/benchmarks.md).
+(kernels.expert_kernel): every step where the holder multiplies with AMX tiles (bf16 experts of whole
+multiples of 32 wide on an AMX CPU), else steps of up to CPP_MAX_TOKENS tokens (decode), longer ones (prefill)
+keeping the per-expert matmuls, whose many rows per expert the matmul library multiplies faster than the C++
+vector tiles (docs/benchmarks.md).
 
-Experts are kept as the checkpoint stores them (one linear per projection per expert, under the checkpoint's own
-names), so the loader reads them as any other linear and a quantization hook quantizes each expert; the router is
-not a linear, so it stays in the model dtype and routing stays exact.
+Experts are kept as the checkpoint stores them (one linear per projection per expert, under the checkpoint's
+own names), so the loader reads them as any other linear and a quantization hook quantizes each expert; the
+router is not a linear, so it stays in the model dtype and routing stays exact.
 """
 
 from __future__ import annotations
@@ -20,13 +20,15 @@ from torch import nn
 from sluice.kernels import expert_kernel as moe_kernel
 from sluice.kernels.linear import Linear
 
-# Per architecture: the MoE block's attribute name in a decoder layer, each expert's (gate, up, down) linear names,
-# and whether the routing weights stay fp32 (Mixtral) or are cast to the activations' dtype (Qwen3-MoE).
+# Per architecture: the MoE block's attribute name in a decoder layer, each expert's (gate, up, down) linear
+# names, and whether the routing weights stay fp32 (Mixtral) or are cast to the activations' dtype
+# (Qwen3-MoE).
 MOE_LAYOUTS = {
     "mixtral": ("block_sparse_moe", ("w1", "w3", "w2"), True),
     "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"), False),
 }
-CPP_MAX_TOKENS = 64  # tokens of a step up to which the C++ vector tiles serve (past it: the per-expert matmuls)
+# tokens of a step up to which the C++ vector tiles serve (past it: the per-expert matmuls)
+CPP_MAX_TOKENS = 64
 
 
 class Router(nn.Module):
@@ -54,13 +56,15 @@ class Expert(nn.Module):
 class SparseMoe(nn.Module):
     """Top-k of `num_experts` SwiGLU experts per token, weights renormalised over the k where `norm_topk`."""
 
-    def __init__(self, hidden: int, inner: int, num_experts: int, top_k: int, norm_topk: bool, layout: str) -> None:
+    def __init__(self, hidden: int, inner: int, num_experts: int, top_k: int, norm_topk: bool,
+                 layout: str) -> None:
         super().__init__()
         _, names, self.fp32_weights = MOE_LAYOUTS[layout]
         self.gate = Router(num_experts, hidden)
         self.experts = nn.ModuleList(Expert(hidden, inner, names) for _ in range(num_experts))
         self.top_k, self.norm_topk = top_k, norm_topk
-        self.cpp_experts = None  # kernels.expert_kernel's holder of the expert weights once made (False: not for these)
+        # kernels.expert_kernel's holder of the expert weights once made (False: not for these)
+        self.cpp_experts = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights, expert ids), each [T, k], as transformers computes them (softmax in fp32)."""
@@ -79,8 +83,9 @@ class SparseMoe(nn.Module):
         return self.grouped(x, weights, ids)
 
     def _kernel(self, x: torch.Tensor):
-        """The C++ experts (kernels.expert_kernel: grouping and SwiGLU in one call, fp32 sums) for bf16 activations on CPU
-        over unquantized bf16 experts, made once; None elsewhere (quantized experts, other dtypes and devices)."""
+        """The C++ experts (kernels.expert_kernel: grouping and SwiGLU in one call, fp32 sums) for bf16
+        activations on CPU over unquantized bf16 experts, made once; None elsewhere (quantized experts, other
+        dtypes and devices)."""
         if x.device.type != "cpu" or x.dtype is not torch.bfloat16 or torch.is_grad_enabled():
             return None
         if self.cpp_experts is None:
@@ -91,7 +96,8 @@ class SparseMoe(nn.Module):
         return self.cpp_experts or None
 
     def grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """The experts in torch: the (token, slot) pairs sorted by expert, one call per expert on its tokens."""
+        """The experts in torch: the (token, slot) pairs sorted by expert, one call per expert on its
+        tokens."""
         flat = ids.reshape(-1)
         order = flat.argsort(stable=True)  # the (token, slot) pairs grouped by expert
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()

@@ -63,17 +63,17 @@ class RotaryEmbedding(torch.nn.Module):
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [T, 1, D] of the positions in `dtype`: gathered once per step, shared by every layer.
 
-        Where `tables` has cast the whole tables to `dtype` (the CPU decode stack does), a step only indexes them:
-        the same values, as a row's cast is the cast's row. Nothing is built here, so a step's ops stay the same
-        from the first call on (CUDA graphs capture them)."""
+        Where `tables` has cast the whole tables to `dtype` (the CPU decode stack does), a step only indexes
+        them: the same values, as a row's cast is the cast's row. Nothing is built here, so a step's ops stay
+        the same from the first call on (CUDA graphs capture them)."""
         typed = self._cast(dtype)
         if typed is not None:
             return typed[0][positions][:, None, :], typed[1][positions][:, None, :]
         return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
 
     def tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The whole cos and sin tables [positions, D] cast to `dtype`, built on first use and kept until another
-        dtype is asked or the fp32 tables are replaced (module.to())."""
+        """The whole cos and sin tables [positions, D] cast to `dtype`, built on first use and kept until
+        another dtype is asked or the fp32 tables are replaced (module.to())."""
         typed = self._cast(dtype)
         if typed is None:
             self._typed = (self.cos, self.cos.to(dtype), self.sin.to(dtype))
@@ -85,7 +85,8 @@ class RotaryEmbedding(torch.nn.Module):
         typed = self._typed
         return typed[1:] if typed is not None and typed[0] is self.cos and typed[1].dtype == dtype else None
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, q: torch.Tensor,
+                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q [T, H, D] and k [T, Hkv, D] to their positions."""
         cos, sin = self.cos_sin(positions, q.dtype)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)

@@ -1,4 +1,5 @@
-"""Write pre-quantized checkpoints in transformers' bitsandbytes format, so they load without re-quantizing."""
+"""Write pre-quantized checkpoints in transformers' bitsandbytes format, so they load without
+re-quantizing."""
 
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ WEIGHTS = "model.safetensors"
 
 
 def serialized(part: nn.Module) -> dict[str, torch.Tensor]:
-    """A quantized linear's tensors as bitsandbytes serializes them (an LLM.int8() linear: `weight` (CB), `bias`,
-    `SCB` and the `weight_format` marker 0, row-major, that Linear8bitLt writes beside them)."""
+    """A quantized linear's tensors as bitsandbytes serializes them (an LLM.int8() linear: `weight` (CB),
+    `bias`, `SCB` and the `weight_format` marker 0, row-major, that Linear8bitLt writes beside them)."""
     state = {k: v.contiguous() for k, v in part.state_dict().items()}
     if isinstance(part, LLMInt8Linear):
         state["weight_format"] = torch.tensor(0, dtype=torch.uint8)
@@ -34,7 +35,8 @@ def quantized_linears(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
     out: dict[str, dict[str, torch.Tensor]] = {}
     for i, layer in enumerate(model.layers):
         for name, mod in layer.named_modules():
-            if ".parts." in name or not isinstance(mod, FusedLinear | nn.Linear | LLMInt8Linear | Linear4bitCpu):
+            if ".parts." in name or not isinstance(mod,
+                                                   FusedLinear | nn.Linear | LLMInt8Linear | Linear4bitCpu):
                 continue
             parts = mod.parts if isinstance(mod, FusedLinear) else [mod]
             for hf_name, part in zip(part_names(f"model.layers.{i}.{name}"), parts, strict=True):
@@ -48,7 +50,8 @@ def save_quantized(src: str | Path, dst: str | Path, spec: QuantSpec, dtype: tor
     quantization_config = spec.hf_config(dtype)
     hf_config = read_config(src)
     if hf_config.get("quantization_config"):
-        raise ValueError(f"{src} is already quantized ({hf_config['quantization_config'].get('quant_method')})")
+        raise ValueError(
+            f"{src} is already quantized ({hf_config['quantization_config'].get('quant_method')})")
     c = ModelConfig.from_hf(hf_config)
     cpu = torch.device("cpu")
     check_shapes(spec, c, cpu)
@@ -64,7 +67,8 @@ def save_quantized(src: str | Path, dst: str | Path, spec: QuantSpec, dtype: tor
     dst.mkdir(parents=True, exist_ok=True)
     save_file(tensors, dst / WEIGHTS, metadata={"format": "pt"})
     for f in src.iterdir():
-        if f.is_file() and not f.name.endswith(".safetensors") and f.name not in ("config.json", f"{WEIGHTS}.index.json"):
+        skipped = ("config.json", f"{WEIGHTS}.index.json")
+        if f.is_file() and not f.name.endswith(".safetensors") and f.name not in skipped:
             shutil.copy2(f, dst / f.name)
     hf_config |= {"quantization_config": quantization_config, "dtype": str(dtype).removeprefix("torch.")}
     (dst / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")

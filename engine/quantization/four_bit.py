@@ -1,12 +1,13 @@
 """bitsandbytes' 4-bit linears (NF4 / FP4, blocks of 64) on CPU without importing bitsandbytes.
 
-bitsandbytes' serialized state is parsed here (`State4bit.from_dict`: packed codes, absmax fp32 or nested, the code
-table, the JSON `quant_state.bitsandbytes__nf4|fp4`) and written back in the same form (`State4bit.as_dict`), so a
-checkpoint round-trips; quantizing while loading gives bitsandbytes' own bits (`quantize_4bit`: our C++ blocks
-pass, bitsandbytes' default quantize_4bit with torch ops where it does not build, and its CPU blockwise 8-bit
-quantization of the absmax for double quant). `Linear4bitCpu` multiplies with kernels.nf4, in the checkpoint's byte
-layout; `pack()` (at load: `pack_4bit_for_cpu`) replaces the absmax, nested or fp32, by its bf16 copy [out, in / 64]
-(what bitsandbytes' CPU kernel multiplies with), after which the module no longer holds bitsandbytes' state.
+bitsandbytes' serialized state is parsed here (`State4bit.from_dict`: packed codes, absmax fp32 or nested,
+the code table, the JSON `quant_state.bitsandbytes__nf4|fp4`) and written back in the same form
+(`State4bit.as_dict`), so a checkpoint round-trips; quantizing while loading gives bitsandbytes' own bits
+(`quantize_4bit`: our C++ blocks pass, bitsandbytes' default quantize_4bit with torch ops where it does not
+build, and its CPU blockwise 8-bit quantization of the absmax for double quant). `Linear4bitCpu` multiplies
+with kernels.nf4, in the checkpoint's byte layout; `pack()` (at load: `pack_4bit_for_cpu`) replaces the
+absmax, nested or fp32, by its bf16 copy [out, in / 64] (what bitsandbytes' CPU kernel multiplies with), after
+which the module no longer holds bitsandbytes' state.
 """
 
 from __future__ import annotations
@@ -25,10 +26,12 @@ from sluice.kernels import decode_stack, int4_weights
 from sluice.kernels import nf4 as nf4_kernels
 
 BLOCKSIZE = 64
-Empty = Callable[[tuple[int, ...], torch.dtype], "torch.Tensor | None"]  # storage for a tensor (a weight arena's)
+# storage for a tensor (a weight arena's)
+Empty = Callable[[tuple[int, ...], torch.dtype], "torch.Tensor | None"]
 NESTED_BLOCKSIZE = 256
-# bitsandbytes' get_4bit_type tables before their normalization by the largest magnitude (FP4: 1 sign, 2 exponent
-# and 1 mantissa bits in bit-pattern order; its negative zero is written as the integer -0 there, so +0)
+# bitsandbytes' get_4bit_type tables before their normalization by the largest magnitude (FP4: 1 sign, 2
+# exponent and 1 mantissa bits in bit-pattern order; its negative zero is written as the integer -0 there, so
+# +0)
 LEVELS = {
     "nf4": (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
             -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
@@ -45,9 +48,10 @@ def _f32(x: float) -> float:
 
 @functools.cache
 def _levels(quant_type: str) -> tuple[float, ...]:
-    """The 16 fp32 values of a 4-bit type (bitsandbytes' get_4bit_type: the levels over the largest magnitude, in
-    fp32) as Python floats: an fp32 quotient computed in float64 and rounded once is fp32's own. Tables this small
-    are not worth torch's kernels, whose code pages (a sort's above all) a process keeps resident once touched."""
+    """The 16 fp32 values of a 4-bit type (bitsandbytes' get_4bit_type: the levels over the largest magnitude,
+    in fp32) as Python floats: an fp32 quotient computed in float64 and rounded once is fp32's own. Tables
+    this small are not worth torch's kernels, whose code pages (a sort's above all) a process keeps resident
+    once touched."""
     data = [_f32(v) for v in LEVELS[quant_type]]
     top = max(abs(v) for v in data)
     return tuple(_f32(v / top) for v in data)
@@ -79,13 +83,16 @@ def dynamic_map() -> torch.Tensor:
     return torch.tensor(sorted([*data, 0.0, 1.0]), dtype=torch.float32)
 
 
-def quantize_blockwise(a: torch.Tensor, blocksize: int = NESTED_BLOCKSIZE) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 values to 8-bit codes of `dynamic_map` and an absmax per block, as bitsandbytes' CPU quantize_blockwise
-    does: each value times the reciprocal of its block's absmax, clamped to [-1, 1], looked up in a table of 65536
-    evenly spaced values (`_lookup`) that holds each one's nearest code; a block of zeros gets code 0."""
+def quantize_blockwise(a: torch.Tensor,
+                       blocksize: int = NESTED_BLOCKSIZE) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 values to 8-bit codes of `dynamic_map` and an absmax per block, as bitsandbytes' CPU
+    quantize_blockwise does: each value times the reciprocal of its block's absmax, clamped to [-1, 1], looked
+    up in a table of 65536 evenly spaced values (`_lookup`) that holds each one's nearest code; a block of
+    zeros gets code 0."""
     n = a.numel()
     blocks = -(n // -blocksize)
-    padded = torch.nn.functional.pad(a.reshape(-1).float(), (0, blocks * blocksize - n)).view(blocks, blocksize)
+    padded = torch.nn.functional.pad(a.reshape(-1).float(),
+                                     (0, blocks * blocksize - n)).view(blocks, blocksize)
     absmax = padded.abs().amax(1)  # the zeros padding a short block change no maximum
     inverse = torch.where(absmax > 0, 1.0 / absmax, 0.0)
     scaled = (padded * inverse[:, None]).clamp_(-1.0, 1.0)
@@ -108,7 +115,8 @@ def _lookup() -> torch.Tensor:
     return torch.searchsorted(midpoints, values).to(torch.uint8)
 
 
-def dequantize_blockwise(q: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, blocksize: int) -> torch.Tensor:
+def dequantize_blockwise(q: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor,
+                         blocksize: int) -> torch.Tensor:
     """code[q] * its block's absmax in fp32 (bitsandbytes' dequantize_blockwise on CPU)."""
     n = q.numel()
     values = torch.nn.functional.pad(code.float()[q.reshape(-1).long()], (0, -n % blocksize))
@@ -117,8 +125,9 @@ def dequantize_blockwise(q: torch.Tensor, absmax: torch.Tensor, code: torch.Tens
 
 @dataclass(slots=True)
 class State4bit:
-    """bitsandbytes' QuantState of one 4-bit weight as it serializes it: absmax fp32 per block of `blocksize`, or
-    (nested) uint8 codes of `nested_quant_map` with an fp32 absmax per `nested_blocksize` of them, plus `offset`."""
+    """bitsandbytes' QuantState of one 4-bit weight as it serializes it: absmax fp32 per block of `blocksize`,
+    or (nested) uint8 codes of `nested_quant_map` with an fp32 absmax per `nested_blocksize` of them, plus
+    `offset`."""
 
     quant_type: str
     shape: tuple[int, int]
@@ -126,11 +135,13 @@ class State4bit:
     absmax: torch.Tensor
     quant_map: torch.Tensor
     blocksize: int = BLOCKSIZE
-    nested: dict | None = field(default=None)  # nested_absmax, nested_quant_map (tensors), blocksize, dtype, offset
+    # nested_absmax, nested_quant_map (tensors), blocksize, dtype, offset
+    nested: dict | None = field(default=None)
 
     @classmethod
     def from_dict(cls, stats: dict[str, torch.Tensor]) -> State4bit:
-        """Parse a linear's `weight.*` tensors (prefix removed): absmax, quant_map, nested_*, and the JSON tensor
+        """Parse a linear's `weight.*` tensors (prefix removed): absmax, quant_map, nested_*, and the JSON
+        tensor
         `quant_state.bitsandbytes__nf4|fp4`."""
         keys = [k for k in stats if k.startswith("quant_state.bitsandbytes__")]
         if len(keys) != 1:
@@ -138,15 +149,18 @@ class State4bit:
         meta = json.loads(bytes(stats[keys[0]].to(torch.uint8).tolist()).decode("utf-8"))
         nested = None
         if "nested_absmax" in stats:
-            nested = {"absmax": stats["nested_absmax"].float(), "quant_map": stats["nested_quant_map"].float(),
-                      "blocksize": int(meta["nested_blocksize"]), "dtype": meta.get("nested_dtype", "float32"),
-                      "offset": float(meta["nested_offset"])}
-        return cls(quant_type=meta["quant_type"], shape=tuple(meta["shape"]), dtype=getattr(torch, meta["dtype"]),
-                   absmax=stats["absmax"], quant_map=stats["quant_map"].float(), blocksize=int(meta["blocksize"]),
-                   nested=nested)
+            nested = {"absmax": stats["nested_absmax"].float(),
+                      "quant_map": stats["nested_quant_map"].float(),
+                      "blocksize": int(meta["nested_blocksize"]),
+                      "dtype": meta.get("nested_dtype", "float32"), "offset": float(meta["nested_offset"])}
+        return cls(quant_type=meta["quant_type"], shape=tuple(meta["shape"]),
+                   dtype=getattr(torch, meta["dtype"]),
+                   absmax=stats["absmax"], quant_map=stats["quant_map"].float(),
+                   blocksize=int(meta["blocksize"]), nested=nested)
 
     def as_dict(self) -> dict[str, torch.Tensor]:
-        """The tensors bitsandbytes' Params4bit saves beside `weight` (its QuantState.as_dict(packed=True))."""
+        """The tensors bitsandbytes' Params4bit saves beside `weight` (its
+        QuantState.as_dict(packed=True))."""
         meta = {"quant_type": self.quant_type, "blocksize": self.blocksize,
                 "dtype": str(self.dtype).strip("torch."), "shape": list(self.shape)}
         out = {"absmax": self.absmax, "quant_map": self.quant_map}
@@ -158,7 +172,8 @@ class State4bit:
         return out | {f"quant_state.bitsandbytes__{self.quant_type}": data}
 
     def absmax_fp32(self) -> torch.Tensor:
-        """The absmax per block in fp32, the nested codes dequantized plus the offset (as bitsandbytes does)."""
+        """The absmax per block in fp32, the nested codes dequantized plus the offset (as bitsandbytes
+        does)."""
         if self.nested is None:
             return self.absmax.float()
         n = self.nested
@@ -181,8 +196,8 @@ def quantize_4bit(w: torch.Tensor, quant_type: str, nested: bool) -> tuple[torch
         offset = absmax.mean()
         codes, nested_absmax = quantize_blockwise(absmax - offset)
         state.absmax = codes
-        state.nested = {"absmax": nested_absmax, "quant_map": dynamic_map().clone(), "blocksize": NESTED_BLOCKSIZE,
-                        "dtype": "float32", "offset": offset.item()}
+        state.nested = {"absmax": nested_absmax, "quant_map": dynamic_map().clone(),
+                        "blocksize": NESTED_BLOCKSIZE, "dtype": "float32", "offset": offset.item()}
     return packed.view(-1, 1), state
 
 
@@ -206,11 +221,12 @@ def _quantize_blocks(x: torch.Tensor, bounds: torch.Tensor, order: torch.Tensor,
 
 
 class Linear4bitCpu(nn.Module):
-    """bitsandbytes' Linear4bit on CPU by kernels.nf4: `codes` [out, in / 2] are the checkpoint's packed bytes as
-    they are; until `pack()` the module holds bitsandbytes' state (and saves it as bitsandbytes does), after it
-    the absmax in bf16 [out, in / 64] (the rest of the state dropped)."""
+    """bitsandbytes' Linear4bit on CPU by kernels.nf4: `codes` [out, in / 2] are the checkpoint's packed bytes
+    as they are; until `pack()` the module holds bitsandbytes' state (and saves it as bitsandbytes does),
+    after it the absmax in bf16 [out, in / 64] (the rest of the state dropped)."""
 
-    def __init__(self, packed: torch.Tensor, state: State4bit, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+    def __init__(self, packed: torch.Tensor, state: State4bit, bias: torch.Tensor | None,
+                 dtype: torch.dtype) -> None:
         super().__init__()
         self.out_features, self.in_features = state.shape
         err = nf4_kernels.shape_error(*state.shape)
@@ -228,12 +244,13 @@ class Linear4bitCpu(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
 
     def pack(self, empty: Empty | None = None) -> bool:
-        """Replace bitsandbytes' state by the bf16 absmax the kernel reads (in storage from `empty`, e.g. the weight
-        arena's, where it gives some); False when already done."""
+        """Replace bitsandbytes' state by the bf16 absmax the kernel reads (in storage from `empty`, e.g. the
+        weight arena's, where it gives some); False when already done."""
         if self.state is None:
             return False
         absmax = self.state.absmax_fp32().view(self.out_features, self.in_features // BLOCKSIZE)
-        into = empty(absmax.shape, torch.bfloat16) if empty is not None and absmax.device.type == "cpu" else None
+        into = empty(absmax.shape,
+                     torch.bfloat16) if empty is not None and absmax.device.type == "cpu" else None
         self.absmax = into.copy_(absmax) if into is not None else absmax.to(torch.bfloat16).contiguous()
         self.state = None
         return True
@@ -244,8 +261,8 @@ class Linear4bitCpu(nn.Module):
         return nf4_kernels.nf4_linear(x, self.codes, self.absmax, self.table, self.bias)
 
     def stack_linear(self):
-        """This linear for kernels.decode_stack (packed first, as `forward` would), or None where the stack would
-        not run it as `forward` does."""
+        """This linear for kernels.decode_stack (packed first, as `forward` would), or None where the stack
+        would not run it as `forward` does."""
         if self.state is not None:
             self.pack()
         return decode_stack.nf4_stack_linear(self.codes, self.absmax, self.table, self.bias)
@@ -253,7 +270,8 @@ class Linear4bitCpu(nn.Module):
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         """bitsandbytes' Linear4bit keys: weight (the packed codes [n, 1]), weight.<state>, bias."""
         if self.state is None:
-            raise RuntimeError("a packed 4-bit linear no longer holds bitsandbytes' state: save before packing")
+            raise RuntimeError(
+                "a packed 4-bit linear no longer holds bitsandbytes' state: save before packing")
         destination[prefix + "weight"] = self.codes.reshape(-1, 1)
         for key, value in self.state.as_dict().items():
             destination[f"{prefix}weight.{key}"] = value
@@ -261,10 +279,11 @@ class Linear4bitCpu(nn.Module):
             destination[prefix + "bias"] = self.bias if keep_vars else self.bias.detach()
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, quant_type={self.quant_type}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"quant_type={self.quant_type}")
 
 
 def pack_for_cpu(model: nn.Module, empty: Empty | None = None) -> int:
-    """`pack()` every Linear4bitCpu of a model (at load: the kernels' absmax, bitsandbytes' state freed; `empty`:
-    where the absmax goes); returns how many it packed."""
+    """`pack()` every Linear4bitCpu of a model (at load: the kernels' absmax, bitsandbytes' state freed;
+    `empty`: where the absmax goes); returns how many it packed."""
     return sum(mod.pack(empty) for mod in model.modules() if isinstance(mod, Linear4bitCpu))

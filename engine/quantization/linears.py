@@ -42,8 +42,8 @@ class FusedLinear(nn.Module):
         return torch.cat([p(x) for p in self.parts], dim=-1)
 
     def stack_linear(self):
-        """This projection for kernels.decode_stack (its parts' stack linears side by side), or None where a part
-        does not stack."""
+        """This projection for kernels.decode_stack (its parts' stack linears side by side), or None where a
+        part does not stack."""
         parts = [getattr(p, "stack_linear", lambda: None)() for p in self.parts]
         return decode_stack.fused_stack_linear(parts)
 
@@ -67,8 +67,8 @@ def llm_int8_module(spec: QuantSpec, cb: torch.Tensor, scb: torch.Tensor, bias, 
 
 
 def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """CB and SCB of a weight [out, in] as bitsandbytes' int8_vectorwise_quant gives them for its fp16 copy: on CPU
-    ours (the same bits: tests/test_quant_kernels.py), elsewhere bitsandbytes' own."""
+    """CB and SCB of a weight [out, in] as bitsandbytes' int8_vectorwise_quant gives them for its fp16 copy:
+    on CPU ours (the same bits: tests/test_quant_kernels.py), elsewhere bitsandbytes' own."""
     if weight.device.type != "cpu":
         return _bnb().functional.int8_vectorwise_quant(weight.to(torch.float16))[:2]
     return int8_weights.bnb_int8_rows(weight) or int8_weights.bnb_int8_act(weight, 0.0)[:2]
@@ -94,9 +94,9 @@ def four_bit_module(spec: QuantSpec, packed: torch.Tensor, quant_state, bias, dt
 
 
 def pack_4bit_for_cpu(model: nn.Module) -> int:
-    """Put every 4-bit linear of a CPU model in the layout its kernel reads (`four_bit.pack_for_cpu`: the absmax in
-    bf16, in the model's weight arena where it has one, bitsandbytes' state freed), at load rather than at its
-    first forward; returns the linears packed."""
+    """Put every 4-bit linear of a CPU model in the layout its kernel reads (`four_bit.pack_for_cpu`: the
+    absmax in bf16, in the model's weight arena where it has one, bitsandbytes' state freed), at load rather
+    than at its first forward; returns the linears packed."""
     arena = getattr(model, "weight_arena", None)
     return four_bit.pack_for_cpu(model, arena.empty if arena is not None else None)
 
@@ -122,7 +122,8 @@ class Int8WeightOnlyLinear(nn.Module):
         return kernels.int8_linear(x, self.qweight, self.scales, self.bias)
 
     def stack_linear(self):
-        """This linear for kernels.decode_stack, or None where the stack would not run it as `forward` does."""
+        """This linear for kernels.decode_stack, or None where the stack would not run it as `forward`
+        does."""
         return decode_stack.int8_stack_linear(self.qweight, self.scales, self.bias)
 
 
@@ -150,7 +151,8 @@ class Int4WeightOnlyLinear(nn.Module):
         return int4_weights.int4_linear(x, self.weight(), self.bias)
 
     def stack_linear(self):
-        """This linear for kernels.decode_stack, or None where the stack would not run it as `forward` does."""
+        """This linear for kernels.decode_stack, or None where the stack would not run it as `forward`
+        does."""
         return None if self.pad else decode_stack.int4_stack_linear(self.weight(), self.bias)
 
 
@@ -177,7 +179,8 @@ def _quantize_4bit(spec: QuantSpec, w: torch.Tensor) -> tuple[torch.Tensor, Any]
     if w.device.type == "cpu":
         return four_bit.quantize_4bit(w, spec.quant_type, spec.double_quant)
     F = _bnb().functional
-    return F.quantize_4bit(w, blocksize=BLOCKSIZE, compress_statistics=spec.double_quant, quant_type=spec.quant_type)
+    return F.quantize_4bit(w, blocksize=BLOCKSIZE, compress_statistics=spec.double_quant,
+                           quant_type=spec.quant_type)
 
 
 class ZeroPadded(nn.Module):
@@ -203,7 +206,8 @@ def read_linear(spec: QuantSpec, reader: CheckpointReader, name: str, dtype, dev
     stats = {field: get(key) for field, key in reader.fields(f"{name}.weight").items()}
     if stats:
         cpu = torch.device(device).type == "cpu"
-        state = four_bit.State4bit.from_dict(stats) if cpu else _bnb().functional.QuantState.from_dict(stats, device)
+        state = (four_bit.State4bit.from_dict(stats) if cpu
+                 else _bnb().functional.QuantState.from_dict(stats, device))
         return four_bit_module(spec, weight, state, bias, dtype)
     plain = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
     plain.weight, plain.bias = nn.Parameter(weight.to(dtype), requires_grad=False), _bias(bias, dtype)
@@ -235,7 +239,8 @@ def part_names(prefix: str) -> list[str]:
 
 class Quantizer:
     """The loader's linear hook: each loaded linear becomes bitsandbytes linears, one per checkpoint tensor;
-    `prequantized`: read from the checkpoint through `reader`, the load's own (models.loader.load_model sets it)."""
+    `prequantized`: read from the checkpoint through `reader`, the load's own (models.loader.load_model sets
+    it)."""
 
     def __init__(self, spec: QuantSpec, c: ModelConfig, dtype, device, prequantized: bool = False) -> None:
         self.spec, self.dtype, self.device, self.prequantized = spec, dtype, device, prequantized
@@ -244,17 +249,18 @@ class Quantizer:
 
     @property
     def quantizes_head(self) -> bool:
-        """bitsandbytes leaves the LM head in full precision (as transformers does); weight-only methods do not."""
+        """bitsandbytes leaves the LM head in full precision (as transformers does); weight-only methods do
+        not."""
         return self.spec.method in WEIGHT_ONLY_LINEARS
 
     def quantize_module(self, model: nn.Module, architecture: str) -> int:
-        """Swap every plain nn.Linear of a transformers model (already on its device: the generic path) for our
-        quantized linear of this spec, the LM head only where the method quantizes it (weight-only); widths off the
-        4-bit kernels' blocks are zero-padded there. Returns how many it swapped."""
+        """Swap every plain nn.Linear of a transformers model (already on its device: the generic path) for
+        our quantized linear of this spec, the LM head only where the method quantizes it (weight-only);
+        widths off the 4-bit kernels' blocks are zero-padded there. Returns how many it swapped."""
         if self.prequantized:
             raise ValueError(f"{architecture} runs on the generic path, which quantizes while loading: a "
-                             f"pre-quantized bitsandbytes checkpoint is not supported there (load the unquantized "
-                             f"one with quantization={self.spec.method!r})")
+                             "pre-quantized bitsandbytes checkpoint is not supported there (load the "
+                             f"unquantized one with quantization={self.spec.method!r})")
         head = model.get_output_embeddings()
         chosen = [(name, mod) for name, mod in model.named_modules()
                   if type(mod) is nn.Linear and (mod is not head or self.quantizes_head)]

@@ -1,4 +1,5 @@
-"""What to quantize and how: the engine's settings or a checkpoint's `quantization_config`, checked up front."""
+"""What to quantize and how: the engine's settings or a checkpoint's `quantization_config`, checked up
+front."""
 
 from __future__ import annotations
 
@@ -34,11 +35,13 @@ class QuantSpec:
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
-            raise ValueError(f"unknown quantization {self.method!r}; choose one of {', '.join(METHODS)} or None")
+            raise ValueError(
+                f"unknown quantization {self.method!r}; choose one of {', '.join(METHODS)} or None")
         if self.quant_type not in QUANT_TYPES:
             raise ValueError(f"unknown quant_type {self.quant_type!r} for int4; choose nf4 or fp4")
         if self.threshold < 0:
-            raise ValueError(f"llm_int8_threshold must be >= 0 (0 disables outlier columns), got {self.threshold}")
+            raise ValueError(
+                f"llm_int8_threshold must be >= 0 (0 disables outlier columns), got {self.threshold}")
 
     def hf_config(self, dtype: torch.dtype) -> dict[str, Any]:
         """The `quantization_config` transformers writes for bitsandbytes checkpoints."""
@@ -65,7 +68,8 @@ class QuantSpec:
         """Read a checkpoint's bitsandbytes `quantization_config`; refuse other methods by name."""
         method = qc.get("quant_method")
         if method != "bitsandbytes":
-            raise ValueError(f"checkpoint quantization_config has quant_method={method!r}; only bitsandbytes loads")
+            raise ValueError(
+                f"checkpoint quantization_config has quant_method={method!r}; only bitsandbytes loads")
         if not (qc.get("load_in_4bit") or qc.get("load_in_8bit")):
             raise ValueError("bitsandbytes quantization_config sets neither load_in_4bit nor load_in_8bit")
         return cls(
@@ -78,7 +82,8 @@ class QuantSpec:
 
 
 def resolve_spec(config, hf_config: dict[str, Any]) -> QuantSpec | None:
-    """The checkpoint's own quantization if it has one (a different request is an error), else the config's."""
+    """The checkpoint's own quantization if it has one (a different request is an error), else the
+    config's."""
     qc = hf_config.get("quantization_config")
     if qc:
         spec = QuantSpec.from_hf(qc)
@@ -100,7 +105,8 @@ def check_shapes(spec: QuantSpec, c: ModelConfig, device: torch.device) -> None:
         return
     shapes = {"q_proj": (c.hidden_size, q), "k_proj": (c.hidden_size, kv), "v_proj": (c.hidden_size, kv),
               "o_proj": (q, c.hidden_size), "gate_proj": (c.hidden_size, c.intermediate_size),
-              "up_proj": (c.hidden_size, c.intermediate_size), "down_proj": (c.intermediate_size, c.hidden_size)}
+              "up_proj": (c.hidden_size, c.intermediate_size),
+              "down_proj": (c.intermediate_size, c.hidden_size)}
     for name, (n_in, n_out) in shapes.items():
         if n_in % BLOCKSIZE or n_out % CPU_INT4_ROWS:
             raise ValueError(

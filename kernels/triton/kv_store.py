@@ -63,5 +63,6 @@ def triton_store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_c
         return
     _store_kernel[(t, hk)](
         k, v, k_cache, v_cache, k_scale if int8 else k_cache, v_scale if int8 else v_cache, slot_mapping,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0), HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), INT8=int8,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0), HEAD_DIM=d,
+        BLOCK_D=triton.next_power_of_2(d), INT8=int8,
     )

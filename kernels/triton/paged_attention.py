@@ -28,7 +28,8 @@ def dot_precision(dtype: torch.dtype) -> str:
 def _query_rows(q_ptr, query_start, query_len, seq_len, tile_seq, tile_q0, tile, kvh, stride_qt, stride_qh,
                 GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
                 BLOCK_D: tl.constexpr):
-    """One tile's query rows (a block of one sequence's queries times the KV head's group) and their layout."""
+    """One tile's query rows (a block of one sequence's queries times the KV head's group) and their
+    layout."""
     b = tl.load(tile_seq + tile)
     q0 = tl.load(tile_q0 + tile)
     qs = tl.load(query_start + b)
@@ -48,9 +49,11 @@ def _query_rows(q_ptr, query_start, query_len, seq_len, tile_seq, tile_q0, tile,
 
 
 @triton.jit
-def _kv_tile(k_cache, v_cache, k_scale, v_scale, block_tables, q, b, kvh, n0, end, d, dmask, stride_ch, stride_bt,
+def _kv_tile(k_cache, v_cache, k_scale, v_scale, block_tables, q, b, kvh, n0, end, d, dmask, stride_ch,
+             stride_bt,
              HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, INT8: tl.constexpr):
-    """Keys and values at positions [n0, n0 + BLOCK_N) below `end`, read through the block table in q's dtype."""
+    """Keys and values at positions [n0, n0 + BLOCK_N) below `end`, read through the block table in q's
+    dtype."""
     pos = n0 + tl.arange(0, BLOCK_N)
     pmask = pos < end
     blk = tl.load(block_tables + b.to(tl.int64) * stride_bt + pos // PAGE, mask=pmask, other=0).to(tl.int64)
@@ -73,7 +76,8 @@ def _kv_tile(k_cache, v_cache, k_scale, v_scale, block_tables, q, b, kvh, n0, en
 
 @triton.jit
 def _softmax_step(q, k, v, pos, pmask, rows, qpos, scale, m_i, l_i, acc, PRECISION: tl.constexpr):
-    """One key tile's causal, masked update of the running max, sum and output accumulator (online softmax)."""
+    """One key tile's causal, masked update of the running max, sum and output accumulator (online
+    softmax)."""
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
     keep = rows[:, None] & pmask[None, :] & (pos[None, :] <= qpos[:, None])
     s = tl.where(keep, s, float("-inf"))
@@ -87,8 +91,8 @@ def _softmax_step(q, k, v, pos, pmask, rows, qpos, scale, m_i, l_i, acc, PRECISI
 
 
 @triton.jit
-def _write_rows(out_ptr, mid_o, mid_lse, acc, m_i, l_i, token, head, rows, d, dmask, split, stride_ot, stride_oh,
-                num_heads, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr):
+def _write_rows(out_ptr, mid_o, mid_lse, acc, m_i, l_i, token, head, rows, d, dmask, split, stride_ot,
+                stride_oh, num_heads, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr):
     """The tile's normalized output into `out`, or with several splits its partial output and log-sum-exp."""
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if NUM_SPLITS == 1:
@@ -124,11 +128,11 @@ def _attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for n0 in range(start, end, BLOCK_N):
-        k, v, pos, pmask = _kv_tile(k_cache, v_cache, k_scale, v_scale, block_tables, q, b, kvh, n0, end, d, dmask,
-                                    stride_ch, stride_bt, HEAD_DIM, PAGE, BLOCK_N, INT8)
+        k, v, pos, pmask = _kv_tile(k_cache, v_cache, k_scale, v_scale, block_tables, q, b, kvh, n0, end, d,
+                                    dmask, stride_ch, stride_bt, HEAD_DIM, PAGE, BLOCK_N, INT8)
         m_i, l_i, acc = _softmax_step(q, k, v, pos, pmask, rows, qpos, scale, m_i, l_i, acc, PRECISION)
-    _write_rows(out_ptr, mid_o, mid_lse, acc, m_i, l_i, token, head, rows, d, dmask, split, stride_ot, stride_oh,
-                num_heads, BLOCK_D, NUM_SPLITS)
+    _write_rows(out_ptr, mid_o, mid_lse, acc, m_i, l_i, token, head, rows, d, dmask, split, stride_ot,
+                stride_oh, num_heads, BLOCK_D, NUM_SPLITS)
 
 
 @triton.jit
@@ -144,7 +148,8 @@ def _merge_kernel(mid_o, mid_lse, out_ptr, stride_ot, stride_oh, num_heads,
     w = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - tl.where(top == float("-inf"), 0.0, top)))
     o = tl.load(mid_o + at[:, None] * BLOCK_D + d[None, :])
     merged = tl.sum(o * w[:, None], axis=0) / tl.maximum(tl.sum(w, axis=0), 1e-30)
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, merged.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, merged.to(out_ptr.dtype.element_ty),
+             mask=d < HEAD_DIM)
 
 
 def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: FlatMetadata,

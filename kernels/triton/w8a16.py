@@ -1,4 +1,5 @@
-"""Triton W8A16 matmul for `int8_weight_only`: int8 weights [N, K] with one scale per row, activations in bf16/fp16.
+"""Triton W8A16 matmul for `int8_weight_only`: int8 weights [N, K] with one scale per row, activations in
+bf16/fp16.
 
 Few rows (decode) take a GEMV that streams each int8 weight tile once and multiplies on the CUDA cores; more
 rows take a tiled GEMM that dequantizes each weight tile in registers before tl.dot. Neither materializes

@@ -1,4 +1,5 @@
-"""The `sluice serve` application: OpenAI's Files, Batches and Models APIs, the dashboard, metrics and health."""
+"""The `sluice serve` application: OpenAI's Files, Batches and Models APIs, the dashboard, metrics and
+health."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The Batches API over the producer Client: create from an uploaded file, retrieve, list, cancel; per project."""
+"""The Batches API over the producer Client: create from an uploaded file, retrieve, list, cancel; per
+project."""
 
 from __future__ import annotations
 
@@ -42,8 +43,8 @@ class CreateBatch(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     input_file_id: str = Field(max_length=128)
-    endpoint: Literal["/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses", "/v1/rerank",
-                      "/v1/score", "/v1/moderations"]
+    endpoint: Literal["/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses",
+                      "/v1/rerank", "/v1/score", "/v1/moderations"]
     completion_window: str = "24h"
     metadata: dict[str, str] | None = None
     output_expires_after: dict[str, Any] | None = None
@@ -121,7 +122,8 @@ class BatchApi:
         return file_id
 
     def usage(self, batch: Batch) -> dict[str, Any]:
-        """OpenAI's usage object: summed over the output file once done (cached), over finished shards before."""
+        """OpenAI's usage object: summed over the output file once done (cached), over finished shards
+        before."""
         cached = self.connection.get(USAGE + batch.id) if batch.done else None
         if cached is not None:
             tokens = json.loads(cached)

@@ -40,7 +40,8 @@ def context(request: Request) -> Context:
 
 
 def presented_secret(request: Request) -> str | None:
-    """The key from `Authorization: Bearer` (the API takes no cookie: the dashboard's cookie is a session id)."""
+    """The key from `Authorization: Bearer` (the API takes no cookie: the dashboard's cookie is a session
+    id)."""
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     if scheme.lower() == "bearer" and token.strip():
         return token.strip()

@@ -1,4 +1,5 @@
-"""The dashboard at `/`: the project's batches with live progress, outputs, and the fleet's queues and workers."""
+"""The dashboard at `/`: the project's batches with live progress, outputs, and the fleet's queues and
+workers."""
 
 from __future__ import annotations
 

@@ -86,4 +86,5 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.error("unhandled %s on %s", type(exc).__name__, escape_control(request.url.path), exc_info=exc)
-        return error_response(500, "The server had an error while processing your request.", code="server_error")
+        return error_response(500, "The server had an error while processing your request.",
+                              code="server_error")

@@ -1,4 +1,5 @@
-"""The Files API: uploads streamed to storage, listing, retrieval, streamed content, deletion; owned by a project."""
+"""The Files API: uploads streamed to storage, listing, retrieval, streamed content, deletion; owned by a
+project."""
 
 from __future__ import annotations
 
@@ -150,7 +151,8 @@ def file_content(file_id: str, request: Request, key: ApiKey = Depends(api_key))
     ctx = context(request)
     record = FileStore(ctx.connection).get(key.project, file_id)
     headers = {"content-disposition": f'attachment; filename="{record.filename}"'}
-    return StreamingResponse(iter_object(record.url, ctx.settings.s3_addressing_style), media_type="application/jsonl", headers=headers)
+    return StreamingResponse(iter_object(record.url, ctx.settings.s3_addressing_style),
+                             media_type="application/jsonl", headers=headers)
 
 
 @router.delete("/v1/files/{file_id}")

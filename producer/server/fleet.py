@@ -1,4 +1,5 @@
-"""The fleet as Redis shows it: queue depths, started/failed registries, live rq workers, batches by status."""
+"""The fleet as Redis shows it: queue depths, started/failed registries, live rq workers, batches by
+status."""
 
 from __future__ import annotations
 
@@ -55,7 +56,8 @@ def project_queues(connection: redis.Redis, batches: list[Batch], chunk: int = 5
     Reads only each job's status and queue fields, never its arguments (the prompts)."""
     counts = {name: QueueState(name, 0, 0, 0) for name in QUEUES}
     ids = [shard_job_id(b.id, n) for b in batches if not b.done for n in range(b.num_shards)]
-    column = {"queued": "queued", "scheduled": "queued", "deferred": "queued", "started": "started", "failed": "failed"}
+    column = {"queued": "queued", "scheduled": "queued", "deferred": "queued", "started": "started",
+              "failed": "failed"}
     for start in range(0, len(ids), chunk):
         with connection.pipeline(transaction=False) as pipe:
             for job_id in ids[start : start + chunk]:

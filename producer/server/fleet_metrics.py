@@ -1,4 +1,5 @@
-"""The server's /metrics (fleet totals, never per project): queue depths and registries per queue, live workers, batches by status (read at scrape)."""
+"""The server's /metrics (fleet totals, never per project): queue depths and registries per queue, live
+workers, batches by status (read at scrape)."""
 
 from __future__ import annotations
 
@@ -56,6 +57,7 @@ def metrics(request: Request) -> Response:
     if token is not None:
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip(), token.get_secret_value()):
-            raise APIError(401, "/metrics needs the operator token (SLUICE_OPERATOR_TOKEN).", code="invalid_token")
+            raise APIError(401, "/metrics needs the operator token (SLUICE_OPERATOR_TOKEN).",
+                           code="invalid_token")
     registry = request.app.state.metrics_registry
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

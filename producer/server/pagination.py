@@ -27,7 +27,8 @@ def page_ids(
         raise APIError(400, f"limit must be between 1 and {MAX_LIMIT}, got {limit}", param="limit")
     if order not in ("asc", "desc"):
         raise APIError(400, f"order must be 'asc' or 'desc', got {order!r}", param="order")
-    rank, scan = (connection.zrank, connection.zrange) if order == "asc" else (connection.zrevrank, connection.zrevrange)
+    rank, scan = (connection.zrank,
+                  connection.zrange) if order == "asc" else (connection.zrevrank, connection.zrevrange)
     start = 0
     if after:
         found = rank(index, after)

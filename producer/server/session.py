@@ -1,5 +1,5 @@
-"""Dashboard sessions: a random id in the cookie, mapped in Redis (with a TTL) to an API key id, never the key;
-and the same-origin checks that guard login, logout and cookie-authenticated routes."""
+"""Dashboard sessions: a random id in the cookie, mapped in Redis (with a TTL) to an API key id, never the
+key; and the same-origin checks that guard login, logout and cookie-authenticated routes."""
 
 from __future__ import annotations
 
@@ -57,7 +57,8 @@ def same_origin(request: Request) -> bool:
     origin = request.headers.get("origin") or request.headers.get("referer")
     if not origin or origin == "null":
         return False
-    hosts = {h.strip().lower() for h in (request.headers.get("x-forwarded-host") or "").split(",") if h.strip()}
+    hosts = {h.strip().lower() for h in (request.headers.get("x-forwarded-host") or "").split(",")
+             if h.strip()}
     hosts.add((request.headers.get("host") or "").lower())
     return urlsplit(origin).netloc.lower() in hosts - {""}
 
@@ -76,7 +77,8 @@ def set_session_cookie(response: Response, session_id: str, secure: bool) -> Non
 
 
 async def security_headers(request: Request, call_next):
-    """No framing, no sniffing, no referrer to other sites; HTML answers get a restrictive CSP with a nonce."""
+    """No framing, no sniffing, no referrer to other sites; HTML answers get a restrictive CSP with a
+    nonce."""
     nonce = secrets.token_urlsafe(16)
     request.state.csp_nonce = nonce
     response = await call_next(request)

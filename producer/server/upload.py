@@ -1,4 +1,5 @@
-"""A multipart upload streamed to a temp file: size and line limits enforced and each line parsed as it arrives."""
+"""A multipart upload streamed to a temp file: size and line limits enforced and each line parsed as it
+arrives."""
 
 from __future__ import annotations
 

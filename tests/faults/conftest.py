@@ -1,4 +1,5 @@
-"""Fault-suite fixtures: restartable redis-server (AOF) and moto servers, fast worker processes, result checks.
+"""Fault-suite fixtures: restartable redis-server (AOF) and moto servers, fast worker processes, result
+checks.
 
 The worker, finalize and terminal-state faults run twice: against a plain redis-server and through a
 `redis+sentinel://` URL (a primary, its replica and a sentinel on loopback), so every process in them reaches
@@ -74,7 +75,8 @@ def fast_clocks(monkeypatch) -> None:
 
 
 def request(i: int, max_tokens: int = 8, prompt: str | None = None) -> dict:
-    body = {"prompt": prompt or f"fault line {i}", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    body = {"prompt": prompt or f"fault line {i}", "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True}
     return {"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions", "body": body}
 
 
@@ -115,7 +117,8 @@ class RedisProcess:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
-        cmd = [shutil.which("redis-server") or "redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
+        cmd = [shutil.which("redis-server") or "redis-server", "--port", str(self.port), "--bind",
+               "127.0.0.1",
                "--save", "", "--appendonly", "yes", "--appendfsync", "always", "--dir", str(self.workdir)]
         self.process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         wait_for_port(self.port)
@@ -163,7 +166,8 @@ class MotoProcess:
 
 @pytest.fixture
 def moto(s3_server, monkeypatch) -> Iterator[MotoProcess]:
-    """A private moto server (sharing moto's in-process state with the session one), AWS_* env pointed at it."""
+    """A private moto server (sharing moto's in-process state with the session one), AWS_* env pointed at
+    it."""
     server = MotoProcess()
     server.start()
     monkeypatch.setenv("AWS_ENDPOINT_URL", server.endpoint)

@@ -1,5 +1,6 @@
 """Finalize streams: memory bounded by a shard's chunk, not by the batch's outputs; a lost shard (a submit cut
-short) fails the batch, through finalize or the reaper, never leaving it stuck or its requests silently missing."""
+short) fails the batch, through finalize or the reaper, never leaving it stuck or its requests silently
+missing."""
 
 from __future__ import annotations
 
@@ -143,7 +144,8 @@ def test_reaper_ends_an_expired_batch_whose_submit_was_cut_short(redis_url, tmp_
         reaper.run_once()
         time.sleep(0.25)
     done = client.get(batch.id)
-    assert done.status == BatchStatus.failed and [e.code for e in done.errors] == ["shards_lost", "batch_expired"]
+    assert done.status == BatchStatus.failed and [e.code
+                                                  for e in done.errors] == ["shards_lost", "batch_expired"]
     assert {r.custom_id: r.error.code for r in client.results(batch.id, errors=True)} == {
         "r0": "batch_expired",
         "r1": "batch_expired",

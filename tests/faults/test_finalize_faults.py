@@ -1,5 +1,5 @@
-"""Faults around finalize and the reaper, with real processes: a worker SIGKILLed mid-finalize, a cancel racing
-finalize, S3 stopped mid-finalize, and batches the reaper alone must end (expired, stuck validating).
+"""Faults around finalize and the reaper, with real processes: a worker SIGKILLed mid-finalize, a cancel
+racing finalize, S3 stopped mid-finalize, and batches the reaper alone must end (expired, stuck validating).
 
 `SLUICE_FAULTS=slow_finalize=S` only widens the window before finalize writes; every fault itself is real.
 Each test ends with every custom_id exactly once in the output or error file and every batch terminal.
@@ -58,9 +58,9 @@ def finalize_status(client: Client, batch_id: str) -> JobStatus:
 
 
 def test_finalize_faults_on_one_worker(tiny_llama, redis_url, moto, tmp_path):
-    """One worker, whose finalize sleeps 3 s before writing, meets three faults in turn (a worker's start costs
-    far more than these batches, so they share it): a cancel racing finalize, S3 stopped mid-finalize, and at
-    last a SIGKILL mid-finalize that leaves no worker at all."""
+    """One worker, whose finalize sleeps 3 s before writing, meets three faults in turn (a worker's start
+    costs far more than these batches, so they share it): a cancel racing finalize, S3 stopped mid-finalize,
+    and at last a SIGKILL mid-finalize that leaves no worker at all."""
     client = Client(redis_url)
     log = tmp_path / "worker.log"
     # torch's own CPU ops: no C++ kernel build (or wait on another checkout's build) in this worker's start
@@ -87,9 +87,9 @@ def wait_finalizing(client: Client, batches: list, timeout: float = 60) -> objec
 
 
 def cancel_racing_finalize(client: Client, tmp_path: Path) -> None:
-    """Two batches finish together; while one is finalizing, the other (its finalize waiting) is cancelled, then
-    the finalizing one too: the first cancel wins (cancelled), the second is refused (completed); no finalize
-    job fails."""
+    """Two batches finish together; while one is finalizing, the other (its finalize waiting) is cancelled,
+    then the finalizing one too: the first cancel wins (cancelled), the second is refused (completed); no
+    finalize job fails."""
     batches = [submit(client, tmp_path.as_uri()) for _ in range(2)]
     busy = wait_finalizing(client, batches, timeout=300)  # the worker's start included
     [waiting] = [b for b in batches if b is not busy]
@@ -123,7 +123,8 @@ def s3_stopped_mid_finalize(client: Client, moto) -> None:
 
 
 def sigkilled_mid_finalize(client: Client, redis_url: str, worker: subprocess.Popen, tmp_path: Path) -> None:
-    """The only worker dies inside finalize; the reaper alone (no worker restarted) retries and ends the batch."""
+    """The only worker dies inside finalize; the reaper alone (no worker restarted) retries and ends the
+    batch."""
     batch = submit(client, tmp_path.as_uri())
     wait_finalizing(client, [batch])
     worker.kill()
@@ -146,12 +147,13 @@ def test_reaper_alone_expires_a_batch_past_its_window(redis_url, tmp_path):
 
 
 def test_submit_killed_while_validating_is_failed_by_the_reaper(redis_url, tmp_path):
-    """A submit SIGKILLed mid-validation (reading a slow stream) leaves its batch `validating`; once that outlasts
-    SLUICE_VALIDATING_TIMEOUT the reaper ends it `failed`, naming why, with nothing enqueued."""
+    """A submit SIGKILLed mid-validation (reading a slow stream) leaves its batch `validating`; once that
+    outlasts SLUICE_VALIDATING_TIMEOUT the reaper ends it `failed`, naming why, with nothing enqueued."""
     client = Client(redis_url)
     code = (
         "import sys; from sluice.producer import Client; "
-        f"Client({redis_url!r}).submit_batch((line for line in sys.stdin.buffer), output={tmp_path.as_uri()!r})"
+        f"Client({redis_url!r}).submit_batch((line for line in sys.stdin.buffer), "
+        f"output={tmp_path.as_uri()!r})"
     )
     producer = subprocess.Popen(
         [sys.executable, "-c", code], stdin=subprocess.PIPE, env=worker_env(redis_url)

@@ -36,7 +36,8 @@ scalars = st.one_of(
     st.text(max_size=20),
 )
 json_values = st.recursive(
-    scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
     max_leaves=12,
 )  # fmt: skip
 messages = st.lists(
@@ -138,7 +139,8 @@ def test_known_hostile_lines_get_specific_errors():
                 "body": {"prompt": "x", "top_k": 2**63},
             }
         ).encode(),  # fmt: skip
-        b'{"custom_id": "t", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "temperature": NaN}}',
+        b'{"custom_id": "t", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", '
+        b'"temperature": NaN}}',
     ]
     checked = validate_lines(hostile, SETTINGS)
     got = {e.line: e for e in checked.errors}

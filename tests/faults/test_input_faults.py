@@ -1,4 +1,5 @@
-"""Input faults against real redis-server, moto and HTTP servers: unreadable inputs, odd names, files mid-write."""
+"""Input faults against real redis-server, moto and HTTP servers: unreadable inputs, odd names, files
+mid-write."""
 
 from __future__ import annotations
 
@@ -152,8 +153,8 @@ def test_cron_does_not_record_an_object_whose_batch_is_still_validating(redis_ur
 
 
 RAISING_TEMPLATE = (
-    "{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('system messages are not supported') }}"
-    "{% endif %}{{ m.content }}{% endfor %}"
+    "{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('system messages are not "
+    "supported') }}{% endif %}{{ m.content }}{% endfor %}"
 )
 
 
@@ -195,7 +196,8 @@ def test_a_raising_chat_template_or_unknown_model_fails_only_that_request(tiny_l
 def test_submit_refuses_a_model_that_is_not_served(redis_url, tmp_path, monkeypatch):
     monkeypatch.setenv("SLUICE_SERVED_MODELS", "sluice-tiny, sluice-tiny-draft")
     client = Client(redis_url)
-    batch = client.submit_batch([line("a", prompt="x", model="sluice-tiny"), line("b", prompt="x", model="gpt-4o")],
+    batch = client.submit_batch([line("a", prompt="x", model="sluice-tiny"),
+                                 line("b", prompt="x", model="gpt-4o")],
                                 output=tmp_path.as_uri())  # fmt: skip
     assert batch.status == BatchStatus.in_progress and not batch.errors
     job = Job.fetch(shard_job_id(batch.id, 0), connection=client.connection, serializer=JSONSerializer)
@@ -226,8 +228,8 @@ def test_validating_a_large_input_costs_about_its_size_in_memory(tmp_path):
         for i in range(50_000):
             f.write(line(f"r{i}", prompt="word " * 40, max_tokens=16) + b"\n")
     size_mib = path.stat().st_size / 2**20
-    out = subprocess.run([sys.executable, "-c", MEMORY_PROBE, str(path)], cwd=ROOT, capture_output=True, text=True,
-                         check=True)  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", MEMORY_PROBE, str(path)], cwd=ROOT, capture_output=True,
+                         text=True, check=True)  # fmt: skip
     probe = json.loads(out.stdout)
     assert probe["requests"] == 50_000
     assert probe["grown_mib"] < 2.5 * size_mib, (probe, size_mib)

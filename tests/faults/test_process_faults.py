@@ -1,4 +1,5 @@
-"""Real faults against real processes: SIGKILL/SIGTERM loops, Redis and S3 outages, a full disk, lost dequeues.
+"""Real faults against real processes: SIGKILL/SIGTERM loops, Redis and S3 outages, a full disk, lost
+dequeues.
 
 Every test ends with each custom_id exactly once in the output or error file and every batch terminal.
 The counts of these runs are in docs/reliability.md.
@@ -28,7 +29,8 @@ def test_sigkill_and_sigterm_loop(tiny_llama, redis_url, tmp_path):
     """24 kills (every 4th a SIGTERM) at random points of two workers' loops, over three batches."""
     client = Client(redis_url)
     batches = [
-        (client.submit_batch([request(i, 24) for i in range(b * 20, b * 20 + 20)], output=tmp_path.as_uri(), shard_size=3), ids_of(20, b * 20))
+        (client.submit_batch([request(i, 24) for i in range(b * 20, b * 20 + 20)], output=tmp_path.as_uri(),
+                             shard_size=3), ids_of(20, b * 20))
         for b in range(3)
     ]
     rng = random.Random(13)
@@ -109,7 +111,8 @@ def limit_file_size(limit: int):
 
 
 def test_full_disk_while_running_then_freed(tiny_llama, redis_url, tmp_path):
-    """The kernel refuses every write past 0 bytes (EFBIG, as on a full disk) until the test lifts the limit."""
+    """The kernel refuses every write past 0 bytes (EFBIG, as on a full disk) until the test lifts the
+    limit."""
     import subprocess
     import sys
 
@@ -117,12 +120,15 @@ def test_full_disk_while_running_then_freed(tiny_llama, redis_url, tmp_path):
     from tests.services import worker_env
 
     client = Client(redis_url)
-    batch = client.submit_batch([request(i) for i in range(9)], output=(tmp_path / "out").as_uri(), shard_size=3)
-    cmd = [sys.executable, "-m", "sluice.worker", "--model", str(tiny_llama), "--dtype", "float32", "--device", "cpu"]
+    batch = client.submit_batch([request(i) for i in range(9)], output=(tmp_path / "out").as_uri(),
+                                shard_size=3)
+    cmd = [sys.executable, "-m", "sluice.worker", "--model", str(tiny_llama), "--dtype", "float32",
+           "--device", "cpu"]
     worker = subprocess.Popen(cmd, env=worker_env(redis_url, **FAST), stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL, preexec_fn=limit_file_size(0))
     try:
-        # (request_counts move as requests finish, before their shard is saved: only the retry tells a failed save)
+        # (request_counts move as requests finish, before their shard is saved: only the retry tells a failed
+        # save)
         wait_until(lambda: _failed_once(client, batch.id), 180, "a shard save to fail")
         resource.prlimit(worker.pid, resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
         wait_until(lambda: client.get(batch.id).done, 180, "the batch")
@@ -150,9 +156,11 @@ def test_full_disk_for_good_fails_the_batch(tiny_llama, redis_url, tmp_path, mon
 
     monkeypatch.setenv("SLUICE_SHARD_RETRIES", "1")
     client = Client(redis_url)
-    batch = client.submit_batch([request(i) for i in range(4)], output=(tmp_path / "out").as_uri(), shard_size=2)
+    batch = client.submit_batch([request(i) for i in range(4)], output=(tmp_path / "out").as_uri(),
+                                shard_size=2)
     env = worker_env(redis_url, **{**FAST, "SLUICE_SHARD_RETRIES": "1", "SLUICE_FINALIZE_RETRIES": "1"})
-    cmd = [sys.executable, "-m", "sluice.worker", "--model", str(tiny_llama), "--dtype", "float32", "--device", "cpu"]
+    cmd = [sys.executable, "-m", "sluice.worker", "--model", str(tiny_llama), "--dtype", "float32",
+           "--device", "cpu"]
     worker = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               preexec_fn=limit_file_size(0))
     try:

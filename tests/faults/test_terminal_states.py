@@ -1,7 +1,8 @@
-"""Every failure the fault suite knows ends the batch in a terminal status within a bounded time, with `errors`
-saying why. No worker here: each failure is made in a real Redis as a dead process or a broken store leaves it,
-and only the reaper (interval 0.2 s) drives the batch on. Failures needing live processes (SIGKILL, Redis and S3
-outages, a full disk, output roots) have their own tests in this folder and test_server_output_roots.py."""
+"""Every failure the fault suite knows ends the batch in a terminal status within a bounded time, with
+`errors` saying why. No worker here: each failure is made in a real Redis as a dead process or a broken store
+leaves it, and only the reaper (interval 0.2 s) drives the batch on. Failures needing live processes (SIGKILL,
+Redis and S3 outages, a full disk, output roots) have their own tests in this folder and
+test_server_output_roots.py."""
 
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ def reap(client: Client, batch_id: str, **settings) -> tuple[Batch, float]:
 
 
 def shards_died(client: Client, batch: Batch, status: JobStatus = JobStatus.FAILED) -> None:
-    """Each shard job ended with status (as rq leaves it when retries run out) and the finalize job is gone."""
+    """Each shard job ended with status (as rq leaves it when retries run out) and the finalize job is
+    gone."""
     for n in range(batch.num_shards):
         job = Job.fetch(shard_job_id(batch.id, n), connection=client.connection, serializer=JSONSerializer)
         Queue(job.origin, connection=client.connection, serializer=JSONSerializer).remove(job)

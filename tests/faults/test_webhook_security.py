@@ -127,7 +127,8 @@ HUGE_BODY = 300 * 2**20
 
 def huge_body(tally: dict, conn: socket.socket) -> None:
     """Send HUGE_BODY bytes, counting in tally["sent"] what the client took before hanging up; then close
-    cleanly (our side shut, the request drained), so a client that reads it all gets all of it, not a reset."""
+    cleanly (our side shut, the request drained), so a client that reads it all gets all of it, not a
+    reset."""
     try:
         conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % HUGE_BODY)
         chunk = b"\0" * 2**20
@@ -191,7 +192,8 @@ def test_a_huge_response_body_is_not_buffered(server):
 
 
 def test_the_connection_goes_to_the_checked_address_without_a_second_lookup(server):
-    """rebind.example cannot resolve (reserved name): a second lookup would fail, a rebinding one could differ."""
+    """rebind.example cannot resolve (reserved name): a second lookup would fail, a rebinding one could
+    differ."""
     s = server(ok)
     status, error = _post(loopback(s.port, host="rebind.example"), b"{}", {}, timeout=5, max_bytes=1024)
     assert (status, error) == (204, None)

@@ -1,4 +1,5 @@
-"""Worker faults with one worker: slow iterations vs heartbeats, a request that breaks the engine, foreign jobs."""
+"""Worker faults with one worker: slow iterations vs heartbeats, a request that breaks the engine, foreign
+jobs."""
 
 from __future__ import annotations
 

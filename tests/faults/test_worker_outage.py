@@ -22,7 +22,8 @@ def test_one_log_line_per_redis_outage(tiny_llama, aof_redis, tmp_path):
         time.sleep(20)
         aof_redis.start()
         client = Client(aof_redis.url)
-        second = client.submit_batch([request(i, 4) for i in range(3, 6)], output=tmp_path.as_uri(), shard_size=3)
+        second = client.submit_batch([request(i, 4) for i in range(3, 6)], output=tmp_path.as_uri(),
+                                     shard_size=3)
         wait_until(lambda: client.get(second.id).done, 120, "a batch after the outage")
         assert client.get(second.id).status == BatchStatus.completed
         assert worker.poll() is None, "the worker rode the outage out"
