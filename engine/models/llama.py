@@ -11,6 +11,7 @@ from torch import nn
 from sluice import kernels
 from sluice.engine.kv_cache import LayerKVCache
 from sluice.engine.models.fused_layout import FUSED as FUSED_LAYOUT
+from sluice.engine.models.generic import generic_config_fields
 from sluice.engine.models.moe import MOE_LAYOUTS, SparseMoe
 from sluice.engine.models.paths import GENERIC, NATIVE_ARCHITECTURES, model_path_for
 from sluice.engine.models.rope import RotaryEmbedding, rope_parameters
@@ -65,8 +66,6 @@ class ModelConfig:
             raise ValueError(f"unsupported architecture {archs or cfg.get('model_type')!r}: {e}; natively "
                              f"supported: {', '.join(ARCHITECTURES)}") from None
         if path == GENERIC:
-            from sluice.engine.models.generic import generic_config_fields
-
             return cls(**generic_config_fields(cfg))
         arch = next(a for a in archs if a in ARCHITECTURES)
         family = ARCHITECTURES[arch]
