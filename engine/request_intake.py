@@ -14,7 +14,12 @@ from sluice.engine.json_schema import JsonBounds
 from sluice.engine.logits_processors import LogitsProcessors
 from sluice.engine.models.llama import ModelConfig
 from sluice.engine.multimodal.inputs import MultiModalInputs, with_images
-from sluice.engine.multimodal.processor import MultiModalError, MultiModalProcessor, split_prompt
+from sluice.engine.multimodal.processor import (
+    MultiModalError,
+    MultiModalProcessor,
+    split_prompt,
+)
+from sluice.engine.multimodal.vl_families import processor_for
 from sluice.engine.pooling import (
     EmbeddingGroup,
     PoolingError,
@@ -79,7 +84,7 @@ class RequestIntake:
     device: torch.device
     json_bounds: JsonBounds | None = None  # the length bounds of a JSON schema's values (engine.json_schema)
     pooling: str | None = None
-    mm_processor: MultiModalProcessor | None = None  # a vision-language model's, made on the first image
+    mm_processor: MultiModalProcessor | Any = None  # a vision-language model's, made on the first image
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a prompt (strings through the tokenizer)."""
@@ -116,7 +121,7 @@ class RequestIntake:
             if not hasattr(self.model, "prepare_step"):
                 raise MultiModalError(f"{self.model_config.architecture} takes no images (a text-only model)")
             if self.mm_processor is None:
-                self.mm_processor = MultiModalProcessor(self.model_dir, self.hf_config, self.tokenizer)
+                self.mm_processor = processor_for(self.model_dir, self.hf_config, self.tokenizer)
             return self.mm_processor.process(text, images)
         except MultiModalError as exc:
             raise RequestRejected(str(exc)) from exc

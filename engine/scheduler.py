@@ -88,6 +88,10 @@ class Scheduler:
                 req.num_cached_tokens = max(req.num_cached_tokens, cached)
             n = min(req.num_target_tokens - req.num_computed_tokens, budget)
             if not self.block_manager.can_allocate(self.block_manager.blocks_needed(req, n)):
+                # the prefix blocks it matched go back (they stay cached): held while it waits, they could be
+                # the blocks the running requests need, and nothing would ever finish
+                self.block_manager.free(req)
+                req.num_computed_tokens = 0
                 break
             self.waiting.popleft()
             self.block_manager.allocate(req, n)

@@ -263,7 +263,7 @@ class GenericModel(nn.Module):
         step = Step(kv_caches, meta, self.windows)
         token = _STEP.set(step)
         try:
-            out = self.hf(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
+            out = self.hf(**self.hf_inputs(input_ids), position_ids=positions[None], use_cache=False,
                           logits_to_keep=0 if logits_indices is None else logits_indices)
         finally:
             _STEP.reset(token)
@@ -272,6 +272,10 @@ class GenericModel(nn.Module):
                              f"{len(kv_caches)} KV caches: layers outside the attention interface are not "
                              "supported")
         return out.logits[0]
+
+    def hf_inputs(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The token inputs of the transformers forward: the step's ids as one packed sequence."""
+        return {"input_ids": input_ids[None]}
 
 
 @functools.cache
@@ -571,7 +575,7 @@ def _swiglu(mod: nn.Module) -> bool:
             and gate.group is up.group and gate.index == 0 and len(gate.group.sizes) == 2)
 
 
-def _into_arena(model: nn.Module) -> None:
+def into_arena(model: nn.Module) -> None:
     """On CPU, the model's weights moved into one arena of huge pages (engine.weight_memory), as the native
     loader keeps its own, for the engine to settle (`model.weight_arena`); left where they are if the map
     cannot be had."""
@@ -606,5 +610,5 @@ def load_generic(path: str | Path, dtype: torch.dtype, device: torch.device, con
         linear_hook.quantize_module(hf, config.architecture)
     model = GenericModel(use_our_kernels(hf), config).eval()
     if huge_pages:
-        _into_arena(model)
+        into_arena(model)
     return model

@@ -11,10 +11,12 @@ from torch import nn
 from sluice import kernels
 from sluice.engine.kv_cache import LayerKVCache
 from sluice.engine.models.fused_layout import FUSED as FUSED_LAYOUT
+from sluice.engine.models.generic import generic_config_fields
 from sluice.engine.models.moe import MOE_LAYOUTS, SparseMoe
 from sluice.engine.models.paths import GENERIC, NATIVE_ARCHITECTURES, model_path_for
 from sluice.engine.models.rope import RotaryEmbedding, rope_parameters
-from sluice.engine.multimodal.vl_config import text_config_of
+from sluice.engine.models.vl_generic import vl_config_fields
+from sluice.engine.multimodal.vl_config import is_generic_vision, text_config_of
 from sluice.kernels import decode_stack, dispatch
 from sluice.kernels.linear import Linear, linear
 
@@ -54,6 +56,8 @@ class ModelConfig:
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
         """Read an HF config dict: a native architecture's, else the generic path's (generic.py); refuse what
         neither serves, naming the architecture or feature."""
+        if is_generic_vision(cfg):  # transformers' vision-language model (models.vl_generic)
+            return cls(**vl_config_fields(cfg))
         cfg = text_config_of(cfg)  # a vision-language checkpoint's language model
         archs = cfg.get("architectures") or []
         try:
@@ -62,13 +66,10 @@ class ModelConfig:
             raise ValueError(f"unsupported architecture {archs or cfg.get('model_type')!r}: {e}; natively "
                              f"supported: {', '.join(ARCHITECTURES)}") from None
         if path == GENERIC:
-            from sluice.engine.models.generic import generic_config_fields
-
             return cls(**generic_config_fields(cfg))
         arch = next(a for a in archs if a in ARCHITECTURES)
         family = ARCHITECTURES[arch]
         heads = cfg["num_attention_heads"]
-        eos = cfg.get("eos_token_id")
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window",
                                                       family in ("mistral", "mixtral")) else None
         return cls(
@@ -87,7 +88,7 @@ class ModelConfig:
             qk_norm=family in ("qwen3", "qwen3_moe"),
             rope=rope_parameters(cfg),
             sliding_window=window,
-            eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
+            eos_token_ids=[eos] if isinstance(eos := cfg.get("eos_token_id"), int) else list(eos or []),
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             **_moe_fields(family, cfg),
         )

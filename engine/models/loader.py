@@ -33,7 +33,7 @@ from sluice.engine import weight_reserve
 from sluice.engine.models.llama import LlamaModel, ModelConfig
 from sluice.engine.models.paths import GENERIC
 from sluice.engine.models.rope import RotaryEmbedding
-from sluice.engine.multimodal.vl_config import is_vision_language
+from sluice.engine.multimodal.vl_config import is_generic_vision, is_vision_language
 from sluice.engine.weight_memory import WeightArena
 
 LinearHook = Callable[[str, nn.Linear], nn.Module]
@@ -350,6 +350,10 @@ def load_model(
         raise ValueError(f"weight_loading must be one of {', '.join(WEIGHT_LOADING)}, got {weight_loading!r}")
     hf = hf_config if hf_config is not None else read_config(path)
     config = config or ModelConfig.from_hf(hf)
+    if is_generic_vision(hf):  # transformers' vision-language model, images through models.vl_generic
+        from sluice.engine.models.vl_generic import load_vl_generic
+
+        return load_vl_generic(path, hf, dtype, device, config, linear_hook, huge_pages)
     if is_vision_language(hf):  # the vision tower and M-RoPE (models.qwen2_vl)
         return _load_vision_language(path, hf, config, dtype, device, max_positions)
     if config.path == GENERIC:  # transformers' own modules with our attention (models.generic)

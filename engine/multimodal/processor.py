@@ -102,7 +102,7 @@ class MultiModalProcessor:
         items: list[ImageItem] = []
         cursor = 0
         for slot, image in zip(slots, images, strict=True):
-            rgb = _rgb(image)
+            rgb = rgb_image(image)
             key = image_hash(rgb)
             pixels, grid = self.patches(rgb, key)
             expanded += ids[cursor:slot]
@@ -116,7 +116,7 @@ class MultiModalProcessor:
         return expanded, MultiModalInputs(items, positions, delta, salt)
 
 
-def _rgb(image):
+def rgb_image(image):
     """An RGB PIL image (PIL images in other modes are converted; anything else is refused)."""
     from PIL import Image
 

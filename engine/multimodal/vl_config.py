@@ -5,11 +5,18 @@ from __future__ import annotations
 from typing import Any
 
 VISION_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+# Served by transformers' own modules on the generic path (models.vl_generic, multimodal.vl_families).
+GENERIC_VISION_ARCHITECTURES = ("LlavaForConditionalGeneration", "Idefics3ForConditionalGeneration")
 
 
 def is_vision_language(hf_config: dict[str, Any]) -> bool:
     """True where config.json names a vision-language architecture the engine serves natively."""
     return any(a in VISION_ARCHITECTURES for a in hf_config.get("architectures") or [])
+
+
+def is_generic_vision(hf_config: dict[str, Any]) -> bool:
+    """True where config.json names a vision-language architecture the generic path serves."""
+    return any(a in GENERIC_VISION_ARCHITECTURES for a in hf_config.get("architectures") or [])
 
 
 def text_config_of(hf_config: dict[str, Any]) -> dict[str, Any]:
