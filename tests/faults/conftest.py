@@ -4,8 +4,8 @@ checks.
 Every fault test that uses Redis runs twice: against a plain redis-server and through a `redis+sentinel://`
 URL (a primary, its replica and a sentinel on loopback), so every process in it reaches Redis through the
 sentinel's view, as a Sentinel set-up runs them. The tests that kill Redis do it to a private Sentinel set's
-primary and replica together (no failover possible: an outage, as for a lone server), restarted the same way.
-PLAIN_ONLY names the few that run against the plain server alone."""
+primary and replica together (no failover possible: an outage, as for a lone server), restarted the same
+way."""
 
 from __future__ import annotations
 
@@ -33,21 +33,11 @@ FAST = {
 }
 
 
-# Slow tests whose Redis traffic the suite's Sentinel runs already cover, kept to the plain server for CI time
-PLAIN_ONLY = {
-    # rq's retry with backoff after a failed save: test_full_disk_while_running_then_freed; the reaper
-    # ending a batch whose finalize failed for good: test_terminal_states.py
-    "test_full_disk_for_good_fails_the_batch",
-    # the same retry path as a full disk, the fault being S3's: test_full_disk_while_running_then_freed
-    "test_s3_stopped_during_shard_writes_and_finalize",
-}
 SETUPS = ["redis", "sentinel"]
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    """Run every test that uses Redis (but PLAIN_ONLY) against both set-ups."""
-    if metafunc.function.__name__ in PLAIN_ONLY:
-        return
+    """Run every test that uses Redis against both set-ups."""
     for name in ("redis_url", "aof_redis"):
         if name in metafunc.fixturenames:
             metafunc.parametrize(name, SETUPS, indirect=True)
