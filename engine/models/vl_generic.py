@@ -81,22 +81,7 @@ class GenericVLModel(GenericModel):
     def _encode_missing(self, batch) -> dict[str, torch.Tensor]:
         """Embeddings of every image this step's tokens cover: from the encoder cache, the rest encoded in one
         batched call of the family's vision tower and projector."""
-        found: dict[str, torch.Tensor] = {}
-        todo: dict[str, VisionItem] = {}
-        for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):
-            start, mm = req.num_computed_tokens, getattr(req, "mm_inputs", None)
-            for item in mm.items if mm is not None else ():
-                key = item.content_hash
-                if not (item.offset < start + n and start < item.offset + item.length):
-                    continue
-                if key in found or key in todo:
-                    self.encoder_cache.num_hits += 1  # another request of this step shows the same image
-                else:
-                    cached = self.encoder_cache.get(key)
-                    if cached is not None:
-                        found[key] = cached
-                    else:
-                        todo[key] = item
+        found, todo = self.encoder_cache.for_step(batch)
         if todo:
             found.update(self._encode(list(todo.values())))
         return found

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Any
 
 import torch
 
@@ -38,6 +39,25 @@ class EncoderCache:
         while self.num_tokens > self.max_tokens and len(self.entries) > 1:
             _, old = self.entries.popitem(last=False)
             self.num_tokens -= old.shape[0]
+
+    def for_step(self, batch) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """(cached embeddings by hash, items to encode by hash) of every image the step's new tokens cover:
+        each image once, however many of the step's requests show it."""
+        found: dict[str, torch.Tensor] = {}
+        todo: dict[str, Any] = {}
+        for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):
+            start, mm = req.num_computed_tokens, getattr(req, "mm_inputs", None)
+            for item in mm.items if mm is not None else ():
+                key = item.content_hash
+                if not (item.offset < start + n and start < item.offset + item.length):
+                    continue
+                if key in found or key in todo:
+                    self.num_hits += 1  # another request of this step shows the same image
+                elif (cached := self.get(key)) is not None:
+                    found[key] = cached
+                else:
+                    todo[key] = item
+        return found, todo
 
     def stats(self) -> dict[str, int]:
         """Images encoded and served from the cache so far."""
