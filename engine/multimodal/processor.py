@@ -30,6 +30,20 @@ class MultiModalError(ValueError):
     """A prompt's images that cannot be used with this model (none taken, too many, placeholders amiss)."""
 
 
+def placeholder_slots(processor, prompt: str | list[int], num_images: int) -> tuple[list[int], list[int]]:
+    """(token ids, index of each image placeholder) of a prompt with `num_images` images, refused past the
+    processor's `max_images` or where placeholders and images do not pair one to one."""
+    if num_images > processor.max_images:
+        raise MultiModalError(f"{num_images} images in one prompt, over the limit of {processor.max_images}")
+    tokenizer = processor.tokenizer
+    ids = tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+    slots = [i for i, t in enumerate(ids) if t == processor.image_token_id]
+    if len(slots) != num_images:
+        raise MultiModalError(f"the prompt has {len(slots)} image placeholder(s) but {num_images} "
+                              "image(s) were given (one placeholder per image)")
+    return ids, slots
+
+
 def image_salt(hashes: Sequence[str]) -> int:
     """The prefix-cache salt of a prompt with these images: equal text with other images shares no block."""
     return hash(("images", *hashes))
@@ -91,13 +105,7 @@ class MultiModalProcessor:
         """Token ids with each image placeholder expanded, and the prompt's MultiModalInputs."""
         from sluice.engine.multimodal.image_decode import image_hash
 
-        if len(images) > self.max_images:
-            raise MultiModalError(f"{len(images)} images in one prompt, over the limit of {self.max_images}")
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        slots = [i for i, t in enumerate(ids) if t == self.image_token_id]
-        if len(slots) != len(images):
-            raise MultiModalError(f"the prompt has {len(slots)} image placeholder(s) but {len(images)} "
-                                  "image(s) were given (one placeholder per image)")
+        ids, slots = placeholder_slots(self, prompt, len(images))
         expanded: list[int] = []
         items: list[ImageItem] = []
         cursor = 0

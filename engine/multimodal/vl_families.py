@@ -25,6 +25,7 @@ from sluice.engine.multimodal.processor import (
     MultiModalError,
     MultiModalProcessor,
     image_salt,
+    placeholder_slots,
     rgb_image,
 )
 from sluice.engine.multimodal.vl_config import is_generic_vision
@@ -185,13 +186,7 @@ class GenericVLProcessor:
         """Token ids with each image placeholder expanded, and the prompt's MultiModalInputs."""
         from sluice.engine.multimodal.image_decode import image_hash
 
-        if len(images) > self.max_images:
-            raise MultiModalError(f"{len(images)} images in one prompt, over the limit of {self.max_images}")
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        slots = [i for i, t in enumerate(ids) if t == self.image_token_id]
-        if len(slots) != len(images):
-            raise MultiModalError(f"the prompt has {len(slots)} image placeholder(s) but {len(images)} "
-                                  "image(s) were given (one placeholder per image)")
+        ids, slots = placeholder_slots(self, prompt, len(images))
         expanded: list[int] = []
         items: list[VisionItem] = []
         cursor = 0
