@@ -1,7 +1,7 @@
 """Our CPU kernels on one ISA tier against the torch op they replace, in one process, alternated.
 
 SLUICE_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python bench/cpu_tiers.py
-    [--rows 1,4,16,32] [--engine 1,8] [--gen 32] [--paths 4,8,16,32,64]
+    [--rows 1,4,16,32] [--engine 1,8] [--gen 32] [--paths 4,8,16,32,64] [--quant 1,16,128,1024]
 
 Times the bench model's 48 decoder linears (bf16 weights, out of cache as in a decode step) through our bf16
 GEMV against F.linear (oneDNN), and the int8 weight-only GEMV at one row against torch's
@@ -11,18 +11,23 @@ capability. `--engine B,...` adds the engine's bf16 decode tok/s on the ~125M be
 measure: B x 128 prompt tokens, `--gen` generated), our kernels against `SLUICE_CPU_KERNEL=0` (the torch
 fallbacks), alternated each round. `--paths R,...` times only the bf16 paths (the GEMV's narrow and widened-x
 tiles, `widened_linear`, the avx2 tier's GEMM) on the 48 linears and the LM head at each row count.
+`--quant R,...` instead times a decoder layer's four linears per row count on the bf16, int8 and int4
+weight-only tiers as they dispatch, and on each quantized path forced (the dynamic int8 product, the W4A8
+product, the dequantized weight widened to fp32), alternated, medians: what the tiers' row thresholds
+(kernels/int8_weights.py, kernels/int4_weights.py `WIDEN_MIN_ROWS`) are read from.
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 from common import BenchParser, add_baseline
 
-from sluice.kernels import cpu_isa, int8_weights, options
+from sluice.kernels import cpu_isa, int4_weights, int8_weights, options
 from sluice.kernels import linear as linear_kernels
 
 LINEARS = [(1280, 768), (768, 768), (4096, 768), (768, 2048)] * 12  # qkv, o, gate_up, down of 12 layers
@@ -101,6 +106,40 @@ def int8_one_row(rounds: int) -> tuple[float, float]:
     return times["torch"] * 1e3, times["ours"] * 1e3
 
 
+def quant_paths(rows: int, rounds: int) -> dict[str, float]:
+    """Median ms per decoder layer (its four linears) at `rows` bf16 rows on each path: each tier as it
+    dispatches (bf16, int8 and int4 weight-only) and each quantized path forced. Up to 12 layers a pass (their
+    weights out of cache, as in a decode step), fewer as rows grow (a bounded pass)."""
+    layers = max(1, min(12, 3072 // rows))
+    shapes = LINEARS[: 4 * layers]
+    weights = [torch.randn(n, k).to(torch.bfloat16) for n, k in shapes]
+    int8s = [(w.float().abs().amax(1).div(127), w.float()) for w in weights]
+    int8s = [(w.div(s[:, None]).round().to(torch.int8), s.to(torch.bfloat16)) for s, w in int8s]
+    int4s = [int4_weights.pack(w, torch.bfloat16) for w in weights]
+    xs = {k: torch.randn(rows, k).to(torch.bfloat16) for _, k in shapes}
+    kernel = int4_weights.vnni_kernel()
+    paths = {
+        "bf16": lambda: [linear_kernels.linear(xs[w.shape[1]], w) for w in weights],
+        "int8": lambda: [int8_weights.int8_linear(xs[q.shape[1]], q, s) for q, s in int8s],
+        "int8 dynamic": lambda: [int8_weights.dynamic_int8_mm(xs[q.shape[1]], q, s) for q, s in int8s],
+        "int8 widened": lambda: [linear_kernels.widened_linear(xs[q.shape[1]], q, None, s) for q, s in int8s],
+        "int4": lambda: [int4_weights.int4_linear(xs[w.in_features], w) for w in int4s],
+    }
+    if kernel is not None and int4s[0].layout == "vnni":
+        paths["int4 W4A8"] = lambda: [kernel.int4_vnni_mm(xs[w.in_features], w.packed, w.scales_zeros)
+                                      for w in int4s]
+        paths["int4 widened"] = lambda: [int4_weights.widened_int4(xs[w.in_features], w, None, kernel)
+                                         for w in int4s]
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    with torch.inference_mode():
+        for fn in paths.values():  # warm up (scratch, threads)
+            fn()
+        for _ in range(rounds):  # alternate: the host's load hits every path alike
+            for name, fn in paths.items():
+                times[name].append(_best(fn, 1))
+    return {name: statistics.median(t) * 1e3 / layers for name, t in times.items()}
+
+
 def _kernels(on: bool) -> None:
     os.environ["SLUICE_CPU_KERNEL"] = "1" if on else "0"
     options.reset()
@@ -128,6 +167,17 @@ def engine_decode(batches: list[int], rounds: int, gen: int) -> list[tuple[int, 
     return rows
 
 
+def _quant_table(rows: list[int], rounds: int) -> None:
+    print(f"ms per decoder layer (4 linears), medians of {rounds} alternated rounds\n")
+    for i, r in enumerate(rows):
+        t = quant_paths(r, rounds)
+        if i == 0:
+            head = " | ".join(t)
+            print(f"| rows | {head} | int8 × bf16 | int4 × bf16 |\n" + "|---" * (len(t) + 3) + "|")
+        print(f"| {r} | " + " | ".join(f"{v:.2f}" for v in t.values())
+              + f" | {t['bf16'] / t['int8']:.2f} | {t['bf16'] / t['int4']:.2f} |")
+
+
 def main() -> None:
     """Print the markdown table."""
     parser = add_baseline(BenchParser(description=__doc__.splitlines()[0]))
@@ -137,6 +187,8 @@ def main() -> None:
     parser.add_argument("--gen", type=int, default=32)
     parser.add_argument("--paths", default="",
                         help="row counts for the bf16 paths alone (ms per path), e.g. 8,64")
+    parser.add_argument("--quant", default="",
+                        help="row counts for the bf16 / int8 / int4 tiers' paths alone, e.g. 1,16,128,1024")
     args = parser.parse_args()
     if linear_kernels._gemv() is None:
         raise SystemExit(f"no bf16 GEMV on tier {cpu_isa.tier()}")
@@ -146,6 +198,9 @@ def main() -> None:
         for rows in (int(r) for r in args.paths.split(",")):
             print(f"| {rows} rows | " + " | ".join(f"{k} {v:.1f} ms"
                                                    for k, v in bf16_paths(rows, args.rounds).items()))
+        return
+    if args.quant:
+        _quant_table([int(r) for r in args.quant.split(",")], args.rounds)
         return
     print("| op | rows | torch ms | ours ms | ours × |\n|---|---|---|---|---|")
     for rows in (int(r) for r in args.rows.split(",")):

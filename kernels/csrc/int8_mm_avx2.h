@@ -1,9 +1,15 @@
 // The int8 x int8 -> int32 product of quant_linear.cpp's `int8_mm` on tiers without VNNI (avx2, and avx512 on
-// CPUs without it), exact: both operands widened to int16 and multiplied pairwise by `vpmaddwd` into int32 (each
-// pair's sum fits: 2 x 128 x 128). oneDNN's int8 GEMM there (torch._int_mm) goes through `vpmaddubsw`, whose int16
-// pair sums saturate, so it is not used on these tiers. x is widened to int16 once; each thread takes blocks of
-// 64 weight rows, each weight row (read once, in memory order) against x rows four at a time; a K tail under 16
-// is summed in scalar. Included by quant_linear_avx2.h inside quant_linear.cpp's namespace.
+// CPUs without it), exact for every int8 value (-128 included): both operands widened to int16 and multiplied
+// pairwise by `vpmaddwd` into int32 (each pair's sum fits: 2 x 128 x 128). oneDNN's int8 GEMM there
+// (torch._int_mm) goes through `vpmaddubsw`, whose int16 pair sums saturate, so it is not used on these tiers.
+// (`vpmaddubsw` with llama.cpp's sign trick is exact for codes in [-127, 127] but needs a `vpmaddwd` by ones
+// after it: as many multiplies per product as the int16 form, plus a `vpsignb` per pair of rows.)
+//
+// x is widened to int16 once per call. Each thread takes a run of weight rows and walks it in blocks that stay
+// in L2 (kInt8BlockBytes); per block, tiles of 4 x rows (L1) by 3 weight rows keep twelve int32 accumulators
+// in registers over K (8 lanes each: one weight load and widening per 4 products), summed across lanes by
+// `vphaddd` once per tile. A K tail under 16 is summed in scalar. Included by quant_linear_avx2.h inside
+// quant_linear.cpp's namespace.
 
 inline int32_t sluice_hsum8_epi32(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -12,22 +18,56 @@ inline int32_t sluice_hsum8_epi32(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
-// One weight row w [K] against M x rows (int16, row stride K): out[m * ldo].
-template <int M>
-inline void int8_row_tile(const int16_t* x, int64_t K, const int8_t* w, int32_t* out, int64_t ldo) {
-  __m256i acc[M];
-  for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_si256();
+constexpr int kInt8TileRows = 4;        // x rows per tile
+constexpr int kInt8TileCols = 3;        // weight rows per tile
+constexpr int64_t kInt8BlockBytes = 128 << 10;  // int8 weight bytes per block (L2)
+
+// The lane sums of up to four accumulators as lanes 0-3 (lanes past NR zero).
+template <int NR>
+inline __m128i int8_lane_sums(const __m256i* acc) {
+  const __m256i zero = _mm256_setzero_si256();
+  const __m256i a01 = _mm256_hadd_epi32(acc[0], NR > 1 ? acc[1] : zero);
+  const __m256i a23 = _mm256_hadd_epi32(NR > 2 ? acc[2] : zero, NR > 3 ? acc[3] : zero);
+  const __m256i s = _mm256_hadd_epi32(a01, a23);  // [s0 s1 s2 s3 | s0 s1 s2 s3] over each 128-bit half
+  return _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+}
+
+// y[i * ldy + j] = x row i (int16, stride ldx) · weight row j (int8, stride K), i < MR, j < NR.
+template <int MR, int NR>
+inline void int8_tile(const int16_t* x, int64_t ldx, const int8_t* w, int64_t K, int32_t* y, int64_t ldy) {
+  __m256i acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_si256();
   int64_t k = 0;
   for (; k + 16 <= K; k += 16) {
-    const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k)));
-    for (int m = 0; m < M; ++m)
-      acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + m * K + k)), wv));
+    __m256i wv[NR];
+    for (int j = 0; j < NR; ++j)
+      wv[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * K + k)));
+    for (int i = 0; i < MR; ++i) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i * ldx + k));
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_add_epi32(acc[i][j], _mm256_madd_epi16(xv, wv[j]));
+    }
   }
-  int32_t tail[M] = {};
-  for (; k < K; ++k)
-    for (int m = 0; m < M; ++m) tail[m] += static_cast<int32_t>(x[m * K + k]) * w[k];
-  for (int m = 0; m < M; ++m) out[m * ldo] = sluice_hsum8_epi32(acc[m]) + tail[m];
+  for (int i = 0; i < MR; ++i) {
+    alignas(16) int32_t s[4];
+    _mm_store_si128(reinterpret_cast<__m128i*>(s), int8_lane_sums<NR>(acc[i]));
+    for (int j = 0; j < NR; ++j) {
+      int32_t v = s[j];
+      for (int64_t t = k; t < K; ++t) v += static_cast<int32_t>(x[i * ldx + t]) * w[j * K + t];
+      y[i * ldy + j] = v;
+    }
+  }
+}
+
+// Weight rows [n0, n1) against x rows [m0, m1): tiles of MR x rows by kInt8TileCols weight rows (fewer at the
+// end of the run).
+template <int MR>
+inline void int8_tile_row(const int16_t* x, int64_t K, const int8_t* w, int64_t n0, int64_t n1, int32_t* y,
+                          int64_t N) {
+  int64_t n = n0;
+  for (; n + kInt8TileCols <= n1; n += kInt8TileCols) int8_tile<MR, kInt8TileCols>(x, K, w + n * K, K, y + n, N);
+  if (n1 - n == 1) int8_tile<MR, 1>(x, K, w + n * K, K, y + n, N);
+  if (n1 - n == 2) int8_tile<MR, 2>(x, K, w + n * K, K, y + n, N);
 }
 
 // y [M, N] = x [M, K] · w [N, K]ᵀ in int32.
@@ -35,12 +75,16 @@ void int8_mm_avx2(const int8_t* x, int64_t M, const int8_t* w, int64_t K, int64_
   std::vector<int16_t> wide(M * K);
   for (int64_t i = 0; i < M * K; ++i) wide[i] = x[i];
   const int16_t* xs = wide.data();
-  constexpr int64_t kRows = 64;
-  at::parallel_for(0, (N + kRows - 1) / kRows, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t n = b0 * kRows; n < std::min(N, b1 * kRows); ++n) {
-      const int8_t* wr = w + n * K;
-      sluice_row_tiles<4>(0, M, [&](auto r, int64_t m) {
-        int8_row_tile<decltype(r)::value>(xs + m * K, K, wr, y + m * N + n, N);
+  const int64_t tiles = (N + kInt8TileCols - 1) / kInt8TileCols;
+  const int64_t block = std::max<int64_t>(1, kInt8BlockBytes / (kInt8TileCols * K)) * kInt8TileCols;
+  // at least a few hundred thousand products a task: a thread's start costs more than fewer
+  const int64_t grain = std::max<int64_t>(1, (1 << 18) / std::max<int64_t>(1, M * K * kInt8TileCols));
+  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+    const int64_t end = std::min(N, t1 * kInt8TileCols);
+    for (int64_t b0 = t0 * kInt8TileCols; b0 < end; b0 += block) {
+      const int64_t b1 = std::min(end, b0 + block);
+      sluice_row_tiles<kInt8TileRows>(0, M, [&](auto r, int64_t m) {
+        int8_tile_row<decltype(r)::value>(xs + m * K, K, w, b0, b1, y + m * N, N);
       });
     }
   });
