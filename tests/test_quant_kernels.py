@@ -294,6 +294,28 @@ def test_our_int8_matmul_is_exact_at_extreme_codes_and_tails(cpu_tier):
         assert torch.equal(ours(x, w), (x.double() @ w.double().T).to(torch.int32)), value
 
 
+@pytest.mark.skipif(int8._fused() is None, reason="no C++ toolchain")
+def test_our_int8_matmul_is_exact_across_tiles_blocks_and_threads(cpu_tier):
+    """Our product's register tiles (x rows by weight rows, with row and column tails), its L2 blocks of
+    weight rows (K large enough that N spans several) and its parallel runs sum exactly as float64 does, at
+    the dynamic path's extremes (+-127) and int8's (-128), K off every multiple of 16 and 32, odd N."""
+    fused = int8._fused()
+    g = torch.Generator().manual_seed(4)
+    values = torch.tensor([-128, -127, -1, 0, 1, 127], dtype=torch.int8)
+    for m in (1, 3, 5, 17, 300):
+        for n, k in ((1, 17), (67, 2047), (203, 771), (131, 4100)):
+            x = torch.randint(-127, 128, (m, k), dtype=torch.int8, generator=g)
+            w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+            x[:, ::3] = values[torch.randint(0, 6, (m, (k + 2) // 3), generator=g)]
+            w[:, 1::2] = values[torch.randint(0, 6, (n, k // 2), generator=g)]
+            want = (x.double() @ w.double().T).to(torch.int32)
+            assert torch.equal(fused.int8_mm(x, w), want), (m, n, k)
+    for value in (-127, 127):  # every product at +-127 x +-127: each lane's sum at its largest
+        x = torch.full((300, 4100), value, dtype=torch.int8)
+        w = torch.full((7, 4100), -127, dtype=torch.int8)
+        assert torch.equal(fused.int8_mm(x, w), torch.full((300, 7), -value * 127 * 4100, dtype=torch.int32))
+
+
 def _dynamic_rows_take_our_int8_mm(monkeypatch, fused) -> None:
     calls, real = [], fused.int8_mm
     spy = type("Spy", (), {"quantize_rows": staticmethod(fused.quantize_rows),
