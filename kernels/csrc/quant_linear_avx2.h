@@ -88,3 +88,50 @@ inline bool int8_rescale_tier(const torch::Tensor& acc, const torch::Tensor& rs,
   });
   return true;
 }
+
+// int4_vnni_int8_mm's product on this tier (arguments checked): x quantized per row (quantize_rows); each
+// thread's L2-sized block of weight rows dequantized (w4_dequant_row, fp32) and requantized to int8 with one
+// absmax scale per row; the exact int8 product by int8_mm_avx2.h's tiles; int32 x row scale x weight scale, +
+// bias in fp32, one rounding to bf16.
+constexpr bool kTierW4Int8 = true;
+
+void w4_int8_mm(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales_zeros,
+                const c10::optional<torch::Tensor>& bias, torch::Tensor& y) {
+  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0), Kp = packed.size(1) * 2;
+  const auto xq = quantize_rows(x);
+  const int8_t* xc = xq[0].data_ptr<int8_t>();
+  const float* xs = xq[1].data_ptr<float>();
+  std::vector<int16_t> wide(M * K);
+  for (int64_t i = 0; i < M * K; ++i) wide[i] = xc[i];
+  torch::Tensor b = bias.has_value() ? bias->contiguous().to(torch::kFloat32) : torch::Tensor();
+  TORCH_CHECK(!b.defined() || b.numel() == N, "int4_vnni_int8_mm: bias must have N values");
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+  const uint8_t* q = packed.data_ptr<uint8_t>();
+  const uint16_t* sz = reinterpret_cast<const uint16_t*>(scales_zeros.data_ptr<at::BFloat16>());
+  const int64_t block = std::max<int64_t>(1, kInt8BlockBytes / (kInt8TileCols * K)) * kInt8TileCols;
+  at::parallel_for(0, (N + block - 1) / block, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<int8_t> w8(block * K);
+    std::vector<float> wf(K), wscale(block);
+    std::vector<int32_t> y32(M * block);
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const int64_t n0 = blk * block, rows = std::min(block, N - n0);
+      for (int64_t r = 0; r < rows; ++r) {
+        w4_dequant_row(q + (n0 + r) * (Kp / 2), sz + (n0 + r) * (Kp / 16), K, Kp, wf.data());
+        float amax = 0.f;
+        for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::abs(wf[k]));
+        const float scale = std::max(amax, 1e-30f) / 127.f;
+        wscale[r] = scale;
+        for (int64_t k = 0; k < K; ++k) w8[r * K + k] = static_cast<int8_t>(std::nearbyint(wf[k] / scale));
+      }
+      sluice_row_tiles<kInt8TileRows>(0, M, [&](auto t, int64_t m) {
+        int8_tile_row<decltype(t)::value>(wide.data() + m * K, K, w8.data(), 0, rows, y32.data() + m * rows, rows);
+      });
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t j = 0; j < rows; ++j) {
+          const float v = static_cast<float>(y32[m * rows + j]) * xs[m] * wscale[j];
+          yp[m * N + n0 + j] = static_cast<at::BFloat16>(bp != nullptr ? v + bp[n0 + j] : v);
+        }
+    }
+  });
+}
