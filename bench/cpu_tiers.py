@@ -13,8 +13,8 @@ fallbacks), alternated each round. `--paths R,...` times only the bf16 paths (th
 tiles, `widened_linear`, the avx2 tier's GEMM) on the 48 linears and the LM head at each row count.
 `--quant R,...` instead times a decoder layer's four linears per row count on the bf16, int8 and int4
 weight-only tiers as they dispatch, and on each quantized path forced (the dynamic int8 product, the W4A8
-product, the dequantized weight widened to fp32), alternated, medians: what the tiers' row thresholds
-(kernels/int8_weights.py, kernels/int4_weights.py `WIDEN_MIN_ROWS`) are read from.
+product, int4 requantized to int8 per row, the dequantized weight widened to fp32), alternated, medians: what
+the tiers' row thresholds (kernels/int8_weights.py, kernels/int4_weights.py) are read from.
 """
 
 from __future__ import annotations
@@ -130,6 +130,9 @@ def quant_paths(rows: int, rounds: int) -> dict[str, float]:
                                       for w in int4s]
         paths["int4 widened"] = lambda: [int4_weights.widened_int4(xs[w.in_features], w, None, kernel)
                                          for w in int4s]
+    if kernel is not None and getattr(kernel, "W4_INT8", kernel.VNNI) and int4s[0].layout == "vnni":
+        paths["int4 requantized int8"] = lambda: [
+            kernel.int4_vnni_int8_mm(xs[w.in_features], w.packed, w.scales_zeros) for w in int4s]
     times: dict[str, list[float]] = {name: [] for name in paths}
     with torch.inference_mode():
         for fn in paths.values():  # warm up (scratch, threads)
