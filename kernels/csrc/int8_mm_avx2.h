@@ -7,8 +7,8 @@
 //
 // x is widened to int16 once per call. Each thread takes a run of weight rows and walks it in blocks that stay
 // in L2 (kInt8BlockBytes); per block, tiles of 4 x rows (L1) by 3 weight rows keep twelve int32 accumulators
-// in registers over K (8 lanes each: one weight load and widening per 4 products), summed across lanes by
-// `vphaddd` once per tile. A K tail under 16 is summed in scalar. Included by quant_linear_avx2.h inside
+// in registers over K (8 lanes each: one weight load and widening per 4 products, no spills), summed across
+// lanes by `vphaddd` once per tile. A K tail under 16 is summed in scalar. Included by quant_linear_avx2.h inside
 // quant_linear.cpp's namespace.
 
 inline int32_t sluice_hsum8_epi32(__m256i v) {
@@ -32,19 +32,51 @@ inline __m128i int8_lane_sums(const __m256i* acc) {
   return _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
 }
 
+inline __m256i int8_wide16(const int8_t* p) {  // 16 int8 as int16 lanes
+  return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+inline __m256i int8_x16(const int16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// The whole tile's sums over columns [0, k_end) (a multiple of 16) into acc: its twelve accumulators named one by
+// one, which the compiler keeps in registers (as an array it spills most of them every step).
+inline void int8_dot_4x3(const int16_t* x, int64_t ldx, const int8_t* w, int64_t K, int64_t k_end,
+                         __m256i (&acc)[4][3]) {
+  __m256i a00 = _mm256_setzero_si256(), a01 = a00, a02 = a00, a10 = a00, a11 = a00, a12 = a00;
+  __m256i a20 = a00, a21 = a00, a22 = a00, a30 = a00, a31 = a00, a32 = a00;
+  auto madd = [](__m256i& a, __m256i xv, __m256i wv) { a = _mm256_add_epi32(a, _mm256_madd_epi16(xv, wv)); };
+  for (int64_t k = 0; k < k_end; k += 16) {
+    const __m256i w0 = int8_wide16(w + k), w1 = int8_wide16(w + K + k), w2 = int8_wide16(w + 2 * K + k);
+    __m256i xv = int8_x16(x + k);
+    madd(a00, xv, w0), madd(a01, xv, w1), madd(a02, xv, w2);
+    xv = int8_x16(x + ldx + k);
+    madd(a10, xv, w0), madd(a11, xv, w1), madd(a12, xv, w2);
+    xv = int8_x16(x + 2 * ldx + k);
+    madd(a20, xv, w0), madd(a21, xv, w1), madd(a22, xv, w2);
+    xv = int8_x16(x + 3 * ldx + k);
+    madd(a30, xv, w0), madd(a31, xv, w1), madd(a32, xv, w2);
+  }
+  acc[0][0] = a00, acc[0][1] = a01, acc[0][2] = a02, acc[1][0] = a10, acc[1][1] = a11, acc[1][2] = a12;
+  acc[2][0] = a20, acc[2][1] = a21, acc[2][2] = a22, acc[3][0] = a30, acc[3][1] = a31, acc[3][2] = a32;
+}
+
 // y[i * ldy + j] = x row i (int16, stride ldx) · weight row j (int8, stride K), i < MR, j < NR.
 template <int MR, int NR>
 inline void int8_tile(const int16_t* x, int64_t ldx, const int8_t* w, int64_t K, int32_t* y, int64_t ldy) {
   __m256i acc[MR][NR];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_si256();
   int64_t k = 0;
+  if constexpr (MR == 4 && NR == 3) {
+    k = K / 16 * 16;
+    int8_dot_4x3(x, ldx, w, K, k, acc);
+  } else {
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_si256();
+  }
   for (; k + 16 <= K; k += 16) {
     __m256i wv[NR];
-    for (int j = 0; j < NR; ++j)
-      wv[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * K + k)));
+    for (int j = 0; j < NR; ++j) wv[j] = int8_wide16(w + j * K + k);
     for (int i = 0; i < MR; ++i) {
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i * ldx + k));
+      const __m256i xv = int8_x16(x + i * ldx + k);
       for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_add_epi32(acc[i][j], _mm256_madd_epi16(xv, wv[j]));
     }
   }
