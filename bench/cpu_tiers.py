@@ -11,7 +11,8 @@ capability. `--engine B,...` adds the engine's bf16 decode tok/s on the ~125M be
 measure: B x 128 prompt tokens, `--gen` generated), our kernels against `SLUICE_CPU_KERNEL=0` (the torch
 fallbacks), alternated each round. `--paths R,...` times only the bf16 paths (the GEMV's narrow and widened-x
 tiles, `widened_linear`, the avx2 tier's GEMM) on the 48 linears and the LM head at each row count.
-`--quant R,...` instead times a decoder layer's four linears per row count on the bf16, int8 and int4
+`--quant R,...` (with `--threads 1`: each path's CPU time, robust to a shared host's other load) instead
+times a decoder layer's four linears per row count on the bf16, int8 and int4
 weight-only tiers as they dispatch, and on each quantized path forced (the dynamic int8 product, the W4A8
 product, int4 requantized to int8 per row, the dequantized weight widened to fp32), alternated, medians: what
 the tiers' row thresholds (kernels/int8_weights.py, kernels/int4_weights.py) are read from.
@@ -33,12 +34,12 @@ from sluice.kernels import linear as linear_kernels
 LINEARS = [(1280, 768), (768, 768), (4096, 768), (768, 2048)] * 12  # qkv, o, gate_up, down of 12 layers
 
 
-def _best(fn, rounds: int) -> float:
+def _best(fn, rounds: int, clock=time.perf_counter) -> float:
     best = float("inf")
     for _ in range(rounds):
-        start = time.perf_counter()
+        start = clock()
         fn()
-        best = min(best, time.perf_counter() - start)
+        best = min(best, clock() - start)
     return best
 
 
@@ -134,12 +135,14 @@ def quant_paths(rows: int, rounds: int) -> dict[str, float]:
         paths["int4 requantized int8"] = lambda: [
             kernel.int4_vnni_int8_mm(xs[w.in_features], w.packed, w.scales_zeros) for w in int4s]
     times: dict[str, list[float]] = {name: [] for name in paths}
+    # one thread: its own CPU time, which other processes on a shared host do not inflate
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
     with torch.inference_mode():
         for fn in paths.values():  # warm up (scratch, threads)
             fn()
         for _ in range(rounds):  # alternate: the host's load hits every path alike
             for name, fn in paths.items():
-                times[name].append(_best(fn, 1))
+                times[name].append(_best(fn, 1, clock))
     return {name: statistics.median(t) * 1e3 / layers for name, t in times.items()}
 
 
@@ -171,7 +174,8 @@ def engine_decode(batches: list[int], rounds: int, gen: int) -> list[tuple[int, 
 
 
 def _quant_table(rows: list[int], rounds: int) -> None:
-    print(f"ms per decoder layer (4 linears), medians of {rounds} alternated rounds\n")
+    clock = "thread CPU" if torch.get_num_threads() == 1 else "wall"
+    print(f"{clock} ms per decoder layer (4 linears), medians of {rounds} alternated rounds\n")
     for i, r in enumerate(rows):
         t = quant_paths(r, rounds)
         if i == 0:
@@ -192,7 +196,9 @@ def main() -> None:
                         help="row counts for the bf16 paths alone (ms per path), e.g. 8,64")
     parser.add_argument("--quant", default="",
                         help="row counts for the bf16 / int8 / int4 tiers' paths alone, e.g. 1,16,128,1024")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     if linear_kernels._gemv() is None:
         raise SystemExit(f"no bf16 GEMV on tier {cpu_isa.tier()}")
     print(f"tier {cpu_isa.tier()} (GEMV built for {linear_kernels._gemv().TIER}), torch CPU capability "
