@@ -131,7 +131,7 @@ def quant_paths(rows: int, rounds: int) -> dict[str, float]:
                                       for w in int4s]
         paths["int4 widened"] = lambda: [int4_weights.widened_int4(xs[w.in_features], w, None, kernel)
                                          for w in int4s]
-    if kernel is not None and getattr(kernel, "W4_INT8", kernel.VNNI) and int4s[0].layout == "vnni":
+    if kernel is not None and kernel.VNNI and int4s[0].layout == "vnni":
         paths["int4 requantized int8"] = lambda: [
             kernel.int4_vnni_int8_mm(xs[w.in_features], w.packed, w.scales_zeros) for w in int4s]
     times: dict[str, list[float]] = {name: [] for name in paths}

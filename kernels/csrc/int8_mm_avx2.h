@@ -1,15 +1,16 @@
 // The int8 x int8 -> int32 product of quant_linear.cpp's `int8_mm` on tiers without VNNI (avx2, and avx512 on
 // CPUs without it), exact for every int8 value (-128 included): both operands widened to int16 and multiplied
 // pairwise by `vpmaddwd` into int32 (each pair's sum fits: 2 x 128 x 128). oneDNN's int8 GEMM there
-// (torch._int_mm) goes through `vpmaddubsw`, whose int16 pair sums saturate, so it is not used on these tiers.
+// (torch._int_mm) goes through `vpmaddubsw`, whose int16 pair sums saturate: not used on these tiers.
 // (`vpmaddubsw` with llama.cpp's sign trick is exact for codes in [-127, 127] but needs a `vpmaddwd` by ones
 // after it: as many multiplies per product as the int16 form, plus a `vpsignb` per pair of rows.)
 //
-// x is widened to int16 once per call. Each thread takes a run of weight rows and walks it in blocks that stay
-// in L2 (kInt8BlockBytes); per block, tiles of 4 x rows (L1) by 3 weight rows keep twelve int32 accumulators
-// in registers over K (8 lanes each: one weight load and widening per 4 products, no spills), summed across
-// lanes by `vphaddd` once per tile. A K tail under 16 is summed in scalar. Included by quant_linear_avx2.h inside
-// quant_linear.cpp's namespace.
+// x is widened to int16 once per call. Each thread takes a run of weight rows and walks it in blocks that
+// stay in L2 (kInt8BlockBytes); per block, tiles of 4 x rows (L1) by 3 weight rows keep twelve int32
+// accumulators in registers over K (8 lanes each: one weight load and widening per 4 products, no spills),
+// summed across lanes by `vphaddd` once per tile. Tiles of fewer x rows (decode) prefetch the weight rows two
+// tiles ahead: each row is a short stream, which the hardware prefetchers pick up late. A K tail under 16 is
+// summed in scalar. Included by quant_linear_avx2.h inside quant_linear.cpp's namespace.
 
 inline int32_t sluice_hsum8_epi32(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -21,6 +22,7 @@ inline int32_t sluice_hsum8_epi32(__m256i v) {
 constexpr int kInt8TileRows = 4;        // x rows per tile
 constexpr int kInt8TileCols = 3;        // weight rows per tile
 constexpr int64_t kInt8BlockBytes = 128 << 10;  // int8 weight bytes per block (L2)
+constexpr int kInt8Ahead = 6;  // weight rows ahead that the narrow tiles prefetch (short rows: K bytes each)
 
 // The lane sums of up to four accumulators as lanes 0-3 (lanes past NR zero).
 template <int NR>
@@ -38,8 +40,8 @@ inline __m256i int8_wide16(const int8_t* p) {  // 16 int8 as int16 lanes
 
 inline __m256i int8_x16(const int16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
-// The whole tile's sums over columns [0, k_end) (a multiple of 16) into acc: its twelve accumulators named one by
-// one, which the compiler keeps in registers (as an array it spills most of them every step).
+// The whole tile's sums over columns [0, k_end) (a multiple of 16) into acc: its twelve accumulators named
+// one by one, which the compiler keeps in registers (as an array it spills most of them every step).
 inline void int8_dot_4x3(const int16_t* x, int64_t ldx, const int8_t* w, int64_t K, int64_t k_end,
                          __m256i (&acc)[4][3]) {
   __m256i a00 = _mm256_setzero_si256(), a01 = a00, a02 = a00, a10 = a00, a11 = a00, a12 = a00;
@@ -75,6 +77,9 @@ inline void int8_tile(const int16_t* x, int64_t ldx, const int8_t* w, int64_t K,
   for (; k + 16 <= K; k += 16) {
     __m256i wv[NR];
     for (int j = 0; j < NR; ++j) wv[j] = int8_wide16(w + j * K + k);
+    if constexpr (MR < kInt8TileRows)  // few x rows (decode): bound by the weight's memory reads
+      for (int j = 0; j < NR; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(w + (j + kInt8Ahead) * K + k), _MM_HINT_T0);
     for (int i = 0; i < MR; ++i) {
       const __m256i xv = int8_x16(x + i * ldx + k);
       for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_add_epi32(acc[i][j], _mm256_madd_epi16(xv, wv[j]));
@@ -97,7 +102,8 @@ template <int MR>
 inline void int8_tile_row(const int16_t* x, int64_t K, const int8_t* w, int64_t n0, int64_t n1, int32_t* y,
                           int64_t N) {
   int64_t n = n0;
-  for (; n + kInt8TileCols <= n1; n += kInt8TileCols) int8_tile<MR, kInt8TileCols>(x, K, w + n * K, K, y + n, N);
+  for (; n + kInt8TileCols <= n1; n += kInt8TileCols)
+    int8_tile<MR, kInt8TileCols>(x, K, w + n * K, K, y + n, N);
   if (n1 - n == 1) int8_tile<MR, 1>(x, K, w + n * K, K, y + n, N);
   if (n1 - n == 2) int8_tile<MR, 2>(x, K, w + n * K, K, y + n, N);
 }

@@ -489,7 +489,7 @@ torch::Tensor int4_vnni_mm(const torch::Tensor& x, const torch::Tensor& packed, 
 // faster than dequantizing to bf16 for oneDNN at 24-512 rows (docs/benchmarks.md, decode_steps).
 torch::Tensor int4_vnni_int8_mm(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales_zeros,
                                 const c10::optional<torch::Tensor>& bias) {
-  check_w4_args("int4_vnni_int8_mm", x, packed, scales_zeros, kTierW4Int8);
+  check_w4_args("int4_vnni_int8_mm", x, packed, scales_zeros, vnni_supported());
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0), Kp = packed.size(1) * 2;
   auto y = torch::empty({M, N}, x.options());
   w4_int8_mm(x, packed, scales_zeros, bias, y);
@@ -538,7 +538,6 @@ inline void bind_quant_linear(py::module_& m) {
   m.def("int8_rescale", &int8_rescale, "int32 matmul result times row and column scales, plus bias (CPU)");
   m.attr("VNNI") = vnni_supported();
   m.attr("W4A8") = w4a8_supported();
-  m.attr("W4_INT8") = kTierW4Int8;  // int4_vnni_int8_mm: AVX512-VNNI or AVX2
   m.attr("VNNI_MAX_ROWS") = kVnniMaxRows;
   m.def("int8_mm", &int8_mm, "torch._int_mm(x, w.t()) for int8 x [M, K], w [N, K]: ours (VNNI) to VNNI_MAX_ROWS",
         py::arg("x"), py::arg("w"));

@@ -7,7 +7,7 @@
 // lanes at a time, rounding exactly as the scalar versions in quant_linear.cpp; with AVX512-BF16 also the
 // int4pack tile's dequantization. Included by quant_linear.cpp inside its namespace, after the shared helpers.
 
-constexpr bool kTierVnni = true, kTierW4A8 = true, kTierW4Int8 = true, kTierBnbEpilogue = true;
+constexpr bool kTierVnni = true, kTierW4A8 = true, kTierBnbEpilogue = true;
 constexpr int64_t kTierInt8MaxRows = kVnniMaxRows;
 
 // fp32 -> bf16 bits; the rounding is c10::BFloat16's (nearest even; the values here are never NaN).

@@ -26,10 +26,7 @@ inline void vnni_mm(const int8_t*, int64_t, const int8_t*, int64_t, int64_t, int
   TORCH_CHECK(false, "built without avx512_vnni");
 }
 
-#if !defined(SLUICE_QUANT_AVX2)  // the AVX2 tier's, on its int8 product: quant_linear_avx2.h
-constexpr bool kTierW4Int8 = false;
 inline void w4_int8_mm(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
                        const c10::optional<torch::Tensor>&, torch::Tensor&) {
-  TORCH_CHECK(false, "built without AVX2");
+  TORCH_CHECK(false, "built without avx512_vnni");
 }
-#endif
