@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from sluice.kernels import cpp_build
+from sluice.kernels import cpp_build, cpu_isa
 from sluice.kernels import linear as linear_kernels
 
 GROUP = 32
@@ -40,6 +40,9 @@ TILE_BYTES = 4 << 20  # dequantized scratch per tile: fewer, larger at::mm calls
 # weight is dequantized to fp32 a bounded slice at a time for oneDNN's fp32 matmul (`widened_int4`) instead of
 # the W4A8 product (measured: docs/benchmarks.md; with VNNI the requantized int8 product is faster than both)
 WIDEN_MIN_ROWS = 128
+# ... on the avx2 tier: the W4A8 product (csrc/w4a8_avx2.h) is faster than the widened weight below here and
+# slower from here (bench/cpu_tiers.py --quant)
+AVX2_WIDEN_MIN_ROWS = 1024
 # torch's int4pack (block rows, split) for AVX-512, AVX2, other
 LAYOUTS = ((64, True), (32, True), (32, False))
 
@@ -164,6 +167,12 @@ def w4a8_max_rows(kernel) -> int | float:
     return MAX_VNNI_ROWS if kernel.VNNI else float("inf")
 
 
+def widen_min_rows(kernel) -> int:
+    """bf16 rows from which `int4_linear` widens a vnni-layout weight on a tier without VNNI where oneDNN has
+    no bf16 instructions: AVX2_WIDEN_MIN_ROWS on the avx2 tier, else WIDEN_MIN_ROWS."""
+    return AVX2_WIDEN_MIN_ROWS if not kernel.VNNI and cpu_isa.tier() == "avx2" else WIDEN_MIN_ROWS
+
+
 def bnb_4bit_kernel():
     """The C++ kernels' `bnb_4bit_blocks` (blocks coded as bitsandbytes' default quantize_4bit codes them,
     csrc/quant_linear.cpp), or None where they do not build."""
@@ -202,7 +211,7 @@ def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None
     """x [..., in] times the 4-bit weight (x's dtype), plus bias."""
     rows = x.reshape(-1, x.shape[-1])
     if w.layout == "vnni" and x.dtype is torch.bfloat16 and (kernel := _tile_kernel()) is not None:
-        if not kernel.VNNI and linear_kernels.widen_serves(rows, WIDEN_MIN_ROWS):
+        if not kernel.VNNI and linear_kernels.widen_serves(rows, widen_min_rows(kernel)):
             return widened_int4(rows, w, bias, kernel).view(*x.shape[:-1], w.out_features)
         mm = kernel.int4_vnni_mm if rows.shape[0] <= w4a8_max_rows(kernel) else kernel.int4_vnni_int8_mm
         y = mm(rows.contiguous(), w.packed, w.scales_zeros, bias)

@@ -11,8 +11,8 @@ weight reorder on every call costs as much as the product at a few rows: docs/be
 `torch._int_mm` (oneDNN), the same exact int32 sums either way; the quantization and the rescale epilogue
 (bias included) are one C++ pass each (csrc/quant_linear.cpp) where it builds, rounding exactly as the torch
 ops they replace. Where oneDNN has no bf16 instructions (kernels.linear.onednn_bf16), prefill-sized bf16
-inputs (WIDEN_MIN_ROWS and up) multiply the dequantized weight in fp32 instead, a bounded slice at a time. On
-CUDA with triton the W8A16 kernel (kernels/triton/w8a16.py) serves; fp32 activations, odd shapes and other
+inputs (`widen_min_rows` and up) multiply the dequantized weight in fp32 instead, a bounded slice at a time.
+On CUDA with triton the W8A16 kernel (kernels/triton/w8a16.py) serves; fp32 activations, odd shapes and other
 devices dequantize the weight and use the ordinary matmul.
 """
 
@@ -39,6 +39,9 @@ DYNAMIC_DTYPES = (torch.bfloat16, torch.float16)
 # bf16 rows from which, where oneDNN has no bf16 instructions, the dequantized weight is widened to fp32 for
 # oneDNN's fp32 matmul (kernels.linear.widened_linear) instead of the dynamic int8 product: prefill chunks
 WIDEN_MIN_ROWS = 128
+# ... on the avx2 tier, against our AVX2 int8 product (csrc/int8_mm_avx2.h): faster than the widened weight
+# up to here, level at it, slower past it (bench/cpu_tiers.py --quant)
+AVX2_WIDEN_MIN_ROWS = 2048
 
 
 def gemv_rows(dtype: torch.dtype) -> int:
@@ -53,6 +56,15 @@ def dynamic_from_one_row() -> bool:
     AVX512-VNNI kernel, or the AVX2 one: csrc/int8_mm_avx2.h)."""
     fused = _fused()
     return fused is not None and (fused.VNNI or cpu_isa.at_least("avx2"))
+
+
+def widen_min_rows() -> int:
+    """bf16 rows from which `int8_linear` widens the dequantized weight where oneDNN has no bf16 instructions:
+    AVX2_WIDEN_MIN_ROWS on the avx2 tier with our AVX2 int8 product, else WIDEN_MIN_ROWS."""
+    fused = _fused()
+    if fused is not None and not fused.VNNI and cpu_isa.tier() == "avx2":
+        return AVX2_WIDEN_MIN_ROWS
+    return WIDEN_MIN_ROWS
 
 
 def _use_gemv(rows: torch.Tensor, qweight: torch.Tensor) -> bool:
@@ -199,7 +211,7 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         ours = _gemv_kernel(scales) if rows.dtype is torch.bfloat16 else None
         y = (ours.int8_gemv if ours is not None
              else torch._weight_int8pack_mm)(rows.contiguous(), qweight, scales)
-    elif linear_kernels.widen_serves(rows, WIDEN_MIN_ROWS):
+    elif linear_kernels.widen_serves(rows, widen_min_rows()):
         y, bias = linear_kernels.widened_linear(rows, qweight, bias, scales), None
     elif _use_dynamic(rows):
         y, bias = dynamic_int8_mm(rows.contiguous(), qweight, scales, bias), None

@@ -453,7 +453,7 @@ def test_nf4_and_fp4_quantization_while_loading_gives_bitsandbytes_own_bits(monk
 
 
 def test_int8_prefill_rows_widen_the_dequantized_weight_where_onednn_has_no_bf16(monkeypatch):
-    """With oneDNN capped below its bf16 instructions, bf16 int8 rows from WIDEN_MIN_ROWS multiply the
+    """With oneDNN capped below its bf16 instructions, bf16 int8 rows from `widen_min_rows` multiply the
     dequantized weight in fp32 (W8A16, no dynamic int8 product): within one bf16 rounding of fp64 x · (q ·
     scale) + bias, for any slice of the weight; one row fewer keeps the dynamic int8 product."""
     from sluice.kernels import linear as linear_kernels
@@ -461,7 +461,8 @@ def test_int8_prefill_rows_widen_the_dequantized_weight_where_onednn_has_no_bf16
 
     torch.manual_seed(0)
     qweight, scales = torch.randint(-127, 128, (70, 256), dtype=torch.int8), (torch.rand(70) / 50).bfloat16()
-    bias, rows = torch.randn(70).bfloat16(), torch.randn(int8.WIDEN_MIN_ROWS, 256).bfloat16()
+    limit = int8.widen_min_rows()
+    bias, rows = torch.randn(70).bfloat16(), torch.randn(limit, 256).bfloat16()
     want = rows.double() @ (qweight.double() * scales.double()[:, None]).t() + bias.double()
     dynamic, real = [], int8.dynamic_int8_mm
     monkeypatch.setattr(int8, "dynamic_int8_mm", lambda x, *a: dynamic.append(x.shape[0]) or real(x, *a))
@@ -477,20 +478,21 @@ def test_int8_prefill_rows_widen_the_dequantized_weight_where_onednn_has_no_bf16
     assert got.dtype is torch.bfloat16 and sliced.dtype is torch.bfloat16
     for out in (got, sliced):  # oneDNN's summation order may follow the slice's shape and the CPU's caches
         assert ((out.double() - want).abs() <= want.abs() * 2**-8 + 1e-5).all()
-    assert dynamic == [int8.WIDEN_MIN_ROWS - 1]
+    assert dynamic == [limit - 1]
 
 
 @needs_kernel
 def test_int4_prefill_rows_widen_the_dequantized_weight_where_onednn_has_no_bf16(monkeypatch, cpu_tier):
     """On every tier the vnni layout dequantizes to exactly int4.dequantize's fp32 (any slice of rows). With
-    oneDNN capped below its bf16 instructions, on tiers without VNNI, bf16 rows from int4.WIDEN_MIN_ROWS
+    oneDNN capped below its bf16 instructions, on tiers without VNNI, bf16 rows from `int4.widen_min_rows`
     multiply that dequantized weight in fp32: within one bf16 rounding of fp64 x · w + bias, for any slice of
     the weight; one row fewer keeps the W4A8 product. With VNNI the requantized int8 product serves them."""
     from sluice.kernels import linear as linear_kernels
     from sluice.kernels import options
 
     torch.manual_seed(0)
-    kernel, calls, limit = int4.vnni_kernel(), [], int4.WIDEN_MIN_ROWS
+    kernel, calls = int4.vnni_kernel(), []
+    limit = int4.widen_min_rows(kernel)
     spy = type("Spy", (), {
         "VNNI": kernel.VNNI, "W4A8": True, "int4_vnni_dequant": staticmethod(kernel.int4_vnni_dequant),
         "int4_vnni_mm": staticmethod(lambda x, *a: calls.append(("mm", x.shape[0]))
