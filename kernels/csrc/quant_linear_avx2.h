@@ -1,8 +1,8 @@
 // The AVX2 tier of quant_linear.cpp (avx2, and avx512 on CPUs without VNNI): our exact int8 x int8 product
 // (int8_mm_avx2.h; oneDNN's saturates without VNNI) at every row count, the int8 x int4 product (w4a8_avx2.h) and
-// LLM.int8()'s bf16 epilogue 8 lanes at a time (bnb_epilogue_avx2.h), the dynamic int8 path's row quantization
-// and rescale of bf16 8 lanes at a time (below); the rest is quant_linear.cpp's scalar code. Included inside its
-// namespace.
+// LLM.int8()'s bf16 epilogue 8 lanes at a time (bnb_epilogue_avx2.h), the dynamic int8 path's row
+// quantization and rescale of bf16 8 lanes at a time (below); the rest is quant_linear.cpp's scalar code.
+// Included inside its namespace.
 #include "quant_linear_novnni.h"
 #include "int8_mm_avx2.h"
 #include "w4a8_avx2.h"
@@ -27,7 +27,8 @@ inline bool quantize_rows_tier(const torch::Tensor& x, int8_t* q, float* s) {
     for (int64_t m = begin; m < end; ++m) {
       const uint16_t* xm = src + m * K;
       __m256 top = _mm256_setzero_ps();
-      for (int64_t k = 0; k < K8; k += 8) top = _mm256_max_ps(top, _mm256_and_ps(sluice_bf16x8_ps(xm + k), absmask));
+      for (int64_t k = 0; k < K8; k += 8)
+        top = _mm256_max_ps(top, _mm256_and_ps(sluice_bf16x8_ps(xm + k), absmask));
       alignas(32) float lanes[8];
       _mm256_store_ps(lanes, top);
       float amax = *std::max_element(lanes, lanes + 8);
@@ -41,17 +42,18 @@ inline bool quantize_rows_tier(const torch::Tensor& x, int8_t* q, float* s) {
         const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
         _mm_storel_epi64(reinterpret_cast<__m128i*>(qm + k), _mm_packs_epi16(w, w));
       }
-      for (int64_t k = K8; k < K; ++k) qm[k] = static_cast<int8_t>(std::nearbyint(sluice_bf16_to_float(xm[k]) / sc));
+      for (int64_t k = K8; k < K; ++k)
+        qm[k] = static_cast<int8_t>(std::nearbyint(sluice_bf16_to_float(xm[k]) / sc));
     }
   });
   return true;
 }
 
-// int8_rescale into bf16, 8 lanes at a time: (acc * row) * col in fp32, rounded to bf16 (nearest even), then +
-// bias in fp32 and rounded again, as the scalar code; a short last block on a zero-padded copy. False for other
-// dtypes.
-inline bool int8_rescale_tier(const torch::Tensor& acc, const torch::Tensor& rs, const torch::Tensor& col_scale,
-                              const torch::Tensor& b, torch::Tensor& y) {
+// int8_rescale into bf16, 8 lanes at a time: (acc * row) * col in fp32, rounded to bf16 (nearest even),
+// then + bias in fp32 and rounded again, as the scalar code; a short last block on a zero-padded copy. False
+// for other dtypes.
+inline bool int8_rescale_tier(const torch::Tensor& acc, const torch::Tensor& rs,
+                              const torch::Tensor& col_scale, const torch::Tensor& b, torch::Tensor& y) {
   if (col_scale.scalar_type() != at::kBFloat16) return false;
   const int64_t M = acc.size(0), N = acc.size(1);
   const int32_t* a = acc.data_ptr<int32_t>();
@@ -77,11 +79,13 @@ inline bool int8_rescale_tier(const torch::Tensor& acc, const torch::Tensor& rs,
           }
           ap = ta, cp = tc, bq = bq == nullptr ? nullptr : tb;
         }
-        __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ap))), rm);
+        const __m256i acc8 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ap));
+        __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(acc8), rm);
         asm("" : "+x"(v));
         __m256i h = sluice_round_bf16x8(_mm256_mul_ps(v, bnb_load_bf16x8(cp)));
         if (bq != nullptr)
-          h = sluice_round_bf16x8(_mm256_add_ps(_mm256_castsi256_ps(_mm256_slli_epi32(h, 16)), bnb_load_bf16x8(bq)));
+          h = sluice_round_bf16x8(
+              _mm256_add_ps(_mm256_castsi256_ps(_mm256_slli_epi32(h, 16)), bnb_load_bf16x8(bq)));
         bnb_store_bf16x8(out + m * N + n, h, left);
       }
     }

@@ -1,6 +1,7 @@
 // What quant_linear.cpp asks of a tier without AVX512-VNNI (quant_linear_avx2.h, quant_linear_generic.h): the
-// scalar paths serve (every `*_tier` hook declines, but the AVX2 tier's own int8 quantize and rescale), and the VNNI-only products refuse (their Python callers ask
-// `VNNI` first). Included inside quant_linear.cpp's namespace.
+// scalar paths serve (every `*_tier` hook declines, but the AVX2 tier's own int8 quantize and rescale), and
+// the VNNI-only products refuse (their Python callers ask `VNNI` first). Included inside quant_linear.cpp's
+// namespace.
 
 constexpr bool kTierVnni = false;
 
@@ -10,8 +11,8 @@ inline bool dequant_block64_tier(const Int4Layout&, int64_t, int64_t, int64_t, c
 }
 #if !defined(SLUICE_QUANT_AVX2)  // the AVX2 tier has its own (quant_linear_avx2.h)
 inline bool quantize_rows_tier(const torch::Tensor&, int8_t*, float*) { return false; }
-inline bool int8_rescale_tier(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
-                              torch::Tensor&) {
+inline bool int8_rescale_tier(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                              const torch::Tensor&, torch::Tensor&) {
   return false;
 }
 #endif
