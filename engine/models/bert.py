@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sluice.kernels.packed_linear import PackedLinear
+
 # architecture: (family, head); family "roberta" counts positions from padding_idx + 1.
 ENCODER_ARCHITECTURES = {
     "BertModel": ("bert", None), "BertForMaskedLM": ("bert", None),
@@ -182,12 +184,20 @@ class EncoderLayer(nn.Module):
         self.up_proj = nn.Linear(h, c.intermediate_size)
         self.down_proj = nn.Linear(c.intermediate_size, h)
         self.mlp_norm = nn.LayerNorm(h, eps=c.layer_norm_eps)
-        self.act = ACTIVATIONS[c.hidden_act]
+        self.hidden_act, self.act = c.hidden_act, ACTIVATIONS[c.hidden_act]
+        self.packed: tuple[PackedLinear, ...] = ()
+
+    def pack(self) -> None:
+        """Prepare the four linears' weights, as loaded, for fused calls (kernels.packed_linear)."""
+        linears = (self.qkv_proj, self.o_proj, self.up_proj, self.down_proj)
+        self.packed = tuple(PackedLinear(m) for m in linears)
 
     def forward(self, x: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
-        attn = plan.attend(self.qkv_proj(x), self.num_heads, self.head_dim**-0.5)
-        x = self.attn_norm(x + self.o_proj(attn))
-        return self.mlp_norm(x + self.down_proj(self.act(self.up_proj(x))))
+        assert self.packed, "EncoderLayer.pack() runs once the weights are loaded"
+        qkv, o, up, down = self.packed
+        attn = plan.attend(qkv(x), self.num_heads, self.head_dim**-0.5)
+        x = self.attn_norm(o.add(attn, x))
+        return self.mlp_norm(down.add(up.act(x, self.hidden_act, self.act), x))
 
 
 class ClassificationHead(nn.Module):
@@ -290,4 +300,7 @@ def load_encoder(path: str | Path, c: EncoderConfig, dtype: torch.dtype,
                 raise ValueError(f"{path}: checkpoint tensor {missing[0]} is missing ({c.architecture})")
             state[f"layers.{i}.qkv_proj.{kind}"] = torch.cat([reader.get(p) for p in parts])
     model.load_state_dict(state, strict=True, assign=True)
-    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    for layer in model.layers:
+        layer.pack()
+    return model
