@@ -118,6 +118,21 @@ def test_a_step_runs_the_oldest_input_and_the_waiting_ones_nearest_its_length(en
         torch.testing.assert_close(torch.tensor(out.embedding), torch.tensor(alone[rid]), atol=1e-5, rtol=0)
 
 
+def test_a_step_takes_at_most_step_tokens_whatever_the_batched_token_limit(encoders):
+    from sluice.engine.encoder_engine import STEP_TOKENS
+
+    llm = LLM(str(encoders("bert")), dtype="float32", device="cpu", max_num_batched_tokens=1 << 20)
+    inputs = [list(range(10, 10 + 40 + i % 8)) for i in range(3 * STEP_TOKENS // 40)]
+    for i, ids in enumerate(inputs):
+        llm.engine.add_request(str(i), ids, PoolingParams())
+    done = []
+    while llm.engine.has_unfinished():
+        before = llm.engine.counters["computed_tokens"]
+        done += llm.engine.step()
+        assert 0 < llm.engine.counters["computed_tokens"] - before <= STEP_TOKENS
+    assert sorted(int(o.request_id) for o in done) == list(range(len(inputs)))
+    assert llm.engine.counters["steps"] >= 3
+
 def test_too_long_inputs_are_refused_by_name_and_the_rest_run(encoders):
     path = sentence_transformers_files(encoders("roberta"), "pooling_mode_cls_token", max_seq_length=20)
     llm = LLM(str(path), dtype="float32", device="cpu")
