@@ -2,11 +2,11 @@
 
 An encoder keeps no KV cache and sees every token of a sequence at once, so a sequence is never chunked: each
 step takes the oldest waiting sequence and the waiting ones nearest its length, whole, up to the token budget
-(max_num_batched_tokens, at least one full-length sequence) and max_num_seqs (similar lengths: little padding
-in attention), runs one forward over their tokens concatenated (engine.models.bert), and pools
-(sentence-transformers' Pooling and Normalize: engine.pooling.EncoderPooling) or classifies each sequence. A
-request of several inputs (a list of texts, or a query's pairs with its documents) finishes when all have run.
-The surface is Engine's: add_request / step / abort / has_unfinished / stats.
+(max_num_batched_tokens, at most STEP_TOKENS, at least one full-length sequence) and max_num_seqs (similar
+lengths: little padding in attention), runs one forward over their tokens concatenated (engine.models.bert),
+and pools (sentence-transformers' Pooling and Normalize: engine.pooling.EncoderPooling) or classifies each
+sequence. A request of several inputs (a list of texts, or a query's pairs with its documents) finishes when
+all have run. The surface is Engine's: add_request / step / abort / has_unfinished / stats.
 """
 
 from __future__ import annotations
@@ -29,6 +29,9 @@ from sluice.engine.tokenizer import load_tokenizer
 
 Pair = tuple[str, str]
 SCHEDULE_WINDOW = 1024  # waiting sequences a step picks from
+# Most tokens of one step (at least one full-length sequence), below max_num_batched_tokens: smaller steps
+# keep each layer's activations closer to the cache its GEMMs read them from (bench/embeddings.py --encoder).
+STEP_TOKENS = 2048
 
 
 @dataclass(slots=True)
@@ -95,7 +98,7 @@ class EncoderEngine:
         bad = {k: v for k, v in (config.moderation_thresholds or {}).items() if not 0 <= v <= 1}
         if bad:
             raise ValueError(f"moderation_thresholds must lie in [0, 1]: {bad}")
-        self.token_budget = max(config.max_num_batched_tokens, self.max_model_len)
+        self.token_budget = max(min(config.max_num_batched_tokens, STEP_TOKENS), self.max_model_len)
         self.waiting: deque[EncoderSequence] = deque()
         self.requests: dict[str, EncoderRequest] = {}
         self._aborted: list[EncoderRequest] = []

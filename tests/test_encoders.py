@@ -118,6 +118,21 @@ def test_a_step_runs_the_oldest_input_and_the_waiting_ones_nearest_its_length(en
         torch.testing.assert_close(torch.tensor(out.embedding), torch.tensor(alone[rid]), atol=1e-5, rtol=0)
 
 
+def test_a_step_takes_at_most_step_tokens_whatever_the_batched_token_limit(encoders):
+    from sluice.engine.encoder_engine import STEP_TOKENS
+
+    llm = LLM(str(encoders("bert")), dtype="float32", device="cpu", max_num_batched_tokens=1 << 20)
+    inputs = [list(range(10, 10 + 40 + i % 8)) for i in range(3 * STEP_TOKENS // 40)]
+    for i, ids in enumerate(inputs):
+        llm.engine.add_request(str(i), ids, PoolingParams())
+    done = []
+    while llm.engine.has_unfinished():
+        before = llm.engine.counters["computed_tokens"]
+        done += llm.engine.step()
+        assert 0 < llm.engine.counters["computed_tokens"] - before <= STEP_TOKENS
+    assert sorted(int(o.request_id) for o in done) == list(range(len(inputs)))
+    assert llm.engine.counters["steps"] >= 3
+
 def test_too_long_inputs_are_refused_by_name_and_the_rest_run(encoders):
     path = sentence_transformers_files(encoders("roberta"), "pooling_mode_cls_token", max_seq_length=20)
     llm = LLM(str(path), dtype="float32", device="cpu")
@@ -244,3 +259,33 @@ def test_dense_modules_project_the_pooled_vector_before_normalizing(encoders):
                                    atol=1e-5, rtol=1e-5)
     with pytest.raises(RequestRejected, match=r"dimensions \(32\) exceeds the model's embedding size \(24\)"):
         llm.engine.add_request("wide", TEXTS[0], PoolingParams(dimensions=32))
+
+
+
+@pytest.mark.parametrize("name", ["gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu"])
+def test_activations_apply_in_place_as_transformers_defines_them(name):
+    from transformers.activations import ACT2FN
+
+    from sluice.engine.models.bert import ACTIVATIONS
+
+    x = torch.randn(5, 7, generator=torch.Generator().manual_seed(0)) * 3
+    y = x.clone()
+    out = ACTIVATIONS[name](y)
+    assert out.data_ptr() == y.data_ptr()
+    torch.testing.assert_close(out, ACT2FN[name](x), atol=1e-5, rtol=1e-5)
+
+
+def test_steps_write_their_activations_into_buffers_kept_from_step_to_step(encoders):
+    path = sentence_transformers_files(encoders("bert"), "pooling_mode_mean_tokens")
+    llm = LLM(str(path), dtype="float32", device="cpu", max_num_batched_tokens=40, max_model_len=48)
+    first = llm.embed(TEXTS, progress=False)
+    buffers = llm.engine.model.workspace.buffers
+    assert set(buffers) == {"qkv", "attn", "sum", "up"}
+    places = {name: buf.data_ptr() for name, buf in buffers.items()}
+    again = llm.embed(TEXTS, progress=False)
+    assert llm.engine.counters["steps"] > 2
+    assert {name: buf.data_ptr() for name, buf in buffers.items()} == places
+    assert [o.embedding for o in again] == [o.embedding for o in first]
+    for out in again:
+        want = torch.nn.functional.normalize(hf_pooled(path, out.prompt_token_ids, "mean"), dim=0)
+        torch.testing.assert_close(torch.tensor(out.embedding), want, atol=1e-5, rtol=1e-5)

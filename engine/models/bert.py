@@ -5,12 +5,14 @@ token type, LayerNorm), post-LN layers (bidirectional attention, GELU MLP) and t
 `...ForSequenceClassification` (BERT: pooler tanh then classifier; RoBERTa and XLM-R: dense, tanh, out_proj on
 the first token). The linears run over the real tokens only; attention runs per sequence, sequences of
 similar length padded into one call with a key mask (`AttentionPlan`), planned once per step and served to
-every layer.
+every layer. A step's large activations go into buffers kept from step to step (`Workspace`): the bias and
+the residual are summed first and each output projection's GEMM adds its product to them, GELU runs in place.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +29,10 @@ ENCODER_ARCHITECTURES = {
     "XLMRobertaModel": ("roberta", None), "XLMRobertaForMaskedLM": ("roberta", None),
     "XLMRobertaForSequenceClassification": ("roberta", "roberta"),
 }
-ACTIVATIONS = {
-    "gelu": F.gelu, "relu": F.relu, "silu": F.silu, "swish": F.silu,
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+ACTIVATIONS = {  # in place, on the up projection's output
+    "gelu": torch.ops.aten.gelu_, "relu": torch.relu_, "silu": partial(F.silu, inplace=True),
+    "swish": partial(F.silu, inplace=True), "gelu_new": partial(torch.ops.aten.gelu_, approximate="tanh"),
+    "gelu_pytorch_tanh": partial(torch.ops.aten.gelu_, approximate="tanh"),
 }
 MAX_PADDING = 0.5  # padded tokens an attention call may add, as a share of its real ones
 
@@ -151,11 +153,12 @@ class AttentionPlan:
         index, valid, slots = (t.to(device) for t in (index, valid, slots))
         return PaddedGroup(start, total, len(lens), width, index, valid, slots)
 
-    def attend(self, qkv: torch.Tensor, num_heads: int, scale: float) -> torch.Tensor:
+    def attend(self, qkv: torch.Tensor, num_heads: int, scale: float,
+               out: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of each token over its own sequence's tokens: qkv [tokens, 3 * hidden] (query, key and
-        value, heads within each) to [tokens, hidden]."""
+        value, heads within each) to [tokens, hidden] (into `out` if given)."""
         hidden = qkv.shape[1] // 3
-        out = qkv.new_empty(qkv.shape[0], hidden)
+        out = qkv.new_empty(qkv.shape[0], hidden) if out is None else out
         for g in self.groups:
             rows = qkv[g.start: g.start + g.num_tokens] if g.index is None else qkv.index_select(0, g.index)
             q, k, v = rows.view(g.size, g.width, 3, num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
@@ -167,6 +170,21 @@ class AttentionPlan:
             else:
                 torch.index_select(o.reshape(g.size * g.width, hidden), 0, g.slots, out=dest)
         return out
+
+
+class Workspace:
+    """The large activations of a step in buffers kept from step to step and shared by the layers, so that
+    each layer writes into memory already mapped rather than freshly allocated (and page-faulted) tensors."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def take(self, name: str, rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
+        """A [rows, cols] tensor of like's dtype and device out of buffer `name`, grown when too small."""
+        buf = self.buffers.get(name)
+        if buf is None or buf.numel() < rows * cols or buf.dtype != like.dtype or buf.device != like.device:
+            buf = self.buffers[name] = like.new_empty(rows * cols)
+        return buf[: rows * cols].view(rows, cols)
 
 
 class EncoderLayer(nn.Module):
@@ -184,10 +202,22 @@ class EncoderLayer(nn.Module):
         self.mlp_norm = nn.LayerNorm(h, eps=c.layer_norm_eps)
         self.act = ACTIVATIONS[c.hidden_act]
 
-    def forward(self, x: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
-        attn = plan.attend(self.qkv_proj(x), self.num_heads, self.head_dim**-0.5)
-        x = self.attn_norm(x + self.o_proj(attn))
-        return self.mlp_norm(x + self.down_proj(self.act(self.up_proj(x))))
+    def forward(self, x: torch.Tensor, plan: AttentionPlan, ws: Workspace) -> torch.Tensor:
+        qkv = _linear(self.qkv_proj, x, ws.take("qkv", len(x), self.qkv_proj.out_features, x))
+        attn = plan.attend(qkv, self.num_heads, self.head_dim**-0.5, ws.take("attn", *x.shape, x))
+        x = self.attn_norm(_residual(self.o_proj, attn, x, ws.take("sum", *x.shape, x)))
+        up = self.act(_linear(self.up_proj, x, ws.take("up", len(x), self.up_proj.out_features, x)))
+        return self.mlp_norm(_residual(self.down_proj, up, x, ws.take("sum", *x.shape, x)))
+
+
+def _linear(linear: nn.Linear, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """linear(x) into out."""
+    return torch.addmm(linear.bias, x, linear.weight.t(), out=out)
+
+
+def _residual(linear: nn.Linear, x: torch.Tensor, residual: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """residual + linear(x) into out: the residual and the bias summed, then the GEMM adds the product."""
+    return torch.add(residual, linear.bias, out=out).addmm_(x, linear.weight.t())
 
 
 class ClassificationHead(nn.Module):
@@ -215,6 +245,7 @@ class EncoderModel(nn.Module):
         self.embed_norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
         self.layers = nn.ModuleList(EncoderLayer(c) for _ in range(c.num_layers))
         self.head = ClassificationHead(c) if c.head else None
+        self.workspace = Workspace()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, token_type_ids: torch.Tensor,
                 plan: AttentionPlan) -> torch.Tensor:
@@ -224,7 +255,7 @@ class EncoderModel(nn.Module):
              + self.token_type_embeddings(token_type_ids))
         x = self.embed_norm(x)
         for layer in self.layers:
-            x = layer(x, plan)
+            x = layer(x, plan, self.workspace)
         return x
 
     def classify(self, first_tokens: torch.Tensor) -> torch.Tensor:
