@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from sluice.engine.multimodal.image_patches import ImagePatcher
 from sluice.engine.multimodal.inputs import ImageItem, MultiModalInputs, mrope_positions
 from sluice.engine.multimodal.vl_config import is_vision_language, text_config_of
 
@@ -50,7 +51,8 @@ def image_salt(hashes: Sequence[str]) -> int:
 
 
 class ImageProcessor:
-    """The checkpoint's preprocessor_config.json through transformers' Qwen2VLImageProcessorPil."""
+    """The checkpoint's preprocessor_config.json through transformers' Qwen2VLImageProcessorPil (its pixels
+    computed by multimodal.image_patches where that serves the settings)."""
 
     def __init__(self, model_path: str | Path) -> None:
         from transformers import Qwen2VLImageProcessorPil
@@ -61,9 +63,12 @@ class ImageProcessor:
                                     f"{model_path}")
         self.processor = Qwen2VLImageProcessorPil(**_processor_kwargs(json.loads(path.read_text())))
         self.merge_size = int(self.processor.merge_size)
+        self.patcher = ImagePatcher(self.processor) if ImagePatcher.serves(self.processor) else None
 
     def __call__(self, image) -> tuple[torch.Tensor, tuple[int, int, int]]:
         """Patches [t*h*w, C*T*P*P] and grid (t, h, w) of one RGB PIL image."""
+        if self.patcher is not None:
+            return self.patcher(image)
         out = self.processor(images=[image], return_tensors="pt")
         grid = tuple(int(v) for v in out["image_grid_thw"][0])
         return out["pixel_values"], grid  # type: ignore[return-value]
