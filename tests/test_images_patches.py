@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import threading
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from PIL import Image
 from transformers import Qwen2VLImageProcessorPil
 
 from sluice.engine.multimodal.image_decode import decode_image
-from sluice.engine.multimodal.image_patches import ImagePatcher
+from sluice.engine.multimodal.image_patches import ImagePatcher, LazyPatches, compute_all
 from sluice.engine.multimodal.processor import ImageProcessor, rgb_image
 
 
@@ -89,3 +90,28 @@ def test_the_colour_key_changes_pixels_as_the_processor_composites_it(processors
     plain = image.copy()
     plain.info.pop("transparency")
     assert not torch.equal(ours(image)[0], ours(plain)[0])  # the keyed colour turns white, as in transformers
+
+
+def test_patches_wait_for_their_first_use_and_are_computed_together_on_a_thread_per_core(tmp_path):
+    Qwen2VLImageProcessorPil(**SETTINGS["qwen2-vl"]).save_pretrained(tmp_path)
+    ours, reference = ImageProcessor(tmp_path), Qwen2VLImageProcessorPil.from_pretrained(tmp_path)
+    images = [noise(40 + 37 * i, 300 - 29 * i, seed=20 + i) for i in range(6)]
+    lazy = [ours.lazy(image) for image in images]
+    grids = reference(images=images)["image_grid_thw"].tolist()
+    assert [grid for _, grid in lazy] == [tuple(g) for g in grids]
+    assert not any(patches.ready for patches, _ in lazy)  # intake needs the grid only
+    threads: set[str] = set()
+
+    def traced(patches: LazyPatches):
+        def compute() -> torch.Tensor:
+            threads.add(threading.current_thread().name)
+            return patches.get()
+        return compute
+
+    wrapped = [LazyPatches(traced(p)) for p, _ in lazy]
+    computed = compute_all(wrapped + wrapped[:1])  # each once, however often listed
+    for image, pixels in zip(images + images[:1], computed, strict=True):
+        assert torch.equal(pixels, reference(images=[image], return_tensors="pt")["pixel_values"])
+    assert all(patches.ready for patches, _ in lazy)
+    assert torch.get_num_threads() == 1 or any(name.startswith("sluice-patches") for name in threads)
+    assert len(threads) <= torch.get_num_threads()

@@ -18,6 +18,7 @@ from torch import nn
 
 from sluice.engine.models.llama import LlamaModel, ModelConfig
 from sluice.engine.multimodal.encoder_cache import EncoderCache
+from sluice.engine.multimodal.image_patches import compute_all
 from sluice.engine.multimodal.inputs import text_positions
 from sluice.kernels.elementwise import rotate_half
 
@@ -170,7 +171,7 @@ class Qwen2VLModel(LlamaModel):
             assert self.visual is not None
             device = self.embed_tokens.weight.device
             items = list(todo.values())
-            pixels = torch.cat([i.pixel_values for i in items]).to(device)
+            pixels = torch.cat(compute_all([i.patches for i in items])).to(device)
             embeds = self.visual(pixels, [i.grid_thw for i in items])
             for item, emb in zip(items, embeds.split([i.length for i in items]), strict=True):
                 found[item.content_hash] = emb

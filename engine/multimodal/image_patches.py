@@ -6,12 +6,21 @@ value is a function of one byte and its channel, so a [channels, 256] table buil
 rescale and normalize gives each value exactly, gathered straight into the patch layout (duplicated over the
 temporal patch). An RGB image with a transparent colour key (which the processor composites onto white) goes
 through the processor.
+
+The grid (and so the prompt's image tokens) follows from the image's size alone, so intake takes it at once
+and leaves the patches to `LazyPatches`: the step that encodes a batch of images computes all their patches
+together, on a thread per core (PIL's resize and numpy's gathers and copies release the GIL).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import torch
+
+_POOL: list[ThreadPoolExecutor] = []  # made on first use, one worker per torch thread
 
 
 class ImagePatcher:
@@ -48,12 +57,21 @@ class ImagePatcher:
 
     def __call__(self, image) -> tuple[torch.Tensor, tuple[int, int, int]]:
         """Patches and grid of one RGB PIL image."""
+        lazy, grid = self.lazy(image)
+        return lazy.get(), grid
+
+    def lazy(self, image) -> tuple[LazyPatches, tuple[int, int, int]]:
+        """Patches (computed when first needed) and grid of one RGB PIL image."""
         if image.info.get("transparency") is not None:
             out = self.processor(images=[image], return_tensors="pt")
-            return out["pixel_values"], tuple(int(v) for v in out["image_grid_thw"][0])  # type: ignore
+            t, h, w = (int(v) for v in out["image_grid_thw"][0])
+            return LazyPatches(value=out["pixel_values"]), (t, h, w)
         h, w = self.resized(image.width, image.height)
-        pixels = np.asarray(image.resize((w, h), resample=self.processor.resample))
-        return self.patches(pixels), (1, h // self.patch, w // self.patch)
+        return LazyPatches(lambda: self.resize_and_cut(image, h, w)), (1, h // self.patch, w // self.patch)
+
+    def resize_and_cut(self, image, height: int, width: int) -> torch.Tensor:
+        """Patches of an RGB PIL image resized to height x width."""
+        return self.patches(np.asarray(image.resize((width, height), resample=self.processor.resample)))
 
     def patches(self, pixels: np.ndarray) -> torch.Tensor:
         """Patches of resized uint8 pixels [H, W, C]: per merge block, per patch, C x T x P x P values (numpy
@@ -77,3 +95,36 @@ def value_table(processor, channels: int = 3) -> np.ndarray:
     if processor.do_normalize:
         values = processor.normalize(values, processor.image_mean, processor.image_std)
     return np.asarray(values, dtype=np.float32).reshape(channels, 256)
+
+
+class LazyPatches:
+    """An image's patches, computed on first use (then kept, and the image let go)."""
+
+    __slots__ = ("_compute", "_value")
+
+    def __init__(self, compute: Callable[[], torch.Tensor] | None = None,
+                 value: torch.Tensor | None = None) -> None:
+        assert (compute is None) != (value is None)
+        self._compute, self._value = compute, value
+
+    def get(self) -> torch.Tensor:
+        """The patches [t*h*w, C*T*P*P]."""
+        if self._value is None:
+            assert self._compute is not None
+            self._value, self._compute = self._compute(), None
+        return self._value
+
+    @property
+    def ready(self) -> bool:
+        """Whether the patches are computed."""
+        return self._value is not None
+
+
+def compute_all(patches: Sequence[LazyPatches]) -> list[torch.Tensor]:
+    """Every image's patches, those not yet computed across a pool of threads (one per torch thread)."""
+    pending = list({id(p): p for p in patches if not p.ready}.values())
+    if len(pending) > 1 and torch.get_num_threads() > 1:
+        if not _POOL:
+            _POOL.append(ThreadPoolExecutor(torch.get_num_threads(), thread_name_prefix="sluice-patches"))
+        list(_POOL[0].map(LazyPatches.get, pending))
+    return [p.get() for p in patches]

@@ -6,16 +6,23 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sluice.engine.multimodal.image_patches import LazyPatches
+
 
 @dataclass(slots=True, frozen=True)
 class ImageItem:
     """One image of a prompt: its patches, (t, h, w) patch grid, content hash and placeholder token span."""
 
     content_hash: str
-    pixel_values: torch.Tensor  # [t * h * w, channels * temporal_patch * patch * patch]
+    patches: LazyPatches  # computed when the image is first encoded
     grid_thw: tuple[int, int, int]
     offset: int  # index in the prompt of the image's first placeholder token
     length: int  # placeholder tokens (t * h * w / merge**2)
+
+    @property
+    def pixel_values(self) -> torch.Tensor:
+        """The image's patches [t * h * w, channels * temporal_patch * patch * patch]."""
+        return self.patches.get()
 
 
 @dataclass(slots=True)
