@@ -36,11 +36,11 @@ class VisionAttention(nn.Module):
                 lengths: list[int]) -> torch.Tensor:
         """x [N, dim] of images laid end to end (`lengths` patches each)."""
         n = x.shape[0]
-        q, k, v = self.qkv(x).reshape(n, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
-        cos, sin = cos[:, None].float(), sin[:, None].float()
-        q = (q.float() * cos + rotate_half(q.float()) * sin).to(v.dtype)
-        k = (k.float() * cos + rotate_half(k.float()) * sin).to(v.dtype)
-        heads_first = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)]  # 4D: torch's fused CPU kernel
+        qkv = self.qkv(x).view(n, 3, self.num_heads, -1)
+        qk = qkv[:, :2].float()  # queries and keys rotated together: HF's arithmetic, half the passes
+        cos, sin = cos[:, None, None].float(), sin[:, None, None].float()
+        q, k = (qk * cos + rotate_half(qk) * sin).to(qkv.dtype).unbind(1)
+        heads_first = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, qkv[:, 2])]  # torch's fused CPU kernel
         outs = [F.scaled_dot_product_attention(qi, ki, vi)[0]
                 for qi, ki, vi in zip(*(t.split(lengths, dim=2) for t in heads_first), strict=True)]
         return self.proj(torch.cat([o.transpose(0, 1) for o in outs]).reshape(n, -1))
@@ -56,7 +56,7 @@ class VisionBlock(nn.Module):
     def forward(self, x, cos, sin, lengths) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cos, sin, lengths)
         h = self.mlp["fc1"](self.norm2(x))
-        return x + self.mlp["fc2"](h * torch.sigmoid(1.702 * h))  # quick_gelu
+        return x + self.mlp["fc2"](h.mul_(torch.mul(h, 1.702).sigmoid_()))  # quick_gelu, in place
 
 
 class PatchMerger(nn.Module):
