@@ -55,11 +55,6 @@ class ImagePatcher:
         return smart_resize(height, width, self.patch * self.merge, self.size.shortest_edge,
                             self.size.longest_edge)
 
-    def __call__(self, image) -> tuple[torch.Tensor, tuple[int, int, int]]:
-        """Patches and grid of one RGB PIL image."""
-        lazy, grid = self.lazy(image)
-        return lazy.get(), grid
-
     def lazy(self, image) -> tuple[LazyPatches, tuple[int, int, int]]:
         """Patches (computed when first needed) and grid of one RGB PIL image."""
         if image.info.get("transparency") is not None:
@@ -98,7 +93,7 @@ def value_table(processor, channels: int = 3) -> np.ndarray:
 
 
 class LazyPatches:
-    """An image's patches, computed on first use (then kept, and the image let go)."""
+    """An image's patches, computed on first use and then kept."""
 
     __slots__ = ("_compute", "_value")
 
@@ -111,7 +106,7 @@ class LazyPatches:
         """The patches [t*h*w, C*T*P*P]."""
         if self._value is None:
             assert self._compute is not None
-            self._value, self._compute = self._compute(), None
+            self._value = self._compute()
         return self._value
 
     @property
