@@ -224,3 +224,24 @@ def test_intake_leaves_the_patches_to_the_step_that_encodes_the_image(llm, qwen2
         outs += llm.engine.step()
     assert item.patches.ready
     assert [o.token_ids for o in outs] == hf_greedy(qwen2_vl, hf_model, llm, [req])
+
+
+def test_step_positions_follow_each_requests_own(llm):
+    from types import SimpleNamespace
+
+    from sluice.engine.multimodal.inputs import step_positions
+
+    images = [noise_image(112, 84, 13), noise_image(56, 140, 14)]
+    req = {"prompt": prompt("compare", 2), "multi_modal_data": {"image": images}}
+    _, mm = llm.engine.intake._multimodal(req)
+    n = mm.mrope_positions.shape[1]
+    assert mm.mrope_delta != 0
+    reqs = [SimpleNamespace(num_computed_tokens=5, mm_inputs=mm),  # a chunk inside the prompt
+            SimpleNamespace(num_computed_tokens=7),  # text only
+            SimpleNamespace(num_computed_tokens=n - 3, mm_inputs=mm),  # the prompt's end and past it
+            SimpleNamespace(num_computed_tokens=n + 4, mm_inputs=mm)]  # decode
+    counts = [20, 3, 6, 1]
+    expected = torch.cat([mm.positions(5, 25), torch.arange(7, 10).expand(3, -1), mm.positions(n - 3, n + 3),
+                          torch.full((3, 1), n + 4 + mm.mrope_delta)], 1)
+    assert torch.equal(step_positions(reqs, counts), expected)
+    assert torch.equal(step_positions(reqs[1:2] + reqs[3:], [3, 1]), expected[:, [20, 21, 22, 29]])

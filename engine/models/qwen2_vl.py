@@ -19,7 +19,7 @@ from torch import nn
 from sluice.engine.models.llama import LlamaModel, ModelConfig
 from sluice.engine.multimodal.encoder_cache import EncoderCache
 from sluice.engine.multimodal.image_patches import compute_all
-from sluice.engine.multimodal.inputs import text_positions
+from sluice.engine.multimodal.inputs import step_positions
 from sluice.kernels.elementwise import rotate_half
 
 
@@ -148,19 +148,19 @@ class Qwen2VLModel(LlamaModel):
 
     def prepare_step(self, batch) -> None:
         """Positions and image embeddings of the batch the next forward runs (the runner's flat order)."""
-        pieces, rows, chunks, offset = [], [], [], 0
+        rows, chunks, offset = [], [], 0
         need = self._encode_missing(batch)
         for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):
             start, mm = req.num_computed_tokens, getattr(req, "mm_inputs", None)
-            pieces.append(text_positions(start, start + n) if mm is None else mm.positions(start, start + n))
             for item in mm.items if mm is not None else ():
                 lo, hi = max(start, item.offset), min(start + n, item.offset + item.length)
                 if lo < hi:
-                    rows.append(torch.arange(lo, hi) - start + offset)
+                    rows.append(torch.arange(lo - start + offset, hi - start + offset))
                     chunks.append(need[item.content_hash][lo - item.offset:hi - item.offset])
             offset += n
         device = self.embed_tokens.weight.device
-        self._step = StepInputs(torch.cat(pieces, 1).to(device), torch.cat(rows).to(device) if rows else None,
+        positions = step_positions(batch.requests, batch.num_new_tokens).to(device)
+        self._step = StepInputs(positions, torch.cat(rows).to(device) if rows else None,
                                 torch.cat(chunks) if chunks else None)
 
     def _encode_missing(self, batch) -> dict[str, torch.Tensor]:

@@ -50,9 +50,24 @@ class MultiModalInputs:
         return torch.cat([head, tail.expand(3, -1)], 1)
 
 
-def text_positions(start: int, stop: int) -> torch.Tensor:
-    """M-RoPE positions of a text-only request's tokens [start, stop): the index on all three axes."""
-    return torch.arange(start, stop).expand(3, -1)
+def step_positions(requests, num_new_tokens: list[int]) -> torch.Tensor:
+    """M-RoPE positions [3, T] of a step's new tokens, requests in the flat batch's order: one tensor of the
+    1D positions (text-only requests, and images' requests past their prompts, as in decode), the spans of
+    prompts with images then overwritten with their own."""
+    linear: list[int] = []
+    spans: list[tuple[int, torch.Tensor]] = []
+    for req, n in zip(requests, num_new_tokens, strict=True):
+        start, mm = req.num_computed_tokens, getattr(req, "mm_inputs", None)
+        shift = 0 if mm is None else mm.mrope_delta
+        if mm is not None and start < mm.mrope_positions.shape[1]:
+            spans.append((len(linear), mm.positions(start, start + n)))
+        linear.extend(range(start + shift, start + n + shift))
+    positions = torch.tensor(linear, dtype=torch.long).expand(3, -1)
+    if spans:
+        positions = positions.clone()
+        for at, span in spans:
+            positions[:, at:at + span.shape[1]] = span
+    return positions
 
 
 def mrope_positions(ids: list[int], items: list[ImageItem], merge: int) -> tuple[torch.Tensor, int]:
