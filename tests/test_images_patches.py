@@ -92,26 +92,25 @@ def test_the_colour_key_changes_pixels_as_the_processor_composites_it(processors
     assert not torch.equal(ours(image)[0], ours(plain)[0])  # the keyed colour turns white, as in transformers
 
 
-def test_patches_wait_for_their_first_use_and_are_computed_together_on_a_thread_per_core(tmp_path):
+def test_a_steps_patches_are_written_into_one_buffer_on_a_thread_per_core(tmp_path):
     Qwen2VLImageProcessorPil(**SETTINGS["qwen2-vl"]).save_pretrained(tmp_path)
     ours, reference = ImageProcessor(tmp_path), Qwen2VLImageProcessorPil.from_pretrained(tmp_path)
     images = [noise(40 + 37 * i, 300 - 29 * i, seed=20 + i) for i in range(6)]
     lazy = [ours.lazy(image) for image in images]
-    grids = reference(images=images)["image_grid_thw"].tolist()
-    assert [grid for _, grid in lazy] == [tuple(g) for g in grids]
-    assert not any(patches.ready for patches, _ in lazy)  # intake needs the grid only
+    expected = reference(images=images, return_tensors="pt")
+    assert [grid for _, grid in lazy] == [tuple(g) for g in expected["image_grid_thw"].tolist()]
     threads: set[str] = set()
 
     def traced(patches: LazyPatches):
-        def compute() -> torch.Tensor:
+        def fill(out: torch.Tensor) -> None:
             threads.add(threading.current_thread().name)
-            return patches.get()
-        return compute
+            patches.fill(out)
+        return fill
 
-    wrapped = [LazyPatches(traced(p)) for p, _ in lazy]
-    computed = compute_all(wrapped + wrapped[:1])  # each once, however often listed
-    for image, pixels in zip(images + images[:1], computed, strict=True):
-        assert torch.equal(pixels, reference(images=[image], return_tensors="pt")["pixel_values"])
-    assert all(patches.ready for patches, _ in lazy)
+    pixels = compute_all([LazyPatches(p.rows, p.dim, traced(p)) for p, _ in lazy])
+    assert torch.equal(pixels, expected["pixel_values"])
     assert torch.get_num_threads() == 1 or any(name.startswith("sluice-patches") for name in threads)
     assert len(threads) <= torch.get_num_threads()
+    keyed, _ = ours.lazy(IMAGES["rgb with a colour key"])  # computed by the processor at once, then copied
+    first = reference(images=images[:1], return_tensors="pt")["pixel_values"]
+    assert torch.equal(compute_all([keyed, lazy[0][0]]), torch.cat([keyed.get(), first]))

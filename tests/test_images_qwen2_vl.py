@@ -214,15 +214,19 @@ def test_chat_with_image_parts_is_generate_with_multi_modal_data(llm):
         llm.chat(bad, GREEDY, progress=False, image_loader=lambda url: load_image(url, ImageSettings()).image)
 
 
-def test_intake_leaves_the_patches_to_the_step_that_encodes_the_image(llm, qwen2_vl, hf_model):
+def test_intake_leaves_the_patches_to_the_step_that_encodes_the_image(llm, qwen2_vl, hf_model, monkeypatch):
+    from sluice.engine.multimodal.image_patches import ImagePatcher
+
+    calls, real = [], ImagePatcher.resize_and_cut
+    monkeypatch.setattr(ImagePatcher, "resize_and_cut", lambda self, *args: calls.append(args[1:3])
+                        or real(self, *args))
     req = {"prompt": prompt("describe", 1), "multi_modal_data": {"image": noise_image(150, 50, 12)}}
     llm.engine.add_request("lazy-patches", req, GREEDY)
-    item = llm.engine.requests["lazy-patches"].mm_inputs.items[0]
-    assert not item.patches.ready  # the prompt's image tokens follow from the image's size alone
+    assert calls == []  # the prompt's image tokens follow from the image's size alone
     outs = []
     while llm.engine.has_unfinished():
         outs += llm.engine.step()
-    assert item.patches.ready
+    assert len(calls) == 1  # once, when the step encodes the image
     assert [o.token_ids for o in outs] == hf_greedy(qwen2_vl, hf_model, llm, [req])
 
 

@@ -171,7 +171,7 @@ class Qwen2VLModel(LlamaModel):
             assert self.visual is not None
             device = self.embed_tokens.weight.device
             items = list(todo.values())
-            pixels = torch.cat(compute_all([i.patches for i in items])).to(device)
+            pixels = compute_all([i.patches for i in items]).to(device)
             embeds = self.visual(pixels, [i.grid_thw for i in items])
             for item, emb in zip(items, embeds.split([i.length for i in items]), strict=True):
                 found[item.content_hash] = emb

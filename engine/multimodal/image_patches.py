@@ -8,14 +8,16 @@ temporal patch). An RGB image with a transparent colour key (which the processor
 through the processor.
 
 The grid (and so the prompt's image tokens) follows from the image's size alone, so intake takes it at once
-and leaves the patches to `LazyPatches`: the step that encodes a batch of images computes all their patches
-together, on a thread per core (PIL's resize and numpy's gathers and copies release the GIL).
+and leaves the patches to `LazyPatches`: the step that encodes a batch of images writes all their patches
+into its pixel buffer together, on a thread per core (PIL's resize and numpy's gathers and copies release the
+GIL).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import numpy as np
 import torch
@@ -56,29 +58,32 @@ class ImagePatcher:
                             self.size.longest_edge)
 
     def lazy(self, image) -> tuple[LazyPatches, tuple[int, int, int]]:
-        """Patches (computed when first needed) and grid of one RGB PIL image."""
+        """Patches (computed when needed) and grid of one RGB PIL image."""
         if image.info.get("transparency") is not None:
             out = self.processor(images=[image], return_tensors="pt")
             t, h, w = (int(v) for v in out["image_grid_thw"][0])
-            return LazyPatches(value=out["pixel_values"]), (t, h, w)
+            return LazyPatches(*out["pixel_values"].shape, value=out["pixel_values"]), (t, h, w)
         h, w = self.resized(image.width, image.height)
-        return LazyPatches(lambda: self.resize_and_cut(image, h, w)), (1, h // self.patch, w // self.patch)
+        grid = (1, h // self.patch, w // self.patch)
+        fill = partial(self.resize_and_cut, image, h, w)
+        return LazyPatches(grid[1] * grid[2], 3 * self.temporal * self.patch**2, fill), grid
 
-    def resize_and_cut(self, image, height: int, width: int) -> torch.Tensor:
-        """Patches of an RGB PIL image resized to height x width."""
-        return self.patches(np.asarray(image.resize((width, height), resample=self.processor.resample)))
+    def resize_and_cut(self, image, height: int, width: int, out: torch.Tensor) -> None:
+        """Write into out the patches of an RGB PIL image resized to height x width."""
+        pixels = np.asarray(image.resize((width, height), resample=self.processor.resample))
+        self.patches(pixels, out.numpy())
 
-    def patches(self, pixels: np.ndarray) -> torch.Tensor:
-        """Patches of resized uint8 pixels [H, W, C]: per merge block, per patch, C x T x P x P values (numpy
-        throughout: single-threaded copies of this size beat torch's)."""
+    def patches(self, pixels: np.ndarray, out: np.ndarray) -> None:
+        """Write into out [n, C*T*P*P] the patches of resized uint8 pixels [H, W, C]: per merge block, per
+        patch, C x T x P x P values (numpy throughout: single-threaded copies of this size beat torch's)."""
         p, m = self.patch, self.merge
         height, width, channels = pixels.shape
         n = (height // p) * (width // p)
         grid = (height // p // m, m, p, width // p // m, m, p, channels)
         blocks = pixels.reshape(grid).transpose(0, 3, 1, 4, 6, 2, 5).reshape(n, channels, 1, p, p)
         index = blocks.astype(np.intp) + self.offsets[:channels]
-        values = np.broadcast_to(self.table.take(index), (n, channels, self.temporal, p, p))
-        return torch.from_numpy(values.reshape(n, -1))
+        dest = out.reshape(n, channels, self.temporal, p, p)
+        np.copyto(dest, self.table.take(index))  # broadcast over the temporal patch
 
 
 def value_table(processor, channels: int = 3) -> np.ndarray:
@@ -93,33 +98,40 @@ def value_table(processor, channels: int = 3) -> np.ndarray:
 
 
 class LazyPatches:
-    """An image's patches, computed on first use and then kept."""
+    """An image's patches [rows, dim], computed each time they are needed, into the pixel buffer of the step
+    that encodes the image; only the image is kept (a fraction of its patches' size)."""
 
-    __slots__ = ("_compute", "_value")
+    __slots__ = ("rows", "dim", "_fill", "_value")
 
-    def __init__(self, compute: Callable[[], torch.Tensor] | None = None,
+    def __init__(self, rows: int, dim: int, fill: Callable[[torch.Tensor], None] | None = None,
                  value: torch.Tensor | None = None) -> None:
-        assert (compute is None) != (value is None)
-        self._compute, self._value = compute, value
+        assert (fill is None) != (value is None)
+        self.rows, self.dim, self._fill, self._value = rows, dim, fill, value
+
+    def fill(self, out: torch.Tensor) -> None:
+        """Write the patches into out [rows, dim]."""
+        if self._fill is None:
+            out.copy_(self._value)
+        else:
+            self._fill(out)
 
     def get(self) -> torch.Tensor:
         """The patches [t*h*w, C*T*P*P]."""
-        if self._value is None:
-            assert self._compute is not None
-            self._value = self._compute()
-        return self._value
-
-    @property
-    def ready(self) -> bool:
-        """Whether the patches are computed."""
-        return self._value is not None
+        out = torch.empty(self.rows, self.dim)
+        self.fill(out)
+        return out
 
 
-def compute_all(patches: Sequence[LazyPatches]) -> list[torch.Tensor]:
-    """Every image's patches, those not yet computed across a pool of threads (one per torch thread)."""
-    pending = list({id(p): p for p in patches if not p.ready}.values())
-    if len(pending) > 1 and torch.get_num_threads() > 1:
+def compute_all(patches: Sequence[LazyPatches]) -> torch.Tensor:
+    """Every image's patches, laid end to end in one new tensor; written across a pool of threads (one per
+    torch thread)."""
+    out = torch.empty(sum(p.rows for p in patches), patches[0].dim if patches else 0)
+    jobs = list(zip(patches, out.split([p.rows for p in patches]), strict=True))
+    if len(jobs) > 1 and torch.get_num_threads() > 1:
         if not _POOL:
             _POOL.append(ThreadPoolExecutor(torch.get_num_threads(), thread_name_prefix="sluice-patches"))
-        list(_POOL[0].map(LazyPatches.get, pending))
-    return [p.get() for p in patches]
+        list(_POOL[0].map(lambda job: job[0].fill(job[1]), jobs))
+    else:
+        for p, rows in jobs:
+            p.fill(rows)
+    return out

@@ -14,7 +14,7 @@ class ImageItem:
     """One image of a prompt: its patches, (t, h, w) patch grid, content hash and placeholder token span."""
 
     content_hash: str
-    patches: LazyPatches  # computed when the image is first encoded
+    patches: LazyPatches  # computed when the image is encoded
     grid_thw: tuple[int, int, int]
     offset: int  # index in the prompt of the image's first placeholder token
     length: int  # placeholder tokens (t * h * w / merge**2)

@@ -71,12 +71,12 @@ class ImageProcessor:
         return patches.get(), grid
 
     def lazy(self, image) -> tuple[LazyPatches, tuple[int, int, int]]:
-        """Patches (computed when first needed, where the fast path serves) and grid of one RGB PIL image."""
+        """Patches (computed when needed, where the fast path serves) and grid of one RGB PIL image."""
         if self.patcher is not None:
             return self.patcher.lazy(image)
         out = self.processor(images=[image], return_tensors="pt")
         t, h, w = (int(v) for v in out["image_grid_thw"][0])
-        return LazyPatches(value=out["pixel_values"]), (t, h, w)
+        return LazyPatches(*out["pixel_values"].shape, value=out["pixel_values"]), (t, h, w)
 
 
 def _processor_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -96,8 +96,8 @@ class MultiModalProcessor:
         self._patches: OrderedDict[str, tuple[LazyPatches, tuple[int, int, int]]] = OrderedDict()
 
     def patches(self, image, key: str) -> tuple[LazyPatches, tuple[int, int, int]]:
-        """Patches (computed when first needed) and grid of an image by content hash: an image seen among the
-        last PATCH_CACHE_SIZE is not preprocessed again."""
+        """Patches (computed when needed) and grid of an image by content hash: an image seen among the last
+        PATCH_CACHE_SIZE is not taken again."""
         found = self._patches.get(key)
         if found is None:
             found = self._patches[key] = self.images.lazy(image)
