@@ -248,4 +248,4 @@ def test_step_positions_follow_each_requests_own(llm):
     expected = torch.cat([mm.positions(5, 25), torch.arange(7, 10).expand(3, -1), mm.positions(n - 3, n + 3),
                           torch.full((3, 1), n + 4 + mm.mrope_delta)], 1)
     assert torch.equal(step_positions(reqs, counts), expected)
-    assert torch.equal(step_positions(reqs[1:2] + reqs[3:], [3, 1]), expected[:, [20, 21, 22, 29]])
+    assert torch.equal(step_positions(reqs[1:2] + reqs[3:], [3, 1]), expected[0, [20, 21, 22, 29]])  # 1D

@@ -122,7 +122,8 @@ class VisionTransformer(nn.Module):
 
 @dataclass(slots=True)
 class StepInputs:
-    """What `prepare_step` found for the next forward: M-RoPE positions [3, T], image rows, embeddings."""
+    """What `prepare_step` found for the next forward: M-RoPE positions ([3, T], or [T] where the axes agree),
+    image rows, embeddings."""
 
     positions: torch.Tensor
     rows: torch.Tensor | None
@@ -180,10 +181,14 @@ class Qwen2VLModel(LlamaModel):
 
     def _mrope_cos_sin(self, positions: torch.Tensor,
                        dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, 1, head_dim]: frequency section i of the rotary dims takes axis i % 3's positions."""
+        """cos, sin [T, 1, head_dim]: frequency section i of the rotary dims takes axis i % 3's positions (1D
+        positions [T], every axis the same: the table's own rows, both halves being the same frequencies)."""
+        if positions.dim() == 1:
+            return self.rope.cos_sin(positions, dtype)
         out = []
         for table in (self.rope.cos, self.rope.sin):
-            half = table[positions][..., : table.shape[-1] // 2]  # [3, T, D/2]
+            rows = table.index_select(0, positions.flatten()).view(*positions.shape, -1)  # [3, T, D]
+            half = rows[..., : table.shape[-1] // 2]
             mixed = torch.cat([s[i % 3] for i, s in enumerate(half.split(self.mrope_section, -1))], -1)
             out.append(torch.cat([mixed, mixed], -1).to(dtype)[:, None, :])
         return out[0], out[1]
@@ -194,7 +199,7 @@ class Qwen2VLModel(LlamaModel):
         step, self._step = self._step, None
         x = self.embed_tokens(input_ids)
         if step is None:  # a text-only call outside the runner: 1D positions on all three axes
-            step = StepInputs(positions.expand(3, -1), None, None)
+            step = StepInputs(positions, None, None)
         if step.rows is not None:
             x = x.index_copy(0, step.rows, step.embeds.to(x.dtype))
         cos_sin = self._mrope_cos_sin(step.positions, x.dtype)

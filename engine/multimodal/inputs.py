@@ -51,9 +51,9 @@ class MultiModalInputs:
 
 
 def step_positions(requests, num_new_tokens: list[int]) -> torch.Tensor:
-    """M-RoPE positions [3, T] of a step's new tokens, requests in the flat batch's order: one tensor of the
-    1D positions (text-only requests, and images' requests past their prompts, as in decode), the spans of
-    prompts with images then overwritten with their own."""
+    """M-RoPE positions of a step's new tokens, requests in the flat batch's order: [T] where every token's
+    three axes agree (text-only requests, and images' requests past their prompts, as in decode), else
+    [3, T], the 1D positions with the spans of prompts with images written over."""
     linear: list[int] = []
     spans: list[tuple[int, torch.Tensor]] = []
     for req, n in zip(requests, num_new_tokens, strict=True):
@@ -62,9 +62,9 @@ def step_positions(requests, num_new_tokens: list[int]) -> torch.Tensor:
         if mm is not None and start < mm.mrope_positions.shape[1]:
             spans.append((len(linear), mm.positions(start, start + n)))
         linear.extend(range(start + shift, start + n + shift))
-    positions = torch.tensor(linear, dtype=torch.long).expand(3, -1)
+    positions = torch.tensor(linear, dtype=torch.long)
     if spans:
-        positions = positions.clone()
+        positions = positions.repeat(3, 1)
         for at, span in spans:
             positions[:, at:at + span.shape[1]] = span
     return positions
