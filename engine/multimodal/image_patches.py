@@ -130,7 +130,13 @@ def compute_all(patches: Sequence[LazyPatches]) -> torch.Tensor:
     if len(jobs) > 1 and torch.get_num_threads() > 1:
         if not _POOL:
             _POOL.append(ThreadPoolExecutor(torch.get_num_threads(), thread_name_prefix="sluice-patches"))
-        list(_POOL[0].map(lambda job: job[0].fill(job[1]), jobs))
+        inference = torch.is_inference_mode_enabled()  # thread-local: the workers take the caller's
+
+        def fill(job: tuple[LazyPatches, torch.Tensor]) -> None:
+            with torch.inference_mode(inference):
+                job[0].fill(job[1])
+
+        list(_POOL[0].map(fill, jobs))
     else:
         for p, rows in jobs:
             p.fill(rows)
