@@ -249,3 +249,11 @@ def test_step_positions_follow_each_requests_own(llm):
                           torch.full((3, 1), n + 4 + mm.mrope_delta)], 1)
     assert torch.equal(step_positions(reqs, counts), expected)
     assert torch.equal(step_positions(reqs[1:2] + reqs[3:], [3, 1]), expected[0, [20, 21, 22, 29]])  # 1D
+
+
+def test_an_image_the_processor_prepares_encodes_with_others_in_one_step(llm, qwen2_vl, hf_model):
+    keyed = noise_image(70, 98, 15)
+    keyed.info["transparency"] = keyed.getpixel((0, 0))  # a PNG colour key: transformers' own processor
+    reqs = [{"prompt": prompt("compare", 2), "multi_modal_data": {"image": [keyed, noise_image(84, 56, 16)]}}]
+    assert [o.token_ids for o in llm.generate(reqs, GREEDY, progress=False)] == hf_greedy(qwen2_vl, hf_model,
+                                                                                          llm, reqs)
