@@ -1,4 +1,5 @@
-"""Write examples/prompts.jsonl: 300 deterministic OpenAI-batch requests for the bundled model.
+"""Write examples/prompts.jsonl and examples/chats.jsonl: 300 deterministic OpenAI-batch requests for the
+bundled model, completions and chats in a file each (a batch's lines all name one url).
 
 Usage: python examples/make_prompts.py
 """
@@ -92,20 +93,23 @@ def chat(i: int, persona: str, question: str) -> dict:
     return {"custom_id": f"req-{i:04d}", "method": "POST", "url": "/v1/chat/completions", "body": body}
 
 
-def lines() -> list[dict]:
-    """Scene openings as completions, then short conversations through the chat template."""
+def files() -> dict[str, list[dict]]:
+    """Scene openings as completions (prompts.jsonl), short conversations through the chat template
+    (chats.jsonl)."""
     rng = random.Random(7)
     prompts = [f"{s}\n{o}" for s in SPEAKERS for o in OPENINGS]
     rng.shuffle(prompts)
-    out = [completion(i + 1, p) for i, p in enumerate(prompts[:NUM_COMPLETIONS])]
+    completions = [completion(i + 1, p) for i, p in enumerate(prompts[:NUM_COMPLETIONS])]
     pairs = [(p, q) for p in PERSONAS for q in QUESTIONS][:NUM_CHATS]
-    return out + [chat(NUM_COMPLETIONS + i + 1, p, q) for i, (p, q) in enumerate(pairs)]
+    chats = [chat(NUM_COMPLETIONS + i + 1, p, q) for i, (p, q) in enumerate(pairs)]
+    return {"prompts.jsonl": completions, "chats.jsonl": chats}
 
 
 def main() -> None:
-    path = Path(__file__).parent / "prompts.jsonl"
-    path.write_text("".join(json.dumps(line) + "\n" for line in lines()))
-    print(f"wrote {path}")
+    for name, lines in files().items():
+        path = Path(__file__).parent / name
+        path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

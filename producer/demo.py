@@ -1,8 +1,10 @@
-"""`make demo`: a local Redis, one worker on the bundled model, examples/prompts.jsonl through the pipeline.
+"""`make demo`: a local Redis, one worker on the bundled model, examples/prompts.jsonl (completions) and
+examples/chats.jsonl through the pipeline.
 
-Starts a `redis-server` on a free port unless one answers at SLUICE_REDIS_URL, submits the example batch
-with output under ./results/, starts a burst worker, shows progress, prints a few completions and a
-summary, and stops everything it started (on success, errors and Ctrl-C alike).
+Starts a `redis-server` on a free port unless one answers at SLUICE_REDIS_URL, submits the example batches
+(one per file: a batch's lines all name one url) with output under ./results/, starts a burst worker, shows
+progress, prints a few completions and a summary, and stops everything it started (on success, errors and
+Ctrl-C alike).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from sluice.contract.settings import get_settings
 from sluice.producer.client import Client
 
 ROOT = Path(__file__).resolve().parent.parent
-PROMPTS = ROOT / "examples" / "prompts.jsonl"
+INPUTS = [ROOT / "examples" / "prompts.jsonl", ROOT / "examples" / "chats.jsonl"]
 TIMEOUT_S = 1800
 # the worker's line once its model is loaded, its C++ kernels built or loaded and one step warmed
 # (worker.metrics)
@@ -165,26 +167,27 @@ def generation_seconds(wall: float, worker_offset: float, ready: float | None) -
     return wall - worker_offset - (ready or 0.0)
 
 
-def summary(batch: Batch, records: list[OutputRecord], wall: float, worker_offset: float,
+def summary(batches: list[Batch], records: list[OutputRecord], wall: float, worker_offset: float,
             ready: float | None) -> None:
     """The table after the run: counts, tokens/s with and without the worker's start, wall time, output."""
     tokens = sum(r.response.body["usage"]["completion_tokens"] for r in records if r.response)
     serving = generation_seconds(wall, worker_offset, ready)
+    counts = [b.request_counts for b in batches]
     table = Table(title="Summary", show_header=False)
     for key, value in [
-        ("batch", batch.id),
-        ("status", batch.status.value),
+        ("batches", ", ".join(b.id for b in batches)),
+        ("status", ", ".join(b.status.value for b in batches)),
         (
             "requests",
-            f"{batch.request_counts.total} ({batch.request_counts.completed} completed, "
-            f"{batch.request_counts.failed} failed)",
+            f"{sum(c.total for c in counts)} ({sum(c.completed for c in counts)} completed, "
+            f"{sum(c.failed for c in counts)} failed)",
         ),
         ("completion tokens", str(tokens)),
         ("worker start (load, kernels, warm-up)", "-" if ready is None else f"{ready:.1f} s"),
-        ("tokens/s (worker ready to batch done)", f"{tokens / serving:.1f}" if serving > 0 else "-"),
+        ("tokens/s (worker ready to batches done)", f"{tokens / serving:.1f}" if serving > 0 else "-"),
         ("tokens/s (end to end, start included)", f"{tokens / wall:.1f}"),
         ("wall time", f"{wall:.1f} s"),
-        ("output", batch.output_file or "-"),
+        ("output", "\n".join(b.output_file or "-" for b in batches)),
     ]:
         table.add_row(key, value)
     console.print(table)
@@ -193,7 +196,7 @@ def summary(batch: Batch, records: list[OutputRecord], wall: float, worker_offse
 def prompt_texts() -> dict[str, str]:
     """custom_id -> the prompt as shown in the table (chat turns flattened)."""
     out = {}
-    for line in PROMPTS.read_text().splitlines():
+    for line in [line for path in INPUTS for line in path.read_text().splitlines()]:
         req = json.loads(line)
         body = req["body"]
         prompt = body.get("prompt") or " ".join(
@@ -201,6 +204,16 @@ def prompt_texts() -> dict[str, str]:
         )
         out[req["custom_id"]] = prompt.replace("\n", " ")
     return out
+
+
+def submit(client: Client, path: Path, results: Path) -> Batch:
+    """One example file as a batch (its lines all name one url); exits if it fails validation."""
+    batch = client.submit_batch(input=str(path), output=results.as_uri(), metadata={"source": "demo"})
+    if batch.status == BatchStatus.failed:
+        raise SystemExit(f"batch of {path.name} failed validation: {batch.errors}")
+    total = batch.request_counts.total
+    console.print(f"submitted {total} requests of {path.name} as batch [bold]{batch.id}[/]")
+    return batch
 
 
 def main() -> int:
@@ -212,19 +225,17 @@ def main() -> int:
     with local_redis(settings.redis_url) as url:
         client = Client(url, settings.model_copy(update={"output_roots": roots}))
         start = time.monotonic()
-        batch = client.submit_batch(input=str(PROMPTS), output=results.as_uri(), metadata={"source": "demo"})
-        if batch.status == BatchStatus.failed:
-            raise SystemExit(f"batch failed validation: {batch.errors}")
-        console.print(f"submitted {batch.request_counts.total} requests as batch [bold]{batch.id}[/]")
+        batches = [submit(client, path, results) for path in INPUTS]
         log = results / "demo-worker.log"
         worker_offset = time.monotonic() - start
         with worker_process(url, log, roots, settings.demo_model) as proc:
-            batch = wait(client, batch, proc, log)
+            batches = [wait(client, batch, proc, log) for batch in batches]
         wall = time.monotonic() - start
-        records = list(client.results(batch.id))
+        records = [r for batch in batches for r in client.results(batch.id)]
     show(records, prompt_texts())
-    summary(batch, records, wall, worker_offset, ready_seconds(log))
-    return 0 if batch.status == BatchStatus.completed and len(records) == batch.request_counts.total else 1
+    summary(batches, records, wall, worker_offset, ready_seconds(log))
+    completed = all(b.status == BatchStatus.completed for b in batches)
+    return 0 if completed and len(records) == sum(b.request_counts.total for b in batches) else 1
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Up-front validation of batch input, as OpenAI's: the file is refused as a whole only when it is unusable
-(not JSONL, a line missing `custom_id`/`method`/`url`/`body`, duplicate custom_ids, size and line limits; the
-server also refuses a file whose urls are not the batch's endpoint); a body's bad parameter is that line's own
-400 record, carried with the line, and the other lines run."""
+(not JSONL, a line missing `custom_id`/`method`/`url`/`body`, duplicate custom_ids, lines whose urls differ,
+size and line limits; the server also refuses a file whose url is not the batch's endpoint); a body's bad
+parameter is that line's own 400 record, carried with the line, and the other lines run."""
 
 from __future__ import annotations
 
@@ -117,7 +117,7 @@ def validate_lines(
     """Check every line once, as it streams by: requests go `into` a sink (default: kept), errors listed
     (nothing is silently dropped). A line whose custom_id has a record in `answered` (a resumed batch's
     finished line) carries that record instead of running again."""
-    out, seen = Validated(requests=Requests() if into is None else into), {}
+    out, seen, first_url = Validated(requests=Requests() if into is None else into), {}, _FirstUrl()
     total_bytes = 0
     for number, raw in enumerate(lines, start=1):
         total_bytes += len(raw) + 1
@@ -132,7 +132,8 @@ def validate_lines(
             out.add_error(_limit_error("too_many_lines", number, f"more than {settings.max_lines} requests"))
             break
         request = _check_line(raw, number, settings, out)
-        if request is None or not _first_use(request.custom_id, number, seen, out):
+        if (request is None or not _first_use(request.custom_id, number, seen, out)
+                or not first_url.matches(request.url, number, out)):
             continue
         if answered and request.custom_id in answered:
             request = BatchRequest.answered(request.url, answered[request.custom_id])
@@ -155,6 +156,27 @@ def _first_use(custom_id: str, number: int, seen: dict[str, int], out: Validated
     message = f"line {number}: custom_id {custom_id!r} already used on line {seen[custom_id]}"
     out.add_error(LineError(code="duplicate_custom_id", line=number, param="custom_id", message=message))
     return False
+
+
+@dataclass
+class _FirstUrl:
+    """The url of the file's first request line, which every later line must name too."""
+
+    url: str | None = None
+    line: int = 0
+
+    def matches(self, url: str, number: int, out: Validated) -> bool:
+        """True for the first url and lines repeating it; else False, with an invalid_url error."""
+        if self.url is None:
+            self.url, self.line = url, number
+        if url == self.url:
+            return True
+        message = (
+            f"line {number}: url {url!r} differs from {self.url!r} of line {self.line}; a batch's lines all "
+            "target one endpoint: split the file by url, one batch per url"
+        )
+        out.add_error(LineError(code="invalid_url", line=number, param="url", message=message))
+        return False
 
 
 def _limit_error(code: str, line: int, what: str) -> LineError:

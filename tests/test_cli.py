@@ -51,6 +51,21 @@ def test_invalid_file_exits_2_with_line_errors(redis_url, tmp_path):
     assert "failed" in out.output and "line 2" in out.output and "invalid_request" in out.output
 
 
+def test_a_file_mixing_urls_exits_2_naming_the_line_and_both_urls(redis_url, tmp_path):
+    path = tmp_path / "mixed.jsonl"
+    chat = {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": "hi"}]}}
+    write_batch(path, 2)
+    path.write_text(path.read_text() + json.dumps(chat) + "\n")
+    out = runner.invoke(app, ["submit", str(path), "--json"])
+    assert out.exit_code == 2, out.output
+    batch = json.loads(out.output)
+    assert batch["status"] == "failed" and batch["request_counts"]["total"] == 3
+    [error] = batch["errors"]
+    assert (error["line"], error["code"], error["param"]) == (3, "invalid_url", "url")
+    assert "'/v1/chat/completions'" in error["message"] and "'/v1/completions' of line 1" in error["message"]
+
+
 def test_unknown_batch_and_missing_file_fail_clearly(redis_url, tmp_path):
     missing = runner.invoke(app, ["status", "batch_nope"])
     assert missing.exit_code == 1 and "no such batch" in missing.output

@@ -175,18 +175,20 @@ def tiny():
     return LLM(str(TINY), dtype="float32", device="cpu", max_num_seqs=16)
 
 
-def test_embeddings_through_client_and_worker_with_generation_in_the_batch(tiny, redis_url, tmp_path):
+def test_embeddings_through_client_and_worker_beside_a_generation_batch(tiny, redis_url, tmp_path):
     client = Client(redis_url)
     completion = {"custom_id": "gen", "method": "POST", "url": "/v1/completions",
                   "body": {"prompt": "KING HENRY:", "max_tokens": 4, "temperature": 0}}
     ids = tiny.tokenizer.encode(TEXTS[0])
-    batch = client.submit_batch([*embedding_lines(ids), completion], output=tmp_path.as_uri(), shard_size=8)
+    batch = client.submit_batch(embedding_lines(ids), output=tmp_path.as_uri(), shard_size=8)
+    generation = client.submit_batch([completion], output=tmp_path.as_uri())
     EngineWorker(["high", "default", "low"], tiny, redis.Redis.from_url(redis_url), heartbeat_ttl=5).work(
         burst=True, logging_level="WARNING")
-    assert client.get(batch.id).status == BatchStatus.completed
+    assert [client.get(b.id).status for b in (batch, generation)] == [BatchStatus.completed] * 2
     bodies = {r.custom_id: r.response.body for r in client.results(batch.id)}
     errors = {r.custom_id: r.error.model_dump() for r in client.results(batch.id, errors=True)}
-    assert openai_body(bodies.pop("gen")).choices[0].finish_reason == "length"
+    [gen] = client.results(generation.id)
+    assert gen.custom_id == "gen" and openai_body(gen.response.body).choices[0].finish_reason == "length"
     assert (response_text(bodies["many"]) == "3 embedding(s) of "
                                              f"{len(bodies['many']['data'][0]['embedding'])} values")
     check_embeddings(bodies, errors, tiny, 1e-5)

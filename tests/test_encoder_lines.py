@@ -26,6 +26,14 @@ def line(custom_id: str, url: str, **body) -> dict:
     return {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
 
 
+def by_url(lines: list[dict]) -> list[list[dict]]:
+    """The lines split into one file per url (a batch's lines all name one url), in first-seen order."""
+    files: dict[str, list[dict]] = {}
+    for x in lines:
+        files.setdefault(x["url"], []).append(x)
+    return list(files.values())
+
+
 @pytest.fixture(scope="module")
 def embedder(tmp_path_factory):
     path = make_encoder_checkpoint(tmp_path_factory.mktemp("st-bert"), "bert")
@@ -33,18 +41,20 @@ def embedder(tmp_path_factory):
 
 
 def run_batch(model, redis_url, tmp_path, lines: list[dict], *flags: str) -> tuple[dict, dict]:
-    """Submit the lines, run a real worker process (with these flags) over them; response bodies and errors by
-    custom_id."""
+    """Submit the lines (a batch per url), run a real worker process (with these flags) over them; response
+    bodies and errors by custom_id."""
     client = Client(redis_url)
-    batch = client.submit_batch(lines, output=tmp_path.as_uri(), shard_size=4)
+    batches = [client.submit_batch(x, output=tmp_path.as_uri(), shard_size=4) for x in by_url(lines)]
     worker = start_worker(model, redis_url, tmp_path / "worker.log", *flags)
     try:
-        done = client.wait(batch.id, timeout=180, progress=False)
+        done = [client.wait(batch.id, timeout=180, progress=False) for batch in batches]
     finally:
         stop_worker(worker)
-    assert done.status == BatchStatus.completed, (tmp_path / "worker.log").read_text()[-3000:]
-    bodies = {r.custom_id: r.response.body for r in client.results(batch.id)}
-    errors = {r.custom_id: r.error.model_dump() for r in client.results(batch.id, errors=True)}
+    for batch in done:
+        assert batch.status == BatchStatus.completed, (tmp_path / "worker.log").read_text()[-3000:]
+    bodies = {r.custom_id: r.response.body for batch in done for r in client.results(batch.id)}
+    errors = {r.custom_id: r.error.model_dump()
+              for batch in done for r in client.results(batch.id, errors=True)}
     return bodies, errors
 
 
@@ -112,17 +122,18 @@ def test_rerank_and_score_lines_on_a_cross_encoder(cross_encoder, redis_url, tmp
 
 
 def test_rerank_score_and_moderation_lines_are_validated_by_field():
-    raw = [json.dumps(x).encode() for x in (
+    lines = [
         line("ok", "/v1/rerank", query="q", documents=["a"]),
         line("no-docs", "/v1/rerank", query="q", documents=[]),
         line("top", "/v1/rerank", query="q", documents=["a"], top_n=0),
         line("uneven", "/v1/score", text_1=["a", "b"], text_2=["a", "b", "c"]),
         line("mod-empty", "/v1/moderations", input=[]),
-        line("mod-extra", "/v1/moderations", input="x", threshold=0.3))]
-    checked = validate_lines(raw, Settings())
-    assert not checked.errors  # a bad body is its own line's 400; the file is fine
-    assert [r.custom_id for r in checked.requests if r.answer() is None] == ["ok"]
-    refused = {r.custom_id: r.answer().response for r in checked.requests if r.answer() is not None}
+        line("mod-extra", "/v1/moderations", input="x", threshold=0.3)]
+    files = [validate_lines([json.dumps(x).encode() for x in file], Settings()) for file in by_url(lines)]
+    assert len(files) == 3 and not any(checked.errors for checked in files)  # bad bodies: each its line's 400
+    requests = [r for checked in files for r in checked.requests]
+    assert [r.custom_id for r in requests if r.answer() is None] == ["ok"]
+    refused = {r.custom_id: r.answer().response for r in requests if r.answer() is not None}
     assert {cid: (resp.status_code, resp.body["error"]["param"]) for cid, resp in refused.items()} == {
         "no-docs": (400, "documents"), "top": (400, "top_n"), "uneven": (400, None),
         "mod-empty": (400, "input"), "mod-extra": (400, "threshold")}

@@ -36,30 +36,49 @@ def run_worker(llm, redis_url: str) -> None:
     worker.work(burst=True, logging_level="WARNING")
 
 
-def lines_37() -> list[dict]:
-    """33 good completions with the 4 bad bodies spread among them."""
-    body = {"max_tokens": 3, "temperature": 0}
-    good = [{"custom_id": f"ok{i}", "method": "POST", "url": "/v1/completions",
-             "body": {"prompt": f"the quick brown fox {i}", **body}} for i in range(33)]
-    bad = [{"custom_id": cid, "method": "POST", "url": url, "body": body}
-           for cid, (url, body, _) in BAD_BODIES.items()]
-    for n, line in enumerate(bad):
-        good.insert(3 + n * 9, line)
-    return good  # fmt: skip
+GOOD = {"/v1/completions": 33, CHAT: 12}  # good lines of each url's batch
+
+
+def batch_lines(url: str) -> list[dict]:
+    """GOOD[url] good lines of url with that url's bad bodies spread among them."""
+    params = {"max_tokens": 3, "temperature": 0}
+
+    def line(custom_id: str, body: dict) -> dict:
+        return {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
+
+    def good_body(i: int) -> dict:
+        text = f"the quick brown fox {i}"
+        prompt = {"messages": [{"role": "user", "content": text}]} if url == CHAT else {"prompt": text}
+        return {**prompt, **params}
+
+    lines = [line(f"ok{i}", good_body(i)) for i in range(GOOD[url])]
+    for n, cid in enumerate(bad_ids(url)):
+        lines.insert(3 + n * 9, line(cid, BAD_BODIES[cid][1]))
+    return lines
+
+
+def bad_ids(url: str) -> list[str]:
+    return [cid for cid, (bad_url, _, _) in BAD_BODIES.items() if bad_url == url]
 
 
 def test_four_bad_bodies_fail_only_their_lines(llm, redis_url, tmp_path):
     client = Client(redis_url)
-    batch = client.submit_batch(lines_37(), output=tmp_path.as_uri(), shard_size=8)
-    assert batch.status == BatchStatus.in_progress and not batch.errors
+    output = tmp_path.as_uri()
+    batches = {url: client.submit_batch(batch_lines(url), output=output, shard_size=8) for url in GOOD}
+    assert all(b.status == BatchStatus.in_progress and not b.errors for b in batches.values())
     run_worker(llm, redis_url)
-    done = client.get(batch.id)
-    assert done.status == BatchStatus.completed
-    assert done.request_counts.model_dump() == {"total": 37, "completed": 33, "failed": 4}
-    results = list(client.results(batch.id))
-    assert sorted(r.custom_id for r in results) == sorted(f"ok{i}" for i in range(33))
-    assert all(r.response.status_code == 200 and r.response.body["choices"] for r in results)
-    raw = [json.loads(line) for line in read_url(done.error_file).splitlines()]
+    raw = []
+    for url, batch in batches.items():
+        done = client.get(batch.id)
+        assert done.status == BatchStatus.completed
+        counts = {"total": GOOD[url] + 2, "completed": GOOD[url], "failed": 2}
+        assert done.request_counts.model_dump() == counts
+        results = list(client.results(batch.id))
+        assert sorted(r.custom_id for r in results) == sorted(f"ok{i}" for i in range(GOOD[url]))
+        assert all(r.response.status_code == 200 and r.response.body["choices"] for r in results)
+        errors = [json.loads(line) for line in read_url(done.error_file).splitlines()]
+        assert sorted(r["custom_id"] for r in errors) == sorted(bad_ids(url))
+        raw += errors
     assert sorted(r["custom_id"] for r in raw) == sorted(BAD_BODIES)
     for record in raw:
         response = record["response"]

@@ -111,12 +111,13 @@ def llm():
 
 def test_fields_through_client_and_worker_match_the_offline_api(llm, redis_url, tmp_path):
     client = Client(redis_url)
-    batch = client.submit_batch(lines(), output=tmp_path.as_uri(), shard_size=4)
+    batches = [client.submit_batch([x for x in lines() if x["url"] == endpoint], output=tmp_path.as_uri(),
+                                   shard_size=4) for endpoint in ("/v1/chat/completions", "/v1/completions")]
     EngineWorker(["high", "default", "low"], llm, redis.Redis.from_url(redis_url), heartbeat_ttl=5).work(
         burst=True, logging_level="WARNING")
-    assert client.get(batch.id).status == BatchStatus.completed
-    bodies = {r.custom_id: r.response.body for r in client.results(batch.id)}
-    errors = {r.custom_id: r.error.model_dump() for r in client.results(batch.id, errors=True)}
+    assert [client.get(b.id).status for b in batches] == [BatchStatus.completed] * 2
+    bodies = {r.custom_id: r.response.body for b in batches for r in client.results(b.id)}
+    errors = {r.custom_id: r.error.model_dump() for b in batches for r in client.results(b.id, errors=True)}
     check_records(bodies, errors, llm.tokenizer)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, presence_penalty=1.5,
                             frequency_penalty=1.0, repetition_penalty=1.2)

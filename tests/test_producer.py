@@ -39,16 +39,12 @@ def test_validation_names_line_code_and_field():
         b"{not json",
         line("a"),
         {**line("b"), "method": "GET"},
-        line("c", "/v1/chat/completions", messages=[{"role": "user", "content": "hi"}], temperature=3),
+        line("c", prompt="hi", temperature=3),
         line("d", prompt=["two", "prompts"]),
         line("e", prompt="x", frequency_penalti=0.5),
         line("f", "/v1/images/generations"),  # an endpoint batch lines cannot name
         b"",
-        line(
-            "g",
-            "/v1/chat/completions",
-            messages=[{"role": "user", "content": [{"type": "text", "text": "ok"}]}],
-        ),
+        line("g", prompt="ok"),
     )
     checked = validate_lines(lines, Settings())
     assert [r.custom_id for r in checked.requests] == ["a", "c", "d", "e", "g"]
@@ -71,6 +67,66 @@ def test_validation_names_line_code_and_field():
     assert "line 5" in errors["c"]["message"] and refused["c"].error.code == "invalid_value"
 
 
+def test_chat_validation_names_the_field_and_accepts_content_parts():
+    lines = raw(
+        line("c", "/v1/chat/completions", messages=[{"role": "user", "content": "hi"}], temperature=3),
+        line(
+            "g",
+            "/v1/chat/completions",
+            messages=[{"role": "user", "content": [{"type": "text", "text": "ok"}]}],
+        ),
+    )
+    checked = validate_lines(lines, Settings())
+    assert checked.errors == [] and [r.custom_id for r in checked.requests] == ["c", "g"]
+    refused = {r.custom_id: r.answer() for r in checked.requests if r.record is not None}
+    assert list(refused) == ["c"] and refused["c"].response.status_code == 400
+    error = refused["c"].response.body["error"]
+    assert (error["code"], error["param"]) == ("invalid_value", "temperature")
+    assert error["type"] == "invalid_request_error"
+    assert "line 1" in error["message"]
+
+
+ONE_OF_EACH = {
+    "/v1/completions": {"prompt": "hi", "max_tokens": 4},
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}]},
+    "/v1/embeddings": {"input": "hi"},
+    "/v1/responses": {"input": [{"role": "user", "content": "hi"}]},
+    "/v1/rerank": {"query": "hi", "documents": ["a", "b"]},
+    "/v1/score": {"text_1": "hi", "text_2": "there"},
+    "/v1/moderations": {"input": "hi"},
+}
+
+
+def test_a_file_mixing_urls_is_refused_naming_the_line_and_both_urls():
+    lines = raw(
+        b"{not json",
+        line("a"),
+        line("b", "/v1/chat/completions", **ONE_OF_EACH["/v1/chat/completions"]),
+        line("c"),
+        line("d", "/v1/embeddings", **ONE_OF_EACH["/v1/embeddings"]),
+    )
+    checked = validate_lines(lines, Settings())
+    assert [(e.line, e.code, e.param) for e in checked.errors] == [
+        (1, "invalid_json", None), (3, "invalid_url", "url"), (5, "invalid_url", "url"),
+    ]
+    chat, embeddings = checked.errors[1].message, checked.errors[2].message
+    for message, url in ((chat, "/v1/chat/completions"), (embeddings, "/v1/embeddings")):
+        assert url in message and "'/v1/completions' of line 2" in message
+        assert "one endpoint" in message and "split the file by url" in message
+    assert chat.startswith("line 3:") and embeddings.startswith("line 5:")
+    assert [r.custom_id for r in checked.requests] == ["a", "c"]
+    assert checked.num_lines == 5, "every line is a request or a line-numbered error"
+
+
+@pytest.mark.parametrize("url", sorted(ONE_OF_EACH))
+def test_a_file_of_one_url_passes_for_every_endpoint(url):
+    lines = raw(*(line(f"r{i}", url, **ONE_OF_EACH[url]) for i in range(3)))
+    checked = validate_lines(lines, Settings())
+    assert checked.errors == []
+    got = [(r.custom_id, r.url, r.record) for r in checked.requests]
+    assert got == [(f"r{i}", url, None) for i in range(3)]
+
+
 def test_size_limits_are_enforced_per_line_and_per_batch():
     settings = Settings(max_line_bytes=200, max_lines=3)
     lines = raw(line("a"), line("b", prompt="x" * 300), line("c"), line("d"), line("e"))
@@ -88,6 +144,20 @@ def test_invalid_batch_fails_with_line_numbered_errors_and_enqueues_nothing(redi
     assert [(e.line, e.code) for e in batch.errors] == [(2, "invalid_json"), (3, "duplicate_custom_id")]
     assert batch.request_counts.total == 3
     assert Queue("default", connection=client.connection).count == 0
+
+
+def test_submit_batch_of_a_file_mixing_urls_fails_and_enqueues_nothing(redis_url, tmp_path):
+    client = Client(redis_url)
+    lines = [line("a"), line("b"), line("c", "/v1/embeddings", input="hi")]
+    batch = client.submit_batch(lines, output=tmp_path.as_uri())
+    assert batch.status == BatchStatus.failed and batch.failed_at
+    assert [(e.line, e.code, e.param) for e in batch.errors] == [(3, "invalid_url", "url")]
+    message = batch.errors[0].message
+    assert "'/v1/embeddings'" in message and "'/v1/completions' of line 1" in message
+    assert batch.request_counts.total == 3 and batch.request_counts.failed == 3
+    queues = [Queue(q, connection=client.connection) for q in ("high", "default", "low")]
+    assert [q.count for q in queues] == [0, 0, 0]
+    assert not (tmp_path / input_key(batch.id)).exists(), "no input is published"
 
 
 def test_submit_enqueues_json_shards_and_a_finalize_job_depending_on_them(redis_url, tmp_path):

@@ -15,11 +15,12 @@ from sluice.producer.sharding import InputSpool
 from sluice.producer.validation import validate_lines
 from sluice.worker.shard_run import ShardRun, prepare
 
-LINES = [
-    {"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": {"prompt": "hi", "max_tokens": 3}},
-    {"custom_id": "t", "method": "POST", "url": "/v1/chat/completions",
-     "body": {"messages": [{"role": "user", "content": "hi"}], "temperature": 0}},
-]  # fmt: skip
+LINES = {  # one batch each: a batch's lines all name one url
+    "b": {"custom_id": "c", "method": "POST", "url": "/v1/completions",
+          "body": {"prompt": "hi", "max_tokens": 3}},
+    "t": {"custom_id": "t", "method": "POST", "url": "/v1/chat/completions",
+          "body": {"messages": [{"role": "user", "content": "hi"}], "temperature": 0}},
+}  # fmt: skip
 
 
 class CountingValidator:
@@ -52,16 +53,21 @@ def count_validations(monkeypatch) -> Counter:
 def test_a_request_is_validated_at_the_edge_and_rebuilt_without_validation(monkeypatch, tmp_path):
     counts = count_validations(monkeypatch)
     storage = FileStorage(tmp_path)
-    with InputSpool(storage, "b", shard_size=10, max_bytes=1 << 20) as spool:
-        checked = validate_lines([json.dumps(line).encode() for line in LINES], Settings(), into=spool)
-        [piece] = spool.commit()
-    assert checked.errors == [] and counts == {"CompletionBody": 1, "ChatBody": 1}
-    carried = json.loads(json.dumps(piece.arg()))  # what the shard job holds in Redis: the slice
-    assert counts == {"CompletionBody": 1, "ChatBody": 1}, "storing and slicing validate nothing"
-    run = ShardRun.from_args("b-shard-0", ("b", 0, carried))
-    run.requests = list(shard_requests(storage, run.payload))  # what load() reads from the batch's storage
-    assert [r.custom_id for r in run.requests] == ["c", "t"] and counts["CompletionBody"] == 1
-    completion = run.requests[0]
+    carried = {}
+    for batch_id, line in LINES.items():
+        with InputSpool(storage, batch_id, shard_size=10, max_bytes=1 << 20) as spool:
+            checked = validate_lines([json.dumps(line).encode()], Settings(), into=spool)
+            [piece] = spool.commit()
+        assert checked.errors == []
+        carried[batch_id] = json.loads(json.dumps(piece.arg()))  # the shard job holds the slice in Redis
+    assert counts == {"CompletionBody": 1, "ChatBody": 1}, "validated once each; storing and slicing: nothing"
+    runs = {batch_id: ShardRun.from_args(f"{batch_id}-shard-0", (batch_id, 0, carried[batch_id]))
+            for batch_id in LINES}
+    for run in runs.values():
+        run.requests = list(shard_requests(storage, run.payload))  # what load() reads from storage
+    assert [r.custom_id for run in runs.values() for r in run.requests] == ["c", "t"]
+    assert counts == {"CompletionBody": 1, "ChatBody": 1}, "rebuilt without validation"
+    completion = runs["b"].requests[0]
     prompt, params = prepare(None, completion, served=set())
     assert prompt == "hi" and params.max_tokens == 3
     assert completion.parsed_body() is completion.parsed_body()

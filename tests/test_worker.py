@@ -72,34 +72,33 @@ def generated_alone(llm) -> dict[str, str]:
 
 def test_shards_share_the_engine_finish_through_rq_and_match_generate(llm, redis_url, tmp_path):
     client = Client(redis_url)
-    lines = [completion(i) for i in range(24)] + [chat(i) for i in range(4)]
-    lines.append(completion(99, max_tokens=5000))
-    batch = client.submit_batch(lines, output=tmp_path.as_uri(), shard_size=6)
+    completions = [completion(i) for i in range(24)] + [completion(99, max_tokens=5000)]
+    chats = [chat(i) for i in range(4)]  # a batch of their own: a batch's lines all name one url
+    output = tmp_path.as_uri()
+    batches = [client.submit_batch(lines, output=output, shard_size=6) for lines in (completions, chats)]
     run_worker(llm, redis_url)
 
-    done = client.get(batch.id)
-    assert done.status == BatchStatus.completed
-    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (
-        29,
-        28,
-        1,
-    )
-    shard_ids = [shard_job_id(batch.id, n) for n in range(done.num_shards)]
+    done = [client.get(b.id) for b in batches]
+    assert [d.status for d in done] == [BatchStatus.completed] * 2
+    counts = [(d.request_counts.total, d.request_counts.completed, d.request_counts.failed) for d in done]
+    assert counts == [(25, 24, 1), (4, 4, 0)]
+    shard_ids = [shard_job_id(d.id, n) for d in done for n in range(d.num_shards)]
     jobs = [fetch(client, j) for j in shard_ids]
     assert all(j.get_status() == JobStatus.FINISHED for j in jobs)
     assert sum(j.return_value()["completed"] for j in jobs) == 28
     finished = set(FinishedJobRegistry("default", connection=client.connection).get_job_ids())
-    assert finished == {*shard_ids, finalize_job_id(batch.id)}
+    assert finished == {*shard_ids, *(finalize_job_id(d.id) for d in done)}
     assert StartedJobRegistry("default", connection=client.connection).get_job_ids() == []
     assert max(j.started_at for j in jobs) < min(j.ended_at for j in jobs), (
-        "all shards ran in one continuous batch"
+        "all shards, of both batches, ran in one continuous batch"
     )
 
-    assert texts(client, batch.id) == generated_alone(llm)
-    errors = list(client.results(batch.id, errors=True))
+    assert texts(client, done[0].id) | texts(client, done[1].id) == generated_alone(llm)
+    assert list(client.results(done[1].id, errors=True)) == []
+    errors = list(client.results(done[0].id, errors=True))
     assert [(e.custom_id, e.error.code) for e in errors] == [("c99", "request_rejected")]
     assert "max_model_len" in errors[0].error.message
-    record = next(r for r in client.results(batch.id) if r.custom_id == "chat0")
+    record = next(r for r in client.results(done[1].id) if r.custom_id == "chat0")
     assert record.response.body["object"] == "chat.completion"
     usage = record.response.body["usage"]
     assert (

@@ -50,15 +50,22 @@ messages = st.lists(
 )  # fmt: skip
 field_values = st.one_of(scalars, json_values, messages, st.lists(st.text(max_size=12), max_size=6))
 bodies = st.dictionaries(st.sampled_from(NAMES), field_values, max_size=8)
-plausible = st.fixed_dictionaries(
-    {
-        "custom_id": st.text(max_size=12) | st.integers() | st.none(),
-        "method": st.sampled_from(["POST", "GET", "post"]),
-        "url": st.sampled_from(["/v1/completions", "/v1/chat/completions", "/v1/embeddings", ""]),
-        "body": bodies | json_values,
-    },
-    optional={"extra": scalars},
-)
+URLS = ["/v1/completions", "/v1/chat/completions", "/v1/embeddings", ""]
+
+
+def plausible(url: str) -> st.SearchStrategy[dict]:
+    """Lines of a file for `url`, some naming another url (a mixed file)."""
+    return st.fixed_dictionaries(
+        {
+            "custom_id": st.text(max_size=12) | st.integers() | st.none(),
+            "method": st.sampled_from(["POST", "GET", "post"]),
+            "url": st.just(url) | st.sampled_from(URLS),
+            "body": bodies | json_values,
+        },
+        optional={"extra": scalars},
+    )
+
+
 text_prompts = st.fixed_dictionaries(
     {
         "custom_id": st.text(min_size=1, max_size=12),
@@ -69,11 +76,21 @@ text_prompts = st.fixed_dictionaries(
             "top_p": st.floats(), "seed": st.integers(), "stop": st.lists(st.text(max_size=5), max_size=5)}),
     },
 )  # fmt: skip
-encoded = st.one_of(plausible, text_prompts, json_values).map(lambda v: json.dumps(v).encode())
 raw_bytes = st.binary(max_size=60)
 deep = st.integers(1, 5000).map(lambda n: b'{"custom_id": "x", "body": ' + b"[" * n + b"]" * n + b"}")
-corrupted = encoded.flatmap(lambda b: st.integers(0, len(b)).map(lambda cut: b[:cut]))
-lines = st.one_of(encoded, encoded, encoded, raw_bytes, deep, corrupted, st.just(b"   "))
+
+
+def lines(url: str) -> st.SearchStrategy[bytes]:
+    """Lines of a file for `url`: plausible ones, raw bytes, deep nesting, cut-off JSON, blanks."""
+    prompts = text_prompts if url == "/v1/completions" else plausible(url)
+    encoded = st.one_of(plausible(url), prompts, json_values).map(lambda v: json.dumps(v).encode())
+    corrupted = encoded.flatmap(lambda b: st.integers(0, len(b)).map(lambda cut: b[:cut]))
+    return st.one_of(encoded, encoded, encoded, raw_bytes, deep, corrupted, st.just(b"   "))
+
+
+files = st.sampled_from(URLS).flatmap(
+    lambda url: st.lists(lines(url), min_size=LINES_PER_EXAMPLE // 2, max_size=LINES_PER_EXAMPLE)
+)
 
 
 def engine_takes(params: SamplingParams) -> None:
@@ -93,6 +110,10 @@ def check_outcome(batch: list[bytes]) -> None:
     assert len({e.line for e in line_errors}) == len(line_errors), "one error per line"
     for error in line_errors:
         assert f"line {error.line}" in error.message and error.code
+    urls = [r.url for r in checked.requests]
+    assert len(set(urls)) <= 1, "a batch's requests all name one url"
+    for error in (e for e in line_errors if e.code == "invalid_url"):  # a mixed file is refused as a whole
+        assert error.param == "url" and f"differs from {urls[0]!r} of line " in error.message
     if not nonblank:
         assert [e.code for e in checked.errors] == ["empty_file"]
     for request in checked.requests:
@@ -114,7 +135,7 @@ def test_fuzzed_lines_become_requests_or_line_numbered_errors():
 
     @settings(max_examples=EXAMPLES, deadline=None, database=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])  # fmt: skip
-    @given(st.lists(lines, min_size=LINES_PER_EXAMPLE // 2, max_size=LINES_PER_EXAMPLE))
+    @given(files)
     def check(batch: list[bytes]) -> None:
         seen.append(len(batch))
         check_outcome(batch)

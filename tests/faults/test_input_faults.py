@@ -166,27 +166,34 @@ def test_a_raising_chat_template_or_unknown_model_fails_only_that_request(tiny_l
     llm = LLM(str(tiny_llama), dtype="float32", device="cpu")
     llm.tokenizer.chat_template = RAISING_TEMPLATE
     name = model_name(llm)
-    chat = "/v1/chat/completions"
-    lines = [
-        {
-            "custom_id": "ok",
-            "url": chat,
-            "body": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
-        },
-        {"custom_id": "bad", "url": chat, "body": {"messages": [{"role": "system", "content": "x"}]}},
-        {"custom_id": "other", "url": "/v1/completions", "body": {"prompt": "hi", "model": "gpt-4o"}},
-        {
-            "custom_id": "named",
-            "url": "/v1/completions",
-            "body": {"prompt": "hi", "model": name, "max_tokens": 2},
-        },
-    ]
-    run = ShardRun.from_args("batch_t-shard-0", ("batch_t", 0, lines))
-    run.start(llm, served_models(llm, Settings()))
-    while not run.done:
-        for out in llm.engine.step():
-            run.finish(out, name)
-    records = run.records
+    chat, completions = "/v1/chat/completions", "/v1/completions"
+    batches = {  # a batch's lines, and so its shards', all name one url
+        "batch_c": [
+            {
+                "custom_id": "ok",
+                "url": chat,
+                "body": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+            },
+            {"custom_id": "bad", "url": chat, "body": {"messages": [{"role": "system", "content": "x"}]}},
+        ],
+        "batch_t": [
+            {"custom_id": "other", "url": completions, "body": {"prompt": "hi", "model": "gpt-4o"}},
+            {
+                "custom_id": "named",
+                "url": completions,
+                "body": {"prompt": "hi", "model": name, "max_tokens": 2},
+            },
+        ],
+    }
+    records = {}
+    for batch_id, lines in batches.items():
+        run = ShardRun.from_args(f"{batch_id}-shard-0", (batch_id, 0, lines))
+        run.start(llm, served_models(llm, Settings()))
+        while not run.done:
+            for out in llm.engine.step():
+                run.finish(out, name)
+        records |= run.records
+    assert set(records) == {"ok", "bad", "other", "named"}
     assert records["bad"].error.code == "chat_template_error"
     assert "system messages are not supported" in records["bad"].error.message
     assert records["other"].error.code == "model_not_found" and name in records["other"].error.message
