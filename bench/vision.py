@@ -7,8 +7,9 @@ A random Qwen2-VL (text: hidden 256 x 4 layers; vision: 4 blocks of width 128) w
 images between 224x224 and 448x448 pixels (64 to 256 tokens each); images of 224 to 640 px with mixed aspect
 ratios, one caption prompt each, greedy, fp32 on CPU. Runs, in one process:
 1. --rounds rounds, each: transformers' `generate` over the requests in static batches of --hf-batch
-   (left-padded; the model loaded once, before), then a fresh engine over all of them; outputs compared token
-   for token; median requests per second of each and the median of the rounds' speed-ups.
+   (left-padded; the model loaded once, before; its own tokenizer and image processor, timed), then a fresh
+   engine over all of them; outputs compared token for token; median requests per second of each and the
+   median of the rounds' speed-ups.
 2. prefill only (max_tokens=1), --rounds rounds alternating 64 distinct images, one image in all 64 lines with
    prefix caching off, and with it on (the lines of later steps reuse the image's KV blocks): median prompt
    tokens per second, the encoder cache's count of images encoded, and whether the one-image runs' first
@@ -65,27 +66,32 @@ def images(n: int, seed: int = 0) -> list[Image.Image]:
 
 
 def hf_model(path: Path):
-    """transformers' Qwen2-VL and its image processor, loaded once outside the timed runs."""
-    from transformers import AutoImageProcessor, Qwen2VLForConditionalGeneration
+    """transformers' Qwen2-VL, its image processor and tokenizer, loaded once outside the timed runs."""
+    from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLForConditionalGeneration
 
     model = Qwen2VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
-    return model, AutoImageProcessor.from_pretrained(path)
+    return model, AutoImageProcessor.from_pretrained(path), AutoTokenizer.from_pretrained(path)
 
 
-def hf_generate(hf, llm: LLM, imgs: list[Image.Image], new_tokens: int, batch: int) -> list[list[int]]:
-    """transformers' greedy generate in static, left-padded batches (preprocessing included): each request's
-    new tokens."""
-    model, proc = hf
+def hf_prompt_ids(text: list[int], image_id: int, grids: torch.Tensor, merge: int) -> list[list[int]]:
+    """The tokenized prompt once per image, its placeholder expanded to t*h*w / merge**2 image tokens."""
+    slot = text.index(image_id)
+    return [text[:slot] + [image_id] * (int(g.prod()) // merge**2) + text[slot + 1:] for g in grids]
+
+
+def hf_generate(hf, imgs: list[Image.Image], new_tokens: int, batch: int) -> list[list[int]]:
+    """transformers' greedy generate in static, left-padded batches (its own tokenizing and image
+    preprocessing included): each request's new tokens."""
+    model, proc, tokenizer = hf
     image_id = model.config.image_token_id
+    text = tokenizer.encode(PROMPT)
     outs = []
     for i in range(0, len(imgs), batch):
-        part = imgs[i:i + batch]
-        ids = [llm.engine.intake._multimodal({"prompt": PROMPT, "multi_modal_data": {"image": im}})[0]
-               for im in part]
+        pixels = proc(images=imgs[i:i + batch], return_tensors="pt")
+        ids = hf_prompt_ids(text, image_id, pixels["image_grid_thw"], proc.merge_size)
         width = max(map(len, ids))
         input_ids = torch.tensor([[3] * (width - len(x)) + x for x in ids])
         mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
-        pixels = proc(images=part, return_tensors="pt")
         with torch.no_grad():
             gen = model.generate(
                 input_ids=input_ids, attention_mask=mask, pixel_values=pixels["pixel_values"],
@@ -144,7 +150,7 @@ def main() -> None:
     for _ in range(args.rounds):  # alternated; a fresh engine each round (its caches start empty)
         llm = LLM(str(path), dtype="float32", device="cpu")
         t = time.perf_counter()
-        ref = hf_generate(hf, llm, imgs, args.new_tokens, args.hf_batch)
+        ref = hf_generate(hf, imgs, args.new_tokens, args.hf_batch)
         times["hf"].append(time.perf_counter() - t)
         t = time.perf_counter()
         outs = llm.generate(reqs, params, progress=False)

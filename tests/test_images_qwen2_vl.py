@@ -212,3 +212,48 @@ def test_chat_with_image_parts_is_generate_with_multi_modal_data(llm):
         llm.chat(bad, GREEDY, progress=False)
     with pytest.raises(ImageError, match=outside):
         llm.chat(bad, GREEDY, progress=False, image_loader=lambda url: load_image(url, ImageSettings()).image)
+
+
+def test_intake_leaves_the_patches_to_the_step_that_encodes_the_image(llm, qwen2_vl, hf_model, monkeypatch):
+    from sluice.engine.multimodal.image_patches import ImagePatcher
+
+    calls, real = [], ImagePatcher.resize_and_cut
+    monkeypatch.setattr(ImagePatcher, "resize_and_cut", lambda self, *args: calls.append(args[1:3])
+                        or real(self, *args))
+    req = {"prompt": prompt("describe", 1), "multi_modal_data": {"image": noise_image(150, 50, 12)}}
+    llm.engine.add_request("lazy-patches", req, GREEDY)
+    assert calls == []  # the prompt's image tokens follow from the image's size alone
+    outs = []
+    while llm.engine.has_unfinished():
+        outs += llm.engine.step()
+    assert len(calls) == 1  # once, when the step encodes the image
+    assert [o.token_ids for o in outs] == hf_greedy(qwen2_vl, hf_model, llm, [req])
+
+
+def test_step_positions_follow_each_requests_own(llm):
+    from types import SimpleNamespace
+
+    from sluice.engine.multimodal.inputs import step_positions
+
+    images = [noise_image(112, 84, 13), noise_image(56, 140, 14)]
+    req = {"prompt": prompt("compare", 2), "multi_modal_data": {"image": images}}
+    _, mm = llm.engine.intake._multimodal(req)
+    n = mm.mrope_positions.shape[1]
+    assert mm.mrope_delta != 0
+    reqs = [SimpleNamespace(num_computed_tokens=5, mm_inputs=mm),  # a chunk inside the prompt
+            SimpleNamespace(num_computed_tokens=7),  # text only
+            SimpleNamespace(num_computed_tokens=n - 3, mm_inputs=mm),  # the prompt's end and past it
+            SimpleNamespace(num_computed_tokens=n + 4, mm_inputs=mm)]  # decode
+    counts = [20, 3, 6, 1]
+    expected = torch.cat([mm.positions(5, 25), torch.arange(7, 10).expand(3, -1), mm.positions(n - 3, n + 3),
+                          torch.full((3, 1), n + 4 + mm.mrope_delta)], 1)
+    assert torch.equal(step_positions(reqs, counts), expected)
+    assert torch.equal(step_positions(reqs[1:2] + reqs[3:], [3, 1]), expected[0, [20, 21, 22, 29]])  # 1D
+
+
+def test_an_image_the_processor_prepares_encodes_with_others_in_one_step(llm, qwen2_vl, hf_model):
+    keyed = noise_image(70, 98, 15)
+    keyed.info["transparency"] = keyed.getpixel((0, 0))  # a PNG colour key: transformers' own processor
+    reqs = [{"prompt": prompt("compare", 2), "multi_modal_data": {"image": [keyed, noise_image(84, 56, 16)]}}]
+    assert [o.token_ids for o in llm.generate(reqs, GREEDY, progress=False)] == hf_greedy(qwen2_vl, hf_model,
+                                                                                          llm, reqs)

@@ -18,7 +18,8 @@ from torch import nn
 
 from sluice.engine.models.llama import LlamaModel, ModelConfig
 from sluice.engine.multimodal.encoder_cache import EncoderCache
-from sluice.engine.multimodal.inputs import text_positions
+from sluice.engine.multimodal.image_patches import compute_all
+from sluice.engine.multimodal.inputs import step_positions
 from sluice.kernels.elementwise import rotate_half
 
 
@@ -35,11 +36,11 @@ class VisionAttention(nn.Module):
                 lengths: list[int]) -> torch.Tensor:
         """x [N, dim] of images laid end to end (`lengths` patches each)."""
         n = x.shape[0]
-        q, k, v = self.qkv(x).reshape(n, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
-        cos, sin = cos[:, None].float(), sin[:, None].float()
-        q = (q.float() * cos + rotate_half(q.float()) * sin).to(v.dtype)
-        k = (k.float() * cos + rotate_half(k.float()) * sin).to(v.dtype)
-        heads_first = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)]  # 4D: torch's fused CPU kernel
+        qkv = self.qkv(x).view(n, 3, self.num_heads, -1)
+        qk = qkv[:, :2].float()  # queries and keys rotated together: HF's arithmetic, half the passes
+        cos, sin = cos[:, None, None].float(), sin[:, None, None].float()
+        q, k = (qk * cos + rotate_half(qk) * sin).to(qkv.dtype).unbind(1)
+        heads_first = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, qkv[:, 2])]  # torch's fused CPU kernel
         outs = [F.scaled_dot_product_attention(qi, ki, vi)[0]
                 for qi, ki, vi in zip(*(t.split(lengths, dim=2) for t in heads_first), strict=True)]
         return self.proj(torch.cat([o.transpose(0, 1) for o in outs]).reshape(n, -1))
@@ -55,7 +56,7 @@ class VisionBlock(nn.Module):
     def forward(self, x, cos, sin, lengths) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cos, sin, lengths)
         h = self.mlp["fc1"](self.norm2(x))
-        return x + self.mlp["fc2"](h * torch.sigmoid(1.702 * h))  # quick_gelu
+        return x + self.mlp["fc2"](h.mul_(torch.mul(h, 1.702).sigmoid_()))  # quick_gelu, in place
 
 
 class PatchMerger(nn.Module):
@@ -121,7 +122,8 @@ class VisionTransformer(nn.Module):
 
 @dataclass(slots=True)
 class StepInputs:
-    """What `prepare_step` found for the next forward: M-RoPE positions [3, T], image rows, embeddings."""
+    """What `prepare_step` found for the next forward: M-RoPE positions ([3, T], or [T] where the axes agree),
+    image rows, embeddings."""
 
     positions: torch.Tensor
     rows: torch.Tensor | None
@@ -147,19 +149,19 @@ class Qwen2VLModel(LlamaModel):
 
     def prepare_step(self, batch) -> None:
         """Positions and image embeddings of the batch the next forward runs (the runner's flat order)."""
-        pieces, rows, chunks, offset = [], [], [], 0
+        rows, chunks, offset = [], [], 0
         need = self._encode_missing(batch)
         for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):
             start, mm = req.num_computed_tokens, getattr(req, "mm_inputs", None)
-            pieces.append(text_positions(start, start + n) if mm is None else mm.positions(start, start + n))
             for item in mm.items if mm is not None else ():
                 lo, hi = max(start, item.offset), min(start + n, item.offset + item.length)
                 if lo < hi:
-                    rows.append(torch.arange(lo, hi) - start + offset)
+                    rows.append(torch.arange(lo - start + offset, hi - start + offset))
                     chunks.append(need[item.content_hash][lo - item.offset:hi - item.offset])
             offset += n
         device = self.embed_tokens.weight.device
-        self._step = StepInputs(torch.cat(pieces, 1).to(device), torch.cat(rows).to(device) if rows else None,
+        positions = step_positions(batch.requests, batch.num_new_tokens).to(device)
+        self._step = StepInputs(positions, torch.cat(rows).to(device) if rows else None,
                                 torch.cat(chunks) if chunks else None)
 
     def _encode_missing(self, batch) -> dict[str, torch.Tensor]:
@@ -170,7 +172,7 @@ class Qwen2VLModel(LlamaModel):
             assert self.visual is not None
             device = self.embed_tokens.weight.device
             items = list(todo.values())
-            pixels = torch.cat([i.pixel_values for i in items]).to(device)
+            pixels = compute_all([i.patches for i in items]).to(device)
             embeds = self.visual(pixels, [i.grid_thw for i in items])
             for item, emb in zip(items, embeds.split([i.length for i in items]), strict=True):
                 found[item.content_hash] = emb
@@ -179,10 +181,14 @@ class Qwen2VLModel(LlamaModel):
 
     def _mrope_cos_sin(self, positions: torch.Tensor,
                        dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, 1, head_dim]: frequency section i of the rotary dims takes axis i % 3's positions."""
+        """cos, sin [T, 1, head_dim]: frequency section i of the rotary dims takes axis i % 3's positions (1D
+        positions [T], every axis the same: the table's own rows, both halves being the same frequencies)."""
+        if positions.dim() == 1:
+            return self.rope.cos_sin(positions, dtype)
         out = []
         for table in (self.rope.cos, self.rope.sin):
-            half = table[positions][..., : table.shape[-1] // 2]  # [3, T, D/2]
+            rows = table.index_select(0, positions.flatten()).view(*positions.shape, -1)  # [3, T, D]
+            half = rows[..., : table.shape[-1] // 2]
             mixed = torch.cat([s[i % 3] for i, s in enumerate(half.split(self.mrope_section, -1))], -1)
             out.append(torch.cat([mixed, mixed], -1).to(dtype)[:, None, :])
         return out[0], out[1]
@@ -193,7 +199,7 @@ class Qwen2VLModel(LlamaModel):
         step, self._step = self._step, None
         x = self.embed_tokens(input_ids)
         if step is None:  # a text-only call outside the runner: 1D positions on all three axes
-            step = StepInputs(positions.expand(3, -1), None, None)
+            step = StepInputs(positions, None, None)
         if step.rows is not None:
             x = x.index_copy(0, step.rows, step.embeds.to(x.dtype))
         cos_sin = self._mrope_cos_sin(step.positions, x.dtype)

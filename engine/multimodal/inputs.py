@@ -6,16 +6,23 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sluice.engine.multimodal.image_patches import LazyPatches
+
 
 @dataclass(slots=True, frozen=True)
 class ImageItem:
     """One image of a prompt: its patches, (t, h, w) patch grid, content hash and placeholder token span."""
 
     content_hash: str
-    pixel_values: torch.Tensor  # [t * h * w, channels * temporal_patch * patch * patch]
+    patches: LazyPatches  # computed when the image is encoded
     grid_thw: tuple[int, int, int]
     offset: int  # index in the prompt of the image's first placeholder token
     length: int  # placeholder tokens (t * h * w / merge**2)
+
+    @property
+    def pixel_values(self) -> torch.Tensor:
+        """The image's patches [t * h * w, channels * temporal_patch * patch * patch]."""
+        return self.patches.get()
 
 
 @dataclass(slots=True)
@@ -43,9 +50,24 @@ class MultiModalInputs:
         return torch.cat([head, tail.expand(3, -1)], 1)
 
 
-def text_positions(start: int, stop: int) -> torch.Tensor:
-    """M-RoPE positions of a text-only request's tokens [start, stop): the index on all three axes."""
-    return torch.arange(start, stop).expand(3, -1)
+def step_positions(requests, num_new_tokens: list[int]) -> torch.Tensor:
+    """M-RoPE positions of a step's new tokens, requests in the flat batch's order: [T] where every token's
+    three axes agree (text-only requests, and images' requests past their prompts, as in decode), else
+    [3, T], the 1D positions with the spans of prompts with images written over."""
+    linear: list[int] = []
+    spans: list[tuple[int, torch.Tensor]] = []
+    for req, n in zip(requests, num_new_tokens, strict=True):
+        start, mm = req.num_computed_tokens, getattr(req, "mm_inputs", None)
+        shift = 0 if mm is None else mm.mrope_delta
+        if mm is not None and start < mm.mrope_positions.shape[1]:
+            spans.append((len(linear), mm.positions(start, start + n)))
+        linear.extend(range(start + shift, start + n + shift))
+    positions = torch.tensor(linear, dtype=torch.long)
+    if spans:
+        positions = positions.repeat(3, 1)
+        for at, span in spans:
+            positions[:, at:at + span.shape[1]] = span
+    return positions
 
 
 def mrope_positions(ids: list[int], items: list[ImageItem], merge: int) -> tuple[torch.Tensor, int]:

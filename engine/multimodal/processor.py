@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from sluice.engine.multimodal.image_patches import ImagePatcher, LazyPatches
 from sluice.engine.multimodal.inputs import ImageItem, MultiModalInputs, mrope_positions
 from sluice.engine.multimodal.vl_config import is_vision_language, text_config_of
 
@@ -50,7 +51,8 @@ def image_salt(hashes: Sequence[str]) -> int:
 
 
 class ImageProcessor:
-    """The checkpoint's preprocessor_config.json through transformers' Qwen2VLImageProcessorPil."""
+    """The checkpoint's preprocessor_config.json through transformers' Qwen2VLImageProcessorPil (its pixels
+    computed by multimodal.image_patches where that serves the settings)."""
 
     def __init__(self, model_path: str | Path) -> None:
         from transformers import Qwen2VLImageProcessorPil
@@ -61,12 +63,20 @@ class ImageProcessor:
                                     f"{model_path}")
         self.processor = Qwen2VLImageProcessorPil(**_processor_kwargs(json.loads(path.read_text())))
         self.merge_size = int(self.processor.merge_size)
+        self.patcher = ImagePatcher(self.processor) if ImagePatcher.serves(self.processor) else None
 
     def __call__(self, image) -> tuple[torch.Tensor, tuple[int, int, int]]:
         """Patches [t*h*w, C*T*P*P] and grid (t, h, w) of one RGB PIL image."""
+        patches, grid = self.lazy(image)
+        return patches.get(), grid
+
+    def lazy(self, image) -> tuple[LazyPatches, tuple[int, int, int]]:
+        """Patches (computed when needed, where the fast path serves) and grid of one RGB PIL image."""
+        if self.patcher is not None:
+            return self.patcher.lazy(image)
         out = self.processor(images=[image], return_tensors="pt")
-        grid = tuple(int(v) for v in out["image_grid_thw"][0])
-        return out["pixel_values"], grid  # type: ignore[return-value]
+        t, h, w = (int(v) for v in out["image_grid_thw"][0])
+        return LazyPatches(*out["pixel_values"].shape, value=out["pixel_values"]), (t, h, w)
 
 
 def _processor_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -83,14 +93,14 @@ class MultiModalProcessor:
         self.image_token_id = int(hf_config["image_token_id"])
         self.tokenizer = tokenizer
         self.max_images = max_images
-        self._patches: OrderedDict[str, tuple[torch.Tensor, tuple[int, int, int]]] = OrderedDict()
+        self._patches: OrderedDict[str, tuple[LazyPatches, tuple[int, int, int]]] = OrderedDict()
 
-    def patches(self, image, key: str) -> tuple[torch.Tensor, tuple[int, int, int]]:
-        """Patches and grid of an image by content hash: an image seen among the last PATCH_CACHE_SIZE is
-        not preprocessed again."""
+    def patches(self, image, key: str) -> tuple[LazyPatches, tuple[int, int, int]]:
+        """Patches (computed when needed) and grid of an image by content hash: an image seen among the last
+        PATCH_CACHE_SIZE is not taken again."""
         found = self._patches.get(key)
         if found is None:
-            found = self._patches[key] = self.images(image)
+            found = self._patches[key] = self.images.lazy(image)
             if len(self._patches) > PATCH_CACHE_SIZE:
                 self._patches.popitem(last=False)
         self._patches.move_to_end(key)
