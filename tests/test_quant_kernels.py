@@ -483,10 +483,9 @@ def test_int8_prefill_rows_widen_the_dequantized_weight_where_onednn_has_no_bf16
 
 @needs_kernel
 def test_int4_prefill_rows_widen_the_dequantized_weight_where_onednn_has_no_bf16(monkeypatch, cpu_tier):
-    """On every tier the vnni layout dequantizes to exactly int4.dequantize's fp32 (any slice of rows). With
-    oneDNN capped below its bf16 instructions, on tiers without VNNI, bf16 rows from `int4.widen_min_rows`
-    multiply that dequantized weight in fp32: within one bf16 rounding of fp64 x · w + bias, for any slice of
-    the weight; one row fewer keeps the W4A8 product. With VNNI the requantized int8 product serves them."""
+    """The vnni layout dequantizes to exactly int4.dequantize's fp32 (any slice of rows). oneDNN capped below
+    bf16, without VNNI, bf16 rows from `int4.widen_min_rows` multiply that weight in fp32 (within one bf16
+    rounding of fp64 x · w + bias, any slice); a row fewer keeps W4A8. With VNNI the int8 product serves."""
     from sluice.kernels import linear as linear_kernels
     from sluice.kernels import options
 
