@@ -120,7 +120,8 @@ def gguf(model: Path, kind: str, bin_dir: Path) -> Path:
     if kind == "q4_0":
         sh([str(bin_dir / "llama-quantize"), str(gguf(model, "bf16", bin_dir)), str(out), "q4_0"])
         return out
-    sh([sys.executable, "-c", CONVERT, str(src / "convert_hf_to_gguf.py"), str(model), "--outtype", kind,
+    # -P: the checkout's folder off sys.path (its kernels/ would shadow the converter's `kernels` import)
+    sh([sys.executable, "-P", "-c", CONVERT, str(src / "convert_hf_to_gguf.py"), str(model), "--outtype", kind,
         "--outfile", str(out)], env={**os.environ, "PYTHONPATH": str(src / "gguf-py")})
     return out
 

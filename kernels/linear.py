@@ -6,9 +6,9 @@ has no bf16 instructions at all: ours widens bf16 by a shift and sums by FMA); u
 rows, and up to 64 while the rows are small enough to stay in L2 (`gemv_serves`), ours serves; past that, and
 on any other device or dtype, F.linear. Where oneDNN has no bf16 instructions (CPUs without AVX512-BF16 / AMX,
 or ONEDNN_MAX_CPU_ISA below them) its bf16 matmul is far slower than its fp32 one, so the rows past our GEMV
-(there MAX_GEMV_ROWS_FP32: larger decode batches and prefill) are multiplied in fp32: on the avx2 tier to 64
-rows by the GEMV call's AVX2 GEMM (`gemm_rows`: weight panels packed per call, x rows broadcast), past that
-(prefill) and on other tiers the weight widened a bounded slice at a time for oneDNN's fp32 matmul
+(there MAX_GEMV_ROWS_FP32: larger decode batches and prefill) are multiplied in fp32: on the avx2 tier at every
+row count by the GEMV call's AVX2 GEMM (weight panels packed per call, x rows broadcast; `gemm_rows`: the
+decode batches it serves), on other tiers the weight widened a bounded slice at a time for oneDNN's fp32 matmul
 (`widened_linear`). Sums are fp32 in a different order than oneDNN's, then rounded to bf16 as it does.
 """
 
@@ -43,7 +43,7 @@ def gemv_serves(rows: int, in_features: int) -> bool:
     faster one there, docs/benchmarks.md, "llama.cpp vs Sluice on CPU, amx tier"; with no bf16 instructions
     its fp32 one, `widened_linear`)."""
     if rows > MAX_GEMV_ROWS_FP32 and (not onednn_bf16() or onednn_amx()):
-        return rows <= gemm_rows()
+        return gemm_rows() > 0  # the avx2 tier's GEMM: decode batches and prefill rows alike
     return 1 <= rows <= MAX_GEMV_ROWS or (rows <= 64 and rows * in_features <= MAX_GEMV_X)
 
 
@@ -54,11 +54,11 @@ def _gemv():
 
 @options.derived
 def gemm_rows() -> int:
-    """The most rows past MAX_GEMV_ROWS_FP32 that the GEMV call takes with its AVX2 GEMM
-    (csrc/bf16_gemm_avx2.h): its limit on the avx2 tier where oneDNN has no bf16 instructions (there faster
-    than `widened_linear` at the lower of these row counts and level at the top, docs/benchmarks.md,
-    "llama.cpp vs Sluice on CPU, avx2 tier"), else 0 (on the avx512 tier oneDNN's fp32 matmul has AVX-512
-    FMAs; with bf16 instructions its own matmul serves)."""
+    """The decode batches (rows past MAX_GEMV_ROWS_FP32, up to this) that the GEMV call's AVX2 GEMM
+    (csrc/bf16_gemm_avx2.h) serves on the avx2 tier where oneDNN has no bf16 instructions, as the decode stack
+    counts them (past them the GEMM takes prefill rows too, faster there than `widened_linear`:
+    docs/benchmarks.md, "CPU ISA tiers"); else 0 (on the avx512 tier oneDNN's fp32 matmul has AVX-512 FMAs;
+    with bf16 instructions its own matmul serves)."""
     ext = _gemv()
     if ext is None or onednn_bf16() or cpu_isa.tier() != "avx2":
         return 0

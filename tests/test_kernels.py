@@ -225,7 +225,8 @@ def test_bf16_linear_matches_the_fp32_reference(rows, n, k, cpu_tier):
 def test_model_linears_run_the_gemv_at_decode_rows(monkeypatch, cpu_tier):
     """A bf16 decode step's linears go through the GEMV: to 32 rows, and to 64 while the rows stay small (rows
     x in_features <= MAX_GEMV_X); F.linear above. Where oneDNN has no bf16 instructions, to MAX_GEMV_ROWS_FP32
-    rows, widened to fp32 above; where it has AMX tiles, to MAX_GEMV_ROWS_FP32 rows, its bf16 matmul above."""
+    rows, then the avx2 tier's GEMM at every row count (elsewhere widened to fp32); where it has AMX tiles, to
+    MAX_GEMV_ROWS_FP32 rows, its bf16 matmul above."""
     calls = []
     ext = linear_kernels._gemv()
     serves = gemv_tier() and cpp_build.enabled()  # a tier with a GEMV: it must have built and must serve
@@ -244,23 +245,24 @@ def test_model_linears_run_the_gemv_at_decode_rows(monkeypatch, cpu_tier):
     small = linear_kernels.Linear(64, 48, bias=True).to(torch.bfloat16)
     wide = linear_kernels.Linear(4096, 8, bias=False).to(torch.bfloat16)  # 33 x 4096 rows > MAX_GEMV_X
     with torch.inference_mode():
-        for rows in (1, 16, 17, 32, 33, 64, 65):
+        for rows in (1, 16, 17, 32, 33, 64, 65, 300):
             small(torch.randn(rows, 64, dtype=torch.bfloat16))
         for rows in (32, 33):
             wide(torch.randn(rows, 4096, dtype=torch.bfloat16))
     wide_gemv = linear_kernels.onednn_bf16() and not linear_kernels.onednn_amx()
-    gemm = linear_kernels.gemm_rows() == 64  # the avx2 tier without oneDNN bf16: our GEMM to 64 rows
+    gemm = linear_kernels.gemm_rows() == 64  # the avx2 tier without oneDNN bf16: our GEMM at any row count
     linear_kernels.gemm_rows.cache_clear()
-    want = [1, 16, 17, 32, 33, 64, 32] if wide_gemv else [1, 16, 17, 32, 33, 64, 32, 33] if gemm else [1, 16]
+    want = [1, 16, 17, 32, 33, 64, 32] if wide_gemv else [1, 16, 17, 32, 33, 64, 65, 300, 32, 33] if gemm \
+        else [1, 16]
     assert calls == (want if serves else []), "GEMV at decode rows, F.linear above"
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 16, 17, 64, 65])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 16, 17, 64, 65, 131, 700])
 def test_bf16_rows_past_the_fp32_gemv_limit_widen_where_onednn_has_no_bf16(monkeypatch, rows, cpu_tier):
     """With oneDNN capped below its bf16 instructions, our GEMV serves to MAX_GEMV_ROWS_FP32 rows (where it is
-    as fast as oneDNN's fp32 matmul) and above that, to 64 rows, its AVX2 GEMM on the avx2 tier (`gemm_rows`;
-    on avx512 oneDNN's fp32 matmul has AVX-512) and `widened_linear` elsewhere and past 64 rows, each within a
-    bf16 rounding of the fp64 product."""
+    as fast as oneDNN's fp32 matmul) and above that, at every row count (decode batches and prefill), its AVX2
+    GEMM on the avx2 tier (`gemm_rows`; on avx512 oneDNN's fp32 matmul has AVX-512) and `widened_linear`
+    elsewhere, each within a bf16 rounding of the fp64 product."""
     from sluice.kernels import options
 
     ext, calls = linear_kernels._gemv(), []
@@ -280,8 +282,7 @@ def test_bf16_rows_past_the_fp32_gemv_limit_widen_where_onednn_has_no_bf16(monke
     finally:
         options.reset()
     assert gemm == (64 if ext is not None and cpu_isa.tier() == "avx2" else 0)
-    assert calls == ([rows] if ext is not None and rows <= max(linear_kernels.MAX_GEMV_ROWS_FP32, gemm)
-                     else [])
+    assert calls == ([rows] if ext is not None and (rows <= linear_kernels.MAX_GEMV_ROWS_FP32 or gemm) else [])
     assert ((got.double() - want).abs() <= want.abs() * 2**-8 + 1e-5 * 200**0.5).all()
 
 
@@ -299,12 +300,16 @@ def test_bf16_gemv_widened_x_tiles_give_the_narrow_tiles_bits(rows, n, k, cpu_ti
     w, b = (torch.randn(n, k, generator=g) / k**0.5).bfloat16(), torch.randn(n, generator=g).bfloat16()
     try:
         with torch.inference_mode():
+            if ext.GEMM_MAX_ROWS:  # the tiles at every row count, not the avx2 tier's GEMM
+                ext.set_gemm_min_rows(1 << 40)
             ext.set_wide_min_rows(1)
             wide = [ext.bf16_gemv(x, w, bias) for bias in (None, b)]
             ext.set_wide_min_rows(1 << 40)
             narrow = [ext.bf16_gemv(x, w, bias) for bias in (None, b)]
     finally:
         ext.set_wide_min_rows(ext.WIDE_MIN_ROWS)
+        if ext.GEMM_MAX_ROWS:
+            ext.set_gemm_min_rows(ext.GEMM_MIN_ROWS)
     want = x.double() @ w.double().t()
     for got, ref, bias in zip(wide, narrow, (None, b), strict=True):
         assert torch.equal(got, ref)
@@ -312,10 +317,10 @@ def test_bf16_gemv_widened_x_tiles_give_the_narrow_tiles_bits(rows, n, k, cpu_ti
         assert ((got.double() - full).abs() <= full.abs() * 2**-8 + 1e-5 * k**0.5).all()
 
 
-@pytest.mark.parametrize("rows", [17, 18, 23, 32, 33, 63, 64])
+@pytest.mark.parametrize("rows", [12, 13, 17, 18, 23, 32, 33, 63, 64])
 @pytest.mark.parametrize(("n", "k"), [(130, 768), (77, 100), (16, 2048), (1, 33), (48, 16)])
 def test_bf16_gemv_rows_past_16_match_the_fp64_product(rows, n, k, cpu_tier):
-    """17 to 64 rows through the GEMV call (the avx2 tier's GEMM, csrc/bf16_gemm_avx2.h: panels of 16 weight
+    """12 to 64 rows through the GEMV call (the avx2 tier's GEMM, csrc/bf16_gemm_avx2.h: panels of 16 weight
     rows packed per call, 6 x rows a tile; other tiers' tiles): odd row counts off the 6-row tiles, N off the
     16-column panels, K with and without a tail, bias or not, rows with a stride; within a bf16 rounding of
     the fp64 product, and the GEMM and the GEMV's tiles agree as closely."""
@@ -435,9 +440,9 @@ def test_bf16_linear_keeps_leading_dimensions(cpu_tier):
 
 def test_bf16_rows_past_the_gemv_sum_in_fp32_where_onednn_has_no_bf16(monkeypatch):
     """With oneDNN capped below its bf16 instructions (ONEDNN_MAX_CPU_ISA=AVX2), prefill rows of a bf16 linear
-    run widened to fp32 (a bounded slice of the weight at a time): within one bf16 rounding of the fp64
-    product whatever the slice, and F.linear is not called on bf16 there; with bf16 allowed, F.linear
-    serves."""
+    run in fp32: the avx2 tier's GEMM (the tests above), elsewhere widened (a bounded slice of the weight at a
+    time, `widened_linear`): within one bf16 rounding of the fp64 product whatever the slice, and F.linear is
+    not called on bf16 there; with bf16 allowed, F.linear serves."""
     from sluice.kernels import options
 
     torch.manual_seed(0)
@@ -450,9 +455,10 @@ def test_bf16_rows_past_the_gemv_sum_in_fp32_where_onednn_has_no_bf16(monkeypatc
     options.use(options.current().merged(onednn_max_cpu_isa="AVX2"))
     try:
         with torch.inference_mode():
-            whole = linear_kernels.linear(x, w, b)
+            whole = linear_kernels.widened_linear(x, w, b)
             monkeypatch.setattr(linear_kernels, "WIDEN_ELEMENTS", 96 * 7)  # slices of 7 output rows
-            sliced = linear_kernels.linear(x, w, b)
+            sliced = linear_kernels.widened_linear(x, w, b)
+            linear_kernels.linear(x, w, b)
         assert torch.bfloat16 not in bf16_calls and bf16_calls
         assert whole.dtype is torch.bfloat16 and sliced.dtype is torch.bfloat16
         # oneDNN's summation order may follow the slice's shape and the CPU's caches

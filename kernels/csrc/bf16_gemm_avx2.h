@@ -1,5 +1,5 @@
-// The AVX2 tier's bf16 product for decode batches past the GEMV's rows (from bf16_gemv.cpp's gemm_min_rows to
-// kGemmMaxRows x rows), in the form of a GEMM micro-kernel: the output in panels of 16 columns (weight rows), each
+// The AVX2 tier's bf16 product past the GEMV's rows (from bf16_gemv.cpp's gemm_min_rows x rows: decode batches and
+// prefill alike, any row count), in the form of a GEMM micro-kernel: the output in panels of 16 columns (weight rows), each
 // panel's weight rows first packed, per call, into a scratch of [K][16] bf16 (`pack_panel`: the 16 values of one k
 // side by side, columns j and 8 + j in one 32-bit lane, so that a shift widens columns 0-7 to fp32 and a mask
 // columns 8-15), then tiles of kGemmM x rows (x widened to fp32 once per call, row-major) against the panel: per k
@@ -14,7 +14,9 @@
 #include "bf16_avx2.h"  // sluice_round_bf16x8
 
 #define SLUICE_GEMM
-constexpr int64_t kGemmMaxRows = 64;  // the most x rows `gemm` takes (bf16_gemv's own limit)
+// The decode batches (x rows) the GEMV call's `gemm` serves, as the decode stack counts them; past them it takes
+// prefill rows too (faster there than oneDNN's fp32 matmul on weights widened per call: bench/cpu_tiers.py).
+constexpr int64_t kGemmMaxRows = 64;
 constexpr int kGemmM = 6;             // x rows a tile: 12 accumulators, 2 weight registers, 1 broadcast
 
 // Sixteen weight rows w[0..16) (row stride K) at columns [k, k + 16) into p[(k + i) * 16 ...]: for each k, lane j
@@ -148,7 +150,7 @@ inline void panel_all_rows(const float* xf, int64_t M, uint16_t* p, const uint16
   }
 }
 
-// y[M, N] = x[M, K] · W[N, K]ᵀ (+ bias), M up to kGemmMaxRows, rounded to bf16.
+// y[M, N] = x[M, K] · W[N, K]ᵀ (+ bias), any M, rounded to bf16.
 inline void gemm(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* w, int64_t K, int64_t N,
                  const uint16_t* bias, uint16_t* y) {
   // x in fp32, k-major within each tile of kGemmM rows (the tile at m starts at m * K: xf[m * K + k * T + i] is

@@ -77,8 +77,9 @@ void for_row_blocks(int64_t M, int64_t N, F&& f) {
 // tests, which compare the two paths (the same bits either way).
 int64_t wide_min_rows = kWideMinRows;
 // From how many x rows the tier's `gemm` (bf16_gemm_avx2.h) takes a call (a tier without it: never); settable for
-// benchmarks and tests, which compare it with the tiles.
-int64_t gemm_min_rows = kGemmMaxRows > 0 ? 17 : INT64_MAX;
+// benchmarks and tests, which compare it with the tiles. Below it the widened-x tiles are as fast or faster; from
+// 12 rows the GEMM is 1.4x them on Zen 3 (bench/cpu_tiers.py --paths).
+int64_t gemm_min_rows = kGemmMaxRows > 0 ? 12 : INT64_MAX;
 
 #ifdef SLUICE_GEMV_WIDE_X
 // Outputs [n0, n0 + rows) of every x row from x widened once (xw [M, K16]): x rows kWideM at a time, each tile's
@@ -161,7 +162,13 @@ torch::Tensor bf16_gemv(const torch::Tensor& x, const torch::Tensor& weight, con
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "bf16_gemv: x [M, K], weight [N, K]");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16, "bf16_gemv: bf16 only");
   TORCH_CHECK(x.stride(1) == 1 && weight.is_contiguous(), "bf16_gemv: x rows and the weight must be contiguous");
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 64, "bf16_gemv: 1 to 64 rows");
+#ifdef SLUICE_GEMM
+  const bool by_gemm = x.size(0) >= gemm_min_rows;  // the tier's GEMM takes any row count
+#else
+  const bool by_gemm = false;
+#endif
+  TORCH_CHECK(x.size(0) >= 1 && (x.size(0) <= 64 || by_gemm),
+              "bf16_gemv: 1 to 64 rows, or more where the tier's GEMM takes them");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   const uint16_t* b = nullptr;
   if (bias.has_value() && bias->defined()) {
@@ -222,7 +229,7 @@ inline void bind_bf16_gemv(py::module_& m) {
   m.attr("WIDE_MIN_ROWS") = INT64_MAX;  // no widened-x tiles without a tier
   m.attr("GEMM_MAX_ROWS") = 0;
 #endif
-  m.def("bf16_gemv", &bf16_gemv, "x [M<=64, K] · weight [N, K]ᵀ (+ bias) in bf16", py::arg("x"), py::arg("weight"),
+  m.def("bf16_gemv", &bf16_gemv, "x [M, K] (M <= 64; any M on the avx2 GEMM) · weight [N, K]ᵀ (+ bias) in bf16", py::arg("x"), py::arg("weight"),
         py::arg("bias") = py::none());
   m.def("int8_gemv", &int8_gemv_op, "(x [M<=64, K] · qweight [N, K]ᵀ) * scales [N], int8 weights, bf16 x",
         py::arg("x"), py::arg("qweight"), py::arg("scales"));

@@ -98,7 +98,7 @@ inline void wide_tile(const float* xw, const uint16_t* x, int64_t ldx, const uin
     out[(i / R) * ldo + i % R] = sluice_hsum8(_mm256_add_ps(acc[i][0], acc[i][1])) + tail[i];
 }
 
-#include "bf16_gemm_avx2.h"  // `gemm`: 17 to 64 x rows
+#include "bf16_gemm_avx2.h"  // `gemm`: from 12 x rows (gemm_min_rows), any count
 
 // Reads n bf16 in memory order, bringing them into cache.
 inline void touch(const uint16_t* w, int64_t n) {
