@@ -3,8 +3,8 @@
 At a few tokens a layer's kernel calls from Python (module __call__, each kernel's checks, views) are a large
 share of a small model's bf16 decode step (docs/benchmarks.md, decode_steps). The stack makes the same calls
 in the same order from C++, so its results are bitwise the layers'. It
-serves bf16 steps of 1 to MAX_STACK_TOKENS tokens (to `linear.gemm_rows()` for a stack whose every linear is
-bf16, where the avx2 tier's GEMM serves those rows: `max_tokens`) whose sequences all have short queries
+serves bf16 steps of 1 to MAX_STACK_TOKENS tokens (to `linear.gemv_rows` for a stack whose every linear is
+bf16, where our GEMV call serves those rows: `max_tokens`) whose sequences all have short queries
 (decode, speculative verify) on the fused attention kernel; anything else runs the Python layers. Its linears
 are bf16 ones, the weight-only quantized ones, each running the op its Python module would at the step's row
 count (decided when the stack is built, by asking the module's own branch tests), LLM.int8() ones on x86 tiers
@@ -20,17 +20,18 @@ import torch
 
 from sluice.kernels import cpp_build, int4_weights, int8_weights, nf4
 from sluice.kernels.attention import AttentionMetadata
-from sluice.kernels.linear import MAX_GEMV_ROWS, MAX_GEMV_ROWS_FP32, gemm_rows
+from sluice.kernels.linear import MAX_GEMV_ROWS, MAX_GEMV_ROWS_FP32, gemv_rows
 
 MAX_STACK_TOKENS = 16  # the stack's steps: where the int4 W4A8 product and our bf16 GEMV serve every linear
 assert MAX_STACK_TOKENS <= min(MAX_GEMV_ROWS, MAX_GEMV_ROWS_FP32) and MAX_STACK_TOKENS < nf4.TILE_MIN_ROWS
 
 
-def max_tokens() -> int:
+def max_tokens(in_features: int = 1) -> int:
     """The most tokens a step may have to run on a stack: MAX_STACK_TOKENS, or more where our GEMV call serves
-    bf16 linears past it (the avx2 tier's GEMM, `linear.gemm_rows`), for stacks whose every linear is bf16
-    (`DecodeStack.max_tokens`)."""
-    return max(MAX_STACK_TOKENS, gemm_rows())
+    bf16 linears of up to `in_features` inputs at every row count past it (`linear.gemv_rows`: the avx2 tier's
+    GEMM; on AVX512-BF16 without AMX the GEMV itself), for stacks whose every linear is bf16
+    (`DecodeStack.max_tokens`). The default, the narrowest linear, bounds every stack's."""
+    return max(MAX_STACK_TOKENS, gemv_rows(in_features))
 
 
 def _ext():
@@ -146,11 +147,12 @@ def lora_stack_linear(base, mapping, a: torch.Tensor, b: torch.Tensor, out_split
 
 
 def build_stack(layers: list[list], num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
-          scale: float, head: tuple | None = None) -> DecodeStack | None:
+          scale: float, head: tuple | None = None, widest: int = 1 << 30) -> DecodeStack | None:
     """A stack over per-layer [input norm, qkv, o, post-attention norm, gate_up, down, k cache, v cache], the
     linears as this module's stack linears, or None where the kernels do not build or a norm or cache is not a
     contiguous CPU bf16 tensor. `head` (embedding weight, final norm weight, LM head as a stack linear or
-    None) gives it `logits`, where both weights are contiguous CPU bf16 and the LM head stacks."""
+    None) gives it `logits`, where both weights are contiguous CPU bf16 and the LM head stacks. `widest`: the
+    most inputs of any of its linears (the rows a bf16 stack takes depend on it)."""
     ext = _ext()
     if ext is None or not all(_plain_bf16(layer[i]) for layer in layers for i in (0, 3, 6, 7)):
         return None
@@ -158,7 +160,7 @@ def build_stack(layers: list[list], num_heads: int, num_kv_heads: int, head_dim:
     with_head = head is not None and head[2] is not None and _plain_bf16(head[0]) and _plain_bf16(head[1])
     if with_head:
         stack.set_head(*head)
-    return DecodeStack(stack, with_head, max_tokens() if stack.all_bf16() else MAX_STACK_TOKENS)
+    return DecodeStack(stack, with_head, max_tokens(widest) if stack.all_bf16() else MAX_STACK_TOKENS)
 
 
 class DecodeStack:

@@ -288,7 +288,9 @@ class LlamaModel(nn.Module):
                     decode_stack.bf16_stack_linear(self.embed_tokens.weight, None) if self.lm_head is None
                     else stack_linear(self.lm_head))
             stackable = whole_rope and all(t is not None for t in layers)
+            c = self.config
+            widest = max(c.hidden_size, c.intermediate_size, a.num_heads * a.head_dim)
             self._stack = None if not stackable else decode_stack.build_stack(
-                layers, a.num_heads, a.num_kv_heads, a.head_dim, self.config.rms_norm_eps, a.scale, head)
+                layers, a.num_heads, a.num_kv_heads, a.head_dim, c.rms_norm_eps, a.scale, head, widest)
         return self._stack if self._stack is None or tokens <= self._stack.max_tokens else None
 
