@@ -6,10 +6,10 @@ has no bf16 instructions at all: ours widens bf16 by a shift and sums by FMA); u
 rows, and up to 64 while the rows are small enough to stay in L2 (`gemv_serves`), ours serves; past that, and
 on any other device or dtype, F.linear. Where oneDNN has no bf16 instructions (CPUs without AVX512-BF16 / AMX,
 or ONEDNN_MAX_CPU_ISA below them) its bf16 matmul is far slower than its fp32 one, so the rows past our GEMV
-(there MAX_GEMV_ROWS_FP32: larger decode batches and prefill) are multiplied in fp32: on the avx2 tier at every
-row count by the GEMV call's AVX2 GEMM (weight panels packed per call, x rows broadcast; `gemm_rows`: the
-decode batches it serves), on other tiers the weight widened a bounded slice at a time for oneDNN's fp32 matmul
-(`widened_linear`). Sums are fp32 in a different order than oneDNN's, then rounded to bf16 as it does.
+(there MAX_GEMV_ROWS_FP32: larger decode batches and prefill) are multiplied in fp32: on the avx2 tier at
+every row count by the GEMV call's AVX2 GEMM (weight panels packed per call, x rows broadcast; `gemm_rows`:
+the decode batches it serves), on other tiers the weight widened a bounded slice at a time for oneDNN's fp32
+matmul (`widened_linear`). Sums are fp32 in a different order than oneDNN's, then rounded to bf16 as it does.
 """
 
 from __future__ import annotations
