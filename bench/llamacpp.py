@@ -121,8 +121,8 @@ def gguf(model: Path, kind: str, bin_dir: Path) -> Path:
         sh([str(bin_dir / "llama-quantize"), str(gguf(model, "bf16", bin_dir)), str(out), "q4_0"])
         return out
     # -P: the checkout's folder off sys.path (its kernels/ would shadow the converter's `kernels` import)
-    sh([sys.executable, "-P", "-c", CONVERT, str(src / "convert_hf_to_gguf.py"), str(model), "--outtype", kind,
-        "--outfile", str(out)], env={**os.environ, "PYTHONPATH": str(src / "gguf-py")})
+    sh([sys.executable, "-P", "-c", CONVERT, str(src / "convert_hf_to_gguf.py"), str(model),
+        "--outtype", kind, "--outfile", str(out)], env={**os.environ, "PYTHONPATH": str(src / "gguf-py")})
     return out
 
 
