@@ -3,8 +3,8 @@
 At a few tokens a layer's kernel calls from Python (module __call__, each kernel's checks, views) are a large
 share of a small model's bf16 decode step (docs/benchmarks.md, decode_steps). The stack makes the same calls
 in the same order from C++, so its results are bitwise the layers'. It
-serves bf16 steps of 1 to MAX_STACK_TOKENS tokens (to `linear.gemv_rows` for a stack whose every linear is
-bf16, where our GEMV call serves those rows: `max_tokens`) whose sequences all have short queries
+serves bf16 steps of 1 to MAX_STACK_TOKENS tokens (to `linear.bf16_stack_rows` for a stack whose every linear
+is bf16, where our GEMV call serves those rows: `max_tokens`) whose sequences all have short queries
 (decode, speculative verify) on the fused attention kernel; anything else runs the Python layers. Its linears
 are bf16 ones, the weight-only quantized ones, each running the op its Python module would at the step's row
 count (decided when the stack is built, by asking the module's own branch tests), LLM.int8() ones on x86 tiers
@@ -20,7 +20,7 @@ import torch
 
 from sluice.kernels import cpp_build, int4_weights, int8_weights, nf4
 from sluice.kernels.attention import AttentionMetadata
-from sluice.kernels.linear import MAX_GEMV_ROWS, MAX_GEMV_ROWS_FP32, gemv_rows
+from sluice.kernels.linear import MAX_GEMV_ROWS, MAX_GEMV_ROWS_FP32, bf16_stack_rows
 
 MAX_STACK_TOKENS = 16  # the stack's steps: where the int4 W4A8 product and our bf16 GEMV serve every linear
 assert MAX_STACK_TOKENS <= min(MAX_GEMV_ROWS, MAX_GEMV_ROWS_FP32) and MAX_STACK_TOKENS < nf4.TILE_MIN_ROWS
@@ -28,10 +28,10 @@ assert MAX_STACK_TOKENS <= min(MAX_GEMV_ROWS, MAX_GEMV_ROWS_FP32) and MAX_STACK_
 
 def max_tokens(in_features: int = 1) -> int:
     """The most tokens a step may have to run on a stack: MAX_STACK_TOKENS, or more where our GEMV call serves
-    bf16 linears of up to `in_features` inputs at every row count past it (`linear.gemv_rows`: the avx2 tier's
-    GEMM; on AVX512-BF16 without AMX the GEMV itself), for stacks whose every linear is bf16
+    bf16 linears of up to `in_features` inputs at every row count past it (`linear.bf16_stack_rows`: the avx2
+    tier's GEMM; on AVX512-BF16 without AMX the GEMV itself), for stacks whose every linear is bf16
     (`DecodeStack.max_tokens`). The default, the narrowest linear, bounds every stack's."""
-    return max(MAX_STACK_TOKENS, gemv_rows(in_features))
+    return max(MAX_STACK_TOKENS, bf16_stack_rows(in_features))
 
 
 def _ext():

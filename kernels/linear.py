@@ -47,7 +47,7 @@ def gemv_serves(rows: int, in_features: int) -> bool:
     return 1 <= rows <= MAX_GEMV_ROWS or (rows <= 64 and rows * in_features <= MAX_GEMV_X)
 
 
-def gemv_rows(in_features: int) -> int:
+def bf16_stack_rows(in_features: int) -> int:
     """The most rows r (up to 64, the decode batches the decode stack counts) such that our GEMV takes a bf16
     linear with `in_features` inputs at every row count 1..r (`gemv_serves`): MAX_GEMV_ROWS_FP32 where oneDNN
     serves past it, 64 on the avx2 tier's GEMM, and on AVX512-BF16 without AMX as far as x stays in L2."""

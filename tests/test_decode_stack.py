@@ -147,9 +147,9 @@ def test_llm_int8_steps_with_outlier_columns_are_bitwise_the_layers(checkpoint_f
 def test_past_16_tokens_only_bf16_stacks_where_the_gemv_serves(checkpoint_factory, monkeypatch, stack_calls,
                                                                model, query_lens):
     """Steps of 17 to 64 tokens run on the stack only where every linear is bf16 and our GEMV call serves bf16
-    rows past 16 (`linear.gemv_rows`: the avx2 tier's GEMM, SLUICE_CPU_ISA=avx2 with oneDNN held to AVX2; the
-    GEMV itself on AVX512-BF16 without AMX), there bitwise the Python layers' logits and KV writes; anywhere
-    else (quantized linears, AMX, avx512 without bf16) the Python layers."""
+    rows past 16 (`linear.bf16_stack_rows`: the avx2 tier's GEMM, SLUICE_CPU_ISA=avx2 with oneDNN held to
+    AVX2; the GEMV itself on AVX512-BF16 without AMX), there bitwise the Python layers' logits and KV writes;
+    anywhere else (quantized linears, AMX, avx512 without bf16) the Python layers."""
     quantization = MODELS[model][2]
     llm = make_llm(checkpoint_factory, model)
     stack = llm.engine.model._decode_stack(llm.engine.runner.kv_caches)
@@ -157,7 +157,7 @@ def test_past_16_tokens_only_bf16_stacks_where_the_gemv_serves(checkpoint_factor
         assert stack is None
         return
     assert stack is not None
-    rows = linear_kernels.gemv_rows(2048)  # the checkpoints' linears are narrower: their every row count
+    rows = linear_kernels.bf16_stack_rows(2048)  # the checkpoints' linears are narrower: every row count
     assert stack.max_tokens == (max(16, rows) if quantization is None else 16) and rows in (16, 64)
     against_the_layers(llm, monkeypatch, stack_calls, query_lens, stacked=stack.max_tokens >= sum(query_lens))
 
@@ -219,7 +219,7 @@ def test_used_for_short_queries_only(checkpoint_factory, stack_calls):
     serves those rows); a long query (prefill) or one token more runs the Python layers."""
     llm = LLM(checkpoint_factory("llama"), **KV)
     most = decode_stack.max_tokens()
-    assert most == max(16, linear_kernels.gemv_rows(1)) and most in (16, 64)
+    assert most == max(16, linear_kernels.bf16_stack_rows(1)) and most in (16, 64)
     for query_lens in ([1], [16], [1] * 16, [17], [20, 1], [1] * most, [1] * (most + 1)):
         step(llm, query_lens)
     assert stack_calls == [1, 16, 16, most]
@@ -274,7 +274,7 @@ def test_a_wide_linear_bounds_the_rows_of_a_bf16_stack(checkpoint_factory):
     stays in L2, so an MLP 4,096 wide takes 32; the avx2 tier's GEMM takes 64 at any width."""
     llm = LLM(checkpoint_factory("llama", hidden_size=128, intermediate_size=4096), **KV)
     stack = llm.engine.model._decode_stack(llm.engine.runner.kv_caches)
-    assert stack is not None and stack.max_tokens == max(16, linear_kernels.gemv_rows(4096))
+    assert stack is not None and stack.max_tokens == max(16, linear_kernels.bf16_stack_rows(4096))
     assert stack.max_tokens <= decode_stack.max_tokens()
     if linear_kernels.onednn_bf16() and not linear_kernels.onednn_amx():
-        assert linear_kernels.gemv_rows(4096) == 32 and linear_kernels.gemv_rows(2048) == 64
+        assert [linear_kernels.bf16_stack_rows(k) for k in (4096, 2048)] == [32, 64]
