@@ -147,7 +147,7 @@ class ModelRunner:
         # (decode)
         flat = torch.tensor([ids, positions, slots], dtype=torch.long, device=dev)
         meta = kernels.build_metadata(query_lens, context_lens, tables, flat[2], self.block_size, dev,
-                                      fused=self.plan.fused_attention)
+                                      fused=self.plan.fused_attention, fused_prefill=self.plan.fused_prefill)
         every_row = len(logit_idx) == len(ids) and logit_idx == list(range(len(ids)))
         return self.model(flat[0], flat[1], self.kv_caches, meta,
                           None if every_row else torch.tensor(logit_idx, dtype=torch.long, device=dev),
@@ -167,7 +167,8 @@ class ModelRunner:
         else:
             flat = torch.tensor([ids, positions, slots], dtype=torch.long, device=self.device)
             meta = kernels.build_metadata(query_lens, context_lens, tables, flat[2], self.block_size,
-                                          self.device, fused=self.plan.fused_attention)
+                                          self.device, fused=self.plan.fused_attention,
+                                          fused_prefill=self.plan.fused_prefill)
             index = torch.tensor(wanted, dtype=torch.long, device=self.device)
             args = (flat[0], flat[1], self.kv_caches, meta, index)
             plan = self.plan if adapters else self.plan.for_step(flat[0], meta)

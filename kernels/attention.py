@@ -42,6 +42,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor
     short_groups: list[ShortGroup] = field(default_factory=list)
     fused_short: tuple[torch.Tensor, ...] | None = None  # (query starts, query lens, contexts, block tables)
+    fused_long: bool = False  # fused_short holds long queries too (`fused_prefill`): no decode stack step
     long_seqs: list[LongSeq] = field(default_factory=list)
     padded_prefills: list[prefill.PaddedBatch] = field(default_factory=list)  # fresh long_seqs batched
     batched_ids: set[int] = field(default_factory=set)  # ids of the long_seqs the padded batches serve
@@ -55,15 +56,18 @@ def build_metadata(
     block_size: int,
     device: torch.device,
     fused: bool = False,
+    fused_prefill: bool = False,
 ) -> AttentionMetadata:
     """Split sequences into short-query ones (padded groups bucketed by context, or the fused CPU kernel's
-    arguments when `fused`) and long ones."""
+    arguments when `fused`) and long ones (with `fused_prefill` too, the fused kernel's)."""
     meta = AttentionMetadata(slot_mapping=slot_mapping)
     starts, pos = [], 0
     for q in query_lens:
         starts.append(pos)
         pos += q
-    short = [i for i, q in enumerate(query_lens) if q <= MAX_SHORT_QUERY]
+    longest = MAX_SHORT_QUERY if not (fused and fused_prefill) else max(query_lens)
+    meta.fused_long = longest > MAX_SHORT_QUERY
+    short = [i for i, q in enumerate(query_lens) if q <= longest]
     if fused and short:
         meta.fused_short = _fused_args(short, starts, query_lens, context_lens, block_tables)
         short = []
@@ -74,7 +78,7 @@ def build_metadata(
             _short_group(idx, starts, query_lens, context_lens, block_tables, block_size, device)
         )
     for i, q in enumerate(query_lens):
-        if q > MAX_SHORT_QUERY:
+        if q > longest:
             bt = torch.tensor(block_tables[i][: -(-context_lens[i] // block_size)], dtype=torch.long)
             meta.long_seqs.append(LongSeq(starts[i], q, context_lens[i], bt.to(device)))
     meta.padded_prefills, meta.batched_ids = prefill.padded_batches(meta.long_seqs, device)

@@ -23,6 +23,14 @@ def available() -> bool:
     return cpp_build.enabled() and _build() is not None
 
 
+def serves_prefill(dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
+    """Whether long queries (prefills, prefill chunks) run on this kernel too: bf16 queries over a bf16
+    cache where it has `vdpbf16ps` (AVX512-BF16), there faster than torch's SDPA (fresh prefills) or SDPA over
+    a gathered copy (chunks) at every length measured (docs/benchmarks.md, "vLLM CPU vs Sluice")."""
+    return (dtype is torch.bfloat16 and kv_dtype is torch.bfloat16 and available()
+            and bool(getattr(_build(), "BF16_DOT", False)))
+
+
 def paged_attention_cpu(q, k_cache, v_cache, out, qstart, qlen, ctx, block_tables, scale,
                         k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                         chunk: int = 0) -> None:

@@ -50,7 +50,7 @@ def step_fits(ids: torch.Tensor, dtype: torch.dtype, meta) -> bool:
     every step)."""
     return (dtype is torch.bfloat16 and 1 <= ids.shape[0] <= max_tokens() and ids.device.type == "cpu"
             and type(meta) is AttentionMetadata and meta.fused_short is not None and not meta.short_groups
-            and not meta.long_seqs and not torch.is_grad_enabled())
+            and not meta.long_seqs and not meta.fused_long and not torch.is_grad_enabled())
 
 
 def _plain_bf16(t: torch.Tensor | None) -> bool:

@@ -31,6 +31,7 @@ class StepPlan:
     triton: bool  # Triton kernels serve this device
     fused_attention: bool  # short queries (decode, verify) on the fused C++ attention (plain or int8 cache)
     gemv: bool  # bf16 linears at decode rows on the C++ GEMV (kernels.linear decides the rows)
+    fused_prefill: bool = False  # long queries (prefills) on it too (cpu_attention.serves_prefill)
     decode_stack: bool = False  # this step's layers as one C++ call (kernels.decode_stack)
     # this plan with decode_stack set, made once by `plan` where a stack can serve (a step only picks it)
     stacked: StepPlan | None = field(default=None, repr=False, compare=False)
@@ -51,7 +52,8 @@ def plan(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype,
     same_or_int8 = kv_dtype == dtype or kv_dtype == torch.int8
     fused = cpu and not flat and same_or_int8 and cpu_attention.available()
     gemv = cpu and dtype == torch.bfloat16 and gemv_available()
-    fields = (cpu_isa.tier() if cpu else device.type, dtype, kv_dtype, flat, triton_on(device), fused, gemv)
+    fields = (cpu_isa.tier() if cpu else device.type, dtype, kv_dtype, flat, triton_on(device), fused, gemv,
+              fused and cpu_attention.serves_prefill(dtype, kv_dtype))
     return StepPlan(*fields, stacked=StepPlan(*fields, decode_stack=True) if fused and gemv else None)
 
 

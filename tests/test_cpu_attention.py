@@ -11,8 +11,8 @@ import torch
 from sluice.engine import LLM, SamplingParams
 from sluice.engine import kv_cache as int8_cache
 from sluice.engine.kv_cache import StepBlocks, layer_caches
-from sluice.kernels import cpu_attention, options
-from sluice.kernels.attention import build_metadata
+from sluice.kernels import cpu_attention, cpu_isa, decode_stack, dispatch, options
+from sluice.kernels.attention import build_metadata, paged_attention
 from sluice.kernels.int8_heads import quantize_heads
 from tests.tiers import tier_fixture
 
@@ -192,3 +192,34 @@ def test_engine_argmax_with_int8_kv_is_unchanged_by_the_kernel_teacher_forced(ch
         picked = theirs.gather(1, ours.argmax(-1, keepdim=True)).squeeze(1)
         gap = theirs.max(-1).values - picked
         assert (gap <= TIE_MARGIN[dtype]).all(), gap.max()
+
+
+def test_bf16_prefills_join_the_kernel_where_it_has_bf16_dot_products():
+    """With `fused_prefill` (bf16 over a bf16 cache where the kernel has `vdpbf16ps`: the step plan asks for
+    it exactly there) a step's fresh prefill and prefill chunk run on the kernel beside its decode and verify
+    rows, no torch SDPA and no decode stack, matching the float64 reference and the torch path."""
+    query_lens, context_lens = [1, 40, 100, 3], [30, 90, 100, 50]  # decode, chunk, fresh prefill, verify
+    tables = layout(context_lens, seed=5)
+    slots = torch.tensor([t[p // BS] * BS + p % BS
+                          for q, n, t in zip(query_lens, context_lens, tables, strict=True)
+                          for p in range(n - q, n)])
+    g = torch.Generator().manual_seed(5)
+    kc, vc = (torch.randn(2, NB, BS, D, generator=g).to(torch.bfloat16) for _ in range(2))
+    q = (torch.randn(sum(query_lens), 6, D, generator=g) * 2).to(torch.bfloat16)
+    k, v = (c.view(2, -1, D)[:, slots].transpose(0, 1) for c in (kc, vc))  # this step's rows, already written
+    cpu = torch.device("cpu")
+    fused = build_metadata(query_lens, context_lens, tables, slots, BS, cpu, fused=True, fused_prefill=True)
+    torch_path = build_metadata(query_lens, context_lens, tables, slots, BS, cpu, fused=True)
+    assert fused.fused_long and not fused.long_seqs and fused.fused_short[1].tolist() == query_lens
+    assert not torch_path.fused_long and [s.query_len for s in torch_path.long_seqs] == [40, 100]
+    assert not decode_stack.step_fits(torch.zeros(len(slots), dtype=torch.long), torch.bfloat16, fused)
+    serves = cpu_attention.serves_prefill(torch.bfloat16, torch.bfloat16)
+    assert dispatch.plan(cpu, torch.bfloat16, torch.bfloat16).fused_prefill == serves
+    assert not dispatch.plan(cpu, torch.float32, torch.float32).fused_prefill
+    assert serves == (cpu_attention.available() and cpu_isa.tier() in ("avx512_bf16", "amx"))
+    if not serves:
+        return
+    got = paged_attention(q, k, v, kc, vc, fused, D**-0.5)
+    want = reference(q, kc, vc, query_lens, context_lens, tables, D**-0.5)
+    assert (got.double() - want).abs().max().item() < TOL[torch.bfloat16]
+    assert (got.double() - paged_attention(q, k, v, kc, vc, torch_path, D**-0.5).double()).abs().max() < 0.04

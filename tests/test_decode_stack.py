@@ -211,7 +211,11 @@ def test_model_ends_run_on_the_stack_where_every_row_is_wanted(checkpoint_factor
     python_ends = step(llm, query_lens, rows=list(range(5)))
     assert ends == [1], "rows given: the stack's layers, the Python ends"
     assert on_stack.shape == (5, llm.engine.model_config.vocab_size) and torch.equal(on_stack, python_ends)
-    assert torch.equal(step(llm, query_lens, rows=[4, 0]), on_stack[[4, 0]])
+    subset = step(llm, query_lens, rows=[4, 0])
+    if MODELS[model][2] is None:
+        assert torch.equal(subset, on_stack[[4, 0]])
+    else:  # a quantized head's row tiles (W4A8: 4 + 1 rows, or 2) may sum its groups in another order
+        assert torch.allclose(subset.float(), on_stack[[4, 0]].float(), rtol=2**-7, atol=2**-10)
 
 
 def test_used_for_short_queries_only(checkpoint_factory, stack_calls):

@@ -260,10 +260,62 @@ static void attend_unit(const T* q, const Cache& c, const Unit& u, int64_t t0, i
 }
 
 #ifdef SLUICE_BF16_DOT
+// Index vectors of `pack_value_pairs`: lane t of the result holds (a[t], b[t]), from the low or high half of 32.
+alignas(64) static const uint16_t kPairLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                 8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+alignas(64) static const uint16_t kPairHi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                 24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+
+// A tile's kTile bf16 value rows as kTile / 2 rows of position pairs: vp[jp * D + d] holds (v[2jp][d],
+// v[2jp + 1][d]) in one 32-bit lane, the pair `vdpbf16ps` multiplies by a pair of softmax weights.
+static inline void pack_value_pairs(const uint16_t* const* rows, int64_t D, uint32_t* vp) {
+  const __m512i lo = _mm512_load_si512(kPairLo), hi = _mm512_load_si512(kPairHi);
+  for (int64_t jp = 0; jp < kTile / 2; ++jp) {
+    for (int64_t d = 0; d < D; d += 32) {
+      const __m512i a = _mm512_loadu_si512(rows[2 * jp] + d), b = _mm512_loadu_si512(rows[2 * jp + 1] + d);
+      _mm512_storeu_si512(vp + jp * D + d, _mm512_permutex2var_epi16(a, lo, b));
+      _mm512_storeu_si512(vp + jp * D + d + 16, _mm512_permutex2var_epi16(a, hi, b));
+    }
+  }
+}
+
+// acc rows [NR][D] at columns [d, d + 16 NC) += the tile's values weighed by each row's bf16 weight pairs (wp:
+// row i's kTile / 2 pairs at wp[i * kTile]), np position pairs: the rows' sums stay in registers across the tile,
+// each value slice loaded once for all of them.
+template <int NR, int NC>
+static inline void add_value_pairs(float* acc, int64_t D, int64_t d, const uint32_t* wp, const uint32_t* vp,
+                                   int64_t np) {
+  __m512 a[NR][NC];
+  for (int i = 0; i < NR; ++i)
+    for (int c = 0; c < NC; ++c) a[i][c] = _mm512_loadu_ps(acc + i * D + d + 16 * c);
+  for (int64_t jp = 0; jp < np; ++jp) {
+    __m512bh v[NC];
+    for (int c = 0; c < NC; ++c) v[c] = (__m512bh)_mm512_loadu_si512(vp + jp * D + d + 16 * c);
+    for (int i = 0; i < NR; ++i) {
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(wp[i * kTile + jp]));
+      for (int c = 0; c < NC; ++c) a[i][c] = _mm512_dpbf16_ps(a[i][c], w, v[c]);
+    }
+  }
+  for (int i = 0; i < NR; ++i)
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + i * D + d + 16 * c, a[i][c]);
+}
+
+template <int NC>
+static inline void add_value_pairs_rows(float* acc, int64_t nr, int64_t D, int64_t d, const uint32_t* wp,
+                                        const uint32_t* vp, int64_t np) {
+  switch (nr) {
+    case 1: return add_value_pairs<1, NC>(acc, D, d, wp, vp, np);
+    case 2: return add_value_pairs<2, NC>(acc, D, d, wp, vp, np);
+    case 3: return add_value_pairs<3, NC>(acc, D, d, wp, vp, np);
+    default: return add_value_pairs<4, NC>(acc, D, d, wp, vp, np);
+  }
+}
+
 // The bf16 cache without scales: scores straight from the bf16 keys with `vdpbf16ps` (no fp32 copy of the key
-// tile; sixteen keys' dot products reduced into one vector at once), the softmax on that vector, then the fp32
-// value tile added into up to four query rows per pass (each value slice loaded once for all of them; rows
-// past their causal limit weigh the tail positions 0). D % 32 == 0, D <= 256.
+// tile; sixteen keys' dot products reduced into one vector at once), the softmax on that vector, its weights
+// rounded to bf16 (the running sum adds the rounded ones), then the value tile, packed in position pairs, added
+// into up to four query rows per pass by `vdpbf16ps` too (each value slice loaded once for all of them; rows past
+// their causal limit weigh the tail positions 0). D % 32 == 0, D <= 256.
 static void attend_unit_bf16(const at::BFloat16* q, const Cache& c, const Unit& u, int64_t t0, int64_t nq,
                              int64_t L, int64_t H, int64_t G, int64_t D, float scale, std::vector<float>& wbuf,
                              float* m, float* l, float* acc) {
@@ -273,25 +325,28 @@ static void attend_unit_bf16(const at::BFloat16* q, const Cache& c, const Unit& 
   std::fill(acc, acc + R * D, 0.f);
   wbuf.resize(R * kTile);
   float* w = wbuf.data();
-  alignas(64) float vbuf[kTile * 256];
+  alignas(64) uint32_t vp[kTile / 2 * 256];
   alignas(64) static const uint16_t zero_row[256] = {};
   int64_t slots[kTile];
   const uint16_t* krows[kTile];
-  const float* vrows[kTile];
+  const uint16_t* vrows[kTile];
   const auto* kc = reinterpret_cast<const uint16_t*>(c.k);
-  const auto* vc = static_cast<const at::BFloat16*>(c.v);
+  const auto* vc = reinterpret_cast<const uint16_t*>(c.v);
   const __m512 vscale = _mm512_set1_ps(scale), minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t p = u.p0; p < u.p1; p += kTile) {
     const int64_t n = std::min(kTile, u.p1 - p);
     tile_slots(c, table, hk, p, n, slots);
-    for (int64_t j = 0; j < kTile; ++j) krows[j] = j < n ? kc + slots[j] * D : zero_row;
-    load_tile(vc, slots, n, D, vbuf, vrows);
+    for (int64_t j = 0; j < kTile; ++j) {
+      krows[j] = j < n ? kc + slots[j] * D : zero_row;
+      vrows[j] = j < n ? vc + slots[j] * D : zero_row;
+    }
+    pack_value_pairs(vrows, D, vp);
     prefetch_tile<uint16_t>(c, table, hk, p + kTile, u.p1, D);
     int64_t rows = 0;  // rows up to the last that sees this tile (earlier rows that do not weigh it 0)
     for (int64_t r = 0; r < R; ++r) {
       const int64_t valid = std::min(n, L - nq + r / G + 1 - p);  // causal: query i sees positions < L - nq + i + 1
       if (valid <= 0) {
-        _mm512_storeu_ps(w + r * kTile, _mm512_setzero_ps());
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + r * kTile), _mm256_setzero_si256());
         continue;
       }
       rows = r + 1;
@@ -306,8 +361,9 @@ static void attend_unit_bf16(const at::BFloat16* q, const Cache& c, const Unit& 
       const __mmask16 seen = static_cast<__mmask16>((1u << valid) - 1);
       const __m512 sc = _mm512_mask_mov_ps(minus_inf, seen, _mm512_mul_ps(sluice_reduce16(dots), vscale));
       const float top = std::max(m[r], _mm512_reduce_max_ps(sc));
-      const __m512 wv = _mm512_maskz_mov_ps(seen, (Vec(sc) - Vec(top)).exp_u20());
-      _mm512_storeu_ps(w + r * kTile, wv);
+      const __m256bh wb = _mm512_cvtneps_pbh(_mm512_maskz_mov_ps(seen, (Vec(sc) - Vec(top)).exp_u20()));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + r * kTile), (__m256i)wb);
+      const __m512 wv = _mm512_cvtpbh_ps(wb);  // the weights as the values will be weighed
       if (top != m[r]) {
         const float alpha = std::exp(m[r] - top);  // exp(-inf) = 0 on the first tile
         scale_row(acc + r * D, alpha, D);
@@ -316,16 +372,13 @@ static void attend_unit_bf16(const at::BFloat16* q, const Cache& c, const Unit& 
       }
       l[r] += _mm512_reduce_add_ps(wv);
     }
+    const int64_t np = (n + 1) / 2;  // an odd tile's last pair: a zero row at weight 0
+    const auto* wp = reinterpret_cast<const uint32_t*>(w);
     for (int64_t r0 = 0; r0 < rows; r0 += 4) {
       const int64_t nr = std::min<int64_t>(4, rows - r0);
-      for (int64_t d = 0; d < D; d += 16) {
-        __m512 a[4];
-        for (int64_t i = 0; i < nr; ++i) a[i] = _mm512_loadu_ps(acc + (r0 + i) * D + d);
-        for (int64_t j = 0; j < n; ++j) {
-          const __m512 v = _mm512_loadu_ps(vrows[j] + d);
-          for (int64_t i = 0; i < nr; ++i) a[i] = _mm512_fmadd_ps(v, _mm512_set1_ps(w[(r0 + i) * kTile + j]), a[i]);
-        }
-        for (int64_t i = 0; i < nr; ++i) _mm512_storeu_ps(acc + (r0 + i) * D + d, a[i]);
+      for (int64_t d = 0; d < D; d += 64) {
+        if (D - d >= 64) add_value_pairs_rows<4>(acc + r0 * D, nr, D, d, wp + r0 * kTile, vp, np);
+        else add_value_pairs_rows<2>(acc + r0 * D, nr, D, d, wp + r0 * kTile, vp, np);
       }
     }
   }
@@ -473,6 +526,11 @@ void paged_attention_cpu(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v
 inline void bind_paged_attention(py::module_& m) {
   m.def("paged_attention_cpu", &paged_attention_cpu,
         "Paged attention of short queries over their blocks (CPU; plain or int8 cache with per-token-head scales)");
+#ifdef SLUICE_BF16_DOT
+  m.attr("BF16_DOT") = true;  // bf16 queries over a bf16 cache: attend_unit_bf16, faster than torch's SDPA at any length
+#else
+  m.attr("BF16_DOT") = false;
+#endif
 }
 
 #ifndef SLUICE_NO_MODULE  // built alone (decode_stack.cpp and cpu_kernels.cpp include it without its module)
