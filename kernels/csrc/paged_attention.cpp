@@ -1,10 +1,11 @@
-// Fused CPU paged attention of short queries: walks each sequence's block table, reading every cached key and
+// Fused CPU paged attention of short queries (and, on AVX512-BF16, of bf16 prefills and prefill chunks too:
+// kernels/cpu_attention.py, serves_prefill): walks each sequence's block table, reading every cached key and
 // value once per kv head, in tiles converted to fp32 in L1 and shared by the kv head's G query rows; AVX-512
 // (or AVX2) through at::vec; a flash-style online softmax; long contexts split across threads and merged by
 // log-sum-exp; the next tile prefetched into L2. A bf16 cache on a CPU with avx512_bf16 takes a faster path
-// (attend_unit_bf16: bf16 dot products straight from the cache, the softmax on whole tiles). An int8 cache (per-token-head
-// fp16 scales) is dequantized in registers: the key scale folds into the score, the value scale into the
-// softmax weight.
+// (attend_unit_bf16: bf16 dot products straight from the cache and on value tiles packed in position pairs, the
+// softmax on whole tiles). An int8 cache (per-token-head fp16 scales) is dequantized in registers: the key scale
+// folds into the score, the value scale into the softmax weight.
 #pragma once
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
 #define CPU_CAPABILITY_AVX512
