@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from sluice.kernels import cpp_build, int4_weights, int8_weights, nf4
+from sluice.kernels import cpp_build, int4_weights, int8_weights, nf4, options
 from sluice.kernels.attention import AttentionMetadata
 from sluice.kernels.linear import MAX_GEMV_ROWS, MAX_GEMV_ROWS_FP32, bf16_stack_rows
 
@@ -32,6 +32,12 @@ def max_tokens(in_features: int = 1) -> int:
     tier's GEMM; on AVX512-BF16 without AMX the GEMV itself), for stacks whose every linear is bf16
     (`DecodeStack.max_tokens`). The default, the narrowest linear, bounds every stack's."""
     return max(MAX_STACK_TOKENS, bf16_stack_rows(in_features))
+
+
+@options.derived
+def _any_stack_tokens() -> int:
+    """`max_tokens()`, the bound of every stack, kept with the options: `step_fits` asks it every step."""
+    return max_tokens()
 
 
 def _ext():
@@ -48,7 +54,7 @@ def available() -> bool:
 def step_fits(ids: torch.Tensor, dtype: torch.dtype, meta) -> bool:
     """Whether a step of token ids [T] with activations in `dtype` can run on a stack (a few attribute tests:
     every step)."""
-    return (dtype is torch.bfloat16 and 1 <= ids.shape[0] <= max_tokens() and ids.device.type == "cpu"
+    return (dtype is torch.bfloat16 and 1 <= ids.shape[0] <= _any_stack_tokens() and ids.device.type == "cpu"
             and type(meta) is AttentionMetadata and meta.fused_short is not None and not meta.short_groups
             and not meta.long_seqs and not meta.fused_long and not torch.is_grad_enabled())
 

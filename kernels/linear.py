@@ -64,10 +64,10 @@ def _gemv():
 
 @options.derived
 def gemm_rows() -> int:
-    """The decode batches (rows past MAX_GEMV_ROWS_FP32, up to this) that the GEMV call's AVX2 GEMM
-    (csrc/bf16_gemm_avx2.h) serves on the avx2 tier where oneDNN has no bf16 instructions, as the decode stack
-    counts them (past them the GEMM takes prefill rows too, faster there than `widened_linear`:
-    docs/benchmarks.md, "CPU ISA tiers"); else 0 (on the avx512 tier oneDNN's fp32 matmul has AVX-512 FMAs;
+    """The GEMV call's AVX2 GEMM (csrc/bf16_gemm_avx2.h) limit for decode batches on the avx2 tier where
+    oneDNN has no bf16 instructions (it takes every row count past MAX_GEMV_ROWS_FP32, prefill rows too,
+    faster there than `widened_linear`: docs/benchmarks.md, "CPU ISA tiers"; `gemv_serves` asks only whether
+    it is there); else 0 (on the avx512 tier oneDNN's fp32 matmul has AVX-512 FMAs;
     with bf16 instructions its own matmul serves)."""
     ext = _gemv()
     if ext is None or onednn_bf16() or cpu_isa.tier() != "avx2":
