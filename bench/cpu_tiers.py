@@ -60,8 +60,8 @@ def bf16_rows(rows: int, rounds: int) -> tuple[float, float]:
 
 def bf16_paths(rows: int, rounds: int) -> dict[str, float]:
     """ms for the 48 linears and the LM head at `rows` rows on each bf16 path: the GEMV's narrow tiles, its
-    widened-x tiles (the avx2 tier's; the same as narrow on avx512_bf16), and `widened_linear` (oneDNN
-    fp32)."""
+    widened-x tiles (the avx2 tier's; the same as narrow on avx512_bf16), `widened_linear` (oneDNN fp32), and
+    where the tier has them oneDNN's bf16 matmul (F.linear) and our product from packed panels."""
     weights = [torch.randn(n, k).to(torch.bfloat16) for n, k in [*LINEARS, (32000, 768)]]
     xs = {k: torch.randn(rows, k).to(torch.bfloat16) for _, k in LINEARS}
     gemv = linear_kernels._gemv()
@@ -79,6 +79,11 @@ def bf16_paths(rows: int, rounds: int) -> dict[str, float]:
         paths = {"GEMV narrow": on_gemv(1 << 40), "GEMV widened x": on_gemv(1), **paths}
     if gemv.GEMM_MAX_ROWS:  # the avx2 tier's GEMM takes any row count
         paths["AVX2 GEMM"] = on_gemv(1 << 40, 1)
+    if linear_kernels.onednn_bf16():
+        paths["F.linear (oneDNN bf16)"] = lambda: [F.linear(xs[w.shape[1]], w) for w in weights]
+    if getattr(gemv, "PANELS", False):  # AVX512-BF16: the weights packed once, outside the timing
+        panels = [(gemv.pack_panels(w), w.shape[0]) for w in weights]
+        paths["panels"] = lambda: [gemv.panels_linear(xs[p.shape[1] * 2], p, n) for p, n in panels]
     times = dict.fromkeys(paths, float("inf"))
     with torch.inference_mode():
         for _ in range(rounds):

@@ -40,10 +40,11 @@ class Settings(BaseSettings):
     s3_addressing_style: str = "path"
     dtype: str | None = None
     device: str | None = None
-    # the engine's kernel options (EngineConfig.cpu_kernel, cpu_isa, device_path)
+    # the engine's kernel options (EngineConfig.cpu_kernel, cpu_isa, device_path, packed_weights)
     cpu_kernel: bool | None = None
     cpu_isa: str | None = None
     device_path: bool | None = None
+    packed_weights: bool | None = None
     demo_model: Path = Path(__file__).resolve().parents[1] / "models" / "sluice-tiny"
     demo_results: Path = Path("results")
     max_line_bytes: int = Field(1_000_000, gt=0)

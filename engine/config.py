@@ -115,6 +115,10 @@ class EngineConfig:
                                          "SLUICE_CPU_KERNEL, on).")
     cpu_isa: str | None = _opt(None, "CPU: cap on the ISA tier the C++ kernels are built for: avx2, avx512, "
                                      "avx512_bf16 or amx (default: SLUICE_CPU_ISA, else the host's).")
+    packed_weights: bool | None = _opt(None, "CPU, AVX512-BF16 without AMX: each bf16 weight also packed "
+                                             "into panels, its products' faster layout at every row count (a "
+                                             "second copy, at most half the memory available; default: "
+                                             "SLUICE_PACKED_WEIGHTS, on).")
     device_path: bool | None = _opt(None,
                                     "FlatMetadata steps (Triton on CUDA) forced on or off on any device "
                                     "(default: SLUICE_DEVICE_PATH, else on where CUDA has triton).")

@@ -38,7 +38,8 @@ class Engine:
     def __init__(self, config: EngineConfig, weight_reservation: WeightReservation | None = None) -> None:
         self.config = config
         self.kernel_options = options.defaults().merged(cpu_kernel=config.cpu_kernel, cpu_isa=config.cpu_isa,
-                                                        device_path=config.device_path)
+                                                        device_path=config.device_path,
+                                                        packed_weights=config.packed_weights)
         with options.active(self.kernel_options):
             self._load(config, weight_reservation)
             self._assemble(config)

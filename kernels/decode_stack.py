@@ -20,7 +20,7 @@ import torch
 
 from sluice.kernels import cpp_build, int4_weights, int8_weights, nf4, options
 from sluice.kernels.attention import AttentionMetadata
-from sluice.kernels.linear import MAX_GEMV_ROWS, MAX_GEMV_ROWS_FP32, bf16_stack_rows
+from sluice.kernels.linear import MAX_GEMV_ROWS, MAX_GEMV_ROWS_FP32, bf16_stack_rows, weight_panels
 
 MAX_STACK_TOKENS = 16  # the stack's steps: where the int4 W4A8 product and our bf16 GEMV serve every linear
 assert MAX_STACK_TOKENS <= min(MAX_GEMV_ROWS, MAX_GEMV_ROWS_FP32) and MAX_STACK_TOKENS < nf4.TILE_MIN_ROWS
@@ -70,11 +70,13 @@ def _row_counts(in_features: int) -> list[torch.Tensor]:
 
 
 def bf16_stack_linear(weight: torch.Tensor, bias: torch.Tensor | None):
-    """sluice.kernels.linear.Linear's weights as a stack linear (our GEMV at every row count), or None where
-    the GEMV would not serve them."""
+    """sluice.kernels.linear.Linear's weights as a stack linear (the product from its panels where
+    `linear.weight_panels` has them, else our GEMV, at every row count), or None where neither would serve
+    them."""
     ext = _ext()
-    return ext.bf16_linear(weight,
-                           bias) if ext is not None and _plain_bf16(weight) and _plain_bf16(bias) else None
+    if ext is None or not _plain_bf16(weight) or not _plain_bf16(bias):
+        return None
+    return ext.bf16_linear(weight, bias, weight_panels(weight))
 
 
 def int4_stack_linear(w: int4_weights.Int4Weight, bias: torch.Tensor | None):

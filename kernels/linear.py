@@ -1,4 +1,12 @@
-"""Unquantized linears: on CPU a bf16 GEMV of ours for a few rows (csrc/bf16_gemv.cpp), F.linear elsewhere.
+"""Unquantized linears: on CPU a bf16 GEMV of ours for a few rows (csrc/bf16_gemv.cpp), F.linear elsewhere;
+on AVX512-BF16 without AMX, a product of ours from the weight packed into panels at every row count.
+
+Where the tier has it (`panels_serve`), each bf16 weight is packed once, on its first product, into panels of
+64 outputs in K pairs (csrc/bf16_panels.h, `weight_panels`: a second copy kept on the weight, remade if the
+weight is written to), and every product of it runs there: faster than the GEMV and than oneDNN's bf16 matmul
+from one row to prefill (docs/benchmarks.md, cpu_tiers). The copies take at most half the memory available
+when the first is made (`PANEL_SHARE`); weights past that, or with SLUICE_PACKED_WEIGHTS=0, stay on the paths
+below.
 
 At the row counts of decode (one to a few tokens per step) a linear only streams its weight, and oneDNN's bf16
 matmul reads it well below the memory bandwidth that a plain AVX512-BF16 pass reaches (on the avx2 tier oneDNN
@@ -14,6 +22,7 @@ matmul (`widened_linear`). Sums are fp32 in a different order than oneDNN's, the
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -35,6 +44,8 @@ MAX_GEMV_ROWS_FP32 = 16
 WIDEN_ELEMENTS = 1 << 22  # weight elements widened to fp32 at a time by `widened_linear` (16 MiB of fp32)
 # ... at up to 64 rows (decode): a slice that stays in L2 for the matmul that reads it (2 MiB of fp32)
 WIDEN_ELEMENTS_FEW_ROWS = 1 << 19
+PANEL_SHARE = 0.5  # of the memory available at the first packing, the most the panel copies take together
+_panel_budget: list[int] = []  # bytes the panel copies may still take (set at the first packing)
 
 
 def gemv_serves(rows: int, in_features: int) -> bool:
@@ -50,7 +61,10 @@ def gemv_serves(rows: int, in_features: int) -> bool:
 def bf16_stack_rows(in_features: int) -> int:
     """The most rows r (up to 64, the decode batches the decode stack counts) such that our GEMV takes a bf16
     linear with `in_features` inputs at every row count 1..r (`gemv_serves`): MAX_GEMV_ROWS_FP32 where oneDNN
-    serves past it, 64 on the avx2 tier's GEMM, and on AVX512-BF16 without AMX as far as x stays in L2."""
+    serves past it, 64 on the avx2 tier's GEMM and where weights are packed into panels (`panels_serve`), and
+    else on AVX512-BF16 without AMX as far as x stays in L2."""
+    if panels_serve():
+        return 64
     rows = 0
     while rows < 64 and gemv_serves(rows + 1, in_features):
         rows += 1
@@ -86,10 +100,66 @@ def gemv_available() -> bool:
     return _gemv() is not None
 
 
+@options.derived
+def panels_serve() -> bool:
+    """Whether bf16 weights are packed into panels here (`weight_panels`): the extension is built for
+    AVX512-BF16, oneDNN has no AMX tiles (with them its matmul is the faster past a few rows), and
+    SLUICE_PACKED_WEIGHTS is not 0."""
+    ext = _gemv()
+    return (ext is not None and getattr(ext, "PANELS", False) and not onednn_amx()
+            and options.current().packed_weights)
+
+
+def weight_panels(weight: torch.Tensor) -> torch.Tensor | None:
+    """The panels of a bf16 CPU weight [out, in] (csrc/bf16_panels.h), packed on first use and kept on the
+    weight until it is written to; None where they do not serve (`panels_serve`) or the copies' share of
+    memory is spent."""
+    if not panels_serve():
+        return None
+    held = getattr(weight, "_sluice_panels", None)
+    version = 0 if weight.is_inference() else weight._version
+    if held is not None and held[0] == version:
+        return held[1]
+    if not (weight.dtype is torch.bfloat16 and weight.dim() == 2 and weight.device.type == "cpu"
+            and weight.is_contiguous()):
+        return None
+    if not _panel_budget:
+        _panel_budget.append(int(PANEL_SHARE * _available_memory()))
+    size = weight.numel() * weight.element_size()
+    panels = None
+    if size <= _panel_budget[0]:
+        with torch.inference_mode(weight.is_inference()):
+            panels = _gemv().pack_panels(weight)
+        _panel_budget[0] -= size
+    weight._sluice_panels = (version, panels)
+    return panels
+
+
+def _available_memory() -> int:
+    """Bytes of memory available now (Linux: MemAvailable; elsewhere the free pages)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] · weight [out, in]ᵀ (+ bias), as F.linear. (Checks ordered cheapest-first and the extension
     resolved once: this runs for every linear of a decode step.)"""
     rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    if (rows.dtype is torch.bfloat16 and rows.device.type == "cpu"
+            and weight.dtype is torch.bfloat16 and rows.stride(-1) == 1 and rows.shape[0] > 0
+            and (bias is None or bias.dtype is torch.bfloat16)
+            and not torch.is_grad_enabled()):
+        panels = weight_panels(weight)
+        if panels is not None:
+            bias = None if bias is None else bias.contiguous()
+            y = _gemv().panels_linear(rows, panels, weight.shape[0], bias)
+            return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])
     if (gemv_serves(rows.shape[0], rows.shape[1]) and rows.dtype is torch.bfloat16
         and weight.dtype is torch.bfloat16
             and rows.device.type == "cpu" and (bias is None or bias.dtype is torch.bfloat16)

@@ -20,6 +20,7 @@ from typing import Any, Generic, TypeVar
 CPU_KERNEL = "SLUICE_CPU_KERNEL"
 CPU_ISA = "SLUICE_CPU_ISA"
 DEVICE_PATH = "SLUICE_DEVICE_PATH"
+PACKED_WEIGHTS = "SLUICE_PACKED_WEIGHTS"
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +35,9 @@ class KernelOptions:
     cache_home: str | None = None  # XDG_CACHE_HOME: where built kernels are kept (None: ~/.cache)
     cxx: str = "c++"  # CXX: the C++ compiler
     onednn_max_cpu_isa: str = ""  # ONEDNN_MAX_CPU_ISA: oneDNN's own cap, upper case
+    # SLUICE_PACKED_WEIGHTS: False (0) keeps bf16 linears on their row-major weights alone (kernels.linear's
+    # panels are a second copy of each weight)
+    packed_weights: bool = True
     # What kernel modules derived from these options (`derived`), kept with them.
     memo: dict[Callable, Any] = field(default_factory=dict, init=False, compare=False, hash=False, repr=False)
 
@@ -46,7 +50,8 @@ class KernelOptions:
                    device_path=path == "1" if path in ("0", "1") else None,
                    cache_home=env.get("XDG_CACHE_HOME") or None,
                    cxx=env.get("CXX") or "c++",
-                   onednn_max_cpu_isa=env.get("ONEDNN_MAX_CPU_ISA", "").upper())
+                   onednn_max_cpu_isa=env.get("ONEDNN_MAX_CPU_ISA", "").upper(),
+                   packed_weights=env.get(PACKED_WEIGHTS, "1") != "0")
 
     def merged(self, **values) -> KernelOptions:
         """These options with the given fields replaced where their value is not None."""

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from sluice.engine import LLM, SamplingParams
-from sluice.kernels import build_metadata, decode_stack, int8_weights
+from sluice.kernels import build_metadata, decode_stack, int8_weights, options
 from sluice.kernels import linear as linear_kernels
 from tests.test_engine import random_prompts
 
@@ -275,10 +275,17 @@ def test_greedy_generate_is_unchanged(checkpoint_factory, monkeypatch, stack_cal
 
 def test_a_wide_linear_bounds_the_rows_of_a_bf16_stack(checkpoint_factory):
     """A bf16 stack runs our GEMV's rows for its widest linear: on AVX512-BF16 without AMX 64 rows while x
-    stays in L2, so an MLP 4,096 wide takes 32; the avx2 tier's GEMM takes 64 at any width."""
+    stays in L2, so an MLP 4,096 wide takes 32 (64 at any width where its weights are packed into panels,
+    `linear.panels_serve`); the avx2 tier's GEMM takes 64 at any width."""
     llm = LLM(checkpoint_factory("llama", hidden_size=128, intermediate_size=4096), **KV)
     stack = llm.engine.model._decode_stack(llm.engine.runner.kv_caches)
     assert stack is not None and stack.max_tokens == max(16, linear_kernels.bf16_stack_rows(4096))
     assert stack.max_tokens <= decode_stack.max_tokens()
     if linear_kernels.onednn_bf16() and not linear_kernels.onednn_amx():
-        assert [linear_kernels.bf16_stack_rows(k) for k in (4096, 2048)] == [32, 64]
+        wide = 64 if linear_kernels.panels_serve() else 32
+        assert [linear_kernels.bf16_stack_rows(k) for k in (4096, 2048)] == [wide, 64]
+        options.use(options.current().merged(packed_weights=False))
+        try:
+            assert [linear_kernels.bf16_stack_rows(k) for k in (4096, 2048)] == [32, 64]
+        finally:
+            options.reset()

@@ -19,8 +19,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_options_parse_the_environment():
     env = {"SLUICE_CPU_KERNEL": "0", "SLUICE_CPU_ISA": " AVX2 ", "SLUICE_DEVICE_PATH": "1",
-           "XDG_CACHE_HOME": "/c", "CXX": "clang++", "ONEDNN_MAX_CPU_ISA": "avx2"}
-    assert KernelOptions.from_env(env) == KernelOptions(False, "avx2", True, "/c", "clang++", "AVX2")
+           "XDG_CACHE_HOME": "/c", "CXX": "clang++", "ONEDNN_MAX_CPU_ISA": "avx2",
+           "SLUICE_PACKED_WEIGHTS": "0"}
+    assert KernelOptions.from_env(env) == KernelOptions(False, "avx2", True, "/c", "clang++", "AVX2", False)
     assert KernelOptions.from_env({}) == KernelOptions()
     assert KernelOptions.from_env({"SLUICE_DEVICE_PATH": "0"}).device_path is False
     assert KernelOptions.from_env({"SLUICE_DEVICE_PATH": "yes"}).device_path is None
@@ -77,7 +78,9 @@ def test_a_step_runs_with_its_engines_options(tiny_llama, monkeypatch):
 @pytest.mark.parametrize(("name", "field", "value", "want"), [("SLUICE_CPU_KERNEL", "cpu_kernel", "0", False),
                                                               ("SLUICE_CPU_ISA", "cpu_isa", "avx2", "avx2"),
                                                               ("SLUICE_DEVICE_PATH", "device_path", "1",
-                                                               True)])
+                                                               True),
+                                                              ("SLUICE_PACKED_WEIGHTS", "packed_weights", "0",
+                                                               False)])
 def test_settings_carry_the_kernel_options(monkeypatch, name, field, value, want):
     """The worker's Settings read the same variables, for it to pass into EngineConfig explicitly."""
     monkeypatch.setenv(name, value)

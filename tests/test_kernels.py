@@ -222,6 +222,76 @@ def test_bf16_linear_matches_the_fp32_reference(rows, n, k, cpu_tier):
         assert ((theirs - ref).abs() <= tol).all()
 
 
+def panels_tier() -> bool:
+    """Whether the chosen tier packs bf16 weights into panels: our extension built for AVX512-BF16, oneDNN
+    without AMX tiles."""
+    ext = linear_kernels._gemv()
+    return ext is not None and ext.TIER == "avx512_bf16" and not linear_kernels.onednn_amx()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 17, 64, 65, 300])
+@pytest.mark.parametrize(("n", "k"), [(130, 768), (77, 101), (64, 2), (1, 33)])
+def test_bf16_panels_serve_every_row_count_within_a_rounding(rows, n, k, cpu_tier):
+    """Where the tier packs bf16 weights into panels, `linear` runs every row count from them (csrc/
+    bf16_panels.h): N off the 64-output panels, odd K, bias or not, rows with a stride, within a bf16 rounding
+    of the fp64 product; each row the same bits whatever rows share its call. Elsewhere no weight is
+    packed."""
+    g = torch.Generator().manual_seed(rows * 13 + n + k)
+    x = torch.randn(rows, k + 5, generator=g).bfloat16()[:, 2 : 2 + k]
+    w, b = (torch.randn(n, k, generator=g) / k**0.5).bfloat16(), torch.randn(n, generator=g).bfloat16()
+    assert linear_kernels.panels_serve() == panels_tier()
+    with torch.inference_mode():
+        got = [linear_kernels.linear(x, w, bias) for bias in (None, b)]
+        first = linear_kernels.linear(x[:1], w, b)
+    panels = linear_kernels.weight_panels(w)
+    if not panels_tier():
+        assert panels is None and getattr(w, "_sluice_panels", None) is None
+        return
+    assert panels.shape == (-(-n // 64), -(-k // 2), 64, 2)
+    with torch.inference_mode():
+        assert torch.equal(got[1], linear_kernels._gemv().panels_linear(x, panels, n, b))
+    assert torch.equal(first, got[1][:1]), "a row's bits do not depend on the rows beside it"
+    want = x.double() @ w.double().t()
+    for out, bias in zip(got, (None, b), strict=True):
+        full = want if bias is None else want + bias.double()
+        assert ((out.double() - full).abs() <= full.abs() * 2**-8 + 1e-5 * k**0.5).all()
+
+
+def test_panels_are_packed_once_remade_after_a_write_and_bounded(monkeypatch, cpu_tier):
+    """A weight's panels are packed on its first product and kept; writing to the weight makes the next
+    product pack it again (never a stale copy); past the copies' memory share, and with
+    SLUICE_PACKED_WEIGHTS=0, weights stay unpacked and the GEMV / F.linear serve them as before."""
+    from sluice.kernels import options
+
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(5, 96, generator=g).bfloat16(), torch.randn(70, 96, generator=g).bfloat16()
+    with torch.inference_mode():
+        before = linear_kernels.linear(x, w)
+    kept = linear_kernels.weight_panels(w)
+    if not panels_tier():
+        assert kept is None
+        return
+    assert kept is not None and linear_kernels.weight_panels(w) is kept
+    with torch.no_grad():
+        w.mul_(-2)
+    with torch.inference_mode():
+        after = linear_kernels.linear(x, w)
+    assert linear_kernels.weight_panels(w) is not kept
+    assert torch.equal(after, linear_kernels.linear(x, w.clone()))
+    assert torch.equal(after.float(), -2 * before.float())
+    monkeypatch.setattr(linear_kernels, "_panel_budget", [w.numel() * 2 - 1])  # one byte short of a copy
+    fresh = w.clone()
+    with torch.inference_mode():
+        unpacked = linear_kernels.linear(x, fresh)
+    assert linear_kernels.weight_panels(fresh) is None and fresh._sluice_panels == (fresh._version, None)
+    assert ((unpacked.float() - after.float()).abs() <= after.float().abs() * 2**-7 + 1e-3).all()
+    options.use(options.current().merged(packed_weights=False))
+    try:
+        assert not linear_kernels.panels_serve() and linear_kernels.weight_panels(w.clone()) is None
+    finally:
+        options.reset()
+
+
 def test_model_linears_run_the_gemv_at_decode_rows(monkeypatch, cpu_tier):
     """A bf16 decode step's linears go through the GEMV: to 32 rows, and to 64 while the rows stay small (rows
     x in_features <= MAX_GEMV_X); F.linear above. Where oneDNN has no bf16 instructions, to MAX_GEMV_ROWS_FP32
@@ -242,6 +312,7 @@ def test_model_linears_run_the_gemv_at_decode_rows(monkeypatch, cpu_tier):
 
     monkeypatch.setattr(linear_kernels, "_gemv", lambda: None if ext is None else Spy())
     linear_kernels.gemm_rows.cache_clear()
+    linear_kernels.panels_serve.cache_clear()  # the spy has no panels: the GEMV's rows, as without them
     small = linear_kernels.Linear(64, 48, bias=True).to(torch.bfloat16)
     wide = linear_kernels.Linear(4096, 8, bias=False).to(torch.bfloat16)  # 33 x 4096 rows > MAX_GEMV_X
     with torch.inference_mode():
@@ -443,7 +514,8 @@ def test_bf16_rows_past_the_gemv_sum_in_fp32_where_onednn_has_no_bf16(monkeypatc
     """With oneDNN capped below its bf16 instructions (ONEDNN_MAX_CPU_ISA=AVX2), prefill rows of a bf16 linear
     run in fp32: the avx2 tier's GEMM (the tests above), elsewhere widened (a bounded slice of the weight at a
     time, `widened_linear`): within one bf16 rounding of the fp64 product whatever the slice, and F.linear is
-    not called on bf16 there; with bf16 allowed, F.linear serves."""
+    not called on bf16 there; with bf16 allowed, F.linear serves (the weight's panels where the tier packs
+    weights: `linear.panels_serve`)."""
     from sluice.kernels import options
 
     torch.manual_seed(0)
@@ -471,4 +543,4 @@ def test_bf16_rows_past_the_gemv_sum_in_fp32_where_onednn_has_no_bf16(monkeypatc
         bf16_calls.clear()
         with torch.inference_mode():
             linear_kernels.linear(x, w, b)
-        assert bf16_calls == [torch.bfloat16]
+        assert bf16_calls == ([] if linear_kernels.panels_serve() else [torch.bfloat16])

@@ -419,6 +419,6 @@ def test_int8_checkpoint_holds_what_bitsandbytes_writes_and_transformers_loads_i
     with torch.no_grad():
         ref = hf(torch.tensor([PROMPTS[1]])).logits[0].float()
     # the same int8 arithmetic but for the outlier columns' summation order (float32 here, bf16 in
-    # bitsandbytes), and the attention: transformers' SDPA, ours the fused kernel where it serves bf16 prefills
-    # (softmax weights rounded to bf16 as SDPA's are, in another order: as far from float64 as SDPA)
+    # bitsandbytes), and the attention: transformers' SDPA, ours the fused kernel where it serves bf16
+    # prefills (softmax weights rounded to bf16 as SDPA's are, in another order: as far from float64 as SDPA)
     assert rel_err(LLM(tmp_path, dtype="bfloat16", device="cpu").score([PROMPTS[1]]), [ref]) < 2e-2

@@ -291,7 +291,8 @@ def shared_llm(settings: Settings) -> Any:
         if not settings.model:
             raise RuntimeError("set SLUICE_MODEL to run shards in a stock rq worker (or use `sluice worker`)")
         chosen = {"dtype": settings.dtype, "device": settings.device, "cpu_kernel": settings.cpu_kernel,
-                  "cpu_isa": settings.cpu_isa, "device_path": settings.device_path}
+                  "cpu_isa": settings.cpu_isa, "device_path": settings.device_path,
+                  "packed_weights": settings.packed_weights}
         stay_off_the_hub()
         chosen |= settings.json_bounds()
         _LLM = LLM(settings.model, **{k: v for k, v in chosen.items() if v is not None})

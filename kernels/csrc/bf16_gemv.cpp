@@ -43,6 +43,8 @@ inline float bf16_to_float(uint16_t h) {
 // The tier's inner loops (`tile`, `touch`, `int8_tile`, kWideR), one file per tier, read into this namespace.
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include "bf16_gemv_avx512bf16.h"
+#define SLUICE_PANELS
+#include "bf16_panels.h"
 #else
 #include "bf16_gemv_avx2.h"
 #endif
@@ -187,6 +189,32 @@ torch::Tensor bf16_gemv(const torch::Tensor& x, const torch::Tensor& weight, con
   return y;
 }
 
+// y = x · Wᵀ (+ bias) from W packed by pack_panels (bf16_panels.h), any row count; W had out_features rows.
+torch::Tensor panels_linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t out_features,
+                            const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 && x.size(0) >= 1,
+              "panels_linear: x bf16 [M, K], rows contiguous");
+#ifdef SLUICE_PANELS
+  const int64_t M = x.size(0), K = x.size(1), N = out_features;
+  TORCH_CHECK(panels.scalar_type() == at::kBFloat16 && panels.is_contiguous() && panels.dim() == 4 &&
+              panels.size(0) == (N + kPanel - 1) / kPanel && panels.size(1) == (K + 1) / 2 && panels.size(2) == kPanel,
+              "panels_linear: panels of a weight [out_features, K] (pack_panels)");
+  const uint16_t* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == N,
+                "panels_linear: bias bf16 [N]");
+    b = reinterpret_cast<const uint16_t*>(bias->data_ptr());
+  }
+  auto y = torch::empty({M, N}, x.options());
+  panels_product(reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0), M,
+                 reinterpret_cast<const uint16_t*>(panels.data_ptr()), K, N, b, reinterpret_cast<uint16_t*>(y.data_ptr()));
+  return y;
+#else
+  TORCH_CHECK(false, "panels_linear: built without AVX512-BF16");
+  return torch::Tensor();
+#endif
+}
+
 torch::Tensor int8_gemv_op(const torch::Tensor& x, const torch::Tensor& qweight, const torch::Tensor& scales) {
   TORCH_CHECK(supported(), "int8_gemv: built without AVX2 or AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && qweight.dim() == 2 && x.size(1) == qweight.size(1), "int8_gemv: x [M, K], qweight [N, K]");
@@ -231,6 +259,14 @@ inline void bind_bf16_gemv(py::module_& m) {
 #endif
   m.def("bf16_gemv", &bf16_gemv, "x [M, K] (M <= 64; any M on the avx2 GEMM) · weight [N, K]ᵀ (+ bias) in bf16", py::arg("x"), py::arg("weight"),
         py::arg("bias") = py::none());
+#ifdef SLUICE_PANELS
+  m.attr("PANELS") = true;  // weights packed into panels (bf16_panels.h) serve every row count
+  m.def("pack_panels", &pack_panels, "weight [N, K] bf16 packed into panels of 64 outputs in K pairs", py::arg("weight"));
+#else
+  m.attr("PANELS") = false;
+#endif
+  m.def("panels_linear", &panels_linear, "x [M, K] · W [N, K]ᵀ (+ bias) in bf16 from W's panels (pack_panels)",
+        py::arg("x"), py::arg("panels"), py::arg("out_features"), py::arg("bias") = py::none());
   m.def("int8_gemv", &int8_gemv_op, "(x [M<=64, K] · qweight [N, K]ᵀ) * scales [N], int8 weights, bf16 x",
         py::arg("x"), py::arg("qweight"), py::arg("scales"));
 }

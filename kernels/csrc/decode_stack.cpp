@@ -47,6 +47,7 @@ struct StackLinear {
   std::shared_ptr<const LoraMapping> lora;
   torch::Tensor lora_a, lora_b;
   std::vector<int64_t> lora_splits;
+  std::optional<torch::Tensor> panels;  // bf16: the weight packed into panels (bf16_panels.h), where it is
 
   torch::Tensor operator()(const torch::Tensor& x) const {
     torch::Tensor y = base(x);
@@ -55,7 +56,7 @@ struct StackLinear {
   }
 
   torch::Tensor base(const torch::Tensor& x) const {
-    if (kind == kBf16) return bf16_gemv(x, weight, bias);
+    if (kind == kBf16) return panels ? panels_linear(x, *panels, out_features, bias) : bf16_gemv(x, weight, bias);
     if (kind == kLLMInt8) return llm_int8(x, bnb_int8_act(x, threshold));
     if (kind == kFused) {  // FusedLinear: the parts' outputs concatenated (LLM.int8() parts share x's quantization)
       std::vector<torch::Tensor> out;
@@ -176,10 +177,13 @@ inline void bind_decode_stack(py::module_& m) {
   m.attr("SUPPORTED") = supported();  // the GEMV's tier (avx2 or avx512_bf16): without it the stack has no kernel
   // module_local: each tier's object registers its own types, so a process (a test) may load several tiers
   py::class_<StackLinear>(m, "Linear", py::module_local());
-  m.def("bf16_linear", [](torch::Tensor weight, Bias bias) {
+  m.def("bf16_linear", [](torch::Tensor weight, Bias bias, std::optional<torch::Tensor> panels) {
     const int64_t n = weight.size(0);
-    return StackLinear{StackLinear::kBf16, std::move(weight), std::nullopt, std::move(bias), n, 0, 0};
-  }, "a bf16 linear, on the GEMV", py::arg("weight"), py::arg("bias"));
+    StackLinear l{StackLinear::kBf16, std::move(weight), std::nullopt, std::move(bias), n, 0, 0};
+    l.panels = std::move(panels);
+    return l;
+  }, "a bf16 linear: from its panels where given (kernels.linear.weight_panels), else on the GEMV",
+        py::arg("weight"), py::arg("bias"), py::arg("panels") = py::none());
   m.def("int4_linear", [](torch::Tensor packed, torch::Tensor scales_zeros, Bias bias, int64_t out_features,
                           int64_t group) {
     return StackLinear{StackLinear::kInt4, std::move(packed), std::move(scales_zeros), std::move(bias), out_features,
