@@ -98,7 +98,8 @@ def int4_stack_linear(w: int4_weights.Int4Weight, bias: torch.Tensor | None):
 
 def int8_stack_linear(qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
     """An int8 weight-only linear as a stack linear: our int8 GEMV at the row counts where
-    int8_weights.int8_linear runs it, the fused dynamic int8 matmul at the rest; None where it takes another
+    int8_weights.int8_linear runs it, the fused dynamic int8 matmul at the rest (its int8 product from the
+    weight's panels where `int8_weights.int8_panels` has them); None where it takes another
     branch (torch's GEMV for other scale dtypes, the torch dynamic reference when the fused helpers do not
     build)."""
     ext = _ext()
@@ -107,7 +108,7 @@ def int8_stack_linear(qweight: torch.Tensor, scales: torch.Tensor, bias: torch.T
     gemv = int8_weights.stack_branches(qweight, scales, _row_counts(qweight.shape[1]))
     if gemv is None or gemv != sorted(gemv, reverse=True):  # the GEMV runs a prefix of the row counts
         return None
-    return ext.int8_linear(qweight, scales, bias, sum(gemv))
+    return ext.int8_linear(qweight, scales, bias, sum(gemv), int8_weights.int8_panels(qweight))
 
 
 def llm_int8_stack_linear(cb: torch.Tensor, scb: torch.Tensor, bias: torch.Tensor | None, threshold: float):

@@ -7,7 +7,8 @@ mis-computes unless in_features % 16 == 0 (so neither serves such shapes: one ru
 bf16/fp16 activations on CPU (bf16 from one row where our int8 product serves) are quantized on the fly (int8,
 one absmax scale per row) and multiplied in int32: up to 64 rows by our AVX512-VNNI kernel
 (csrc/quant_linear.cpp `int8_mm`, which needs nothing of the weight but its codes: faster than oneDNN's, whose
-weight reorder on every call costs as much as the product at a few rows: docs/benchmarks.md), above by
+weight reorder on every call costs as much as the product at a few rows: docs/benchmarks.md; without AMX, from
+the codes packed once into panels, `int8_panels`, faster still), above by
 `torch._int_mm` (oneDNN), the same exact int32 sums either way; the quantization and the rescale epilogue
 (bias included) are one C++ pass each (csrc/quant_linear.cpp) where it builds, rounding exactly as the torch
 ops they replace. Where oneDNN has no bf16 instructions (kernels.linear.onednn_bf16), prefill-sized bf16
@@ -173,14 +174,38 @@ def exact_int8_mm(xq: torch.Tensor, qweight: torch.Tensor) -> torch.Tensor:
     return (xq.double() @ qweight.double().t()).to(torch.int32)
 
 
+@options.derived
+def int8_panels_serve() -> bool:
+    """Whether int8 weights are packed into panels here (`int8_panels`): our int8 product is built for
+    AVX512-VNNI, oneDNN has no AMX tiles, and SLUICE_PACKED_WEIGHTS is not 0 (as kernels.linear's bf16
+    ones)."""
+    fused = _fused()
+    return (fused is not None and getattr(fused, "INT8_PANELS", False) and not linear_kernels.onednn_amx()
+            and options.current().packed_weights)
+
+
+def int8_panels(qweight: torch.Tensor) -> torch.Tensor | None:
+    """The panels of an int8 CPU weight [out, in] (csrc/int8_panels.h: 64 outputs in K quads, the same exact
+    int32 sums as torch._int_mm at every row count; 1.1-1.4x our row-major VNNI product at 1 to 64 rows), kept
+    on the weight (`linear.kept_packing`); None where they do not serve."""
+    if not (int8_panels_serve() and qweight.dtype is torch.int8 and qweight.dim() == 2
+            and qweight.device.type == "cpu" and qweight.is_contiguous()):
+        return None
+    return linear_kernels.kept_packing(qweight, _fused().pack_int8_panels)
+
+
 def dynamic_int8_mm(rows: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                     bias: torch.Tensor | None = None) -> torch.Tensor:
-    """rows [M, in] quantized per row to int8, times qweight [out, in] in int32, rescaled to rows' dtype, +
-    bias."""
+    """rows [M, in] quantized per row to int8, times qweight [out, in] in int32 (from its panels where they
+    serve, to VNNI_MAX_ROWS rows: past them oneDNN's product is the faster, docs/benchmarks.md, cpu_tiers),
+    rescaled to rows' dtype, + bias."""
     fused = _fused()
     if fused is not None and rows.is_contiguous():
         xq, row_scale = fused.quantize_rows(rows)
-        return fused.int8_rescale(fused.int8_mm(xq, qweight), row_scale, scales, bias)
+        panels = int8_panels(qweight)
+        acc = (fused.int8_panels_mm(xq, panels, qweight.shape[0])
+               if panels is not None and xq.shape[0] <= fused.VNNI_MAX_ROWS else fused.int8_mm(xq, qweight))
+        return fused.int8_rescale(acc, row_scale, scales, bias)
     xq, row_scale = quantize_rows(rows)
     y = exact_int8_mm(xq, qweight).float().mul_(row_scale).mul_(scales.float()).to(rows.dtype)
     return y if bias is None else y + bias

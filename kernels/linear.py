@@ -116,23 +116,30 @@ def weight_panels(weight: torch.Tensor) -> torch.Tensor | None:
     memory is spent."""
     if not panels_serve():
         return None
+    if not (weight.dtype is torch.bfloat16 and weight.dim() == 2 and weight.device.type == "cpu"
+            and weight.is_contiguous()):
+        return None
+    return kept_packing(weight, _gemv().pack_panels)
+
+
+def kept_packing(weight: torch.Tensor, pack: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
+    """`pack(weight)` (a CPU weight in another layout: bf16 or int8 panels), made on first use and kept on the
+    weight until it is written to; None, kept too, where the packed copies' share of memory (PANEL_SHARE of
+    what was available at the first) is spent."""
     held = getattr(weight, "_sluice_panels", None)
     version = 0 if weight.is_inference() else weight._version
     if held is not None and held[0] == version:
         return held[1]
-    if not (weight.dtype is torch.bfloat16 and weight.dim() == 2 and weight.device.type == "cpu"
-            and weight.is_contiguous()):
-        return None
     if not _panel_budget:
         _panel_budget.append(int(PANEL_SHARE * _available_memory()))
     size = weight.numel() * weight.element_size()
-    panels = None
+    packed = None
     if size <= _panel_budget[0]:
         with torch.inference_mode(weight.is_inference()):
-            panels = _gemv().pack_panels(weight)
+            packed = pack(weight)
         _panel_budget[0] -= size
-    weight._sluice_panels = (version, panels)
-    return panels
+    weight._sluice_panels = (version, packed)
+    return packed
 
 
 def _available_memory() -> int:

@@ -295,6 +295,37 @@ def test_our_int8_matmul_is_exact_at_extreme_codes_and_tails(cpu_tier):
 
 
 @pytest.mark.skipif(int8._fused() is None, reason="no C++ toolchain")
+def test_int8_panels_give_the_exact_int32_product_and_serve_the_dynamic_rows(cpu_tier):
+    """Where the tier packs int8 weights into panels (AVX512-VNNI without AMX; csrc/int8_panels.h: 64 outputs
+    in K quads, sign bits flipped), the product from them is the exact int32 sum at every row count (tiles of
+    4 x rows and their tails, blocks of rows), N off the panels, K off the quads, extreme codes; the dynamic
+    int8 path takes them, bitwise the row-major product's outputs. Elsewhere no int8 weight is packed."""
+    from sluice.kernels import linear
+
+    fused = int8._fused()
+    g = torch.Generator().manual_seed(5)
+    w = torch.randint(-128, 128, (70, 301), dtype=torch.int8, generator=g)
+    assert int8.int8_panels_serve() == (bool(fused.INT8_PANELS) and not linear.onednn_amx())
+    assert fused.INT8_PANELS == bool(fused.VNNI)
+    if not int8.int8_panels_serve():
+        assert int8.int8_panels(w) is None
+        return
+    extreme = torch.tensor([-128, -127, 127], dtype=torch.int8)
+    for m in (1, 2, 3, 4, 5, 17, 64, 300):
+        for n, k in ((1, 1), (3, 65), (64, 4), (67, 130), (9, 2047)):
+            wk = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+            x = extreme[torch.randint(0, 3, (m, k), generator=g)]
+            want = (x.double() @ wk.double().T).to(torch.int32)
+            assert torch.equal(fused.int8_panels_mm(x, fused.pack_int8_panels(wk), n), want), (m, n, k)
+    rows, scales = torch.randn(20, 301, generator=g).bfloat16(), torch.rand(70, generator=g).bfloat16()
+    with torch.inference_mode():
+        got = int8.dynamic_int8_mm(rows, w, scales)
+    assert int8.int8_panels(w) is not None
+    xq, row_scale = fused.quantize_rows(rows)
+    assert torch.equal(got, fused.int8_rescale(fused.int8_mm(xq, w), row_scale, scales, None))
+
+
+@pytest.mark.skipif(int8._fused() is None, reason="no C++ toolchain")
 def test_our_int8_matmul_is_exact_across_tiles_blocks_and_threads(cpu_tier):
     """Our product's register tiles (x rows by weight rows, with row and column tails), its L2 blocks of
     weight rows (K large enough that N spans several) and its parallel runs sum exactly as float64 does, at

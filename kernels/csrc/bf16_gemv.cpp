@@ -19,6 +19,7 @@
 #include <ATen/Parallel.h>
 #include <cstring>
 #include <vector>
+#include "panels.h"
 #include "row_tiles.h"
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>

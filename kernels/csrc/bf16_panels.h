@@ -11,7 +11,7 @@
 // fp32 lane, whatever the row count or tile, so a row's result is the same in any batch; bias added in fp32,
 // rounded to bf16 to nearest even (as the matmul does).
 
-constexpr int64_t kPanel = 64;          // outputs of a panel: four vectors of 16
+constexpr int64_t kPanel = kPanelWidth;  // outputs of a panel (panels.h): four vectors of 16
 constexpr int64_t kPanelXBytes = 1 << 18;  // x rows a task keeps in L2 across the panels it runs (256 KiB)
 
 // [ceil(N / kPanel), ceil(K / 2), kPanel, 2] bf16: w[n][k] at ((n / kPanel) * K2 + k / 2) * 2 kPanel +
@@ -21,16 +21,8 @@ torch::Tensor pack_panels(const torch::Tensor& w) {
               "pack_panels: a contiguous CPU bf16 weight [N, K]");
   const int64_t N = w.size(0), K = w.size(1), P = (N + kPanel - 1) / kPanel, K2 = (K + 1) / 2;
   auto out = torch::zeros({P, K2, kPanel, 2}, w.options());
-  const auto* src = reinterpret_cast<const uint16_t*>(w.data_ptr());
-  auto* dst = reinterpret_cast<uint16_t*>(out.data_ptr());
-  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p)
-      for (int64_t c = 0; c < kPanel && p * kPanel + c < N; ++c) {
-        const uint16_t* row = src + (p * kPanel + c) * K;
-        uint16_t* col = dst + p * K2 * 2 * kPanel + 2 * c;
-        for (int64_t k = 0; k < K; ++k) col[(k / 2) * 2 * kPanel + k % 2] = row[k];
-      }
-  });
+  sluice_pack_panels<2>(reinterpret_cast<const uint16_t*>(w.data_ptr()), N, K,
+                        reinterpret_cast<uint16_t*>(out.data_ptr()), [](uint16_t v) { return v; });
   return out;
 }
 

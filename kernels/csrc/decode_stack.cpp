@@ -47,7 +47,7 @@ struct StackLinear {
   std::shared_ptr<const LoraMapping> lora;
   torch::Tensor lora_a, lora_b;
   std::vector<int64_t> lora_splits;
-  std::optional<torch::Tensor> panels;  // bf16: the weight packed into panels (bf16_panels.h), where it is
+  std::optional<torch::Tensor> panels;  // bf16, int8: the weight packed into panels (bf16_panels.h, int8_panels.h)
 
   torch::Tensor operator()(const torch::Tensor& x) const {
     torch::Tensor y = base(x);
@@ -75,7 +75,8 @@ struct StackLinear {
       y = int8_gemv_op(x, weight, *scales);  // kernels.int8_weights' GEMV for bf16 (bf16_gemv.cpp)
     } else {
       const auto q = quantize_rows(x);
-      return int8_rescale(int8_mm(q[0], weight), q[1], *scales, bias);
+      return int8_rescale(panels ? int8_panels_mm(q[0], *panels, out_features) : int8_mm(q[0], weight), q[1], *scales,
+                          bias);
     }
     return bias ? y + *bias : y;
   }
@@ -194,11 +195,15 @@ inline void bind_decode_stack(py::module_& m) {
     const int64_t n = packed.size(0);
     return StackLinear{StackLinear::kInt4Vnni, std::move(packed), std::move(scales_zeros), std::move(bias), n, 0, 0};
   }, "an int4 linear in our VNNI layout", py::arg("packed"), py::arg("scales_zeros"), py::arg("bias"));
-  m.def("int8_linear", [](torch::Tensor qweight, torch::Tensor scales, Bias bias, int64_t gemv_rows) {
+  m.def("int8_linear", [](torch::Tensor qweight, torch::Tensor scales, Bias bias, int64_t gemv_rows,
+                          std::optional<torch::Tensor> panels) {
     const int64_t n = qweight.size(0);
-    return StackLinear{StackLinear::kInt8, std::move(qweight), std::move(scales), std::move(bias), n, 0, gemv_rows};
-  }, "an int8 weight-only linear: the int8 GEMV to gemv_rows rows, the dynamic int8 matmul above",
-        py::arg("qweight"), py::arg("scales"), py::arg("bias"), py::arg("gemv_rows"));
+    StackLinear l{StackLinear::kInt8, std::move(qweight), std::move(scales), std::move(bias), n, 0, gemv_rows};
+    l.panels = std::move(panels);
+    return l;
+  }, "an int8 weight-only linear: the int8 GEMV to gemv_rows rows, the dynamic int8 matmul above (its product "
+     "from the weight's panels where given)",
+        py::arg("qweight"), py::arg("scales"), py::arg("bias"), py::arg("gemv_rows"), py::arg("panels") = py::none());
   m.def("llm_int8_linear", [](torch::Tensor cb, torch::Tensor scb, Bias bias, double threshold) {
     const int64_t n = cb.size(0);
     return StackLinear{StackLinear::kLLMInt8, std::move(cb), std::move(scb), std::move(bias), n, 0, 0, threshold};

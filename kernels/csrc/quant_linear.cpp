@@ -33,6 +33,7 @@
 #include <immintrin.h>
 #define SLUICE_QUANT_AVX2 1
 #endif
+#include "panels.h"
 #include "row_tiles.h"
 
 std::vector<torch::Tensor> quantize_rows(torch::Tensor x);
@@ -75,6 +76,8 @@ constexpr int64_t kVnniMaxRows = 64;
 #include "w4a8.h"
 #if defined(SLUICE_QUANT_AVX512)
 #include "quant_linear_avx512.h"
+#define SLUICE_INT8_PANELS 1
+#include "int8_panels.h"
 #elif defined(SLUICE_QUANT_AVX2)
 #include "quant_linear_avx2.h"
 #else
@@ -439,6 +442,25 @@ torch::Tensor int8_mm(const torch::Tensor& x, const torch::Tensor& w) {
   return y;
 }
 
+// x · Wᵀ in exact int32 [M, N] (torch._int_mm's sums) from W [out_features, K] packed by pack_int8_panels
+// (int8_panels.h), any row count.
+torch::Tensor int8_panels_mm(const torch::Tensor& x, const torch::Tensor& panels, int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kChar && x.is_contiguous() && x.device().is_cpu() &&
+              x.size(0) >= 1, "int8_panels_mm: contiguous CPU int8 x [M, K]");
+#ifdef SLUICE_INT8_PANELS
+  const int64_t M = x.size(0), K = x.size(1), N = out_features;
+  TORCH_CHECK(panels.scalar_type() == at::kChar && panels.is_contiguous() && panels.dim() == 4 &&
+              panels.size(0) == (N + kInt8Panel - 1) / kInt8Panel && panels.size(1) == (K + 3) / 4 &&
+              panels.size(2) == kInt8Panel, "int8_panels_mm: panels of a weight [out_features, K] (pack_int8_panels)");
+  auto y = torch::empty({M, N}, x.options().dtype(torch::kInt32));
+  int8_panels_product(x.data_ptr<int8_t>(), M, panels.data_ptr<int8_t>(), K, N, y.data_ptr<int32_t>());
+  return y;
+#else
+  TORCH_CHECK(false, "int8_panels_mm: built without AVX512-VNNI");
+  return torch::Tensor();
+#endif
+}
+
 // The arguments of both int4 VNNI-layout products: x contiguous CPU bf16 [M, K], packed uint8 [N, Kp / 2] with
 // Kp the next multiple of 128 from K, scales_zeros bf16 [N, 2, Kp / 32].
 void check_w4_args(const char* name, const torch::Tensor& x, const torch::Tensor& packed,
@@ -539,6 +561,15 @@ inline void bind_quant_linear(py::module_& m) {
   m.attr("VNNI") = vnni_supported();
   m.attr("W4A8") = w4a8_supported();
   m.attr("VNNI_MAX_ROWS") = kVnniMaxRows;
+#ifdef SLUICE_INT8_PANELS
+  m.attr("INT8_PANELS") = true;  // int8 weights packed into panels (int8_panels.h) serve every row count
+  m.def("pack_int8_panels", &pack_int8_panels, "int8 weight [N, K] packed into panels of 64 outputs in K quads",
+        py::arg("w"));
+#else
+  m.attr("INT8_PANELS") = false;
+#endif
+  m.def("int8_panels_mm", &int8_panels_mm, "torch._int_mm(x, w.t()) from w's panels (pack_int8_panels)",
+        py::arg("x"), py::arg("panels"), py::arg("out_features"));
   m.def("int8_mm", &int8_mm, "torch._int_mm(x, w.t()) for int8 x [M, K], w [N, K]: ours (VNNI) to VNNI_MAX_ROWS",
         py::arg("x"), py::arg("w"));
   m.def("int8_mm_vnni", &int8_mm_vnni, "torch._int_mm(x, w.t()) by our AVX512-VNNI kernel (CPU)", py::arg("x"),
