@@ -197,7 +197,8 @@ def int8_panels(qweight: torch.Tensor) -> torch.Tensor | None:
 def dynamic_int8_mm(rows: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                     bias: torch.Tensor | None = None) -> torch.Tensor:
     """rows [M, in] quantized per row to int8, times qweight [out, in] in int32 (from its panels where they
-    serve, to VNNI_MAX_ROWS rows: past them oneDNN's product is the faster, docs/benchmarks.md, cpu_tiers),
+    serve, to VNNI_MAX_ROWS rows: past them oneDNN's product is the faster, 1.04x at 256 rows and 1.2x at
+    1,024 on Zen 4),
     rescaled to rows' dtype, + bias."""
     fused = _fused()
     if fused is not None and rows.is_contiguous():
