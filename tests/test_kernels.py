@@ -292,6 +292,23 @@ def test_panels_are_packed_once_remade_after_a_write_and_bounded(monkeypatch, cp
         options.reset()
 
 
+def test_panels_lie_in_huge_pages(cpu_tier):
+    """Decode steps stream a weight's panels as they stream the weight arena: in huge pages (the 2 MiB pages
+    the copy spans whole, collapsed as it is made) where Linux has them (6.1+, THP not off)."""
+    from tests.test_weight_memory import _collapse_supported, _mapping
+
+    w = torch.randn(1024, 4096).bfloat16()
+    panels = linear_kernels.weight_panels(w)
+    if panels is None:
+        assert not panels_tier()
+        return
+    huge = linear_kernels.HUGE_PAGE
+    first = -(-panels.data_ptr() // huge) * huge  # the first huge page inside: its own mapping once advised
+    whole = (panels.data_ptr() + panels.numel() * panels.element_size()) // huge * huge - first
+    if _collapse_supported():
+        assert whole >= 2 * huge and _mapping(first)["AnonHugePages"] * 1024 >= whole
+
+
 def test_model_linears_run_the_gemv_at_decode_rows(monkeypatch, cpu_tier):
     """A bf16 decode step's linears go through the GEMV: to 32 rows, and to 64 while the rows stay small (rows
     x in_features <= MAX_GEMV_X); F.linear above. Where oneDNN has no bf16 instructions, to MAX_GEMV_ROWS_FP32
