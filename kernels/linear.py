@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -129,7 +130,8 @@ def weight_panels(weight: torch.Tensor) -> torch.Tensor | None:
 def kept_packing(weight: torch.Tensor, pack: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
     """`pack(weight)` (a CPU weight in another layout: bf16 or int8 panels), made on first use and kept on the
     weight until it is written to; None, kept too, where the packed copies' share of memory (PANEL_SHARE of
-    what was available at the first) is spent."""
+    what was available at the first) is spent. A copy's bytes return to the share when it is freed (its
+    weight freed or written to)."""
     held = getattr(weight, "_sluice_panels", None)
     version = 0 if weight.is_inference() else weight._version
     if held is not None and held[0] == version:
@@ -142,9 +144,14 @@ def kept_packing(weight: torch.Tensor, pack: Callable[[torch.Tensor], torch.Tens
         with torch.inference_mode(weight.is_inference()):
             packed = pack(weight)
         _panel_budget[0] -= size
+        weakref.finalize(packed, _return_to_share, size)
         in_huge_pages(packed)
     weight._sluice_panels = (version, packed)
     return packed
+
+
+def _return_to_share(size: int) -> None:
+    _panel_budget[0] += size
 
 
 def in_huge_pages(t: torch.Tensor) -> bool:

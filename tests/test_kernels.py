@@ -277,6 +277,9 @@ def test_panels_are_packed_once_remade_after_a_write_and_bounded(monkeypatch, cp
     with torch.inference_mode():
         after = linear_kernels.linear(x, w)
     assert linear_kernels.weight_panels(w) is not kept
+    share = linear_kernels._panel_budget[0]
+    del kept  # the stale copy freed: its bytes back in the share
+    assert linear_kernels._panel_budget[0] == share + w.numel() * 2
     assert torch.equal(after, linear_kernels.linear(x, w.clone()))
     assert torch.equal(after.float(), -2 * before.float())
     monkeypatch.setattr(linear_kernels, "_panel_budget", [w.numel() * 2 - 1])  # one byte short of a copy
