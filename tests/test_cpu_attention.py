@@ -101,6 +101,43 @@ def test_batch_one_long_context_splits_across_threads_and_matches(cpu_tier):
     assert (whole.double() - want).abs().max().item() < 2e-5
 
 
+def shared_prefix_batch(share: int):
+    """Four sequences whose tables begin with the same `share` blocks (one prefix-cache hit), a fifth
+    sharing only half of them, a sixth none; and the batch with every shared block copied per sequence."""
+    query_lens = [1, 1, 4, 16, 2, 3]
+    context_lens = [share * BS + 1, share * BS + 80, share * BS + 40, share * BS + 16, share * BS + 180, 200]
+    pool = iter(torch.randperm(NB, generator=torch.Generator().manual_seed(5)).tolist())
+    prefix = [next(pool) for _ in range(share)]
+    heads = [prefix] * 4 + [prefix[:share // 2], []]
+    tables = [h + [next(pool) for _ in range(-(-c // BS) - len(h))]
+              for h, c in zip(heads, context_lens, strict=True)]
+    copies = {}  # (sequence, shared block) -> its own block
+    for i, h in enumerate(heads):
+        for b in h:
+            copies[i, b] = next(pool)
+    apart = [[copies.get((i, b), b) for b in t] for i, t in enumerate(tables)]
+    return query_lens, context_lens, tables, apart, copies
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 4])
+def test_shared_prefix_blocks_are_attended_once_with_the_bits_of_attending_them_apart(dtype, group, cpu_tier):
+    """A prefix shared by several sequences' tables (cascade attention) gives each row exactly the output it
+    has when every sequence holds its own copy of those blocks, and matches the float64 reference."""
+    hk = 2
+    query_lens, context_lens, tables, apart, copies = shared_prefix_batch(20)
+    g = torch.Generator().manual_seed(11)
+    kc, vc = (torch.randn(hk, NB, BS, D, generator=g).to(dtype) for _ in range(2))
+    for (_, b), own in copies.items():
+        kc[:, own], vc[:, own] = kc[:, b], vc[:, b]
+    q = (torch.randn(sum(query_lens), hk * group, D, generator=g) * 2).to(dtype)
+    shared = run_kernel(q, kc, vc, query_lens, context_lens, tables, 10**6)
+    alone = run_kernel(q, kc, vc, query_lens, context_lens, apart, 10**6)
+    assert torch.equal(shared, alone)
+    want = reference(q, kc, vc, query_lens, context_lens, tables, D**-0.5)
+    assert (shared.double() - want).abs().max().item() < TOL[dtype]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("chunk", [0, 64])
 def test_int8_cache_read_by_the_kernel_matches_dequantize_then_attend(dtype, chunk, cpu_tier):

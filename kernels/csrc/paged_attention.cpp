@@ -21,6 +21,8 @@
 #endif
 #include <ATen/cpu/vec/vec.h>
 #include <algorithm>
+#include <functional>
+#include <map>
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -42,6 +44,18 @@ struct Cache {
 struct Unit {  // one kv head of one sequence over positions [p0, p1)
   int64_t s, hk, p0, p1, part;  // part: row of the partial-result buffer, -1 when the unit writes out directly
 };
+
+struct Span {  // what a run of rows attends: kv head hk's positions [p0, p1) through one block table
+  const int64_t* table;
+  int64_t hk, p0, p1;
+  bool fresh;  // false: m, l and acc already hold the rows' state over the positions before p0
+};
+
+static void start_rows(float* m, float* l, float* acc, int64_t R, int64_t D) {
+  std::fill(m, m + R, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + R, 0.f);
+  std::fill(acc, acc + R * D, 0.f);
+}
 
 template <typename C>
 static inline void row_to_float(const C* src, float* dst, int64_t D) {
@@ -180,19 +194,15 @@ __attribute__((always_inline)) static inline void prefetch_tile(const Cache& c, 
 // Online softmax over one unit: m (running max), l (running sum) and acc [R, D] (unnormalized output); qf, wbuf
 // and seen are the calling thread's scratch (scaled queries, a tile's softmax weights and valid positions per row).
 template <typename T, typename C>
-static void attend_unit(const T* q, const Cache& c, const Unit& u, int64_t t0, int64_t nq, int64_t L, int64_t H,
-                        int64_t G, int64_t D, float scale, std::vector<float>& qf, std::vector<float>& wbuf,
+static void attend_unit(const T* const* qrow, const int64_t* limit, int64_t R, const Cache& c, const Span& u,
+                        int64_t D, float scale, std::vector<float>& qf, std::vector<float>& wbuf,
                         std::vector<int64_t>& seen, float* m, float* l, float* acc) {
-  const int64_t R = nq * G, hk = u.hk;
-  const int64_t* table = c.tables + u.s * c.width;
+  const int64_t hk = u.hk;
+  const int64_t* table = u.table;
   qf.resize(R * D);
-  for (int64_t r = 0; r < R; ++r) {
-    const T* src = q + ((t0 + r / G) * H + hk * G + r % G) * D;
-    for (int64_t d = 0; d < D; ++d) qf[r * D + d] = static_cast<float>(src[d]) * scale;
-    m[r] = -std::numeric_limits<float>::infinity();
-    l[r] = 0.f;
-  }
-  std::fill(acc, acc + R * D, 0.f);
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t d = 0; d < D; ++d) qf[r * D + d] = static_cast<float>(qrow[r][d]) * scale;
+  if (u.fresh) start_rows(m, l, acc, R, D);
   alignas(64) float kbuf[kTile * 256], vbuf[kTile * 256], s[kTile], ks[kTile], vs[kTile];
   wbuf.resize(R * kTile);
   seen.resize(R);
@@ -219,7 +229,7 @@ static void attend_unit(const T* q, const Cache& c, const Unit& u, int64_t t0, i
       vs[j] = c.v_scale ? static_cast<float>(c.v_scale[slots[j]]) : 1.f;
     }
     for (int64_t r = 0; r < R; ++r) {
-      const int64_t valid = std::min(n, L - nq + r / G + 1 - p);  // causal: query i sees positions < L - nq + i + 1
+      const int64_t valid = std::min(n, limit[r] - p);  // causal: the row sees positions < limit[r]
       seen[r] = std::max<int64_t>(valid, 0);
       if (valid <= 0) continue;
       float* w = wbuf.data() + r * kTile;
@@ -317,13 +327,12 @@ static inline void add_value_pairs_rows(float* acc, int64_t nr, int64_t D, int64
 // rounded to bf16 (the running sum adds the rounded ones), then the value tile, packed in position pairs, added
 // into up to four query rows per pass by `vdpbf16ps` too (each value slice loaded once for all of them; rows past
 // their causal limit weigh the tail positions 0). D % 32 == 0, D <= 256.
-static void attend_unit_bf16(const at::BFloat16* q, const Cache& c, const Unit& u, int64_t t0, int64_t nq,
-                             int64_t L, int64_t H, int64_t G, int64_t D, float scale, std::vector<float>& wbuf,
-                             float* m, float* l, float* acc) {
-  const int64_t R = nq * G, hk = u.hk;
-  const int64_t* table = c.tables + u.s * c.width;
-  for (int64_t r = 0; r < R; ++r) m[r] = -std::numeric_limits<float>::infinity(), l[r] = 0.f;
-  std::fill(acc, acc + R * D, 0.f);
+static void attend_unit_bf16(const at::BFloat16* const* qrow, const int64_t* limit, int64_t R, const Cache& c,
+                             const Span& u, int64_t D, float scale, std::vector<float>& wbuf, float* m, float* l,
+                             float* acc) {
+  const int64_t hk = u.hk;
+  const int64_t* table = u.table;
+  if (u.fresh) start_rows(m, l, acc, R, D);
   wbuf.resize(R * kTile);
   float* w = wbuf.data();
   alignas(64) uint32_t vp[kTile / 2 * 256];
@@ -345,13 +354,13 @@ static void attend_unit_bf16(const at::BFloat16* q, const Cache& c, const Unit& 
     prefetch_tile<uint16_t>(c, table, hk, p + kTile, u.p1, D);
     int64_t rows = 0;  // rows up to the last that sees this tile (earlier rows that do not weigh it 0)
     for (int64_t r = 0; r < R; ++r) {
-      const int64_t valid = std::min(n, L - nq + r / G + 1 - p);  // causal: query i sees positions < L - nq + i + 1
+      const int64_t valid = std::min(n, limit[r] - p);  // causal: the row sees positions < limit[r]
       if (valid <= 0) {
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + r * kTile), _mm256_setzero_si256());
         continue;
       }
       rows = r + 1;
-      const auto* qr = reinterpret_cast<const uint16_t*>(q + ((t0 + r / G) * H + hk * G + r % G) * D);
+      const auto* qr = reinterpret_cast<const uint16_t*>(qrow[r]);
       __m512 dots[16];
       for (int i = 0; i < 16; ++i) dots[i] = _mm512_setzero_ps();
       for (int64_t d = 0; d < D; d += 32) {
@@ -421,47 +430,144 @@ static std::vector<Unit> plan(const int64_t* qlen, const int64_t* ctx, int64_t S
   return units;
 }
 
+// Sequences whose block tables begin with the same blocks (a prefix-cache hit shares them): their first P
+// positions, seen by every query row of theirs, are attended once for all of them, each key and value tile read
+// once for every row (cascade attention); each row then goes on over its own positions from that state. Every
+// row's arithmetic is the same as alone (tiles from position 0, in order), so its bits are too.
+struct Shared {
+  std::vector<int64_t> seqs;
+  int64_t P;
+};
+constexpr int64_t kMinShared = 64;  // the fewest shared positions worth a group
+
+static std::vector<Shared> shared_prefixes(const Cache& c, const int64_t* qlen, const int64_t* ctx, int64_t S) {
+  std::map<int64_t, std::vector<int64_t>> by_first;  // first block -> sequences
+  for (int64_t s = 0; s < S; ++s)
+    if (ctx[s] - qlen[s] >= kMinShared) by_first[c.tables[s * c.width]].push_back(s);
+  std::vector<Shared> out;
+  for (const auto& [first, seqs] : by_first) {
+    if (seqs.size() < 2) continue;
+    const int64_t lead = seqs[0], *head = c.tables + lead * c.width;
+    std::vector<std::pair<int64_t, int64_t>> common;  // (positions shared with the first, sequence)
+    for (int64_t s : seqs) {
+      const int64_t* t = c.tables + s * c.width;
+      const int64_t most = std::min(ctx[s] - qlen[s], ctx[lead] - qlen[lead]) / c.block_size;
+      int64_t b = 0;
+      while (b < most && t[b] == head[b]) ++b;
+      common.push_back({b * c.block_size / kTile * kTile, s});
+    }
+    std::sort(common.begin(), common.end(), std::greater<>());
+    size_t best = 0;  // the group of the first best + 1 saving the most reads: best x their shortest share
+    for (size_t k = 1; k < common.size(); ++k)
+      if (k * common[k].first > best * (best ? common[best].first : 0)) best = k;
+    if (best == 0 || common[best].first < kMinShared) continue;
+    Shared g{{}, common[best].first};
+    for (size_t k = 0; k <= best; ++k) g.seqs.push_back(common[k].second);
+    out.push_back(std::move(g));
+  }
+  return out;
+}
+
+template <typename T>
+struct Scratch {
+  std::vector<float> qf, wbuf, m, l, acc;
+  std::vector<int64_t> seen, limit;
+  std::vector<const T*> qrow;
+  void add_rows(const T* q, int64_t t0, int64_t nq, int64_t L, int64_t H, int64_t G, int64_t hk, int64_t D) {
+    for (int64_t r = 0; r < nq * G; ++r) {  // row r: query token r / G, head r % G of kv head hk's group
+      qrow.push_back(q + ((t0 + r / G) * H + hk * G + r % G) * D);
+      limit.push_back(L - nq + r / G + 1);  // causal: query i of nq sees positions < L - nq + i + 1
+    }
+  }
+};
+
+// fn(i, scratch) for every item i, the threads taking equal shares of the summed costs.
+template <typename T, typename F>
+static void balanced(const std::vector<double>& cost, F fn) {
+  if (cost.empty()) return;
+  std::vector<double> sum(cost.size() + 1, 0.0);
+  for (size_t i = 0; i < cost.size(); ++i) sum[i + 1] = sum[i] + cost[i];
+  const int64_t T_ = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), cost.size()));
+  at::parallel_for(0, T_, 1, [&](int64_t begin, int64_t end) {
+    Scratch<T> scratch;
+    for (int64_t t = begin; t < end; ++t) {
+      const double lo = sum.back() * t / T_, hi = sum.back() * (t + 1) / T_;
+      for (size_t i = 0; i < cost.size(); ++i) {
+        const double mid = 0.5 * (sum[i] + sum[i + 1]);
+        if (mid >= lo && mid < hi) {
+          scratch.qrow.clear(), scratch.limit.clear();
+          fn(i, scratch);
+        }
+      }
+    }
+  });
+}
+
+template <typename T, typename C>
+static void attend(const Cache& c, const Span& sp, int64_t D, float scale, Scratch<T>& s, float* m, float* l,
+                   float* acc) {
+  const int64_t R = s.limit.size();
+#ifdef SLUICE_BF16_DOT
+  if constexpr (std::is_same_v<T, at::BFloat16> && std::is_same_v<C, at::BFloat16>) {
+    if (D % 32 == 0 && D <= 256)
+      return attend_unit_bf16(s.qrow.data(), s.limit.data(), R, c, sp, D, scale, s.wbuf, m, l, acc);
+  }
+#endif
+  attend_unit<T, C>(s.qrow.data(), s.limit.data(), R, c, sp, D, scale, s.qf, s.wbuf, s.seen, m, l, acc);
+}
+
 template <typename T, typename C>
 static void run(const T* q, const Cache& c, T* out, const int64_t* qstart, const int64_t* qlen, const int64_t* ctx,
                 int64_t S, int64_t H, int64_t Hk, int64_t D, float scale, int64_t chunk) {
   const int64_t G = H / Hk;
   std::vector<int64_t> part_rows;
-  const std::vector<Unit> units = plan(qlen, ctx, S, Hk, G, chunk, part_rows);
+  std::vector<Unit> units = plan(qlen, ctx, S, Hk, G, chunk, part_rows);
   std::vector<float> part_m(part_rows[0]), part_l(part_rows[0]), part_acc(part_rows[0] * D);
-  std::vector<double> cost(units.size() + 1, 0.0);  // prefix sums: threads take equal shares of the work
-  for (size_t i = 0; i < units.size(); ++i)
-    cost[i + 1] = cost[i] + double(qlen[units[i].s] * G) * double(units[i].p1 - units[i].p0 + kTile);
-  const int64_t T_ = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), units.size()));
-  at::parallel_for(0, T_, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf, wbuf, m, l, acc;
-    std::vector<int64_t> seen;
-    for (int64_t t = begin; t < end; ++t) {
-      const double lo = cost.back() * t / T_, hi = cost.back() * (t + 1) / T_;
-      for (size_t i = 0; i < units.size(); ++i) {
-        const double mid = 0.5 * (cost[i] + cost[i + 1]);
-        if (mid < lo || mid >= hi) continue;
-        const Unit& u = units[i];
-        const int64_t R = qlen[u.s] * G;
-        float *pm, *pl, *pa;
-        if (u.part >= 0) {
-          pm = part_m.data() + u.part, pl = part_l.data() + u.part, pa = part_acc.data() + u.part * D;
-        } else {
-          m.resize(R), l.resize(R), acc.resize(R * D);
-          pm = m.data(), pl = l.data(), pa = acc.data();
-        }
-#ifdef SLUICE_BF16_DOT
-        if constexpr (std::is_same_v<T, at::BFloat16> && std::is_same_v<C, at::BFloat16>) {
-          if (D % 32 == 0 && D <= 256) {
-            attend_unit_bf16(q, c, u, qstart[u.s], qlen[u.s], ctx[u.s], H, G, D, scale, qf, pm, pl, pa);
-            if (u.part < 0) write_rows(out, pa, pl, qstart[u.s], R, H, G, u.hk, D);
-            continue;
-          }
-        }
-#endif
-        attend_unit<T, C>(q, c, u, qstart[u.s], qlen[u.s], ctx[u.s], H, G, D, scale, qf, wbuf, seen, pm, pl, pa);
-        if (u.part < 0) write_rows(out, pa, pl, qstart[u.s], R, H, G, u.hk, D);
-      }
+  // Shared prefixes (only where no context is split): group g's rows of kv head hk hold state rows
+  // [base[g] + hk * rows[g], + rows[g]), sequence s's from state[s] + hk * rows[g]
+  const std::vector<Shared> groups = part_rows[0] == 0 ? shared_prefixes(c, qlen, ctx, S) : std::vector<Shared>{};
+  std::vector<int64_t> state(S, -1), stride(S, 0), base;
+  int64_t state_rows = 0;
+  for (const Shared& g : groups) {
+    base.push_back(state_rows);
+    int64_t rows = 0;
+    for (int64_t s : g.seqs) state[s] = state_rows + rows, rows += qlen[s] * G;
+    for (int64_t s : g.seqs) stride[s] = rows;
+    state_rows += rows * Hk;
+  }
+  std::vector<float> state_m(state_rows), state_l(state_rows), state_acc(state_rows * D);
+  std::vector<double> cost;
+  for (const Shared& g : groups)
+    for (int64_t hk = 0; hk < Hk; ++hk) cost.push_back(double(stride[g.seqs[0]]) * double(g.P + kTile));
+  balanced<T>(cost, [&](size_t i, Scratch<T>& s) {
+    const Shared& g = groups[i / Hk];
+    const int64_t hk = i % Hk, row = base[i / Hk] + hk * stride[g.seqs[0]];
+    for (int64_t x : g.seqs) s.add_rows(q, qstart[x], qlen[x], ctx[x], H, G, hk, D);
+    attend<T, C>(c, {c.tables + g.seqs[0] * c.width, hk, 0, g.P, true}, D, scale, s, state_m.data() + row,
+                 state_l.data() + row, state_acc.data() + row * D);
+  });
+  for (const Shared& g : groups)
+    for (int64_t x : g.seqs)
+      for (Unit& u : units)
+        if (u.s == x) u.p0 = g.P;
+  cost.clear();
+  for (const Unit& u : units) cost.push_back(double(qlen[u.s] * G) * double(u.p1 - u.p0 + kTile));
+  balanced<T>(cost, [&](size_t i, Scratch<T>& s) {
+    const Unit& u = units[i];
+    const int64_t R = qlen[u.s] * G;
+    s.add_rows(q, qstart[u.s], qlen[u.s], ctx[u.s], H, G, u.hk, D);
+    float *pm, *pl, *pa;
+    if (u.part >= 0) {
+      pm = part_m.data() + u.part, pl = part_l.data() + u.part, pa = part_acc.data() + u.part * D;
+    } else if (state[u.s] >= 0) {
+      const int64_t row = state[u.s] + u.hk * stride[u.s];
+      pm = state_m.data() + row, pl = state_l.data() + row, pa = state_acc.data() + row * D;
+    } else {
+      s.m.resize(R), s.l.resize(R), s.acc.resize(R * D);
+      pm = s.m.data(), pl = s.l.data(), pa = s.acc.data();
     }
+    attend<T, C>(c, {c.tables + u.s * c.width, u.hk, u.p0, u.p1, state[u.s] < 0}, D, scale, s, pm, pl, pa);
+    if (u.part < 0) write_rows(out, pa, pl, qstart[u.s], R, H, G, u.hk, D);
   });
   if (part_rows[0] == 0) return;
   std::vector<std::vector<const Unit*>> chunks_of(S * Hk);  // the partial units of each split (sequence, kv head)
