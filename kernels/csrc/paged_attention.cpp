@@ -333,8 +333,8 @@ static void attend_unit_bf16(const at::BFloat16* const* qrow, const int64_t* lim
   const int64_t hk = u.hk;
   const int64_t* table = u.table;
   if (u.fresh) start_rows(m, l, acc, R, D);
-  wbuf.resize(R * kTile);
-  float* w = wbuf.data();
+  wbuf.resize(2 * R * kTile);
+  float *w = wbuf.data(), *sbuf = w + R * kTile;  // weights (bf16), scores
   alignas(64) uint32_t vp[kTile / 2 * 256];
   alignas(64) static const uint16_t zero_row[256] = {};
   int64_t slots[kTile];
@@ -352,14 +352,11 @@ static void attend_unit_bf16(const at::BFloat16* const* qrow, const int64_t* lim
     }
     pack_value_pairs(vrows, D, vp);
     prefetch_tile<uint16_t>(c, table, hk, p + kTile, u.p1, D);
-    int64_t rows = 0;  // rows up to the last that sees this tile (earlier rows that do not weigh it 0)
-    for (int64_t r = 0; r < R; ++r) {
+    int64_t first = R, rows = 0;  // the rows from the first to the last that see this tile (others weigh it 0)
+    for (int64_t r = 0; r < R; ++r) {  // the scores first: the rows' softmax chains then overlap
       const int64_t valid = std::min(n, limit[r] - p);  // causal: the row sees positions < limit[r]
-      if (valid <= 0) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + r * kTile), _mm256_setzero_si256());
-        continue;
-      }
-      rows = r + 1;
+      if (valid <= 0) continue;
+      first = std::min(first, r), rows = r + 1;
       const auto* qr = reinterpret_cast<const uint16_t*>(qrow[r]);
       __m512 dots[16];
       for (int i = 0; i < 16; ++i) dots[i] = _mm512_setzero_ps();
@@ -369,7 +366,17 @@ static void attend_unit_bf16(const at::BFloat16* const* qrow, const int64_t* lim
           dots[i] = _mm512_dpbf16_ps(dots[i], qv, (__m512bh)_mm512_loadu_si512(krows[sluice_lane_of(i)] + d));
       }
       const __mmask16 seen = static_cast<__mmask16>((1u << valid) - 1);
-      const __m512 sc = _mm512_mask_mov_ps(minus_inf, seen, _mm512_mul_ps(sluice_reduce16(dots), vscale));
+      const __m512 sc = _mm512_mul_ps(sluice_reduce16(dots), vscale);
+      _mm512_storeu_ps(sbuf + r * kTile, _mm512_mask_mov_ps(minus_inf, seen, sc));
+    }
+    for (int64_t r = first; r < rows; ++r) {
+      const int64_t valid = std::min(n, limit[r] - p);
+      if (valid <= 0) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + r * kTile), _mm256_setzero_si256());
+        continue;
+      }
+      const __mmask16 seen = static_cast<__mmask16>((1u << valid) - 1);
+      const __m512 sc = _mm512_loadu_ps(sbuf + r * kTile);
       const float top = std::max(m[r], _mm512_reduce_max_ps(sc));
       const __m256bh wb = _mm512_cvtneps_pbh(_mm512_maskz_mov_ps(seen, (Vec(sc) - Vec(top)).exp_u20()));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + r * kTile), (__m256i)wb);
@@ -384,7 +391,7 @@ static void attend_unit_bf16(const at::BFloat16* const* qrow, const int64_t* lim
     }
     const int64_t np = (n + 1) / 2;  // an odd tile's last pair: a zero row at weight 0
     const auto* wp = reinterpret_cast<const uint32_t*>(w);
-    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+    for (int64_t r0 = first; r0 < rows; r0 += 4) {
       const int64_t nr = std::min<int64_t>(4, rows - r0);
       for (int64_t d = 0; d < D; d += 64) {
         if (D - d >= 64) add_value_pairs_rows<4>(acc + r0 * D, nr, D, d, wp + r0 * kTile, vp, np);
