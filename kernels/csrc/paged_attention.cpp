@@ -523,6 +523,14 @@ static void attend(const Cache& c, const Span& sp, int64_t D, float scale, Scrat
   attend_unit<T, C>(s.qrow.data(), s.limit.data(), R, c, sp, D, scale, s.qf, s.wbuf, s.seen, m, l, acc);
 }
 
+// A unit's work: the positions its rows see within [p0, p1) (a causal prefill's rows see ever more), and a tile
+// of overhead a row.
+static double unit_cost(const Unit& u, int64_t nq, int64_t L, int64_t G) {
+  double sum = 0;
+  for (int64_t i = 0; i < nq; ++i) sum += double(std::max<int64_t>(0, std::min(u.p1, L - nq + i + 1) - u.p0) + kTile);
+  return sum * G;
+}
+
 template <typename T, typename C>
 static void run(const T* q, const Cache& c, T* out, const int64_t* qstart, const int64_t* qlen, const int64_t* ctx,
                 int64_t S, int64_t H, int64_t Hk, int64_t D, float scale, int64_t chunk) {
@@ -558,7 +566,7 @@ static void run(const T* q, const Cache& c, T* out, const int64_t* qstart, const
       for (Unit& u : units)
         if (u.s == x) u.p0 = g.P;
   cost.clear();
-  for (const Unit& u : units) cost.push_back(double(qlen[u.s] * G) * double(u.p1 - u.p0 + kTile));
+  for (const Unit& u : units) cost.push_back(unit_cost(u, qlen[u.s], ctx[u.s], G));
   balanced<T>(cost, [&](size_t i, Scratch<T>& s) {
     const Unit& u = units[i];
     const int64_t R = qlen[u.s] * G;
