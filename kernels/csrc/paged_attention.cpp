@@ -322,6 +322,27 @@ static inline void add_value_pairs_rows(float* acc, int64_t nr, int64_t D, int64
   }
 }
 
+// dots[i] = the 16 lane sums of a query row against key sluice_lane_of(i) of a tile (sluice_reduce16 then puts
+// key j's dot product in lane j), the keys anywhere (rows) or, with D known, at fixed offsets from one pointer.
+static inline void tile_dots(const uint16_t* q, const uint16_t* const* rows, int64_t D, __m512* dots) {
+  for (int i = 0; i < 16; ++i) dots[i] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 32) {
+    const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + d);
+    for (int i = 0; i < 16; ++i)
+      dots[i] = _mm512_dpbf16_ps(dots[i], qv, (__m512bh)_mm512_loadu_si512(rows[sluice_lane_of(i)] + d));
+  }
+}
+
+template <int D>
+static inline void tile_dots(const uint16_t* q, const uint16_t* keys, int64_t, __m512* dots) {
+  for (int i = 0; i < 16; ++i) dots[i] = _mm512_setzero_ps();
+  for (int d = 0; d < D; d += 32) {
+    const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + d);
+    for (int i = 0; i < 16; ++i)
+      dots[i] = _mm512_dpbf16_ps(dots[i], qv, (__m512bh)_mm512_loadu_si512(keys + sluice_lane_of(i) * D + d));
+  }
+}
+
 // The bf16 cache without scales: scores straight from the bf16 keys with `vdpbf16ps` (no fp32 copy of the key
 // tile; sixteen keys' dot products reduced into one vector at once), the softmax on that vector, its weights
 // rounded to bf16 (the running sum adds the rounded ones), then the value tile, packed in position pairs, added
@@ -351,6 +372,7 @@ static void attend_unit_bf16(const at::BFloat16* const* qrow, const int64_t* lim
       vrows[j] = j < n ? vc + slots[j] * D : zero_row;
     }
     pack_value_pairs(vrows, D, vp);
+    const bool contiguous = n == kTile && slots[kTile - 1] == slots[0] + kTile - 1;  // the tile within one block
     prefetch_tile<uint16_t>(c, table, hk, p + kTile, u.p1, D);
     int64_t first = R, rows = 0;  // the rows from the first to the last that see this tile (others weigh it 0)
     for (int64_t r = 0; r < R; ++r) {  // the scores first: the rows' softmax chains then overlap
@@ -359,12 +381,9 @@ static void attend_unit_bf16(const at::BFloat16* const* qrow, const int64_t* lim
       first = std::min(first, r), rows = r + 1;
       const auto* qr = reinterpret_cast<const uint16_t*>(qrow[r]);
       __m512 dots[16];
-      for (int i = 0; i < 16; ++i) dots[i] = _mm512_setzero_ps();
-      for (int64_t d = 0; d < D; d += 32) {
-        const __m512bh qv = (__m512bh)_mm512_loadu_si512(qr + d);
-        for (int i = 0; i < 16; ++i)  // dots[i] lands in lane sluice_lane_of(i): give it that key
-          dots[i] = _mm512_dpbf16_ps(dots[i], qv, (__m512bh)_mm512_loadu_si512(krows[sluice_lane_of(i)] + d));
-      }
+      if (contiguous && D == 64) tile_dots<64>(qr, krows[0], D, dots);
+      else if (contiguous && D == 128) tile_dots<128>(qr, krows[0], D, dots);
+      else tile_dots(qr, krows, D, dots);
       const __mmask16 seen = static_cast<__mmask16>((1u << valid) - 1);
       const __m512 sc = _mm512_mul_ps(sluice_reduce16(dots), vscale);
       _mm512_storeu_ps(sbuf + r * kTile, _mm512_mask_mov_ps(minus_inf, seen, sc));
