@@ -44,13 +44,13 @@ def kernel_args(query_lens, context_lens, tables):
     return starts, torch.tensor(query_lens), torch.tensor(context_lens), bt
 
 
-def reference(q, kc, vc, query_lens, context_lens, tables, scale):
+def reference(q, kc, vc, query_lens, context_lens, tables, scale, bs=BS):
     """Causal attention in float64 per sequence over its keys laid out contiguously (GQA by repetition)."""
     hk, h = kc.shape[0], q.shape[1]
     out, start = [], 0
     for ql, c, t in zip(query_lens, context_lens, tables, strict=True):
         pos = torch.arange(c)
-        idx = torch.tensor(t)[pos // BS] * BS + pos % BS
+        idx = torch.tensor(t)[pos // bs] * bs + pos % bs
         k = kc.reshape(hk, -1, D)[:, idx].double().repeat_interleave(h // hk, 0)
         v = vc.reshape(hk, -1, D)[:, idx].double().repeat_interleave(h // hk, 0)
         qs = q[start:start + ql].transpose(0, 1).double()
@@ -136,6 +136,21 @@ def test_shared_prefix_blocks_are_attended_once_with_the_bits_of_attending_them_
     assert torch.equal(shared, alone)
     want = reference(q, kc, vc, query_lens, context_lens, tables, D**-0.5)
     assert (shared.double() - want).abs().max().item() < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tile_over_small_blocks_out_of_order_reads_each_block(dtype, cpu_tier):
+    """Blocks of 4 positions laid out 0, 2, 1, 3 in the pool: a 16-key tile's first and last keys sit where
+    one contiguous run would put them, its middle blocks swapped; the kernel reads them block by block."""
+    bs, hk, group = 4, 2, 3
+    g = torch.Generator().manual_seed(13)
+    kc, vc = (torch.randn(hk, 16, bs, D, generator=g).to(dtype) for _ in range(2))
+    tables = [[0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11], [0, 2, 1, 3, 12, 14, 13, 15]]
+    query_lens, context_lens = [1, 5], [48, 30]
+    q = torch.randn(sum(query_lens), hk * group, D, generator=g).to(dtype)
+    got = run_kernel(q, kc, vc, query_lens, context_lens, tables, 0)
+    want = reference(q, kc, vc, query_lens, context_lens, tables, D**-0.5, bs=bs)
+    assert (got.double() - want).abs().max().item() < TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

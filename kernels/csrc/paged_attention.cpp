@@ -372,7 +372,8 @@ static void attend_unit_bf16(const at::BFloat16* const* qrow, const int64_t* lim
       vrows[j] = j < n ? vc + slots[j] * D : zero_row;
     }
     pack_value_pairs(vrows, D, vp);
-    const bool contiguous = n == kTile && slots[kTile - 1] == slots[0] + kTile - 1;  // the tile within one block
+    bool contiguous = n == kTile;  // the tile's keys one after another (within one block, or adjacent ones)
+    for (int64_t j = 1; j < n && contiguous; ++j) contiguous = slots[j] == slots[0] + j;
     prefetch_tile<uint16_t>(c, table, hk, p + kTile, u.p1, D);
     int64_t first = R, rows = 0;  // the rows from the first to the last that see this tile (others weigh it 0)
     for (int64_t r = 0; r < R; ++r) {  // the scores first: the rows' softmax chains then overlap
@@ -546,7 +547,8 @@ static void attend(const Cache& c, const Span& sp, int64_t D, float scale, Scrat
 // of overhead a row.
 static double unit_cost(const Unit& u, int64_t nq, int64_t L, int64_t G) {
   double sum = 0;
-  for (int64_t i = 0; i < nq; ++i) sum += double(std::max<int64_t>(0, std::min(u.p1, L - nq + i + 1) - u.p0) + kTile);
+  for (int64_t i = 0; i < nq; ++i)
+    sum += double(std::max<int64_t>(0, std::min(u.p1, L - nq + i + 1) - u.p0) + kTile);
   return sum * G;
 }
 
@@ -560,13 +562,13 @@ static void run(const T* q, const Cache& c, T* out, const int64_t* qstart, const
   // Shared prefixes (only where no context is split): group g's rows of kv head hk hold state rows
   // [base[g] + hk * rows[g], + rows[g]), sequence s's from state[s] + hk * rows[g]
   const std::vector<Shared> groups = part_rows[0] == 0 ? shared_prefixes(c, qlen, ctx, S) : std::vector<Shared>{};
-  std::vector<int64_t> state(S, -1), stride(S, 0), base;
+  std::vector<int64_t> state(S, -1), stride(S, 0), shared(S, 0), base;
   int64_t state_rows = 0;
   for (const Shared& g : groups) {
     base.push_back(state_rows);
     int64_t rows = 0;
     for (int64_t s : g.seqs) state[s] = state_rows + rows, rows += qlen[s] * G;
-    for (int64_t s : g.seqs) stride[s] = rows;
+    for (int64_t s : g.seqs) stride[s] = rows, shared[s] = g.P;
     state_rows += rows * Hk;
   }
   std::vector<float> state_m(state_rows), state_l(state_rows), state_acc(state_rows * D);
@@ -580,10 +582,7 @@ static void run(const T* q, const Cache& c, T* out, const int64_t* qstart, const
     attend<T, C>(c, {c.tables + g.seqs[0] * c.width, hk, 0, g.P, true}, D, scale, s, state_m.data() + row,
                  state_l.data() + row, state_acc.data() + row * D);
   });
-  for (const Shared& g : groups)
-    for (int64_t x : g.seqs)
-      for (Unit& u : units)
-        if (u.s == x) u.p0 = g.P;
+  for (Unit& u : units) u.p0 = std::max(u.p0, shared[u.s]);  // a member goes on from its group's state
   cost.clear();
   for (const Unit& u : units) cost.push_back(unit_cost(u, qlen[u.s], ctx[u.s], G));
   balanced<T>(cost, [&](size_t i, Scratch<T>& s) {
