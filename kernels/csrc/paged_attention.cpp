@@ -334,7 +334,7 @@ static inline void tile_dots(const uint16_t* q, const uint16_t* const* rows, int
 }
 
 template <int D>
-static inline void tile_dots(const uint16_t* q, const uint16_t* keys, int64_t, __m512* dots) {
+static inline void tile_dots(const uint16_t* q, const uint16_t* keys, __m512* dots) {
   for (int i = 0; i < 16; ++i) dots[i] = _mm512_setzero_ps();
   for (int d = 0; d < D; d += 32) {
     const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + d);
@@ -382,8 +382,8 @@ static void attend_unit_bf16(const at::BFloat16* const* qrow, const int64_t* lim
       first = std::min(first, r), rows = r + 1;
       const auto* qr = reinterpret_cast<const uint16_t*>(qrow[r]);
       __m512 dots[16];
-      if (contiguous && D == 64) tile_dots<64>(qr, krows[0], D, dots);
-      else if (contiguous && D == 128) tile_dots<128>(qr, krows[0], D, dots);
+      if (contiguous && D == 64) tile_dots<64>(qr, krows[0], dots);
+      else if (contiguous && D == 128) tile_dots<128>(qr, krows[0], dots);
       else tile_dots(qr, krows, D, dots);
       const __mmask16 seen = static_cast<__mmask16>((1u << valid) - 1);
       const __m512 sc = _mm512_mul_ps(sluice_reduce16(dots), vscale);
