@@ -42,7 +42,7 @@ INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 EXTENSIONS = {"cpu_kernels.cpp": "sluice_cpu_kernels", "moe.cpp": "sluice_moe_cpu"}
 CORE = "cpu_kernels.cpp"
 PARTS = ("elementwise", "rms_norm", "paged_attention", "bf16_gemv", "quant_linear", "nf4", "decode_stack",
-         "masked_sample", "lora")
+         "masked_sample", "lora", "varlen_attention")
 _built: dict[tuple[str, str], object | None] = {}
 # The wheel's objects: prebuilt/<tier>/<module>.so and prebuilt/manifest.json (absent in a source checkout).
 PREBUILT = Path(__file__).parent / "prebuilt"

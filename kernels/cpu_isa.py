@@ -61,6 +61,17 @@ def _cpu_flags() -> frozenset[str]:
     return cpuid if cpuid is not None else frozenset()
 
 
+@functools.cache
+def cpu_vendor() -> str:
+    """The CPU's vendor as /proc/cpuinfo names it ("GenuineIntel", "AuthenticAMD"), "" where it does not."""
+    info = Path("/proc/cpuinfo")
+    if info.exists():
+        for line in info.read_text(errors="replace").splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    return ""
+
+
 _KNOWN = frozenset(f for names in REQUIRED.values() for f in names) | {"avx512cd"}
 
 

@@ -564,3 +564,39 @@ def test_bf16_rows_past_the_gemv_sum_in_fp32_where_onednn_has_no_bf16(monkeypatc
         with torch.inference_mode():
             linear_kernels.linear(x, w, b)
         assert bf16_calls == ([] if linear_kernels.panels_serve() else [torch.bfloat16])
+
+
+def test_fp32_linears_of_many_rows_take_onednn_where_mkl_has_no_avx512(monkeypatch):
+    """oneDNN multiplies fp32 linears of ONEDNN_FP32_MIN_ROWS rows and more on an AVX-512 CPU that is not
+    Intel's (MKL's AVX2 "zen" kernels there), never on Intel's or below AVX-512 or when ONEDNN_MAX_CPU_ISA
+    caps it at AVX2; where it serves, `linear` and `residual_linear` give F.linear's answer without calling
+    it, and fewer rows stay on F.linear."""
+    from sluice.kernels import cpu_isa, options
+
+    avx512 = cpu_isa.cpu_flags() | {"avx512f"}
+    cases = [("AuthenticAMD", avx512, "", True), ("GenuineIntel", avx512, "", False),
+             ("AuthenticAMD", avx512 - {"avx512f"}, "", False), ("AuthenticAMD", avx512, "AVX2", False)]
+    try:
+        for vendor, flags, cap, want in cases:
+            monkeypatch.setattr(cpu_isa, "cpu_vendor", lambda v=vendor: v)
+            monkeypatch.setattr(cpu_isa, "cpu_flags", lambda f=flags: f)
+            options.use(options.current().merged(onednn_max_cpu_isa=cap))
+            assert linear_kernels.onednn_fp32() == (want and torch.backends.mkldnn.is_available()), vendor
+    finally:
+        options.reset()
+    if not torch.backends.mkldnn.is_available():
+        return
+    monkeypatch.setattr(linear_kernels, "onednn_fp32", lambda: True)
+    calls, real = [], F.linear
+    monkeypatch.setattr(linear_kernels.F, "linear", lambda a, *r: calls.append(len(a)) or real(a, *r))
+    torch.manual_seed(0)
+    w, b = torch.randn(200, 96), torch.randn(200)
+    for rows in (linear_kernels.ONEDNN_FP32_MIN_ROWS - 1, linear_kernels.ONEDNN_FP32_MIN_ROWS, 300):
+        x, res = torch.randn(rows, 96), torch.randn(rows, 200)
+        want = x.double() @ w.double().t() + b.double()
+        with torch.inference_mode():
+            got = linear_kernels.linear(x, w, b)
+            summed = linear_kernels.residual_linear(x, w, b, res, torch.empty(rows, 200))
+        torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(summed.double(), want + res.double(), atol=1e-4, rtol=1e-5)
+    assert calls == [linear_kernels.ONEDNN_FP32_MIN_ROWS - 1]

@@ -20,6 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sluice.kernels.linear import linear as kernel_linear
+from sluice.kernels.linear import onednn_serves, residual_linear
+from sluice.kernels.varlen_attention import varlen_serves
+from sluice.kernels.varlen_attention import varlen_attention
+
 # architecture: (family, head); family "roberta" counts positions from padding_idx + 1.
 ENCODER_ARCHITECTURES = {
     "BertModel": ("bert", None), "BertForMaskedLM": ("bert", None),
@@ -121,6 +126,7 @@ class AttentionPlan:
     def __init__(self, lens: list[int], device: torch.device) -> None:
         assert lens == sorted(lens), "the sequences of a step come sorted by length"
         self.groups: list[PaddedGroup] = []
+        self.lens = lens
         start = 0
         for lo, hi in self._cut(lens):
             group = self._group(start, lens[lo:hi], device)
@@ -159,6 +165,10 @@ class AttentionPlan:
         value, heads within each) to [tokens, hidden] (into `out` if given)."""
         hidden = qkv.shape[1] // 3
         out = qkv.new_empty(qkv.shape[0], hidden) if out is None else out
+        q, k, v = qkv.view(len(qkv), 3, num_heads, -1).unbind(1)
+        if varlen_serves(q):  # fp32 on CPU: no padding at all (kernels.varlen_attention)
+            varlen_attention(q, k, v, self.lens, scale, out.view(len(qkv), num_heads, -1))
+            return out
         for g in self.groups:
             rows = qkv[g.start: g.start + g.num_tokens] if g.index is None else qkv.index_select(0, g.index)
             q, k, v = rows.view(g.size, g.width, 3, num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
@@ -211,13 +221,15 @@ class EncoderLayer(nn.Module):
 
 
 def _linear(linear: nn.Linear, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """linear(x) into out."""
+    """linear(x): into out, or a new tensor where oneDNN's fp32 matmul serves (kernels.linear)."""
+    if onednn_serves(x, linear.weight):
+        return kernel_linear(x, linear.weight, linear.bias)
     return torch.addmm(linear.bias, x, linear.weight.t(), out=out)
 
 
 def _residual(linear: nn.Linear, x: torch.Tensor, residual: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """residual + linear(x) into out: the residual and the bias summed, then the GEMM adds the product."""
-    return torch.add(residual, linear.bias, out=out).addmm_(x, linear.weight.t())
+    """residual + linear(x) (into out where torch's BLAS multiplies: kernels.linear.residual_linear)."""
+    return residual_linear(x, linear.weight, linear.bias, residual, out)
 
 
 class ClassificationHead(nn.Module):

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from sluice.engine.models.llama import LlamaModel, ModelConfig
@@ -21,6 +20,8 @@ from sluice.engine.multimodal.encoder_cache import EncoderCache
 from sluice.engine.multimodal.image_patches import compute_all
 from sluice.engine.multimodal.inputs import step_positions
 from sluice.kernels.elementwise import rotate_half
+from sluice.kernels.linear import Linear
+from sluice.kernels.varlen_attention import varlen_attention
 
 
 class VisionAttention(nn.Module):
@@ -29,8 +30,8 @@ class VisionAttention(nn.Module):
     def __init__(self, dim: int, num_heads: int) -> None:
         super().__init__()
         self.num_heads, self.head_dim = num_heads, dim // num_heads
-        self.qkv = nn.Linear(dim, dim * 3, bias=True)
-        self.proj = nn.Linear(dim, dim)
+        self.qkv = Linear(dim, dim * 3, bias=True)
+        self.proj = Linear(dim, dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 lengths: list[int]) -> torch.Tensor:
@@ -40,10 +41,8 @@ class VisionAttention(nn.Module):
         qk = qkv[:, :2].float()  # queries and keys rotated together: HF's arithmetic, half the passes
         cos, sin = cos[:, None, None].float(), sin[:, None, None].float()
         q, k = (qk * cos + rotate_half(qk) * sin).to(qkv.dtype).unbind(1)
-        heads_first = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, qkv[:, 2])]  # torch's fused CPU kernel
-        outs = [F.scaled_dot_product_attention(qi, ki, vi)[0]
-                for qi, ki, vi in zip(*(t.split(lengths, dim=2) for t in heads_first), strict=True)]
-        return self.proj(torch.cat([o.transpose(0, 1) for o in outs]).reshape(n, -1))
+        out = varlen_attention(q, k, qkv[:, 2], lengths, self.head_dim**-0.5)
+        return self.proj(out.view(n, -1))
 
 
 class VisionBlock(nn.Module):
@@ -51,7 +50,7 @@ class VisionBlock(nn.Module):
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(dim, eps=1e-6), nn.LayerNorm(dim, eps=1e-6)
         self.attn = VisionAttention(dim, num_heads)
-        self.mlp = nn.ModuleDict({"fc1": nn.Linear(dim, mlp_dim), "fc2": nn.Linear(mlp_dim, dim)})
+        self.mlp = nn.ModuleDict({"fc1": Linear(dim, mlp_dim), "fc2": Linear(mlp_dim, dim)})
 
     def forward(self, x, cos, sin, lengths) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cos, sin, lengths)
@@ -67,7 +66,7 @@ class PatchMerger(nn.Module):
         super().__init__()
         self.hidden = context_dim * merge**2
         self.ln_q = norm if norm is not None else nn.LayerNorm(context_dim, eps=1e-6)
-        self.mlp = nn.Sequential(nn.Linear(self.hidden, self.hidden), nn.GELU(), nn.Linear(self.hidden, dim))
+        self.mlp = nn.Sequential(Linear(self.hidden, self.hidden), nn.GELU(), Linear(self.hidden, dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(self.ln_q(x).view(-1, self.hidden))
@@ -104,7 +103,7 @@ class VisionTransformer(nn.Module):
         self.merge = cfg.get("spatial_merge_size", 2)
         channels, frames = cfg.get("in_channels", 3), cfg.get("temporal_patch_size", 2)
         self.patch_dim = channels * frames * cfg["patch_size"] ** 2
-        self.patch_embed = nn.Linear(self.patch_dim, dim, bias=False)  # the checkpoint's Conv3d, flattened
+        self.patch_embed = Linear(self.patch_dim, dim, bias=False)  # the checkpoint's Conv3d, flattened
         self.blocks = nn.ModuleList(VisionBlock(dim, heads, int(dim * cfg.get("mlp_ratio", 4)))
                                     for _ in range(cfg["depth"]))
         self.merger = PatchMerger(cfg["hidden_size"], dim, self.merge)

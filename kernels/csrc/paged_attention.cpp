@@ -508,21 +508,21 @@ struct Scratch {
   }
 };
 
-// fn(i, scratch) for every item i, the threads taking equal shares of the summed costs.
-template <typename T, typename F>
+// fn(i, scratch) for every item i, the threads taking equal shares of the summed costs, each with its own
+// scratch S.
+template <typename S, typename F>
 static void balanced(const std::vector<double>& cost, F fn) {
   if (cost.empty()) return;
   std::vector<double> sum(cost.size() + 1, 0.0);
   for (size_t i = 0; i < cost.size(); ++i) sum[i + 1] = sum[i] + cost[i];
   const int64_t T_ = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), cost.size()));
   at::parallel_for(0, T_, 1, [&](int64_t begin, int64_t end) {
-    Scratch<T> scratch;
+    S scratch;
     for (int64_t t = begin; t < end; ++t) {
       const double lo = sum.back() * t / T_, hi = sum.back() * (t + 1) / T_;
       for (size_t i = 0; i < cost.size(); ++i) {
         const double mid = 0.5 * (sum[i] + sum[i + 1]);
         if (mid >= lo && mid < hi) {
-          scratch.qrow.clear(), scratch.limit.clear();
           fn(i, scratch);
         }
       }
@@ -575,7 +575,8 @@ static void run(const T* q, const Cache& c, T* out, const int64_t* qstart, const
   std::vector<double> cost;
   for (const Shared& g : groups)
     for (int64_t hk = 0; hk < Hk; ++hk) cost.push_back(double(stride[g.seqs[0]]) * double(g.P + kTile));
-  balanced<T>(cost, [&](size_t i, Scratch<T>& s) {
+  balanced<Scratch<T>>(cost, [&](size_t i, Scratch<T>& s) {
+    s.qrow.clear(), s.limit.clear();
     const Shared& g = groups[i / Hk];
     const int64_t hk = i % Hk, row = base[i / Hk] + hk * stride[g.seqs[0]];
     for (int64_t x : g.seqs) s.add_rows(q, qstart[x], qlen[x], ctx[x], H, G, hk, D);
@@ -585,7 +586,8 @@ static void run(const T* q, const Cache& c, T* out, const int64_t* qstart, const
   for (Unit& u : units) u.p0 = std::max(u.p0, shared[u.s]);  // a member goes on from its group's state
   cost.clear();
   for (const Unit& u : units) cost.push_back(unit_cost(u, qlen[u.s], ctx[u.s], G));
-  balanced<T>(cost, [&](size_t i, Scratch<T>& s) {
+  balanced<Scratch<T>>(cost, [&](size_t i, Scratch<T>& s) {
+    s.qrow.clear(), s.limit.clear();
     const Unit& u = units[i];
     const int64_t R = qlen[u.s] * G;
     s.add_rows(q, qstart[u.s], qlen[u.s], ctx[u.s], H, G, u.hk, D);

@@ -1,0 +1,178 @@
+// Bidirectional fp32 attention of unpadded sequences laid back to back (an encoder's layers, a vision tower's
+// images): every query row of a sequence attends every key of that sequence, with no padding and no mask. A
+// unit is one head's block of kQBlock query rows of one sequence. Its thread transposes that head's keys of the
+// sequence into [D][n] once (kept while its next unit is the same head of the same sequence), so the scores of
+// kRows query rows against a vector of keys are broadcast FMAs with no reductions; the rows' scores over all n
+// keys sit in L2, take the exact softmax (max, exp, sum) and weigh the value rows, kRows rows sharing each
+// value load. Units are shared among the threads by their cost (rows x keys).
+#pragma once
+#include "paged_attention.cpp"
+
+namespace varlen {
+
+constexpr int64_t kQBlock = 64;  // query rows per unit
+constexpr int64_t kW = Vec::size();
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int kRows = 8;  // rows scored and summed together: 16 of the 32 vector registers accumulate
+#else
+constexpr int kRows = 4;  // AVX2 has 16 registers
+#endif
+
+struct Heads {  // a [T, H, D] tensor's rows: token t, head h at base + t * stride + h * D
+  const float* base;
+  int64_t stride, D;
+  const float* at(int64_t t, int64_t h) const { return base + t * stride + h * D; }
+};
+
+struct Scratch {
+  std::vector<float> kt, s, q;
+  int64_t t0 = -1, h = -1;  // whose keys kt holds
+};
+
+static inline int64_t padded(int64_t n) { return (n + 2 * kW - 1) / (2 * kW) * (2 * kW); }
+
+// kt [D][np] = head h's keys of tokens [t0, t0 + n), zero past n.
+static void transpose_keys(const Heads& k, int64_t t0, int64_t n, int64_t h, Scratch& sc) {
+  const int64_t np = padded(n), D = k.D;
+  sc.kt.assign(D * np, 0.f);
+  for (int64_t j = 0; j < n; ++j) {
+    const float* row = k.at(t0 + j, h);
+    for (int64_t d = 0; d < D; ++d) sc.kt[d * np + j] = row[d];
+  }
+  sc.t0 = t0, sc.h = h;
+}
+
+// s [R][np] = q [R][D] (scaled) times kt [D][np], two vectors of keys at a time.
+template <int R>
+static void score_rows(const float* q, const float* kt, int64_t np, int64_t D, float* s) {
+  for (int64_t j = 0; j < np; j += 2 * kW) {
+    Vec a[R], b[R];
+    for (int r = 0; r < R; ++r) a[r] = Vec(0.f), b[r] = Vec(0.f);
+    for (int64_t d = 0; d < D; ++d) {
+      const Vec k0 = Vec::loadu(kt + d * np + j), k1 = Vec::loadu(kt + d * np + j + kW);
+      for (int r = 0; r < R; ++r) {
+        const Vec x(q[r * D + d]);
+        a[r] = at::vec::fmadd(x, k0, a[r]);
+        b[r] = at::vec::fmadd(x, k1, b[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) a[r].store(s + r * np + j), b[r].store(s + r * np + j + kW);
+  }
+}
+
+// A row's n scores (the rest of its np set to -inf) to exp(score - max) in place; returns their sum.
+static float softmax_row(float* s, int64_t n, int64_t np) {
+  std::fill(s + n, s + np, -std::numeric_limits<float>::infinity());
+  Vec top(-std::numeric_limits<float>::infinity());
+  for (int64_t j = 0; j < np; j += kW) top = at::vec::maximum(top, Vec::loadu(s + j));
+  const Vec m(at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, top));
+  Vec sum(0.f);
+  for (int64_t j = 0; j < np; j += kW) {
+    const Vec e = (Vec::loadu(s + j) - m).exp_u20();
+    e.store(s + j);
+    sum = sum + e;
+  }
+  return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, sum);
+}
+
+// out rows [R] columns [d0, d0 + NV * kW) = inv[r] * sum over j of s[r][j] * v[j].
+template <int R, int NV>
+static void weigh_values(const float* s, int64_t np, int64_t n, const Heads& v, int64_t t0, int64_t h,
+                         int64_t d0, const float* inv, float* const* out) {
+  Vec acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NV; ++c) acc[r][c] = Vec(0.f);
+  for (int64_t j = 0; j < n; ++j) {
+    const float* row = v.at(t0 + j, h) + d0;
+    Vec x[NV];
+    for (int c = 0; c < NV; ++c) x[c] = Vec::loadu(row + c * kW);
+    for (int r = 0; r < R; ++r) {
+      const Vec p(s[r * np + j]);
+      for (int c = 0; c < NV; ++c) acc[r][c] = at::vec::fmadd(p, x[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NV; ++c) (acc[r][c] * Vec(inv[r])).store(out[r] + d0 + c * kW);
+}
+
+// R query rows starting at token t0 + i of the sequence [t0, t0 + n), head h, into out.
+template <int R>
+static void attend_rows(const Heads& q, const Heads& v, float* o, int64_t ostride, int64_t t0, int64_t n,
+                        int64_t i, int64_t h, float scale, Scratch& sc) {
+  const int64_t np = padded(n), D = q.D;
+  sc.q.resize(R * D);
+  sc.s.resize(R * np);
+  float* out[R];
+  float inv[R];
+  for (int r = 0; r < R; ++r) {
+    const float* row = q.at(t0 + i + r, h);
+    for (int64_t d = 0; d < D; ++d) sc.q[r * D + d] = row[d] * scale;
+    out[r] = o + (t0 + i + r) * ostride + h * D;
+  }
+  score_rows<R>(sc.q.data(), sc.kt.data(), np, D, sc.s.data());
+  for (int r = 0; r < R; ++r) inv[r] = 1.f / softmax_row(sc.s.data() + r * np, n, np);
+  int64_t d0 = 0;
+  for (; d0 + 2 * kW <= D; d0 += 2 * kW) weigh_values<R, 2>(sc.s.data(), np, n, v, t0, h, d0, inv, out);
+  if (d0 < D) weigh_values<R, 1>(sc.s.data(), np, n, v, t0, h, d0, inv, out);
+}
+
+template <int R>
+static void attend_block(const Heads& q, const Heads& v, float* o, int64_t ostride, int64_t t0, int64_t n,
+                         int64_t i0, int64_t i1, int64_t h, float scale, Scratch& sc) {
+  int64_t i = i0;
+  for (; i + R <= i1; i += R) attend_rows<R>(q, v, o, ostride, t0, n, i, h, scale, sc);
+  if constexpr (R > 1) {
+    if (i < i1) attend_block<R / 2>(q, v, o, ostride, t0, n, i, i1, h, scale, sc);
+  }
+}
+
+struct Unit {
+  int64_t t0, n, i0, i1, h;
+};
+
+}  // namespace varlen
+
+// out [T, H, D] (row stride out.stride(0)) = softmax(q kᵀ * scale) v within each sequence [cu[s], cu[s + 1]);
+// q, k, v: [T, H, D] fp32 views whose heads lie D apart and whose rows may be strided (a fused qkv's thirds).
+void varlen_attention_cpu(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out,
+                          torch::Tensor cu_seqlens, double scale) {
+  using varlen::Heads, varlen::kQBlock, varlen::kRows, varlen::kW, varlen::padded;
+  for (const torch::Tensor* t : {&q, &k, &v, &out}) {
+    TORCH_CHECK(t->dim() == 3 && t->scalar_type() == at::kFloat, "q, k, v, out: [T, H, D] float32");
+    TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == t->size(2), "heads must lie D apart, D contiguous");
+    TORCH_CHECK(t->sizes() == q.sizes(), "q, k, v and out differ in shape");
+  }
+  TORCH_CHECK(cu_seqlens.scalar_type() == at::kLong && cu_seqlens.is_contiguous(), "cu_seqlens: int64");
+  const int64_t H = q.size(1), D = q.size(2), S = cu_seqlens.size(0) - 1;
+  TORCH_CHECK(D % kW == 0, "head dim must be a multiple of ", kW);
+  const int64_t* cu = cu_seqlens.data_ptr<int64_t>();
+  TORCH_CHECK(S >= 0 && cu[0] == 0 && cu[S] == q.size(0), "cu_seqlens must run from 0 to T");
+  const Heads hq{q.data_ptr<float>(), q.stride(0), D}, hk{k.data_ptr<float>(), k.stride(0), D},
+      hv{v.data_ptr<float>(), v.stride(0), D};
+  float* o = out.data_ptr<float>();
+  const int64_t ostride = out.stride(0);
+  std::vector<varlen::Unit> units;
+  std::vector<double> cost;
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t n = cu[s + 1] - cu[s];
+    TORCH_CHECK(n >= 0, "cu_seqlens must not decrease");
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i = 0; i < n; i += kQBlock) {
+        units.push_back({cu[s], n, i, std::min(n, i + kQBlock), h});
+        cost.push_back(double(std::min(n, i + kQBlock) - i) * double(padded(n) + D));
+      }
+  }
+  const float sc = static_cast<float>(scale);
+  balanced<varlen::Scratch>(cost, [&](size_t x, varlen::Scratch& scratch) {
+    const varlen::Unit& u = units[x];
+    if (scratch.t0 != u.t0 || scratch.h != u.h) varlen::transpose_keys(hk, u.t0, u.n, u.h, scratch);
+    varlen::attend_block<kRows>(hq, hv, o, ostride, u.t0, u.n, u.i0, u.i1, u.h, sc, scratch);
+  });
+}
+
+// This file's Python functions, on the module `m` (cpu_kernels.cpp's submodule "varlen_attention").
+inline void bind_varlen_attention(py::module_& m) {
+  m.def("varlen_attention_cpu", &varlen_attention_cpu,
+        "Bidirectional fp32 attention within each of the sequences laid back to back (no padding, no mask)");
+  m.attr("HEAD_DIM_MULTIPLE") = varlen::kW;
+}
