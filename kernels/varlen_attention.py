@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from sluice.kernels import cpp_build
+from sluice.kernels.elementwise import rotate_half
 
 
 def _build():
@@ -28,14 +29,21 @@ def varlen_serves(q: torch.Tensor) -> bool:
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int], scale: float,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None,
+                     rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """softmax(q kᵀ · scale) v within each sequence: q, k, v [T, H, D] (rows may be strided, as a fused qkv's
-    thirds are; each head's D contiguous), `lengths` the sequences' token counts in order; out [T, H, D]."""
+    thirds are; each head's D contiguous), `lengths` the sequences' token counts in order; out [T, H, D].
+    `rotary`: cos, sin [T, D] applied to q and k first (x cos + rotate_half(x) sin, in fp32)."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     if varlen_serves(q) and all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (q, k, v, out)):
         cu = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0)
-        _build().varlen_attention_cpu(q, k, v, out, cu, scale)
+        cos, sin = (None, None) if rotary is None else (t.float().contiguous() for t in rotary)
+        _build().varlen_attention_cpu(q, k, v, out, cu, scale, cos, sin)
         return out
+    if rotary is not None:
+        qk = torch.stack((q, k), 1).float()  # both rotated together: transformers' arithmetic
+        cos, sin = (t[:, None, None].float() for t in rotary)
+        q, k = (qk * cos + rotate_half(qk) * sin).to(q.dtype).unbind(1)
     start = 0
     for n in lengths:
         rows = slice(start, start + n)

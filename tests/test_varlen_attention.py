@@ -62,3 +62,22 @@ def test_bad_shapes_are_named():
         ext.varlen_attention_cpu(q.bfloat16(), q, q, q.clone(), torch.tensor([0, 10]), 1.0)
     with pytest.raises(RuntimeError, match="from 0 to T"):
         ext.varlen_attention_cpu(q, q, q, q.clone(), torch.tensor([0, 9]), 1.0)
+
+
+def test_rotary_positions_are_applied_to_queries_and_keys():
+    """cos, sin [T, D] per token (a vision tower's 2D positions) turn q and k as transformers does
+    (x cos + rotate_half(x) sin) before the scores: the same answer as rotating first, on the kernel's path
+    and torch's."""
+    from sluice.kernels.elementwise import rotate_half
+
+    torch.manual_seed(2)
+    lengths, heads, dim = [7, 70, 1], 4, 32
+    q, k, v = torch.randn(3, sum(lengths), heads, dim).unbind(0)
+    angles = torch.rand(sum(lengths), dim // 2) * 6
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    c, s = cos[:, None].double(), sin[:, None].double()
+    turned = [t.double() * c + rotate_half(t.double()) * s for t in (q, k)]
+    want = reference(*turned, v, lengths, dim**-0.5)
+    got = varlen_attention.varlen_attention(q, k, v, lengths, dim**-0.5, rotary=(cos, sin))
+    torch.testing.assert_close(got.double(), want, atol=4e-6, rtol=0)
+    assert (reference(q, k, v, lengths, dim**-0.5) - want).abs().max() > 1e-2  # the rotation mattered

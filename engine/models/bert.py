@@ -22,8 +22,7 @@ from torch import nn
 
 from sluice.kernels.linear import linear as kernel_linear
 from sluice.kernels.linear import onednn_serves, residual_linear
-from sluice.kernels.varlen_attention import varlen_serves
-from sluice.kernels.varlen_attention import varlen_attention
+from sluice.kernels.varlen_attention import varlen_attention, varlen_serves
 
 # architecture: (family, head); family "roberta" counts positions from padding_idx + 1.
 ENCODER_ARCHITECTURES = {

@@ -19,7 +19,6 @@ from sluice.engine.models.llama import LlamaModel, ModelConfig
 from sluice.engine.multimodal.encoder_cache import EncoderCache
 from sluice.engine.multimodal.image_patches import compute_all
 from sluice.engine.multimodal.inputs import step_positions
-from sluice.kernels.elementwise import rotate_half
 from sluice.kernels.linear import Linear
 from sluice.kernels.varlen_attention import varlen_attention
 
@@ -37,11 +36,8 @@ class VisionAttention(nn.Module):
                 lengths: list[int]) -> torch.Tensor:
         """x [N, dim] of images laid end to end (`lengths` patches each)."""
         n = x.shape[0]
-        qkv = self.qkv(x).view(n, 3, self.num_heads, -1)
-        qk = qkv[:, :2].float()  # queries and keys rotated together: HF's arithmetic, half the passes
-        cos, sin = cos[:, None, None].float(), sin[:, None, None].float()
-        q, k = (qk * cos + rotate_half(qk) * sin).to(qkv.dtype).unbind(1)
-        out = varlen_attention(q, k, qkv[:, 2], lengths, self.head_dim**-0.5)
+        q, k, v = self.qkv(x).view(n, 3, self.num_heads, -1).unbind(1)
+        out = varlen_attention(q, k, v, lengths, self.head_dim**-0.5, rotary=(cos, sin))
         return self.proj(out.view(n, -1))
 
 

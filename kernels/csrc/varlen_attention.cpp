@@ -4,7 +4,9 @@
 // sequence into [D][n] once (kept while its next unit is the same head of the same sequence), so the scores of
 // kRows query rows against a vector of keys are broadcast FMAs with no reductions; the rows' scores over all n
 // keys sit in L2, take the exact softmax (max, exp, sum) and weigh the value rows, kRows rows sharing each
-// value load. Units are shared among the threads by their cost (rows x keys).
+// value load. Units are shared among the threads by their cost (rows x keys). Rotary positions (a vision
+// tower's: cos and sin per token, the same for every head) are applied to q and k as they are read:
+// x cos + rotate_half(x) sin, rotate_half(x) = (-x2, x1) of x's halves.
 #pragma once
 #include "paged_attention.cpp"
 
@@ -24,6 +26,26 @@ struct Heads {  // a [T, H, D] tensor's rows: token t, head h at base + t * stri
   const float* at(int64_t t, int64_t h) const { return base + t * stride + h * D; }
 };
 
+struct Rotary {  // cos and sin [T, D] (null: none)
+  const float* cos;
+  const float* sin;
+};
+
+// dst[d] = src[d] * scale, rotated first where r has positions (token t's).
+static inline void read_row(const float* src, const Rotary& r, int64_t t, int64_t D, float scale, float* dst,
+                            int64_t dst_stride) {
+  if (!r.cos) {
+    for (int64_t d = 0; d < D; ++d) dst[d * dst_stride] = src[d] * scale;
+    return;
+  }
+  const float *c = r.cos + t * D, *s = r.sin + t * D;
+  const int64_t half = D / 2;
+  for (int64_t d = 0; d < D; ++d) {
+    const float turned = d < half ? -src[d + half] : src[d - half];
+    dst[d * dst_stride] = (src[d] * c[d] + turned * s[d]) * scale;
+  }
+}
+
 struct Scratch {
   std::vector<float> kt, s, q;
   int64_t t0 = -1, h = -1;  // whose keys kt holds
@@ -32,13 +54,10 @@ struct Scratch {
 static inline int64_t padded(int64_t n) { return (n + 2 * kW - 1) / (2 * kW) * (2 * kW); }
 
 // kt [D][np] = head h's keys of tokens [t0, t0 + n), zero past n.
-static void transpose_keys(const Heads& k, int64_t t0, int64_t n, int64_t h, Scratch& sc) {
+static void transpose_keys(const Heads& k, const Rotary& rot, int64_t t0, int64_t n, int64_t h, Scratch& sc) {
   const int64_t np = padded(n), D = k.D;
   sc.kt.assign(D * np, 0.f);
-  for (int64_t j = 0; j < n; ++j) {
-    const float* row = k.at(t0 + j, h);
-    for (int64_t d = 0; d < D; ++d) sc.kt[d * np + j] = row[d];
-  }
+  for (int64_t j = 0; j < n; ++j) read_row(k.at(t0 + j, h), rot, t0 + j, D, 1.f, sc.kt.data() + j, np);
   sc.t0 = t0, sc.h = h;
 }
 
@@ -96,18 +115,25 @@ static void weigh_values(const float* s, int64_t np, int64_t n, const Heads& v, 
 }
 
 // R query rows starting at token t0 + i of the sequence [t0, t0 + n), head h, into out.
+struct Job {  // what a unit's rows read and write
+  Heads q, v;
+  Rotary rot;
+  float* out;
+  int64_t ostride;
+  float scale;
+};
+
 template <int R>
-static void attend_rows(const Heads& q, const Heads& v, float* o, int64_t ostride, int64_t t0, int64_t n,
-                        int64_t i, int64_t h, float scale, Scratch& sc) {
+static void attend_rows(const Job& jb, int64_t t0, int64_t n, int64_t i, int64_t h, Scratch& sc) {
+  const Heads &q = jb.q, &v = jb.v;
   const int64_t np = padded(n), D = q.D;
   sc.q.resize(R * D);
   sc.s.resize(R * np);
   float* out[R];
   float inv[R];
   for (int r = 0; r < R; ++r) {
-    const float* row = q.at(t0 + i + r, h);
-    for (int64_t d = 0; d < D; ++d) sc.q[r * D + d] = row[d] * scale;
-    out[r] = o + (t0 + i + r) * ostride + h * D;
+    read_row(q.at(t0 + i + r, h), jb.rot, t0 + i + r, D, jb.scale, sc.q.data() + r * D, 1);
+    out[r] = jb.out + (t0 + i + r) * jb.ostride + h * D;
   }
   score_rows<R>(sc.q.data(), sc.kt.data(), np, D, sc.s.data());
   for (int r = 0; r < R; ++r) inv[r] = 1.f / softmax_row(sc.s.data() + r * np, n, np);
@@ -117,12 +143,11 @@ static void attend_rows(const Heads& q, const Heads& v, float* o, int64_t ostrid
 }
 
 template <int R>
-static void attend_block(const Heads& q, const Heads& v, float* o, int64_t ostride, int64_t t0, int64_t n,
-                         int64_t i0, int64_t i1, int64_t h, float scale, Scratch& sc) {
+static void attend_block(const Job& jb, int64_t t0, int64_t n, int64_t i0, int64_t i1, int64_t h, Scratch& sc) {
   int64_t i = i0;
-  for (; i + R <= i1; i += R) attend_rows<R>(q, v, o, ostride, t0, n, i, h, scale, sc);
+  for (; i + R <= i1; i += R) attend_rows<R>(jb, t0, n, i, h, sc);
   if constexpr (R > 1) {
-    if (i < i1) attend_block<R / 2>(q, v, o, ostride, t0, n, i, i1, h, scale, sc);
+    if (i < i1) attend_block<R / 2>(jb, t0, n, i, i1, h, sc);
   }
 }
 
@@ -133,9 +158,11 @@ struct Unit {
 }  // namespace varlen
 
 // out [T, H, D] (row stride out.stride(0)) = softmax(q kᵀ * scale) v within each sequence [cu[s], cu[s + 1]);
-// q, k, v: [T, H, D] fp32 views whose heads lie D apart and whose rows may be strided (a fused qkv's thirds).
+// q, k, v: [T, H, D] fp32 views whose heads lie D apart and whose rows may be strided (a fused qkv's thirds);
+// cos, sin: [T, D] rotary positions applied to q and k, or none.
 void varlen_attention_cpu(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out,
-                          torch::Tensor cu_seqlens, double scale) {
+                          torch::Tensor cu_seqlens, double scale, std::optional<torch::Tensor> cos,
+                          std::optional<torch::Tensor> sin) {
   using varlen::Heads, varlen::kQBlock, varlen::kRows, varlen::kW, varlen::padded;
   for (const torch::Tensor* t : {&q, &k, &v, &out}) {
     TORCH_CHECK(t->dim() == 3 && t->scalar_type() == at::kFloat, "q, k, v, out: [T, H, D] float32");
@@ -147,10 +174,17 @@ void varlen_attention_cpu(torch::Tensor q, torch::Tensor k, torch::Tensor v, tor
   TORCH_CHECK(D % kW == 0, "head dim must be a multiple of ", kW);
   const int64_t* cu = cu_seqlens.data_ptr<int64_t>();
   TORCH_CHECK(S >= 0 && cu[0] == 0 && cu[S] == q.size(0), "cu_seqlens must run from 0 to T");
-  const Heads hq{q.data_ptr<float>(), q.stride(0), D}, hk{k.data_ptr<float>(), k.stride(0), D},
-      hv{v.data_ptr<float>(), v.stride(0), D};
-  float* o = out.data_ptr<float>();
-  const int64_t ostride = out.stride(0);
+  TORCH_CHECK(cos.has_value() == sin.has_value(), "rotary positions need both cos and sin");
+  varlen::Rotary rot{nullptr, nullptr};
+  if (cos) {
+    for (const torch::Tensor* t : {&*cos, &*sin})
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == q.size(0)
+                      && t->size(1) == D && D % 2 == 0, "cos, sin: [T, D] float32, contiguous, D even");
+    rot = {cos->data_ptr<float>(), sin->data_ptr<float>()};
+  }
+  const Heads hk{k.data_ptr<float>(), k.stride(0), D};
+  const varlen::Job jb{{q.data_ptr<float>(), q.stride(0), D}, {v.data_ptr<float>(), v.stride(0), D}, rot,
+                       out.data_ptr<float>(), out.stride(0), static_cast<float>(scale)};
   std::vector<varlen::Unit> units;
   std::vector<double> cost;
   for (int64_t s = 0; s < S; ++s) {
@@ -162,17 +196,19 @@ void varlen_attention_cpu(torch::Tensor q, torch::Tensor k, torch::Tensor v, tor
         cost.push_back(double(std::min(n, i + kQBlock) - i) * double(padded(n) + D));
       }
   }
-  const float sc = static_cast<float>(scale);
   balanced<varlen::Scratch>(cost, [&](size_t x, varlen::Scratch& scratch) {
     const varlen::Unit& u = units[x];
-    if (scratch.t0 != u.t0 || scratch.h != u.h) varlen::transpose_keys(hk, u.t0, u.n, u.h, scratch);
-    varlen::attend_block<kRows>(hq, hv, o, ostride, u.t0, u.n, u.i0, u.i1, u.h, sc, scratch);
+    if (scratch.t0 != u.t0 || scratch.h != u.h) varlen::transpose_keys(hk, rot, u.t0, u.n, u.h, scratch);
+    varlen::attend_block<kRows>(jb, u.t0, u.n, u.i0, u.i1, u.h, scratch);
   });
 }
 
 // This file's Python functions, on the module `m` (cpu_kernels.cpp's submodule "varlen_attention").
 inline void bind_varlen_attention(py::module_& m) {
   m.def("varlen_attention_cpu", &varlen_attention_cpu,
-        "Bidirectional fp32 attention within each of the sequences laid back to back (no padding, no mask)");
+        "Bidirectional fp32 attention within each of the sequences laid back to back (no padding, no mask), "
+        "rotary positions applied to q and k where cos and sin are given",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("cu_seqlens"), py::arg("scale"),
+        py::arg("cos") = py::none(), py::arg("sin") = py::none());
   m.attr("HEAD_DIM_MULTIPLE") = varlen::kW;
 }
