@@ -114,7 +114,6 @@ static void weigh_values(const float* s, int64_t np, int64_t n, const Heads& v, 
     for (int c = 0; c < NV; ++c) (acc[r][c] * Vec(inv[r])).store(out[r] + d0 + c * kW);
 }
 
-// R query rows starting at token t0 + i of the sequence [t0, t0 + n), head h, into out.
 struct Job {  // what a unit's rows read and write
   Heads q, v;
   Rotary rot;
@@ -123,6 +122,7 @@ struct Job {  // what a unit's rows read and write
   float scale;
 };
 
+// R query rows starting at token t0 + i of the sequence [t0, t0 + n), head h, into jb.out.
 template <int R>
 static void attend_rows(const Job& jb, int64_t t0, int64_t n, int64_t i, int64_t h, Scratch& sc) {
   const Heads &q = jb.q, &v = jb.v;
