@@ -65,11 +65,11 @@ def images(n: int, seed: int = 0) -> list[Image.Image]:
     return out
 
 
-def hf_model(path: Path):
+def hf_model(path: Path, dtype: str = "float32"):
     """transformers' Qwen2-VL, its image processor and tokenizer, loaded once outside the timed runs."""
     from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLForConditionalGeneration
 
-    model = Qwen2VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    model = Qwen2VLForConditionalGeneration.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
     return model, AutoImageProcessor.from_pretrained(path), AutoTokenizer.from_pretrained(path)
 
 
@@ -140,15 +140,17 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--hf-batch", type=int, default=16)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="both sides' dtype (bfloat16: greedy outputs may part where the two round apart)")
     args = p.parse_args()
     torch.manual_seed(0)
     path = checkpoint()
     imgs = images(args.images)
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
     reqs = [{"prompt": PROMPT, "multi_modal_data": {"image": im}} for im in imgs]
-    hf, times, equal = hf_model(path), {"hf": [], "ours": []}, []
+    hf, times, equal = hf_model(path, args.dtype), {"hf": [], "ours": []}, []
     for _ in range(args.rounds):  # alternated; a fresh engine each round (its caches start empty)
-        llm = LLM(str(path), dtype="float32", device="cpu")
+        llm = LLM(str(path), dtype=args.dtype, device="cpu")
         t = time.perf_counter()
         ref = hf_generate(hf, imgs, args.new_tokens, args.hf_batch)
         times["hf"].append(time.perf_counter() - t)
@@ -156,6 +158,8 @@ def main() -> None:
         outs = llm.generate(reqs, params, progress=False)
         times["ours"].append(time.perf_counter() - t)
         equal.append(sum(o.token_ids == r for o, r in zip(outs, ref, strict=True)))
+        parted = [next(i for i, (a, b) in enumerate(zip(o.token_ids, r, strict=True)) if a != b)
+                  for o, r in zip(outs, ref, strict=True) if o.token_ids != r]
     hf_s, ours_s = statistics.median(times["hf"]), statistics.median(times["ours"])
     ratio = statistics.median(h / o for h, o in zip(times["hf"], times["ours"], strict=True))
     tokens = sum(len(o.prompt_token_ids) for o in outs)
@@ -163,7 +167,8 @@ def main() -> None:
     print(f"| transformers generate, static batches of {args.hf_batch} | {hf_s:.1f} | "
           f"{len(imgs) / hf_s:.2f} | - |")
     print(f"| sluice engine | {ours_s:.1f} | {len(imgs) / ours_s:.2f} | {min(equal)}/{len(imgs)} |")
-    print(f"speed-up (median of the rounds' own) {ratio:.2f}x; prompt tokens {tokens}")
+    print(f"speed-up (median of the rounds' own) {ratio:.2f}x; prompt tokens {tokens}; "
+          f"{args.dtype}; last round's unequal outputs part at new token {sorted(parted)}")
     prefill_table(path, imgs, args.rounds)
 
 

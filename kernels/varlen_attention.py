@@ -1,9 +1,9 @@
 """Bidirectional attention of unpadded sequences laid back to back (an encoder's step, a vision tower's
 images): each token attends every token of its own sequence.
 
-fp32 on CPU runs csrc/varlen_attention.cpp (no padding, no mask, the keys transposed once per head so scores
-are broadcast FMAs; docs/benchmarks.md); elsewhere, or where the head dim does not fit its vectors, torch's
-SDPA runs once per sequence.
+On CPU (fp32, bf16, fp16) csrc/varlen_attention.cpp runs it: no padding, no mask, the keys transposed once per
+head so scores are broadcast FMAs, fp32 arithmetic throughout (docs/benchmarks.md); elsewhere, or where the
+head dim does not fit its vectors, torch's SDPA runs once per sequence.
 """
 
 from __future__ import annotations
@@ -14,15 +14,17 @@ import torch.nn.functional as F
 from sluice.kernels import cpp_build
 from sluice.kernels.elementwise import rotate_half
 
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
 
 def _build():
     return cpp_build.part("varlen_attention")
 
 
 def varlen_serves(q: torch.Tensor) -> bool:
-    """Whether q [T, H, D] goes through the C++ kernel: fp32 on CPU, D a multiple of its vector width, and
-    built."""
-    if q.dtype is not torch.float32 or q.device.type != "cpu" or not cpp_build.enabled():
+    """Whether q [T, H, D] goes through the C++ kernel: fp32, bf16 or fp16 on CPU, D a multiple of its vector
+    width, and built."""
+    if q.dtype not in KERNEL_DTYPES or q.device.type != "cpu" or not cpp_build.enabled():
         return False
     ext = _build()
     return ext is not None and q.shape[-1] % ext.HEAD_DIM_MULTIPLE == 0

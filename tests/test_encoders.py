@@ -289,3 +289,20 @@ def test_steps_write_their_activations_into_buffers_kept_from_step_to_step(encod
     for out in again:
         want = torch.nn.functional.normalize(hf_pooled(path, out.prompt_token_ids, "mean"), dim=0)
         torch.testing.assert_close(torch.tensor(out.embedding), want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_bf16_encoder_is_as_near_the_fp32_reference_as_transformers_in_bf16(encoders):
+    """bf16 encoders attend through the varlen kernel too (fp32 sums, bf16 in and out): each embedding's
+    cosine to transformers' fp32 one at least that of transformers' own bf16 model, less 1e-4."""
+    from transformers import AutoModel
+
+    path = sentence_transformers_files(encoders("bert"), "pooling_mode_mean_tokens")
+    llm = LLM(str(path), dtype="bfloat16", device="cpu", max_num_batched_tokens=40, max_model_len=48)
+    hf16 = AutoModel.from_pretrained(path, dtype=torch.bfloat16).eval()
+    for out in llm.embed(TEXTS, progress=False):
+        want = torch.nn.functional.normalize(hf_pooled(path, out.prompt_token_ids, "mean"), dim=0)
+        with torch.no_grad():
+            theirs = hf16(input_ids=torch.tensor([out.prompt_token_ids])).last_hidden_state[0].float().mean(0)
+        cos = torch.nn.functional.cosine_similarity
+        their_cos = float(cos(theirs, want, dim=0))
+        assert float(cos(torch.tensor(out.embedding), want, dim=0)) >= min(their_cos, 0.9999) - 1e-4

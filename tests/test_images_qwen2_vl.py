@@ -257,3 +257,23 @@ def test_an_image_the_processor_prepares_encodes_with_others_in_one_step(llm, qw
     reqs = [{"prompt": prompt("compare", 2), "multi_modal_data": {"image": [keyed, noise_image(84, 56, 16)]}}]
     assert [o.token_ids for o in llm.generate(reqs, GREEDY, progress=False)] == hf_greedy(qwen2_vl, hf_model,
                                                                                           llm, reqs)
+
+
+def test_a_bf16_vision_tower_is_as_near_the_fp32_one_as_transformers_bf16_tower(qwen2_vl, hf_model, llm):
+    """In bf16 the tower's attention runs the varlen kernel (fp32 sums, bf16 in and out): its output is as
+    close to the fp32 tower's as transformers' own bf16 tower is (within 1.5x of its error)."""
+    import copy
+
+    images = [noise_image(112, 84, 6), noise_image(70, 140, 7)]
+    ids, mm = llm.engine.intake._multimodal({"prompt": prompt("compare", 2),
+                                             "multi_modal_data": {"image": images}})
+    inputs = hf_inputs(qwen2_vl, hf_model, ids, images)
+    pixels, grids = torch.cat([i.pixel_values for i in mm.items]), [i.grid_thw for i in mm.items]
+    with torch.no_grad():
+        ref = llm.engine.model.visual(pixels, grids)
+        ours = copy.deepcopy(llm.engine.model.visual).to(torch.bfloat16)(pixels, grids)
+        theirs = copy.deepcopy(hf_model.model.visual).to(torch.bfloat16)(
+            inputs["pixel_values"].bfloat16(), grid_thw=inputs["image_grid_thw"]).pooler_output
+    assert ours.dtype is torch.bfloat16
+    ours_err, their_err = ((x.float() - ref).abs().max() for x in (ours, theirs))
+    assert 0 < ours_err <= 1.5 * their_err + 1e-3

@@ -165,7 +165,7 @@ class AttentionPlan:
         hidden = qkv.shape[1] // 3
         out = qkv.new_empty(qkv.shape[0], hidden) if out is None else out
         q, k, v = qkv.view(len(qkv), 3, num_heads, -1).unbind(1)
-        if varlen_serves(q):  # fp32 on CPU: no padding at all (kernels.varlen_attention)
+        if varlen_serves(q):  # on CPU: no padding at all (kernels.varlen_attention)
             varlen_attention(q, k, v, self.lens, scale, out.view(len(qkv), num_heads, -1))
             return out
         for g in self.groups:
