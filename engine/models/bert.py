@@ -120,7 +120,8 @@ class PaddedGroup:
 
 class AttentionPlan:
     """Bidirectional attention of one step's sequences, sorted by length and back to back in the flat batch:
-    consecutive sequences of similar length share one attention call, padded with a key mask."""
+    on CPU one call of kernels.varlen_attention, unpadded; elsewhere consecutive sequences of similar length
+    share one SDPA call, padded with a key mask."""
 
     def __init__(self, lens: list[int], device: torch.device) -> None:
         assert lens == sorted(lens), "the sequences of a step come sorted by length"
