@@ -53,23 +53,26 @@ CPUINFO_NAMES = {"fma3": "fma", "avx512_f": "avx512f", "avx512_bw": "avx512bw", 
 @functools.cache
 def _cpu_flags() -> frozenset[str]:
     cpuid = _cpuid_flags()
+    listed = _cpuinfo("flags", "Features")
+    if listed is not None:
+        return confirmed(frozenset(listed.split()), cpuid)
+    return cpuid if cpuid is not None else frozenset()
+
+
+def _cpuinfo(*keys: str) -> str | None:
+    """The value of /proc/cpuinfo's first line that starts with one of keys; None where there is none."""
     info = Path("/proc/cpuinfo")
     if info.exists():
         for line in info.read_text(errors="replace").splitlines():
-            if line.startswith(("flags", "Features")):
-                return confirmed(frozenset(line.split(":", 1)[1].split()), cpuid)
-    return cpuid if cpuid is not None else frozenset()
+            if line.startswith(keys):
+                return line.split(":", 1)[1]
+    return None
 
 
 @functools.cache
 def cpu_vendor() -> str:
     """The CPU's vendor as /proc/cpuinfo names it ("GenuineIntel", "AuthenticAMD"), "" where it does not."""
-    info = Path("/proc/cpuinfo")
-    if info.exists():
-        for line in info.read_text(errors="replace").splitlines():
-            if line.startswith("vendor_id"):
-                return line.split(":", 1)[1].strip()
-    return ""
+    return (_cpuinfo("vendor_id") or "").strip()
 
 
 _KNOWN = frozenset(f for names in REQUIRED.values() for f in names) | {"avx512cd"}

@@ -219,6 +219,15 @@ def onednn_serves(rows: torch.Tensor, weight: torch.Tensor) -> bool:
             and not torch.is_grad_enabled())
 
 
+def linear_into(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                out: torch.Tensor) -> torch.Tensor:
+    """x [n, in] · weight [out, in]ᵀ + bias: oneDNN's matmul where it serves (a new tensor), else into
+    `out`."""
+    if onednn_serves(x, weight):
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return torch.addmm(bias, x, weight.t(), out=out)
+
+
 def residual_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor,
                     out: torch.Tensor) -> torch.Tensor:
     """residual + x [n, in] · weight [out, in]ᵀ + bias: oneDNN's matmul with the sum fused where it serves

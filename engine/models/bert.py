@@ -12,7 +12,7 @@ the residual are summed first and each output projection's GEMM adds its product
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import partial
+from functools import cached_property, partial
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sluice.kernels.linear import linear as kernel_linear
-from sluice.kernels.linear import onednn_serves, residual_linear
+from sluice.kernels.linear import linear_into, residual_linear
 from sluice.kernels.varlen_attention import varlen_attention, varlen_serves
 
 # architecture: (family, head); family "roberta" counts positions from padding_idx + 1.
@@ -125,14 +124,17 @@ class AttentionPlan:
 
     def __init__(self, lens: list[int], device: torch.device) -> None:
         assert lens == sorted(lens), "the sequences of a step come sorted by length"
-        self.groups: list[PaddedGroup] = []
-        self.lens = lens
+        self.lens, self.device = lens, device
+
+    @cached_property
+    def groups(self) -> list[PaddedGroup]:
+        """The padded SDPA calls, made on first use (the unpadded kernel needs none)."""
+        groups: list[PaddedGroup] = []
         start = 0
-        for lo, hi in self._cut(lens):
-            group = self._group(start, lens[lo:hi], device)
-            self.groups.append(group)
-            start += group.num_tokens
-        self.num_tokens = start
+        for lo, hi in self._cut(self.lens):
+            groups.append(self._group(start, self.lens[lo:hi], self.device))
+            start += groups[-1].num_tokens
+        return groups
 
     @staticmethod
     def _cut(lens: list[int]) -> list[tuple[int, int]]:
@@ -221,10 +223,8 @@ class EncoderLayer(nn.Module):
 
 
 def _linear(linear: nn.Linear, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """linear(x): into out, or a new tensor where oneDNN's fp32 matmul serves (kernels.linear)."""
-    if onednn_serves(x, linear.weight):
-        return kernel_linear(x, linear.weight, linear.bias)
-    return torch.addmm(linear.bias, x, linear.weight.t(), out=out)
+    """linear(x) (into out where torch's BLAS multiplies: kernels.linear.linear_into)."""
+    return linear_into(x, linear.weight, linear.bias, out)
 
 
 def _residual(linear: nn.Linear, x: torch.Tensor, residual: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
